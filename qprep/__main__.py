@@ -1,0 +1,3 @@
+from qprep.cli import main
+
+raise SystemExit(main())

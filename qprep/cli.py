@@ -1,0 +1,146 @@
+"""Command line: argument parsing only; everything else is the library.
+
+Exit codes: 0 ok, 1 accuracy gate missed, 2 usage/config/input error, 3 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from qprep import __version__
+from qprep.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qprep", description="Prepare ONNX models for INT8 deployment (ONNX Runtime, RKNN, FP16) and "
+                                  "report the accuracy lost against the float model.")
+    parser.add_argument("--version", action="version", version=f"qprep {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a config's pipeline on one model",
+                         description="Run the stages a YAML config lists and write a run directory "
+                                     "(model.onnx, report.json/md, manifest.json, qprep.log).")
+    run.add_argument("config", help="YAML config file")
+    run.add_argument("--model", help="input model (overrides `model:`; relative to the current directory)")
+    run.add_argument("--out", help="run directory (overrides `output_dir:`)")
+    run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. calibration.max_samples=16 or pipeline.quantize.backend=ort")
+    run.add_argument("--force", action="store_true", help="replace a previous run in a non-empty run directory")
+    run.add_argument("--strict", action="store_true", help="exit 2 when any rewrite was rolled back")
+    _common(run)
+
+    validate = sub.add_parser("validate", help="check a config (keys, types, files) without running it")
+    validate.add_argument("config")
+    validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    _common(validate)
+
+    inspect = sub.add_parser("inspect", help="describe a model: kind, inputs/outputs, op histogram, opsets")
+    inspect.add_argument("model")
+    inspect.add_argument("--json", action="store_true", help="print JSON for machines")
+    _common(inspect)
+
+    config = sub.add_parser("config", help="show the config reference")
+    config.add_argument("--schema", action="store_true", help="every key with its type, default and meaning")
+    _common(config)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return COMMANDS[args.command](args)
+    except QprepError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"qprep: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("qprep: interrupted; files already written are complete, nothing half-written was left",
+              file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI is the last place to turn a bug into a clear line
+        if args.debug:
+            traceback.print_exc()
+        print(f"qprep: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+              "(rerun with --debug for the traceback and please report it)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _overrides(args) -> dict:
+    from qprep.config import parse_set
+
+    overrides = dict(parse_set(s) for s in args.sets)
+    for flag, key in (("model", "model"), ("out", "output_dir")):
+        value = getattr(args, flag, None)
+        if value:
+            overrides[key] = str(Path(value).resolve())
+    return overrides
+
+
+def cmd_run(args) -> int:
+    from qprep.config import load_config
+    from qprep.pipeline import execute
+
+    config = load_config(args.config, _overrides(args))
+    report = execute(config, force=args.force, quiet=args.quiet)
+    rolled_back = [s["name"] for s in report["stages"] if s.get("rolled_back")]
+    if not args.quiet:
+        print(f"qprep: {report['status']}: {report['result']['path']} in {report['run_dir']} "
+              f"({report['model']['nodes']} → {report['result']['nodes']} nodes, {report['seconds']:.1f} s)")
+    if args.strict and rolled_back:
+        print(f"qprep: error: --strict: rewrites were rolled back in {', '.join(rolled_back)} (see report.md)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def cmd_validate(args) -> int:
+    from qprep.config import load_config
+
+    config = load_config(args.config, _overrides(args))
+    if not Path(config["model"]).is_file():
+        raise QprepError(f"model: file not found: {config['model']}")
+    calibration = config["calibration"]
+    if calibration and not Path(calibration["source"]).is_dir():
+        raise QprepError(f"calibration.source: folder not found: {calibration['source']}")
+    stages = ", ".join(name for name, _ in config.stages) or "no stages"
+    if not args.quiet:
+        print(f"qprep: {args.config} is valid ({stages})")
+    return EXIT_OK
+
+
+def cmd_inspect(args) -> int:
+    from qprep.inspect_model import inspect_model, render_inspection
+
+    info = inspect_model(args.model)
+    print(json.dumps(info, indent=2) if args.json else render_inspection(info))
+    return EXIT_OK
+
+
+def cmd_config(args) -> int:
+    from qprep.config import SCHEMA
+    from qprep.schema import reference
+    from qprep.stages import registry
+
+    lines = ["# qprep config keys", ""] + reference(SCHEMA)
+    for name, stage in sorted(registry().items()):
+        lines += ["", f"# stage `{name}`: {stage.summary}"] + reference(stage.options, f"pipeline[].{name}")
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "config": cmd_config}

@@ -1,0 +1,223 @@
+"""The qprep YAML config: its schema, loading (safe YAML), `--set` overrides and validation.
+
+Everything is validated before any work starts; errors name the key path and the closest valid key.
+Relative paths in the file resolve against the config file's folder; paths given on the command line
+(`--model`, `--out`, `--set` on a path key) resolve against the current directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qprep.errors import ConfigError
+from qprep.schema import Key, closest, section, unknown_key_message, validate
+from qprep.stages import registry
+
+
+def data_source(doc: str) -> Key:
+    return section(
+        doc,
+        nullable=True,
+        source=Key("path", required=True, doc="folder of .npy/.npz samples or images"),
+        format=Key("str", default="auto", choices=("auto", "npy", "npz", "images"),
+                   doc="sample format; auto picks it from the files in the folder"),
+        max_samples=Key("int", default=64, minimum=1, doc="cap on samples used (fewer files is a warning)"),
+        seed=Key("int", default=0, doc="seed for choosing samples when the folder holds more than max_samples"),
+        preprocess=section(
+            "image preprocessing (images format only); the model's input size is taken from the model",
+            mean=Key("list", item=Key("float"), doc="per-channel mean in 0..255 pixel units: (x - mean) / std"),
+            std=Key("list", item=Key("float"), doc="per-channel std in 0..255 pixel units"),
+            channel_order=Key("str", default="rgb", choices=("rgb", "bgr"), doc="channel order the model expects"),
+            layout=Key("str", default="auto", choices=("auto", "nchw", "nhwc"),
+                       doc="input layout; auto reads it from the model's input shape"),
+            resize=Key("str", default="stretch", choices=("stretch", "center_crop", "none"),
+                       doc="how images are brought to the model's input size"),
+        ),
+    )
+
+
+SCHEMA = section(
+    model=Key("path", required=True, doc="the input ONNX model (never written to)"),
+    inputs=Key("mapping", item=Key("list", item=Key("int", minimum=1)),
+               doc="fix input dims, e.g. {x: [1, 3, 48, 320]}"),
+    output_dir=Key("path", doc="run directory (or --out); a non-empty one is refused without --force"),
+    calibration=data_source("calibration data (also the samples every rewrite is verified on)"),
+    verify=section(
+        "numerical verification of every transform against the model before it",
+        atol=Key("float", default=1e-5, minimum=0, doc="absolute tolerance: |a-b| <= atol + rtol*|a|"),
+        rtol=Key("float", default=1e-4, minimum=0, doc="relative tolerance"),
+        min_cosine=Key("float", default=0.99999, minimum=-1, doc="minimum cosine per output and sample"),
+        max_samples=Key("int", default=8, minimum=1, doc="samples used to verify each rewrite"),
+    ),
+    threads=Key("int", default=2, minimum=1, doc="ONNX Runtime intra-op threads for every session"),
+    save_stage_models=Key("bool", default=False, doc="also write the model after each stage"),
+    pipeline=Key("any", default=[], doc="ordered stages, each `- <stage>: {options}` (see the stage keys below)"),
+)
+
+
+@dataclass
+class Config:
+    """A validated config: normalized values (defaults filled, absolute paths) and the ordered stages."""
+
+    values: dict
+    stages: list[tuple[str, dict]]
+    path: Path | None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def resolved(self) -> dict:
+        """The full config as it runs (for the manifest and report)."""
+        return {**self.values, "pipeline": [{name: opts} for name, opts in self.stages]}
+
+
+def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | None = None,
+                cwd: Path | None = None) -> Config:
+    """Read (YAML file or dict), apply overrides (`{"a.b": value}`), validate. Raises ConfigError."""
+    if isinstance(source, dict):
+        raw, path, base = copy.deepcopy(source), None, Path.cwd()
+    else:
+        path = Path(source)
+        raw, base = _read_yaml(path), path.resolve().parent
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys (model:, pipeline:, …)")
+    for key_path, value in (overrides or {}).items():
+        set_key(raw, key_path, value, cwd=cwd or Path.cwd())
+    values = validate(raw, SCHEMA, "", base)
+    stages = _validate_pipeline(values.pop("pipeline"), base)
+    return Config(values=values, stages=stages, path=path)
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+
+
+def _validate_pipeline(items: Any, base: Path) -> list[tuple[str, dict]]:
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise ConfigError("pipeline: expected a list of stages, e.g. `- optimize: {}`")
+    stages = registry()
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            item = {item: None}
+        if not isinstance(item, dict) or len(item) != 1:
+            raise ConfigError(f"pipeline[{i}]: each stage is a one-key mapping `- <stage>: {{options}}`")
+        (name, options), = item.items()
+        if name not in stages:
+            guess = closest(str(name), stages)
+            hint = f"did you mean '{guess}'?" if guess else f"stages: {', '.join(sorted(stages)) or '(none yet)'}"
+            raise ConfigError(f"pipeline[{i}]: unknown stage '{name}'; {hint}")
+        out.append((name, validate(options, stages[name].options, f"pipeline[{i}].{name}", base)))
+    return out
+
+
+_TOKEN = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _tokens(key_path: str) -> list[str | int]:
+    tokens: list[str | int] = []
+    pos = 0
+    for match in _TOKEN.finditer(key_path):
+        if match.start() != pos and key_path[pos:match.start()] != ".":
+            break
+        tokens.append(match.group(1) if match.group(1) is not None else int(match.group(2)))
+        pos = match.end()
+    if not tokens or pos != len(key_path):
+        raise ConfigError(f"--set {key_path}: not a key path (use a.b.c, pipeline[2].quantize.x or pipeline.quantize.x)")
+    return tokens
+
+
+def parse_set(assignment: str) -> tuple[str, Any]:
+    """`key.path=value` → (path, YAML-parsed value); `x=[1, 2]` gives a list, `x=true` a bool."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment}: expected key.path=value")
+    key, text = assignment.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+def set_key(raw: dict, key_path: str, value: Any, cwd: Path) -> None:
+    """Apply one override to the raw config; `pipeline.<stage>.x` means the (single) stage of that name.
+
+    Unknown keys are left for validation to report; a relative value for a path key resolves against `cwd`.
+    """
+    tokens = _tokens(key_path)
+    if len(tokens) >= 2 and tokens[0] == "pipeline" and isinstance(tokens[1], str):
+        tokens.insert(1, _stage_index(raw.setdefault("pipeline", []), tokens[1], key_path))
+    key = _schema_at(tokens)
+    if key is not None and key.kind == "path" and isinstance(value, str):
+        value = str((cwd / Path(value).expanduser()).resolve())
+    node: Any = raw
+    for token, following in zip(tokens, tokens[1:]):
+        if isinstance(token, int):
+            if not isinstance(node, list) or token >= len(node):
+                raise ConfigError(f"--set {key_path}: there is no item [{token}] at that point")
+            if isinstance(node[token], str):  # `- optimize` shorthand for `- optimize: {}`
+                node[token] = {node[token]: {}}
+            node = node[token]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key_path}: '{token}' is not inside a mapping")
+        if not isinstance(node.get(token), (dict, list)):
+            node[token] = [] if isinstance(following, int) else {}
+        node = node[token]
+    last = tokens[-1]
+    if isinstance(last, int):
+        if not isinstance(node, list) or last >= len(node):
+            raise ConfigError(f"--set {key_path}: there is no item [{last}] at that point")
+    elif not isinstance(node, dict):
+        raise ConfigError(f"--set {key_path}: '{last}' is not inside a mapping")
+    node[last] = value
+
+
+def _schema_at(tokens: list) -> Key | None:
+    """The schema Key a token path points to (None when unknown: validation will say so)."""
+    key: Key | None = SCHEMA
+    for i, token in enumerate(tokens):
+        if key is None:
+            return None
+        if tokens[:1] == ["pipeline"] and i == 2:
+            stage = registry().get(token)
+            key = stage.options if stage else None
+        elif isinstance(token, int):
+            key = key.item if tokens[:1] != ["pipeline"] else key
+        else:
+            key = key.fields.get(token) if key.kind == "section" else key.item
+    return key
+
+
+def _stage_index(items: list, name: str, key_path: str) -> int:
+    hits = [i for i, item in enumerate(items)
+            if (isinstance(item, dict) and name in item) or item == name]
+    if not hits:
+        names = [next(iter(item)) if isinstance(item, dict) else str(item) for item in items]
+        guess = closest(name, names)
+        hint = f"; did you mean '{guess}'?" if guess else f" (stages: {', '.join(names) or 'none'})"
+        raise ConfigError(f"--set {key_path}: the pipeline has no '{name}' stage{hint}")
+    if len(hits) > 1:
+        raise ConfigError(f"--set {key_path}: the pipeline has {len(hits)} '{name}' stages; "
+                          f"use pipeline[{hits[0]}].{name}… to pick one")
+    if isinstance(items[hits[0]], str):
+        items[hits[0]] = {name: {}}
+    return hits[0]

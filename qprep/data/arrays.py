@@ -1,0 +1,51 @@
+"""Array samples: `.npy` (single-input models) and `.npz` keyed by input name (any model)."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from qprep.errors import DataError
+from qprep.model_info import TensorSpec
+from qprep.schema import closest
+
+
+def read_array_sample(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    try:
+        if path.suffix.lower() == ".npy":
+            return _from_npy(path, inputs)
+        return _from_npz(path, inputs)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{path}: cannot read it as {path.suffix} ({str(exc).splitlines()[0][:200]})") from None
+
+
+def _from_npy(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    if len(inputs) != 1:
+        names = ", ".join(s.name for s in inputs)
+        raise DataError(f"{path.name}: .npy samples need a single-input model, this one has {len(inputs)} "
+                        f"({names}); store each sample as .npz keyed by input name")
+    array = np.load(path, allow_pickle=False)
+    return {inputs[0].name: _with_batch(array, inputs[0])}
+
+
+def _from_npz(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as npz:
+        keys = list(npz.keys())
+        sample = {}
+        for spec in inputs:
+            if spec.name not in keys:
+                guess = closest(spec.name, keys)
+                hint = f"; found '{guess}' — rename it" if guess else f" (keys: {', '.join(keys) or 'none'})"
+                raise DataError(f"{path.name}: no array named '{spec.name}' for the model's input{hint}")
+            sample[spec.name] = _with_batch(npz[spec.name], spec)
+    return sample
+
+
+def _with_batch(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """Accept a sample saved without its batch axis when the model's batch is 1 or dynamic."""
+    batch = spec.shape[0] if spec.shape else None
+    if spec.shape and array.ndim == len(spec.shape) - 1 and (batch == 1 or isinstance(batch, str)):
+        return array[np.newaxis]
+    return array

@@ -1,0 +1,119 @@
+"""Image folders as model inputs: decode, resize to the model's input size, normalize, lay out.
+
+Normalization uses RKNN's convention, (pixel - mean) / std with pixels in 0..255, so the same numbers can
+go to `RKNN.config(mean_values, std_values)` and become the deployed input contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qprep.errors import DataError
+from qprep.model_info import TensorSpec
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
+
+
+@dataclass
+class ImagePreprocess:
+    input: TensorSpec
+    layout: str  # nchw | nhwc
+    channels: int
+    size: tuple[int, int] | None  # (height, width); None when the model's dims are dynamic
+    mean: np.ndarray | None
+    std: np.ndarray | None
+    channel_order: str
+    resize: str
+
+    @classmethod
+    def for_model(cls, cfg: dict, inputs: list[TensorSpec], role: str) -> "ImagePreprocess":
+        if len(inputs) != 1:
+            raise DataError(f"{role}: image folders feed single-input models; this model has {len(inputs)} "
+                            "inputs: store samples as .npz keyed by input name")
+        spec = inputs[0]
+        if not spec.shape or len(spec.shape) != 4:
+            raise DataError(f"{role}: image samples need a 4-D image input, '{spec.name}' has shape {spec.shape}")
+        layout = cfg["layout"] if cfg["layout"] != "auto" else _guess_layout(spec.shape, role)
+        c_axis, h_axis, w_axis = (1, 2, 3) if layout == "nchw" else (3, 1, 2)
+        channels = spec.shape[c_axis]
+        if channels not in (1, 3):
+            raise DataError(f"{role}: input '{spec.name}' has {channels} channels in {layout} layout; "
+                            f"images give 1 or 3 (set {role}.preprocess.layout)")
+        h, w = spec.shape[h_axis], spec.shape[w_axis]
+        size = (h, w) if isinstance(h, int) and isinstance(w, int) else None
+        if size is None and cfg["resize"] != "none":
+            raise DataError(f"{role}: input '{spec.name}' has dynamic height/width {spec.shape}; fix them with "
+                            f"`inputs: {{{spec.name}: [...]}}` or set {role}.preprocess.resize: none")
+        mean, std = (_per_channel(cfg[k], channels, f"{role}.preprocess.{k}") for k in ("mean", "std"))
+        if spec.numpy_dtype.kind != "f" and (mean is not None or std is not None):
+            raise DataError(f"{role}.preprocess: input '{spec.name}' is {spec.dtype}; mean/std need a float input")
+        return cls(spec, layout, channels, size, mean, std, cfg["channel_order"], cfg["resize"])
+
+    def describe(self) -> dict:
+        """The deployed input contract, for the report."""
+        return {"input": self.input.name, "dtype": self.input.dtype, "layout": self.layout,
+                "channel_order": self.channel_order, "size_hw": list(self.size) if self.size else None,
+                "resize": self.resize, "mean": None if self.mean is None else self.mean.tolist(),
+                "std": None if self.std is None else self.std.tolist()}
+
+    def read(self, path: Path) -> np.ndarray:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as img:
+                img = img.convert("L" if self.channels == 1 else "RGB")
+                img = self._resize(img, path)
+                pixels = np.asarray(img, dtype=np.float32)
+        except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+            raise DataError(f"{path}: not a readable image ({str(exc).splitlines()[0][:160]})") from None
+        if pixels.ndim == 2:
+            pixels = pixels[:, :, None]
+        if self.channel_order == "bgr":
+            pixels = pixels[:, :, ::-1]
+        if self.mean is not None:
+            pixels = pixels - self.mean
+        if self.std is not None:
+            pixels = pixels / self.std
+        if self.layout == "nchw":
+            pixels = pixels.transpose(2, 0, 1)
+        return np.ascontiguousarray(pixels[None]).astype(self.input.numpy_dtype)
+
+    def _resize(self, img, path: Path):
+        from PIL import Image
+
+        if self.size is None:
+            return img
+        h, w = self.size
+        if self.resize == "none":
+            if (img.height, img.width) != (h, w):
+                raise DataError(f"{path}: image is {img.width}x{img.height}, the model takes {w}x{h}; "
+                                "set preprocess.resize to stretch or center_crop")
+            return img
+        if self.resize == "center_crop":
+            scale = max(h / img.height, w / img.width)
+            img = img.resize((max(w, round(img.width * scale)), max(h, round(img.height * scale))),
+                             Image.BILINEAR)
+            left, top = (img.width - w) // 2, (img.height - h) // 2
+            return img.crop((left, top, left + w, top + h))
+        return img if (img.height, img.width) == (h, w) else img.resize((w, h), Image.BILINEAR)
+
+
+def _guess_layout(shape: list, role: str) -> str:
+    if shape[1] in (1, 3):
+        return "nchw"
+    if shape[3] in (1, 3):
+        return "nhwc"
+    raise DataError(f"{role}: cannot tell the image layout from input shape {shape}; "
+                    f"set {role}.preprocess.layout to nchw or nhwc")
+
+
+def _per_channel(values: list | None, channels: int, where: str) -> np.ndarray | None:
+    if values is None:
+        return None
+    if len(values) not in (1, channels):
+        raise DataError(f"{where}: {len(values)} values given for {channels} channels")
+    array = np.asarray(values, dtype=np.float32)
+    return np.broadcast_to(array, (channels,)).copy()

@@ -1,0 +1,133 @@
+"""Choosing sample files, loading them by format, and validating them against the model's inputs."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from qprep.data.arrays import read_array_sample
+from qprep.data.images import IMAGE_SUFFIXES, ImagePreprocess
+from qprep.errors import DataError
+from qprep.model_info import TensorSpec
+
+FORMAT_SUFFIXES = {"npy": {".npy"}, "npz": {".npz"}, "images": IMAGE_SUFFIXES}
+
+
+@dataclass
+class SampleSet:
+    """Samples ready to feed: each a dict input name → array (batch dim included)."""
+
+    samples: list[dict[str, np.ndarray]]
+    files: list[str] = field(default_factory=list)
+    source: str = ""
+    format: str = ""
+    sha256: str = ""
+    warnings: list[str] = field(default_factory=list)
+    preprocess: dict | None = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def describe(self) -> dict:
+        return {"source": self.source, "format": self.format, "count": len(self.samples),
+                "sha256": self.sha256, "warnings": self.warnings, "preprocess": self.preprocess}
+
+
+def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration") -> SampleSet:
+    """Load the samples a config section (`source`, `format`, `max_samples`, `seed`, …) points to."""
+    folder = Path(cfg["source"])
+    if not folder.is_dir():
+        raise DataError(f"{role}.source: folder not found: {folder}")
+    fmt, files = _pick_files(folder, cfg["format"], role)
+    chosen, warnings = _choose(files, cfg["max_samples"], cfg["seed"], role)
+    preprocess = None
+    if fmt == "images":
+        reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role)
+        preprocess = reader.describe()
+        samples = [{reader.input.name: reader.read(path)} for path in chosen]
+    else:
+        samples = [read_array_sample(path, inputs) for path in chosen]
+    for path, sample in zip(chosen, samples):
+        check_sample(sample, inputs, f"{role} sample {path.name}")
+    return SampleSet(samples=samples, files=[str(p) for p in chosen], source=str(folder), format=fmt,
+                     sha256=_hash_files(chosen), warnings=warnings, preprocess=preprocess)
+
+
+def _pick_files(folder: Path, fmt: str, role: str) -> tuple[str, list[Path]]:
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    by_format = {name: [p for p in files if p.suffix.lower() in suffixes] for name, suffixes in FORMAT_SUFFIXES.items()}
+    if fmt == "auto":
+        present = [name for name, found in by_format.items() if found]
+        if not present:
+            raise DataError(f"{role}.source: {folder} holds no samples (.npy, .npz or images); "
+                            "point it at a folder of samples")
+        if len(present) > 1:
+            raise DataError(f"{role}.source: {folder} mixes {' and '.join(present)} files; "
+                            f"keep one kind per folder or set {role}.format")
+        fmt = present[0]
+    if not by_format[fmt]:
+        raise DataError(f"{role}.source: {folder} holds no {fmt} samples; point it at a folder of samples")
+    return fmt, by_format[fmt]
+
+
+def _choose(files: list[Path], cap: int, seed: int, role: str) -> tuple[list[Path], list[str]]:
+    """At most `cap` files: a seeded subset, kept in sorted order (same config → same samples)."""
+    if len(files) <= cap:
+        warnings = [] if len(files) == cap else [
+            f"{role}: {len(files)} samples found, fewer than max_samples={cap}; using all of them"]
+        return files, warnings
+    picks = np.random.default_rng(seed).choice(len(files), size=cap, replace=False)
+    return [files[i] for i in sorted(picks)], []
+
+
+def _hash_files(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def check_sample(sample: dict[str, np.ndarray], inputs: list[TensorSpec], where: str) -> None:
+    """Names, dtype, rank, static dims and finiteness, each failure one line saying how to fix it."""
+    for spec in inputs:
+        if spec.name not in sample:
+            raise DataError(f"{where}: no array for input '{spec.name}'")
+        array = sample[spec.name]
+        if array.dtype != spec.numpy_dtype:
+            raise DataError(f"{where}: input '{spec.name}' is {array.dtype}, the model expects {spec.dtype}; "
+                            f"save the samples as {spec.dtype}")
+        if spec.shape is not None:
+            if array.ndim != len(spec.shape):
+                raise DataError(f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model expects "
+                                f"rank {len(spec.shape)} {spec.shape}")
+            for i, (have, want) in enumerate(zip(array.shape, spec.shape)):
+                if isinstance(want, int) and have != want:
+                    raise DataError(f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model "
+                                    f"expects {spec.shape} (dim {i} must be {want})")
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            bad = int(np.size(array) - np.isfinite(array).sum())
+            raise DataError(f"{where}: input '{spec.name}' holds {bad} NaN/Inf values; clean the data")
+
+
+def random_samples(inputs: list[TensorSpec], count: int, seed: int = 0) -> SampleSet:
+    """Seeded random inputs, only for verifying rewrites when no data is configured (and said so)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(count):
+        sample = {}
+        for spec in inputs:
+            shape = [d if isinstance(d, int) else (1 if i == 0 else 16) for i, d in enumerate(spec.shape or [])]
+            dtype = spec.numpy_dtype
+            if dtype.kind == "f":
+                sample[spec.name] = rng.standard_normal(shape).astype(dtype)
+            elif dtype.kind == "b":
+                sample[spec.name] = rng.integers(0, 2, shape).astype(dtype)
+            else:
+                sample[spec.name] = rng.integers(0, 2, shape).astype(dtype)
+        samples.append(sample)
+    return SampleSet(samples=samples, source="random", format="random",
+                     warnings=["no calibration data: rewrites were verified on seeded random inputs only"])

@@ -1,0 +1,32 @@
+"""Exceptions that carry an exit code, so the CLI can turn them into one actionable line.
+
+User errors (bad config, missing file, data that does not match the model) exit 2; anything else is a bug
+or an environment failure and exits 3. A missed accuracy gate is not an exception: it is a result (exit 1).
+"""
+
+EXIT_OK = 0
+EXIT_GATE_MISSED = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+
+
+class QprepError(Exception):
+    """A problem the user can fix; the message says what is wrong and how to fix it, in one line."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(QprepError):
+    """The YAML config (or a --set override) is invalid; the message starts with the key path."""
+
+
+class ModelError(QprepError):
+    """The model file is missing, unreadable or not something qprep can take."""
+
+
+class DataError(QprepError):
+    """Calibration/evaluation data is missing, empty, non-finite or does not match the model's inputs."""
+
+
+class RunDirError(QprepError):
+    """The run directory cannot be used (non-empty without --force, not writable)."""

@@ -1,0 +1,142 @@
+"""What a model is: its kind (float / QDQ / integer), inputs and outputs, op histogram, opsets, size.
+
+Shared by `qprep inspect`, the stage records and the report, so every place counts ops the same way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
+INTEGER_OPS = {
+    "QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul", "QLinearSigmoid", "QLinearLeakyRelu",
+    "QLinearConcat", "QLinearAveragePool", "QLinearGlobalAveragePool", "QLinearSoftmax", "QLinearReduceMean",
+    "QLinearWhere", "QGemm", "QAttention", "ConvInteger", "MatMulInteger", "MatMulIntegerToFloat",
+    "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM",
+}
+CONTROL_FLOW_OPS = {"If", "Loop", "Scan", "SequenceMap"}
+
+FLOAT = "float"
+QDQ = "qdq"
+INTEGER = "integer"
+
+
+@dataclass
+class TensorSpec:
+    """A graph input or output: name, element type and dims (int, or str for a symbolic/unknown dim)."""
+
+    name: str
+    dtype: str  # numpy dtype name, e.g. "float32", "int64"
+    shape: list  # ints, symbolic names, or "?" for unknown dims; None when the rank is unknown
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": self.shape}
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+
+def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
+    ttype = value.type.tensor_type
+    try:
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(ttype.elem_type)).name
+    except (KeyError, TypeError):
+        dtype = onnx.TensorProto.DataType.Name(ttype.elem_type).lower()
+    if not ttype.HasField("shape"):
+        return TensorSpec(value.name, dtype, None)
+    dims = []
+    for d in ttype.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        else:
+            dims.append(d.dim_param or "?")
+    return TensorSpec(value.name, dtype, dims)
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[TensorSpec]:
+    """Real inputs: graph inputs that are not initializers (old exporters list weights as inputs too)."""
+    initializers = {t.name for t in model.graph.initializer}
+    return [tensor_spec(v) for v in model.graph.input if v.name not in initializers]
+
+
+def graph_outputs(model: onnx.ModelProto) -> list[TensorSpec]:
+    return [tensor_spec(v) for v in model.graph.output]
+
+
+def iter_nodes(graph: onnx.GraphProto):
+    """Every node, including those inside If/Loop/Scan bodies."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from iter_nodes(g)
+
+
+def op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """Histogram of op types over the whole model (subgraphs included), sorted by count then name."""
+    counts = Counter(node.op_type for node in iter_nodes(model.graph))
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def node_count(model: onnx.ModelProto) -> int:
+    return sum(1 for _ in iter_nodes(model.graph))
+
+
+def model_kind(model: onnx.ModelProto) -> str:
+    """float, qdq (QuantizeLinear/DequantizeLinear present: QAT or QDQ-quantized) or integer (QLinear* etc.)."""
+    ops = set(op_counts(model))
+    if ops & INTEGER_OPS:
+        return INTEGER
+    if ops & QDQ_OPS:
+        return QDQ
+    return FLOAT
+
+
+def opsets(model: onnx.ModelProto) -> dict[str, int]:
+    return {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return opsets(model).get("ai.onnx", 0)
+
+
+def has_control_flow(model: onnx.ModelProto) -> bool:
+    return any(op in CONTROL_FLOW_OPS for op in op_counts(model))
+
+
+def summary(model: onnx.ModelProto) -> dict:
+    """The facts a report or `qprep inspect` shows about a model."""
+    constants = [a.t for n in iter_nodes(model.graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+    parameter_bytes = sum(_tensor_nbytes(t) for t in [*model.graph.initializer, *constants])
+    return {
+        "kind": model_kind(model),
+        "opsets": opsets(model),
+        "producer": " ".join(p for p in (model.producer_name, model.producer_version) if p),
+        "inputs": [s.as_dict() for s in graph_inputs(model)],
+        "outputs": [s.as_dict() for s in graph_outputs(model)],
+        "nodes": node_count(model),
+        "op_counts": op_counts(model),
+        "initializers": len(model.graph.initializer),
+        "parameter_bytes": parameter_bytes,
+        "control_flow": has_control_flow(model),
+    }
+
+
+def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    if tensor.HasField("raw_data"):
+        return len(tensor.raw_data)
+    count = int(np.prod(tensor.dims)) if tensor.dims else 1
+    try:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    except (KeyError, TypeError):
+        itemsize = 1
+    return count * itemsize

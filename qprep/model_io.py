@@ -1,0 +1,158 @@
+"""Reading, writing and running ONNX models safely.
+
+Why one module: every file qprep writes goes through an atomic temp-file + rename (a killed run leaves no
+half-written model), models above protobuf's 2 GB limit need external data on every path (load, save, ORT
+session), and the input model must never be written to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from qprep.errors import ModelError
+
+# Above this a ModelProto cannot be serialized in one piece: use external data.
+PROTOBUF_LIMIT = 2**31 - 2**24
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Load and check a model file (external data included), or raise a one-line ModelError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path}; check `model:` in the config or pass --model")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError) as exc:
+        raise ModelError(
+            f"{path} is not a readable ONNX model ({_first_line(exc)}); the file may be truncated or corrupt: "
+            "re-export or re-download it"
+        ) from None
+    if not model.graph.node and not model.graph.output:
+        raise ModelError(f"{path} holds no ONNX graph (empty or not an ONNX file); re-export or re-download it")
+    _load_external_data(model, path)
+    _check(model, path)
+    return model
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            if not (path.parent / location).is_file():
+                raise ModelError(
+                    f"{path} stores tensor '{tensor.name}' in external file '{location}', which is missing; "
+                    f"keep the data file next to the model"
+                )
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: cannot read its external data ({_first_line(exc)})") from None
+
+
+def _check(model: onnx.ModelProto, path: Path) -> None:
+    newest = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > newest:
+            raise ModelError(
+                f"{path} uses opset {opset.version}, newer than this onnx ({onnx.__version__}) knows ({newest}); "
+                "export it with an older opset"
+            )
+    try:
+        if model.ByteSize() > PROTOBUF_LIMIT:
+            onnx.checker.check_model(str(path))
+        else:
+            onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(f"{path} is not a valid ONNX model: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def is_large(model: onnx.ModelProto) -> bool:
+    return model.ByteSize() > PROTOBUF_LIMIT
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write a model atomically; models over 2 GB go to `<name>.data` beside it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tmp-") as tmp:
+        tmp_model = Path(tmp) / path.name
+        if is_large(model):
+            data_name = path.name + ".data"
+            # save_model(save_as_external_data=True) rewrites the proto in place: save a copy.
+            onnx.save_model(copy.deepcopy(model), str(tmp_model), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+            os.replace(Path(tmp) / data_name, path.parent / data_name)
+        else:
+            tmp_model.write_bytes(model.SerializeToString())
+        os.replace(tmp_model, path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False, extra_outputs=()):
+    """An ONNX Runtime CPU session for an in-memory model (large models go through a temp file).
+
+    `optimize=False` runs the graph exactly as written (ORT_DISABLE_ALL): verification compares what qprep
+    wrote, not what ORT would have fused. `extra_outputs` exposes intermediate tensors by name.
+    """
+    import onnxruntime as ort
+
+    if extra_outputs:
+        model = copy.deepcopy(model)
+        present = {o.name for o in model.graph.output}
+        for name in extra_outputs:
+            if name not in present:
+                model.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    providers = ["CPUExecutionProvider"]
+    if not is_large(model):
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    with tempfile.TemporaryDirectory(prefix="qprep-session-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        save_model(model, path)
+        return ort.InferenceSession(str(path), options, providers=providers)

@@ -1,0 +1,168 @@
+"""One qprep run: load → stages in config order → (evaluation) → report, inside one run directory.
+
+The runner owns what every stage has in common: timing, op counts before/after, the record, saving the
+per-stage model, and turning a stage failure into a report that says where it failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from qprep import __version__, model_info, run_dir
+from qprep.config import Config
+from qprep.data import SampleSet, load_samples, random_samples
+from qprep.errors import ConfigError, QprepError
+from qprep.graph.prepare import fix_input_shapes, infer_shapes, name_nodes
+from qprep.graph.verify import Tolerance, Verifier
+from qprep.model_io import load_model, save_model, sha256_file
+from qprep.progress import Progress
+from qprep.report import write_report
+from qprep.stages import StageResult, registry
+
+log = logging.getLogger("qprep")
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class RunContext:
+    """What stages share: config, run directory, samples, the verifier and the float set."""
+
+    config: Config
+    run_dir: Path
+    calibration: SampleSet | None
+    verifier: Verifier
+    progress: Progress
+    float_set: set[str] = field(default_factory=set)  # node names that must stay float (keep_float)
+    warnings: list[str] = field(default_factory=list)
+
+    def work_dir(self, name: str) -> Path:
+        """A folder inside the run directory for a stage's or toolkit's working files."""
+        path = self.run_dir / "work" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def execute(config: Config, force: bool = False, quiet: bool = False, progress: Progress | None = None) -> dict:
+    """Run a validated config; returns the report (also written to the run directory)."""
+    out = config["output_dir"]
+    if not out:
+        raise ConfigError("output_dir: no run directory; set output_dir in the config or pass --out DIR")
+    directory = run_dir.prepare(Path(out), force)
+    progress = progress or Progress(enabled=False if quiet else None)
+    handler = run_dir.attach_log(directory)
+    started = time.time()
+    report: dict = {"schema_version": SCHEMA_VERSION, "qprep_version": __version__, "status": "running",
+                    "run_dir": str(directory), "stages": [], "warnings": []}
+    written: list[str] = []
+    timings: dict[str, float] = {}
+    try:
+        log.info("run started: config %s, model %s", config.path, config["model"])
+        with progress.step("load model"):
+            t0 = time.perf_counter()
+            model = _load(config, report)
+            timings["load"] = time.perf_counter() - t0
+        ctx = _context(config, model, directory, progress, report)
+        for index, (name, options) in enumerate(config.stages):
+            with progress.step(f"[{index + 1}/{len(config.stages)}] {name}"):
+                model = _run_stage(index, name, options, model, ctx, report, written)
+            timings[f"stage {index} {name}"] = report["stages"][-1]["seconds"]
+        save_model(model, directory / "model.onnx")
+        written.append("model.onnx")
+        report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
+                            **model_info.summary(model)}
+        report["float_set"] = sorted(ctx.float_set)
+        report["warnings"] += ctx.warnings
+        report["status"] = "ok"
+        return report
+    except QprepError as exc:
+        report["status"], report["error"] = "failed", str(exc)
+        raise
+    except Exception as exc:  # internal error: still leave a report that says where it happened
+        report["status"], report["error"] = "failed", f"internal error: {type(exc).__name__}: {exc}"
+        raise
+    finally:
+        timings["total"] = time.time() - started
+        report["seconds"] = round(timings["total"], 3)
+        written += write_report(directory, report)
+        run_dir.write_manifest(directory, {
+            "qprep_version": __version__,
+            "inputs": {
+                "config": {"path": str(config.path) if config.path else None,
+                           "sha256": sha256_file(config.path) if config.path else None},
+                "model": {"path": config["model"], "sha256": report.get("model", {}).get("sha256")},
+                "calibration": report.get("calibration"),
+            },
+            "config": config.resolved(),
+            "timings_s": {k: round(v, 3) for k, v in timings.items()},
+            "files": sorted(set(written + [run_dir.LOG])),
+        })
+        log.info("run finished: %s", report["status"])
+        run_dir.detach_log(handler)
+
+
+def _load(config: Config, report: dict) -> onnx.ModelProto:
+    """Read and check the model, name its nodes, fix input dims, infer shapes; record what it is."""
+    path = config["model"]
+    model = load_model(path)
+    report["model"] = {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
+                       **model_info.summary(model)}
+    named = name_nodes(model.graph)
+    fixed = fix_input_shapes(model, config["inputs"] or {})
+    model, warning = infer_shapes(model)
+    report["load"] = {"nodes_named": named, "inputs_fixed": fixed,
+                      "inputs": [s.as_dict() for s in model_info.graph_inputs(model)]}
+    if warning:
+        report["warnings"].append(warning)
+    return model
+
+
+def _context(config: Config, model: onnx.ModelProto, directory: Path, progress: Progress, report: dict) -> RunContext:
+    inputs = model_info.graph_inputs(model)
+    calibration = None
+    if config["calibration"]:
+        with progress.step("load calibration data"):
+            calibration = load_samples(config["calibration"], inputs, role="calibration")
+        report["calibration"] = calibration.describe()
+        report["warnings"] += calibration.warnings
+    verify_cfg = config["verify"]
+    if calibration is not None:
+        samples = calibration.samples[: verify_cfg["max_samples"]]
+        source = f"calibration ({len(samples)} samples)"
+    else:
+        fallback = random_samples(inputs, verify_cfg["max_samples"])
+        samples, source = fallback.samples, "random (no calibration data)"
+        if config.stages:
+            report["warnings"] += fallback.warnings
+    verifier = Verifier(samples, Tolerance.from_config(verify_cfg), threads=config["threads"], source=source)
+    return RunContext(config=config, run_dir=directory, calibration=calibration, verifier=verifier,
+                      progress=progress)
+
+
+def _run_stage(index: int, name: str, options: dict, model: onnx.ModelProto, ctx: RunContext,
+               report: dict, written: list[str]) -> onnx.ModelProto:
+    stage = registry()[name]
+    record = {"name": name, "index": index, "status": "running", "nodes_before": model_info.node_count(model),
+              "op_counts_before": model_info.op_counts(model)}
+    report["stages"].append(record)
+    start = time.perf_counter()
+    log.info("stage %d %s: options %s", index, name, options)
+    try:
+        result: StageResult = stage.run(model, ctx, options)
+    except Exception as exc:
+        record.update(status="failed", seconds=round(time.perf_counter() - start, 3), error=str(exc))
+        raise
+    record.update(status=result.status, seconds=round(time.perf_counter() - start, 3),
+                  nodes_after=model_info.node_count(result.model), op_counts_after=model_info.op_counts(result.model),
+                  rolled_back=result.rolled_back, **({"reason": result.reason} if result.reason else {}),
+                  **result.details)
+    log.info("stage %d %s: %s in %.2f s", index, name, result.status, record["seconds"])
+    if ctx.config["save_stage_models"]:
+        relative = f"stages/{index:02d}_{name}.onnx"
+        save_model(result.model, ctx.run_dir / relative)
+        written.append(relative)
+    return result.model

@@ -1,0 +1,32 @@
+"""Progress lines on the terminal for work that takes seconds; silent when not a TTY or with --quiet."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+
+
+class Progress:
+    def __init__(self, enabled: bool | None = None, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+
+    def note(self, message: str) -> None:
+        if self.enabled:
+            print(f"qprep: {message}", file=self.stream, flush=True)
+
+    @contextmanager
+    def step(self, label: str):
+        """`[2/5] optimize … 3.1 s` — printed when the step starts and completed when it ends."""
+        start = time.perf_counter()
+        if self.enabled:
+            print(f"qprep: {label} …", end="", file=self.stream, flush=True)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if self.enabled:
+                status = f"{time.perf_counter() - start:.1f} s" if ok else "failed"
+                print(f" {status}", file=self.stream, flush=True)

@@ -1,0 +1,24 @@
+"""Reports: report.json is the source of truth; Markdown (and later HTML) are renderings of it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qprep.model_io import atomic_write_text
+from qprep.report.markdown import render_markdown
+
+
+def write_report(directory: Path, report: dict) -> list[str]:
+    """Write report.json and report.md atomically; returns the file names written."""
+    atomic_write_text(directory / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
+    atomic_write_text(directory / "report.md", render_markdown(report))
+    return ["report.json", "report.md"]
+
+
+def _jsonable(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)

@@ -1,0 +1,134 @@
+"""The command line as users meet it: exit codes, one-line errors, run directories, inspect."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, tiny_conv_model
+
+
+def write_config(tmp_path, model, calibration=None, extra=""):
+    lines = [f"model: {model}", f"output_dir: {tmp_path / 'run'}"]
+    if calibration:
+        lines.append(f"calibration: {{source: {calibration}}}")
+    path = tmp_path / "config.yaml"
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return path
+
+
+def one_line_error(code, err, expected_code=2):
+    assert code == expected_code
+    assert err.count("\n") == 1 and err.startswith("qprep: error: "), err
+    assert "Traceback" not in err
+
+
+def test_help(cli):
+    with pytest.raises(SystemExit) as exit_info:
+        cli("--help")
+    assert exit_info.value.code == 0
+    with pytest.raises(SystemExit) as exit_info:
+        cli("run", "--help")
+    assert exit_info.value.code == 0
+
+
+def test_run_writes_run_directory_and_refuses_to_overwrite(tmp_path, save, cli):
+    model = save(tiny_conv_model())
+    before = model.read_bytes()
+    config = write_config(tmp_path, model)
+    code, out, err = cli("run", config, "--quiet")
+    assert code == 0, err
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "model.onnx", "qprep.log", "report.json",
+                                                     "report.md"]
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "ok" and report["stages"] == [] and report["result"]["nodes"] == 2
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["inputs"]["model"]["sha256"] == report["model"]["sha256"]
+    assert manifest["versions"]["onnx"] and "model.onnx" in manifest["files"]
+    assert model.read_bytes() == before  # the input model is never written to
+    one_line_error(*cli("run", config, "--quiet")[::2])  # non-empty run dir without --force
+    first = (run / "model.onnx").read_bytes()
+    code, _, err = cli("run", config, "--quiet", "--force")
+    assert code == 0, err
+    assert (run / "model.onnx").read_bytes() == first  # same config + data → same bytes
+
+
+def test_out_and_model_flags_override_config(tmp_path, save, cli, monkeypatch):
+    model = save(tiny_conv_model(), "other.onnx")
+    config = write_config(tmp_path, tmp_path / "missing.onnx")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("run", config, "--model", "other.onnx", "--out", "elsewhere", "--quiet")
+    assert code == 0, err
+    report = json.loads((tmp_path / "elsewhere" / "report.json").read_text())
+    assert report["model"]["path"] == str(model)
+
+
+def test_user_errors_are_one_line_with_exit_2(tmp_path, save, cli):
+    model = save(tiny_conv_model())
+    bad_key = tmp_path / "bad.yaml"
+    bad_key.write_text(f"model: {model}\noutput_dir: {tmp_path / 'r1'}\ncalibraton: {{source: x}}\n")
+    code, _, err = cli("run", bad_key)
+    one_line_error(code, err)
+    assert "calibraton: unknown key; did you mean 'calibration'?" in err
+
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(model.read_bytes()[:100])
+    code, _, err = cli("run", write_config(tmp_path, truncated))
+    one_line_error(code, err)
+    assert "truncated or corrupt" in err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = cli("run", write_config(tmp_path, model, empty), "--force")
+    one_line_error(code, err)
+    assert "holds no samples" in err
+
+    mismatch = tmp_path / "mismatch"
+    mismatch.mkdir()
+    np.savez(mismatch / "0.npz", x=np.zeros((1, 3, 9, 9), np.float32))
+    code, _, err = cli("run", write_config(tmp_path, model, mismatch), "--force")
+    one_line_error(code, err)
+    assert "input 'x' has shape [1, 3, 9, 9]" in err
+
+
+def test_console_script_shows_no_traceback_and_debug_does(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model: m.onnx\nthreads: many\n")
+    qprep = [sys.executable, "-m", "qprep"]
+    plain = subprocess.run([*qprep, "validate", str(config)], capture_output=True, text=True, cwd=tmp_path)
+    assert plain.returncode == 2 and plain.stderr == "qprep: error: threads: expected an integer, got str 'many'\n"
+    debug = subprocess.run([*qprep, "validate", str(config), "--debug"], capture_output=True, text=True)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+    assert os.listdir(tmp_path) == ["c.yaml"]  # nothing written to the caller's directory
+
+
+def test_validate_checks_files(tmp_path, save, cli):
+    model = save(tiny_conv_model())
+    code, out, _ = cli("validate", write_config(tmp_path, model))
+    assert code == 0 and "is valid" in out
+    code, _, err = cli("validate", write_config(tmp_path, model, tmp_path / "nodata"))
+    one_line_error(code, err)
+
+
+def test_inspect_json_and_text(tmp_path, save, cli):
+    model = save(tiny_conv_model())
+    code, out, _ = cli("inspect", model, "--json")
+    info = json.loads(out)
+    assert code == 0 and info["kind"] == "float" and info["op_counts"] == {"Conv": 1, "Relu": 1}
+    assert info["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["N", 3, 8, 8]}]
+    code, out, _ = cli("inspect", model)
+    assert "kind:     float" in out and "x: float32 [N, 3, 8, 8]" in out
+
+
+def test_python_api_mirrors_cli(tmp_path, save):
+    import qprep
+
+    model = save(tiny_conv_model())
+    report = qprep.run({"model": str(model)}, output_dir=str(tmp_path / "api"), inputs__x=[1, 3, 8, 8])
+    assert report["status"] == "ok"
+    assert report["load"]["inputs"][0]["shape"] == [1, 3, 8, 8]
+    assert (tmp_path / "api" / "model.onnx").is_file()

@@ -1,0 +1,88 @@
+from pathlib import Path
+
+import pytest
+
+from qprep.config import load_config, parse_set
+from qprep.errors import ConfigError
+from qprep.schema import Key, section
+from qprep import stages
+
+
+@pytest.fixture
+def fake_stage(monkeypatch):
+    """Register a throwaway stage so pipeline validation and --set can be tested before real stages exist."""
+    registry = dict(stages._REGISTRY)
+    registry["quantize"] = stages.Stage("quantize", lambda m, c, o: stages.StageResult(m),
+                                        section(backend=Key("str", default="ort", choices=("ort", "rknn")),
+                                                algorithm=Key("str", default="normal")), "test stage")
+    monkeypatch.setattr(stages, "_REGISTRY", registry)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_misspelt_top_level_key_names_path_and_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"^calibraton: unknown key; did you mean 'calibration'\?$"):
+        load_config(write(tmp_path, "model: m.onnx\ncalibraton: {source: d}\n"))
+
+
+def test_misspelt_stage_option_names_its_index(tmp_path, fake_stage):
+    path = write(tmp_path, "model: m.onnx\npipeline:\n  - quantize: {algoritm: mmse}\n")
+    with pytest.raises(ConfigError, match=r"pipeline\[0\]\.quantize\.algoritm: unknown key; did you mean 'algorithm'"):
+        load_config(path)
+
+
+def test_unknown_stage_suggests_closest(tmp_path, fake_stage):
+    with pytest.raises(ConfigError, match=r"pipeline\[0\]: unknown stage 'quantise'; did you mean 'quantize'"):
+        load_config(write(tmp_path, "model: m.onnx\npipeline: [quantise]\n"))
+
+
+def test_wrong_type_and_choice(tmp_path, fake_stage):
+    with pytest.raises(ConfigError, match=r"^threads: expected an integer, got str 'two'$"):
+        load_config(write(tmp_path, "model: m.onnx\nthreads: two\n"))
+    with pytest.raises(ConfigError, match=r"backend: 'tflite' is not allowed; choose one of: ort, rknn"):
+        load_config(write(tmp_path, "model: m.onnx\npipeline: [{quantize: {backend: tflite}}]\n"))
+
+
+def test_missing_required_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model: required key is missing"):
+        load_config(write(tmp_path, "output_dir: x\n"))
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line 2"):
+        load_config(write(tmp_path, "model: m.onnx\n  bad: [\n"))
+
+
+def test_relative_paths_resolve_against_config_folder(tmp_path):
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "c.yaml"
+    path.write_text("model: ../m.onnx\noutput_dir: runs/a\ncalibration: {source: data}\n")
+    config = load_config(path)
+    assert config["model"] == str(tmp_path / "m.onnx")
+    assert config["output_dir"] == str(tmp_path / "sub" / "runs" / "a")
+    assert config["calibration"]["source"] == str(tmp_path / "sub" / "data")
+    assert config["calibration"]["max_samples"] == 64  # defaults filled
+
+
+def test_set_overrides_select_stage_by_name_and_parse_yaml_values(tmp_path, fake_stage):
+    path = write(tmp_path, "model: m.onnx\npipeline:\n  - quantize: {backend: rknn}\n")
+    overrides = dict(parse_set(s) for s in ["pipeline.quantize.backend=ort", "inputs.x=[1, 3, 8, 8]",
+                                            "calibration.source=data", "verify.atol=0.5"])
+    config = load_config(path, overrides, cwd=tmp_path / "elsewhere")
+    assert config.stages == [("quantize", {"backend": "ort", "algorithm": "normal"})]
+    assert config["inputs"] == {"x": [1, 3, 8, 8]}
+    assert config["calibration"]["source"] == str(tmp_path / "elsewhere" / "data")  # CLI paths: cwd
+    assert config["verify"]["atol"] == 0.5
+
+
+def test_set_errors(tmp_path, fake_stage):
+    path = write(tmp_path, "model: m.onnx\npipeline: [quantize, quantize]\n")
+    with pytest.raises(ConfigError, match=r"2 'quantize' stages; use pipeline\[0\]\.quantize"):
+        load_config(path, {"pipeline.quantize.backend": "ort"})
+    with pytest.raises(ConfigError, match=r"no 'optimize' stage"):
+        load_config(path, {"pipeline.optimize.x": 1})
+    with pytest.raises(ConfigError, match=r"verify\.atoll: unknown key; did you mean 'atol'"):
+        load_config(path, {"verify.atoll": 1})
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        parse_set("verify.atol")

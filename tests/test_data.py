@@ -1,0 +1,94 @@
+import numpy as np
+import pytest
+from PIL import Image
+
+from qprep.data import load_samples
+from qprep.errors import DataError
+from qprep.model_info import graph_inputs
+from conftest import tiny_conv_model, two_input_model
+
+CONV_INPUTS = graph_inputs(tiny_conv_model())
+TWO_INPUTS = graph_inputs(two_input_model())
+
+
+def source(folder, **kw):
+    cfg = {"source": str(folder), "format": "auto", "max_samples": 64, "seed": 0,
+           "preprocess": {"mean": None, "std": None, "channel_order": "rgb", "layout": "auto", "resize": "stretch"}}
+    cfg.update(kw)
+    return cfg
+
+
+def test_npz_multi_input_keeps_integer_token_ids(tmp_path):
+    for i in range(3):
+        np.savez(tmp_path / f"{i}.npz", ids=np.arange(5, dtype=np.int64)[None], mask=np.ones((1, 5), np.float32))
+    samples = load_samples(source(tmp_path), TWO_INPUTS)
+    assert len(samples) == 3 and samples.format == "npz"
+    assert samples.samples[0]["ids"].dtype == np.int64
+    assert samples.warnings == ["calibration: 3 samples found, fewer than max_samples=64; using all of them"]
+
+
+def test_npz_shape_mismatch_is_one_line(tmp_path):
+    np.savez(tmp_path / "a.npz", x=np.zeros((1, 3, 16, 16), np.float32))
+    with pytest.raises(DataError, match=r"^calibration sample a.npz: input 'x' has shape \[1, 3, 16, 16\], "
+                                        r"the model expects \['N', 3, 8, 8\] \(dim 2 must be 8\)$"):
+        load_samples(source(tmp_path), CONV_INPUTS)
+
+
+def test_wrong_key_dtype_nan_and_empty(tmp_path):
+    (tmp_path / "k").mkdir()
+    np.savez(tmp_path / "k" / "a.npz", idz=np.zeros((1, 5), np.int64), mask=np.ones((1, 5), np.float32))
+    with pytest.raises(DataError, match="no array named 'ids'.*found 'idz'"):
+        load_samples(source(tmp_path / "k"), TWO_INPUTS)
+    (tmp_path / "d").mkdir()
+    np.savez(tmp_path / "d" / "a.npz", ids=np.zeros((1, 5), np.int32), mask=np.ones((1, 5), np.float32))
+    with pytest.raises(DataError, match="input 'ids' is int32, the model expects int64; save the samples as int64"):
+        load_samples(source(tmp_path / "d"), TWO_INPUTS)
+    (tmp_path / "n").mkdir()
+    bad = np.zeros((1, 3, 8, 8), np.float32)
+    bad[0, 0, 0, :2] = [np.nan, np.inf]
+    np.save(tmp_path / "n" / "a.npy", bad)
+    with pytest.raises(DataError, match="holds 2 NaN/Inf values"):
+        load_samples(source(tmp_path / "n"), CONV_INPUTS)
+    (tmp_path / "e").mkdir()
+    with pytest.raises(DataError, match="holds no samples"):
+        load_samples(source(tmp_path / "e"), CONV_INPUTS)
+    with pytest.raises(DataError, match="folder not found"):
+        load_samples(source(tmp_path / "missing"), CONV_INPUTS)
+
+
+def test_npy_needs_single_input_model(tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros((1, 5), np.int64))
+    with pytest.raises(DataError, match=r"\.npy samples need a single-input model.*\.npz keyed by input name"):
+        load_samples(source(tmp_path), TWO_INPUTS)
+
+
+def test_npy_without_batch_axis_gets_one(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones((3, 8, 8), np.float32))
+    assert load_samples(source(tmp_path), CONV_INPUTS).samples[0]["x"].shape == (1, 3, 8, 8)
+
+
+def test_max_samples_is_a_seeded_sorted_subset(tmp_path):
+    for i in range(10):
+        np.save(tmp_path / f"{i:02d}.npy", np.full((1, 3, 8, 8), i, np.float32))
+    first = load_samples(source(tmp_path, max_samples=4, seed=1), CONV_INPUTS)
+    again = load_samples(source(tmp_path, max_samples=4, seed=1), CONV_INPUTS)
+    other = load_samples(source(tmp_path, max_samples=4, seed=2), CONV_INPUTS)
+    assert first.files == again.files and first.sha256 == again.sha256
+    assert first.files == sorted(first.files) and len(first.files) == 4
+    assert first.files != other.files
+
+
+def test_images_are_resized_normalized_and_laid_out(tmp_path):
+    img = np.zeros((16, 16, 3), np.uint8)
+    img[..., 0] = 255  # pure red
+    Image.fromarray(img).save(tmp_path / "a.png")
+    pre = {"mean": [127.5], "std": [127.5], "channel_order": "bgr", "layout": "auto", "resize": "stretch"}
+    x = load_samples(source(tmp_path, preprocess=pre), CONV_INPUTS).samples[0]["x"]
+    assert x.shape == (1, 3, 8, 8) and x.dtype == np.float32
+    assert np.allclose(x[0, 2], 1.0) and np.allclose(x[0, 0], -1.0)  # red lands in the last (BGR) channel
+
+
+def test_unreadable_image_names_the_file(tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(DataError, match=r"broken.png: not a readable image"):
+        load_samples(source(tmp_path), CONV_INPUTS)

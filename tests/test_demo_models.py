@@ -1,0 +1,48 @@
+"""End-to-end on the real demo models and the shipped configs and calibration data."""
+
+import json
+
+import pytest
+
+from conftest import CALIBRATION, ROOT, demo_model
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_inspect_efficientnet_counts_its_49_batchnorms(cli):
+    code, out, _ = cli("inspect", demo_model("efficientnet_lite0.onnx"), "--json")
+    info = json.loads(out)
+    assert code == 0 and info["kind"] == "float"
+    assert info["op_counts"]["BatchNormalization"] == 49
+    assert info["inputs"][0]["name"] == "input" and info["inputs"][0]["shape"][1:] == [3, 224, 224]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_shipped_configs_validate(cli, config):
+    code, out, err = cli("validate", config)
+    assert code == 0, err
+
+
+def test_rknn_demo_config_runs_on_shipped_calibration_images(cli, tmp_path):
+    code, _, err = cli("run", ROOT / "configs" / "rknn_int8.yaml", "--out", tmp_path / "run", "--quiet")
+    assert code == 0, err
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "ok"
+    assert report["calibration"]["count"] == 32
+    assert report["calibration"]["preprocess"]["channel_order"] == "bgr"
+    assert report["load"]["inputs"] == [{"name": "x", "dtype": "float32", "shape": [1, 3, 48, 320]}]
+    assert (tmp_path / "run" / "model.onnx").stat().st_size > 10_000_000
+
+
+def test_minilm_calibration_matches_its_three_integer_inputs(tmp_path):
+    from qprep.data import load_samples
+    from qprep.model_info import graph_inputs
+    from qprep.model_io import load_model
+
+    inputs = graph_inputs(load_model(demo_model("minilm_l6_v2.onnx")))
+    cfg = {"source": str(CALIBRATION / "minilm" / "calib"), "format": "auto", "max_samples": 8, "seed": 0,
+           "preprocess": None}
+    samples = load_samples(cfg, inputs)
+    assert len(samples) == 8
+    assert {k: v.dtype.name for k, v in samples.samples[0].items()} == {
+        "input_ids": "int64", "attention_mask": "int64", "token_type_ids": "int64"}

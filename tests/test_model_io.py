@@ -1,0 +1,66 @@
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from qprep.errors import ModelError
+from qprep.model_io import load_model, save_model, sha256_file
+from qprep import model_info
+from conftest import tiny_conv_model
+
+
+def test_truncated_model_is_a_one_line_model_error(tmp_path, save):
+    path = save(tiny_conv_model())
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelError, match=r"truncated or corrupt"):
+        load_model(path)
+
+
+def test_missing_and_non_onnx_files(tmp_path):
+    with pytest.raises(ModelError, match="model file not found"):
+        load_model(tmp_path / "nope.onnx")
+    (tmp_path / "text.onnx").write_text("hello, I am not a model")
+    with pytest.raises(ModelError):
+        load_model(tmp_path / "text.onnx")
+
+
+def test_external_data_loads_and_missing_data_file_is_named(tmp_path):
+    model = tiny_conv_model()
+    expected = numpy_helper.to_array(model.graph.initializer[0])
+    path = tmp_path / "ext.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="ext.data", size_threshold=0)
+    loaded = load_model(path)
+    w = {t.name: numpy_helper.to_array(t) for t in loaded.graph.initializer}["w"]
+    assert np.array_equal(w, expected)
+    (tmp_path / "ext.data").unlink()
+    with pytest.raises(ModelError, match=r"external file 'ext.data', which is missing"):
+        load_model(path)
+
+
+def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
+    target = tmp_path / "out" / "model.onnx"
+    save_model(tiny_conv_model(), target)
+    assert [p.name for p in target.parent.iterdir()] == ["model.onnx"]
+    assert load_model(target).graph.node[0].op_type == "Conv"
+    assert len(sha256_file(target)) == 64
+
+
+def test_model_kind_classification():
+    model = tiny_conv_model()
+    assert model_info.model_kind(model) == "float"
+    model.graph.node.append(onnx.helper.make_node("QuantizeLinear", ["y", "s"], ["q"]))
+    assert model_info.model_kind(model) == "qdq"
+    model.graph.node.append(onnx.helper.make_node("QLinearConv", ["q"], ["z"]))
+    assert model_info.model_kind(model) == "integer"
+
+
+def test_op_counts_include_subgraphs():
+    then = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["t"])], "then", [],
+                                  [onnx.helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, None)])
+    model = tiny_conv_model()
+    model.graph.node.append(onnx.helper.make_node("If", ["cond"], ["o"], then_branch=then, else_branch=then))
+    counts = model_info.op_counts(model)
+    assert counts["Relu"] == 3 and counts["If"] == 1
+    assert model_info.has_control_flow(model)
