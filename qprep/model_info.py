@@ -52,7 +52,7 @@ def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
         return TensorSpec(value.name, dtype, None)
     dims = []
     for d in ttype.shape.dim:
-        if d.HasField("dim_value"):
+        if d.HasField("dim_value") and d.dim_value >= 0:  # some exporters write -1 for "dynamic"
             dims.append(int(d.dim_value))
         else:
             dims.append(d.dim_param or "?")

@@ -44,3 +44,9 @@ def test_cosine_edge_cases():
     assert cosine(np.zeros(3), np.zeros(3)) == 1.0
     assert cosine(np.ones(3), np.zeros(3)) == 0.0
     assert abs(cosine(np.array([1.0, 0.0]), np.array([0.0, 1.0]))) < 1e-12
+
+
+def test_near_zero_outputs_are_judged_by_tolerance_not_direction():
+    ref = [{"y": np.array([1e-8, -2e-8, 0.0])}]
+    got = [{"y": np.array([-3e-8, 1e-8, 5e-8])}]  # opposite direction, but all within atol
+    assert compare(ref, got, Tolerance()).ok

@@ -1,0 +1,135 @@
+"""cleanup, fold_constants, fold_into_conv, simplify_shapes, fuse_gemm on tiny graphs: what must change,
+what must not."""
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from qprep.graph.passes import cleanup, fold_constants, fold_into_conv, fuse_gemm, simplify_shapes
+from passes_util import apply_pass, make_model, max_diff, ops, rand
+
+X = ("x", [1, 3, 8, 8])
+
+
+def test_cleanup_removes_no_ops_and_keeps_real_ops():
+    nodes = [helper.make_node("Identity", ["x"], ["a"]),
+             helper.make_node("Mul", ["a", "one"], ["b"]),
+             helper.make_node("Add", ["b", "zero"], ["c"]),
+             helper.make_node("Cast", ["c"], ["d"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("Dropout", ["d"], ["e"]),
+             helper.make_node("Pad", ["e", "pads"], ["f"]),
+             helper.make_node("Relu", ["f"], ["y"])]
+    model = make_model(nodes, [X], [("y", [1, 3, 8, 8])],
+                       {"one": np.float32(1), "zero": np.float32(0), "pads": np.zeros(8, np.int64)})
+    out, outcome = apply_pass(cleanup.PASS, model)
+    assert ops(out) == {"Relu": 1}
+    assert outcome.matches > 0
+    assert max_diff(model, out, {"x": rand(1, 3, 8, 8)}) == 0.0
+
+
+def test_cleanup_keeps_mul_by_two_and_a_real_pad():
+    nodes = [helper.make_node("Mul", ["x", "two"], ["a"]), helper.make_node("Pad", ["a", "pads"], ["y"])]
+    pads = np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)
+    model = make_model(nodes, [X], [("y", [1, 3, 10, 10])], {"two": np.float32(2), "pads": pads})
+    out, outcome = apply_pass(cleanup.PASS, model)
+    assert ops(out) == {"Mul": 1, "Pad": 1} and outcome.matches == 0
+
+
+def test_cleanup_merges_duplicate_initializers():
+    w = rand(3)
+    nodes = [helper.make_node("Add", ["x", "w1"], ["a"]), helper.make_node("Add", ["a", "w2"], ["y"])]
+    model = make_model(nodes, [("x", [3])], [("y", [3])], {"w1": w, "w2": w.copy()})
+    out, _ = apply_pass(cleanup.PASS, model)
+    assert len(out.graph.initializer) == 1
+
+
+def test_fold_constants_folds_weight_arithmetic_but_never_dequantize():
+    w = rand(3, 3)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["m"]),
+             helper.make_node("DequantizeLinear", ["q", "scale"], ["dq"]),
+             helper.make_node("Add", ["m", "dq"], ["y"])]
+    model = make_model(nodes, [("x", [2, 3])], [("y", [2, 3])],
+                       {"w": w, "q": np.array([1, 2, 3], np.int8), "scale": np.float32(0.5)})
+    out, _ = apply_pass(fold_constants.PASS, model)
+    assert ops(out) == {"MatMul": 1, "DequantizeLinear": 1, "Add": 1}
+    assert max_diff(model, out, {"x": rand(2, 3)}) == 0.0
+
+
+def test_fold_constants_respects_the_size_cap():
+    from qprep.graph.passes import PassSettings
+
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["big"], value=helper.make_tensor("v", 1, [1], [1.0])),
+             helper.make_node("Add", ["x", "big"], ["y"])]
+    model = make_model(nodes, [("x", [64, 64])], [("y", [64, 64])], {"shape": np.array([64, 64], np.int64)})
+    out, _ = apply_pass(fold_constants.PASS, model, PassSettings(fold_max_elements=100))
+    assert ops(out)["ConstantOfShape"] == 1
+    out, _ = apply_pass(fold_constants.PASS, model, PassSettings(fold_max_elements=10_000))
+    assert "ConstantOfShape" not in ops(out)
+
+
+def conv_bn(extra_consumer=False):
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], epsilon=1e-3)]
+    outputs = [("y", [1, 4, 8, 8])]
+    if extra_consumer:
+        nodes.append(helper.make_node("Relu", ["c"], ["z"]))
+        outputs.append(("z", [1, 4, 8, 8]))
+    inits = {"w": rand(4, 3, 3, 3), "g": rand(4, seed=1), "b": rand(4, seed=2), "m": rand(4, seed=3),
+             "v": np.abs(rand(4, seed=4)) + 0.1}
+    return make_model(nodes, [X], outputs, inits)
+
+
+def test_batchnorm_folds_into_conv_with_its_epsilon():
+    model = conv_bn()
+    out, outcome = apply_pass(fold_into_conv.PASS, model)
+    assert ops(out) == {"Conv": 1} and outcome.matches == 1
+    assert max_diff(model, out, {"x": rand(1, 3, 8, 8)}) < 1e-5
+
+
+def test_batchnorm_not_folded_when_conv_output_has_another_consumer():
+    out, outcome = apply_pass(fold_into_conv.PASS, conv_bn(extra_consumer=True))
+    assert ops(out)["BatchNormalization"] == 1 and outcome.matches == 0
+
+
+def test_constant_bias_add_folds_into_conv_only_when_per_channel():
+    def model(addend):
+        nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"]), helper.make_node("Add", ["c", "a"], ["y"])]
+        return make_model(nodes, [X], [("y", [1, 4, 6, 6])],
+                          {"w": rand(4, 3, 3, 3), "b": rand(4, seed=1), "a": addend})
+    per_channel = model(rand(1, 4, 1, 1, seed=2))
+    out, outcome = apply_pass(fold_into_conv.PASS, per_channel)
+    assert ops(out) == {"Conv": 1} and outcome.matches == 1
+    assert max_diff(per_channel, out, {"x": rand(1, 3, 8, 8)}) < 1e-5
+    per_pixel = model(rand(1, 4, 6, 6, seed=2))
+    out, outcome = apply_pass(fold_into_conv.PASS, per_pixel)
+    assert ops(out) == {"Conv": 1, "Add": 1} and outcome.matches == 0
+
+
+def test_transposes_compose_and_shape_chains_become_constant():
+    nodes = [helper.make_node("Transpose", ["x"], ["t1"], perm=[0, 2, 3, 1]),
+             helper.make_node("Transpose", ["t1"], ["t2"], perm=[0, 3, 1, 2]),
+             helper.make_node("Shape", ["t2"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Unsqueeze", ["n", "axes"], ["n1"]),
+             helper.make_node("Concat", ["n1", "minus1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["t2", "shape"], ["y"])]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 192])],
+                       {"zero": np.array(0, np.int64), "axes": np.array([0], np.int64),
+                        "minus1": np.array([-1], np.int64)})
+    out, outcome = apply_pass(simplify_shapes.PASS, model)
+    assert ops(out) == {"Reshape": 1}
+    assert out.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"  # still dynamic
+    feeds = {"x": rand(2, 3, 8, 8)}
+    assert max_diff(model, out, feeds) == 0.0
+
+
+def test_matmul_add_becomes_gemm_only_for_2d():
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
+    flat = make_model(nodes, [("x", [2, 3])], [("y", [2, 4])], {"w": rand(3, 4), "b": rand(4, seed=1)})
+    out, _ = apply_pass(fuse_gemm.PASS, flat)
+    assert ops(out) == {"Gemm": 1}
+    assert max_diff(flat, out, {"x": rand(2, 3)}) < 1e-6
+    batched = make_model(nodes, [("x", [5, 2, 3])], [("y", [5, 2, 4])], {"w": rand(3, 4), "b": rand(4, seed=1)})
+    out, _ = apply_pass(fuse_gemm.PASS, batched)
+    assert ops(out) == {"MatMul": 1, "Add": 1}
