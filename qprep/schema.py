@@ -107,7 +107,9 @@ def _scalar(value: Any, key: Key, where: str, base_dir: Path) -> Any:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where}: expected {_TYPE_NAMES[kind]}, got {_describe(value)}")
     if key.choices and value not in key.choices:
-        raise ConfigError(f"{where}: {value!r} is not allowed; choose one of: {', '.join(map(str, key.choices))}")
+        guess = closest(str(value), [str(c) for c in key.choices])
+        hint = f"did you mean '{guess}'? " if guess else ""
+        raise ConfigError(f"{where}: {value!r} is not allowed; {hint}choose one of: {', '.join(map(str, key.choices))}")
     if key.minimum is not None and value < key.minimum:
         raise ConfigError(f"{where}: {value} is below the minimum {key.minimum}")
     if kind == "path":

@@ -59,7 +59,7 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> li
                 f"inputs.{name}: {len(dims)} dims given, the model's input has rank {len(shape.dim)}"
             )
         for i, (dim, size) in enumerate(zip(shape.dim, dims)):
-            if dim.HasField("dim_value") and dim.dim_value != size:
+            if dim.HasField("dim_value") and dim.dim_value >= 0 and dim.dim_value != size:
                 raise ConfigError(
                     f"inputs.{name}[{i}]: the model fixes this dim to {dim.dim_value}; {size} cannot be used"
                 )

@@ -24,6 +24,8 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {s['index'] + 1} | {s['name']} | {s['status']} | {s.get('nodes_before', '?')} → "
                          f"{s.get('nodes_after', '?')} | {s.get('seconds', 0):.2f} | {notes} |")
         lines.append("")
+        for s in stages:
+            lines += _passes_table(s)
     else:
         lines += ["No stages configured: the result is the loaded model (nodes named, shapes inferred).", ""]
     result = report.get("result")
@@ -37,3 +39,22 @@ def render_markdown(report: dict) -> str:
     if report.get("warnings"):
         lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
     return "\n".join(lines)
+
+
+def _passes_table(stage: dict) -> list[str]:
+    """Per-pass detail of a stage that runs passes (optimize): what matched, what was kept, how it verified."""
+    passes = stage.get("passes")
+    if not passes:
+        return []
+    lines = [f"### {stage['name']}: passes", "",
+             f"Verified on {stage.get('verified_on', '?')}; rewriting {stage.get('rewrite_seconds', 0):.2f} s, "
+             f"verification {stage.get('verify_seconds', 0):.2f} s, {stage.get('rounds', 1)} round(s).", "",
+             "| pass | status | rewrites | nodes removed | worst max abs error | seconds |", "|---|---|---|---|---|---|"]
+    for p in passes:
+        outputs = (p.get("verification") or {}).get("outputs", {})
+        worst = max((o["max_abs"] for o in outputs.values()), default=None)
+        lines.append(f"| {p['pass']} | {p['status']} | {p['matches']} | {p['nodes_removed']} | "
+                     f"{'–' if worst is None else f'{worst:.2g}'} | {p['seconds'] + p['verify_seconds']:.2f} |")
+    for r in stage.get("rolled_back", []):
+        lines.append(f"\nRolled back: **{r['pass']}** (round {r['round']}): {r['reason']}")
+    return lines + [""]
