@@ -9,8 +9,11 @@ from qprep.model_io import load_model
 
 
 def inspect_model(path: str) -> dict:
+    from qprep.graph.passes.layernorm import count_decomposed_layernorms
+
     model = load_model(path)
-    return {"path": str(path), "bytes": Path(path).stat().st_size, **model_info.summary(model)}
+    return {"path": str(path), "bytes": Path(path).stat().st_size, **model_info.summary(model),
+            "decomposed_layernorms": count_decomposed_layernorms(model)}
 
 
 def render_inspection(info: dict) -> str:
@@ -25,6 +28,8 @@ def render_inspection(info: dict) -> str:
     lines += [f"    {s['name']}: {s['dtype']} {shape(s)}" for s in info["inputs"]]
     lines.append("  outputs:")
     lines += [f"    {s['name']}: {s['dtype']} {shape(s)}" for s in info["outputs"]]
+    fused = info["op_counts"].get("LayerNormalization", 0)
+    lines.append(f"  LayerNorm: {fused} fused, {info['decomposed_layernorms']} decomposed (fusable by `optimize`)")
     lines.append(f"  nodes: {info['nodes']} ({len(info['op_counts'])} op types), initializers: {info['initializers']}")
     width = max((len(op) for op in info["op_counts"]), default=0)
     lines += [f"    {op:<{width}}  {count}" for op, count in info["op_counts"].items()]

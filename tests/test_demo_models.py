@@ -46,3 +46,10 @@ def test_minilm_calibration_matches_its_three_integer_inputs(tmp_path):
     assert len(samples) == 8
     assert {k: v.dtype.name for k, v in samples.samples[0].items()} == {
         "input_ids": "int64", "attention_mask": "int64", "token_type_ids": "int64"}
+
+
+def test_inspect_counts_decomposed_layernorms_with_the_optimize_matcher(cli):
+    code, out, _ = cli("inspect", demo_model("minilm_l6_v2.onnx"), "--json")
+    assert code == 0 and json.loads(out)["decomposed_layernorms"] == 13
+    code, out, _ = cli("inspect", demo_model("ppocrv4_rec.onnx"))
+    assert "LayerNorm: 0 fused, 5 decomposed" in out

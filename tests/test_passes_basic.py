@@ -133,3 +133,19 @@ def test_matmul_add_becomes_gemm_only_for_2d():
     batched = make_model(nodes, [("x", [5, 2, 3])], [("y", [5, 2, 4])], {"w": rand(3, 4), "b": rand(4, seed=1)})
     out, _ = apply_pass(fuse_gemm.PASS, batched)
     assert ops(out) == {"MatMul": 1, "Add": 1}
+
+
+def test_cleanup_keeps_a_tiny_epsilon_and_a_near_one_scale():
+    """onnxscript's add_0/mul_by_1 accept |c| <= 1e-8 and 1 ± 1e-5; LayerNorm's 1e-12 epsilon must survive."""
+    nodes = [helper.make_node("Add", ["x", "eps"], ["a"]), helper.make_node("Mul", ["a", "nearly_one"], ["y"])]
+    model = make_model(nodes, [("x", [3])], [("y", [3])],
+                       {"eps": np.float32(1e-12), "nearly_one": np.float32(1.000005)})
+    out, outcome = apply_pass(cleanup.PASS, model)
+    assert ops(out) == {"Add": 1, "Mul": 1} and outcome.matches == 0
+
+
+def test_cleanup_keeps_an_add_that_broadcasts_to_a_bigger_shape():
+    nodes = [helper.make_node("Add", ["x", "zeros"], ["y"])]
+    model = make_model(nodes, [("x", [3])], [("y", [2, 3])], {"zeros": np.zeros((2, 3), np.float32)})
+    out, _ = apply_pass(cleanup.PASS, model)
+    assert ops(out) == {"Add": 1}

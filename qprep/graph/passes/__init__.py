@@ -42,7 +42,8 @@ class GraphPass:
 
 
 # Canonical order: cleanup first (fewer nodes to match), then folds that expose constants, then fusions.
-PASS_MODULES: tuple[str, ...] = ("cleanup", "fold_constants", "simplify_shapes", "fold_into_conv", "fuse_gemm")
+PASS_MODULES: tuple[str, ...] = ("cleanup", "fold_constants", "simplify_shapes", "fold_into_conv",
+                                 "layernorm", "gelu", "fuse_gemm")
 
 
 def all_passes() -> dict[str, GraphPass]:

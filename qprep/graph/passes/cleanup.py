@@ -12,12 +12,52 @@ import onnx_ir as ir
 from onnx_ir.passes.common import (DeduplicateInitializersPass, IdentityEliminationPass, RemoveUnusedNodesPass,
                                    RemoveUnusedOpsetsPass)
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
-from onnxscript.rewriter.rules.common import (add_0_rule, div_by_1_rule, dropout_inference_rule, dropout_zero_rule,
-                                              mul_by_1_rule, no_op_cast_rule, no_op_expand_rule,
-                                              no_op_transpose_rule, sub_0_rule)
+from onnxscript.rewriter.rules.common import (dropout_inference_rule, dropout_zero_rule, no_op_cast_rule,
+                                              no_op_expand_rule, no_op_transpose_rule)
 
 from qprep.graph.ir_utils import constant_array
 from qprep.graph.passes import GraphPass, PassOutcome, PassSettings
+
+
+class _NeutralOperand(RewriteRuleClassBase):
+    """x ∘ c → x when c is exactly the operation's neutral element, a single value that cannot broadcast x to
+    a bigger shape. Exact comparison on purpose: onnxscript's add_0 rule accepts |c| <= 1e-8, which deletes
+    LayerNorm's `+ 1e-12` epsilon."""
+
+    op_type = ""
+    neutral = 0.0
+    constant_first = False  # match c ∘ x (only for commutative ops)
+
+    def pattern(self, op, x, c):
+        operands = (c, x) if self.constant_first else (x, c)
+        return getattr(op, self.op_type)(*operands)
+
+    def check(self, context, x, c, **_) -> MatchResult:
+        result = MatchResult()
+        value = constant_array(c)
+        if value is None or value.size != 1 or value.dtype != _numpy_dtype(x):
+            return result.fail("not a single constant of x's type")
+        if x.shape is None or value.ndim > len(x.shape):
+            return result.fail("the constant could broadcast x to a higher rank")
+        return result if float(value.reshape(())) == self.neutral else result.fail("not the neutral element")
+
+    def rewrite(self, op, x, c, **_):
+        return op.Identity(x)
+
+
+def _numpy_dtype(value: ir.Value):
+    return None if value.dtype is None else value.dtype.numpy()
+
+
+def _neutral_rule(op_type: str, neutral: float, constant_first: bool = False):
+    name = f"{op_type}{'ConstFirst' if constant_first else ''}Neutral"
+    rule_class = type(name, (_NeutralOperand,), {"op_type": op_type, "neutral": neutral,
+                                                 "constant_first": constant_first})
+    return rule_class.rule()
+
+
+NEUTRAL_RULES = [_neutral_rule("Add", 0.0), _neutral_rule("Add", 0.0, True), _neutral_rule("Sub", 0.0),
+                 _neutral_rule("Mul", 1.0), _neutral_rule("Mul", 1.0, True), _neutral_rule("Div", 1.0)]
 
 
 class ReshapeToSameShape(RewriteRuleClassBase):
@@ -80,8 +120,7 @@ class ZeroPad(RewriteRuleClassBase):
 
 
 RULES = RewriteRuleSet([
-    *mul_by_1_rule.commute(), *add_0_rule.commute(), sub_0_rule, div_by_1_rule,
-    dropout_zero_rule, dropout_inference_rule, InferenceDropout.rule(), no_op_cast_rule, no_op_expand_rule, no_op_transpose_rule,
+    *NEUTRAL_RULES, dropout_zero_rule, dropout_inference_rule, InferenceDropout.rule(), no_op_cast_rule, no_op_expand_rule, no_op_transpose_rule,
     ReshapeToSameShape.rule(), ZeroPad.rule(),
 ])
 

@@ -1,0 +1,115 @@
+"""The optimize stage: verification and rollback, records, and the acceptance numbers on the real models."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from qprep.config import load_config
+from qprep.errors import ConfigError
+from qprep.graph import optimize as optimize_module
+from qprep.graph.passes import GraphPass, PassOutcome, all_passes
+from qprep.graph.passes.layernorm import count_decomposed_layernorms
+from qprep.model_io import load_model
+from qprep import model_info
+from conftest import CALIBRATION, ROOT, demo_model, tiny_conv_model
+
+
+def perturb_weights(model, settings):
+    """A deliberately wrong 'rewrite': scales the Conv weights by 1.01."""
+    for value in model.graph.initializers.values():
+        if value.name == "w":
+            import onnx_ir as ir
+
+            value.const_value = ir.tensor(value.const_value.numpy() * 1.01, name="w")
+            return PassOutcome(1, {"note": "broken on purpose"})
+    return PassOutcome(0)
+
+
+def test_a_pass_that_changes_numbers_is_rolled_back_and_the_run_goes_on(tmp_path, save, cli, monkeypatch):
+    passes = {"broken": GraphPass("broken", perturb_weights, "test"), **all_passes()}
+    monkeypatch.setattr(optimize_module, "all_passes", lambda: passes)
+    model = save(tiny_conv_model())
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {model}\noutput_dir: {tmp_path / 'run'}\n"
+                      "pipeline: [{optimize: {passes: [cleanup]}}]\n")
+    # pass names are validated with the config; the broken one is injected after validation
+    monkeypatch.setattr(optimize_module, "_selected_passes", lambda options: ["broken", "cleanup"])
+    code, _, err = cli("run", config, "--quiet")
+    assert code == 0, err
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    stage = report["stages"][0]
+    assert stage["status"] == "ok"
+    assert [r["pass"] for r in stage["rolled_back"]] == ["broken"]
+    assert "output 'y'" in stage["rolled_back"][0]["reason"]
+    assert {p["pass"]: p["status"] for p in stage["passes"]}["broken"] == "rolled back"
+    saved = onnx.load(str(tmp_path / "run" / "model.onnx"))
+    original = {t.name: t for t in onnx.load(str(model)).graph.initializer}
+    assert {t.name: t for t in saved.graph.initializer}["w"].raw_data == original["w"].raw_data
+    code, _, err = cli("run", config, "--quiet", "--force", "--strict")
+    assert code == 2 and "rolled back in optimize" in err
+
+
+def test_unknown_pass_name_is_a_config_error_with_a_suggestion(tmp_path):
+    with pytest.raises(ConfigError, match=r"pipeline\[0\]\.optimize\.passes\[0\]: 'fold_constant' is not allowed; "
+                                          r"did you mean 'fold_constants'\?"):
+        load_config({"model": "m.onnx", "pipeline": [{"optimize": {"passes": ["fold_constant"]}}]})
+
+
+# --- the real models: every BatchNorm folded, node counts at or below onnxslim 0.1.98's, numbers kept ----
+REAL = {
+    # model: calibration set, input-shape fixes, preprocessing, onnxslim 0.1.98 node count, BatchNorms, LayerNorms
+    "efficientnet_lite0": ("imagenet", None, {"mean": [127.0], "std": [128.0]}, 94, 49, 0),
+    "ppocr_cls": ("ocr_cls", {"x": [1, 3, 48, 192]}, {"mean": [127.5], "std": [127.5], "channel_order": "bgr"},
+                  179, 35, 0),
+    "ppocrv4_rec": ("ocr_rec", {"x": [1, 3, 48, 320]},
+                    {"mean": [127.5], "std": [127.5], "channel_order": "bgr"}, 393, 6, 5),
+    "minilm_l6_v2": ("minilm", None, None, 384, 0, 13),
+}
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory):
+    """Run the optimize stage once per real model (module-scoped: the runs take seconds)."""
+    import qprep
+
+    runs = {}
+    for name, (data, shapes, preprocess, *_) in REAL.items():
+        config = {"model": str(demo_model(f"{name}.onnx")),
+                  "calibration": {"source": str(CALIBRATION / data / "calib"), "max_samples": 8},
+                  "pipeline": [{"optimize": {}}]}
+        if preprocess:
+            config["calibration"]["preprocess"] = preprocess
+        if shapes:
+            config["inputs"] = shapes
+        out = tmp_path_factory.mktemp(name)
+        report = qprep.run(config, output_dir=str(out), force=True)
+        runs[name] = (report, load_model(out / "model.onnx"))
+    return runs
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_model_optimized_within_tolerance_and_no_bigger_than_onnxslim(optimized, name):
+    report, model = optimized[name]
+    stage = report["stages"][0]
+    onnxslim_nodes, batchnorms, layernorms = REAL[name][3:]
+    assert report["model"]["op_counts"].get("BatchNormalization", 0) == batchnorms
+    assert model_info.op_counts(model).get("BatchNormalization", 0) == 0
+    assert count_decomposed_layernorms(load_model(report["model"]["path"])) == layernorms
+    assert model_info.op_counts(model).get("LayerNormalization", 0) == layernorms
+    assert count_decomposed_layernorms(model) == 0
+    assert stage["rolled_back"] == []
+    assert stage["verified_on"].startswith("calibration")
+    for record in stage["passes"]:
+        if record["status"] == "applied":
+            assert record["verification"]["ok"], record
+    assert stage["nodes_after"] <= onnxslim_nodes, (stage["nodes_after"], onnxslim_nodes)
+
+
+def test_dynamic_dims_stay_dynamic(optimized):
+    _, model = optimized["minilm_l6_v2"]
+    dims = [[d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input]
+    assert dims == [["batch", "sequence"]] * 3
+    _, model = optimized["efficientnet_lite0"]
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
