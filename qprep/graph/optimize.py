@@ -1,8 +1,9 @@
 """The `optimize` stage: run the graph passes in order, prove each one kept the numbers, roll back any that
 did not, and repeat while a round still changes the graph (one pass's result is often the next one's match).
 
-Every pass gets a fresh onnx_ir model built from the last accepted ModelProto, so a rollback is just keeping
-the old proto. Verification = onnx.checker + the run's Verifier (ONNX Runtime on calibration samples).
+Passes work on one onnx_ir model; after each pass that changed something its proto is verified (onnx.checker +
+the run's Verifier: ONNX Runtime on calibration samples) and becomes the last accepted model. A rollback
+rebuilds the IR from that proto. Passes must report every change as a match: an unmatched pass is not verified.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
                       "verify_seconds": 0.0, "details": {}} for name in passes}
     rolled_back = []
     rounds_run = 0
+    current = ir.from_proto(model)  # the IR of the last accepted model; rebuilt only after a rollback
     for round_index in range(options["rounds"]):
         rounds_run += 1
         changed = False
@@ -55,13 +57,12 @@ def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
                 continue  # the same input would fail the same way again
             record = records[name]
             start = time.perf_counter()
-            ir_model = ir.from_proto(model)
-            outcome = all_passes()[name].apply(ir_model, settings)
+            outcome = all_passes()[name].apply(current, settings)
             record["details"] = _merge(record["details"], outcome.details)
-            if outcome.matches == 0:
+            if outcome.matches == 0:  # passes report every change, so an unmatched pass left the model as it was
                 record["seconds"] += time.perf_counter() - start
                 continue
-            candidate = ir.to_proto(ir_model)
+            candidate = ir.to_proto(current)
             record["seconds"] += time.perf_counter() - start
             start = time.perf_counter()
             problem = _invalid(candidate)
@@ -73,6 +74,7 @@ def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
                 log.warning("optimize: pass %s rolled back (round %d): %s", name, round_index + 1, reason)
                 rolled_back.append({"pass": name, "round": round_index + 1, "reason": reason,
                                     "outputs": verdict.outputs if verdict else {}})
+                current = ir.from_proto(model)
                 continue
             record["accepted"] += outcome.matches
             record["nodes_removed"] += model_info.node_count(model) - model_info.node_count(candidate)
