@@ -78,6 +78,7 @@ def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
                 continue
             record["accepted"] += outcome.matches
             record["nodes_removed"] += model_info.node_count(model) - model_info.node_count(candidate)
+            record["op_delta"] = _merge(record.get("op_delta", {}), _op_delta(model, candidate))
             record["verification"] = verdict.as_dict()
             model = candidate
             changed = True
@@ -126,6 +127,13 @@ def _invalid(model: onnx.ModelProto) -> str | None:
     except onnx.checker.ValidationError as exc:
         return f"invalid model: {str(exc).splitlines()[0][:200]}"
     return None
+
+
+def _op_delta(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[str, int]:
+    """Op types whose count changed, e.g. {"LayerNormalization": 13, "ReduceMean": -26}."""
+    old, new = model_info.op_counts(before), model_info.op_counts(after)
+    return {op: new.get(op, 0) - old.get(op, 0) for op in sorted(set(old) | set(new))
+            if new.get(op, 0) != old.get(op, 0)}
 
 
 def _merge(old: dict, new: dict) -> dict:

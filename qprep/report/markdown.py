@@ -49,11 +49,13 @@ def _passes_table(stage: dict) -> list[str]:
     lines = [f"### {stage['name']}: passes", "",
              f"Verified on {stage.get('verified_on', '?')}; rewriting {stage.get('rewrite_seconds', 0):.2f} s, "
              f"verification {stage.get('verify_seconds', 0):.2f} s, {stage.get('rounds', 1)} round(s).", "",
-             "| pass | status | rewrites | nodes removed | worst max abs error | seconds |", "|---|---|---|---|---|---|"]
+             "| pass | status | rewrites | nodes removed | ops changed | worst max abs error | seconds |",
+             "|---|---|---|---|---|---|---|"]
     for p in passes:
         outputs = (p.get("verification") or {}).get("outputs", {})
         worst = max((o["max_abs"] for o in outputs.values()), default=None)
-        lines.append(f"| {p['pass']} | {p['status']} | {p['matches']} | {p['nodes_removed']} | "
+        delta = ", ".join(f"{op} {n:+d}" for op, n in sorted(p.get("op_delta", {}).items(), key=lambda kv: -abs(kv[1])))
+        lines.append(f"| {p['pass']} | {p['status']} | {p['matches']} | {p['nodes_removed']} | {delta or '–'} | "
                      f"{'–' if worst is None else f'{worst:.2g}'} | {p['seconds'] + p['verify_seconds']:.2f} |")
     for r in stage.get("rolled_back", []):
         lines.append(f"\nRolled back: **{r['pass']}** (round {r['round']}): {r['reason']}")
