@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 
 from qprep import __version__
-from qprep.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError
+from qprep.errors import EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +105,17 @@ def cmd_run(args) -> int:
         print(f"qprep: error: --strict: rewrites were rolled back in {', '.join(rolled_back)} (see report.md)",
               file=sys.stderr)
         return EXIT_USAGE
+    gate = (report.get("evaluation") or {}).get("gate")
+    if gate and not gate["passed"]:
+        missed = [f"{c['metric']} {_fmt(c['value'])} (needs {c['kind'] == 'maximum' and '<=' or '>='} "
+                  f"{c['threshold']})" for c in gate["checks"] if not c["passed"]]
+        print(f"qprep: gate missed: {'; '.join(missed)} (report in {report['run_dir']})", file=sys.stderr)
+        return EXIT_GATE_MISSED
     return EXIT_OK
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
 
 
 def cmd_validate(args) -> int:

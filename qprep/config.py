@@ -43,12 +43,31 @@ def data_source(doc: str) -> Key:
     )
 
 
+def evaluation_section() -> Key:
+    key = data_source("evaluation after the last stage: the result against the FP32 reference")
+    key.fields.update(
+        max_samples=Key("int", default=128, minimum=1, doc="cap on evaluation samples"),
+        reference_model=Key("path", doc="FP32 model to compare with (default: the input model; set it for QAT input)"),
+        tasks=Key("mapping", item=Key("str", choices=("classification", "sequence", "tensor")), default={},
+                  doc="per output: how to read it (default: guessed from its shape and producer)"),
+        layers=Key("bool", default=True, doc="per-layer error against the prepared float model"),
+        layer_samples=Key("int", default=8, minimum=1, doc="samples used for the per-layer error"),
+        latency=section("latency of reference and result with ONNX Runtime (batch 1)",
+                        runs=Key("int", default=50, minimum=0, doc="timed runs (median reported); 0 disables"),
+                        warmup=Key("int", default=10, minimum=0, doc="untimed runs first")),
+        gate=Key("mapping", item=Key("float"), default={},
+                 doc="metric → threshold, e.g. {cosine_mean: 0.99}; a miss exits 1 after the report"),
+    )
+    return key
+
+
 SCHEMA = section(
     model=Key("path", required=True, doc="the input ONNX model (never written to)"),
     inputs=Key("mapping", item=Key("list", item=Key("int", minimum=1)),
                doc="fix input dims, e.g. {x: [1, 3, 48, 320]}"),
     output_dir=Key("path", doc="run directory (or --out); a non-empty one is refused without --force"),
     calibration=data_source("calibration data (also the samples every rewrite is verified on)"),
+    evaluation=evaluation_section(),
     verify=section(
         "numerical verification of every transform against the model before it",
         atol=Key("float", default=1e-5, minimum=0, doc="absolute tolerance: |a-b| <= atol + rtol*|a|"),

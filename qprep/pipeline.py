@@ -7,9 +7,11 @@ per-stage model, and turning a stage failure into a report that says where it fa
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import onnx
 
@@ -17,6 +19,7 @@ from qprep import __version__, model_info, run_dir
 from qprep.config import Config
 from qprep.data import SampleSet, load_samples, random_samples
 from qprep.errors import ConfigError, QprepError
+from qprep.evaluate import evaluate
 from qprep.graph.prepare import fix_input_shapes, infer_shapes, name_nodes
 from qprep.graph.verify import Tolerance, Verifier
 from qprep.model_io import load_model, save_model, sha256_file
@@ -39,6 +42,9 @@ class RunContext:
     progress: Progress
     float_set: set[str] = field(default_factory=set)  # node names that must stay float (keep_float)
     warnings: list[str] = field(default_factory=list)
+    prepared_model: onnx.ModelProto | None = None  # the float model handed to quantize (per-layer analysis)
+    artifacts: dict[str, Path] = field(default_factory=dict)  # extra deployable files: run-dir name → source
+    runner: Callable[[list[dict]], list[dict]] | None = None  # runs the result when it is not ONNX (RKNN)
 
     def work_dir(self, name: str) -> Path:
         """A folder inside the run directory for a stage's or toolkit's working files."""
@@ -73,11 +79,19 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
             timings[f"stage {index} {name}"] = report["stages"][-1]["seconds"]
         save_model(model, directory / "model.onnx")
         written.append("model.onnx")
+        for name, source in ctx.artifacts.items():
+            os.replace(source, directory / name)
+            written.append(name)
         report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
-                            **model_info.summary(model)}
+                            "artifacts": sorted(ctx.artifacts), **model_info.summary(model)}
         report["float_set"] = sorted(ctx.float_set)
+        if config["evaluation"]:
+            t0 = time.perf_counter()
+            report["evaluation"] = evaluate(config, ctx, model, report["model"]["kind"])
+            timings["evaluation"] = time.perf_counter() - t0
         report["warnings"] += ctx.warnings
-        report["status"] = "ok"
+        gate = (report.get("evaluation") or {}).get("gate")
+        report["status"] = "gate missed" if gate and not gate["passed"] else "ok"
         return report
     except QprepError as exc:
         report["status"], report["error"] = "failed", str(exc)

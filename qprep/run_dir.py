@@ -6,6 +6,7 @@ so `--force` can remove exactly the previous run's files and nothing else of the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import platform
@@ -61,8 +62,26 @@ def attach_log(path: Path) -> logging.Handler:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("qprep")
     logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # the terminal shows progress lines and errors, not the log
     logger.addHandler(handler)
     return handler
+
+
+@contextlib.contextmanager
+def toolkit_logging_to_run_log():
+    """Toolkits (ORT's quantizer, rknn-toolkit2) log through the root logger and would print to the
+    terminal; while they run, their records go to the run log instead."""
+    root = logging.getLogger()
+    run_handlers = logging.getLogger("qprep").handlers
+    saved, level = root.handlers[:], root.level
+    root.handlers = list(run_handlers)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # Python warnings (e.g. onnxconverter-common's) go the same way
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        root.handlers, root.level = saved, level
 
 
 def detach_log(handler: logging.Handler) -> None:

@@ -38,9 +38,11 @@ class Verification:
         return {"ok": self.ok, "reason": self.reason, "samples": self.samples, "outputs": self.outputs}
 
 
-def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> list[dict[str, np.ndarray]]:
-    """Outputs of `model` for every sample (only the inputs the model declares are fed)."""
-    session = ort_session(model, threads=threads)
+def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
+              optimize: bool = False) -> list[dict[str, np.ndarray]]:
+    """Outputs of `model` for every sample (only the inputs the model declares are fed). `optimize=True` runs
+    it as deployed (ORT_ENABLE_ALL: QDQ fused into integer kernels); False runs the graph exactly as written."""
+    session = ort_session(model, threads=threads, optimize=optimize)
     names = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
     try:

@@ -6,14 +6,16 @@ import json
 from pathlib import Path
 
 from qprep.model_io import atomic_write_text
+from qprep.report.html import render_html
 from qprep.report.markdown import render_markdown
 
 
 def write_report(directory: Path, report: dict) -> list[str]:
-    """Write report.json and report.md atomically; returns the file names written."""
+    """Write report.json, report.md and report.html atomically; returns the file names written."""
     atomic_write_text(directory / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
     atomic_write_text(directory / "report.md", render_markdown(report))
-    return ["report.json", "report.md"]
+    atomic_write_text(directory / "report.html", render_html(report))
+    return ["report.json", "report.md", "report.html"]
 
 
 def _jsonable(value):

@@ -36,6 +36,7 @@ def render_markdown(report: dict) -> str:
         for op in sorted(set(before) | set(after), key=lambda o: (-after.get(o, 0), -before.get(o, 0), o)):
             lines.append(f"| {op} | {before.get(op, 0)} | {after.get(op, 0)} |")
         lines.append("")
+    lines += _evaluation(report.get("evaluation"))
     if report.get("warnings"):
         lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
     return "\n".join(lines)
@@ -60,3 +61,57 @@ def _passes_table(stage: dict) -> list[str]:
     for r in stage.get("rolled_back", []):
         lines.append(f"\nRolled back: **{r['pass']}** (round {r['round']}): {r['reason']}")
     return lines + [""]
+
+
+def _evaluation(evaluation: dict | None) -> list[str]:
+    if not evaluation:
+        return []
+    samples = evaluation["samples"]
+    lines = ["## Accuracy against the reference", "",
+             f"Reference `{evaluation['reference_model']}`, {samples['count']} evaluation samples from "
+             f"`{samples['source']}`.", ""]
+    lines += [f"> {note}" for note in evaluation.get("notes", [])]
+    lines += ["| output | cosine mean | cosine min | SQNR dB | max abs | agreement (95% CI) |", "|---|---|---|---|---|---|"]
+    for name, m in evaluation["outputs"].items():
+        lines.append(f"| {name} | {m['cosine_mean']:.5f} | {m['cosine_min']:.5f} | {m['sqnr_db']:.1f} | "
+                     f"{m['max_abs']:.3g} | {agreement_text(m)} |")
+    lines.append("")
+    gate = evaluation.get("gate")
+    if gate:
+        verdict = "passed" if gate["passed"] else "**missed**"
+        checks = "; ".join(f"{c['metric']} {'n/a' if c['value'] is None else format(c['value'], '.4g')} "
+                           f"({'>=' if c.get('kind') != 'maximum' else '<='} {c['threshold']}: "
+                           f"{'ok' if c['passed'] else 'missed'})" for c in gate["checks"])
+        lines += [f"Gate {verdict}: {checks}", ""]
+    latency = evaluation.get("latency")
+    if latency and "speedup" in latency:
+        lines += [f"Latency (batch 1, {latency['settings']['threads']} threads, median of "
+                  f"{latency['result']['runs']} runs): reference {latency['reference']['median_ms']:.2f} ms, "
+                  f"result {latency['result']['median_ms']:.2f} ms — **{latency['speedup']:.2f}×**.", ""]
+    elif latency:
+        lines += [f"Latency: {latency['status']}.", ""]
+    sizes = evaluation.get("size_bytes")
+    if sizes:
+        lines += [f"Size: reference {sizes['reference'] / 1e6:.2f} MB, result {sizes['result'] / 1e6:.2f} MB.", ""]
+    layers = evaluation.get("layers")
+    if layers:
+        lines += ["### Worst layers (accumulated error, lowest SQNR first)", "",
+                  "| tensor | op | cosine mean | SQNR dB |", "|---|---|---|---|"]
+        lines += [f"| `{r['tensor']}` | {r['op_type']} | {r['cosine_mean']:.5f} | {r['sqnr_db']:.1f} |"
+                  for r in layers[:15]]
+        lines.append("")
+    worst = {name: m.get("worst_samples", []) for name, m in evaluation["outputs"].items()}
+    for name, rows in worst.items():
+        if rows:
+            listed = ", ".join(f"{r['sample']} ({r['cosine']:.4f})" for r in rows)
+            lines += [f"Worst samples for {name} (cosine): {listed}", ""]
+    return lines
+
+
+def agreement_text(m: dict) -> str:
+    for prefix in ("top1", "step"):
+        if f"{prefix}_agreement" in m:
+            low, high = m[f"{prefix}_agreement_ci95"]
+            return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "
+                    f"n={m[f'{prefix}_count']})")
+    return "–"

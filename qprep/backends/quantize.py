@@ -1,0 +1,51 @@
+"""The `quantize` stage: hand the prepared float model to the configured backend (ort | fp16 | rknn).
+
+Refuses already-integer models (there is nothing left to quantize); a QDQ model is quantized again only if
+the user insists (backend ort on a QAT model would stack a second set of Q/DQ nodes).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from qprep import model_info
+from qprep.errors import QprepError
+from qprep.run_dir import toolkit_logging_to_run_log
+from qprep.schema import Key
+from qprep.stages import StageResult, stage
+
+BACKENDS = {"ort": "qprep.backends.ort", "fp16": "qprep.backends.fp16"}
+
+
+def _backend(name: str):
+    return importlib.import_module(BACKENDS[name])
+
+
+@stage(
+    "quantize",
+    summary="quantize with ONNX Runtime (static INT8) or convert to FP16; the float set stays float",
+    backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
+    max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),
+    **{name: _backend(name).OPTIONS for name in BACKENDS},
+)
+def quantize(model, ctx, options: dict) -> StageResult:
+    kind = model_info.model_kind(model)
+    if kind == model_info.INTEGER:
+        raise QprepError("quantize: the model is already integer-quantized (QLinear*/ConvInteger ops); "
+                         "remove the quantize stage or start from the float model")
+    if kind == model_info.QDQ:
+        return StageResult(model=model, status="skipped",
+                           reason="the model already holds Q/DQ nodes (QAT); use remove_redundant_qdq/fuse_conv_qdq")
+    backend = options["backend"]
+    if ctx.calibration is None and backend != "fp16":
+        raise QprepError("quantize: calibration data is required; add `calibration: {source: <folder>}`")
+    samples = ctx.calibration.samples[: options["max_samples"]] if ctx.calibration else []
+    ctx.prepared_model = model  # the float model the per-layer analysis compares against
+    with toolkit_logging_to_run_log():
+        result = _backend(backend).quantize(model, samples, set(ctx.float_set), options[backend],
+                                            ctx.work_dir(backend))
+    ctx.artifacts.update(result.artifacts)
+    if result.runner is not None:
+        ctx.runner = result.runner
+    return StageResult(model=result.model if result.model is not None else model,
+                       details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details})

@@ -1,0 +1,76 @@
+"""Evaluation after the last stage: the result against the FP32 reference on evaluation samples.
+
+Per output: cosine (mean/min), SQNR, max abs error, MSE, agreement where the output is class or per-step
+scores (with a 95% interval); per-layer accumulated error against the prepared float model; latency and
+size; the worst samples; and the gate. Everything lands in report.json under `evaluation`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+
+from qprep import model_info
+from qprep.data import load_samples
+from qprep.evaluate.gate import check_gate
+from qprep.evaluate.latency import measure
+from qprep.evaluate.layers import layer_errors
+from qprep.evaluate.metrics import compare_output, output_task
+from qprep.graph.verify import run_model
+from qprep.model_io import load_model
+
+log = logging.getLogger("qprep")
+
+
+def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> dict:
+    cfg = config["evaluation"]
+    threads = config["threads"]
+    reference_path = cfg["reference_model"] or config["model"]
+    notes = []
+    if cfg["reference_model"] is None and original_kind == model_info.QDQ:
+        notes.append("the input model is QDQ and no evaluation.reference_model is set: the result is compared "
+                     "with the QDQ input, not with an FP32 model")
+    reference = load_model(reference_path)
+    with ctx.progress.step("evaluation: load samples"):
+        samples = load_samples(cfg, model_info.graph_inputs(final_model), role="evaluation")
+    if ctx.calibration is not None and set(samples.files) & set(ctx.calibration.files):
+        notes.append("evaluation and calibration share samples: agreement figures are optimistic")
+    with ctx.progress.step(f"evaluation: {len(samples)} samples"):
+        expected = run_model(reference, samples.samples, threads, optimize=True)
+        actual = ctx.runner(samples.samples) if ctx.runner else run_model(final_model, samples.samples, threads,
+                                                                             optimize=True)
+    producers = {o: n.op_type for n in reference.graph.node for o in n.output}
+    outputs = {}
+    for name in expected[0]:
+        task = cfg["tasks"].get(name) or output_task(name, expected[0][name].shape, producers.get(name))
+        metrics = compare_output([e[name] for e in expected], [a[name] for a in actual], task)
+        per_sample = metrics.pop("per_sample_cosine")
+        metrics["worst_samples"] = sorted(
+            ({"sample": Path(f).name, "cosine": c} for f, c in zip(samples.files, per_sample)),
+            key=lambda row: row["cosine"])[:5]
+        outputs[name] = metrics
+    result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
+    if cfg["layers"] and ctx.prepared_model is not None and ctx.runner is None:
+        with ctx.progress.step("evaluation: per-layer error"):
+            result["layers"] = layer_errors(ctx.prepared_model, final_model, samples.samples[: cfg["layer_samples"]],
+                                            threads)
+    if cfg["latency"]["runs"] > 0:
+        with ctx.progress.step("evaluation: latency"):
+            result["latency"] = _latency(reference, final_model, samples.samples[0], threads, cfg["latency"], ctx)
+    result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,
+                            "result": final_model.ByteSize()}
+    if cfg["gate"]:
+        result["gate"] = check_gate(cfg["gate"], outputs)
+    return result
+
+
+def _latency(reference, final_model, sample, threads: int, cfg: dict, ctx) -> dict:
+    if ctx.runner is not None:
+        return {"status": "not measured (no device): the result runs on a simulator"}
+    ref = measure(reference, sample, threads, cfg["runs"], cfg["warmup"])
+    res = measure(final_model, sample, threads, cfg["runs"], cfg["warmup"])
+    return {"reference": ref, "result": res, "speedup": ref["median_ms"] / res["median_ms"],
+            "settings": {"batch": 1, "threads": threads, "provider": "CPUExecutionProvider",
+                         "graph_optimization": "ORT_ENABLE_ALL"}}

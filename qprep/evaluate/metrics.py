@@ -1,0 +1,84 @@
+"""Accuracy metrics of a result against its reference, per output, over evaluation samples.
+
+Similarities (cosine, SQNR, agreement) are "higher is better"; errors (max_abs, mse) "lower is better";
+`higher_is_better` is what the gate and `compare` use to read a threshold as a minimum or a maximum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from qprep.graph.verify import cosine
+
+HIGHER_IS_BETTER = {"cosine_mean", "cosine_min", "sqnr_db", "top1_agreement", "top5_agreement",
+                    "step_agreement", "top1_accuracy", "reference_top1_accuracy"}
+
+
+def higher_is_better(metric: str) -> bool:
+    return metric.split(".")[-1] in HIGHER_IS_BETTER or metric.endswith("_agreement")
+
+
+def output_task(name: str, shape: tuple, producer_op: str | None) -> str:
+    """What an output looks like: class scores [N, C], per-step scores [N, T, C] (a Softmax/LogSoftmax over
+    the last axis), or anything else (compared numerically only)."""
+    if len(shape) == 2 and shape[-1] >= 2:
+        return "classification"
+    if len(shape) == 3 and shape[-1] >= 2 and producer_op in ("Softmax", "LogSoftmax"):
+        return "sequence"
+    return "tensor"
+
+
+def compare_output(reference: list[np.ndarray], result: list[np.ndarray], task: str) -> dict:
+    ref = [np.asarray(r, dtype=np.float64) for r in reference]
+    res = [np.asarray(r, dtype=np.float64) for r in result]
+    cosines = [cosine(a, b) for a, b in zip(ref, res)]
+    noise = sum(float(np.sum((a - b) ** 2)) for a, b in zip(ref, res))
+    signal = sum(float(np.sum(a ** 2)) for a in ref)
+    count = sum(a.size for a in ref)
+    metrics = {
+        "samples": len(ref),
+        "cosine_mean": float(np.mean(cosines)),
+        "cosine_min": float(np.min(cosines)),
+        "sqnr_db": float("inf") if noise == 0 else 10 * math.log10(max(signal, 1e-300) / noise),
+        "max_abs": max(float(np.max(np.abs(a - b))) for a, b in zip(ref, res)),
+        "mse": noise / max(count, 1),
+        "task": task,
+    }
+    if task == "classification":
+        metrics.update(_agreement("top1", _topk_hits(ref, res, 1)))
+        if ref[0].shape[-1] >= 10:
+            metrics.update(_agreement("top5", _topk_hits(ref, res, 5)))
+    elif task == "sequence":
+        hits = [(a.argmax(-1) == b.argmax(-1)).ravel() for a, b in zip(ref, res)]
+        metrics.update(_agreement("step", np.concatenate(hits)))
+    metrics["per_sample_cosine"] = cosines
+    return metrics
+
+
+def _topk_hits(ref: list[np.ndarray], res: list[np.ndarray], k: int) -> np.ndarray:
+    """Per row: is the reference's top-1 class among the result's top-k?"""
+    hits = []
+    for a, b in zip(ref, res):
+        a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        top = np.argsort(-b2, axis=-1)[:, :k]
+        hits.extend((top == a2.argmax(-1)[:, None]).any(-1))
+    return np.asarray(hits)
+
+
+def _agreement(prefix: str, hits: np.ndarray) -> dict:
+    rate = float(hits.mean()) if hits.size else float("nan")
+    low, high = wilson_interval(int(hits.sum()), int(hits.size))
+    return {f"{prefix}_agreement": rate, f"{prefix}_agreement_ci95": [low, high], f"{prefix}_count": int(hits.size)}
+
+
+def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval: honest at 100% agreement on few samples, unlike the normal approximation."""
+    if total == 0:
+        return float("nan"), float("nan")
+    p = successes / total
+    denom = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denom
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)

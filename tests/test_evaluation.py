@@ -1,0 +1,117 @@
+"""Evaluation and the report numbers: recomputed independently from the saved models; gate; metrics."""
+
+import json
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from qprep.evaluate.gate import check_gate
+from qprep.evaluate.metrics import compare_output, output_task, wilson_interval
+from conftest import CALIBRATION, ROOT, demo_model
+
+IMAGENET = {"mean": [127.0], "std": [128.0]}
+
+
+@pytest.fixture(scope="module")
+def ort_run(tmp_path_factory):
+    """configs/ort_int8.yaml on EfficientNet-Lite0, trimmed for test time (fewer samples, few latency runs)."""
+    import qprep
+
+    out = tmp_path_factory.mktemp("ort_int8")
+    report = qprep.run(str(ROOT / "configs" / "ort_int8.yaml"), output_dir=str(out), force=True,
+                       **{"calibration.max_samples": 16, "evaluation.max_samples": 24,
+                          "evaluation.latency.runs": 3, "evaluation.latency.warmup": 1,
+                          "evaluation.gate": {"cosine_mean": 0.9, "logits.max_abs": 0.001}})
+    return report, out
+
+
+def test_ort_int8_run_writes_the_three_reports_and_an_integer_model(ort_run):
+    report, out = ort_run
+    assert {"report.json", "report.md", "report.html", "model.onnx", "manifest.json"} <= {p.name for p in out.iterdir()}
+    assert report["result"]["kind"] == "qdq"
+    html = (out / "report.html").read_text()
+    assert "<svg" in html and "Accuracy against the reference" in html
+    assert report["evaluation"]["latency"]["result"]["runs"] == 3
+    assert report["evaluation"]["layers"], "per-layer error missing"
+    layers = report["evaluation"]["layers"]
+    assert [r["sqnr_db"] for r in layers] == sorted(r["sqnr_db"] for r in layers)  # worst first
+
+
+def test_report_cosine_and_agreement_match_an_independent_recomputation(ort_run):
+    """Run reference and result with plain ORT and numpy; the report must agree to 1e-6."""
+    report, out = ort_run
+    from qprep.data import load_samples
+    from qprep.model_info import graph_inputs
+    from qprep.model_io import load_model
+
+    model = load_model(out / "model.onnx")
+    cfg = {"source": str(CALIBRATION / "imagenet" / "eval"), "format": "auto", "max_samples": 24, "seed": 0,
+           "preprocess": {**IMAGENET, "channel_order": "rgb", "layout": "auto", "resize": "stretch"}}
+    samples = load_samples(cfg, graph_inputs(model)).samples
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    ref = ort.InferenceSession(str(demo_model("efficientnet_lite0.onnx")), options)
+    res = ort.InferenceSession(str(out / "model.onnx"), options)
+    a = np.concatenate([ref.run(None, s)[0] for s in samples]).astype(np.float64)
+    b = np.concatenate([res.run(None, s)[0] for s in samples]).astype(np.float64)
+    cosines = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    metrics = report["evaluation"]["outputs"]["logits"]
+    assert metrics["samples"] == 24
+    assert abs(metrics["cosine_mean"] - cosines.mean()) < 1e-6
+    assert abs(metrics["cosine_min"] - cosines.min()) < 1e-6
+    assert abs(metrics["top1_agreement"] - (a.argmax(1) == b.argmax(1)).mean()) < 1e-6
+
+
+def test_gate_miss_is_recorded_and_exits_1(ort_run, cli, tmp_path):
+    report, _ = ort_run
+    gate = report["evaluation"]["gate"]
+    assert not gate["passed"] and report["status"] == "gate missed"
+    assert [c["passed"] for c in gate["checks"]] == [True, False]  # cosine >= 0.9 ok, max_abs <= 0.001 missed
+    code, _, err = cli("run", ROOT / "configs" / "ort_int8.yaml", "--out", tmp_path / "g", "--quiet",
+                       "--set", "calibration.max_samples=4", "--set", "evaluation.max_samples=4",
+                       "--set", "evaluation.latency.runs=0", "--set", "evaluation.layers=false",
+                       "--set", "evaluation.gate={cosine_mean: 1.01}")
+    assert code == 1 and "gate missed: cosine_mean" in err
+    assert json.loads((tmp_path / "g" / "report.json").read_text())["status"] == "gate missed"
+
+
+def test_gate_reads_similarities_as_minimums_and_errors_as_maximums():
+    outputs = {"a": {"cosine_mean": 0.99, "max_abs": 0.5}, "b": {"cosine_mean": 0.95, "max_abs": 0.1}}
+    gate = check_gate({"cosine_mean": 0.96, "max_abs": 0.6, "b.cosine_mean": 0.9, "top1_agreement": 0.5}, outputs)
+    assert [(c["metric"], c["value"], c["passed"]) for c in gate["checks"]] == [
+        ("cosine_mean", 0.95, False), ("max_abs", 0.5, True), ("b.cosine_mean", 0.95, True),
+        ("top1_agreement", None, False)]
+
+
+def test_output_task_guess_and_sequence_agreement():
+    assert output_task("logits", (1, 1000), "Gemm") == "classification"
+    assert output_task("probs", (1, 40, 6625), "Softmax") == "sequence"
+    assert output_task("hidden", (1, 128, 384), "LayerNormalization") == "tensor"
+    ref = [np.array([[[0.9, 0.1], [0.2, 0.8]]])]
+    res = [np.array([[[0.6, 0.4], [0.7, 0.3]]])]
+    metrics = compare_output(ref, res, "sequence")
+    assert metrics["step_agreement"] == 0.5 and metrics["step_count"] == 2
+
+
+def test_wilson_interval_is_honest_at_full_agreement():
+    low, high = wilson_interval(20, 20)
+    assert high == 1.0 and 0.8 < low < 0.85
+    assert all(math.isnan(v) for v in wilson_interval(0, 0))  # no samples, no interval
+
+
+def test_fp16_config_keeps_layernorm_float32_and_io_types(tmp_path):
+    import qprep
+    from qprep.model_io import load_model
+
+    report = qprep.run(str(ROOT / "configs" / "fp16.yaml"), output_dir=str(tmp_path), force=True,
+                       **{"calibration.max_samples": 4, "verify.max_samples": 2, "evaluation.max_samples": 8,
+                          "evaluation.latency.runs": 0})
+    model = load_model(tmp_path / "model.onnx")
+    assert [i.type.tensor_type.elem_type for i in model.graph.output] == [1]  # float32 out
+    ln_inputs = {n.input[0] for n in model.graph.node if n.op_type == "LayerNormalization"}
+    casts_to_fp32 = {n.output[0] for n in model.graph.node if n.op_type == "Cast"
+                     and n.attribute[0].i == 1}
+    assert len(ln_inputs) == 13 and ln_inputs <= casts_to_fp32  # every LayerNorm computes in float32
+    assert report["evaluation"]["outputs"]["last_hidden_state"]["cosine_min"] > 0.999
