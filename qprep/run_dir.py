@@ -77,8 +77,10 @@ def toolkit_logging_to_run_log():
     root.handlers = list(run_handlers)
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)  # Python warnings (e.g. onnxconverter-common's) go the same way
+    printed = _LogWriter(logging.getLogger("qprep.toolkit"))
     try:
-        yield
+        with contextlib.redirect_stdout(printed):  # ORT's calibrators print progress with print()
+            yield
     finally:
         logging.captureWarnings(False)
         root.handlers, root.level = saved, level
@@ -102,3 +104,21 @@ def versions() -> dict[str, str | None]:
 def write_manifest(path: Path, manifest: dict) -> None:
     manifest = {"command": sys.argv, **manifest, "versions": versions()}
     atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n")
+
+
+class _LogWriter:
+    """A file-like object that turns print() output into log records, line by line."""
+
+    def __init__(self, logger: logging.Logger):
+        self.logger, self.buffer = logger, ""
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        *lines, self.buffer = self.buffer.split("\n")
+        for line in lines:
+            if line.strip():
+                self.logger.info(line.rstrip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass

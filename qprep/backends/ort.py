@@ -13,9 +13,11 @@ import tempfile
 from pathlib import Path
 
 import onnx
+import onnx.version_converter
 
 from qprep.backends import Quantized
 from qprep.errors import QprepError
+from qprep.model_info import default_opset
 from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")
@@ -34,6 +36,8 @@ OPTIONS = section(
     extra_options=Key("mapping", default={}, doc="passed to quantize_static's extra_options as is"),
 )
 
+# Per-channel DequantizeLinear (its `axis`) needs opset 13; ORT's quantizer would emit it anyway.
+MIN_OPSET = 13
 _TYPES = {"uint8": "QUInt8", "int8": "QInt8"}
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", "distribution": "Distribution"}
 
@@ -55,6 +59,9 @@ def quantize(model: onnx.ModelProto, samples: list[dict], float_set: set[str], o
              work_dir: Path) -> Quantized:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+    upgraded_from = None
+    if default_opset(model) < MIN_OPSET:
+        upgraded_from, model = default_opset(model), onnx.version_converter.convert_version(model, MIN_OPSET)
     names = {n.name for n in model.graph.node}
     excluded = sorted((set(options["nodes_to_exclude"]) | float_set) & names)
     unknown = sorted(set(options["nodes_to_exclude"]) - names)
@@ -81,4 +88,7 @@ def quantize(model: onnx.ModelProto, samples: list[dict], float_set: set[str], o
             raise QprepError(f"ONNX Runtime quantization failed: {str(exc).splitlines()[0][:300]} "
                              "(try format: qdq, per_channel: false, or exclude the node named in the message)") from None
         quantized = onnx.load(str(target))
-    return Quantized(model=quantized, details={"excluded_nodes": excluded, "calibration_samples": len(samples)})
+    details = {"excluded_nodes": excluded, "calibration_samples": len(samples)}
+    if upgraded_from is not None:
+        details["opset_upgraded_from"] = upgraded_from
+    return Quantized(model=quantized, details=details)
