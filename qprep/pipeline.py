@@ -45,6 +45,7 @@ class RunContext:
     prepared_model: onnx.ModelProto | None = None  # the float model handed to quantize (per-layer analysis)
     artifacts: dict[str, Path] = field(default_factory=dict)  # extra deployable files: run-dir name → source
     runner: Callable[[list[dict]], list[dict]] | None = None  # runs the result when it is not ONNX (RKNN)
+    layer_analyzer: Callable[[list[dict]], list[dict]] | None = None  # backend's own per-layer analysis
 
     def work_dir(self, name: str) -> Path:
         """A folder inside the run directory for a stage's or toolkit's working files."""
@@ -82,6 +83,8 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         for name, source in ctx.artifacts.items():
             os.replace(source, directory / name)
             written.append(name)
+        if (directory / "work").exists():
+            written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
         report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
                             "artifacts": sorted(ctx.artifacts), **model_info.summary(model)}
         report["float_set"] = sorted(ctx.float_set)

@@ -11,6 +11,8 @@ from typing import Callable
 
 import onnx
 
+from qprep.data import SampleSet
+
 
 @dataclass
 class Quantized:
@@ -21,3 +23,21 @@ class Quantized:
     details: dict = field(default_factory=dict)
     artifacts: dict[str, Path] = field(default_factory=dict)  # file name in the run dir → where it is now
     runner: Callable[[list[dict]], list[dict]] | None = None  # None: evaluate the ONNX model with ORT
+    analyzer: Callable[[list[dict]], list[dict]] | None = None  # per-layer rows from the backend's own tool
+
+
+@dataclass
+class BackendInput:
+    """What every backend gets: the prepared float model, calibration samples (capped at max_samples), the
+    float set, its own options and a work folder inside the run directory."""
+
+    model: onnx.ModelProto
+    calibration: "SampleSet | None"
+    max_samples: int
+    float_set: set[str]
+    options: dict
+    work_dir: Path
+
+    @property
+    def samples(self) -> list[dict]:
+        return self.calibration.samples[: self.max_samples] if self.calibration is not None else []

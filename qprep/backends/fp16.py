@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx
 
-from qprep.backends import Quantized
+from qprep.backends import BackendInput, Quantized
 from qprep.schema import Key, section
 
 OPTIONS = section(
@@ -16,9 +16,10 @@ OPTIONS = section(
 )
 
 
-def quantize(model: onnx.ModelProto, samples: list[dict], float_set: set[str], options: dict, work_dir) -> Quantized:
+def quantize(job: BackendInput) -> Quantized:
     from onnxconverter_common import float16
 
+    model, float_set, options = job.model, job.float_set, job.options
     blocked_ops = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(options["op_block_list"]))
     converted = float16.convert_float_to_float16(
         model, keep_io_types=options["keep_io_types"], op_block_list=blocked_ops,

@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 import onnx.version_converter
 
-from qprep.backends import Quantized
+from qprep.backends import BackendInput, Quantized
 from qprep.errors import QprepError
 from qprep.model_info import default_opset
 from qprep.schema import Key, section
@@ -55,8 +55,8 @@ class _Reader:
         pass
 
 
-def quantize(model: onnx.ModelProto, samples: list[dict], float_set: set[str], options: dict,
-             work_dir: Path) -> Quantized:
+def quantize(job: BackendInput) -> Quantized:
+    model, samples, float_set, options, work_dir = job.model, job.samples, job.float_set, job.options, job.work_dir
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     upgraded_from = None

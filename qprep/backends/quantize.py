@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 
 from qprep import model_info
+from qprep.backends import BackendInput
 from qprep.errors import QprepError
 from qprep.run_dir import toolkit_logging_to_run_log
 from qprep.schema import Key
 from qprep.stages import StageResult, stage
 
-BACKENDS = {"ort": "qprep.backends.ort", "fp16": "qprep.backends.fp16"}
+BACKENDS = {"ort": "qprep.backends.ort", "fp16": "qprep.backends.fp16", "rknn": "qprep.backends.rknn"}
 
 
 def _backend(name: str):
@@ -23,7 +24,7 @@ def _backend(name: str):
 
 @stage(
     "quantize",
-    summary="quantize with ONNX Runtime (static INT8) or convert to FP16; the float set stays float",
+    summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
     backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
     max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),
     **{name: _backend(name).OPTIONS for name in BACKENDS},
@@ -39,13 +40,12 @@ def quantize(model, ctx, options: dict) -> StageResult:
     backend = options["backend"]
     if ctx.calibration is None and backend != "fp16":
         raise QprepError("quantize: calibration data is required; add `calibration: {source: <folder>}`")
-    samples = ctx.calibration.samples[: options["max_samples"]] if ctx.calibration else []
     ctx.prepared_model = model  # the float model the per-layer analysis compares against
+    job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
+                       float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend))
     with toolkit_logging_to_run_log():
-        result = _backend(backend).quantize(model, samples, set(ctx.float_set), options[backend],
-                                            ctx.work_dir(backend))
+        result = _backend(backend).quantize(job)
     ctx.artifacts.update(result.artifacts)
-    if result.runner is not None:
-        ctx.runner = result.runner
+    ctx.runner, ctx.layer_analyzer = result.runner, result.analyzer
     return StageResult(model=result.model if result.model is not None else model,
                        details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details})

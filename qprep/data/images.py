@@ -60,26 +60,37 @@ class ImagePreprocess:
                 "std": None if self.std is None else self.std.tolist()}
 
     def read(self, path: Path) -> np.ndarray:
+        """The model input: resized, channel-ordered, normalized, laid out, batch axis added."""
+        pixels = self.read_pixels(path).astype(np.float32)
+        if self.mean is not None:
+            pixels = pixels - self.mean
+        if self.std is not None:
+            pixels = pixels / self.std
+        return self._layout(pixels).astype(self.input.numpy_dtype)
+
+    def read_raw(self, path: Path) -> np.ndarray:
+        """uint8 pixels laid out like the model input but not normalized: what an NPU that normalizes on
+        chip (RKNN's mean_values/std_values) is fed."""
+        return self._layout(self.read_pixels(path))
+
+    def read_pixels(self, path: Path) -> np.ndarray:
+        """HWC uint8 pixels at the model's size, in the model's channel order."""
         from PIL import Image, UnidentifiedImageError
 
         try:
             with Image.open(path) as img:
                 img = img.convert("L" if self.channels == 1 else "RGB")
-                img = self._resize(img, path)
-                pixels = np.asarray(img, dtype=np.float32)
+                pixels = np.asarray(self._resize(img, path), dtype=np.uint8)
         except (UnidentifiedImageError, OSError, SyntaxError) as exc:
             raise DataError(f"{path}: not a readable image ({str(exc).splitlines()[0][:160]})") from None
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
-        if self.channel_order == "bgr":
-            pixels = pixels[:, :, ::-1]
-        if self.mean is not None:
-            pixels = pixels - self.mean
-        if self.std is not None:
-            pixels = pixels / self.std
+        return pixels[:, :, ::-1] if self.channel_order == "bgr" else pixels
+
+    def _layout(self, pixels: np.ndarray) -> np.ndarray:
         if self.layout == "nchw":
             pixels = pixels.transpose(2, 0, 1)
-        return np.ascontiguousarray(pixels[None]).astype(self.input.numpy_dtype)
+        return np.ascontiguousarray(pixels[None])
 
     def _resize(self, img, path: Path):
         from PIL import Image

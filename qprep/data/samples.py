@@ -27,6 +27,7 @@ class SampleSet:
     sha256: str = ""
     warnings: list[str] = field(default_factory=list)
     preprocess: dict | None = None
+    image_reader: ImagePreprocess | None = None  # for backends that normalize on chip (raw pixels)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -43,7 +44,7 @@ def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration")
         raise DataError(f"{role}.source: folder not found: {folder}")
     fmt, files = _pick_files(folder, cfg["format"], role)
     chosen, warnings = _choose(files, cfg["max_samples"], cfg["seed"], role)
-    preprocess = None
+    preprocess = reader = None
     if fmt == "images":
         reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role)
         preprocess = reader.describe()
@@ -53,7 +54,7 @@ def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration")
     for path, sample in zip(chosen, samples):
         check_sample(sample, inputs, f"{role} sample {path.name}")
     return SampleSet(samples=samples, files=[str(p) for p in chosen], source=str(folder), format=fmt,
-                     sha256=_hash_files(chosen), warnings=warnings, preprocess=preprocess)
+                     sha256=_hash_files(chosen), warnings=warnings, preprocess=preprocess, image_reader=reader)
 
 
 def _pick_files(folder: Path, fmt: str, role: str) -> tuple[str, list[Path]]:

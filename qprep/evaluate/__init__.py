@@ -52,11 +52,16 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
             key=lambda row: row["cosine"])[:5]
         outputs[name] = metrics
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
-    if cfg["layers"] and ctx.prepared_model is not None and ctx.runner is None:
+    if cfg["layers"] and ctx.layer_analyzer is not None:
+        with ctx.progress.step("evaluation: per-layer error (backend analysis)"):
+            result["layers"] = ctx.layer_analyzer(samples.samples[: cfg["layer_samples"]])
+    elif cfg["layers"] and ctx.prepared_model is not None and ctx.runner is None:
         with ctx.progress.step("evaluation: per-layer error"):
             result["layers"] = layer_errors(ctx.prepared_model, final_model, samples.samples[: cfg["layer_samples"]],
                                             threads)
-    if cfg["latency"]["runs"] > 0:
+    if ctx.runner is not None:
+        result["latency"] = {"status": "not measured (no device): the result runs on the toolkit's simulator"}
+    elif cfg["latency"]["runs"] > 0:
         with ctx.progress.step("evaluation: latency"):
             result["latency"] = _latency(reference, final_model, samples.samples[0], threads, cfg["latency"], ctx)
     result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,
@@ -67,8 +72,6 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
 
 
 def _latency(reference, final_model, sample, threads: int, cfg: dict, ctx) -> dict:
-    if ctx.runner is not None:
-        return {"status": "not measured (no device): the result runs on a simulator"}
     ref = measure(reference, sample, threads, cfg["runs"], cfg["warmup"])
     res = measure(final_model, sample, threads, cfg["runs"], cfg["warmup"])
     return {"reference": ref, "result": res, "speedup": ref["median_ms"] / res["median_ms"],

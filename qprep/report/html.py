@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
-from qprep.report.markdown import agreement_text
+from qprep.report.markdown import _num, agreement_text
 from qprep.report.plots import bar_chart
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}
@@ -68,10 +68,15 @@ def _evaluation(evaluation: dict | None) -> list[str]:
     if layers:
         in_order = sorted(layers, key=lambda r: r["order"])
         parts.append("<h3>Per-layer error (accumulated, in graph order)</h3>")
-        parts.append(bar_chart([(r["tensor"], r["sqnr_db"]) for r in in_order[:80]], "SQNR (dB) per tensor", " dB"))
+        if all(r.get("sqnr_db") is not None for r in in_order):
+            parts.append(bar_chart([(r["tensor"], r["sqnr_db"]) for r in in_order[:80]], "SQNR (dB) per tensor", " dB"))
+        else:  # backends that report cosine only (RKNN accuracy_analysis): 100 × cosine, so 99.x reads easily
+            parts.append(bar_chart([(r["tensor"], 100 * r["cosine_mean"]) for r in in_order[:80]],
+                                   "accumulated cosine × 100 per tensor", ""))
         rows = [[f"<code>{escape(r['tensor'])}</code>", escape(r["op_type"]), f"{r['cosine_mean']:.5f}",
-                 f"{r['sqnr_db']:.1f}"] for r in layers[:20]]
-        parts.append("<h3>Worst layers</h3>" + _table(["tensor", "op", "cosine mean", "SQNR dB"], rows))
+                 _num(r.get("single_cosine"), ".5f"), _num(r.get("sqnr_db"), ".1f")] for r in layers[:20]]
+        parts.append("<h3>Worst layers</h3>" + _table(["tensor", "op", "cosine (accumulated)", "cosine (layer alone)",
+                                                       "SQNR dB"], rows))
     return parts
 
 

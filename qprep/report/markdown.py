@@ -95,10 +95,10 @@ def _evaluation(evaluation: dict | None) -> list[str]:
         lines += [f"Size: reference {sizes['reference'] / 1e6:.2f} MB, result {sizes['result'] / 1e6:.2f} MB.", ""]
     layers = evaluation.get("layers")
     if layers:
-        lines += ["### Worst layers (accumulated error, lowest SQNR first)", "",
-                  "| tensor | op | cosine mean | SQNR dB |", "|---|---|---|---|"]
-        lines += [f"| `{r['tensor']}` | {r['op_type']} | {r['cosine_mean']:.5f} | {r['sqnr_db']:.1f} |"
-                  for r in layers[:15]]
+        lines += ["### Worst layers (accumulated error, worst first)", "",
+                  "| tensor | op | cosine (accumulated) | cosine (this layer alone) | SQNR dB |", "|---|---|---|---|---|"]
+        lines += [f"| `{r['tensor']}` | {r['op_type']} | {r['cosine_mean']:.5f} | "
+                  f"{_num(r.get('single_cosine'), '.5f')} | {_num(r.get('sqnr_db'), '.1f')} |" for r in layers[:15]]
         lines.append("")
     worst = {name: m.get("worst_samples", []) for name, m in evaluation["outputs"].items()}
     for name, rows in worst.items():
@@ -115,3 +115,7 @@ def agreement_text(m: dict) -> str:
             return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "
                     f"n={m[f'{prefix}_count']})")
     return "–"
+
+
+def _num(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)

@@ -1,0 +1,338 @@
+"""RKNN conversion with rknn-toolkit2: build (or hybrid build with float16 islands), simulator runner,
+per-layer accuracy_analysis, and the files a board needs.
+
+Facts this module is built on (measured with rknn-toolkit2 2.5.0, see ../shared/notes/rknn-toolkit2.md):
+- calls fail three ways: an exception (its last line is the message), a non-zero return, or None; the
+  reason is in the toolkit's own `E <api>: ...` log line. Every call goes through `_call`.
+- the toolkit prints from C++ straight to file descriptors 1/2 and writes working files into the current
+  directory: `_inside` redirects both fds into the run log and changes into the work folder, then restores.
+- mean/std in `config` apply to `.npy` calibration files too, and RGB→BGR does not: for image sources the
+  raw pixels (already in the model's channel order) go to dataset.txt and the normalization to the config,
+  so it runs on the NPU and becomes the deployed input contract. `.npy` files must be NCHW.
+- step2 of hybrid quantization needs a fresh RKNN object and accepts only IR tensor names (rknn_names.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from qprep.backends import BackendInput, Quantized
+from qprep.backends.rknn_names import IRNames, map_float_set, parse_error_analysis, with_custom_layers
+from qprep.errors import QprepError
+from qprep.model_info import graph_inputs, graph_outputs
+from qprep.schema import Key, section
+
+log = logging.getLogger("qprep")
+
+PLATFORMS = ("rv1103", "rv1103b", "rv1106", "rv1106b", "rv1126b", "rk2118", "rk3562", "rk3566", "rk3568",
+             "rk3576", "rk3588")
+OPTIONS = section(
+    "rknn-toolkit2 conversion (backend: rknn); runs on the x86 simulator unless a device is configured",
+    target_platform=Key("str", default="rk3588", choices=PLATFORMS, doc="Rockchip SoC"),
+    quantized_dtype=Key("str", default="w8a8", choices=("w8a8", "w4a16", "w8a16", "w16a16i"),
+                        doc="weight/activation precision (w8a8 on every SoC)"),
+    quantized_algorithm=Key("str", default="normal", choices=("normal", "mmse", "kl_divergence"),
+                            doc="activation range algorithm (mmse is slow; kl_divergence for skewed ranges)"),
+    quantized_method=Key("str", default="channel", choices=("channel", "layer"), doc="weight scale granularity"),
+    optimization_level=Key("int", default=3, minimum=0, doc="toolkit graph optimization level"),
+    do_quantization=Key("bool", default=True, doc="false: a float16 model (no int8)"),
+    analysis_samples=Key("int", default=1, minimum=0,
+                         doc="evaluation samples run through accuracy_analysis for the per-layer table (~10 s each)"),
+)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_NOISE = ("Unkown op target", "rknn-toolkit2 version")
+
+
+def _rknn_class():
+    try:
+        from rknn.api import RKNN
+    except ImportError as exc:
+        raise QprepError(f"rknn-toolkit2 is not installed or does not import ({exc}); run ./scripts/setup.sh "
+                         "(it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 x86-64)") from None
+    return RKNN
+
+
+class _Toolkit:
+    """Runs toolkit calls inside the work folder with fds 1/2 going to the toolkit log; checks results."""
+
+    def __init__(self, work_dir: Path):
+        self.work_dir = work_dir
+        self.log_path = work_dir / "rknn-toolkit.log"
+
+    @contextlib.contextmanager
+    def _inside(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved_fds, saved_cwd = (os.dup(1), os.dup(2)), os.getcwd()
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.chdir(self.work_dir)
+            with open(self.log_path, "a") as text, contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield  # Python-level prints too, when sys.stdout is not fd 1 (e.g. under a test runner)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.chdir(saved_cwd)
+            os.dup2(saved_fds[0], 1)
+            os.dup2(saved_fds[1], 2)
+            for handle in (fd, *saved_fds):
+                os.close(handle)
+
+    def new(self, RKNN):
+        """An RKNN object, created inside the redirect (its constructor logs to the terminal)."""
+        with self._inside():
+            return RKNN(verbose=False)
+
+    def call(self, step: str, fn, *args, **kwargs):
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        try:
+            with self._inside():
+                result = fn(*args, **kwargs)
+        except Exception as exc:  # the toolkit raises bare ValueError/KeyError with its message last
+            lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            raise QprepError(f"rknn-toolkit2 {step} failed: {self._error_line(start) or (lines[-1] if lines else type(exc).__name__)}"
+                             f" (toolkit log: {self.log_path})") from None
+        if result is None or (isinstance(result, int) and result != 0):
+            raise QprepError(f"rknn-toolkit2 {step} failed: {self._error_line(start) or f'returned {result}'} "
+                             f"(toolkit log: {self.log_path})")
+        return result
+
+    def _error_line(self, start: int) -> str:
+        if not self.log_path.exists():
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            f.seek(start)
+            for line in f:
+                clean = _ANSI.sub("", line).strip()
+                if clean.startswith("E ") and not any(noise in clean for noise in _NOISE):
+                    return clean[2:].strip()
+        return ""
+
+
+def quantize(job: BackendInput) -> Quantized:
+    RKNN = _rknn_class()
+    options, work = job.options, job.work_dir
+    toolkit = _Toolkit(work)
+    inputs = graph_inputs(job.model)
+    for spec in inputs:
+        if spec.shape is None or not all(isinstance(d, int) for d in spec.shape):
+            raise QprepError(f"quantize.rknn: input '{spec.name}' has dynamic dims {spec.shape}; RKNN needs fixed "
+                             f"sizes: add `inputs: {{{spec.name}: [...]}}` to the config")
+    model_path = work / "model.onnx"
+    onnx.save_model(job.model, str(model_path))
+    normalization = _normalization(job)
+    dataset = _write_dataset(job, work, normalization)
+    config = dict(target_platform=options["target_platform"], quantized_dtype=options["quantized_dtype"],
+                  quantized_algorithm=options["quantized_algorithm"], quantized_method=options["quantized_method"],
+                  optimization_level=options["optimization_level"])
+    if normalization:
+        config.update(mean_values=[normalization["mean"]], std_values=[normalization["std"]])
+    rknn = toolkit.new(RKNN)
+    toolkit.call("config", rknn.config, **config)
+    toolkit.call("load_onnx", rknn.load_onnx, model=str(model_path), inputs=[s.name for s in inputs],
+                 input_size_list=[s.shape for s in inputs])
+    details = {"config": config, "dataset": str(dataset), "calibration_samples": _count_lines(dataset)}
+    float_set = sorted(job.float_set)
+    if float_set and options["do_quantization"]:
+        rknn = _hybrid_build(rknn, RKNN, toolkit, job.model, float_set, dataset, details)
+    else:
+        toolkit.call("build", rknn.build, do_quantization=options["do_quantization"], dataset=str(dataset))
+    rknn_path = work / "model.rknn"
+    toolkit.call("export_rknn", rknn.export_rknn, str(rknn_path))
+    toolkit.call("init_runtime (simulator)", rknn.init_runtime)
+    runner = _Runner(rknn, toolkit, job.model, normalization)
+    contract = _input_contract(inputs, normalization, options)
+    (work / "input_contract.json").write_text(json.dumps(contract, indent=2) + "\n")
+    (work / "run_on_board.py").write_text(_BOARD_SCRIPT)
+    return Quantized(model=job.model, details=details, runner=runner,
+                     analyzer=(lambda samples: runner.analyze(samples[: options["analysis_samples"]]))
+                     if options["analysis_samples"] else None,
+                     artifacts={"model.rknn": rknn_path, "input_contract.json": work / "input_contract.json",
+                                "run_on_board.py": work / "run_on_board.py"})
+
+
+def _normalization(job: BackendInput) -> dict | None:
+    """mean/std for RKNN.config when calibration comes from images (normalization then runs on the NPU)."""
+    reader = job.calibration.image_reader if job.calibration is not None else None
+    if reader is None:
+        return None
+    channels = reader.channels
+    mean = reader.mean.tolist() if reader.mean is not None else [0.0] * channels
+    std = reader.std.tolist() if reader.std is not None else [1.0] * channels
+    return {"input": reader.input.name, "mean": mean, "std": std, "channel_order": reader.channel_order,
+            "layout": reader.layout}
+
+
+def _write_dataset(job: BackendInput, work: Path, normalization: dict | None) -> Path:
+    """dataset.txt: one line per sample, one NCHW .npy per input (raw pixels when the NPU normalizes)."""
+    if job.calibration is None:
+        raise QprepError("quantize.rknn: calibration data is required; add `calibration: {source: <folder>}`")
+    folder = work / "dataset"
+    folder.mkdir(exist_ok=True)
+    lines = []
+    count = min(job.max_samples, len(job.calibration))
+    for index in range(count):
+        paths = []
+        for spec in graph_inputs(job.model):
+            if normalization and spec.name == normalization["input"]:
+                array = job.calibration.image_reader.read_raw(Path(job.calibration.files[index]))
+                if normalization["layout"] == "nhwc":
+                    array = array.transpose(0, 3, 1, 2)
+                array = np.ascontiguousarray(array)
+            else:
+                array = job.calibration.samples[index][spec.name]
+            path = folder / f"{index:04d}_{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}.npy"
+            np.save(path, array)
+            paths.append(str(path))
+        lines.append(" ".join(paths))
+    dataset = work / "dataset.txt"
+    dataset.write_text("\n".join(lines) + "\n")
+    return dataset
+
+
+def _count_lines(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
+def _hybrid_build(rknn, RKNN, toolkit: _Toolkit, model: onnx.ModelProto, float_set: list[str], dataset: Path,
+                  details: dict):
+    """step1 → map the float set to IR tensor names → edit custom_quantize_layers → step2 on a fresh object."""
+    toolkit.call("hybrid_quantization_step1", rknn.hybrid_quantization_step1, dataset=str(dataset), proposal=False)
+    stem = toolkit.work_dir / "model"
+    cfg_path = Path(f"{stem}.quantization.cfg")
+    cfg_text = cfg_path.read_text()
+    mapping, unmapped = map_float_set(model, float_set, IRNames(f"{stem}.model", cfg_text))
+    tensors = list(dict.fromkeys(t for m in mapping.values() for t in m["tensors"]))
+    cfg_path.write_text(with_custom_layers(cfg_text, tensors))
+    rknn.release()
+    fresh = toolkit.new(RKNN)
+    toolkit.call("hybrid_quantization_step2", fresh.hybrid_quantization_step2, model_input=f"{stem}.model",
+                 data_input=f"{stem}.data", model_quantization_cfg=str(cfg_path))
+    details["float16_layers"] = {"requested_nodes": len(float_set), "mapped": mapping, "unmapped": unmapped,
+                                 "ir_tensors": tensors}
+    if unmapped:
+        log.warning("rknn: %d float-set nodes have no RKNN tensor (fused or renamed): %s", len(unmapped),
+                    ", ".join(unmapped[:10]))
+    return fresh
+
+
+class _Runner:
+    """Runs evaluation samples on the simulator; undoes qprep's normalization where the NPU normalizes."""
+
+    def __init__(self, rknn, toolkit: _Toolkit, model: onnx.ModelProto, normalization: dict | None):
+        self.rknn, self.toolkit, self.normalization = rknn, toolkit, normalization
+        self.inputs = graph_inputs(model)
+        self.outputs = graph_outputs(model)
+
+    def _feeds(self, sample: dict) -> list[np.ndarray]:
+        feeds = []
+        for spec in self.inputs:
+            array = sample[spec.name]
+            if self.normalization and spec.name == self.normalization["input"]:
+                shape = (1, -1, 1, 1) if self.normalization["layout"] == "nchw" else (1, 1, 1, -1)
+                mean = np.asarray(self.normalization["mean"], np.float32).reshape(shape)
+                std = np.asarray(self.normalization["std"], np.float32).reshape(shape)
+                array = array * std + mean
+                if self.normalization["layout"] == "nhwc":
+                    array = array.transpose(0, 3, 1, 2)
+            feeds.append(np.ascontiguousarray(array.astype(np.float32) if array.dtype == np.float64 else array))
+        return feeds
+
+    def __call__(self, samples: list[dict]) -> list[dict]:
+        results = []
+        formats = ["nchw" if len(spec.shape) == 4 else None for spec in self.inputs]
+        for sample in samples:
+            outs = self.toolkit.call("inference", self.rknn.inference, inputs=self._feeds(sample),
+                                     data_format=formats)
+            results.append({spec.name: self._shaped(out, spec) for spec, out in zip(self.outputs, outs)})
+        return results
+
+    @staticmethod
+    def _shaped(array: np.ndarray, spec) -> np.ndarray:
+        shape = spec.shape or []
+        if shape and all(isinstance(d, int) for d in shape) and int(np.prod(shape)) == array.size:
+            return array.reshape(shape)
+        return array
+
+    def analyze(self, samples: list[dict]) -> list[dict]:
+        """accuracy_analysis per sample (one per call) → per-layer rows; the tensor dumps are deleted."""
+        rows_by_tensor: dict[str, list[dict]] = {}
+        order: list[str] = []
+        for index, sample in enumerate(samples):
+            out_dir = self.toolkit.work_dir / f"analysis_{index}"
+            paths = []
+            for spec, array in zip(self.inputs, self._feeds(sample)):
+                path = self.toolkit.work_dir / f"analysis_{index}_{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}.npy"
+                np.save(path, array)
+                paths.append(str(path))
+            self.toolkit.call("accuracy_analysis", self.rknn.accuracy_analysis, inputs=paths, output_dir=str(out_dir))
+            for row in parse_error_analysis((out_dir / "error_analysis.txt").read_text()):
+                if row["tensor"] not in rows_by_tensor:
+                    order.append(row["tensor"])
+                rows_by_tensor.setdefault(row["tensor"], []).append(row)
+            shutil.rmtree(out_dir, ignore_errors=True)
+        layers = []
+        for position, tensor in enumerate(order):
+            rows = [r for r in rows_by_tensor[tensor] if "entire_cosine" in r]
+            if not rows:
+                continue  # fused into a neighbour: no numbers of its own
+            layers.append({"tensor": tensor, "node": tensor, "op_type": rows[0]["op_type"], "order": position,
+                           "cosine_mean": float(np.mean([r["entire_cosine"] for r in rows])),
+                           "single_cosine": float(np.mean([r["single_cosine"] for r in rows])),
+                           "sqnr_db": None, "quantized": True, "source": "rknn accuracy_analysis"})
+        return sorted(layers, key=lambda r: (r["cosine_mean"], r["order"]))
+
+
+def _input_contract(inputs, normalization: dict | None, options: dict) -> dict:
+    contract = {"target_platform": options["target_platform"], "inputs": []}
+    for spec in inputs:
+        entry = {"name": spec.name, "shape": spec.shape, "dtype": spec.dtype}
+        if normalization and spec.name == normalization["input"]:
+            entry.update(feed="uint8 pixels, NHWC, in this channel order; the NPU applies (x - mean) / std",
+                         channel_order=normalization["channel_order"], mean=normalization["mean"],
+                         std=normalization["std"])
+        else:
+            entry["feed"] = f"{spec.dtype} array of this shape, as given to the ONNX model"
+        contract["inputs"].append(entry)
+    return contract
+
+
+_BOARD_SCRIPT = '''"""Run model.rknn on a Rockchip board with rknn-toolkit-lite2 (pip install rknn-toolkit-lite2 on the board).
+
+    python3 run_on_board.py image.png        # single image-input models (see input_contract.json)
+"""
+import json
+import sys
+
+import numpy as np
+from PIL import Image
+from rknnlite.api import RKNNLite
+
+contract = json.load(open("input_contract.json"))
+spec = contract["inputs"][0]
+rknn = RKNNLite()
+assert rknn.load_rknn("model.rknn") == 0, "load_rknn failed"
+assert rknn.init_runtime() == 0, "init_runtime failed"
+n, c, h, w = spec["shape"]
+image = Image.open(sys.argv[1]).convert("RGB").resize((w, h))
+pixels = np.asarray(image, dtype=np.uint8)
+if spec.get("channel_order") == "bgr":
+    pixels = pixels[:, :, ::-1]
+outputs = rknn.inference(inputs=[np.ascontiguousarray(pixels[None])])  # NHWC uint8; the NPU normalizes
+for i, out in enumerate(outputs):
+    print(f"output {i}: shape {out.shape}, argmax {int(np.argmax(out))}")
+rknn.release()
+'''

@@ -1,0 +1,98 @@
+"""The RKNN backend for real: rknn-toolkit2's x86 simulator on the real PP-OCR models."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from qprep.backends import BackendInput
+from qprep.errors import QprepError
+from conftest import CALIBRATION, ROOT, demo_model
+
+pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
+
+OCR = {"channel_order": "bgr", "mean": [127.5], "std": [127.5], "resize": "none"}
+
+
+def test_classifier_converts_evaluates_on_the_simulator_and_hands_off(tmp_path):
+    import qprep
+
+    config = {"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
+              "calibration": {"source": str(CALIBRATION / "ocr_cls" / "calib"), "max_samples": 16, "preprocess": OCR},
+              "evaluation": {"source": str(CALIBRATION / "ocr_cls" / "eval"), "max_samples": 24, "preprocess": OCR,
+                             "latency": {"runs": 0}},
+              "pipeline": [{"optimize": {}}, {"quantize": {"backend": "rknn"}}]}
+    report = qprep.run(config, output_dir=str(tmp_path), force=True)
+    assert (tmp_path / "model.rknn").stat().st_size > 100_000
+    metrics = report["evaluation"]["outputs"]["save_infer_model/scale_0.tmp_1"]
+    assert metrics["cosine_mean"] > 0.999 and metrics["top1_agreement"] == 1.0
+    assert report["evaluation"]["latency"]["status"].startswith("not measured")
+    layers = report["evaluation"]["layers"]
+    assert layers and all("single_cosine" in r for r in layers)
+    contract = json.loads((tmp_path / "input_contract.json").read_text())
+    assert contract["inputs"][0]["channel_order"] == "bgr" and contract["inputs"][0]["mean"] == [127.5] * 3
+    assert (tmp_path / "run_on_board.py").read_text().startswith('"""Run model.rknn')
+    stage = report["stages"][1]
+    assert stage["config"]["mean_values"] == [[127.5] * 3] and stage["calibration_samples"] == 16
+    assert not list(ROOT.glob("*.quantization.cfg")) and not list(ROOT.glob("check*.onnx"))  # cwd not littered
+
+
+def test_layernorm_float16_islands_map_to_rknn_tensors_and_step2_builds(tmp_path):
+    """Hybrid quantization on the optimized recognizer: its 5 LayerNormalization nodes become float16 layers."""
+    import qprep
+    from qprep.backends import rknn
+    from qprep.data import load_samples
+    from qprep.model_info import graph_inputs
+
+    optimized = tmp_path / "optimized"
+    qprep.run({"model": str(demo_model("ppocrv4_rec.onnx")), "inputs": {"x": [1, 3, 48, 320]},
+               "calibration": {"source": str(CALIBRATION / "ocr_rec" / "calib"), "max_samples": 4,
+                               "preprocess": OCR}, "pipeline": [{"optimize": {"max_opset": 19}}]},
+              output_dir=str(optimized))
+    model = onnx.load(str(optimized / "model.onnx"))
+    layernorms = [n.name for n in model.graph.node if n.op_type == "LayerNormalization"]
+    assert len(layernorms) == 5
+    cfg = {"source": str(CALIBRATION / "ocr_rec" / "calib"), "format": "auto", "max_samples": 8, "seed": 0,
+           "preprocess": {**OCR, "mean": [127.5] * 3, "std": [127.5] * 3, "layout": "auto"}}
+    calibration = load_samples(cfg, graph_inputs(model))
+    work = tmp_path / "work"
+    work.mkdir()
+    options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
+               "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
+               "analysis_samples": 0}
+    result = rknn.quantize(BackendInput(model=model, calibration=calibration, max_samples=8,
+                                        float_set=set(layernorms), options=options, work_dir=work))
+    islands = result.details["float16_layers"]
+    assert islands["unmapped"] == [] and len(islands["mapped"]) == 5
+    cfg_text = (work / "model.quantization.cfg").read_text()
+    block = cfg_text.split("\nquantize_parameters:\n")[0]
+    assert all(f"'{t}': float16" in block for t in islands["ir_tensors"]) and len(islands["ir_tensors"]) >= 5
+    assert result.artifacts["model.rknn"].stat().st_size > 1_000_000  # step2 built and exported
+    outputs = result.runner(calibration.samples[:2])
+    assert outputs[0]["softmax_11.tmp_0"].shape == (1, 40, 6625)
+    assert np.isfinite(outputs[0]["softmax_11.tmp_0"]).all()
+
+
+def test_dynamic_input_dims_are_refused_with_the_fix(tmp_path):
+    from qprep.backends import rknn
+
+    model = onnx.load(str(demo_model("ppocr_cls.onnx")))
+    with pytest.raises(QprepError, match=r"input 'x' has dynamic dims .*add `inputs: \{x: \[\.\.\.\]\}`"):
+        rknn.quantize(BackendInput(model=model, calibration=None, max_samples=1, float_set=set(),
+                                   options={}, work_dir=tmp_path))
+
+
+def test_error_analysis_parser_reads_glued_columns_and_fused_rows():
+    from qprep.backends.rknn_names import parse_error_analysis, with_custom_layers
+
+    text = ("[exNorm] p2o.Add.235_tp-rs     0.93095 | 13.11623  0.99988 | 0.54064\n"
+            "[Conv] p2o.Add.3\n"
+            "[Conv] big                     0.99000 | 1398.533940.99998 | 0.00100\n")
+    rows = parse_error_analysis(text)
+    assert rows[0]["entire_cosine"] == 0.93095 and rows[0]["single_euclidean"] == 0.54064
+    assert "entire_cosine" not in rows[1]
+    assert rows[2]["entire_euclidean"] == 1398.53394 and rows[2]["single_cosine"] == 0.99998
+    cfg = "custom_quantize_layers: {}\nquantize_parameters:\n    x:\n        dtype: int8\n"
+    edited = with_custom_layers(cfg, ["a-rs"])
+    assert edited == "custom_quantize_layers:\n    'a-rs': float16\nquantize_parameters:\n    x:\n        dtype: int8\n"
