@@ -44,6 +44,29 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     _common(inspect)
 
+    batch = sub.add_parser("batch", help="run one config over every .onnx model in a folder",
+                           description="Each model runs in its own process and run directory under --out; "
+                                       "summary.json/csv/md/html list them worst first. Exit 2 if any model "
+                                       "failed, else 1 if any missed its gate.")
+    batch.add_argument("config")
+    batch.add_argument("folder", help="folder of .onnx models")
+    batch.add_argument("--out", required=True, help="batch directory (one run directory per model)")
+    batch.add_argument("--jobs", type=int, help="worker processes (default: from cores, threads and memory)")
+    batch.add_argument("--recursive", action="store_true", help="also models in sub-folders")
+    batch.add_argument("--resume", action="store_true", help="skip models whose run directory holds a complete "
+                                                             "result for the same model and config")
+    batch.add_argument("--timeout", type=float, help="seconds per model before it counts as failed")
+    batch.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    _common(batch)
+
+    compare = sub.add_parser("compare", help="compare runs (INT8 vs FP32, run vs run, batch vs batch)")
+    compare.add_argument("runs", nargs="+", help="run directories, report.json or summary.json files")
+    compare.add_argument("--fail-on-regression", action="append", default=[], metavar="METRIC=THRESHOLD",
+                         help="exit 1 when a later run is worse than the first by more than THRESHOLD")
+    compare.add_argument("--markdown", help="also write the table as Markdown to this file")
+    compare.add_argument("--html", help="also write the table as HTML to this file")
+    _common(compare)
+
     config = sub.add_parser("config", help="show the config reference")
     config.add_argument("--schema", action="store_true", help="every key with its type, default and meaning")
     _common(config)
@@ -153,4 +176,36 @@ def cmd_config(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "config": cmd_config}
+def cmd_batch(args) -> int:
+    from qprep.batch import exit_code, run_batch
+
+    summary = run_batch(args.config, args.folder, args.out, jobs=args.jobs, recursive=args.recursive,
+                        resume=args.resume, timeout=args.timeout, sets=args.sets, quiet=args.quiet)
+    counts = summary["counts"]
+    print(f"qprep batch: {counts['ok']} ok, {counts['gate missed']} gate missed, {counts['failed']} failed "
+          f"— {Path(args.out) / 'summary.md'}")
+    return exit_code(summary)
+
+
+def cmd_compare(args) -> int:
+    from qprep.model_io import atomic_write_text
+    from qprep.report.compare import compare, render_html, render_markdown, render_text
+
+    thresholds = {}
+    for item in args.fail_on_regression:
+        metric, _, value = item.partition("=")
+        try:
+            thresholds[metric.strip()] = float(value)
+        except ValueError:
+            raise QprepError(f"--fail-on-regression {item}: expected METRIC=THRESHOLD, e.g. cosine_mean=0.005") from None
+    result = compare(args.runs, thresholds)
+    print(render_text(result), end="")
+    if args.markdown:
+        atomic_write_text(args.markdown, render_markdown(result))
+    if args.html:
+        atomic_write_text(args.html, render_html(result))
+    return EXIT_GATE_MISSED if result["regressions"] else EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "config": cmd_config,
+            "batch": cmd_batch, "compare": cmd_compare}

@@ -1,0 +1,79 @@
+"""One row per model for batch summaries, read from each run's report.json (the summary never recomputes)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from html import escape
+from pathlib import Path
+
+COLUMNS = ["model", "status", "cosine_mean", "agreement", "speedup", "nodes_before", "nodes_after",
+           "layernorms_fused", "float_nodes", "seconds", "error", "run_dir"]
+
+
+def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = "", status: str | None = None,
+                note: str = "") -> dict:
+    row = {"model": name, "status": status or "ok", "run_dir": str(run_dir), "error": error, "note": note,
+           "seconds": None if seconds is None else round(seconds, 1)}
+    try:
+        report = json.loads((run_dir / "report.json").read_text())
+    except (OSError, ValueError):
+        return row
+    if status is None:
+        row["status"] = report.get("status", "ok")
+    model, result = report.get("model", {}), report.get("result", {})
+    before, after = model.get("op_counts", {}), result.get("op_counts", {})
+    row.update(nodes_before=model.get("nodes"), nodes_after=result.get("nodes"),
+               layernorms_fused=after.get("LayerNormalization", 0) - before.get("LayerNormalization", 0),
+               float_nodes=len(report.get("float_set", [])))
+    if seconds is None:
+        row["seconds"] = report.get("seconds")
+    evaluation = report.get("evaluation") or {}
+    outputs = evaluation.get("outputs") or {}
+    if outputs:
+        first = next(iter(outputs.values()))  # the main output: the first one the model declares
+        row["cosine_mean"] = min(m["cosine_mean"] for m in outputs.values())
+        row["agreement"] = next((first[k] for k in ("top1_agreement", "step_agreement") if k in first), None)
+    speedup = (evaluation.get("latency") or {}).get("speedup")
+    row["speedup"] = speedup
+    return row
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4f}" if value <= 1.0 else f"{value:.2f}"
+    return str(value)
+
+
+def render_summary_md(rows: list[dict]) -> str:
+    lines = ["# qprep batch summary", "", "| " + " | ".join(COLUMNS[:-1]) + " |", "|" + "---|" * (len(COLUMNS) - 1)]
+    for row in rows:
+        cells = [_cell(row.get(c)) for c in COLUMNS[:-1]]
+        if row.get("note"):
+            cells[-1] = (cells[-1] if cells[-1] != "–" else "") + f" ({row['note']})"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_summary_csv(rows: list[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS + ["note"], extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def render_summary_html(rows: list[dict]) -> str:
+    head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS[:-1])
+    body = []
+    for row in rows:
+        style = {"failed": "#f8d7da", "gate missed": "#fff3cd"}.get(row["status"], "")
+        cells = "".join(f"<td>{escape(_cell(row.get(c)))}</td>" for c in COLUMNS[:-1])
+        body.append(f"<tr style='background:{style}'>{cells}</tr>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>qprep batch</title><style>"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font:13px system-ui}"
+            "</style></head><body><h1>qprep batch summary</h1><table><tr>" + head + "</tr>" + "".join(body)
+            + "</table></body></html>\n")

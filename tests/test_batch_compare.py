@@ -1,0 +1,143 @@
+"""qprep batch over a folder of real and broken models, --resume, a killed worker; qprep compare."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import ROOT, demo_model, tiny_conv_model
+
+
+def if_model() -> onnx.ModelProto:
+    """y = If(sum(x) > 0) then x*2 else x-1: control flow the optimize stage must keep."""
+    out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3])  # noqa: E731
+    then = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["t"])], "then", [], [out("t")],
+                             [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])
+    other = helper.make_graph([helper.make_node("Sub", ["x", "one"], ["e"])], "else", [], [out("e")],
+                              [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)]
+    graph = helper.make_graph(nodes, "if", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [out("y")], [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def endless_loop_model() -> onnx.ModelProto:
+    """A Loop with a huge trip count: its worker never finishes, so the test can kill it."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["v_in", "one"], ["v_out"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)], "loop",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        [helper.make_tensor("trips", TensorProto.INT64, [], [10**15]),
+         helper.make_tensor("cond", TensorProto.BOOL, [], [True])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    models = root / "models"
+    models.mkdir()
+    shutil.copy(demo_model("ppocr_cls.onnx"), models / "cls.onnx")
+    shutil.copy(demo_model("ppocr_cls.onnx"), models / "cls_copy.onnx")  # byte-identical twin
+    onnx.save(tiny_conv_model(), str(models / "tiny.onnx"))
+    onnx.save(if_model(), str(models / "with_if.onnx"))
+    data = (models / "tiny.onnx").read_bytes()
+    (models / "truncated.onnx").write_bytes(data[: len(data) // 3])
+    config = root / "optimize.yaml"
+    config.write_text("model: unused.onnx\npipeline: [optimize]\n")
+    return root, models, config
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "qprep", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_batch_statuses_summary_and_resume(folder):
+    root, models, config = folder
+    out = root / "out"
+    done = run_cli("batch", config, models, "--out", out, "--jobs", "2", "--quiet")
+    assert done.returncode == 2, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {r["model"]: r for r in summary["models"]}
+    assert {name: r["status"] for name, r in rows.items()} == {
+        "cls.onnx": "ok", "cls_copy.onnx": "ok", "tiny.onnx": "ok", "with_if.onnx": "ok", "truncated.onnx": "failed"}
+    assert summary["models"][0]["model"] == "truncated.onnx"  # worst first
+    assert "truncated or corrupt" in rows["truncated.onnx"]["error"] and "\n" not in rows["truncated.onnx"]["error"]
+    assert rows["cls_copy.onnx"]["note"] == "identical to cls.onnx"
+    for name in ("cls.onnx", "with_if.onnx"):
+        report = json.loads((out / name.removesuffix(".onnx") / "report.json").read_text())
+        assert rows[name]["nodes_after"] == report["result"]["nodes"]
+        assert rows[name]["nodes_before"] == report["model"]["nodes"]
+    if_result = onnx.load(str(out / "with_if" / "model.onnx"))
+    assert [n.op_type for n in if_result.graph.node].count("If") == 1  # control flow preserved
+    for name in ("summary.csv", "summary.md", "summary.html"):
+        assert "cls.onnx" in (out / name).read_text()
+    stamp = (out / "cls" / "report.json").stat().st_mtime
+    again = run_cli("batch", config, models, "--out", out, "--resume", "--quiet")
+    assert again.returncode == 2  # the truncated model still fails
+    resumed = {r["model"]: r for r in json.loads((out / "summary.json").read_text())["models"]}
+    assert resumed["cls.onnx"]["note"] == "resumed: result reused"
+    assert (out / "cls" / "report.json").stat().st_mtime == stamp  # no model work redone
+
+
+def test_a_killed_worker_fails_only_its_model(tmp_path):
+    import psutil
+
+    models = tmp_path / "models"
+    models.mkdir()
+    onnx.save(tiny_conv_model(), str(models / "a_tiny.onnx"))
+    onnx.save(endless_loop_model(), str(models / "hang.onnx"))
+    config = tmp_path / "c.yaml"
+    config.write_text("model: unused.onnx\npipeline: [optimize]\n")
+    batch = subprocess.Popen([sys.executable, "-m", "qprep", "batch", str(config), str(models), "--out",
+                              str(tmp_path / "out"), "--jobs", "2", "--quiet"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    victim = None
+    while victim is None and time.time() < deadline:
+        for proc in psutil.Process(batch.pid).children(recursive=True):
+            if any("hang.onnx" in part for part in proc.cmdline()):
+                victim = proc
+        time.sleep(0.5)
+    assert victim is not None, "worker for hang.onnx never started"
+    time.sleep(2)  # let it get into the Loop
+    victim.kill()
+    batch.wait(timeout=300)
+    assert batch.returncode == 2
+    rows = {r["model"]: r for r in json.loads((tmp_path / "out" / "summary.json").read_text())["models"]}
+    assert rows["hang.onnx"]["status"] == "failed" and "worker died" in rows["hang.onnx"]["error"]
+    assert rows["a_tiny.onnx"]["status"] == "ok"
+
+
+def test_compare_prints_deltas_and_fails_on_regression(tmp_path, cli):
+    base = {"status": "ok", "result": {"nodes": 10},
+            "evaluation": {"outputs": {"logits": {"cosine_mean": 0.99, "top1_agreement": 0.95}}}}
+    worse = json.loads(json.dumps(base))
+    worse["evaluation"]["outputs"]["logits"].update(cosine_mean=0.97, top1_agreement=0.96)
+    for name, report in (("a", base), ("b", worse)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(report))
+    code, out, _ = cli("compare", tmp_path / "a", tmp_path / "b", "--markdown", tmp_path / "c.md")
+    assert code == 0
+    assert "0.97 (-0.02) ▼" in out and "0.96 (+0.01)" in out and "0.96 (+0.01) ▼" not in out
+    assert "**0.97 (-0.02)**" in (tmp_path / "c.md").read_text()
+    code, out, _ = cli("compare", tmp_path / "a", tmp_path / "b", "--fail-on-regression", "cosine_mean=0.01")
+    assert code == 1 and "REGRESSION logits.cosine_mean" in out
+    code, _, _ = cli("compare", tmp_path / "a", tmp_path / "b", "--fail-on-regression", "cosine_mean=0.05")
+    assert code == 0
