@@ -55,6 +55,7 @@ def folder(tmp_path_factory):
     models.mkdir()
     shutil.copy(demo_model("ppocr_cls.onnx"), models / "cls.onnx")
     shutil.copy(demo_model("ppocr_cls.onnx"), models / "cls_copy.onnx")  # byte-identical twin
+    shutil.copy(demo_model("efficientnet_lite0.onnx"), models / "effnet.onnx")
     onnx.save(tiny_conv_model(), str(models / "tiny.onnx"))
     onnx.save(if_model(), str(models / "with_if.onnx"))
     data = (models / "tiny.onnx").read_bytes()
@@ -77,11 +78,13 @@ def test_batch_statuses_summary_and_resume(folder):
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["model"]: r for r in summary["models"]}
     assert {name: r["status"] for name, r in rows.items()} == {
-        "cls.onnx": "ok", "cls_copy.onnx": "ok", "tiny.onnx": "ok", "with_if.onnx": "ok", "truncated.onnx": "failed"}
+        "cls.onnx": "ok", "cls_copy.onnx": "ok", "effnet.onnx": "ok", "tiny.onnx": "ok", "with_if.onnx": "ok",
+        "truncated.onnx": "failed"}
     assert summary["models"][0]["model"] == "truncated.onnx"  # worst first
     assert "truncated or corrupt" in rows["truncated.onnx"]["error"] and "\n" not in rows["truncated.onnx"]["error"]
     assert rows["cls_copy.onnx"]["note"] == "identical to cls.onnx"
-    for name in ("cls.onnx", "with_if.onnx"):
+    assert rows["effnet.onnx"]["nodes_after"] == 94
+    for name in ("cls.onnx", "effnet.onnx", "with_if.onnx"):
         report = json.loads((out / name.removesuffix(".onnx") / "report.json").read_text())
         assert rows[name]["nodes_after"] == report["result"]["nodes"]
         assert rows[name]["nodes_before"] == report["model"]["nodes"]
