@@ -25,9 +25,10 @@ def data_source(doc: str) -> Key:
     return section(
         doc,
         nullable=True,
-        source=Key("path", required=True, doc="folder of .npy/.npz samples or images"),
-        format=Key("str", default="auto", choices=("auto", "npy", "npz", "images"),
-                   doc="sample format; auto picks it from the files in the folder"),
+        source=Key("path", required=True,
+                   doc="folder of .npy/.npz samples or images, or an RKNN-style dataset.txt list"),
+        format=Key("str", default="auto", choices=("auto", "npy", "npz", "images", "list"),
+                   doc="sample format; auto picks it from the files in the folder (a file means list)"),
         max_samples=Key("int", default=64, minimum=1, doc="cap on samples used (fewer files is a warning)"),
         seed=Key("int", default=0, doc="seed for choosing samples when the folder holds more than max_samples"),
         preprocess=section(
@@ -55,6 +56,10 @@ def evaluation_section() -> Key:
         latency=section("latency of reference and result with ONNX Runtime (batch 1)",
                         runs=Key("int", default=50, minimum=0, doc="timed runs (median reported); 0 disables"),
                         warmup=Key("int", default=10, minimum=0, doc="untimed runs first")),
+        labels=Key("path", doc="ground truth: a text file of `<sample file name> <label>` lines, for task "
+                                "accuracy of reference and result on classification outputs"),
+        label_names=Key("list", item=Key("str"), doc="class names in output order, when labels are names "
+                                                     "(e.g. ['0', '180']); default: labels are class indices"),
         gate=Key("mapping", item=Key("float"), default={},
                  doc="metric → threshold, e.g. {cosine_mean: 0.99}; a miss exits 1 after the report"),
     )

@@ -11,7 +11,7 @@ from qprep import stages
 @pytest.fixture
 def fake_stage(monkeypatch):
     """Register a throwaway stage so pipeline validation and --set can be tested before real stages exist."""
-    registry = dict(stages._REGISTRY)
+    registry = dict(stages.registry())  # import the real stages first, then shadow `quantize`
     registry["quantize"] = stages.Stage("quantize", lambda m, c, o: stages.StageResult(m),
                                         section(backend=Key("str", default="ort", choices=("ort", "rknn")),
                                                 algorithm=Key("str", default="normal")), "test stage")

@@ -92,3 +92,19 @@ def test_unreadable_image_names_the_file(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
     with pytest.raises(DataError, match=r"broken.png: not a readable image"):
         load_samples(source(tmp_path), CONV_INPUTS)
+
+
+def test_dataset_txt_list_feeds_multi_input_models_in_input_order(tmp_path):
+    (tmp_path / "npy").mkdir()
+    lines = []
+    for i in range(3):
+        np.save(tmp_path / "npy" / f"ids{i}.npy", np.full((1, 4), i, np.int64))
+        np.save(tmp_path / "npy" / f"mask{i}.npy", np.ones((1, 4), np.float32))
+        lines.append(f"npy/ids{i}.npy npy/mask{i}.npy")
+    (tmp_path / "dataset.txt").write_text("\n".join(lines) + "\n")
+    samples = load_samples(source(tmp_path / "dataset.txt"), TWO_INPUTS)
+    assert samples.format == "list" and len(samples) == 3
+    assert samples.samples[2]["ids"].tolist() == [[2, 2, 2, 2]]
+    (tmp_path / "bad.txt").write_text("npy/ids0.npy\n")
+    with pytest.raises(DataError, match=r"line 1: 1 files for 2 model inputs \(ids, mask\)"):
+        load_samples(source(tmp_path / "bad.txt"), TWO_INPUTS)

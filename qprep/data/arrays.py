@@ -22,6 +22,7 @@ def read_array_sample(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndar
 
 
 def _from_npy(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    """`inputs` is the one input this file feeds (a folder of .npy, or one column of a dataset.txt list)."""
     if len(inputs) != 1:
         names = ", ".join(s.name for s in inputs)
         raise DataError(f"{path.name}: .npy samples need a single-input model, this one has {len(inputs)} "

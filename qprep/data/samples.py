@@ -39,22 +39,58 @@ class SampleSet:
 
 def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration") -> SampleSet:
     """Load the samples a config section (`source`, `format`, `max_samples`, `seed`, …) points to."""
-    folder = Path(cfg["source"])
-    if not folder.is_dir():
-        raise DataError(f"{role}.source: folder not found: {folder}")
-    fmt, files = _pick_files(folder, cfg["format"], role)
+    source = Path(cfg["source"])
+    if source.is_file() or cfg["format"] == "list":
+        return _load_list(source, cfg, inputs, role)
+    if not source.is_dir():
+        raise DataError(f"{role}.source: folder not found: {source}")
+    fmt, files = _pick_files(source, cfg["format"], role)
     chosen, warnings = _choose(files, cfg["max_samples"], cfg["seed"], role)
-    preprocess = reader = None
-    if fmt == "images":
-        reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role)
-        preprocess = reader.describe()
-        samples = [{reader.input.name: reader.read(path)} for path in chosen]
-    else:
-        samples = [read_array_sample(path, inputs) for path in chosen]
+    reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if fmt == "images" else None
+    samples = [_read(path, inputs, reader) for path in chosen]
     for path, sample in zip(chosen, samples):
         check_sample(sample, inputs, f"{role} sample {path.name}")
-    return SampleSet(samples=samples, files=[str(p) for p in chosen], source=str(folder), format=fmt,
-                     sha256=_hash_files(chosen), warnings=warnings, preprocess=preprocess, image_reader=reader)
+    return SampleSet(samples=samples, files=[str(p) for p in chosen], source=str(source), format=fmt,
+                     sha256=_hash_files(chosen), warnings=warnings,
+                     preprocess=reader.describe() if reader else None, image_reader=reader)
+
+
+def _read(path: Path, inputs: list[TensorSpec], reader: ImagePreprocess | None) -> dict[str, np.ndarray]:
+    if reader is not None:
+        return {reader.input.name: reader.read(path)}
+    return read_array_sample(path, inputs)
+
+
+def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> SampleSet:
+    """An RKNN-style dataset.txt: one sample per line, one file per model input (space-separated, in input
+    order), paths relative to the list's folder; .npy arrays or, for single-input image models, images."""
+    if not path.is_file():
+        raise DataError(f"{role}.source: list file not found: {path}")
+    lines = [line.split() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    if not lines:
+        raise DataError(f"{role}.source: {path} lists no samples; one sample per line, one file per input")
+    chosen, warnings = _choose(lines, cfg["max_samples"], cfg["seed"], role)
+    images = all(Path(p).suffix.lower() in IMAGE_SUFFIXES for line in chosen for p in line)
+    reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if images else None
+    samples, files = [], []
+    for number, entries in enumerate(chosen, 1):
+        if len(entries) != len(inputs):
+            raise DataError(f"{path} line {number}: {len(entries)} files for {len(inputs)} model inputs "
+                            f"({', '.join(s.name for s in inputs)}); list one file per input, in that order")
+        paths = [(path.parent / e).resolve() for e in entries]
+        for p in paths:
+            if not p.is_file():
+                raise DataError(f"{path} line {number}: file not found: {p}")
+        if reader is not None:
+            sample = {reader.input.name: reader.read(paths[0])}
+        else:
+            sample = {spec.name: read_array_sample(p, [spec])[spec.name] for spec, p in zip(inputs, paths)}
+        check_sample(sample, inputs, f"{role} sample {paths[0].name}")
+        samples.append(sample)
+        files.append(str(paths[0]))
+    return SampleSet(samples=samples, files=files, source=str(path), format="list", warnings=warnings,
+                     sha256=_hash_files([Path(f) for f in files]),
+                     preprocess=reader.describe() if reader else None, image_reader=reader)
 
 
 def _pick_files(folder: Path, fmt: str, role: str) -> tuple[str, list[Path]]:
@@ -74,7 +110,7 @@ def _pick_files(folder: Path, fmt: str, role: str) -> tuple[str, list[Path]]:
     return fmt, by_format[fmt]
 
 
-def _choose(files: list[Path], cap: int, seed: int, role: str) -> tuple[list[Path], list[str]]:
+def _choose(files: list, cap: int, seed: int, role: str) -> tuple[list, list[str]]:
     """At most `cap` files: a seeded subset, kept in sorted order (same config → same samples)."""
     if len(files) <= cap:
         warnings = [] if len(files) == cap else [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from qprep import model_info
@@ -17,7 +18,8 @@ from qprep.data import load_samples
 from qprep.evaluate.gate import check_gate
 from qprep.evaluate.latency import measure
 from qprep.evaluate.layers import layer_errors
-from qprep.evaluate.metrics import compare_output, output_task
+from qprep.errors import DataError
+from qprep.evaluate.metrics import compare_output, output_task, wilson_interval
 from qprep.graph.verify import run_model
 from qprep.model_io import load_model
 
@@ -51,6 +53,11 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
             ({"sample": Path(f).name, "cosine": c} for f, c in zip(samples.files, per_sample)),
             key=lambda row: row["cosine"])[:5]
         outputs[name] = metrics
+    if cfg["labels"]:
+        labels = read_labels(Path(cfg["labels"]), cfg["label_names"], samples.files)
+        for name, metrics in outputs.items():
+            if metrics["task"] == "classification":
+                metrics.update(task_accuracy([e[name] for e in expected], [a[name] for a in actual], labels))
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
     if cfg["layers"] and ctx.layer_analyzer is not None:
         with ctx.progress.step("evaluation: per-layer error (backend analysis)"):
@@ -69,6 +76,44 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
     if cfg["gate"]:
         result["gate"] = check_gate(cfg["gate"], outputs)
     return result
+
+
+def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[int]:
+    """One class index per evaluation sample, from `<file name> <label>` lines."""
+    if not path.is_file():
+        raise DataError(f"evaluation.labels: file not found: {path}")
+    table = {}
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            table[parts[0]] = parts[-1]
+    indices = []
+    for file in files:
+        label = table.get(Path(file).name)
+        if label is None:
+            raise DataError(f"evaluation.labels: {path} has no label for {Path(file).name}")
+        if names:
+            if label not in names:
+                raise DataError(f"evaluation.labels: label '{label}' of {Path(file).name} is not in label_names {names}")
+            indices.append(names.index(label))
+        else:
+            try:
+                indices.append(int(label))
+            except ValueError:
+                raise DataError(f"evaluation.labels: label '{label}' is not a class index; set "
+                                "evaluation.label_names to map names to output positions") from None
+    return indices
+
+
+def task_accuracy(reference: list, result: list, labels: list[int]) -> dict:
+    """Top-1 accuracy of reference and result against ground truth (one label per sample, batch 1)."""
+    ref_hits = np.array([int(np.asarray(r).reshape(-1, np.asarray(r).shape[-1])[0].argmax()) == y
+                         for r, y in zip(reference, labels)])
+    res_hits = np.array([int(np.asarray(r).reshape(-1, np.asarray(r).shape[-1])[0].argmax()) == y
+                         for r, y in zip(result, labels)])
+    return {"top1_accuracy": float(res_hits.mean()),
+            "top1_accuracy_ci95": list(wilson_interval(int(res_hits.sum()), res_hits.size)),
+            "reference_top1_accuracy": float(ref_hits.mean()), "labelled_samples": int(res_hits.size)}
 
 
 def _latency(reference, final_model, sample, threads: int, cfg: dict, ctx) -> dict:

@@ -76,6 +76,12 @@ def _evaluation(evaluation: dict | None) -> list[str]:
         lines.append(f"| {name} | {m['cosine_mean']:.5f} | {m['cosine_min']:.5f} | {m['sqnr_db']:.1f} | "
                      f"{m['max_abs']:.3g} | {agreement_text(m)} |")
     lines.append("")
+    for name, m in evaluation["outputs"].items():
+        if "top1_accuracy" in m:
+            low, high = m["top1_accuracy_ci95"]
+            lines += [f"Task accuracy of {name} against ground truth ({m['labelled_samples']} labelled samples): "
+                      f"FP32 {100 * m['reference_top1_accuracy']:.1f}%, result {100 * m['top1_accuracy']:.1f}% "
+                      f"({100 * low:.1f}–{100 * high:.1f}%).", ""]
     gate = evaluation.get("gate")
     if gate:
         verdict = "passed" if gate["passed"] else "**missed**"

@@ -1,0 +1,54 @@
+"""Opt-in (QPREP_LARGE_TESTS=1, ~10 GB RAM, a few minutes): a model over protobuf's 2 GB limit loads from
+external data, goes through the optimize stage (verified) and is saved with external data again."""
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytestmark = pytest.mark.skipif(os.environ.get("QPREP_LARGE_TESTS") != "1",
+                                reason="opt-in: set QPREP_LARGE_TESTS=1 (needs ~10 GB RAM)")
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (2026-11-29): after loading the 2.2 GB external data into the "
+                   "ModelProto the run sees no graph inputs ('this one has 0') — keep weights file-backed (onnx_ir) "
+                   "instead of materializing them in the proto")
+def test_model_over_2gb_runs_end_to_end(tmp_path):
+    import qprep
+
+    rows = 2_200_000_000 // (4 * 256)  # a 2.2 GB embedding table, written straight to external data
+    source = tmp_path / "big.onnx"
+    with open(tmp_path / "big.onnx.data", "wb") as f:
+        rng = np.random.default_rng(0)
+        for start in range(0, rows, 1 << 18):
+            f.write(rng.standard_normal((min(1 << 18, rows - start), 256), dtype=np.float32).tobytes())
+    table = onnx.TensorProto(name="table", data_type=TensorProto.FLOAT, dims=[rows, 256],
+                             data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "big.onnx.data"), ("offset", "0"), ("length", str(rows * 256 * 4))):
+        table.external_data.add(key=key, value=value)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["g"]),
+             helper.make_node("Identity", ["g"], ["i"]),
+             helper.make_node("ReduceMean", ["i"], ["m"], axes=[-1]),
+             helper.make_node("Sub", ["i", "m"], ["d"]),
+             helper.make_node("Pow", ["d", "two"], ["p"]),
+             helper.make_node("ReduceMean", ["p"], ["v"], axes=[-1]),
+             helper.make_node("Add", ["v", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["s"]),
+             helper.make_node("Div", ["d", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 256])],
+                              [table, numpy_helper.from_array(np.float32(2.0), "two"),
+                               numpy_helper.from_array(np.float32(1e-5), "eps")])
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)]), str(source))
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "0.npy", np.array([[1, 5, 9, 100, 1000, 10_000, 100_000, 2_000_000]], dtype=np.int64))
+    report = qprep.run({"model": str(source), "calibration": {"source": str(data)},
+                        "pipeline": [{"optimize": {}}]}, output_dir=str(tmp_path / "run"))
+    stage = report["stages"][0]
+    assert stage["rolled_back"] == []
+    assert report["result"]["op_counts"].get("LayerNormalization") == 1
+    assert (tmp_path / "run" / "model.onnx.data").stat().st_size > 2_000_000_000
+    assert (tmp_path / "run" / "model.onnx").stat().st_size < 10_000_000
