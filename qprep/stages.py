@@ -16,7 +16,7 @@ import onnx
 from qprep.schema import Key, section
 
 # Modules that define stages (imported on first use; each registers itself).
-STAGE_MODULES: tuple[str, ...] = ("qprep.graph.optimize", "qprep.backends.quantize")
+STAGE_MODULES: tuple[str, ...] = ("qprep.graph.optimize", "qprep.backends.quantize", "qprep.qdq.remove_redundant", "qprep.qdq.keep_float", "qprep.qdq.fuse_conv")
 
 
 @dataclass

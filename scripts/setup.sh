@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up qprep on a fresh machine: .venv with qprep and everything the shipped configs need
-# (rknn-toolkit2 2.5.0, CPU torch for the demo exports), then the real demo models in models/.
+# (rknn-toolkit2 2.5.0, CPU torch for the demo exports), then the real demo models in models/ and the
+# QDQ/QAT models derived from them.
 # Idempotent: when nothing that decides the install has changed, the second call only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,4 +42,5 @@ if [ "$(cat "$VENV/.qprep-setup" 2>/dev/null)" != "$stamp" ]; then
 fi
 
 "$PY" scripts/fetch_models.py
+"$PY" scripts/build_qdq_fixtures.py   # QDQ/QAT test and demo models (models/qdq/), built from the demo models
 echo "qprep setup: ready (.venv/bin/qprep)"

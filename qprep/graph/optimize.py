@@ -15,8 +15,8 @@ import onnx
 import onnx_ir as ir
 
 from qprep import model_info
-from qprep.model_io import is_large
 from qprep.graph.passes import PassSettings, all_passes
+from qprep.graph.verify import checker_problem
 from qprep.schema import Key
 from qprep.stages import StageResult, stage
 
@@ -65,7 +65,7 @@ def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
             candidate = ir.to_proto(current)
             record["seconds"] += time.perf_counter() - start
             start = time.perf_counter()
-            problem = _invalid(candidate)
+            problem = checker_problem(candidate)
             verdict = None if problem else verifier.check(candidate)
             record["verify_seconds"] += time.perf_counter() - start
             record["matches"] += outcome.matches
@@ -115,18 +115,6 @@ def _settings(options: dict, stages: list[tuple[str, dict]]) -> PassSettings:
     max_opset = options["max_opset"] or (RKNN_MAX_OPSET if backend == "rknn" else 21)
     return PassSettings(fold_max_elements=options["fold_max_elements"], max_opset=max_opset,
                         gelu=options["gelu"], backend=backend)
-
-
-def _invalid(model: onnx.ModelProto) -> str | None:
-    """onnx.checker's complaint, if any: ORT happily runs some invalid graphs (e.g. an op newer than the
-    opset import), so numeric verification alone would not catch them."""
-    if is_large(model):
-        return None  # the checker cannot take a >2 GB proto in memory; ORT verification still runs
-    try:
-        onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        return f"invalid model: {str(exc).splitlines()[0][:200]}"
-    return None
 
 
 def _op_delta(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[str, int]:

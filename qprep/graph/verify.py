@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from qprep.errors import ModelError
-from qprep.model_io import ort_session
+from qprep.model_io import is_large, ort_session
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,18 @@ def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
         raise ModelError(f"ONNX Runtime cannot run the model on the verification samples "
                          f"({str(exc).splitlines()[0][:200]}); fix the input dims with `inputs:` or give "
                          "calibration data") from None
+
+
+def checker_problem(model: onnx.ModelProto) -> str | None:
+    """onnx.checker's complaint, if any: ORT happily runs some invalid graphs (e.g. an op newer than the
+    opset import), so numeric verification alone would not catch them."""
+    if is_large(model):
+        return None  # the checker cannot take a >2 GB proto in memory; ORT verification still runs
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        return f"invalid model: {str(exc).splitlines()[0][:200]}"
+    return None
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

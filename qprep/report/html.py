@@ -86,7 +86,8 @@ def _stages(stages: list[dict]) -> list[str]:
     rows = [[str(s["index"] + 1), escape(s["name"]), escape(s["status"]),
              f"{s.get('nodes_before', '?')} → {s.get('nodes_after', '?')}", f"{s.get('seconds', 0):.2f}",
              escape(s.get("reason") or s.get("error") or
-                    (f"rolled back: {', '.join(r['pass'] for r in s['rolled_back'])}" if s.get("rolled_back") else ""))]
+                    (f"rolled back: {', '.join(str(r.get('pass') or r.get('rewrite') or r) for r in s['rolled_back'])}"
+                     if s.get("rolled_back") else ""))]
             for s in stages]
     parts = ["<h2>Stages</h2>", _table(["#", "stage", "status", "nodes", "seconds", "notes"], rows)]
     for s in stages:

@@ -582,3 +582,23 @@ PASS = GraphPass(
     doc="Fuse decomposed LayerNorm (PyTorch/Paddle, TF/Keras, JAX/Flax exports) into LayerNormalization "
         "(opset 17; converts an older model first when max_opset allows).",
 )
+
+
+def decomposed_layernorm_nodes(proto: onnx.ModelProto) -> list[list[str]]:
+    """Node names of each decomposed LayerNorm the optimize stage's fuse_layernorm rules match.
+
+    keep_float uses it to put still-decomposed LayerNorms in the float set: the same matcher as the fusion.
+    """
+    model = ir.from_proto(proto)  # a copy: shape inference below rewrites value types the result must not keep
+    infer_shapes(model)  # the rules need dtypes
+    rules = _rule_set(_FusionLog())
+    groups, claimed = [], set()
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        for rule in rules:
+            match = rule.match(model, node.graph, node)
+            if match:
+                names = [n.name for n in match.nodes if n.name not in claimed]
+                claimed.update(names)
+                groups.append(names)
+                break
+    return groups
