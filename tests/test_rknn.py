@@ -96,3 +96,14 @@ def test_error_analysis_parser_reads_glued_columns_and_fused_rows():
     cfg = "custom_quantize_layers: {}\nquantize_parameters:\n    x:\n        dtype: int8\n"
     edited = with_custom_layers(cfg, ["a-rs"])
     assert edited == "custom_quantize_layers:\n    'a-rs': float16\nquantize_parameters:\n    x:\n        dtype: int8\n"
+
+
+def test_toolkit_traceback_in_the_log_becomes_one_line(tmp_path):
+    from qprep.backends.rknn import _Toolkit
+
+    toolkit = _Toolkit(tmp_path)
+    toolkit.log_path.write_text("E RKNN: [11:03] Unkown op target: 0\n"
+                                "\x1b[1;31mE\x1b[0m \x1b[1;31minference: Traceback (most recent call last):\n"
+                                '  File "rknn/api/rknn_base.py", line 2776, in inference\n'
+                                "AttributeError: 'NoneType' object has no attribute 'lower'\n\x1b[0m\n")
+    assert toolkit._error_line(0) == "inference: AttributeError: 'NoneType' object has no attribute 'lower'"

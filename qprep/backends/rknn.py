@@ -115,10 +115,14 @@ class _Toolkit:
             return ""
         with open(self.log_path, errors="replace") as f:
             f.seek(start)
-            for line in f:
-                clean = _ANSI.sub("", line).strip()
-                if clean.startswith("E ") and not any(noise in clean for noise in _NOISE):
-                    return clean[2:].strip()
+            lines = [_ANSI.sub("", line).strip() for line in f]
+        for index, line in enumerate(lines):
+            if line.startswith("E ") and not any(noise in line for noise in _NOISE):
+                message = line[2:].strip()
+                if message.endswith("Traceback (most recent call last):"):  # the toolkit logged a traceback:
+                    cause = next((l for l in lines[index + 1:] if re.match(r"^\w+(Error|Exception)\b", l)), "")
+                    message = f"{message.split(':')[0]}: {cause}" if cause else message
+                return message
         return ""
 
 
@@ -253,7 +257,9 @@ class _Runner:
 
     def __call__(self, samples: list[dict]) -> list[dict]:
         results = []
-        formats = ["nchw" if len(spec.shape) == 4 else None for spec in self.inputs]
+        # data_format: one entry per input, and the toolkit calls .lower() on each, so no None entries;
+        # 'nchw' describes our 4-D arrays and is ignored for other ranks.
+        formats = ["nchw"] * len(self.inputs) if any(len(spec.shape) == 4 for spec in self.inputs) else None
         for sample in samples:
             outs = self.toolkit.call("inference", self.rknn.inference, inputs=self._feeds(sample),
                                      data_format=formats)
