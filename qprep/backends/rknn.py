@@ -102,13 +102,24 @@ class _Toolkit:
             with self._inside():
                 result = fn(*args, **kwargs)
         except Exception as exc:  # the toolkit raises bare ValueError/KeyError with its message last
+            self._copy_to_run_log(start, step)
             lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
             raise QprepError(f"rknn-toolkit2 {step} failed: {self._error_line(start) or (lines[-1] if lines else type(exc).__name__)}"
                              f" (toolkit log: {self.log_path})") from None
+        self._copy_to_run_log(start, step)
         if result is None or (isinstance(result, int) and result != 0):
             raise QprepError(f"rknn-toolkit2 {step} failed: {self._error_line(start) or f'returned {result}'} "
                              f"(toolkit log: {self.log_path})")
         return result
+
+    def _copy_to_run_log(self, start: int, step: str) -> None:
+        """What the toolkit printed during one call, into qprep.log (colour codes stripped)."""
+        if self.log_path.exists():
+            with open(self.log_path, errors="replace") as f:
+                f.seek(start)
+                text = _ANSI.sub("", f.read()).strip()
+            if text:
+                log.info("rknn-toolkit2 %s:\n%s", step, text)
 
     def _error_line(self, start: int) -> str:
         if not self.log_path.exists():
