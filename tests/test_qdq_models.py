@@ -135,8 +135,13 @@ def test_keep_float_on_qdq_minilm_removes_the_layernorm_pairs(qdq_fixtures, tmp_
         assert producers.get(node.input[0]) != "DequantizeLinear"  # float input
     # the rounding around LayerNorm was not what broke this QDQ model: measure it against FP32 (the
     # evaluation section reports this in runs); the residual/attention Adds are (ORT's own advice)
+    evaluation = {"source": MINILM["source"].rsplit("/calib", 1)[0] + "/eval", "max_samples": 8,
+                  "reference_model": str(demo_model("minilm_l6_v2.onnx")), "latency": {"runs": 0}, "layers": False}
     report, with_adds = run(tmp_path / "clean" / "model.onnx", MINILM, [{"keep_float": {"op_types": ["Add"]}}],
-                            tmp_path / "adds")
+                            tmp_path / "adds", evaluation=evaluation)
+    against = report["stages"][0]["effect"]["against_fp32"]["outputs"]["last_hidden_state"]
+    assert against["cosine_mean_after"] >= against["cosine_mean_before"] + 0.3  # the record says it went up
+    assert abs(report["evaluation"]["outputs"]["last_hidden_state"]["cosine_mean"] - 0.98) < 0.05
     fp32 = onnx.load(str(demo_model("minilm_l6_v2.onnx")))
     held_out = eval_samples(fp32, MINILM, 16)
     reference = run_model(fp32, held_out)

@@ -165,7 +165,27 @@ def keep_float(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
     result = ir.to_proto(ir_model)
     details = {"float_set": summary, "model_kind": model_info.model_kind(model), "removed": record,
                "effect": _effect(model, result, ctx.verifier)}
+    evaluation = ctx.config["evaluation"]
+    if evaluation and evaluation.get("reference_model"):
+        details["effect"]["against_fp32"] = _against_reference(model, result, evaluation["reference_model"],
+                                                               ctx.verifier)
     return StageResult(model=result, details=details)
+
+
+def _against_reference(before: onnx.ModelProto, after: onnx.ModelProto, reference_path: str, verifier) -> dict:
+    """Cosine of the QDQ model's outputs against the FP32 model it came from, before and after the float set
+    lost its rounding: the number that says whether keeping these nodes float helped."""
+    from qprep.evaluate.metrics import compare_output
+    from qprep.model_io import load_model
+
+    reference = run_model(load_model(reference_path), verifier.samples, verifier.threads)
+    results = {}
+    for label, model in (("before", before), ("after", after)):
+        outputs = run_model(model, verifier.samples, verifier.threads)
+        for name in reference[0]:
+            metrics = compare_output([r[name] for r in reference], [o[name] for o in outputs], "tensor")
+            results.setdefault(name, {})[f"cosine_mean_{label}"] = metrics["cosine_mean"]
+    return {"reference_model": reference_path, "samples": len(verifier.samples), "outputs": results}
 
 
 def _reason_kind(reason: str) -> str:

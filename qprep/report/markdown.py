@@ -26,6 +26,12 @@ def render_markdown(report: dict) -> str:
         lines.append("")
         for s in stages:
             lines += _passes_table(s)
+            against = (s.get("effect") or {}).get("against_fp32")
+            if against:
+                for output, values in against["outputs"].items():
+                    lines += [f"{s['name']}: cosine of `{output}` against the FP32 model "
+                              f"{values['cosine_mean_before']:.4f} before → {values['cosine_mean_after']:.4f} after "
+                              f"({against['samples']} samples).", ""]
     else:
         lines += ["No stages configured: the result is the loaded model (nodes named, shapes inferred).", ""]
     result = report.get("result")
