@@ -130,7 +130,7 @@ def cmd_run(args) -> int:
         return EXIT_USAGE
     gate = (report.get("evaluation") or {}).get("gate")
     if gate and not gate["passed"]:
-        missed = [f"{c['metric']} {_fmt(c['value'])} (needs {c['kind'] == 'maximum' and '<=' or '>='} "
+        missed = [f"{c['metric']} {_fmt(c['value'])} (needs {'<=' if c.get('kind') == 'maximum' else '>='} "
                   f"{c['threshold']})" for c in gate["checks"] if not c["passed"]]
         print(f"qprep: gate missed: {'; '.join(missed)} (report in {report['run_dir']})", file=sys.stderr)
         return EXIT_GATE_MISSED

@@ -115,8 +115,23 @@ def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | No
     for key_path, value in (overrides or {}).items():
         set_key(raw, key_path, value, cwd=cwd or Path.cwd())
     values = validate(raw, SCHEMA, "", base)
+    _check_gate_metrics(values["evaluation"])
     stages = _validate_pipeline(values.pop("pipeline"), base)
     return Config(values=values, stages=stages, path=path)
+
+
+GATE_METRICS = ("cosine_mean", "cosine_min", "sqnr_db", "max_abs", "mse", "top1_agreement", "top5_agreement",
+                "step_agreement", "top1_accuracy")
+
+
+def _check_gate_metrics(evaluation: dict | None) -> None:
+    """Gate keys are `<metric>` or `<output>.<metric>`; a misspelt metric would otherwise only fail at the end."""
+    for key in (evaluation or {}).get("gate", {}):
+        metric = key.rsplit(".", 1)[-1]
+        if metric not in GATE_METRICS:
+            guess = closest(metric, GATE_METRICS)
+            hint = f"did you mean '{guess}'?" if guess else f"metrics: {', '.join(GATE_METRICS)}"
+            raise ConfigError(f"evaluation.gate.{key}: unknown metric '{metric}'; {hint}")
 
 
 def _read_yaml(path: Path) -> Any:

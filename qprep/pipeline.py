@@ -59,6 +59,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     out = config["output_dir"]
     if not out:
         raise ConfigError("output_dir: no run directory; set output_dir in the config or pass --out DIR")
+    _refuse_overwriting_input(Path(out), Path(config["model"]))
     directory = run_dir.prepare(Path(out), force)
     progress = progress or Progress(enabled=False if quiet else None)
     handler = run_dir.attach_log(directory)
@@ -75,7 +76,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
             timings["load"] = time.perf_counter() - t0
         ctx = _context(config, model, directory, progress, report)
         for index, (name, options) in enumerate(config.stages):
-            with progress.step(f"[{index + 1}/{len(config.stages)}] {name}"):
+            with progress.step(f"[{index + 1}/{len(config.stages)}] {name}"), run_dir.toolkit_logging_to_run_log():
                 model = _run_stage(index, name, options, model, ctx, report, written)
             timings[f"stage {index} {name}"] = report["stages"][-1]["seconds"]
         save_model(model, directory / "model.onnx")
@@ -120,6 +121,14 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         })
         log.info("run finished: %s", report["status"])
         run_dir.detach_log(handler)
+
+
+def _refuse_overwriting_input(out: Path, model: Path) -> None:
+    """The input model is never written to: a run directory where model.onnx (or its data) would land on the
+    input is refused."""
+    inputs = {model.resolve(), model.resolve().with_name(model.name + ".data")}
+    if {(out / "model.onnx").resolve(), (out / "model.onnx.data").resolve()} & inputs:
+        raise ConfigError(f"output_dir {out} would overwrite the input model {model}; choose another --out")
 
 
 def _load(config: Config, report: dict) -> onnx.ModelProto:

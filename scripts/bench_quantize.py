@@ -12,6 +12,7 @@ FP32 model, and timed the same way (batch 1, 2 intra-op threads, ORT_ENABLE_ALL,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -67,12 +68,17 @@ def ort_documented(name: str, calib: list[dict], work: Path) -> tuple[onnx.Model
     start = time.perf_counter()
     source_path, pre, out = ROOT / "models" / f"{name}.onnx", work / f"{name}.pre.onnx", work / f"{name}.int8.onnx"
     note = ""
+    previous = os.getcwd()
+    os.chdir(work)  # quant_pre_process writes temporary files into the current directory
     try:
-        quant_pre_process(str(source_path), str(pre))
-    except Exception as exc:  # measured here: its symbolic shape inference fails on MiniLM
-        note = f"quant_pre_process failed ({type(exc).__name__}); rerun with skip_symbolic_shape=True"
-        quant_pre_process(str(source_path), str(pre), skip_symbolic_shape=True)
-    quantize_static(str(pre), str(out), Reader())
+        try:
+            quant_pre_process(str(source_path), str(pre))
+        except Exception as exc:  # measured here: its symbolic shape inference fails on MiniLM
+            note = f"quant_pre_process failed ({type(exc).__name__}); rerun with skip_symbolic_shape=True"
+            quant_pre_process(str(source_path), str(pre), skip_symbolic_shape=True)
+        quantize_static(str(pre), str(out), Reader())
+    finally:
+        os.chdir(previous)
     return onnx.load(str(out)), time.perf_counter() - start, note
 
 
@@ -123,7 +129,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for name, tool, s, speed, seconds, note in rows:
         agreement = "–" if s["agreement"] is None else f"{100 * s['agreement']:.1f}% ({s['task']})"
-        print(f"| {name} | {tool} | {s["cosine"]:.5f} | {agreement} | {speed:.2f}× | {seconds:.1f} | {note} |")
+        print(f"| {name} | {tool} | {s['cosine']:.5f} | {agreement} | {speed:.2f}× | {seconds:.1f} | {note} |")
     return 0
 
 

@@ -144,3 +144,5 @@ def test_compare_prints_deltas_and_fails_on_regression(tmp_path, cli):
     assert code == 1 and "REGRESSION logits.cosine_mean" in out
     code, _, _ = cli("compare", tmp_path / "a", tmp_path / "b", "--fail-on-regression", "cosine_mean=0.05")
     assert code == 0
+    code, _, err = cli("compare", tmp_path / "a", tmp_path / "b", "--fail-on-regression", "cosine_maen=0.05")
+    assert code == 2 and "no run reports this metric" in err  # a misspelt CI gate must not pass silently

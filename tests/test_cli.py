@@ -132,3 +132,32 @@ def test_python_api_mirrors_cli(tmp_path, save):
     assert report["status"] == "ok"
     assert report["load"]["inputs"][0]["shape"] == [1, 3, 8, 8]
     assert (tmp_path / "api" / "model.onnx").is_file()
+
+
+def test_an_output_dir_that_would_overwrite_the_input_model_is_refused(tmp_path, cli):
+    import onnx
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    onnx.save(tiny_conv_model(), str(folder / "model.onnx"))
+    before = (folder / "model.onnx").read_bytes()
+    code, _, err = cli("run", write_config(tmp_path, folder / "model.onnx"), "--out", folder, "--force")
+    one_line_error(code, err)
+    assert "would overwrite the input model" in err and (folder / "model.onnx").read_bytes() == before
+
+
+def test_same_config_and_data_give_the_same_bytes_through_optimize_and_quantize(tmp_path, save, cli):
+    model = save(tiny_conv_model())
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        np.save(data / f"{i}.npy", rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    config = write_config(tmp_path, model, data, "pipeline: [optimize, quantize]\n")
+    outputs = []
+    for run in ("a", "b"):
+        code, _, err = cli("run", config, "--out", tmp_path / run, "--quiet")
+        assert code == 0, err
+        outputs.append((tmp_path / run / "model.onnx").read_bytes())
+    assert outputs[0] == outputs[1]
+    assert oct((tmp_path / "a" / "report.json").stat().st_mode & 0o777) != oct(0o600)  # readable by others

@@ -134,3 +134,19 @@ def test_labels_give_task_accuracy_of_reference_and_result(tmp_path):
     assert metrics["reference_top1_accuracy"] == 127 / 128
     assert abs(metrics["top1_accuracy"] - metrics["reference_top1_accuracy"]) <= 2 / 128
     assert "Task accuracy" in (tmp_path / "report.md").read_text()
+
+
+def test_outputs_whose_shape_depends_on_the_data_are_counted_not_crashed_on():
+    ref = [np.ones((3, 4)), np.ones((2, 4))]
+    res = [np.ones((3, 4)), np.ones((5, 4))]  # e.g. NMS kept more boxes on the second sample
+    metrics = compare_output(ref, res, "tensor")
+    assert metrics["shape_mismatch"] == 1 and metrics["samples"] == 1
+    assert metrics["cosine_mean"] == pytest.approx(1.0) and metrics["per_sample_cosine"] == [pytest.approx(1.0), 0.0]
+
+
+def test_misspelt_gate_metric_is_a_config_error():
+    from qprep.config import load_config
+    from qprep.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"evaluation.gate.top1_agrement: unknown metric 'top1_agrement'; did you mean 'top1_agreement'"):
+        load_config({"model": "m.onnx", "evaluation": {"source": "d", "gate": {"top1_agrement": 0.9}}})

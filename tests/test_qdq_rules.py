@@ -72,7 +72,7 @@ def run_stage(name, model, options=None, data=None):
     """Call a registered stage the way the pipeline does (options validated, a run context with a verifier)."""
     stage = registry()[name]
     ctx = SimpleNamespace(verifier=Verifier(data or samples(), Tolerance(), threads=1, source="test"),
-                          float_set=set(), warnings=[])
+                          float_set=set(), warnings=[], config={"evaluation": None})
     result = stage.run(model, ctx, validate(options or {}, stage.options, name, None))
     return result, ctx
 

@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from qprep import model_info
+from qprep.errors import QprepError
 from qprep.graph.passes import PassSettings, all_passes
 from qprep.graph.verify import checker_problem
 from qprep.schema import Key
@@ -57,16 +58,28 @@ def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
                 continue  # the same input would fail the same way again
             record = records[name]
             start = time.perf_counter()
-            outcome = all_passes()[name].apply(current, settings)
+            try:
+                outcome = all_passes()[name].apply(current, settings)
+                candidate = ir.to_proto(current) if outcome.matches else None
+            except Exception as exc:  # a pass that breaks on an unusual graph must not end the run
+                reason = f"the pass raised {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                log.warning("optimize: pass %s rolled back (round %d): %s", name, round_index + 1, reason)
+                rolled_back.append({"pass": name, "round": round_index + 1, "reason": reason, "outputs": {}})
+                current = ir.from_proto(model)
+                continue
             record["details"] = _merge(record["details"], outcome.details)
             if outcome.matches == 0:  # passes report every change, so an unmatched pass left the model as it was
                 record["seconds"] += time.perf_counter() - start
                 continue
-            candidate = ir.to_proto(current)
             record["seconds"] += time.perf_counter() - start
             start = time.perf_counter()
             problem = checker_problem(candidate)
-            verdict = None if problem else verifier.check(candidate)
+            verdict = None
+            if not problem:
+                try:
+                    verdict = verifier.check(candidate)
+                except QprepError as exc:  # ORT refuses or cannot run the candidate
+                    problem = str(exc)
             record["verify_seconds"] += time.perf_counter() - start
             record["matches"] += outcome.matches
             if problem or not verdict.ok:

@@ -42,10 +42,10 @@ def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
               optimize: bool = False) -> list[dict[str, np.ndarray]]:
     """Outputs of `model` for every sample (only the inputs the model declares are fed). `optimize=True` runs
     it as deployed (ORT_ENABLE_ALL: QDQ fused into integer kernels); False runs the graph exactly as written."""
-    session = ort_session(model, threads=threads, optimize=optimize)
-    names = [i.name for i in session.get_inputs()]
-    outputs = [o.name for o in session.get_outputs()]
     try:
+        session = ort_session(model, threads=threads, optimize=optimize)
+        names = [i.name for i in session.get_inputs()]
+        outputs = [o.name for o in session.get_outputs()]
         return [dict(zip(outputs, session.run(outputs, {n: s[n] for n in names}))) for s in samples]
     except Exception as exc:  # ORT raises its own exception types
         raise ModelError(f"ONNX Runtime cannot run the model on the verification samples "

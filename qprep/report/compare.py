@@ -62,6 +62,11 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
         return _single(records[0][0], records[0][2])
     columns = [path for path, _, _ in records]
     values = [metrics_of(kind, data) for _, kind, data in records]
+    known = {m for v in values for m in v} | {m.rsplit(".", 1)[-1] for v in values for m in v}
+    for metric in fail_on:
+        if metric not in known:
+            raise QprepError(f"--fail-on-regression {metric}: no run reports this metric "
+                             f"(metrics: {', '.join(sorted(m for m in known if '.' not in m))})")
     rows, regressions = [], []
     for metric in dict.fromkeys(m for v in values for m in v):
         base = values[0].get(metric)
