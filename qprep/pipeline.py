@@ -88,10 +88,16 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
             written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
         report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
                             "artifacts": sorted(ctx.artifacts), **model_info.summary(model)}
+        if "model.rknn" in ctx.artifacts:  # the deployable result is the .rknn; model.onnx is what it was built from
+            report["result"]["deployable"] = {"path": "model.rknn", "bytes": (directory / "model.rknn").stat().st_size,
+                                              "note": "model.onnx is the prepared float model the .rknn was built from"}
         report["float_set"] = sorted(ctx.float_set)
         if config["evaluation"]:
             t0 = time.perf_counter()
             report["evaluation"] = evaluate(config, ctx, model, report["model"]["kind"])
+            deployable = report["result"].get("deployable")
+            if deployable:
+                report["evaluation"]["size_bytes"]["result"] = deployable["bytes"]
             timings["evaluation"] = time.perf_counter() - t0
         report["warnings"] += ctx.warnings
         gate = (report.get("evaluation") or {}).get("gate")

@@ -32,6 +32,8 @@ def test_rknn_demo_config_runs_end_to_end_on_the_simulator(cli, tmp_path):
     assert report["calibration"]["preprocess"]["channel_order"] == "bgr"
     assert report["load"]["inputs"] == [{"name": "x", "dtype": "float32", "shape": [1, 3, 48, 320]}]
     assert (tmp_path / "run" / "model.rknn").stat().st_size > 1_000_000
+    assert report["result"]["deployable"]["path"] == "model.rknn"
+    assert report["evaluation"]["size_bytes"]["result"] == (tmp_path / "run" / "model.rknn").stat().st_size
     quantize = next(s for s in report["stages"] if s["name"] == "quantize")
     assert quantize["backend"] == "rknn" and len(quantize["float16_layers"]["ir_tensors"]) == 5
     metrics = report["evaluation"]["outputs"]["softmax_11.tmp_0"]

@@ -36,7 +36,11 @@ def render_markdown(report: dict) -> str:
         lines += ["No stages configured: the result is the loaded model (nodes named, shapes inferred).", ""]
     result = report.get("result")
     if result:
-        lines += ["## Result", "", f"`{result['path']}`: {result['kind']}, {result['nodes']} nodes, "
+        deployable = result.get("deployable")
+        lines += ["## Result", ""]
+        if deployable:
+            lines += [f"Deployable: `{deployable['path']}` ({deployable['bytes'] / 1e6:.2f} MB); {deployable['note']}.", ""]
+        lines += [f"`{result['path']}`: {result['kind']}, {result['nodes']} nodes, "
                   f"{result['bytes'] / 1e6:.2f} MB", "", "| op | input model | result |", "|---|---|---|"]
         before, after = model.get("op_counts", {}), result.get("op_counts", {})
         for op in sorted(set(before) | set(after), key=lambda o: (-after.get(o, 0), -before.get(o, 0), o)):
