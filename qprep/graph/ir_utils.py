@@ -35,3 +35,12 @@ def infer_shapes(model: ir.Model) -> bool:
         return True
     except Exception:  # noqa: BLE001 - inference failure only means fewer rules can prove their checks
         return False
+
+
+def unique_node_name(graph: ir.Graph, wanted: str) -> str:
+    """`wanted`, or `wanted_1`, `wanted_2`, … — the first name no node of the graph has."""
+    taken = {n.name for n in graph}
+    name, i = wanted, 1
+    while name in taken:
+        name, i = f"{wanted}_{i}", i + 1
+    return name

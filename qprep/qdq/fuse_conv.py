@@ -47,7 +47,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 from onnxscript.rewriter import pattern as orp
 
 from qprep import model_info
-from qprep.graph.ir_utils import constant_array
+from qprep.graph.ir_utils import constant_array, unique_node_name
 from qprep.graph.verify import run_model
 from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array,
                               quantize_bias)
@@ -392,7 +392,7 @@ class ConvToQLinear(_ConvRule):
             dtype = y.dtype.numpy()
             result = op.Clip(result, _constant(op, graph, np.array(low, dtype), f"{base}/clip_min"),
                              _constant(op, graph, np.array(high, dtype), f"{base}/clip_max"),
-                             _name=_fresh_node(graph, f"{base}/Clip"))
+                             _name=unique_node_name(graph, f"{base}/Clip"))
         self.log.orphans += [x.dq, weight.dq, *(v.producer() for v in node.inputs[2:] if v is not None)]
         self.log.applied.append(Rewrite(base, "qlinear", {
             "to": "QLinearConv", "weights": _granularity(weight.params), "weights_from": weight.how,
@@ -451,12 +451,12 @@ class ConvToInteger(_ConvRule):
         channel_shape = (channels,) + (1,) * (rank - 2)
         if bias is not None:
             result = op.Add(result, _constant(op, graph, bias.reshape(channel_shape), f"{base}/bias_quantized"),
-                            _name=_fresh_node(graph, f"{base}/bias"))
-        result = op.Cast(result, to=ir.DataType.FLOAT, _name=_fresh_node(graph, f"{base}/cast"))
+                            _name=unique_node_name(graph, f"{base}/bias"))
+        result = op.Cast(result, to=ir.DataType.FLOAT, _name=unique_node_name(graph, f"{base}/cast"))
         scale = np.broadcast_to(accumulator_scale, (channels,)).astype(np.float32)
         rescale = scale.reshape(channel_shape) if weight.params.axis is not None else np.asarray(scale[0])
         result = op.Mul(result, _constant(op, graph, rescale, f"{base}/rescale"),
-                        _name=_fresh_node(graph, f"{base}/rescale"))
+                        _name=unique_node_name(graph, f"{base}/rescale"))
         self.log.orphans += [x.dq, weight.dq, *(v.producer() for v in node.inputs[2:] if v is not None)]
         self.log.applied.append(Rewrite(base, "integer", {
             "to": "ConvInteger", "weights": _granularity(weight.params), "weights_from": weight.how,
@@ -542,10 +542,10 @@ class MatMulToInteger(RewriteRuleClassBase):
         b_value, _, b_zero = _b_inputs(op, graph, b, base)
         result = op.MatMulInteger(a.quantized, b_value, _zero_point(op, graph, a.dq, a.params, f"{base}/a_zero_point"),
                                   b_zero, _name=base)
-        result = op.Cast(result, to=ir.DataType.FLOAT, _name=_fresh_node(graph, f"{base}/cast"))
+        result = op.Cast(result, to=ir.DataType.FLOAT, _name=unique_node_name(graph, f"{base}/cast"))
         scale = (a.params.scale.astype(np.float32) * b.params.scale.astype(np.float32)).astype(np.float32)
         result = op.Mul(result, _constant(op, graph, scale, f"{base}/rescale"),
-                        _name=_fresh_node(graph, f"{base}/rescale"))
+                        _name=unique_node_name(graph, f"{base}/rescale"))
         self.log.orphans += [a.dq, b.dq]
         self.log.applied.append(Rewrite(base, "integer", {"to": "MatMulInteger", "weights": _granularity(b.params)},
                                         _float_probe(a, found["requantized"], product.name, float(np.max(scale)),
@@ -647,14 +647,6 @@ def _float_probe(x: _Activation, requantized: ir.Node | None, output: str, accum
 
 def _granularity(params: QParams) -> str:
     return "per-tensor" if params.per_tensor else f"per-channel ({params.scale.size})"
-
-
-def _fresh_node(graph: ir.Graph, wanted: str) -> str:
-    taken = {n.name for n in graph}
-    name, i = wanted, 1
-    while name in taken:
-        name, i = f"{wanted}_{i}", i + 1
-    return name
 
 
 def rule_sets(log: RewriteLog, options: dict) -> list[RewriteRuleSet]:

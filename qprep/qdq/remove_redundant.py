@@ -31,6 +31,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
 from qprep import model_info
+from qprep.graph.ir_utils import unique_node_name
 from qprep.graph.verify import Tolerance
 from qprep.qdq.params import EIGHT_BIT, QParams, consumers, producer, qparams
 from qprep.qdq.verified import OutputCheck, Rewrite, RewriteLog, apply_verified
@@ -196,15 +197,7 @@ class SinkDequantize(RewriteRuleClassBase):
         self.log.applied.append(Rewrite(node.name, "sink_dq", {"op": node.op_type}))
         quantized = getattr(op, self.op_type)(*inputs, **dict(node.attributes.items()), _name=node.name)
         return op.DequantizeLinear(quantized, *dq.inputs[1:], **dict(dq.attributes.items()),
-                                   _name=_unique_name(node.graph, f"{node.name}/DequantizeLinear"))
-
-
-def _unique_name(graph: ir.Graph, wanted: str) -> str:
-    taken = {n.name for n in graph}
-    name, i = wanted, 1
-    while name in taken:
-        name, i = f"{wanted}_{i}", i + 1
-    return name
+                                   _name=unique_node_name(node.graph, f"{node.name}/DequantizeLinear"))
 
 
 def rules(log: RewriteLog) -> RewriteRuleSet:
