@@ -46,6 +46,7 @@ class RunContext:
     artifacts: dict[str, Path] = field(default_factory=dict)  # extra deployable files: run-dir name → source
     runner: Callable[[list[dict]], list[dict]] | None = None  # runs the result when it is not ONNX (RKNN)
     layer_analyzer: Callable[[list[dict]], list[dict]] | None = None  # backend's own per-layer analysis
+    input_model: onnx.ModelProto | None = None  # the input as loaded and prepared: the default FP32 reference
 
     def work_dir(self, name: str) -> Path:
         """A folder inside the run directory for a stage's or toolkit's working files."""
@@ -75,6 +76,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
             model = _load(config, report)
             timings["load"] = time.perf_counter() - t0
         ctx = _context(config, model, directory, progress, report)
+        ctx.input_model = model
         for index, (name, options) in enumerate(config.stages):
             with progress.step(f"[{index + 1}/{len(config.stages)}] {name}"), run_dir.toolkit_logging_to_run_log():
                 model = _run_stage(index, name, options, model, ctx, report, written)

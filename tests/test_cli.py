@@ -161,3 +161,20 @@ def test_same_config_and_data_give_the_same_bytes_through_optimize_and_quantize(
         outputs.append((tmp_path / run / "model.onnx").read_bytes())
     assert outputs[0] == outputs[1]
     assert oct((tmp_path / "a" / "report.json").stat().st_mode & 0o777) != oct(0o600)  # readable by others
+
+
+def test_duplicate_node_names_in_the_input_do_not_break_the_evaluation(tmp_path, save, cli):
+    """ORT refuses duplicate node names; the loader renames, and the evaluation's reference is that model."""
+    model = tiny_conv_model()
+    for node in model.graph.node:
+        node.name = "same"
+    path = save(model)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        np.save(data / f"{i}.npy", np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32))
+    extra = (f"evaluation: {{source: {data}, latency: {{runs: 0}}}}\npipeline: [optimize, quantize]\n")
+    code, _, err = cli("run", write_config(tmp_path, path, data, extra), "--quiet")
+    assert code == 0, err
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.99

@@ -20,6 +20,7 @@ from qprep.evaluate.latency import measure
 from qprep.evaluate.layers import layer_errors
 from qprep.errors import DataError
 from qprep.evaluate.metrics import compare_output, output_task, wilson_interval
+from qprep.graph.prepare import name_nodes
 from qprep.graph.verify import run_model
 from qprep.model_io import load_model
 
@@ -34,7 +35,11 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
     if cfg["reference_model"] is None and original_kind == model_info.QDQ:
         notes.append("the input model is QDQ and no evaluation.reference_model is set: the result is compared "
                      "with the QDQ input, not with an FP32 model")
-    reference = load_model(reference_path)
+    if cfg["reference_model"]:
+        reference = load_model(reference_path)
+        name_nodes(reference.graph)  # ORT refuses duplicate node names; the names do not change the numbers
+    else:
+        reference = ctx.input_model  # as loaded and prepared (names, fixed dims), before any stage
     with ctx.progress.step("evaluation: load samples"):
         samples = load_samples(cfg, model_info.graph_inputs(final_model), role="evaluation")
     if ctx.calibration is not None and set(samples.files) & set(ctx.calibration.files):
