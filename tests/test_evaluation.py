@@ -150,3 +150,23 @@ def test_misspelt_gate_metric_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"evaluation.gate.top1_agrement: unknown metric 'top1_agrement'; did you mean 'top1_agreement'"):
         load_config({"model": "m.onnx", "evaluation": {"source": "d", "gate": {"top1_agrement": 0.9}}})
+
+
+def test_ort_backend_reports_float_set_nodes_that_no_longer_exist(tmp_path):
+    from qprep.backends import BackendInput, ort
+    from qprep.data import SampleSet
+    from conftest import tiny_conv_model
+
+    from qprep.graph.prepare import name_nodes
+
+    model = tiny_conv_model()
+    name_nodes(model.graph)
+    samples = SampleSet(samples=[{"x": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+                                 for i in range(4)])
+    options = {"format": "qdq", "activation_type": "uint8", "weight_type": "int8", "per_channel": True,
+               "reduce_range": False, "calibrate_method": "minmax", "op_types": None, "nodes_to_exclude": [],
+               "extra_options": {}}
+    result = ort.quantize(BackendInput(model=model, calibration=samples, max_samples=4,
+                                       float_set={"Relu_0", "/gone/ReduceMean"}, options=options, work_dir=tmp_path))
+    assert result.details["excluded_nodes"] == ["Relu_0"]
+    assert result.details["float_set_unmatched"] == ["/gone/ReduceMean"]

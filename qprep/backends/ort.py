@@ -89,6 +89,11 @@ def quantize(job: BackendInput) -> Quantized:
                              "(try format: qdq, per_channel: false, or exclude the node named in the message)") from None
         quantized = onnx.load(str(target))
     details = {"excluded_nodes": excluded, "calibration_samples": len(samples)}
+    missing = sorted(float_set - names)
+    if missing:  # e.g. keep_float ran before optimize fused the decomposed LayerNorms it named
+        details["float_set_unmatched"] = missing
+        log.warning("ort: %d float-set nodes are not in the model any more (run keep_float after optimize): %s",
+                    len(missing), ", ".join(missing[:10]))
     if upgraded_from is not None:
         details["opset_upgraded_from"] = upgraded_from
     return Quantized(model=quantized, details=details)

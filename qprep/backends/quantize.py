@@ -45,6 +45,9 @@ def quantize(model, ctx, options: dict) -> StageResult:
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend))
     with toolkit_logging_to_run_log():
         result = _backend(backend).quantize(job)
+    if result.details.get("float_set_unmatched"):
+        ctx.warnings.append(f"quantize: {len(result.details['float_set_unmatched'])} float-set nodes no longer exist "
+                            "(keep_float ran before a stage that rewrote them?) and were quantized")
     ctx.artifacts.update(result.artifacts)
     ctx.runner, ctx.layer_analyzer = result.runner, result.analyzer
     return StageResult(model=result.model if result.model is not None else model,
