@@ -251,13 +251,18 @@ class EpilogueAffine(_ConvRule):
         conv = op.Conv(x, w, _allow_other_inputs=True, _outputs=["conv"])
         return getattr(op, self.op_type)(conv, c)
 
-    def check(self, context, conv, c, **_) -> MatchResult:
+    def _conv_in_batch(self, conv):
+        """(Conv node, its quantized operands), or a failed MatchResult: the part every epilogue checks first."""
         node = conv.producer()
         if not self.log.permits(node.name):
-            return MatchResult().fail("not in this batch")
+            return node, MatchResult().fail("not in this batch")
         found = self._operands(node)
-        if isinstance(found, str):
-            return MatchResult().fail(found)
+        return node, (MatchResult().fail(found) if isinstance(found, str) else found)
+
+    def check(self, context, conv, c, **_) -> MatchResult:
+        node, found = self._conv_in_batch(conv)
+        if isinstance(found, MatchResult):
+            return found
         if constant_array(c) is None:
             return MatchResult().fail(f"{self.op_type} by a computed value: not an epilogue")
         vector = _channel_constant(c, found["channels"], found["weight"].array.ndim)
@@ -314,12 +319,9 @@ class EpilogueBatchNorm(EpilogueAffine):
         return op.BatchNormalization(conv, gamma, beta, mean, var, _allow_other_attributes=True, _outputs=["bn"])
 
     def check(self, context, conv, bn, gamma, beta, mean, var, **_) -> MatchResult:
-        node = conv.producer()
-        if not self.log.permits(node.name):
-            return MatchResult().fail("not in this batch")
-        found = self._operands(node)
-        if isinstance(found, str):
-            return MatchResult().fail(found)
+        node, found = self._conv_in_batch(conv)
+        if isinstance(found, MatchResult):
+            return found
         norm = bn.producer()
         if norm.attributes.get_int("training_mode", 0) or len(norm.outputs) > 1:
             return self.log.refuse(node.name, "BatchNormalization in training mode")
