@@ -117,6 +117,9 @@ def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | No
     values = validate(raw, SCHEMA, "", base)
     _check_gate_metrics(values["evaluation"])
     stages = _validate_pipeline(values.pop("pipeline"), base)
+    for index, (name, options) in enumerate(stages):
+        if isinstance(options, dict) and options.get("fallback"):
+            check_metric_names(options["fallback"]["target"], f"pipeline[{index}].{name}.fallback.target")
     return Config(values=values, stages=stages, path=path)
 
 
@@ -125,13 +128,17 @@ GATE_METRICS = ("cosine_mean", "cosine_min", "sqnr_db", "max_abs", "mse", "top1_
 
 
 def _check_gate_metrics(evaluation: dict | None) -> None:
+    check_metric_names((evaluation or {}).get("gate", {}), "evaluation.gate")
+
+
+def check_metric_names(thresholds: dict, where: str) -> None:
     """Gate keys are `<metric>` or `<output>.<metric>`; a misspelt metric would otherwise only fail at the end."""
-    for key in (evaluation or {}).get("gate", {}):
+    for key in thresholds:
         metric = key.rsplit(".", 1)[-1]
         if metric not in GATE_METRICS:
             guess = closest(metric, GATE_METRICS)
             hint = f"did you mean '{guess}'?" if guess else f"metrics: {', '.join(GATE_METRICS)}"
-            raise ConfigError(f"evaluation.gate.{key}: unknown metric '{metric}'; {hint}")
+            raise ConfigError(f"{where}.{key}: unknown metric '{metric}'; {hint}")
 
 
 def _read_yaml(path: Path) -> Any:

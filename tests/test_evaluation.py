@@ -163,9 +163,9 @@ def test_ort_backend_reports_float_set_nodes_that_no_longer_exist(tmp_path):
     name_nodes(model.graph)
     samples = SampleSet(samples=[{"x": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)}
                                  for i in range(4)])
-    options = {"format": "qdq", "activation_type": "uint8", "weight_type": "int8", "per_channel": True,
-               "reduce_range": False, "calibrate_method": "minmax", "op_types": None, "nodes_to_exclude": [],
-               "extra_options": {}}
+    from qprep.schema import validate
+
+    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
     result = ort.quantize(BackendInput(model=model, calibration=samples, max_samples=4,
                                        float_set={"Relu_0", "/gone/ReduceMean"}, options=options, work_dir=tmp_path))
     assert result.details["excluded_nodes"] == ["Relu_0"]

@@ -1,5 +1,5 @@
 """Quantization backends behind the one `quantize` stage: ONNX Runtime static INT8 (ort.py), FP16 (fp16.py),
-and later RKNN. Each takes the prepared float model, calibration samples and the float set (node names that
+and RKNN (rknn.py). Each takes the prepared float model, calibration samples and the float set (node names that
 must stay float) and returns a `Quantized` result; qprep/backends/quantize.py is the stage that dispatches.
 """
 
@@ -37,6 +37,11 @@ class BackendInput:
     float_set: set[str]
     options: dict
     work_dir: Path
+    fallback: dict | None = None  # quantize.fallback (target, budget, …) when the search is on
+    measure: Callable[[list[dict]], dict] | None = None  # outputs on evaluation_samples[:n] → per-output metrics
+    evaluation_samples: list[dict] = field(default_factory=list)  # what the fallback measures on
+    progress: object = None
+    threads: int = 2
 
     @property
     def samples(self) -> list[dict]:

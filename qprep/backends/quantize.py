@@ -10,6 +10,7 @@ import importlib
 
 from qprep import model_info
 from qprep.backends import BackendInput
+from qprep.backends.fallback import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
 from qprep.run_dir import toolkit_logging_to_run_log
 from qprep.schema import Key
@@ -27,6 +28,7 @@ def _backend(name: str):
     summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
     backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
     max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),
+    fallback=FALLBACK_OPTIONS,
     **{name: _backend(name).OPTIONS for name in BACKENDS},
 )
 def quantize(model, ctx, options: dict) -> StageResult:
@@ -42,7 +44,10 @@ def quantize(model, ctx, options: dict) -> StageResult:
         raise QprepError("quantize: calibration data is required; add `calibration: {source: <folder>}`")
     ctx.prepared_model = model  # the float model the per-layer analysis compares against
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
-                       float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend))
+                       float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
+                       progress=ctx.progress, threads=ctx.config["threads"])
+    if options["fallback"]:
+        _prepare_fallback(job, options["fallback"], backend, ctx)
     with toolkit_logging_to_run_log():
         result = _backend(backend).quantize(job)
     if result.details.get("float_set_unmatched"):
@@ -52,3 +57,32 @@ def quantize(model, ctx, options: dict) -> StageResult:
     ctx.runner, ctx.layer_analyzer = result.runner, result.analyzer
     return StageResult(model=result.model if result.model is not None else model,
                        details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details})
+
+
+def _prepare_fallback(job: BackendInput, fallback: dict, backend: str, ctx) -> None:
+    """Evaluation samples and their FP32 outputs, computed once for every trial of the search."""
+    from qprep.data import load_samples
+    from qprep.evaluate import output_metrics, reference_model
+    from qprep.graph.verify import run_model
+
+    if backend not in SEARCHABLE:
+        raise QprepError(f"quantize.fallback: backend {backend} has nothing to fall back from; "
+                         f"use it with backend {' or '.join(SEARCHABLE)}")
+    if not ctx.config["evaluation"]:
+        raise QprepError("quantize.fallback: needs `evaluation:` data to measure the target on; add an "
+                         "evaluation section (source: <folder>)")
+    config = ctx.config
+    with ctx.progress.step("fallback: FP32 reference outputs"):
+        samples = load_samples(config["evaluation"], model_info.graph_inputs(job.model), role="evaluation").samples
+        _, reference = reference_model(config, ctx)
+        expected = run_model(reference, samples, config["threads"], optimize=True)
+    tasks = config["evaluation"]["tasks"]
+
+    def measure(actual_outputs: list[dict]) -> dict:
+        return output_metrics(expected[: len(actual_outputs)], actual_outputs, tasks, reference)
+
+    job.fallback, job.evaluation_samples, job.measure = fallback, samples, measure
+    ctx.fallback_target = dict(fallback["target"])
+
+
+SEARCHABLE = ("ort", "rknn")

@@ -30,16 +30,11 @@ log = logging.getLogger("qprep")
 def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> dict:
     cfg = config["evaluation"]
     threads = config["threads"]
-    reference_path = cfg["reference_model"] or config["model"]
     notes = []
     if cfg["reference_model"] is None and original_kind == model_info.QDQ:
         notes.append("the input model is QDQ and no evaluation.reference_model is set: the result is compared "
                      "with the QDQ input, not with an FP32 model")
-    if cfg["reference_model"]:
-        reference = load_model(reference_path)
-        name_nodes(reference.graph)  # ORT refuses duplicate node names; the names do not change the numbers
-    else:
-        reference = ctx.input_model  # as loaded and prepared (names, fixed dims), before any stage
+    reference_path, reference = reference_model(config, ctx)
     with ctx.progress.step("evaluation: load samples"):
         samples = load_samples(cfg, model_info.graph_inputs(final_model), role="evaluation")
     if ctx.calibration is not None and set(samples.files) & set(ctx.calibration.files):
@@ -48,16 +43,12 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
         expected = run_model(reference, samples.samples, threads, optimize=True)
         actual = ctx.runner(samples.samples) if ctx.runner else run_model(final_model, samples.samples, threads,
                                                                              optimize=True)
-    producers = {o: n.op_type for n in reference.graph.node for o in n.output}
-    outputs = {}
-    for name in expected[0]:
-        task = cfg["tasks"].get(name) or output_task(name, expected[0][name].shape, producers.get(name))
-        metrics = compare_output([e[name] for e in expected], [a[name] for a in actual], task)
+    outputs = output_metrics(expected, actual, cfg["tasks"], reference)
+    for name, metrics in outputs.items():
         per_sample = metrics.pop("per_sample_cosine")
         metrics["worst_samples"] = sorted(
             ({"sample": Path(f).name, "cosine": c} for f, c in zip(samples.files, per_sample)),
             key=lambda row: row["cosine"])[:5]
-        outputs[name] = metrics
     if cfg["labels"]:
         labels = read_labels(Path(cfg["labels"]), cfg["label_names"], samples.files)
         for name, metrics in outputs.items():
@@ -78,9 +69,34 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
             result["latency"] = _latency(reference, final_model, samples.samples[0], threads, cfg["latency"], ctx)
     result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,
                             "result": final_model.ByteSize()}
-    if cfg["gate"]:
-        result["gate"] = check_gate(cfg["gate"], outputs)
+    gate = {**ctx.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too
+    if gate:
+        result["gate"] = check_gate(gate, outputs)
+    if ctx.fallback_target:
+        notes.append("quantize.fallback chose its float nodes on these evaluation samples: give a separate "
+                     "evaluation set to the final check for an unbiased figure")
     return result
+
+
+def output_metrics(expected: list[dict], actual: list[dict], tasks: dict, reference: onnx.ModelProto) -> dict:
+    """Per output: compare_output over the samples, the task read from `tasks` or guessed from the output's
+    shape and the reference node that produces it."""
+    producers = {o: n.op_type for n in reference.graph.node for o in n.output}
+    outputs = {}
+    for name in expected[0]:
+        task = tasks.get(name) or output_task(name, expected[0][name].shape, producers.get(name))
+        outputs[name] = compare_output([e[name] for e in expected], [a[name] for a in actual], task)
+    return outputs
+
+
+def reference_model(config, ctx) -> tuple[str, onnx.ModelProto]:
+    """The FP32 model results are compared with: evaluation.reference_model, else the input as loaded."""
+    cfg = config["evaluation"]
+    if cfg["reference_model"]:
+        reference = load_model(cfg["reference_model"])
+        name_nodes(reference.graph)  # ORT refuses duplicate node names; the names do not change the numbers
+        return cfg["reference_model"], reference
+    return config["model"], ctx.input_model  # as loaded and prepared (names, fixed dims), before any stage
 
 
 def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[int]:

@@ -1,0 +1,174 @@
+"""Accuracy-driven fallback: keep the fewest nodes float until an accuracy target holds.
+
+Why measured, not by op type: on EfficientNet-Lite0 excluding the 16 depthwise convolutions made the model
+*worse*, and restoring the most harmful nodes together is not the sum of restoring each one. So:
+
+1. rank: quantize everything once (the base), then restore one candidate node at a time and measure the
+   outputs on a subset of the evaluation samples; a node's damage is how much its restoring helps.
+2. promote: add nodes in ranked order (`block` at a time, for backends where one build takes minutes),
+   re-quantize and re-evaluate on all evaluation samples; a block that does not improve the outputs is dropped
+   again. Stop when the target holds, at `max_float_nodes`, or when the time budget is spent.
+
+The best model found is always returned: the target met with the fewest float nodes, else the best score.
+Backends plug in with two callables: `build(float_nodes) → model` and `measure(model, samples) → per-output
+metrics`; FP32 reference outputs and calibration statistics are computed once by the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from qprep.evaluate.gate import check_gate
+from qprep.schema import Key, section
+
+log = logging.getLogger("qprep")
+
+OPTIONS = section(
+    "accuracy-driven fallback: nodes kept float, most harmful first, until `target` holds",
+    nullable=True,
+    target=Key("mapping", item=Key("float"), required=True,
+               doc="metric → threshold in the evaluation gate's form, e.g. {cosine_mean: 0.99, top1_agreement: 0.97}"),
+    max_float_nodes=Key("int", default=32, minimum=1, doc="at most this many nodes made float by the fallback"),
+    time_budget_s=Key("float", default=600.0, minimum=1, doc="stop searching after this many seconds"),
+    rank_samples=Key("int", default=32, minimum=1, doc="evaluation samples used to rank nodes (all are used to accept)"),
+    max_candidates=Key("int", default=96, minimum=1,
+                       doc="rank at most this many nodes (those whose outputs lose the most accuracy first)"),
+    block=Key("int", default=1, minimum=1, doc="nodes promoted per trial (RKNN: one build takes minutes)"),
+)
+
+
+@dataclass
+class Trial:
+    phase: str  # base | rank | promote
+    float_nodes: tuple[str, ...]
+    score: float
+    metrics: dict
+    passed: bool
+    seconds: float
+    accepted: bool = False
+    model: Any = field(default=None, repr=False)
+
+    def record(self) -> dict:
+        return {"phase": self.phase, "float_nodes": len(self.float_nodes), "added": list(self.float_nodes[-1:])
+                if self.phase == "rank" else None, "score": self.score, "metrics": self.metrics,
+                "passed": self.passed, "accepted": self.accepted, "seconds": round(self.seconds, 2)}
+
+
+@dataclass
+class Outcome:
+    model: Any
+    float_nodes: list[str]
+    passed: bool
+    record: dict
+
+
+def score_of(outputs: dict, target: dict) -> float:
+    """The smooth number the search climbs: the worst output's cosine_mean (agreement is too coarse to rank
+    single nodes on a few samples); the target itself is checked with the gate."""
+    named = {key.rpartition(".")[0] for key in target} - {""}
+    values = [m["cosine_mean"] for name, m in outputs.items() if (not named or name in named) and "cosine_mean" in m]
+    return min(values) if values else float("-inf")
+
+
+def search(build: Callable[[set[str]], Any], measure: Callable[[Any, list[dict]], dict], candidates: list[str],
+           base_float: set[str], samples: list[dict], options: dict, describe: Callable[[str], str] = str,
+           progress=None) -> Outcome:
+    started = time.perf_counter()
+    target, budget = options["target"], options["time_budget_s"]
+    rank_samples = samples[: options["rank_samples"]]
+    trials: list[Trial] = []
+
+    def elapsed() -> float:
+        return time.perf_counter() - started
+
+    def trial(phase: str, extra: tuple[str, ...], on: list[dict]) -> Trial:
+        t0 = time.perf_counter()
+        model = build(base_float | set(extra))
+        outputs = measure(model, on)
+        gate = check_gate(target, outputs) if on is samples else {"passed": False}
+        metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
+        result = Trial(phase, extra, score_of(outputs, target), metrics, gate["passed"], time.perf_counter() - t0,
+                       model=model if on is samples else None)
+        trials.append(result)
+        return result
+
+    def say(message: str) -> None:
+        log.info("fallback: %s", message)
+        if progress is not None:
+            progress.note(f"fallback: {message}")
+
+    base = trial("base", (), samples)
+    base.accepted = True
+    say(f"base (all quantized): score {base.score:.5f}, target {'met' if base.passed else 'missed'} "
+        f"({_metrics_text(base.metrics)})")
+    best, current, stop = base, base, "target met" if base.passed else ""
+    ranking: list[dict] = []
+    if not stop:
+        base_rank = trial("rank", (), rank_samples) if len(rank_samples) < len(samples) else base
+        pool = candidates[: options["max_candidates"]]
+        say(f"ranking {len(pool)} candidate nodes on {len(rank_samples)} samples")
+        for index, node in enumerate(pool):
+            if elapsed() > budget / 2:  # keep half the budget for promoting
+                say(f"ranking stopped after {index} nodes (half the time budget)")
+                break
+            t = trial("rank", (node,), rank_samples)
+            ranking.append({"node": node, "what": describe(node), "gain": t.score - base_rank.score})
+        ranking.sort(key=lambda row: -row["gain"])
+        helpful = [row["node"] for row in ranking if row["gain"] > 0]
+        say(f"{len(helpful)} of {len(ranking)} nodes help when kept float; promoting in blocks of {options['block']}")
+        chosen: tuple[str, ...] = ()
+        for start in range(0, len(helpful), options["block"]):
+            if elapsed() > budget:
+                stop = "time budget spent"
+                break
+            block = tuple(helpful[start:start + options["block"]])
+            if len(chosen) + len(block) > options["max_float_nodes"]:
+                stop = f"max_float_nodes ({options['max_float_nodes']}) reached"
+                break
+            t = trial("promote", chosen + block, samples)
+            if t.score > current.score or t.passed:
+                t.accepted, chosen, current = True, chosen + block, t
+                if _better(t, best):
+                    best = t
+            say(f"{'+' if t.accepted else '-'} {', '.join(block)}: score {t.score:.5f} "
+                f"({_metrics_text(t.metrics)}){' target met' if t.passed else ''}")
+            if t.passed:
+                stop = "target met"
+                break
+        stop = stop or "no candidate left"
+    record = {
+        "target": target, "passed": best.passed, "stopped": stop, "seconds": round(elapsed(), 1),
+        "float_nodes": [{"node": n, "what": describe(n),
+                         "gain": next((r["gain"] for r in ranking if r["node"] == n), None)} for n in best.float_nodes],
+        "base": {"score": base.score, "metrics": base.metrics},
+        "best": {"score": best.score, "metrics": best.metrics},
+        "ranking": ranking[:50], "ranked": len(ranking), "candidates": len(candidates),
+        "trials": [t.record() for t in trials if t.phase != "rank"],
+        "rank_trials": sum(t.phase == "rank" for t in trials),
+    }
+    if not best.passed:
+        record["why"] = _why(best, ranking, stop)
+    return Outcome(best.model, sorted(base_float | set(best.float_nodes)), best.passed, record)
+
+
+def _better(a: Trial, b: Trial) -> bool:
+    if a.passed != b.passed:
+        return a.passed
+    if a.passed:
+        return (len(a.float_nodes), -a.score) < (len(b.float_nodes), -b.score)
+    return a.score > b.score
+
+
+def _metrics_text(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+
+
+def _why(best: Trial, ranking: list[dict], stop: str) -> str:
+    missed = ", ".join(f"{k} {v:.4f}" for k, v in best.metrics.items() if isinstance(v, float))
+    helpful = sum(r["gain"] > 0 for r in ranking)
+    return (f"target not met ({stop}); best: {missed} with {len(best.float_nodes)} float nodes; "
+            f"{helpful} of {len(ranking)} ranked nodes helped when kept float, so the remaining error is spread "
+            "over many layers (try per-layer analysis in the report, more calibration data, or another backend mode)")

@@ -1,0 +1,102 @@
+"""GPTQ weight rounding on tiny graphs quantized by the ORT backend: layouts, ranges, and that it helps."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qprep.backends import ort, weight_rounding
+from qprep.backends.ort import OrtQuantizer, output_sqnr
+from qprep.graph.prepare import name_nodes
+from qprep.schema import validate
+
+
+def _model(kind: str, weight: np.ndarray, x_shape: list[int], **attrs) -> onnx.ModelProto:
+    w = numpy_helper.from_array(weight.astype(np.float32), "w")
+    inputs = ["x", "w"]
+    initializers = [w]
+    if kind in ("Conv", "Gemm"):
+        bias_len = weight.shape[0] if kind == "Conv" or attrs.get("transB") else weight.shape[1]
+        initializers.append(numpy_helper.from_array(np.linspace(-1, 1, bias_len).astype(np.float32), "b"))
+        inputs.append("b")
+    graph = helper.make_graph([helper.make_node(kind, inputs, ["y"], **attrs)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    name_nodes(model.graph)
+    return model
+
+
+def _dequantized(model, layer, integers) -> onnx.ModelProto:
+    """The float model with its weight replaced by the dequantized integers (axis = output channels)."""
+    shape = [1] * integers.ndim
+    shape[layer.axis] = -1
+    scale = layer.scale.reshape(shape) if layer.scale.size > 1 else layer.scale
+    zero = layer.zero_point.reshape(shape) if layer.zero_point.size > 1 else layer.zero_point
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    weight = next(t for t in copy.graph.initializer if t.name == "w")
+    weight.CopyFrom(numpy_helper.from_array(((integers - zero) * scale).astype(np.float32), "w"))
+    return copy
+
+
+def _samples(shape, count=24, seed=0):
+    """Post-ReLU-like inputs (non-negative, a common offset): rounding errors add up coherently, as in real
+    networks, and that is what GPTQ compensates."""
+    rng = np.random.default_rng(seed)
+    return [{"x": (np.maximum(rng.standard_normal(shape), 0) + 1.0).astype(np.float32)} for _ in range(count)]
+
+
+CASES = {
+    "conv": ("Conv", (8, 4, 3, 3), [1, 4, 10, 10], {"pads": [1, 1, 1, 1], "strides": [2, 1]}),
+    "depthwise": ("Conv", (4, 1, 3, 3), [1, 4, 10, 10], {"group": 4, "dilations": [2, 2], "pads": [2, 2, 2, 2]}),
+    "grouped 1-D": ("Conv", (6, 2, 5), [1, 4, 30], {"group": 2, "pads": [2, 2]}),
+    "matmul": ("MatMul", (16, 8), [1, 5, 16], {}),
+    "gemm transB": ("Gemm", (8, 16), [3, 16], {"transB": 1}),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_gptq_lowers_the_output_error_and_stays_in_the_quantizers_range(case, tmp_path):
+    kind, w_shape, x_shape, attrs = CASES[case]
+    weight = np.random.default_rng(1).standard_normal(w_shape)
+    model = _model(kind, weight, x_shape, **attrs)
+    options = validate({"weight_rounding": "nearest"}, ort.OPTIONS, "quantize.ort", tmp_path)
+    samples = _samples(x_shape)
+    nearest = OrtQuantizer(model, samples, options, tmp_path).build(set())
+    layers = weight_rounding.find_layers(nearest, model)
+    assert [layer.node for layer in layers] == [model.graph.node[0].name]
+    moments = weight_rounding.input_moments(nearest, layers, samples)
+    rounded, changed = weight_rounding.apply(nearest, layers, moments)
+    assert changed == 1
+    before = numpy_helper.to_array(next(t for t in nearest.graph.initializer if t.name == layers[0].quantized))
+    after = numpy_helper.to_array(next(t for t in rounded.graph.initializer if t.name == layers[0].quantized))
+    held_out = _samples(x_shape, count=8, seed=7)  # weight error only: the float model with dequantized weights
+    gain = (output_sqnr(model, _dequantized(model, layers[0], after), held_out, 1)
+            - output_sqnr(model, _dequantized(model, layers[0], before), held_out, 1))
+    assert gain > 1.0, f"GPTQ gained only {gain:.2f} dB"
+    assert after.dtype == before.dtype and after.min() >= before.min() and after.max() <= before.max()
+    assert np.abs(after.astype(int) - before.astype(int)).max() <= 8  # re-rounded, not scrambled
+
+
+def test_exactly_representable_weights_keep_their_integers(tmp_path):
+    """Weights already on the integer grid have no rounding error to push: any layout mix-up would show."""
+    scale = np.array([0.01, 0.02, 0.03, 0.04, 0.05, 0.06])[:, None, None, None]
+    integers = np.random.default_rng(3).integers(-127, 128, (6, 3, 3, 3))
+    integers[:, 0, 0, 0] = 127  # every channel reaches the top of the range, so ORT's scale is `scale`
+    model = _model("Conv", integers * scale, [1, 3, 8, 8], pads=[1, 1, 1, 1])
+    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    quantizer = OrtQuantizer(model, _samples([1, 3, 8, 8]), options, tmp_path)
+    quantized = quantizer.build(set())
+    stored = next(t for t in quantized.graph.initializer if t.name.endswith("_quantized") and t.dims[0] == 6)
+    np.testing.assert_array_equal(numpy_helper.to_array(stored), integers)
+    assert quantizer.rounding["layers"] == 1
+
+
+def test_gptq_not_kept_when_it_does_not_help(tmp_path, monkeypatch):
+    model = _model("MatMul", np.random.default_rng(1).standard_normal((16, 8)), [1, 5, 16])
+    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    monkeypatch.setattr(weight_rounding, "gptq", lambda w, h, s, z, lo, hi, damp=0.01: np.full(w.shape, hi))
+    quantizer = OrtQuantizer(model, _samples([1, 5, 16]), options, tmp_path)
+    quantizer.build(set())
+    assert quantizer.rounding["kept"] is False
