@@ -7,7 +7,8 @@ Why measured, not by op type: on EfficientNet-Lite0 excluding the 16 depthwise c
    outputs on a subset of the evaluation samples; a node's damage is how much its restoring helps.
 2. promote: add nodes in ranked order (`block` at a time, for backends where one build takes minutes),
    re-quantize and re-evaluate on all evaluation samples; a block that does not improve the outputs is dropped
-   again. Stop when the target holds, at `max_float_nodes`, or when the time budget is spent.
+   again. Then rank the rest again on top of the new float set (harm interacts) and promote again. Stop when
+   the target holds, at `max_float_nodes`, when nothing helps any more, or when the time budget is spent.
 
 The best model found is always returned: the target met with the fewest float nodes, else the best score.
 Backends plug in with two callables: `build(float_nodes) → model` and `measure(model, samples) → per-output
@@ -106,20 +107,18 @@ def search(build: Callable[[set[str]], Any], measure: Callable[[Any, list[dict]]
         f"({_metrics_text(base.metrics)})")
     best, current, stop = base, base, "target met" if base.passed else ""
     ranking: list[dict] = []
-    if not stop:
-        base_rank = trial("rank", (), rank_samples) if len(rank_samples) < len(samples) else base
-        pool = candidates[: options["max_candidates"]]
-        say(f"ranking {len(pool)} candidate nodes on {len(rank_samples)} samples")
-        for index, node in enumerate(pool):
-            if elapsed() > budget / 2:  # keep half the budget for promoting
-                say(f"ranking stopped after {index} nodes (half the time budget)")
-                break
-            t = trial("rank", (node,), rank_samples)
-            ranking.append({"node": node, "what": describe(node), "gain": t.score - base_rank.score})
-        ranking.sort(key=lambda row: -row["gain"])
-        helpful = [row["node"] for row in ranking if row["gain"] > 0]
-        say(f"{len(helpful)} of {len(ranking)} nodes help when kept float; promoting in blocks of {options['block']}")
-        chosen: tuple[str, ...] = ()
+    remaining = list(candidates[: options["max_candidates"]])
+    chosen: tuple[str, ...] = ()
+    round_index = 0
+    while not stop:
+        round_index += 1
+        ranked = _rank(trial, chosen, remaining, rank_samples, samples, elapsed, budget, say, round_index)
+        if round_index == 1:
+            ranking = ranked
+        helpful = [row["node"] for row in ranked if row["gain"] > 0]
+        say(f"round {round_index}: {len(helpful)} of {len(ranked)} nodes help when kept float; promoting in "
+            f"blocks of {options['block']}")
+        promoted = 0
         for start in range(0, len(helpful), options["block"]):
             if elapsed() > budget:
                 stop = "time budget spent"
@@ -130,28 +129,48 @@ def search(build: Callable[[set[str]], Any], measure: Callable[[Any, list[dict]]
                 break
             t = trial("promote", chosen + block, samples)
             if t.score > current.score or t.passed:
-                t.accepted, chosen, current = True, chosen + block, t
-                if _better(t, best):
-                    best = t
+                t.accepted, chosen, current, promoted = True, chosen + block, t, promoted + len(block)
+                best = t if _better(t, best) else best
             say(f"{'+' if t.accepted else '-'} {', '.join(block)}: score {t.score:.5f} "
                 f"({_metrics_text(t.metrics)}){' target met' if t.passed else ''}")
             if t.passed:
                 stop = "target met"
                 break
-        stop = stop or "no candidate left"
+        remaining = [n for n in remaining if n not in chosen]
+        if not stop and (not promoted or not remaining):
+            stop = "no candidate left that helps"
+        elif not stop and elapsed() > budget:
+            stop = "time budget spent"
     record = {
         "target": target, "passed": best.passed, "stopped": stop, "seconds": round(elapsed(), 1),
         "float_nodes": [{"node": n, "what": describe(n),
                          "gain": next((r["gain"] for r in ranking if r["node"] == n), None)} for n in best.float_nodes],
         "base": {"score": base.score, "metrics": base.metrics},
         "best": {"score": best.score, "metrics": best.metrics},
-        "ranking": ranking[:50], "ranked": len(ranking), "candidates": len(candidates),
+        "ranking": [{**row, "what": describe(row["node"])} for row in ranking[:50]], "ranked": len(ranking),
+        "candidates": len(candidates), "rounds": round_index,
         "trials": [t.record() for t in trials if t.phase != "rank"],
         "rank_trials": sum(t.phase == "rank" for t in trials),
     }
     if not best.passed:
         record["why"] = _why(best, ranking, stop)
     return Outcome(best.model, sorted(base_float | set(best.float_nodes)), best.passed, record)
+
+
+def _rank(trial, chosen: tuple[str, ...], pool: list[str], rank_samples: list[dict], samples: list[dict], elapsed,
+          budget: float, say, round_index: int) -> list[dict]:
+    """Each node's gain when it alone joins the float set. Re-ranked every round on top of the nodes already
+    float, because harm interacts: an edge between two quantized nodes is only float when both are."""
+    base = trial("rank", chosen, rank_samples)
+    say(f"round {round_index}: ranking {len(pool)} nodes on {len(rank_samples)} samples")
+    rows = []
+    for index, node in enumerate(pool):
+        if elapsed() > budget * (0.5 if round_index == 1 else 0.9):  # leave time to promote
+            say(f"ranking stopped after {index} nodes (time budget)")
+            break
+        t = trial("rank", chosen + (node,), rank_samples)
+        rows.append({"node": node, "gain": t.score - base.score})
+    return sorted(rows, key=lambda row: -row["gain"])
 
 
 def _better(a: Trial, b: Trial) -> bool:

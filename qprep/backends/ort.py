@@ -30,14 +30,19 @@ log = logging.getLogger("qprep")
 
 OPTIONS = section(
     "ONNX Runtime static quantization (backend: ort)",
-    format=Key("str", default="qdq", choices=("qdq", "qoperator"), doc="QDQ (recommended) or QOperator"),
+    activations=Key("str", default="static", choices=("static", "dynamic"),
+                    doc="static: calibrated activation ranges (CNNs); dynamic: ranges computed per inference for "
+                        "MatMul inputs (transformers, whose static ranges fail: MiniLM cosine 0.42 → 0.98)"),
+    format=Key("str", default="qdq", choices=("qdq", "qoperator"), doc="QDQ (recommended) or QOperator; "
+               "dynamic activations are always QOperator (MatMulInteger)"),
     activation_type=Key("str", default="uint8", choices=("uint8", "int8"), doc="activation integer type"),
     weight_type=Key("str", default="int8", choices=("int8", "uint8"), doc="weight integer type"),
     per_channel=Key("bool", default=True, doc="per-output-channel weight scales"),
     reduce_range=Key("bool", default=False, doc="7-bit weights, only for CPUs without VNNI"),
     calibrate_method=Key("str", default="minmax", choices=("minmax", "entropy", "percentile", "distribution"),
                          doc="how activation ranges are chosen from the calibration data"),
-    op_types=Key("list", item=Key("str"), doc="op types to quantize (default: every op type ORT quantizes)"),
+    op_types=Key("list", item=Key("str"), doc="op types to quantize (default: every op type ORT quantizes; "
+                                              "dynamic: MatMul and Gemm)"),
     nodes_to_exclude=Key("list", item=Key("str"), default=[], doc="node names kept float (beside the float set)"),
     extra_options=Key("mapping", default={}, doc="passed to ORT's quantizer (and calibrator) extra_options as is"),
     weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest"),
@@ -85,12 +90,16 @@ class OrtQuantizer:
         self._integers: dict = {}  # (node, scale bytes) → re-rounded integers
         self.rounding: dict = {"method": options["weight_rounding"]}
 
+    @property
+    def dynamic(self) -> bool:
+        return self.options["activations"] == "dynamic"
+
     def calibrate(self):
-        """Activation ranges from the calibration samples (ORT's calibrator, run once)."""
+        """Activation ranges from the calibration samples (ORT's calibrator, run once; none when dynamic)."""
         from onnxruntime.quantization import CalibrationMethod
         from onnxruntime.quantization.calibrate import create_calibrator
 
-        if self._ranges is not None:
+        if self._ranges is not None or self.dynamic:
             return self._ranges
         extra = self.options["extra_options"]
         calibrator_options = {key: extra[name] for name, key in _CALIBRATOR_OPTIONS.items() if name in extra}
@@ -116,14 +125,19 @@ class OrtQuantizer:
         except Exception as exc:  # ORT raises bare exceptions with the op/tensor in the text
             raise QprepError(f"ONNX Runtime quantization failed: {str(exc).splitlines()[0][:300]} "
                              "(try format: qdq, per_channel: false, or exclude the node named in the message)") from None
-        if self.options["weight_rounding"] == "gptq" and self.options["format"] == "qdq":
+        if self.options["weight_rounding"] == "gptq" and self.options["format"] == "qdq" and not self.dynamic:
             quantized = self._round_weights(quantized)
+        elif self.options["weight_rounding"] == "gptq":
+            self.rounding.update(kept=False, reason="GPTQ re-rounds DequantizeLinear weights: static QDQ only")
         return quantized
 
     def _op_types(self) -> list[str]:
         from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-        return list(self.options["op_types"] or sorted(set(QDQRegistry) | set(QLinearOpsRegistry)))
+        if self.options["op_types"]:
+            return list(self.options["op_types"])
+        # dynamic: ConvInteger is slower than float Conv on x86, and Gather/Attention are not worth it
+        return ["MatMul", "Gemm"] if self.dynamic else sorted(set(QDQRegistry) | set(QLinearOpsRegistry))
 
     def _quantize(self, ranges, excluded: list[str]) -> onnx.ModelProto:
         from onnxruntime.quantization import QuantType
@@ -137,7 +151,11 @@ class OrtQuantizer:
                       activation_qType=getattr(QuantType, _TYPES[self.options["activation_type"]]),
                       tensors_range=ranges, nodes_to_quantize=[], nodes_to_exclude=excluded,
                       op_types_to_quantize=self._op_types(), extra_options=dict(self.options["extra_options"]))
-        if self.options["format"] == "qdq":
+        if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
+            extra = {"MatMulConstBOnly": True, **common.pop("extra_options")}
+            common.update(activation_qType=QuantType.QUInt8, tensors_range=None, extra_options=extra)
+            quantizer = ONNXQuantizer(model, mode=QuantizationMode.IntegerOps, static=False, **common)
+        elif self.options["format"] == "qdq":
             quantizer = QDQQuantizer(model, **common)
         else:
             quantizer = ONNXQuantizer(model, mode=QuantizationMode.QLinearOps, static=True, **common)
@@ -235,15 +253,17 @@ def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
 
 def _candidates(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[dict], excluded: set[str],
                 threads: int) -> list[str]:
-    """Nodes the quantizer touched (an input from DequantizeLinear), ordered by the accuracy lost across the
+    """Nodes the quantizer touched (an input from DequantizeLinear, or replaced by an integer op), ordered by the accuracy lost across the
     node itself: SQNR at its inputs minus SQNR at its output (accumulated errors cancel out). Nodes whose
     output cannot be compared (graph outputs: the last classifier layer) come first."""
     from qprep.evaluate.layers import layer_errors
 
     dq_outputs = {o for n in quantized.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    in_quantized = {n.name: n for n in quantized.graph.node}
     originals = {n.name: n for n in float_model.graph.node}
-    touched = [n for n in quantized.graph.node if n.name in originals and n.name not in excluded
-               and n.op_type not in ("QuantizeLinear", "DequantizeLinear") and set(n.input) & dq_outputs]
+    touched = [n for n in float_model.graph.node if n.name not in excluded and (
+        n.name not in in_quantized  # replaced by an integer op (QOperator, dynamic MatMulInteger)
+        or set(in_quantized[n.name].input) & dq_outputs)]
     rows = {r["node"]: r["sqnr_db"] for r in layer_errors(float_model, quantized, samples, threads)}
     producer = {o: n.name for n in float_model.graph.node for o in n.output}
     ceiling = 80.0  # dB: graph inputs and weights count as (nearly) exact

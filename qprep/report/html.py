@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from html import escape
 
+from qprep.report.fallback import fallback_tables
+
 from qprep.report.markdown import _num, agreement_text
 from qprep.report.plots import bar_chart
 
@@ -97,4 +99,11 @@ def _stages(stages: list[dict]) -> list[str]:
                     for p in s["passes"]]
             parts.append(f"<h3>{escape(s['name'])}: passes</h3>"
                          + _table(["pass", "status", "rewrites", "nodes removed", "ops changed"], rows))
+        view = fallback_tables(s)
+        if view is not None:
+            verdict, tables = view
+            parts.append(f"<h3>{escape(s['name'])}: accuracy-driven fallback</h3>"
+                         f"<p>{escape(verdict).replace('**', '')}</p>")
+            parts += [f"<h4>{escape(title)}</h4>" + _table(header, [[escape(c) for c in row] for row in rows])
+                      for title, header, rows in tables]
     return parts

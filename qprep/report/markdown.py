@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from qprep.report.fallback import fallback_tables
+
 
 def render_markdown(report: dict) -> str:
     model = report.get("model", {})
@@ -26,6 +28,7 @@ def render_markdown(report: dict) -> str:
         lines.append("")
         for s in stages:
             lines += _passes_table(s)
+            lines += _fallback(s)
             against = (s.get("effect") or {}).get("against_fp32")
             if against:
                 for output, values in against["outputs"].items():
@@ -50,6 +53,18 @@ def render_markdown(report: dict) -> str:
     if report.get("warnings"):
         lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
     return "\n".join(lines)
+
+
+def _fallback(stage: dict) -> list[str]:
+    view = fallback_tables(stage)
+    if view is None:
+        return []
+    verdict, tables = view
+    lines = [f"### {stage['name']}: accuracy-driven fallback", "", verdict, ""]
+    for title, header, rows in tables:
+        lines += [f"{title}:", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
+    return lines
 
 
 def _passes_table(stage: dict) -> list[str]:

@@ -1,0 +1,38 @@
+"""The accuracy-driven fallback as people read it: the verdict, the nodes kept float and why, every trial.
+
+One table model (header + rows of plain text) rendered by report.md and report.html alike.
+"""
+
+from __future__ import annotations
+
+
+def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[list[str]]]]] | None:
+    """(verdict line, [(title, header, rows)]) for a stage that ran the fallback, else None."""
+    record = stage.get("fallback")
+    if not record:
+        return None
+    target = ", ".join(f"{k} ≥ {v}" for k, v in record["target"].items())
+    best = ", ".join(f"{k} {v:.4f}" for k, v in record["best"]["metrics"].items() if isinstance(v, (int, float)))
+    base = ", ".join(f"{k} {v:.4f}" for k, v in record["base"]["metrics"].items() if isinstance(v, (int, float)))
+    verdict = (f"Target {target}: **{'met' if record['passed'] else 'missed'}** with {len(record['float_nodes'])} "
+               f"float node(s) — {best} (all quantized: {base}); {record['stopped']}, {record.get('rounds', 1)} round(s), "
+               f"{record['rank_trials']} ranking trials on {record['ranked']} of {record['candidates']} candidates, "
+               f"{record['seconds']:.0f} s.")
+    if record.get("why"):
+        verdict += f" {record['why']}."
+    tables = []
+    if record["float_nodes"]:
+        tables.append(("Kept float by the fallback", ["node", "op", "score gain when ranked"],
+                       [[n["node"], n["what"], "–" if n["gain"] is None else f"{n['gain']:+.5f}"]
+                        for n in record["float_nodes"]]))
+    trials = [t for t in record["trials"] if t["phase"] == "promote"]
+    if trials:
+        tables.append(("Promotion trials (all evaluation samples)", ["float nodes", "score", "metrics", "kept", "s"],
+                       [[str(t["float_nodes"]), f"{t['score']:.5f}",
+                         ", ".join(f"{k} {v:.4f}" for k, v in t["metrics"].items() if isinstance(v, (int, float))),
+                         "yes" if t["accepted"] else "no", f"{t['seconds']:.1f}"] for t in trials]))
+    ranking = record.get("ranking", [])[:15]
+    if ranking:
+        tables.append(("Most harmful nodes (gain when kept float alone, first round)", ["node", "op", "gain"],
+                       [[r["node"], r["what"], f"{r['gain']:+.5f}"] for r in ranking]))
+    return verdict, tables

@@ -1,0 +1,138 @@
+"""The accuracy-driven fallback: the search on a scripted backend, then end to end with ORT on a tiny graph
+whose one outlier channel ruins a static activation range."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+from qprep.backends import fallback
+from qprep.errors import ConfigError
+from conftest import ROOT
+
+OPTIONS = {"target": {"cosine_mean": 0.99}, "max_float_nodes": 8, "time_budget_s": 60, "rank_samples": 2,
+           "max_candidates": 10, "block": 1}
+
+
+def _scripted(damage: dict[str, float], interaction: dict[frozenset, float] | None = None):
+    """A backend whose error is the sum of the damage of the nodes not kept float (plus pair interactions)."""
+    builds = []
+
+    def build(float_nodes):
+        builds.append(set(float_nodes))
+        return frozenset(float_nodes)
+
+    def measure(model, samples):
+        error = sum(d for n, d in damage.items() if n not in model)
+        error += sum(v for pair, v in (interaction or {}).items() if pair <= model)
+        return {"y": {"cosine_mean": 1.0 - error}}
+
+    return build, measure, builds
+
+
+def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
+    build, measure, _ = _scripted({"a": 0.001, "b": 0.02, "c": 0.004, "d": 0.0})
+    outcome = fallback.search(build, measure, ["a", "b", "c", "d"], set(), [{}] * 4,
+                              {**OPTIONS, "target": {"cosine_mean": 0.998}})
+    assert outcome.passed and outcome.float_nodes == ["b", "c"]  # 1 - 0.001 ≥ 0.998 after b and c
+    assert [r["node"] for r in outcome.record["ranking"]][:3] == ["b", "c", "a"]
+    assert outcome.record["stopped"] == "target met"
+
+
+def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_target_is_missed():
+    damage = {"a": 0.01, "b": 0.01, "c": 0.05}
+    build, measure, _ = _scripted(damage, {frozenset({"a", "c"}): 0.02})  # a helps alone, hurts next to c
+    outcome = fallback.search(build, measure, ["a", "b", "c"], {"kept"}, [{}] * 4,
+                              {**OPTIONS, "target": {"cosine_mean": 0.9999}})
+    assert not outcome.passed
+    assert set(outcome.float_nodes) == {"kept", "b", "c"}  # a rejected: it made the outputs worse
+    assert outcome.record["best"]["score"] == pytest.approx(0.99)
+    assert "target not met" in outcome.record["why"]
+
+
+def test_search_respects_max_float_nodes_and_blocks():
+    build, measure, builds = _scripted({f"n{i}": 0.01 * (i + 1) for i in range(6)})
+    outcome = fallback.search(build, measure, [f"n{i}" for i in range(6)], set(), [{}] * 4,
+                              {**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": 4, "block": 2})
+    assert len(outcome.float_nodes) == 4 and outcome.record["stopped"] == "max_float_nodes (4) reached"
+    promoted = [b for b in builds[8:]]  # after base, the rank base and 6 rank trials
+    assert all(len(b) % 2 == 0 for b in promoted)
+
+
+def _outlier_model():
+    """x[1,16] → MatMul → Mul(one channel × 1000) → MatMul → y: one per-tensor range for all channels."""
+    rng = np.random.default_rng(0)
+    scale = np.ones(16, np.float32)
+    scale[3] = 1000.0
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w1"),
+             numpy_helper.from_array(scale, "s"),
+             numpy_helper.from_array((rng.standard_normal((16, 8)) / np.where(scale > 1, 1000, 1)[:, None])
+                                     .astype(np.float32), "w2")]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
+         helper.make_node("Mul", ["h", "s"], ["m"], name="outlier"),
+         helper.make_node("MatMul", ["m", "w2"], ["y"], name="second")],
+        "outlier", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.fixture
+def outlier_config(tmp_path):
+    import onnx
+
+    onnx.save(_outlier_model(), str(tmp_path / "m.onnx"))
+    for split, count in (("calib", 16), ("eval", 24)):
+        (tmp_path / split).mkdir()
+        rng = np.random.default_rng(len(split))
+        for i in range(count):
+            np.save(tmp_path / split / f"{i}.npy", rng.standard_normal((1, 16)).astype(np.float32))
+    config = {"model": "m.onnx", "calibration": {"source": "calib"}, "output_dir": "out",
+              "evaluation": {"source": "eval", "latency": {"runs": 0}},
+              "pipeline": [{"quantize": {"backend": "ort", "fallback": {"target": {"cosine_mean": 0.99}}}}]}
+    return tmp_path, config
+
+
+def _run(tmp_path, config):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "qprep", "run", str(tmp_path / "c.yaml"), "--force", "--quiet"],
+                          capture_output=True, text=True, cwd=ROOT)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    return done, report
+
+
+def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config):
+    tmp_path, config = outlier_config
+    done, report = _run(tmp_path, config)
+    record = report["stages"][-1]["fallback"]
+    assert done.returncode == 0, done.stderr
+    assert record["base"]["score"] < 0.99 and record["passed"]
+    assert 1 <= len(record["float_nodes"]) <= 2
+    assert report["evaluation"]["gate"]["passed"]  # the target is checked again on the final result
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] >= 0.99
+    assert record["rounds"] == 2  # "outlier" helps only once "second" is float: found by re-ranking
+
+
+def test_ort_fallback_that_cannot_meet_its_target_exits_1_with_the_best_model(outlier_config):
+    tmp_path, config = outlier_config
+    config["pipeline"][0]["quantize"]["fallback"]["target"] = {"cosine_mean": 0.9999999}
+    config["pipeline"][0]["quantize"]["fallback"]["max_float_nodes"] = 1
+    done, report = _run(tmp_path, config)
+    record = report["stages"][-1]["fallback"]
+    assert done.returncode == 1 and "gate missed" in done.stderr
+    assert not record["passed"] and "target not met" in record["why"]
+    assert (tmp_path / "out" / "model.onnx").is_file()
+    assert record["best"]["score"] > record["base"]["score"]
+
+
+def test_fallback_config_errors_are_one_line():
+    from qprep.config import load_config
+
+    with pytest.raises(ConfigError, match=r"fallback.target.cosine_man: unknown metric 'cosine_man'; did you mean"):
+        load_config({"model": "m.onnx", "pipeline": [{"quantize": {"fallback": {"target": {"cosine_man": 0.9}}}}]})
+    with pytest.raises(ConfigError, match=r"fallback.target: required key is missing"):
+        load_config({"model": "m.onnx", "pipeline": [{"quantize": {"fallback": {"max_float_nodes": 3}}}]})
