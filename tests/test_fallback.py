@@ -22,21 +22,18 @@ def _scripted(damage: dict[str, float], interaction: dict[frozenset, float] | No
     """A backend whose error is the sum of the damage of the nodes not kept float (plus pair interactions)."""
     builds = []
 
-    def build(float_nodes):
+    def evaluate(float_nodes, samples):
         builds.append(set(float_nodes))
-        return frozenset(float_nodes)
-
-    def measure(model, samples):
-        error = sum(d for n, d in damage.items() if n not in model)
-        error += sum(v for pair, v in (interaction or {}).items() if pair <= model)
+        error = sum(d for n, d in damage.items() if n not in float_nodes)
+        error += sum(v for pair, v in (interaction or {}).items() if pair <= float_nodes)
         return {"y": {"cosine_mean": 1.0 - error}}
 
-    return build, measure, builds
+    return evaluate, builds
 
 
 def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
-    build, measure, _ = _scripted({"a": 0.001, "b": 0.02, "c": 0.004, "d": 0.0})
-    outcome = fallback.search(build, measure, ["a", "b", "c", "d"], set(), [{}] * 4,
+    evaluate, _ = _scripted({"a": 0.001, "b": 0.02, "c": 0.004, "d": 0.0})
+    outcome = fallback.search(evaluate, ["a", "b", "c", "d"], set(), [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 0.998}})
     assert outcome.passed and outcome.float_nodes == ["b", "c"]  # 1 - 0.001 ≥ 0.998 after b and c
     assert [r["node"] for r in outcome.record["ranking"]][:3] == ["b", "c", "a"]
@@ -45,8 +42,8 @@ def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
 
 def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_target_is_missed():
     damage = {"a": 0.01, "b": 0.01, "c": 0.05}
-    build, measure, _ = _scripted(damage, {frozenset({"a", "c"}): 0.02})  # a helps alone, hurts next to c
-    outcome = fallback.search(build, measure, ["a", "b", "c"], {"kept"}, [{}] * 4,
+    evaluate, _ = _scripted(damage, {frozenset({"a", "c"}): 0.02})  # a helps alone, hurts next to c
+    outcome = fallback.search(evaluate, ["a", "b", "c"], {"kept"}, [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 0.9999}})
     assert not outcome.passed
     assert set(outcome.float_nodes) == {"kept", "b", "c"}  # a rejected: it made the outputs worse
@@ -55,8 +52,8 @@ def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_t
 
 
 def test_search_respects_max_float_nodes_and_blocks():
-    build, measure, builds = _scripted({f"n{i}": 0.01 * (i + 1) for i in range(6)})
-    outcome = fallback.search(build, measure, [f"n{i}" for i in range(6)], set(), [{}] * 4,
+    evaluate, builds = _scripted({f"n{i}": 0.01 * (i + 1) for i in range(6)})
+    outcome = fallback.search(evaluate, [f"n{i}" for i in range(6)], set(), [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": 4, "block": 2})
     assert len(outcome.float_nodes) == 4 and outcome.record["stopped"] == "max_float_nodes (4) reached"
     promoted = [b for b in builds[8:]]  # after base, the rank base and 6 rank trials

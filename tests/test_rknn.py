@@ -107,3 +107,29 @@ def test_toolkit_traceback_in_the_log_becomes_one_line(tmp_path):
                                 '  File "rknn/api/rknn_base.py", line 2776, in inference\n'
                                 "AttributeError: 'NoneType' object has no attribute 'lower'\n\x1b[0m\n")
     assert toolkit._error_line(0) == "inference: AttributeError: 'NoneType' object has no attribute 'lower'"
+
+
+def test_fallback_ranks_by_accuracy_analysis_and_builds_float16_layers(tmp_path):
+    """cls on RKNN with an unreachable target: ranked by the toolkit's analysis, promoted as float16 layers
+    through hybrid step2 (step1 once), the best model written and the run's gate missed."""
+    import qprep
+
+    config = {"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
+              "calibration": {"source": str(CALIBRATION / "ocr_cls" / "calib"), "max_samples": 8, "preprocess": OCR},
+              "evaluation": {"source": str(CALIBRATION / "ocr_cls" / "eval"), "max_samples": 12, "preprocess": OCR,
+                             "latency": {"runs": 0}, "layers": False},
+              "pipeline": [{"optimize": {}}, {"quantize": {"backend": "rknn", "fallback": {
+                  "target": {"cosine_mean": 0.9999999}, "max_float_nodes": 2, "time_budget_s": 60}}}]}
+    report = qprep.run(config, output_dir=str(tmp_path), force=True)
+    stage = report["stages"][1]
+    record = stage["fallback"]
+    assert record["ranked_by"] == "analysis" and record["ranking"] and record["rank_trials"] == 0
+    assert not record["passed"] and report["status"] == "gate missed"
+    promotions = [t for t in record["trials"] if t["phase"] == "promote"]
+    assert promotions and all(t["float_nodes"] <= 2 for t in promotions)
+    assert record["seconds"] < 60 + 60  # the budget stops the search (one trial may run over)
+    if record["float_nodes"]:  # the best build had float16 layers: they are what model.rknn was built with
+        assert stage["float16_layers"]["mapped"]
+    assert record["best"]["score"] >= record["base"]["score"]
+    assert (tmp_path / "model.rknn").is_file()
+    assert report["evaluation"]["gate"]["checks"][0]["metric"] == "cosine_mean"

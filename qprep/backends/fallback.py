@@ -10,17 +10,18 @@ Why measured, not by op type: on EfficientNet-Lite0 excluding the 16 depthwise c
    again. Then rank the rest again on top of the new float set (harm interacts) and promote again. Stop when
    the target holds, at `max_float_nodes`, when nothing helps any more, or when the time budget is spent.
 
-The best model found is always returned: the target met with the fewest float nodes, else the best score.
-Backends plug in with two callables: `build(float_nodes) → model` and `measure(model, samples) → per-output
-metrics`; FP32 reference outputs and calibration statistics are computed once by the caller.
+The best float set found is always returned (the target met with the fewest float nodes, else the best score);
+the backend builds its final model from it. Backends plug in with `evaluate(float_nodes, samples) → per-output
+metrics` (FP32 reference outputs and calibration statistics computed once by the caller) and, where one trial
+per node is too slow (RKNN), `rank(float_nodes) → [{node, gain}]` from the backend's own per-layer analysis.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 from qprep.evaluate.gate import check_gate
 from qprep.schema import Key, section
@@ -36,7 +37,7 @@ OPTIONS = section(
     time_budget_s=Key("float", default=600.0, minimum=1, doc="stop searching after this many seconds"),
     rank_samples=Key("int", default=32, minimum=1, doc="evaluation samples used to rank nodes (all are used to accept)"),
     max_candidates=Key("int", default=96, minimum=1,
-                       doc="rank at most this many nodes (those whose outputs lose the most accuracy first)"),
+                       doc="rank at most this many nodes by trials (those whose outputs lose the most accuracy first)"),
     block=Key("int", default=1, minimum=1, doc="nodes promoted per trial (RKNN: one build takes minutes)"),
 )
 
@@ -50,7 +51,6 @@ class Trial:
     passed: bool
     seconds: float
     accepted: bool = False
-    model: Any = field(default=None, repr=False)
 
     def record(self) -> dict:
         return {"phase": self.phase, "float_nodes": len(self.float_nodes), "added": list(self.float_nodes[-1:])
@@ -60,7 +60,6 @@ class Trial:
 
 @dataclass
 class Outcome:
-    model: Any
     float_nodes: list[str]
     passed: bool
     record: dict
@@ -74,9 +73,9 @@ def score_of(outputs: dict, target: dict) -> float:
     return min(values) if values else float("-inf")
 
 
-def search(build: Callable[[set[str]], Any], measure: Callable[[Any, list[dict]], dict], candidates: list[str],
-           base_float: set[str], samples: list[dict], options: dict, describe: Callable[[str], str] = str,
-           progress=None) -> Outcome:
+def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[str], base_float: set[str],
+           samples: list[dict], options: dict, describe: Callable[[str], str] = str, progress=None,
+           rank: Callable[[tuple[str, ...]], list[dict]] | None = None) -> Outcome:
     started = time.perf_counter()
     target, budget = options["target"], options["time_budget_s"]
     rank_samples = samples[: options["rank_samples"]]
@@ -87,12 +86,10 @@ def search(build: Callable[[set[str]], Any], measure: Callable[[Any, list[dict]]
 
     def trial(phase: str, extra: tuple[str, ...], on: list[dict]) -> Trial:
         t0 = time.perf_counter()
-        model = build(base_float | set(extra))
-        outputs = measure(model, on)
+        outputs = evaluate(base_float | set(extra), on)
         gate = check_gate(target, outputs) if on is samples else {"passed": False}
         metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
-        result = Trial(phase, extra, score_of(outputs, target), metrics, gate["passed"], time.perf_counter() - t0,
-                       model=model if on is samples else None)
+        result = Trial(phase, extra, score_of(outputs, target), metrics, gate["passed"], time.perf_counter() - t0)
         trials.append(result)
         return result
 
@@ -107,12 +104,15 @@ def search(build: Callable[[set[str]], Any], measure: Callable[[Any, list[dict]]
         f"({_metrics_text(base.metrics)})")
     best, current, stop = base, base, "target met" if base.passed else ""
     ranking: list[dict] = []
-    remaining = list(candidates[: options["max_candidates"]])
+    remaining = list(candidates if rank is not None else candidates[: options["max_candidates"]])
     chosen: tuple[str, ...] = ()
     round_index = 0
     while not stop:
         round_index += 1
-        ranked = _rank(trial, chosen, remaining, rank_samples, samples, elapsed, budget, say, round_index)
+        if rank is not None:
+            ranked = [row for row in rank(chosen) if row["node"] in remaining]
+        else:
+            ranked = _rank(trial, chosen, remaining, rank_samples, elapsed, budget, say, round_index)
         if round_index == 1:
             ranking = ranked
         helpful = [row["node"] for row in ranked if row["gain"] > 0]
@@ -150,15 +150,15 @@ def search(build: Callable[[set[str]], Any], measure: Callable[[Any, list[dict]]
         "ranking": [{**row, "what": describe(row["node"])} for row in ranking[:50]], "ranked": len(ranking),
         "candidates": len(candidates), "rounds": round_index,
         "trials": [t.record() for t in trials if t.phase != "rank"],
-        "rank_trials": sum(t.phase == "rank" for t in trials),
+        "rank_trials": sum(t.phase == "rank" for t in trials), "ranked_by": "trials" if rank is None else "analysis",
     }
     if not best.passed:
         record["why"] = _why(best, ranking, stop)
-    return Outcome(best.model, sorted(base_float | set(best.float_nodes)), best.passed, record)
+    return Outcome(sorted(base_float | set(best.float_nodes)), best.passed, record)
 
 
-def _rank(trial, chosen: tuple[str, ...], pool: list[str], rank_samples: list[dict], samples: list[dict], elapsed,
-          budget: float, say, round_index: int) -> list[dict]:
+def _rank(trial, chosen: tuple[str, ...], pool: list[str], rank_samples: list[dict], elapsed, budget: float, say,
+          round_index: int) -> list[dict]:
     """Each node's gain when it alone joins the float set. Re-ranked every round on top of the nodes already
     float, because harm interacts: an edge between two quantized nodes is only float when both are."""
     base = trial("rank", chosen, rank_samples)

@@ -137,46 +137,144 @@ class _Toolkit:
         return ""
 
 
+class RknnBuilder:
+    """Loads the model once; every build is a fresh RKNN object. With float16 layers, hybrid step1 runs once
+    (calibration) and each build is a step2 with another custom_quantize_layers list, which is what makes
+    the fallback's trials affordable."""
+
+    def __init__(self, job: BackendInput):
+        self.RKNN, self.job, self.options = _rknn_class(), job, job.options
+        self.toolkit = _Toolkit(job.work_dir)
+        self.inputs = graph_inputs(job.model)
+        for spec in self.inputs:
+            if spec.shape is None or not all(isinstance(d, int) for d in spec.shape):
+                raise QprepError(f"quantize.rknn: input '{spec.name}' has dynamic dims {spec.shape}; RKNN needs "
+                                 f"fixed sizes: add `inputs: {{{spec.name}: [...]}}` to the config")
+        self.model_path = job.work_dir / "model.onnx"
+        onnx.save_model(job.model, str(self.model_path))
+        self.normalization = _normalization(job)
+        self.dataset = _write_dataset(job, job.work_dir, self.normalization)
+        options = self.options
+        self.config = dict(target_platform=options["target_platform"], quantized_dtype=options["quantized_dtype"],
+                           quantized_algorithm=options["quantized_algorithm"],
+                           quantized_method=options["quantized_method"], optimization_level=options["optimization_level"])
+        if self.normalization:
+            self.config.update(mean_values=[self.normalization["mean"]], std_values=[self.normalization["std"]])
+        self.details = {"config": self.config, "dataset": str(self.dataset),
+                        "calibration_samples": _count_lines(self.dataset)}
+        self._step1: tuple[Path, str, IRNames] | None = None
+
+    def _loaded(self):
+        rknn = self.toolkit.new(self.RKNN)
+        self.toolkit.call("config", rknn.config, **self.config)
+        self.toolkit.call("load_onnx", rknn.load_onnx, model=str(self.model_path), inputs=[s.name for s in self.inputs],
+                          input_size_list=[s.shape for s in self.inputs])
+        return rknn
+
+    def ir_names(self) -> IRNames:
+        """Hybrid step1 (once): the IR, its tensor names and the quantization cfg step2 builds from."""
+        if self._step1 is None:
+            rknn = self._loaded()
+            self.toolkit.call("hybrid_quantization_step1", rknn.hybrid_quantization_step1, dataset=str(self.dataset),
+                              proposal=False)
+            rknn.release()
+            stem = self.toolkit.work_dir / "model"
+            cfg_text = Path(f"{stem}.quantization.cfg").read_text()
+            self._step1 = (stem, cfg_text, IRNames(f"{stem}.model", cfg_text))
+        return self._step1[2]
+
+    def build(self, float_set: set[str]):
+        """An RKNN object built with `float_set` as float16 layers, its simulator runtime initialized."""
+        if float_set and self.options["do_quantization"]:
+            ir = self.ir_names()
+            stem, cfg_text, _ = self._step1
+            mapping, unmapped = map_float_set(self.job.model, sorted(float_set), ir)
+            tensors = list(dict.fromkeys(t for m in mapping.values() for t in m["tensors"]))
+            cfg_path = Path(f"{stem}.quantization.cfg")
+            cfg_path.write_text(with_custom_layers(cfg_text, tensors))
+            rknn = self.toolkit.new(self.RKNN)
+            self.toolkit.call("hybrid_quantization_step2", rknn.hybrid_quantization_step2,
+                              model_input=f"{stem}.model", data_input=f"{stem}.data",
+                              model_quantization_cfg=str(cfg_path))
+            self.details["float16_layers"] = {"requested_nodes": len(float_set), "mapped": mapping,
+                                              "unmapped": unmapped, "ir_tensors": tensors}
+            if unmapped:
+                log.warning("rknn: %d float-set nodes have no RKNN tensor (fused or renamed): %s", len(unmapped),
+                            ", ".join(unmapped[:10]))
+        else:
+            rknn = self._loaded()
+            self.toolkit.call("build", rknn.build, do_quantization=self.options["do_quantization"],
+                              dataset=str(self.dataset))
+            self.details.pop("float16_layers", None)
+        return rknn
+
+    def runner(self, rknn) -> "_Runner":
+        self.toolkit.call("init_runtime (simulator)", rknn.init_runtime)
+        return _Runner(rknn, self.toolkit, self.job.model, self.normalization)
+
+
 def quantize(job: BackendInput) -> Quantized:
-    RKNN = _rknn_class()
-    options, work = job.options, job.work_dir
-    toolkit = _Toolkit(work)
-    inputs = graph_inputs(job.model)
-    for spec in inputs:
-        if spec.shape is None or not all(isinstance(d, int) for d in spec.shape):
-            raise QprepError(f"quantize.rknn: input '{spec.name}' has dynamic dims {spec.shape}; RKNN needs fixed "
-                             f"sizes: add `inputs: {{{spec.name}: [...]}}` to the config")
-    model_path = work / "model.onnx"
-    onnx.save_model(job.model, str(model_path))
-    normalization = _normalization(job)
-    dataset = _write_dataset(job, work, normalization)
-    config = dict(target_platform=options["target_platform"], quantized_dtype=options["quantized_dtype"],
-                  quantized_algorithm=options["quantized_algorithm"], quantized_method=options["quantized_method"],
-                  optimization_level=options["optimization_level"])
-    if normalization:
-        config.update(mean_values=[normalization["mean"]], std_values=[normalization["std"]])
-    rknn = toolkit.new(RKNN)
-    toolkit.call("config", rknn.config, **config)
-    toolkit.call("load_onnx", rknn.load_onnx, model=str(model_path), inputs=[s.name for s in inputs],
-                 input_size_list=[s.shape for s in inputs])
-    details = {"config": config, "dataset": str(dataset), "calibration_samples": _count_lines(dataset)}
-    float_set = sorted(job.float_set)
-    if float_set and options["do_quantization"]:
-        rknn = _hybrid_build(rknn, RKNN, toolkit, job.model, float_set, dataset, details)
-    else:
-        toolkit.call("build", rknn.build, do_quantization=options["do_quantization"], dataset=str(dataset))
+    builder = RknnBuilder(job)
+    float_set = set(job.float_set)
+    if job.fallback:
+        outcome = _fallback(builder, float_set, job)
+        float_set = set(outcome.float_nodes)
+        builder.details["fallback"] = outcome.record
+    rknn = builder.build(float_set)
+    work, options = job.work_dir, job.options
     rknn_path = work / "model.rknn"
-    toolkit.call("export_rknn", rknn.export_rknn, str(rknn_path))
-    toolkit.call("init_runtime (simulator)", rknn.init_runtime)
-    runner = _Runner(rknn, toolkit, job.model, normalization)
-    contract = _input_contract(inputs, normalization, options)
+    builder.toolkit.call("export_rknn", rknn.export_rknn, str(rknn_path))
+    runner = builder.runner(rknn)
+    contract = _input_contract(builder.inputs, builder.normalization, options)
     (work / "input_contract.json").write_text(json.dumps(contract, indent=2) + "\n")
     (work / "run_on_board.py").write_text(_BOARD_SCRIPT)
-    return Quantized(model=job.model, details=details, runner=runner,
+    return Quantized(model=job.model, details=builder.details, runner=runner,
                      analyzer=(lambda samples: runner.analyze(samples[: options["analysis_samples"]]))
                      if options["analysis_samples"] else None,
                      artifacts={"model.rknn": rknn_path, "input_contract.json": work / "input_contract.json",
                                 "run_on_board.py": work / "run_on_board.py"})
+
+
+def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
+    """The search with RKNN builds: one build per trial (a step2, seconds to a minute), so nodes are ranked by
+    the toolkit's accuracy_analysis of the all-int8 build (the error each layer adds on its own), not by one
+    trial per node."""
+    from qprep.backends import fallback
+
+    analysis: list[dict] = []
+    ops = {n.name: n.op_type for n in job.model.graph.node}
+
+    def evaluate(float_nodes: set[str], samples: list[dict]) -> dict:
+        rknn = builder.build(float_nodes)
+        try:
+            runner = builder.runner(rknn)
+            metrics = job.measure(runner(samples))
+            if not analysis and float_nodes == base_float:
+                analysis.extend(runner.analyze(samples[: max(1, job.options["analysis_samples"])]))
+            return metrics
+        finally:
+            rknn.release()
+
+    def rank(chosen: tuple[str, ...]) -> list[dict]:
+        if chosen:
+            return []  # one analysis (of the base build) per search: re-analysing costs a build per round
+        ir = builder.ir_names()
+        single = {row["tensor"]: row.get("single_cosine", 1.0) for row in analysis}
+        rows, seen = [], set()
+        for node in job.model.graph.node:
+            if node.name in base_float:
+                continue
+            tensors, _ = ir.map_node(node)
+            key = tuple(tensors)
+            if not tensors or key in seen or not any(t in single for t in tensors):
+                continue
+            seen.add(key)
+            rows.append({"node": node.name, "gain": max(1.0 - single[t] for t in tensors if t in single)})
+        return sorted(rows, key=lambda row: -row["gain"])
+
+    candidates = [n.name for n in job.model.graph.node if n.name not in base_float]
+    return fallback.search(evaluate, candidates, base_float, job.evaluation_samples, job.fallback,
+                           describe=lambda n: ops.get(n, "?"), progress=job.progress, rank=rank)
 
 
 def _normalization(job: BackendInput) -> dict | None:
@@ -220,28 +318,6 @@ def _write_dataset(job: BackendInput, work: Path, normalization: dict | None) ->
 
 def _count_lines(path: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip())
-
-
-def _hybrid_build(rknn, RKNN, toolkit: _Toolkit, model: onnx.ModelProto, float_set: list[str], dataset: Path,
-                  details: dict):
-    """step1 → map the float set to IR tensor names → edit custom_quantize_layers → step2 on a fresh object."""
-    toolkit.call("hybrid_quantization_step1", rknn.hybrid_quantization_step1, dataset=str(dataset), proposal=False)
-    stem = toolkit.work_dir / "model"
-    cfg_path = Path(f"{stem}.quantization.cfg")
-    cfg_text = cfg_path.read_text()
-    mapping, unmapped = map_float_set(model, float_set, IRNames(f"{stem}.model", cfg_text))
-    tensors = list(dict.fromkeys(t for m in mapping.values() for t in m["tensors"]))
-    cfg_path.write_text(with_custom_layers(cfg_text, tensors))
-    rknn.release()
-    fresh = toolkit.new(RKNN)
-    toolkit.call("hybrid_quantization_step2", fresh.hybrid_quantization_step2, model_input=f"{stem}.model",
-                 data_input=f"{stem}.data", model_quantization_cfg=str(cfg_path))
-    details["float16_layers"] = {"requested_nodes": len(float_set), "mapped": mapping, "unmapped": unmapped,
-                                 "ir_tensors": tensors}
-    if unmapped:
-        log.warning("rknn: %d float-set nodes have no RKNN tensor (fused or renamed): %s", len(unmapped),
-                    ", ".join(unmapped[:10]))
-    return fresh
 
 
 class _Runner:

@@ -18,6 +18,10 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
                f"float node(s) — {best} (all quantized: {base}); {record['stopped']}, {record.get('rounds', 1)} round(s), "
                f"{record['rank_trials']} ranking trials on {record['ranked']} of {record['candidates']} candidates, "
                f"{record['seconds']:.0f} s.")
+    op_types = record.get("float_op_types") or {}
+    if op_types.get("chosen"):
+        verdict += (f" Op types left float first (re-rounding without compute): {', '.join(op_types['chosen'])} "
+                    f"({op_types['nodes']} nodes).")
     if record.get("why"):
         verdict += f" {record['why']}."
     tables = []
