@@ -21,6 +21,18 @@ from qprep.model_io import atomic_write_text, sha256_file
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 
 
+def _dir_name(name: str, used: set[str]) -> str:
+    """`a/b.onnx` → `a__b`; a second model mapping to a taken name (`a__b.onnx`) gets `a__b-2`, so two models
+    never share a run directory."""
+    stem = name.removesuffix(".onnx").replace(os.sep, "__")
+    candidate, index = stem, 1
+    while candidate in used:
+        index += 1
+        candidate = f"{stem}-{index}"
+    used.add(candidate)
+    return candidate
+
+
 def find_models(folder: Path, recursive: bool) -> list[Path]:
     if not folder.is_dir():
         raise QprepError(f"batch: model folder not found: {folder}")
@@ -50,6 +62,7 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     out_path.mkdir(parents=True, exist_ok=True)
     twins: dict[str, Path] = {}
     tasks, rows = [], {}
+    used_dirs: set[str] = set()
     for model in models:
         name = str(model.relative_to(folder_path))
         digest = sha256_file(model)
@@ -58,7 +71,7 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
                           "twin": str(twins[digest])}
             continue
         twins[digest] = Path(name)
-        run_dir = out_path / name.removesuffix(".onnx").replace(os.sep, "__")
+        run_dir = out_path / _dir_name(name, used_dirs)
         if resume and _complete(run_dir, digest, config_path, sets, model):
             rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
             continue

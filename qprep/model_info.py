@@ -59,6 +59,19 @@ def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
     return TensorSpec(value.name, dtype, dims)
 
 
+def cast_to_inputs(samples: list[dict], model: onnx.ModelProto) -> list[dict]:
+    """Samples cast to the model's input element types (an FP16 model with keep_io_types: false takes
+    float16): the same values another model saw, in the form this one accepts."""
+    types = {}
+    for spec in graph_inputs(model):
+        try:
+            types[spec.name] = spec.numpy_dtype
+        except TypeError:  # an element type numpy has no name for (bfloat16, …): leave the sample as it is
+            pass
+    return [{name: value.astype(types[name]) if name in types and value.dtype != types[name] else value
+             for name, value in sample.items()} for sample in samples]
+
+
 def graph_inputs(model: onnx.ModelProto) -> list[TensorSpec]:
     """Real inputs: graph inputs that are not initializers (old exporters list weights as inputs too)."""
     initializers = {t.name for t in model.graph.initializer}

@@ -112,6 +112,9 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     except Exception as exc:  # internal error: still leave a report that says where it happened
         report["status"], report["error"] = "failed", f"internal error: {type(exc).__name__}: {exc}"
         raise
+    except KeyboardInterrupt:
+        report["status"], report["error"] = "interrupted", "interrupted by the user (Ctrl-C)"
+        raise
     finally:
         timings["total"] = time.time() - started
         report["seconds"] = round(timings["total"], 3)

@@ -146,3 +146,11 @@ def test_compare_prints_deltas_and_fails_on_regression(tmp_path, cli):
     assert code == 0
     code, _, err = cli("compare", tmp_path / "a", tmp_path / "b", "--fail-on-regression", "cosine_maen=0.05")
     assert code == 2 and "no run reports this metric" in err  # a misspelt CI gate must not pass silently
+
+
+def test_models_whose_names_flatten_alike_get_their_own_run_directories():
+    from qprep.batch import _dir_name
+
+    used: set[str] = set()
+    assert [_dir_name(n, used) for n in ("a/b.onnx", "a__b.onnx", "c.onnx", "a__b-2.onnx")] == \
+        ["a__b", "a__b-2", "c", "a__b-2-2"]

@@ -170,3 +170,24 @@ def test_ort_backend_reports_float_set_nodes_that_no_longer_exist(tmp_path):
                                        float_set={"Relu_0", "/gone/ReduceMean"}, options=options, work_dir=tmp_path))
     assert result.details["excluded_nodes"] == ["Relu_0"]
     assert result.details["float_set_unmatched"] == ["/gone/ReduceMean"]
+
+
+def test_fp16_model_with_float16_inputs_is_evaluated_on_the_same_float32_samples(tmp_path):
+    """keep_io_types: false gives the result float16 inputs; samples are checked against the FP32 reference
+    and cast for the result, so the run evaluates instead of refusing the data."""
+    import onnx
+
+    import qprep
+    from conftest import tiny_conv_model
+
+    onnx.save(tiny_conv_model(batch=1), str(tmp_path / "m.onnx"))
+    (tmp_path / "eval").mkdir()
+    for i in range(4):
+        np.save(tmp_path / "eval" / f"{i}.npy", np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32))
+    report = qprep.run({"model": str(tmp_path / "m.onnx"),
+                        "evaluation": {"source": str(tmp_path / "eval"), "latency": {"runs": 2, "warmup": 1}},
+                        "pipeline": [{"quantize": {"backend": "fp16", "fp16": {"keep_io_types": False}}}]},
+                       output_dir=str(tmp_path / "out"))
+    assert onnx.load(str(tmp_path / "out" / "model.onnx")).graph.input[0].type.tensor_type.elem_type == 10  # fp16
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.999
+    assert report["evaluation"]["latency"]["result"]["runs"] == 2

@@ -149,3 +149,21 @@ def test_cleanup_keeps_an_add_that_broadcasts_to_a_bigger_shape():
     model = make_model(nodes, [("x", [3])], [("y", [2, 3])], {"zeros": np.zeros((2, 3), np.float32)})
     out, _ = apply_pass(cleanup.PASS, model)
     assert ops(out) == {"Add": 1}
+
+
+def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity():
+    """then-branch: Identity(a) with `a` from the main graph; renaming `a` would break the main graph."""
+    then = helper.make_graph([helper.make_node("Identity", ["a"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [1, 3, 8, 8])])
+    other = helper.make_graph([helper.make_node("Neg", ["a"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [1, 3, 8, 8])])
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["i"], then_branch=then, else_branch=other),
+             helper.make_node("Add", ["i", "a"], ["y"])]
+    model = make_model(nodes, [X], [("y", [1, 3, 8, 8])], {"zero": np.float32(0)})
+    out, _ = apply_pass(cleanup.PASS, model)
+    onnx.checker.check_model(out)
+    for sign in (1, -1):
+        assert max_diff(model, out, {"x": sign * np.abs(rand(1, 3, 8, 8))}) == 0.0

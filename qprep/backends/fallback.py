@@ -42,6 +42,9 @@ OPTIONS = section(
 )
 
 
+MIN_GAIN = 0.01  # a promoted block must remove at least this share of the remaining error (1 - score)
+
+
 @dataclass
 class Trial:
     phase: str  # base | rank | promote
@@ -128,7 +131,8 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
                 stop = f"max_float_nodes ({options['max_float_nodes']}) reached"
                 break
             t = trial("promote", chosen + block, samples)
-            if t.score > current.score or t.passed:
+            # a float node must pay for itself: at least 1% of the error left (noise-level gains are refused)
+            if t.passed or t.score - current.score >= MIN_GAIN * (1.0 - current.score):
                 t.accepted, chosen, current, promoted = True, chosen + block, t, promoted + len(block)
                 best = t if _better(t, best) else best
             say(f"{'+' if t.accepted else '-'} {', '.join(block)}: score {t.score:.5f} "

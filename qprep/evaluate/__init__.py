@@ -35,14 +35,14 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
         notes.append("the input model is QDQ and no evaluation.reference_model is set: the result is compared "
                      "with the QDQ input, not with an FP32 model")
     reference_path, reference = reference_model(config, ctx)
-    with ctx.progress.step("evaluation: load samples"):
-        samples = load_samples(cfg, model_info.graph_inputs(final_model), role="evaluation")
+    with ctx.progress.step("evaluation: load samples"):  # checked against the reference: the result may differ
+        samples = load_samples(cfg, model_info.graph_inputs(reference), role="evaluation")
     if ctx.calibration is not None and set(samples.files) & set(ctx.calibration.files):
         notes.append("evaluation and calibration share samples: agreement figures are optimistic")
     with ctx.progress.step(f"evaluation: {len(samples)} samples"):
         expected = run_model(reference, samples.samples, threads, optimize=True)
-        actual = ctx.runner(samples.samples) if ctx.runner else run_model(final_model, samples.samples, threads,
-                                                                             optimize=True)
+        actual = ctx.runner(samples.samples) if ctx.runner else run_model(
+            final_model, model_info.cast_to_inputs(samples.samples, final_model), threads, optimize=True)
     outputs = output_metrics(expected, actual, cfg["tasks"], reference)
     for name, metrics in outputs.items():
         per_sample = metrics.pop("per_sample_cosine")
@@ -139,7 +139,8 @@ def task_accuracy(reference: list, result: list, labels: list[int]) -> dict:
 
 def _latency(reference, final_model, sample, threads: int, cfg: dict, ctx) -> dict:
     ref = measure(reference, sample, threads, cfg["runs"], cfg["warmup"])
-    res = measure(final_model, sample, threads, cfg["runs"], cfg["warmup"])
+    res = measure(final_model, model_info.cast_to_inputs([sample], final_model)[0], threads, cfg["runs"],
+                  cfg["warmup"])
     return {"reference": ref, "result": res, "speedup": ref["median_ms"] / res["median_ms"],
             "settings": {"batch": 1, "threads": threads, "provider": "CPUExecutionProvider",
                          "graph_optimization": "ORT_ENABLE_ALL"}}

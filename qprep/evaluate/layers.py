@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 
 from qprep.evaluate.metrics import compare_output
+from qprep.model_info import cast_to_inputs
 from qprep.model_io import ort_session
 
 QDQ_SUFFIX = "_DequantizeLinear_Output"
@@ -55,6 +56,7 @@ def layer_errors(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sampl
 
 
 def _collect(model: onnx.ModelProto, names: list[str], samples: list[dict], threads: int) -> dict[str, list]:
+    samples = cast_to_inputs(samples, model)
     session = ort_session(model, threads=threads, extra_outputs=names)
     inputs = [i.name for i in session.get_inputs()]
     available = [n for n in names if n in {o.name for o in session.get_outputs()}]

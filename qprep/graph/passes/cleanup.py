@@ -125,11 +125,25 @@ RULES = RewriteRuleSet([
 ])
 
 
+class _IdentityElimination(IdentityEliminationPass):
+    """onnx_ir's pass, except for a subgraph output that is Identity(value from an enclosing graph) (If
+    branches returning an outer tensor): eliminating it would rename the outer value, so it stays."""
+
+    def _try_eliminate_identity_node(self, node: ir.Node) -> bool:
+        graph = node.graph
+        if node.outputs and node.outputs[0].is_graph_output() and graph is not None and node.inputs:
+            source = node.inputs[0]
+            if source is not None and source.graph is not graph and (
+                    source.producer() is None or source.producer().graph is not graph):
+                return False
+        return super()._try_eliminate_identity_node(node)
+
+
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     nodes_before = _count_nodes(model)
     initializers_before = len(model.graph.initializers)
     no_ops = RULES.apply_to_model(model)
-    for cleanup in (IdentityEliminationPass(), RemoveUnusedNodesPass(), DeduplicateInitializersPass(),
+    for cleanup in (_IdentityElimination(), RemoveUnusedNodesPass(), DeduplicateInitializersPass(),
                     RemoveUnusedNodesPass(), RemoveUnusedOpsetsPass()):
         cleanup(model)
     removed = nodes_before - _count_nodes(model)
