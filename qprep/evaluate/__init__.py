@@ -67,6 +67,9 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
     elif cfg["latency"]["runs"] > 0:
         with ctx.progress.step("evaluation: latency"):
             result["latency"] = _latency(reference, final_model, samples.samples[0], threads, cfg["latency"], ctx)
+        if result["latency"]["speedup"] < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
+            notes.append(f"the result runs {result['latency']['speedup']:.2f}× the reference's speed on this CPU "
+                         "(slower): check it on the deployment CPU before shipping it for speed")
     result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,
                             "result": final_model.ByteSize()}
     gate = {**ctx.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too
