@@ -237,32 +237,37 @@ def quantize(job: BackendInput) -> Quantized:
 
 def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
     """The search with RKNN builds: one build per trial (a step2, seconds to a minute), so nodes are ranked by
-    the toolkit's accuracy_analysis of the all-int8 build (the error each layer adds on its own), not by one
-    trial per node."""
+    the toolkit's accuracy_analysis (the error each layer adds on its own) of the current build — all int8 in
+    the first round, with the float16 layers promoted so far in later ones — not by one trial per node."""
     from qprep.backends import fallback
 
-    analysis: list[dict] = []
     ops = {n.name: n.op_type for n in job.model.graph.node}
+    analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
 
     def evaluate(float_nodes: set[str], samples: list[dict]) -> dict:
         rknn = builder.build(float_nodes)
         try:
-            runner = builder.runner(rknn)
-            metrics = job.measure(runner(samples))
-            if not analysis and float_nodes == base_float:
-                analysis.extend(runner.analyze(samples[: max(1, job.options["analysis_samples"])]))
-            return metrics
+            return job.measure(builder.runner(rknn)(samples))
         finally:
             rknn.release()
 
     def rank(chosen: tuple[str, ...]) -> list[dict]:
-        if chosen:
-            return []  # one analysis (of the base build) per search: re-analysing costs a build per round
+        rknn = builder.build(base_float | set(chosen))
+        try:
+            analysis = builder.runner(rknn).analyze(analysis_samples)
+        except QprepError as exc:
+            if not chosen:
+                raise
+            log.warning("rknn fallback: accuracy_analysis of the build with float16 layers failed (%s); "
+                        "ranking stops", exc)
+            return []
+        finally:
+            rknn.release()
         ir = builder.ir_names()
         single = {row["tensor"]: row.get("single_cosine", 1.0) for row in analysis}
         rows, seen = [], set()
         for node in job.model.graph.node:
-            if node.name in base_float:
+            if node.name in base_float or node.name in chosen:
                 continue
             tensors, _ = ir.map_node(node)
             key = tuple(tensors)
