@@ -55,7 +55,9 @@ def evaluation_section() -> Key:
         layer_samples=Key("int", default=8, minimum=1, doc="samples used for the per-layer error"),
         latency=section("latency of reference and result with ONNX Runtime (batch 1)",
                         runs=Key("int", default=50, minimum=0, doc="timed runs (median reported); 0 disables"),
-                        warmup=Key("int", default=10, minimum=0, doc="untimed runs first")),
+                        warmup=Key("int", default=10, minimum=0, doc="untimed runs first"),
+                        rounds=Key("int", default=3, minimum=1,
+                                   doc="reference and result timed in turn this many times (median of rounds)")),
         labels=Key("path", doc="ground truth: a text file of `<sample file name> <label>` lines, for task "
                                 "accuracy of reference and result on classification outputs"),
         label_names=Key("list", item=Key("str"), doc="class names in output order, when labels are names "

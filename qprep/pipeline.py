@@ -48,6 +48,7 @@ class RunContext:
     layer_analyzer: Callable[[list[dict]], list[dict]] | None = None  # backend's own per-layer analysis
     input_model: onnx.ModelProto | None = None  # the input as loaded and prepared: the default FP32 reference
     fallback_target: dict = field(default_factory=dict)  # quantize.fallback's target, checked again by evaluation
+    reference_run: object = None  # evaluate.ReferenceRun: FP32 outputs on the evaluation samples, computed once
 
     def work_dir(self, name: str) -> Path:
         """A folder inside the run directory for a stage's or toolkit's working files."""

@@ -12,7 +12,6 @@ processes hits every model alike. Also the QAT CNN fixture before/after qat_clea
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import qprep  # noqa: E402
 from qprep.config import data_source  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
-from qprep.evaluate.latency import measure  # noqa: E402
+from qprep.evaluate.latency import interleaved  # noqa: E402
 from qprep.model_info import graph_inputs, op_counts  # noqa: E402
 from qprep.schema import validate  # noqa: E402
 
@@ -68,24 +67,19 @@ def main(argv=None) -> int:
         }
     cfg = validate({**IMAGENET, "max_samples": 1}, data_source(""), "calibration", ROOT)
     sample = load_samples(cfg, graph_inputs(qdq)).samples[0]
-    medians: dict[str, list[float]] = {name: [] for name in models}
-    p90: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(args.rounds):
-        for name, model in models.items():
-            timing = measure(model, sample, args.threads, args.runs, args.warmup)
-            medians[name].append(timing["median_ms"])
-            p90[name].append(timing["p90_ms"])
+    timed = interleaved({name: (model, sample) for name, model in models.items()}, args.threads, args.runs,
+                        args.warmup, args.rounds)
     print(f"| model | integer ops | median ms | p90 ms | vs QDQ |")
     print("|---|---|---|---|---|")
-    reference = {"EfficientNet": statistics.median(medians["EfficientNet-Lite0 QDQ (quantize_static)"]),
-                 "QAT": statistics.median(medians["QAT CNN (PyTorch export)"])}
+    reference = {"EfficientNet": timed["EfficientNet-Lite0 QDQ (quantize_static)"]["median_ms"],
+                 "QAT": timed["QAT CNN (PyTorch export)"]["median_ms"]}
     for name, model in models.items():
         counts = op_counts(model)
         integer = ", ".join(f"{op} {n}" for op, n in counts.items() if op.startswith(("QLinear", "ConvInteger",
                                                                                       "MatMulInteger"))) or "–"
-        median = statistics.median(medians[name])
+        median = timed[name]["median_ms"]
         base = reference["QAT" if name.startswith("QAT") else "EfficientNet"]
-        print(f"| {name} | {integer} | {median:.2f} | {statistics.median(p90[name]):.2f} | {base / median:.2f}x |")
+        print(f"| {name} | {integer} | {median:.2f} | {timed[name]['p90_ms']:.2f} | {base / median:.2f}x |")
     print(f"\nbatch 1, {args.threads} threads, ORT_ENABLE_ALL, median of {args.runs} runs after {args.warmup} "
           f"warm-up, median of {args.rounds} interleaved rounds")
     return 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import qprep  # noqa: E402
 from qprep.config import data_source  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
-from qprep.evaluate.latency import measure  # noqa: E402
+from qprep.evaluate.latency import interleaved  # noqa: E402
 from qprep.evaluate.metrics import compare_output, output_task  # noqa: E402
 from qprep.graph.verify import run_model  # noqa: E402
 from qprep.model_info import graph_inputs  # noqa: E402
@@ -132,16 +131,6 @@ def scores(reference: onnx.ModelProto, result: onnx.ModelProto, evaluation: list
     return {"cosine": m["cosine_mean"], "agreement": agreement, "task": task}
 
 
-def interleaved_ms(models: dict[str, onnx.ModelProto], sample: dict, runs: int, rounds: int) -> dict[str, float]:
-    """Median over rounds of each model's median latency, the models taking turns in every round: one pass per
-    model drifts with the machine (the ~1 ms PP-OCR classifier measured 1.94× once, 0.86× interleaved)."""
-    per_model: dict[str, list[float]] = {label: [] for label in models}
-    for _ in range(rounds):
-        for label, model in models.items():
-            per_model[label].append(measure(model, sample, 2, runs, 10)["median_ms"])
-    return {label: statistics.median(values) for label, values in per_model.items()}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS))
@@ -159,8 +148,10 @@ def main(argv=None) -> int:
             evaluation = samples(name, "eval", args.eval_samples, qprep_model)  # fixed dims fit both models
             calib = samples(name, "calib", 32, qprep_model)
             ort_model, ort_s, note = ort_documented(name, calib, work)
-            ms = interleaved_ms({"FP32": reference, "ORT documented flow": ort_model, "qprep": qprep_model},
-                                evaluation[0], args.runs, args.rounds)
+            timed = interleaved({label: (model, evaluation[0]) for label, model in
+                                 (("FP32", reference), ("ORT documented flow", ort_model), ("qprep", qprep_model))},
+                                2, args.runs, 10, args.rounds)
+            ms = {label: t["median_ms"] for label, t in timed.items()}
             for tool, model, seconds in (("ORT documented flow", ort_model, ort_s), ("qprep", qprep_model, qprep_s)):
                 s = scores(reference, model, evaluation)
                 rows.append((name, tool, s, ms["FP32"] / ms[tool], seconds,

@@ -38,6 +38,8 @@ def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
     assert outcome.passed and outcome.float_nodes == ["b", "c"]  # 1 - 0.001 ≥ 0.998 after b and c
     assert [r["node"] for r in outcome.record["ranking"]][:3] == ["b", "c", "a"]
     assert outcome.record["stopped"] == "target met"
+    assert [t["added"] for t in outcome.record["trials"] if t["phase"] == "promote"] == [["b"], ["c"]]
+    assert {n["node"]: n["gain"] for n in outcome.record["float_nodes"]} == pytest.approx({"b": 0.02, "c": 0.004})
 
 
 def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_target_is_missed():
@@ -112,6 +114,8 @@ def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config
     assert report["evaluation"]["gate"]["passed"]  # the target is checked again on the final result
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] >= 0.99
     assert record["rounds"] == 2  # "outlier" helps only once "second" is float: found by re-ranking
+    gains = {n["node"]: n["gain"] for n in record["float_nodes"]}
+    assert gains["outlier"] > 0.5  # its gain in round 2, not its 0.0 of round 1
 
 
 def test_ort_fallback_that_cannot_meet_its_target_exits_1_with_the_best_model(outlier_config):

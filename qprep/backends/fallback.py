@@ -48,7 +48,8 @@ MIN_GAIN = 0.01  # a promoted block must remove at least this share of the remai
 @dataclass
 class Trial:
     phase: str  # base | rank | promote
-    float_nodes: tuple[str, ...]
+    float_nodes: tuple[str, ...]  # made float by the search (beside the base float set)
+    added: tuple[str, ...]  # what this trial added to the float set it started from
     score: float
     metrics: dict
     passed: bool
@@ -56,9 +57,9 @@ class Trial:
     accepted: bool = False
 
     def record(self) -> dict:
-        return {"phase": self.phase, "float_nodes": len(self.float_nodes), "added": list(self.float_nodes[-1:])
-                if self.phase == "rank" else None, "score": self.score, "metrics": self.metrics,
-                "passed": self.passed, "accepted": self.accepted, "seconds": round(self.seconds, 2)}
+        return {"phase": self.phase, "float_nodes": len(self.float_nodes), "added": list(self.added),
+                "score": self.score, "metrics": self.metrics, "passed": self.passed, "accepted": self.accepted,
+                "seconds": round(self.seconds, 2)}
 
 
 @dataclass
@@ -87,12 +88,13 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
     def elapsed() -> float:
         return time.perf_counter() - started
 
-    def trial(phase: str, extra: tuple[str, ...], on: list[dict]) -> Trial:
+    def trial(phase: str, start: tuple[str, ...], added: tuple[str, ...], on: list[dict]) -> Trial:
         t0 = time.perf_counter()
-        outputs = evaluate(base_float | set(extra), on)
+        outputs = evaluate(base_float | set(start) | set(added), on)
         gate = check_gate(target, outputs) if on is samples else {"passed": False}
         metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
-        result = Trial(phase, extra, score_of(outputs, target), metrics, gate["passed"], time.perf_counter() - t0)
+        result = Trial(phase, start + added, added, score_of(outputs, target), metrics, gate["passed"],
+                       time.perf_counter() - t0)
         trials.append(result)
         return result
 
@@ -101,7 +103,7 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
         if progress is not None:
             progress.note(f"fallback: {message}")
 
-    base = trial("base", (), samples)
+    base = trial("base", (), (), samples)
     base.accepted = True
     say(f"base (all quantized): score {base.score:.5f}, target {'met' if base.passed else 'missed'} "
         f"({_metrics_text(base.metrics)})")
@@ -109,6 +111,7 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
     ranking: list[dict] = []
     remaining = list(candidates if rank is not None else candidates[: options["max_candidates"]])
     chosen: tuple[str, ...] = ()
+    gains: dict[str, float] = {}  # promoted node → its gain in the round that promoted it
     round_index = 0
     while not stop:
         round_index += 1
@@ -130,10 +133,11 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
             if len(chosen) + len(block) > options["max_float_nodes"]:
                 stop = f"max_float_nodes ({options['max_float_nodes']}) reached"
                 break
-            t = trial("promote", chosen + block, samples)
+            t = trial("promote", chosen, block, samples)
             # a float node must pay for itself: at least 1% of the error left (noise-level gains are refused)
             if t.passed or t.score - current.score >= MIN_GAIN * (1.0 - current.score):
                 t.accepted, chosen, current, promoted = True, chosen + block, t, promoted + len(block)
+                gains.update({row["node"]: row["gain"] for row in ranked if row["node"] in block})
                 best = t if _better(t, best) else best
             say(f"{'+' if t.accepted else '-'} {', '.join(block)}: score {t.score:.5f} "
                 f"({_metrics_text(t.metrics)}){' target met' if t.passed else ''}")
@@ -147,8 +151,7 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
             stop = "time budget spent"
     record = {
         "target": target, "passed": best.passed, "stopped": stop, "seconds": round(elapsed(), 1),
-        "float_nodes": [{"node": n, "what": describe(n),
-                         "gain": next((r["gain"] for r in ranking if r["node"] == n), None)} for n in best.float_nodes],
+        "float_nodes": [{"node": n, "what": describe(n), "gain": gains.get(n)} for n in best.float_nodes],
         "base": {"score": base.score, "metrics": base.metrics},
         "best": {"score": best.score, "metrics": best.metrics},
         "ranking": [{**row, "what": describe(row["node"])} for row in ranking[:50]], "ranked": len(ranking),
@@ -165,14 +168,14 @@ def _rank(trial, chosen: tuple[str, ...], pool: list[str], rank_samples: list[di
           round_index: int) -> list[dict]:
     """Each node's gain when it alone joins the float set. Re-ranked every round on top of the nodes already
     float, because harm interacts: an edge between two quantized nodes is only float when both are."""
-    base = trial("rank", chosen, rank_samples)
+    base = trial("rank", chosen, (), rank_samples)
     say(f"round {round_index}: ranking {len(pool)} nodes on {len(rank_samples)} samples")
     rows = []
     for index, node in enumerate(pool):
         if elapsed() > budget * (0.5 if round_index == 1 else 0.9):  # leave time to promote
             say(f"ranking stopped after {index} nodes (time budget)")
             break
-        t = trial("rank", chosen + (node,), rank_samples)
+        t = trial("rank", chosen, (node,), rank_samples)
         rows.append({"node": node, "gain": t.score - base.score})
     return sorted(rows, key=lambda row: -row["gain"])
 
@@ -192,6 +195,9 @@ def _metrics_text(metrics: dict) -> str:
 def _why(best: Trial, ranking: list[dict], stop: str) -> str:
     missed = ", ".join(f"{k} {v:.4f}" for k, v in best.metrics.items() if isinstance(v, float))
     helpful = sum(r["gain"] > 0 for r in ranking)
-    return (f"target not met ({stop}); best: {missed} with {len(best.float_nodes)} float nodes; "
-            f"{helpful} of {len(ranking)} ranked nodes helped when kept float, so the remaining error is spread "
-            "over many layers (try per-layer analysis in the report, more calibration data, or another backend mode)")
+    reason = (f"target not met ({stop}); best: {missed} with {len(best.float_nodes)} float nodes; "
+              f"{helpful} of {len(ranking)} nodes ranked first helped when kept float")
+    if stop.startswith("no candidate"):
+        return (reason + ": the remaining error is spread over many layers (see the per-layer table; try more "
+                "calibration data or another backend mode)")
+    return reason + ": raise time_budget_s / max_float_nodes to search further"

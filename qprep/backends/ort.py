@@ -1,4 +1,4 @@
-"""ONNX Runtime static INT8 quantization (`quantize_static`), with defaults chosen for x86 CPUs.
+"""ONNX Runtime INT8 quantization (its static quantizer, or dynamic MatMuls), with defaults chosen for x86 CPUs.
 
 Why these defaults (measured on this machine, see BENCHMARKS.md): QDQ format, uint8 activations with int8
 weights (U8S8: ORT's fast VNNI path; S8S8 QDQ is converted at session time and is often slower), per-channel
@@ -22,7 +22,9 @@ import onnx.version_converter
 
 from qprep.backends import BackendInput, Quantized
 from qprep.errors import QprepError
-from qprep.model_info import default_opset
+from qprep.evaluate.metrics import sqnr_db
+from qprep.graph.verify import run_model
+from qprep.model_info import default_opset, graph_inputs
 from qprep.model_io import save_model
 from qprep.schema import Key, section
 
@@ -90,6 +92,7 @@ class OrtQuantizer:
         self._integers: dict = {}  # (node, scale bytes) → re-rounded integers
         self.rounding: dict = {"method": options["weight_rounding"]}
         self.float_op_types: set[str] = set()  # op types the fallback measured better left float
+        self._last: tuple | None = None  # (float set, float op types) → model of the last build
 
     @property
     def dynamic(self) -> bool:
@@ -104,7 +107,7 @@ class OrtQuantizer:
             return self._ranges
         extra = self.options["extra_options"]
         calibrator_options = {key: extra[name] for name, key in _CALIBRATOR_OPTIONS.items() if name in extra}
-        inputs = [i.name for i in self.model.graph.input if i.name not in {t.name for t in self.model.graph.initializer}]
+        inputs = [spec.name for spec in graph_inputs(self.model)]
         with tempfile.TemporaryDirectory(dir=self.work_dir, prefix="ort-calibrate-") as tmp:
             source = Path(tmp) / "float.onnx"
             save_model(self.model, source)
@@ -118,7 +121,11 @@ class OrtQuantizer:
         return self._ranges
 
     def build(self, excluded: set[str]) -> onnx.ModelProto:
-        """The quantized model with `excluded` nodes (and their edges) left float."""
+        """The quantized model with `excluded` nodes (and their edges) left float. The fallback asks for the
+        same float set several times in a row (ranking base, candidates, search base): the last build is kept."""
+        key = (frozenset(excluded & self.node_names), frozenset(self.float_op_types))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
         try:
             quantized = self._quantize(self.calibrate(), sorted(excluded & self.node_names))
         except QprepError:
@@ -130,6 +137,7 @@ class OrtQuantizer:
             quantized = self._round_weights(quantized)
         elif self.options["weight_rounding"] == "gptq":
             self.rounding.update(kept=False, reason="GPTQ re-rounds DequantizeLinear weights: static QDQ only")
+        self._last = (key, quantized)
         return quantized
 
     def _op_types(self, for_calibration: bool = False) -> list[str]:
@@ -179,7 +187,8 @@ class OrtQuantizer:
             self._moments = weight_rounding.input_moments(quantized, layers, self.samples, self.threads)
         rounded, changed = weight_rounding.apply(quantized, layers, self._moments, cache=self._integers)
         if "kept" not in self.rounding:
-            nearest_db, rounded_db = (output_sqnr(self.model, m, self.samples, self.threads)
+            expected = run_model(self.model, self.samples, self.threads, optimize=True)
+            nearest_db, rounded_db = (output_sqnr(expected, run_model(m, self.samples, self.threads, optimize=True))
                                       for m in (quantized, rounded))
             self.rounding.update(layers=changed, calibration_sqnr_db={"nearest": nearest_db, "gptq": rounded_db},
                                  kept=bool(rounded_db > nearest_db))
@@ -188,19 +197,11 @@ class OrtQuantizer:
         return rounded if self.rounding["kept"] else quantized
 
 
-def output_sqnr(reference: onnx.ModelProto, model: onnx.ModelProto, samples: list[dict], threads: int) -> float:
-    """Signal-to-quantization-noise ratio (dB) of all outputs together, as deployed (ORT_ENABLE_ALL)."""
-    from qprep.graph.verify import run_model
-
-    expected = run_model(reference, samples, threads, optimize=True)
-    actual = run_model(model, samples, threads, optimize=True)
-    signal = noise = 0.0
-    for e, a in zip(expected, actual):
-        for name, value in e.items():
-            x, y = np.asarray(value, dtype=np.float64), np.asarray(a[name], dtype=np.float64)
-            if x.shape == y.shape and x.dtype.kind == "f":
-                signal, noise = signal + float(np.sum(x * x)), noise + float(np.sum((x - y) ** 2))
-    return float("inf") if noise == 0 else 10 * float(np.log10(max(signal, 1e-300) / noise))
+def output_sqnr(expected: list[dict], actual: list[dict]) -> float:
+    """SQNR (dB) of all float outputs together, over the samples."""
+    pairs = [(e[name], a[name]) for e, a in zip(expected, actual) for name in e
+             if np.asarray(e[name]).dtype.kind == "f" and np.shape(e[name]) == np.shape(a[name])]
+    return sqnr_db([p[0] for p in pairs], [p[1] for p in pairs])
 
 
 def quantize(job: BackendInput) -> Quantized:
@@ -232,7 +233,6 @@ def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
     """The accuracy-driven search with ORT: a trial is a re-quantization (ranges and GPTQ cached) and an
     ORT run on the evaluation samples; candidates are the quantized nodes, those losing most accuracy first."""
     from qprep.backends import fallback
-    from qprep.graph.verify import run_model
 
     ops = {n.name: n.op_type for n in quantizer.model.graph.node}
 
@@ -295,9 +295,9 @@ def _float_op_types(quantizer: OrtQuantizer, excluded: set[str], job: BackendInp
 
 def _candidates(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[dict], excluded: set[str],
                 threads: int) -> list[str]:
-    """Nodes the quantizer touched (an input from DequantizeLinear, or replaced by an integer op), ordered by the accuracy lost across the
-    node itself: SQNR at its inputs minus SQNR at its output (accumulated errors cancel out). Nodes whose
-    output cannot be compared (graph outputs: the last classifier layer) come first."""
+    """Nodes the quantizer touched (an input from DequantizeLinear, or replaced by an integer op), ordered by
+    the accuracy lost across the node itself: SQNR at its inputs minus SQNR at its output (accumulated errors
+    cancel out). Nodes whose output cannot be compared (graph outputs: the last classifier layer) come first."""
     from qprep.evaluate.layers import layer_errors
 
     dq_outputs = {o for n in quantized.graph.node if n.op_type == "DequantizeLinear" for o in n.output}

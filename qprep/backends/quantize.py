@@ -60,10 +60,9 @@ def quantize(model, ctx, options: dict) -> StageResult:
 
 
 def _prepare_fallback(job: BackendInput, fallback: dict, backend: str, ctx) -> None:
-    """Evaluation samples and their FP32 outputs, computed once for every trial of the search."""
-    from qprep.data import load_samples
-    from qprep.evaluate import output_metrics, reference_model
-    from qprep.graph.verify import run_model
+    """Evaluation samples and their FP32 outputs, computed once for every trial of the search (and reused by
+    the final evaluation)."""
+    from qprep.evaluate import output_metrics, reference_run
 
     if backend not in SEARCHABLE:
         raise QprepError(f"quantize.fallback: backend {backend} has nothing to fall back from; "
@@ -71,17 +70,13 @@ def _prepare_fallback(job: BackendInput, fallback: dict, backend: str, ctx) -> N
     if not ctx.config["evaluation"]:
         raise QprepError("quantize.fallback: needs `evaluation:` data to measure the target on; add an "
                          "evaluation section (source: <folder>)")
-    config = ctx.config
-    with ctx.progress.step("fallback: FP32 reference outputs"):
-        samples = load_samples(config["evaluation"], model_info.graph_inputs(job.model), role="evaluation").samples
-        _, reference = reference_model(config, ctx)
-        expected = run_model(reference, samples, config["threads"], optimize=True)
-    tasks = config["evaluation"]["tasks"]
+    run = reference_run(ctx.config, ctx)
+    tasks = ctx.config["evaluation"]["tasks"]
 
     def measure(actual_outputs: list[dict]) -> dict:
-        return output_metrics(expected[: len(actual_outputs)], actual_outputs, tasks, reference)
+        return output_metrics(run.expected[: len(actual_outputs)], actual_outputs, tasks, run.model)
 
-    job.fallback, job.evaluation_samples, job.measure = fallback, samples, measure
+    job.fallback, job.evaluation_samples, job.measure = fallback, run.samples.samples, measure
     ctx.fallback_target = dict(fallback["target"])
 
 

@@ -14,6 +14,7 @@ is a DequantizeLinear of an integer initializer used by that node only; other la
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,30 +49,25 @@ def find_layers(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto) -> lis
     float_inits = {t.name: t for t in float_model.graph.initializer}
     float_nodes = {n.name: n for n in float_model.graph.node}
     producer = {o: n for n in qdq_model.graph.node for o in n.output}
-    consumers: dict[str, int] = {}
-    for n in qdq_model.graph.node:
-        for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
+    consumers = Counter(i for n in qdq_model.graph.node for i in n.input)
     layers = []
     for node in qdq_model.graph.node:
         if node.op_type not in ("Conv", "Gemm", "MatMul") or len(node.input) < 2 or node.name not in float_nodes:
             continue
         dq = producer.get(node.input[1])
         original = float_nodes[node.name]
-        if (dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or consumers[node.input[1]] != 1
-                or len(original.input) < 2 or original.input[1] not in float_inits):
+        if (dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits
+                or consumers[node.input[1]] != 1 or len(original.input) < 2 or original.input[1] not in float_inits):
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         weight = numpy_helper.to_array(float_inits[original.input[1]]).astype(np.float64)
         integers = numpy_helper.to_array(inits[dq.input[0]])
         if integers.dtype.kind not in "iu" or integers.shape != weight.shape:
             continue
-        scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64) if dq.input[1] in inits else None
+        scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
         zero = (numpy_helper.to_array(inits[dq.input[2]]).astype(np.float64)
                 if len(dq.input) > 2 and dq.input[2] in inits else np.zeros_like(scale))
         axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-        if scale is None:
-            continue
         if node.op_type == "Conv":
             if weight.ndim not in (3, 4) or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
                 continue

@@ -8,15 +8,16 @@ size; the worst samples; and the gate. Everything lands in report.json under `ev
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from qprep import model_info
-from qprep.data import load_samples
+from qprep.data import SampleSet, load_samples
 from qprep.evaluate.gate import check_gate
-from qprep.evaluate.latency import measure
+from qprep.evaluate.latency import interleaved
 from qprep.evaluate.layers import layer_errors
 from qprep.errors import DataError
 from qprep.evaluate.metrics import compare_output, output_task, wilson_interval
@@ -34,13 +35,11 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
     if cfg["reference_model"] is None and original_kind == model_info.QDQ:
         notes.append("the input model is QDQ and no evaluation.reference_model is set: the result is compared "
                      "with the QDQ input, not with an FP32 model")
-    reference_path, reference = reference_model(config, ctx)
-    with ctx.progress.step("evaluation: load samples"):  # checked against the reference: the result may differ
-        samples = load_samples(cfg, model_info.graph_inputs(reference), role="evaluation")
+    run = reference_run(config, ctx)
+    reference_path, reference, samples, expected = run.path, run.model, run.samples, run.expected
     if ctx.calibration is not None and set(samples.files) & set(ctx.calibration.files):
         notes.append("evaluation and calibration share samples: agreement figures are optimistic")
     with ctx.progress.step(f"evaluation: {len(samples)} samples"):
-        expected = run_model(reference, samples.samples, threads, optimize=True)
         actual = ctx.runner(samples.samples) if ctx.runner else run_model(
             final_model, model_info.cast_to_inputs(samples.samples, final_model), threads, optimize=True)
     outputs = output_metrics(expected, actual, cfg["tasks"], reference)
@@ -92,14 +91,31 @@ def output_metrics(expected: list[dict], actual: list[dict], tasks: dict, refere
     return outputs
 
 
-def reference_model(config, ctx) -> tuple[str, onnx.ModelProto]:
-    """The FP32 model results are compared with: evaluation.reference_model, else the input as loaded."""
-    cfg = config["evaluation"]
-    if cfg["reference_model"]:
-        reference = load_model(cfg["reference_model"])
-        name_nodes(reference.graph)  # ORT refuses duplicate node names; the names do not change the numbers
-        return cfg["reference_model"], reference
-    return config["model"], ctx.input_model  # as loaded and prepared (names, fixed dims), before any stage
+@dataclass
+class ReferenceRun:
+    """The FP32 reference, the evaluation samples (checked against its inputs: the result's may differ, e.g.
+    float16) and its outputs on them."""
+
+    path: str
+    model: onnx.ModelProto
+    samples: SampleSet
+    expected: list[dict]
+
+
+def reference_run(config, ctx) -> ReferenceRun:
+    """Computed once per run (cached on ctx): the fallback's trials and the final evaluation share it."""
+    if ctx.reference_run is None:
+        cfg = config["evaluation"]
+        if cfg["reference_model"]:
+            path, reference = cfg["reference_model"], load_model(cfg["reference_model"])
+            name_nodes(reference.graph)  # ORT refuses duplicate node names; the names do not change the numbers
+        else:  # the input as loaded and prepared (names, fixed dims), before any stage
+            path, reference = config["model"], ctx.input_model
+        with ctx.progress.step("evaluation: FP32 reference outputs"):
+            samples = load_samples(cfg, model_info.graph_inputs(reference), role="evaluation")
+            expected = run_model(reference, samples.samples, config["threads"], optimize=True)
+        ctx.reference_run = ReferenceRun(path, reference, samples, expected)
+    return ctx.reference_run
 
 
 def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[int]:
@@ -131,19 +147,22 @@ def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[i
 
 def task_accuracy(reference: list, result: list, labels: list[int]) -> dict:
     """Top-1 accuracy of reference and result against ground truth (one label per sample, batch 1)."""
-    ref_hits = np.array([int(np.asarray(r).reshape(-1, np.asarray(r).shape[-1])[0].argmax()) == y
-                         for r, y in zip(reference, labels)])
-    res_hits = np.array([int(np.asarray(r).reshape(-1, np.asarray(r).shape[-1])[0].argmax()) == y
-                         for r, y in zip(result, labels)])
+    ref_hits, res_hits = _top1_hits(reference, labels), _top1_hits(result, labels)
     return {"top1_accuracy": float(res_hits.mean()),
             "top1_accuracy_ci95": list(wilson_interval(int(res_hits.sum()), res_hits.size)),
             "reference_top1_accuracy": float(ref_hits.mean()), "labelled_samples": int(res_hits.size)}
 
 
+def _top1_hits(outputs: list, labels: list[int]) -> np.ndarray:
+    return np.array([int(np.asarray(o).reshape(-1, np.asarray(o).shape[-1])[0].argmax()) == y
+                     for o, y in zip(outputs, labels)])
+
+
 def _latency(reference, final_model, sample, threads: int, cfg: dict, ctx) -> dict:
-    ref = measure(reference, sample, threads, cfg["runs"], cfg["warmup"])
-    res = measure(final_model, model_info.cast_to_inputs([sample], final_model)[0], threads, cfg["runs"],
-                  cfg["warmup"])
+    timed = interleaved({"reference": (reference, sample),
+                         "result": (final_model, model_info.cast_to_inputs([sample], final_model)[0])},
+                        threads, cfg["runs"], cfg["warmup"], cfg["rounds"])
+    ref, res = timed["reference"], timed["result"]
     return {"reference": ref, "result": res, "speedup": ref["median_ms"] / res["median_ms"],
             "settings": {"batch": 1, "threads": threads, "provider": "CPUExecutionProvider",
                          "graph_optimization": "ORT_ENABLE_ALL"}}

@@ -43,14 +43,13 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], task: 
     ref, res = [a for a, _ in matched], [b for _, b in matched]
     cosines = [cosine(a, b) for a, b in zip(ref, res)]
     noise = sum(float(np.sum((a - b) ** 2)) for a, b in zip(ref, res))
-    signal = sum(float(np.sum(a ** 2)) for a in ref)
     count = sum(a.size for a in ref)
     metrics = {
         "samples": len(ref),
         **({"shape_mismatch": mismatched} if mismatched else {}),
         "cosine_mean": float(np.mean(cosines)),
         "cosine_min": float(np.min(cosines)),
-        "sqnr_db": float("inf") if noise == 0 else 10 * math.log10(max(signal, 1e-300) / noise),
+        "sqnr_db": sqnr_db(ref, res),
         "max_abs": max(float(np.max(np.abs(a - b))) for a, b in zip(ref, res)),
         "mse": noise / max(count, 1),
         "task": task,
@@ -66,6 +65,14 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], task: 
     per_sample = iter(cosines)
     metrics["per_sample_cosine"] = [next(per_sample) if a.shape == b.shape else 0.0 for a, b in pairs]
     return metrics
+
+
+def sqnr_db(reference: list[np.ndarray], result: list[np.ndarray]) -> float:
+    """Signal-to-quantization-noise ratio in dB over arrays of matching shapes: Σ reference² / Σ error²."""
+    noise = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+                for a, b in zip(reference, result))
+    signal = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in reference)
+    return float("inf") if noise == 0 else 10 * math.log10(max(signal, 1e-300) / noise)
 
 
 def _topk_hits(ref: list[np.ndarray], res: list[np.ndarray], k: int) -> np.ndarray:

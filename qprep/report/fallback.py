@@ -26,13 +26,14 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
         verdict += f" {record['why']}."
     tables = []
     if record["float_nodes"]:
-        tables.append(("Kept float by the fallback", ["node", "op", "score gain when ranked"],
+        tables.append(("Kept float by the fallback", ["node", "op", "gain when ranked (its round)"],
                        [[n["node"], n["what"], "–" if n["gain"] is None else f"{n['gain']:+.5f}"]
                         for n in record["float_nodes"]]))
     trials = [t for t in record["trials"] if t["phase"] == "promote"]
     if trials:
-        tables.append(("Promotion trials (all evaluation samples)", ["float nodes", "score", "metrics", "kept", "s"],
-                       [[str(t["float_nodes"]), f"{t['score']:.5f}",
+        tables.append(("Promotion trials (all evaluation samples)",
+                       ["added", "float nodes", "score", "metrics", "kept", "s"],
+                       [[", ".join(t.get("added") or []), str(t["float_nodes"]), f"{t['score']:.5f}",
                          ", ".join(f"{k} {v:.4f}" for k, v in t["metrics"].items() if isinstance(v, (int, float))),
                          "yes" if t["accepted"] else "no", f"{t['seconds']:.1f}"] for t in trials]))
     ranking = record.get("ranking", [])[:15]
