@@ -327,6 +327,19 @@ def test_a_fusion_that_breaks_the_numbers_is_rolled_back_on_its_own(monkeypatch)
     assert max_abs(good, result.model, samples()) == 0.0
 
 
+def test_a_conv_with_epilogue_folds_is_rolled_back_as_one_when_the_failure_names_no_rewrite(monkeypatch):
+    """The epilogue folds and the fusion of one Conv share its anchor: bisection works on anchors (it used to
+    split [A, A, A] forever)."""
+    from qprep.qdq import verified
+
+    good, *_ = conv_model(epilogue=True)
+    monkeypatch.setattr(verified, "invalid", lambda model: "refused by the checker (test)")
+    result = fused(good)
+    (entry,) = result.rolled_back
+    assert "qlinear" in entry["kind"] and "+" in entry["kind"] and "refused by the checker" in entry["reason"]
+    assert max_abs(good, result.model, samples()) == 0.0
+
+
 def test_fuse_skips_a_float_model():
     g = Graph()
     result = fused(g.model(g.op("Relu", g.input())))

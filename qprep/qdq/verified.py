@@ -161,12 +161,16 @@ class _Engine:
             self.applied += rewrite_log.applied
             self.verification = verdict.record
             return candidate
-        kinds = {r.anchor: r.kind for r in rewrite_log.applied}
+        kinds: dict[str, str] = {}
+        for r in rewrite_log.applied:
+            kinds[r.anchor] = f"{kinds[r.anchor]}+{r.kind}" if r.anchor in kinds else r.kind
         if verdict.culprits:
             for anchor, reason in verdict.culprits.items():
                 self._fail(anchor, kinds.get(anchor, "?"), reason)
             return self.settle(base, [r.anchor for r in rewrite_log.applied if r.anchor not in self.failed])
-        batch = [r.anchor for r in rewrite_log.applied]
+        # one anchor can carry several rewrites (a Conv's epilogue folds and its fusion): bisect anchors, since
+        # re-applying one anchor re-applies all of its rewrites
+        batch = list(dict.fromkeys(r.anchor for r in rewrite_log.applied))
         if len(batch) == 1:
             self._fail(batch[0], kinds[batch[0]], verdict.reason)
             return base
