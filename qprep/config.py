@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from qprep.errors import ConfigError
+from qprep.evaluate.metrics import OUTPUT_METRICS
 from qprep.schema import Key, closest, section, unknown_key_message, validate
 from qprep.stages import registry
 
@@ -125,8 +126,7 @@ def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | No
     return Config(values=values, stages=stages, path=path)
 
 
-GATE_METRICS = ("cosine_mean", "cosine_min", "sqnr_db", "max_abs", "mse", "top1_agreement", "top5_agreement",
-                "step_agreement", "top1_accuracy")
+GATE_METRICS = tuple(OUTPUT_METRICS)
 
 
 def _check_gate_metrics(evaluation: dict | None) -> None:

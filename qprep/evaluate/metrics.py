@@ -12,12 +12,18 @@ import numpy as np
 
 from qprep.graph.verify import cosine
 
-HIGHER_IS_BETTER = {"cosine_mean", "cosine_min", "sqnr_db", "top1_agreement", "top5_agreement",
-                    "step_agreement", "top1_accuracy", "reference_top1_accuracy"}
+# The one list of per-output metrics the evaluation reports (name → higher is better): the gate and the
+# fallback target accept these names, `compare` shows them.
+OUTPUT_METRICS = {"cosine_mean": True, "cosine_min": True, "sqnr_db": True, "max_abs": False, "mse": False,
+                  "top1_agreement": True, "top5_agreement": True, "step_agreement": True, "top1_accuracy": True}
+# Run-level numbers `compare` shows beside them (batch summaries: agreement, speedup).
+RUN_METRICS = {"reference_top1_accuracy": True, "agreement": True, "speedup": True, "result_ms": False,
+               "nodes": False}
 
 
 def higher_is_better(metric: str) -> bool:
-    return metric.split(".")[-1] in HIGHER_IS_BETTER or metric.endswith("_agreement")
+    name = metric.rsplit(".", 1)[-1]
+    return {**OUTPUT_METRICS, **RUN_METRICS}.get(name, name.endswith("_agreement"))
 
 
 def output_task(name: str, shape: tuple, producer_op: str | None) -> str:

@@ -12,10 +12,7 @@ from html import escape
 from pathlib import Path
 
 from qprep.errors import QprepError
-from qprep.evaluate.metrics import higher_is_better
-
-REPORT_METRICS = ("cosine_mean", "cosine_min", "sqnr_db", "max_abs", "top1_agreement", "top5_agreement",
-                  "step_agreement")
+from qprep.evaluate.metrics import OUTPUT_METRICS, higher_is_better
 
 
 def load_record(path: str) -> tuple[str, dict]:
@@ -40,7 +37,7 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
         return flat
     evaluation = data.get("evaluation") or {}
     for output, values in (evaluation.get("outputs") or {}).items():
-        for metric in REPORT_METRICS:
+        for metric in OUTPUT_METRICS:
             if metric in values:
                 flat[f"{output}.{metric}"] = values[metric]
     latency = evaluation.get("latency") or {}
@@ -49,11 +46,6 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
         flat["latency.result_ms"] = latency["result"]["median_ms"]
     flat["result.nodes"] = (data.get("result") or {}).get("nodes")
     return flat
-
-
-def _lower_is_better(metric: str) -> bool:
-    name = metric.rsplit(".", 1)[-1]
-    return name in ("max_abs", "mse", "result_ms", "nodes") or not (higher_is_better(name) or name in ("speedup", "agreement"))
 
 
 def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
@@ -74,7 +66,7 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
         for column, v in zip(columns[1:], values[1:]):
             value = v.get(metric)
             delta = None if value is None or base is None else value - base
-            worse = delta is not None and (delta > 0 if _lower_is_better(metric) else delta < 0)
+            worse = delta is not None and (delta < 0 if higher_is_better(metric) else delta > 0)
             cells.append({"value": value, "delta": delta, "worse": worse})
             threshold = _threshold(metric, fail_on)
             if worse and threshold is not None and abs(delta) > threshold:
@@ -98,7 +90,7 @@ def _single(path: str, report: dict) -> dict:
                          "the result with its FP32 reference")
     rows = []
     for output, values in evaluation["outputs"].items():
-        for metric in REPORT_METRICS:
+        for metric in OUTPUT_METRICS:
             if metric in values:
                 perfect = 0.0 if metric == "max_abs" else (float("inf") if metric == "sqnr_db" else 1.0)
                 rows.append({"metric": f"{output}.{metric}", "base": perfect,
