@@ -15,7 +15,7 @@ Rules, applied per Conv (the anchor: each one is checked and rolled back on its 
                    for every Conv with `format: integer`, and with `format: qlinear` for Convs whose output is
                    not requantized (QLinearConv needs an output scale) or that QLinearConv cannot take (the
                    reason is recorded as `why_not_qlinear`). A following Q/Relu stays as it is. Slow on ONNX
-                   Runtime's CPU kernels (measured 27x slower than QLinearConv on EfficientNet-Lite0).
+                   Runtime's CPU kernels (measured 26x slower than QLinearConv on EfficientNet-Lite0: 61.9 vs 2.37 ms, BENCHMARKS.md).
     matmul         (option) Q(MatMul(DQ(a), DQ(b))) → QLinearMatMul; MatMul(DQ(a), DQ(b)) → MatMulInteger +
                    rescale where not requantized or with `format: integer`.
 
@@ -707,7 +707,7 @@ def _convertible(model: onnx.ModelProto, matmul: bool) -> int:
        format=Key("str", default="qlinear", choices=("qlinear", "integer"),
                   doc="qlinear: QLinearConv where the output is requantized (ConvInteger + float rescale where "
                       "not); integer: ConvInteger + float rescale everywhere, the Q after it kept (for runtimes "
-                      "without QLinearConv: ONNX Runtime's CPU ConvInteger is slow, 27x on EfficientNet-Lite0)"),
+                      "without QLinearConv: ONNX Runtime's CPU ConvInteger is slow, 26x on EfficientNet-Lite0)"),
        matmul=Key("bool", default=False, doc="also fuse DQ→MatMul→Q into QLinearMatMul (MatMulInteger + rescale "
                                               "where not requantized or with format: integer)"),
        min_cosine=Key("float", default=DEFAULT_MIN_COSINE, minimum=-1,
