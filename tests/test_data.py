@@ -105,6 +105,9 @@ def test_dataset_txt_list_feeds_multi_input_models_in_input_order(tmp_path):
     samples = load_samples(source(tmp_path / "dataset.txt"), TWO_INPUTS)
     assert samples.format == "list" and len(samples) == 3
     assert samples.samples[2]["ids"].tolist() == [[2, 2, 2, 2]]
-    (tmp_path / "bad.txt").write_text("npy/ids0.npy\n")
-    with pytest.raises(DataError, match=r"line 1: 1 files for 2 model inputs \(ids, mask\)"):
-        load_samples(source(tmp_path / "bad.txt"), TWO_INPUTS)
+    (tmp_path / "bad.txt").write_text("# ids mask\nnpy/ids0.npy npy/mask0.npy\n\nnpy/ids1.npy\n")
+    with pytest.raises(DataError, match=r"bad.txt line 4: 1 files for 2 model inputs \(ids, mask\)"):
+        load_samples(source(tmp_path / "bad.txt"), TWO_INPUTS)  # the file's line, comments and blanks counted
+    before = samples.sha256
+    np.save(tmp_path / "npy" / "mask1.npy", np.zeros((1, 4), np.float32))  # only the second input's file
+    assert load_samples(source(tmp_path / "dataset.txt"), TWO_INPUTS).sha256 != before

@@ -66,14 +66,15 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
     order), paths relative to the list's folder; .npy arrays or, for single-input image models, images."""
     if not path.is_file():
         raise DataError(f"{role}.source: list file not found: {path}")
-    lines = [line.split() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    lines = [(number, line.split()) for number, line in enumerate(path.read_text().splitlines(), 1)
+             if line.strip() and not line.startswith("#")]  # file line numbers, for the messages
     if not lines:
         raise DataError(f"{role}.source: {path} lists no samples; one sample per line, one file per input")
     chosen, warnings = _choose(lines, cfg["max_samples"], cfg["seed"], role)
-    images = all(Path(p).suffix.lower() in IMAGE_SUFFIXES for line in chosen for p in line)
+    images = all(Path(p).suffix.lower() in IMAGE_SUFFIXES for _, line in chosen for p in line)
     reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if images else None
-    samples, files = [], []
-    for number, entries in enumerate(chosen, 1):
+    samples, files, every_file = [], [], []
+    for number, entries in chosen:
         if len(entries) != len(inputs):
             raise DataError(f"{path} line {number}: {len(entries)} files for {len(inputs)} model inputs "
                             f"({', '.join(s.name for s in inputs)}); list one file per input, in that order")
@@ -88,8 +89,9 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
         check_sample(sample, inputs, f"{role} sample {paths[0].name}")
         samples.append(sample)
         files.append(str(paths[0]))
+        every_file += paths
     return SampleSet(samples=samples, files=files, source=str(path), format="list", warnings=warnings,
-                     sha256=_hash_files([Path(f) for f in files]),
+                     sha256=_hash_files(every_file),  # every input's file: a changed mask changes the hash
                      preprocess=reader.describe() if reader else None, image_reader=reader)
 
 
