@@ -154,3 +154,15 @@ def test_models_whose_names_flatten_alike_get_their_own_run_directories():
     used: set[str] = set()
     assert [_dir_name(n, used) for n in ("a/b.onnx", "a__b.onnx", "c.onnx", "a__b-2.onnx")] == \
         ["a__b", "a__b-2", "c", "a__b-2-2"]
+
+
+def test_compare_shows_every_metric_the_gate_accepts():
+    """One metric list (evaluate/metrics.py): task accuracy and mse reach `compare`, and mse regresses upward."""
+    from qprep.config import GATE_METRICS
+    from qprep.evaluate.metrics import higher_is_better
+    from qprep.report.compare import metrics_of
+
+    report = {"evaluation": {"outputs": {"y": {m: 0.5 for m in GATE_METRICS}}}}
+    assert {f"y.{m}" for m in GATE_METRICS} <= set(metrics_of("report", report))
+    assert not higher_is_better("y.mse") and not higher_is_better("result.nodes")
+    assert higher_is_better("y.top1_accuracy") and higher_is_better("m.speedup")
