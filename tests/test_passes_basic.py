@@ -167,3 +167,50 @@ def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity
     onnx.checker.check_model(out)
     for sign in (1, -1):
         assert max_diff(model, out, {"x": sign * np.abs(rand(1, 3, 8, 8))}) == 0.0
+
+
+def _conv_with(nodes_before, nodes_after, inits, conv_attrs=None, out_shape=(1, 4, 6, 6)):
+    nodes = [*nodes_before, helper.make_node("Conv", ["ci", "w", "b"], ["c"], **(conv_attrs or {})), *nodes_after]
+    base = {"w": rand(4, 3, 3, 3), "b": rand(4, seed=1)}
+    return make_model(nodes, [X], [("y", list(out_shape))], {**base, **inits}, opset=13)
+
+
+def test_per_channel_mul_after_conv_folds_into_weights_and_bias():
+    model = _conv_with([helper.make_node("Identity", ["x"], ["ci"])],
+                       [helper.make_node("Mul", ["s", "c"], ["y"])], {"s": rand(1, 4, 1, 1, seed=3)})
+    out, outcome = apply_pass(fold_into_conv.PASS, model)
+    assert ops(out)["Mul"] == 0 and outcome.matches == 1
+    assert max_diff(model, out, {"x": rand(1, 3, 8, 8)}) < 1e-5
+    per_pixel = _conv_with([helper.make_node("Identity", ["x"], ["ci"])],
+                           [helper.make_node("Mul", ["c", "s"], ["y"])], {"s": rand(1, 1, 6, 6, seed=3)})
+    assert apply_pass(fold_into_conv.PASS, per_pixel)[1].matches == 0
+
+
+def test_hardsigmoid_after_conv_becomes_a_clip_with_alpha_and_beta_in_the_conv():
+    gate = helper.make_node("HardSigmoid", ["c"], ["y"], alpha=1 / 6, beta=0.5)
+    model = _conv_with([helper.make_node("Identity", ["x"], ["ci"])], [gate], {})
+    out, outcome = apply_pass(fold_into_conv.PASS, model)
+    assert ops(out)["HardSigmoid"] == 0 and ops(out)["Clip"] == 1 and outcome.matches == 1
+    assert out.graph.initializer[0].data_type == onnx.TensorProto.FLOAT  # float64 arithmetic cast back
+    feeds = {"x": 3 * rand(1, 3, 8, 8)}
+    assert max_diff(model, out, feeds) < 1e-5
+    old = make_model(list(model.graph.node), [X], [("y", [1, 4, 6, 6])],
+                     {"w": rand(4, 3, 3, 3), "b": rand(4, seed=1)}, opset=10)
+    assert apply_pass(fold_into_conv.PASS, old)[1].matches == 0  # Clip has no bound inputs before opset 11
+
+
+def test_scalar_affine_on_a_conv_input_folds_but_a_shift_only_without_padding():
+    before = [helper.make_node("Mul", ["x", "a"], ["m"]), helper.make_node("Add", ["m", "s"], ["ci"])]
+    inits = {"a": np.array([1.7], np.float32), "s": np.array([-0.4], np.float32)}
+    unpadded = _conv_with(before, [helper.make_node("Relu", ["c"], ["y"])], inits, {"group": 1})
+    out, outcome = apply_pass(fold_into_conv.PASS, unpadded)
+    out, second = apply_pass(fold_into_conv.PASS, out)  # the Add folds first, then the Mul it exposed
+    assert ops(out) == {"Conv": 1, "Relu": 1} and outcome.matches + second.matches == 2
+    assert max_diff(unpadded, out, {"x": rand(1, 3, 8, 8)}) < 1e-5
+    shift_then_scale = [helper.make_node("Add", ["x", "s"], ["m"]), helper.make_node("Mul", ["m", "a"], ["ci"])]
+    padded = _conv_with(shift_then_scale, [helper.make_node("Relu", ["c"], ["y"])], inits, {"pads": [1, 1, 1, 1]},
+                        out_shape=(1, 4, 8, 8))
+    out, _ = apply_pass(fold_into_conv.PASS, padded)
+    out, _ = apply_pass(fold_into_conv.PASS, out)
+    assert ops(out)["Add"] == 1 and ops(out)["Mul"] == 0  # the scale folds, the shift cannot
+    assert max_diff(padded, out, {"x": rand(1, 3, 8, 8)}) < 1e-5
