@@ -49,8 +49,9 @@ def test_every_injected_redundant_pair_is_removed_and_nothing_else(qdq_fixtures,
     injected, result = run(qdq_fixtures / "efficientnet_lite0.qdq.injected.onnx", IMAGENET, stage, tmp_path / "inj")
     b, i = base["stages"][0], injected["stages"][0]
     # the uninjected QDQ model has one pair of its own: DQ → Reshape → Q before the classifier
-    assert b["rewrites"] == {"round_trip": 0, "data_movement": 1, "sink_dq": 0}
+    assert b["rewrites"] == {"round_trip": 0, "scaled_round_trip": 0, "data_movement": 1, "sink_dq": 0}
     assert i["rewrites"] == {"round_trip": b["rewrites"]["round_trip"] + expected["round_trip"],
+                             "scaled_round_trip": 0,
                              "data_movement": b["rewrites"]["data_movement"] + expected["data_movement"],
                              "sink_dq": 0}
     assert i["qdq_nodes_removed"] == b["qdq_nodes_removed"] + expected["qdq_nodes_removable"] == 2 + 26
@@ -166,7 +167,8 @@ def test_qat_cleanup_config_runs_on_the_pytorch_qat_export(cli, tmp_path, qdq_fi
     optimize, redundant, keep, fuse = report["stages"]
     for op in QDQ_OPS:  # optimize leaves Q/DQ alone
         assert optimize["op_counts_after"][op] == optimize["op_counts_before"][op]
-    assert redundant["rewrites"] == {"round_trip": 0, "data_movement": 0, "sink_dq": 1}  # DQ below MaxPool
+    assert redundant["rewrites"] == {"round_trip": 0, "scaled_round_trip": 0, "data_movement": 0,
+                                     "sink_dq": 1}  # DQ below MaxPool
     assert keep["status"] == "skipped" and "no LayerNormalization" in keep["reason"]
     assert fuse["converted"] == {"QLinearConv": 5} and fuse["rolled_back"] == []
     assert fuse["epilogue_folded"] == {"Div": 5, "BatchNormalization": 5}

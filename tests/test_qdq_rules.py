@@ -96,7 +96,7 @@ def test_round_trips_and_doubled_pairs_go_and_a_requantization_stays_counted():
     requantized = g.dq(g.q(g.dq(g.q(x, 0.05, 128), 0.05, 128), 0.1, 128), 0.1, 128)  # DQ→Q with another scale
     model = g.model(doubled, requantized)
     result, _ = run_stage("remove_redundant_qdq", model)
-    assert result.details["rewrites"] == {"round_trip": 1, "data_movement": 0, "sink_dq": 0}
+    assert result.details["rewrites"] == {"round_trip": 1, "scaled_round_trip": 0, "data_movement": 0, "sink_dq": 0}
     assert result.details["qdq_nodes_removed"] == 2
     kept = result.details["requantizations_kept"]
     assert kept["count"] == 1 and kept["nodes"][0]["from"]["scale"] == pytest.approx(0.05)
@@ -104,6 +104,23 @@ def test_round_trips_and_doubled_pairs_go_and_a_requantization_stays_counted():
     assert max_abs(model, result.model, samples()) == 0.0
     assert result.details["verification"]["tolerance"] == {"atol": 1e-6, "rtol": 0.0, "min_cosine": -1.0,
                                                           "reference": "the stage's input model"}
+
+
+def test_a_scalar_div_or_mul_between_matching_grids_is_a_scaled_round_trip():
+    """Hardswish's /6 as ONNX Runtime quantizes it: DQ(s) → Div 6 → Q(s/6); a grid that does not match stays."""
+    g = Graph()
+    x = g.input()
+    hard = g.q(g.op("Relu", x), 0.03, 10)
+    divided = g.dq(g.q(g.op("Div", g.dq(hard, 0.03, 10), g.init(6.0)), 0.03 / 6, 10), 0.03 / 6, 10)
+    scaled = g.dq(g.q(g.op("Mul", g.init([0.5]), g.dq(hard, 0.03, 10)), 0.015, 10), 0.015, 10)
+    coarser = g.dq(g.q(g.op("Mul", g.dq(hard, 0.03, 10), g.init(0.5)), 0.02, 10), 0.02, 10)
+    shifted = g.dq(g.q(g.op("Mul", g.dq(hard, 0.03, 10), g.init(0.5)), 0.015, 11), 0.015, 11)
+    model = g.model(divided, scaled, coarser, shifted)
+    data = [{"x": 4 * d["x"]} for d in samples()]
+    result, _ = run_stage("remove_redundant_qdq", model, data=data)
+    assert result.details["rewrites"]["scaled_round_trip"] == 2
+    assert ops(result.model)["Div"] == 0 and ops(result.model)["Mul"] == 2
+    assert max_abs(model, result.model, data) == 0.0
 
 
 MOVEMENT = {  # op → (extra inputs built in the graph, attributes)

@@ -26,6 +26,7 @@ from qprep.evaluate.metrics import sqnr_db
 from qprep.graph.verify import run_model
 from qprep.model_info import default_opset, graph_inputs
 from qprep.model_io import save_model
+from qprep.qdq import remove_redundant
 from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")
@@ -93,6 +94,7 @@ class OrtQuantizer:
         self.rounding: dict = {"method": options["weight_rounding"]}
         self.float_op_types: set[str] = set()  # op types the fallback measured better left float
         self._last: tuple | None = None  # (float set, float op types) → model of the last build
+        self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
 
     @property
     def dynamic(self) -> bool:
@@ -137,6 +139,8 @@ class OrtQuantizer:
             quantized = self._round_weights(quantized)
         elif self.options["weight_rounding"] == "gptq":
             self.rounding.update(kept=False, reason="GPTQ re-rounds DequantizeLinear weights: static QDQ only")
+        if self.options["format"] == "qdq" and not self.dynamic:
+            quantized, self.simplified = remove_redundant.simplify(quantized, self.samples[:8], self.threads)
         self._last = (key, quantized)
         return quantized
 
@@ -218,7 +222,8 @@ def quantize(job: BackendInput) -> Quantized:
         excluded, details["fallback"] = set(outcome.float_nodes), outcome.record
     quantized = quantizer.build(excluded)
     details.update({"excluded_nodes": sorted(excluded), "calibration_samples": len(job.samples),
-                    "weight_rounding": quantizer.rounding, "float_op_types": sorted(quantizer.float_op_types)})
+                    "weight_rounding": quantizer.rounding, "float_op_types": sorted(quantizer.float_op_types),
+                    "qdq_simplified": quantizer.simplified})
     missing = sorted(float_set - quantizer.node_names)
     if missing:  # e.g. keep_float ran before optimize fused the decomposed LayerNorms it named
         details["float_set_unmatched"] = missing
