@@ -214,3 +214,15 @@ def test_scalar_affine_on_a_conv_input_folds_but_a_shift_only_without_padding():
     out, _ = apply_pass(fold_into_conv.PASS, out)
     assert ops(out)["Add"] == 1 and ops(out)["Mul"] == 0  # the scale folds, the shift cannot
     assert max_diff(padded, out, {"x": rand(1, 3, 8, 8)}) < 1e-5
+
+
+def test_two_scales_fold_into_one_conv_under_distinct_names():
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv"),
+             helper.make_node("Mul", ["c", "s1"], ["m"]), helper.make_node("Mul", ["m", "s2"], ["y"])]
+    model = make_model(nodes, [X], [("y", [1, 4, 6, 6])], {"w": rand(4, 3, 3, 3), "b": rand(4, seed=1),
+                                                          "s1": rand(1, 4, 1, 1, seed=2), "s2": np.float32(0.5)})
+    out, first = apply_pass(fold_into_conv.PASS, model)
+    out, second = apply_pass(fold_into_conv.PASS, out)
+    assert ops(out) == {"Conv": 1} and first.matches + second.matches == 2
+    assert len({i.name for i in out.graph.initializer}) == len(out.graph.initializer)
+    assert max_diff(model, out, {"x": rand(1, 3, 8, 8)}) < 1e-5

@@ -47,7 +47,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 from onnxscript.rewriter import pattern as orp
 
 from qprep import model_info
-from qprep.graph.ir_utils import constant_array, unique_node_name
+from qprep.graph.ir_utils import constant_array, unique_node_name, unique_value_name
 from qprep.graph.verify import run_model
 from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array,
                               quantize_bias)
@@ -190,17 +190,8 @@ def _requantization(value: ir.Value) -> tuple[ir.Node | None, ir.Node] | None:
     return None
 
 
-def _fresh(graph: ir.Graph, wanted: str) -> str:
-    """A value/initializer name not used in the graph."""
-    taken = set(graph.initializers) | {v.name for n in graph for v in n.outputs} | {v.name for v in graph.inputs}
-    name, i = wanted, 1
-    while name in taken:
-        name, i = f"{wanted}_{i}", i + 1
-    return name
-
-
 def _constant(op, graph: ir.Graph, array: np.ndarray, name: str) -> ir.Value:
-    name = _fresh(graph, name)
+    name = unique_value_name(graph, name)
     return op.initializer(ir.tensor(np.ascontiguousarray(array), name=name), name=name)
 
 
@@ -300,7 +291,7 @@ class EpilogueAffine(_ConvRule):
         weights = _constant(op, graph, weight.array, f"{base}/weight_quantized")
         dq = op.DequantizeLinear(weights, _constant(op, graph, scales.astype(np.float32), f"{base}/weight_scale"),
                                  _constant(op, graph, np.ascontiguousarray(zero), f"{base}/weight_zero_point"),
-                                 axis=0, _name=_fresh(graph, f"{base}/weight_DequantizeLinear"))
+                                 axis=0, _name=unique_node_name(graph, f"{base}/weight_DequantizeLinear"))
         self.log.orphans += [weight.dq, *(v.producer() for v in node.inputs[2:] if v is not None)]
         self.log.applied.append(Rewrite(base, "epilogue", {"op": self.op_type, "weights_from": weight.how}))
         return op.Conv(x, dq, _constant(op, graph, new_bias, f"{base}/bias"), **dict(node.attributes.items()),

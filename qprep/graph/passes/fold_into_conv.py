@@ -26,7 +26,7 @@ from onnxscript.rewriter.rules.common import (fuse_batchnorm_into_conv_rule, fus
                                               fuse_batchnorm_into_gemm_rule, fuse_pad_into_conv_rule,
                                               normalize_pad_format_conv_rule)
 
-from qprep.graph.ir_utils import constant_array, default_opset
+from qprep.graph.ir_utils import constant_array, default_opset, unique_value_name
 from qprep.graph.passes import GraphPass, PassOutcome, PassSettings
 
 CLIP_INPUTS_OPSET = 11  # Clip's bounds became inputs in opset 11; older models keep their HardSigmoid
@@ -70,7 +70,8 @@ def _scalar(extra: np.ndarray | None, weights: np.ndarray) -> float | str:
 def _conv(op, node: ir.Node, x, weights: np.ndarray, bias: np.ndarray, suffix: str):
     """The same Conv (name and attributes) with new weights and bias, as fresh initializers."""
     dtype = constant_array(node.inputs[1]).dtype  # the arithmetic above may have widened to float64
-    w_name, b_name = f"{node.name}/weights_{suffix}", f"{node.name}/bias_{suffix}"
+    w_name = unique_value_name(node.graph, f"{node.name}/weights_{suffix}")  # a second fold must not collide
+    b_name = unique_value_name(node.graph, f"{node.name}/bias_{suffix}")
     return op.Conv(x, op.initializer(ir.tensor(weights.astype(dtype), name=w_name), name=w_name),
                    op.initializer(ir.tensor(bias.astype(dtype), name=b_name), name=b_name),
                    **dict(node.attributes), _name=node.name)
@@ -132,8 +133,9 @@ class ConvHardSigmoid(RewriteRuleClassBase):
         beta = attributes["beta"].as_float() if "beta" in attributes else 0.5
         folded = _conv(op, node, x, weights * np.float64(alpha), bias * np.float64(alpha) + beta, "gate_folded")
         name = gate.producer().name
-        low, high = (op.initializer(ir.tensor(np.array(v, weights.dtype), name=f"{name}/{k}"), name=f"{name}/{k}")
-                     for k, v in (("min", 0), ("max", 1)))
+        bounds = [unique_value_name(node.graph, f"{name}/{k}") for k in ("min", "max")]
+        low, high = (op.initializer(ir.tensor(np.array(v, weights.dtype), name=k), name=k)
+                     for k, v in zip(bounds, (0, 1)))
         return op.Clip(folded, low, high, _name=name)
 
 

@@ -44,7 +44,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 from onnxscript.rewriter import pattern as orp
 from onnxscript.version_converter import ConvertVersionPass
 
-from qprep.graph.ir_utils import constant_array, default_opset, infer_shapes
+from qprep.graph.ir_utils import constant_array, default_opset, first_free, infer_shapes
 from qprep.graph.passes import GraphPass, PassOutcome, PassSettings
 
 LAYERNORM_OPSET = 17
@@ -241,8 +241,8 @@ class _LayerNormRule(RewriteRuleClassBase):
             return fail("new scale/bias initializers cannot be added inside a function", x)
 
         node_names, value_names = _taken_names(context.model)
-        name = _first_free(_scope_name(context.nodes, means[0].node), node_names)
-        new_names = {role: _first_free(f"{name}.{role}", value_names)
+        name = first_free(_scope_name(context.nodes, means[0].node), node_names)
+        new_names = {role: first_free(f"{name}.{role}", value_names)
                      for role, p in zip(("scale", "bias"), params) if isinstance(p, np.ndarray)}
         return _Fusion(self.form, -k, float(np.float32(epsilon)), *params, name, new_names, context.root)
 
@@ -487,13 +487,6 @@ def _subgraphs(model: ir.Model):
                 yield attr.as_graph()
             elif attr.type == ir.AttributeType.GRAPHS:
                 yield from attr.as_graphs()
-
-
-def _first_free(wanted: str, taken: set[str]) -> str:
-    name, i = wanted, 1
-    while name in taken:
-        name, i = f"{wanted}_{i}", i + 1
-    return name
 
 
 # ---------------------------------------------------------------------------------------------------------
