@@ -14,6 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
@@ -133,6 +134,23 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], threads: int = 2):
+    """Per sample, {name: value} of the tensors `names` — graph inputs from the sample, the rest from one ORT
+    session running the graph as written; names the model does not compute are left out. A generator, so a
+    caller that reduces (GPTQ's input moments) never holds every sample's values at once."""
+    from qprep.model_info import cast_to_inputs
+
+    wanted = list(dict.fromkeys(names))
+    inputs = {spec.name for spec in model.graph.input}
+    computed = [n for n in wanted if n not in inputs]
+    session = ort_session(model, threads=threads, extra_outputs=computed)
+    feeds = [i.name for i in session.get_inputs()]
+    available = [n for n in computed if n in {o.name for o in session.get_outputs()}]
+    for sample in cast_to_inputs(samples, model):
+        values = dict(zip(available, session.run(available, {n: sample[n] for n in feeds}) if available else []))
+        yield {n: np.asarray(sample[n]) if n in inputs else values[n] for n in wanted if n in inputs or n in values}
 
 
 def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False, extra_outputs=()):

@@ -462,3 +462,14 @@ def test_keep_float_skips_when_the_float_set_is_empty():
     g = Graph()
     result, _ = run_stage("keep_float", g.model(g.op("Relu", g.input())))
     assert result.status == "skipped" and "float set is empty" in result.reason
+
+
+def test_probe_check_rejects_an_output_that_changed_shape():
+    from qprep.qdq.verified import ProbeCheck
+
+    def model(shape):
+        g = Graph()
+        return g.model(g.op("Reshape", g.op("Relu", g.input(shape=(1, 6))), g.init(shape, np.int64)))
+
+    verdict = ProbeCheck(model([1, 6]), samples((1, 6)), {}, min_cosine=0.99, threads=1)(model([6, 1]), [])
+    assert not verdict.ok and "changed shape (1, 6) -> (6, 1)" in verdict.reason

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qprep.model_io import ort_session
+from qprep.model_io import intermediate_values
 
 MAX_ROWS_PER_SAMPLE = 65536  # input positions per sample and group used for H (strided subsample beyond)
 BLOCK = 128  # columns rounded together before the trailing columns get their (BLAS) update
@@ -89,12 +89,8 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
                   threads: int = 2) -> dict[str, np.ndarray]:
     """H = Σ x xᵀ per layer (shape [groups, d, d]) over the calibration samples, from the QDQ model's own
     layer inputs (graph as written, so the quantized activations are what is measured)."""
-    names = sorted({layer.activation for layer in layers})
-    session = ort_session(qdq_model, threads=threads, extra_outputs=names)
-    feeds = [i.name for i in session.get_inputs()]
     moments: dict[str, np.ndarray] = {}
-    for sample in samples:
-        values = dict(zip(names, session.run(names, {n: sample[n] for n in feeds})))
+    for values in intermediate_values(qdq_model, sorted({layer.activation for layer in layers}), samples, threads):
         for layer in layers:
             rows = _input_rows(np.asarray(values[layer.activation], dtype=np.float32), layer)
             h = np.matmul(rows.transpose(0, 2, 1), rows).astype(np.float64)

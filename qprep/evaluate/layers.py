@@ -11,8 +11,7 @@ import numpy as np
 import onnx
 
 from qprep.evaluate.metrics import compare_output
-from qprep.model_info import cast_to_inputs
-from qprep.model_io import ort_session
+from qprep.model_io import intermediate_values
 
 QDQ_SUFFIX = "_DequantizeLinear_Output"
 
@@ -56,12 +55,8 @@ def layer_errors(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sampl
 
 
 def _collect(model: onnx.ModelProto, names: list[str], samples: list[dict], threads: int) -> dict[str, list]:
-    samples = cast_to_inputs(samples, model)
-    session = ort_session(model, threads=threads, extra_outputs=names)
-    inputs = [i.name for i in session.get_inputs()]
-    available = [n for n in names if n in {o.name for o in session.get_outputs()}]
-    collected: dict[str, list[np.ndarray]] = {n: [] for n in available}
-    for sample in samples:
-        for name, value in zip(available, session.run(available, {n: sample[n] for n in inputs})):
-            collected[name].append(np.asarray(value))
+    collected: dict[str, list[np.ndarray]] = {}
+    for values in intermediate_values(model, names, samples, threads):
+        for name, value in values.items():
+            collected.setdefault(name, []).append(value)
     return collected

@@ -34,7 +34,7 @@ from qprep.errors import QprepError
 from qprep.graph.verify import checker_problem as invalid
 from qprep.graph.prepare import name_nodes
 from qprep.graph.verify import Tolerance, compare, cosine, run_model
-from qprep.model_io import ort_session
+from qprep.model_io import intermediate_values, ort_session
 from qprep.qdq.params import drop_identity, remove_dead
 
 log = logging.getLogger("qprep")
@@ -263,6 +263,10 @@ class ProbeCheck:
         for name in self.reference[0]:
             if name not in result[0]:
                 return Verdict(False, f"output '{name}' disappeared")
+            shapes = {(np.shape(r[name]), np.shape(c[name])) for r, c in zip(self.reference, result)}
+            changed = next(((a, b) for a, b in shapes if a != b), None)
+            if changed:  # broadcasting would otherwise compare a wrong-shaped output without complaint
+                return Verdict(False, f"output '{name}' changed shape {changed[0]} -> {changed[1]}")
             stats = _output_stats([r[name] for r in self.reference], [c[name] for c in result], self.steps.get(name))
             outputs[name] = stats
             if stats["cosine_min"] < self.min_cosine:
@@ -273,16 +277,11 @@ class ProbeCheck:
     def _capture(self, names: set[str]) -> None:
         """The reference model's values of these tensors on every sample (one ORT run for all new names)."""
         missing = sorted(names - set(self._captured))
-        for name in [n for n in missing if n in self.samples[0]]:  # a graph input: the samples hold it
-            self._captured[name] = [s[name] for s in self.samples]
-            missing.remove(name)
         if not missing:
             return
-        session = ort_session(self.reference_model, threads=self.threads, extra_outputs=missing)
-        feeds = [i.name for i in session.get_inputs()]
-        values = [session.run(missing, {n: s[n] for n in feeds}) for s in self.samples]
-        for i, name in enumerate(missing):
-            self._captured[name] = [v[i] for v in values]
+        for values in intermediate_values(self.reference_model, missing, self.samples, self.threads):
+            for name, value in values.items():
+                self._captured.setdefault(name, []).append(value)
 
     def _probe(self, candidate: onnx.ModelProto, probe: Probe) -> tuple[str | None, float]:
         """(why it fails or None, the worst error in the probe's unit)."""
