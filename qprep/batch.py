@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from qprep.config import load_config
+from qprep.config import load_config, run_overrides
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError
 from qprep.model_io import atomic_write_text, sha256_file
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
@@ -80,13 +80,12 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     done = len(rows)
     total = len(models)
 
-    def work(task):
-        name, model, run_dir = task
-        return name, _run_one(config_path, model, run_dir, sets, timeout)
-
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for name, (row_status, seconds, error) in pool.map(work, tasks):
-            run_dir = next(t[2] for t in tasks if t[0] == name)
+        futures = {pool.submit(_run_one, config_path, model, run_dir, sets, timeout): (name, run_dir)
+                   for name, model, run_dir in tasks}
+        for future in concurrent.futures.as_completed(futures):  # report each model as it finishes
+            name, run_dir = futures[future]
+            row_status, seconds, error = future.result()
             rows[name] = summary_row(name, run_dir, seconds=seconds, error=error, status=row_status)
             done += 1
             if not quiet:
@@ -127,11 +126,8 @@ def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path) -
         report = json.loads((run_dir / "report.json").read_text())
     except (OSError, ValueError):
         return False
-    from qprep.config import parse_set
-
-    overrides = dict(parse_set(s) for s in sets)
-    overrides.update(model=str(model), output_dir=str(run_dir))
-    wanted = json.loads(json.dumps(load_config(config_path, overrides).resolved(), default=str))
+    wanted = json.loads(json.dumps(load_config(config_path, run_overrides(sets, model, run_dir)).resolved(),
+                                   default=str))
     return (report.get("status") in ("ok", "gate missed") and manifest.get("config") == wanted
             and report.get("model", {}).get("sha256") == digest)
 

@@ -104,14 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _overrides(args) -> dict:
-    from qprep.config import parse_set
+    from qprep.config import run_overrides
 
-    overrides = dict(parse_set(s) for s in args.sets)
-    for flag, key in (("model", "model"), ("out", "output_dir")):
-        value = getattr(args, flag, None)
-        if value:
-            overrides[key] = str(Path(value).resolve())
-    return overrides
+    return run_overrides(args.sets, getattr(args, "model", None), getattr(args, "out", None))
 
 
 def cmd_run(args) -> int:

@@ -205,6 +205,16 @@ def parse_set(assignment: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def run_overrides(sets, model=None, out=None) -> dict[str, Any]:
+    """What `qprep run CONFIG [--set k=v]… [--model M] [--out D]` overrides. One function, so `batch --resume`
+    can tell whether a finished run used exactly the config a new run would."""
+    overrides = dict(parse_set(s) for s in sets)
+    for key, value in (("model", model), ("output_dir", out)):
+        if value:
+            overrides[key] = str(Path(value).resolve())
+    return overrides
+
+
 def set_key(raw: dict, key_path: str, value: Any, cwd: Path) -> None:
     """Apply one override to the raw config; `pipeline.<stage>.x` means the (single) stage of that name.
 

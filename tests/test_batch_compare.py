@@ -98,6 +98,11 @@ def test_batch_statuses_summary_and_resume(folder):
     resumed = {r["model"]: r for r in json.loads((out / "summary.json").read_text())["models"]}
     assert resumed["cls.onnx"]["note"] == "resumed: result reused"
     assert (out / "cls" / "report.json").stat().st_mtime == stamp  # no model work redone
+    changed = run_cli("batch", config, models, "--out", out, "--resume", "--quiet", "--set", "threads=1")
+    assert changed.returncode == 2
+    rerun = {r["model"]: r for r in json.loads((out / "summary.json").read_text())["models"]}
+    assert rerun["cls.onnx"]["status"] == "ok" and rerun["cls.onnx"].get("note") != "resumed: result reused"
+    assert (out / "cls" / "report.json").stat().st_mtime > stamp  # another config: the model ran again
 
 
 def test_a_killed_worker_fails_only_its_model(tmp_path):
