@@ -44,6 +44,7 @@ class RunContext:
     warnings: list[str] = field(default_factory=list)
     prepared_model: onnx.ModelProto | None = None  # the float model handed to quantize (per-layer analysis)
     artifacts: dict[str, Path] = field(default_factory=dict)  # extra deployable files: run-dir name → source
+    deployable: str | None = None  # the artifact to ship when it is not model.onnx (a backend says so)
     runner: Callable[[list[dict]], list[dict]] | None = None  # runs the result when it is not ONNX (RKNN)
     layer_analyzer: Callable[[list[dict]], list[dict]] | None = None  # backend's own per-layer analysis
     input_model: onnx.ModelProto | None = None  # the input as loaded and prepared: the default FP32 reference
@@ -92,9 +93,10 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
             written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
         report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
                             "artifacts": sorted(ctx.artifacts), **model_info.summary(model)}
-        if "model.rknn" in ctx.artifacts:  # the deployable result is the .rknn; model.onnx is what it was built from
-            report["result"]["deployable"] = {"path": "model.rknn", "bytes": (directory / "model.rknn").stat().st_size,
-                                              "note": "model.onnx is the prepared float model the .rknn was built from"}
+        if ctx.deployable:  # e.g. the .rknn; model.onnx is then the float model it was built from
+            report["result"]["deployable"] = {
+                "path": ctx.deployable, "bytes": (directory / ctx.deployable).stat().st_size,
+                "note": f"model.onnx is the prepared float model {ctx.deployable} was built from"}
         report["float_set"] = sorted(ctx.float_set)
         if config["evaluation"]:
             t0 = time.perf_counter()

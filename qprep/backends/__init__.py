@@ -22,6 +22,7 @@ class Quantized:
     model: onnx.ModelProto | None
     details: dict = field(default_factory=dict)
     artifacts: dict[str, Path] = field(default_factory=dict)  # file name in the run dir → where it is now
+    deployable: str | None = None  # the artifact to ship, when it is not model.onnx (RKNN: model.rknn)
     runner: Callable[[list[dict]], list[dict]] | None = None  # None: evaluate the ONNX model with ORT
     analyzer: Callable[[list[dict]], list[dict]] | None = None  # per-layer rows from the backend's own tool
 

@@ -54,6 +54,7 @@ def quantize(model, ctx, options: dict) -> StageResult:
         ctx.warnings.append(f"quantize: {len(result.details['float_set_unmatched'])} float-set nodes no longer exist "
                             "(keep_float ran before a stage that rewrote them?) and were quantized")
     ctx.artifacts.update(result.artifacts)
+    ctx.deployable = result.deployable
     ctx.runner, ctx.layer_analyzer = result.runner, result.analyzer
     return StageResult(model=result.model if result.model is not None else model,
                        details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details})

@@ -228,7 +228,7 @@ def quantize(job: BackendInput) -> Quantized:
     contract = _input_contract(builder.inputs, builder.normalization, options)
     (work / "input_contract.json").write_text(json.dumps(contract, indent=2) + "\n")
     (work / "run_on_board.py").write_text(_BOARD_SCRIPT)
-    return Quantized(model=job.model, details=builder.details, runner=runner,
+    return Quantized(model=job.model, details=builder.details, runner=runner, deployable="model.rknn",
                      analyzer=(lambda samples: runner.analyze(samples[: options["analysis_samples"]]))
                      if options["analysis_samples"] else None,
                      artifacts={"model.rknn": rknn_path, "input_contract.json": work / "input_contract.json",

@@ -163,16 +163,18 @@ def keep_float(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
                     "keep these nodes float"})
     record = unquantize(ir_model, set(members))
     result = ir.to_proto(ir_model)
+    outputs = {label: run_model(m, ctx.verifier.samples, ctx.verifier.threads)
+               for label, m in (("before", model), ("after", result))}  # each model runs once
     details = {"float_set": summary, "model_kind": model_info.model_kind(model), "removed": record,
-               "effect": _effect(model, result, ctx.verifier)}
+               "effect": _effect(outputs)}
     evaluation = ctx.config["evaluation"]
     if evaluation and evaluation.get("reference_model"):
-        details["effect"]["against_fp32"] = _against_reference(model, result, evaluation["reference_model"],
+        details["effect"]["against_fp32"] = _against_reference(outputs, evaluation["reference_model"],
                                                                ctx.verifier)
     return StageResult(model=result, details=details)
 
 
-def _against_reference(before: onnx.ModelProto, after: onnx.ModelProto, reference_path: str, verifier) -> dict:
+def _against_reference(outputs: dict[str, list[dict]], reference_path: str, verifier) -> dict:
     """Cosine of the QDQ model's outputs against the FP32 model it came from, before and after the float set
     lost its rounding: the number that says whether keeping these nodes float helped."""
     from qprep.evaluate.metrics import compare_output
@@ -180,10 +182,9 @@ def _against_reference(before: onnx.ModelProto, after: onnx.ModelProto, referenc
 
     reference = run_model(load_model(reference_path), verifier.samples, verifier.threads)
     results = {}
-    for label, model in (("before", before), ("after", after)):
-        outputs = run_model(model, verifier.samples, verifier.threads)
+    for label, result in outputs.items():
         for name in reference[0]:
-            metrics = compare_output([r[name] for r in reference], [o[name] for o in outputs], "tensor")
+            metrics = compare_output([r[name] for r in reference], [o[name] for o in result], "tensor")
             results.setdefault(name, {})[f"cosine_mean_{label}"] = metrics["cosine_mean"]
     return {"reference_model": reference_path, "samples": len(verifier.samples), "outputs": results}
 
@@ -192,10 +193,9 @@ def _reason_kind(reason: str) -> str:
     return reason.split(":", 1)[0]
 
 
-def _effect(before: onnx.ModelProto, after: onnx.ModelProto, verifier) -> dict:
+def _effect(outputs: dict[str, list[dict]]) -> dict:
     """How far the outputs moved (on purpose; not gated): per output max |Δ| and minimum cosine."""
-    verdict = compare(run_model(before, verifier.samples, verifier.threads),
-                      run_model(after, verifier.samples, verifier.threads), Tolerance(0.0, 0.0, -1.0))
+    verdict = compare(outputs["before"], outputs["after"], Tolerance(0.0, 0.0, -1.0))
     return {"note": "numerics change on purpose (no rounding around the float set); not verified - the "
                     "evaluation measures the effect against the FP32 reference",
             "against": "the stage's input model", "samples": verdict.samples,
