@@ -1,0 +1,205 @@
+"""What a report says, once: report.json → a list of blocks that report.md and report.html both render.
+
+Order is what a person asks first: did it work, what did it cost in accuracy and speed (evaluation), what each
+stage changed, what came out. Inline markup in texts and cells is Markdown's `**bold**` and `` `code` ``; the
+HTML renderer translates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qprep.report.fallback import fallback_tables
+
+
+@dataclass
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass
+class Text:
+    text: str
+    note: bool = False  # a caveat the reader must not miss (evaluation notes)
+
+
+@dataclass
+class Bullets:
+    items: list[str]
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+    title: str = ""
+
+
+@dataclass
+class Chart:
+    """Horizontal bars (HTML only; Markdown points at the table beside it)."""
+
+    title: str
+    rows: list[tuple[str, float]] = field(default_factory=list)
+    unit: str = ""
+
+
+def build(report: dict) -> list:
+    model = report.get("model", {})
+    blocks: list = [Heading(1, f"qprep report: {model.get('path', '?')}"), Bullets([
+        f"status: **{report.get('status')}**" + (f" — {report['error']}" if report.get("error") else ""),
+        f"input model: {model.get('kind', '?')}, {model.get('nodes', '?')} nodes, opsets {model.get('opsets', {})}",
+        f"run time: {report.get('seconds', 0):.1f} s"])]
+    calibration = report.get("calibration")
+    if calibration:
+        blocks.append(Text(f"Calibration data: {calibration['count']} samples ({calibration['format']}) from "
+                           f"`{calibration['source']}`"))
+    blocks += _evaluation(report.get("evaluation"))
+    blocks += _stages(report.get("stages", []))
+    blocks += _result(report.get("result"), model)
+    if report.get("float_set"):
+        blocks += [Heading(2, f"Kept float ({len(report['float_set'])} nodes)"),
+                   Text(", ".join(f"`{n}`" for n in report["float_set"]))]
+    if report.get("warnings"):
+        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
+    return blocks
+
+
+def _evaluation(evaluation: dict | None) -> list:
+    if not evaluation:
+        return []
+    samples = evaluation["samples"]
+    blocks: list = [Heading(2, "Accuracy against the reference"),
+                    Text(f"Reference `{evaluation['reference_model']}`, {samples['count']} evaluation samples from "
+                         f"`{samples.get('source', '?')}`.")]
+    blocks += [Text(note, note=True) for note in evaluation.get("notes", [])]
+    blocks.append(Table(["output", "cosine mean", "cosine min", "SQNR dB", "max abs", "agreement (95% CI)"],
+                        [[name, f"{m['cosine_mean']:.5f}", f"{m['cosine_min']:.5f}", f"{m['sqnr_db']:.1f}",
+                          f"{m['max_abs']:.3g}", agreement_text(m)] for name, m in evaluation["outputs"].items()]))
+    for name, m in evaluation["outputs"].items():
+        if "top1_accuracy" in m:
+            low, high = m["top1_accuracy_ci95"]
+            blocks.append(Text(f"Task accuracy of {name} against ground truth ({m['labelled_samples']} labelled "
+                               f"samples): FP32 {100 * m['reference_top1_accuracy']:.1f}%, result "
+                               f"{100 * m['top1_accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%)."))
+    gate = evaluation.get("gate")
+    if gate:
+        blocks.append(Table(["metric", "value", "needs", "result"], [
+            [c["metric"], "n/a" if c["value"] is None else f"{c['value']:.4g}",
+             f"{'≤' if c.get('kind') == 'maximum' else '≥'} {c['threshold']}",
+             "ok" if c["passed"] else "**missed**"] for c in gate["checks"]],
+            title=f"Gate {'passed' if gate['passed'] else '**missed**'}"))
+    latency = evaluation.get("latency")
+    if latency and "speedup" in latency:
+        blocks.append(Text(f"Latency (batch 1, {latency['settings']['threads']} threads, median of "
+                           f"{latency['result']['runs']} runs): reference {latency['reference']['median_ms']:.2f} ms, "
+                           f"result {latency['result']['median_ms']:.2f} ms — **{latency['speedup']:.2f}×**."))
+    elif latency:
+        blocks.append(Text(f"Latency: {latency['status']}."))
+    sizes = evaluation.get("size_bytes")
+    if sizes:
+        blocks.append(Text(f"Size: reference {sizes['reference'] / 1e6:.2f} MB, "
+                           f"result {sizes['result'] / 1e6:.2f} MB."))
+    blocks += _layers(evaluation.get("layers"))
+    for name, m in evaluation["outputs"].items():
+        rows = m.get("worst_samples", [])
+        if rows:
+            blocks.append(Text(f"Worst samples for {name} (cosine): "
+                               + ", ".join(f"{r['sample']} ({r['cosine']:.4f})" for r in rows)))
+    return blocks
+
+
+def _layers(layers: list[dict] | None) -> list:
+    if not layers:
+        return []
+    in_order = sorted(layers, key=lambda r: r["order"])[:80]
+    if all(r.get("sqnr_db") is not None for r in in_order):
+        chart = Chart("SQNR (dB) per tensor, in graph order", [(r["tensor"], r["sqnr_db"]) for r in in_order], " dB")
+    else:  # backends that report cosine only (RKNN accuracy_analysis): 100 × cosine, so 99.x reads easily
+        chart = Chart("accumulated cosine × 100 per tensor, in graph order",
+                      [(r["tensor"], 100 * r["cosine_mean"]) for r in in_order])
+    return [Heading(3, "Per-layer error"), chart, Table(
+        ["tensor", "op", "cosine (accumulated)", "cosine (this layer alone)", "SQNR dB"],
+        [[f"`{r['tensor']}`", r["op_type"], f"{r['cosine_mean']:.5f}", _num(r.get("single_cosine"), ".5f"),
+          _num(r.get("sqnr_db"), ".1f")] for r in layers[:15]], title="Worst layers (accumulated error, worst first)")]
+
+
+def _stages(stages: list[dict]) -> list:
+    if not stages:
+        return [Text("No stages configured: the result is the loaded model (nodes named, shapes inferred).")]
+    rows = []
+    for s in stages:
+        notes = s.get("reason") or s.get("error") or ""
+        if s.get("rolled_back"):
+            notes = "rolled back: " + ", ".join(
+                str(r.get("pass") or r.get("rewrite") or r) if isinstance(r, dict) else str(r) for r in s["rolled_back"])
+        rows.append([str(s["index"] + 1), s["name"], s["status"],
+                     f"{s.get('nodes_before', '?')} → {s.get('nodes_after', '?')}", f"{s.get('seconds', 0):.2f}", notes])
+    blocks: list = [Heading(2, "Stages"), Table(["#", "stage", "status", "nodes before → after", "seconds", "notes"],
+                                                rows)]
+    for s in stages:
+        blocks += _passes(s)
+        view = fallback_tables(s)
+        if view is not None:
+            verdict, tables = view
+            blocks += [Heading(3, f"{s['name']}: accuracy-driven fallback"), Text(verdict)]
+            blocks += [Table(header, table_rows, title=title) for title, header, table_rows in tables]
+        against = (s.get("effect") or {}).get("against_fp32")
+        for output, values in (against or {}).get("outputs", {}).items():
+            blocks.append(Text(f"{s['name']}: cosine of `{output}` against the FP32 model "
+                               f"{values['cosine_mean_before']:.4f} before → {values['cosine_mean_after']:.4f} after "
+                               f"({against['samples']} samples)."))
+    return blocks
+
+
+def _passes(stage: dict) -> list:
+    """Per-pass detail of a stage that runs passes (optimize): what matched, what was kept, how it verified."""
+    passes = stage.get("passes")
+    if not passes:
+        return []
+    rows = []
+    for p in passes:
+        outputs = (p.get("verification") or {}).get("outputs", {})
+        worst = max((o["max_abs"] for o in outputs.values()), default=None)
+        delta = ", ".join(f"{op} {n:+d}" for op, n in sorted(p.get("op_delta", {}).items(), key=lambda kv: -abs(kv[1])))
+        rows.append([p["pass"], p["status"], str(p["matches"]), str(p["nodes_removed"]), delta or "–",
+                     "–" if worst is None else f"{worst:.2g}", f"{p['seconds'] + p['verify_seconds']:.2f}"])
+    blocks = [Heading(3, f"{stage['name']}: passes"),
+              Text(f"Verified on {stage.get('verified_on', '?')}; rewriting {stage.get('rewrite_seconds', 0):.2f} s, "
+                   f"verification {stage.get('verify_seconds', 0):.2f} s, {stage.get('rounds', 1)} round(s)."),
+              Table(["pass", "status", "rewrites", "nodes removed", "ops changed", "worst max abs error", "seconds"],
+                    rows)]
+    blocks += [Text(f"Rolled back: **{r['pass']}** (round {r['round']}): {r['reason']}")
+               for r in stage.get("rolled_back", []) if isinstance(r, dict) and "pass" in r]
+    return blocks
+
+
+def _result(result: dict | None, model: dict) -> list:
+    if not result:
+        return []
+    blocks: list = [Heading(2, "Result")]
+    deployable = result.get("deployable")
+    if deployable:
+        blocks.append(Text(f"Deployable: `{deployable['path']}` ({deployable['bytes'] / 1e6:.2f} MB); "
+                           f"{deployable['note']}."))
+    blocks.append(Text(f"`{result['path']}`: {result['kind']}, {result['nodes']} nodes, "
+                       f"{result['bytes'] / 1e6:.2f} MB"))
+    before, after = model.get("op_counts", {}), result.get("op_counts", {})
+    ordered = sorted(set(before) | set(after), key=lambda o: (-after.get(o, 0), -before.get(o, 0), o))
+    blocks.append(Table(["op", "input model", "result"], [[op, str(before.get(op, 0)), str(after.get(op, 0))]
+                                                          for op in ordered]))
+    return blocks
+
+
+def agreement_text(m: dict) -> str:
+    for prefix in ("top1", "step"):
+        if f"{prefix}_agreement" in m:
+            low, high = m[f"{prefix}_agreement_ci95"]
+            return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "
+                    f"n={m[f'{prefix}_count']})")
+    return "–"
+
+
+def _num(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
