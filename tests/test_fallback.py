@@ -137,3 +137,28 @@ def test_fallback_config_errors_are_one_line():
         load_config({"model": "m.onnx", "pipeline": [{"quantize": {"fallback": {"target": {"cosine_man": 0.9}}}}]})
     with pytest.raises(ConfigError, match=r"fallback.target: required key is missing"):
         load_config({"model": "m.onnx", "pipeline": [{"quantize": {"fallback": {"max_float_nodes": 3}}}]})
+
+
+def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps():
+    """Hardswish as Add → Clip → Mul: one type left float only adds Q/DQ pairs; all of them at once pays."""
+    from types import SimpleNamespace
+
+    from qprep.backends.ort import _float_op_types
+
+    scores = {frozenset(): 0.90, frozenset({"Add"}): 0.89, frozenset({"Clip"}): 0.895, frozenset({"Mul"}): 0.89,
+              frozenset({"Add", "Clip", "Mul"}): 0.95}
+    nodes = [SimpleNamespace(name=f"n{i}", op_type=t) for i, t in enumerate(["Conv", "Add", "Clip", "Mul", "Conv"])]
+    quantizer = SimpleNamespace(model=SimpleNamespace(graph=SimpleNamespace(node=nodes)), float_op_types=set(),
+                                _op_types=lambda: ["Add", "Clip", "Conv", "Mul"])
+    job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4,
+                          progress=None)
+
+    def evaluate(excluded, samples):
+        return {"y": {"cosine_mean": scores[frozenset(quantizer.float_op_types)]}}
+
+    record = _float_op_types(quantizer, set(), job, evaluate)
+    assert record["chosen"] == ["Add", "Clip", "Mul"] and record["nodes"] == 3
+    assert quantizer.float_op_types == {"Add", "Clip", "Mul"}
+    scores[frozenset({"Add", "Clip", "Mul"})] = 0.85  # worse together: nothing is left float
+    quantizer.float_op_types = set()
+    assert _float_op_types(quantizer, set(), job, evaluate)["chosen"] == []

@@ -259,9 +259,10 @@ _COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
 
 
 def _float_op_types(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput, evaluate) -> dict:
-    """Leave an op type float when that measurably helps: on PP-OCRv4 rec, quantizing the hardswish and
-    affine Mul/Add/Div/Clip chains re-rounds every activation four times (cosine 0.94; Conv/MatMul only: 0.97,
-    and faster). Greedy: rank each type on the ranking samples, then keep each drop that helps on all samples."""
+    """Leave an op type float when that measurably helps: on PP-OCRv4 rec, quantizing the hardswish chains
+    (Add, Clip, Mul) re-rounds every activation three times. Greedy: rank each type on the ranking samples, keep
+    each drop that helps on all samples; then try all these types at once (one of a chain's ops left float
+    alone only adds Q/DQ pairs), kept if better still."""
     from qprep.backends.fallback import score_of
     from qprep.evaluate.gate import check_gate
 
@@ -289,6 +290,17 @@ def _float_op_types(quantizer: OrtQuantizer, excluded: set[str], job: BackendInp
             current = score
         else:
             quantizer.float_op_types.discard(op_type)
+    union = set(types)  # every re-rounding type at once: a hardswish chain only pays when all its ops stay float
+    if len(union) > 1 and union != quantizer.float_op_types:
+        chosen = set(quantizer.float_op_types)
+        quantizer.float_op_types = union
+        score = score_of(evaluate(excluded, job.evaluation_samples), target)
+        kept = score > current
+        trials.append({"op_type": "+".join(sorted(union)), "rank_gain": None, "score": score, "kept": kept})
+        if kept:
+            current = score
+        else:
+            quantizer.float_op_types = chosen
     if job.progress is not None and quantizer.float_op_types:
         job.progress.note(f"fallback: op types left float: {', '.join(sorted(quantizer.float_op_types))} "
                           f"(score {base:.5f} → {current:.5f})")
