@@ -59,6 +59,12 @@ def _per_channel(extra: np.ndarray | None, weights: np.ndarray) -> np.ndarray | 
     return np.broadcast_to(extra.reshape(-1), (channels,))
 
 
+def _per_channel_check(conv: ir.Value, constant: ir.Value) -> MatchResult:
+    parts = _conv_parts(conv)
+    extra = parts if isinstance(parts, str) else _per_channel(constant_array(constant), parts[1])
+    return MatchResult().fail(extra) if isinstance(extra, str) else MatchResult()
+
+
 def _scalar(extra: np.ndarray | None, weights: np.ndarray) -> float | str:
     if extra is None or extra.size != 1:
         return "not a scalar constant"
@@ -88,9 +94,7 @@ class ConvBiasAdd(RewriteRuleClassBase):
         return op.Add(_conv_output(op, x, w), addend)
 
     def check(self, context, x, w, addend, conv, **_) -> MatchResult:
-        parts = _conv_parts(conv)
-        extra = parts if isinstance(parts, str) else _per_channel(constant_array(addend), parts[1])
-        return MatchResult().fail(extra) if isinstance(extra, str) else MatchResult()
+        return _per_channel_check(conv, addend)
 
     def rewrite(self, op, x, w, addend, conv, **_):
         node, weights, bias = _conv_parts(conv)
@@ -105,9 +109,7 @@ class ConvScaleMul(RewriteRuleClassBase):
         return op.Mul(_conv_output(op, x, w), factor)
 
     def check(self, context, x, w, factor, conv, **_) -> MatchResult:
-        parts = _conv_parts(conv)
-        extra = parts if isinstance(parts, str) else _per_channel(constant_array(factor), parts[1])
-        return MatchResult().fail(extra) if isinstance(extra, str) else MatchResult()
+        return _per_channel_check(conv, factor)
 
     def rewrite(self, op, x, w, factor, conv, **_):
         node, weights, bias = _conv_parts(conv)
