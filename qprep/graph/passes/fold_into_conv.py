@@ -59,12 +59,6 @@ def _per_channel(extra: np.ndarray | None, weights: np.ndarray) -> np.ndarray | 
     return np.broadcast_to(extra.reshape(-1), (channels,))
 
 
-def _per_channel_check(conv: ir.Value, constant: ir.Value) -> MatchResult:
-    parts = _conv_parts(conv)
-    extra = parts if isinstance(parts, str) else _per_channel(constant_array(constant), parts[1])
-    return MatchResult().fail(extra) if isinstance(extra, str) else MatchResult()
-
-
 def _scalar(extra: np.ndarray | None, weights: np.ndarray) -> float | str:
     if extra is None or extra.size != 1:
         return "not a scalar constant"
@@ -87,35 +81,43 @@ def _conv_output(op, x, w):
     return op.Conv(x, w, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["conv"])
 
 
-class ConvBiasAdd(RewriteRuleClassBase):
-    """Conv(x, W[, b]) → Add(·, C) with C a per-channel constant → Conv(x, W, b + C)."""
+class _ConvOutputConstant(RewriteRuleClassBase):
+    """Op(Conv(x, W[, b]), C) with C a per-channel constant: the op folds into the Conv's weights and bias."""
 
-    def pattern(self, op, x, w, addend):
-        return op.Add(_conv_output(op, x, w), addend)
+    op_type = ""
 
-    def check(self, context, x, w, addend, conv, **_) -> MatchResult:
-        return _per_channel_check(conv, addend)
+    def pattern(self, op, x, w, constant):
+        return getattr(op, self.op_type)(_conv_output(op, x, w), constant)
 
-    def rewrite(self, op, x, w, addend, conv, **_):
+    def check(self, context, x, w, constant, conv, **_) -> MatchResult:
+        parts = _conv_parts(conv)
+        extra = parts if isinstance(parts, str) else _per_channel(constant_array(constant), parts[1])
+        return MatchResult().fail(extra) if isinstance(extra, str) else MatchResult()
+
+    def rewrite(self, op, x, w, constant, conv, **_):
         node, weights, bias = _conv_parts(conv)
-        return _conv(op, node, x, weights, bias + _per_channel(constant_array(addend), weights), "add_folded")
+        values = _per_channel(constant_array(constant), weights).astype(np.float64)
+        return _conv(op, node, x, *self.fold(weights, bias, values), f"{self.op_type.lower()}_folded")
 
 
-class ConvScaleMul(RewriteRuleClassBase):
-    """Conv(x, W[, b]) → Mul(·, C) with C a per-channel constant → Conv(x, W·C, b·C) (PP-LCNetV3's learnable
-    affine scale after every Conv)."""
+class ConvBiasAdd(_ConvOutputConstant):
+    """Conv(x, W[, b]) + C → Conv(x, W, b + C)."""
 
-    def pattern(self, op, x, w, factor):
-        return op.Mul(_conv_output(op, x, w), factor)
+    op_type = "Add"
 
-    def check(self, context, x, w, factor, conv, **_) -> MatchResult:
-        return _per_channel_check(conv, factor)
+    @staticmethod
+    def fold(weights, bias, c):
+        return weights, bias + c
 
-    def rewrite(self, op, x, w, factor, conv, **_):
-        node, weights, bias = _conv_parts(conv)
-        scale = _per_channel(constant_array(factor), weights).astype(np.float64)
-        shape = (-1,) + (1,) * (weights.ndim - 1)
-        return _conv(op, node, x, weights * scale.reshape(shape), bias * scale, "mul_folded")
+
+class ConvScaleMul(_ConvOutputConstant):
+    """Conv(x, W[, b]) · C → Conv(x, W·C, b·C) (PP-LCNetV3's learnable affine scale after every Conv)."""
+
+    op_type = "Mul"
+
+    @staticmethod
+    def fold(weights, bias, c):
+        return weights * c.reshape((-1,) + (1,) * (weights.ndim - 1)), bias * c
 
 
 class ConvHardSigmoid(RewriteRuleClassBase):
