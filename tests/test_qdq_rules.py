@@ -121,6 +121,11 @@ def test_a_scalar_div_or_mul_between_matching_grids_is_a_scaled_round_trip():
     assert result.details["rewrites"]["scaled_round_trip"] == 2
     assert ops(result.model)["Div"] == 0 and ops(result.model)["Mul"] == 2
     assert max_abs(model, result.model, data) == 0.0
+    from qprep.qdq.remove_redundant import simplify  # what the ORT backend runs on each re-quantization
+
+    for verify in (True, False):
+        simplified, kinds = simplify(model, data, threads=1, verify=verify)
+        assert kinds == {"scaled_round_trip": 2} and max_abs(model, simplified, data) == 0.0
 
 
 MOVEMENT = {  # op → (extra inputs built in the graph, attributes)

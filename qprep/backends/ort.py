@@ -139,8 +139,9 @@ class OrtQuantizer:
             quantized = self._round_weights(quantized)
         elif self.options["weight_rounding"] == "gptq":
             self.rounding.update(kept=False, reason="GPTQ re-rounds DequantizeLinear weights: static QDQ only")
-        if self.options["format"] == "qdq" and not self.dynamic:
-            quantized, self.simplified = remove_redundant.simplify(quantized, self.samples[:8], self.threads)
+        if self.options["format"] == "qdq" and not self.dynamic:  # exact rules: verified on the first build only
+            quantized, self.simplified = remove_redundant.simplify(quantized, self.samples[:8], self.threads,
+                                                                   verify=self._last is None)
         self._last = (key, quantized)
         return quantized
 
@@ -281,26 +282,21 @@ def _float_op_types(quantizer: OrtQuantizer, excluded: set[str], job: BackendInp
         gains[op_type] = score_of(evaluate(excluded, rank_samples), target) - base
     quantizer.float_op_types = set()
     trials = []
-    for op_type in sorted((t for t in gains if gains[t] > 0), key=lambda t: -gains[t]):
-        quantizer.float_op_types.add(op_type)
+
+    def attempt(chosen: set[str], label: str, rank_gain) -> None:
+        """Leave `chosen` float if that beats the current score on all samples, else put the last set back."""
+        nonlocal current
+        previous, quantizer.float_op_types = quantizer.float_op_types, chosen
         score = score_of(evaluate(excluded, job.evaluation_samples), target)
         kept = score > current
-        trials.append({"op_type": op_type, "rank_gain": gains[op_type], "score": score, "kept": kept})
-        if kept:
-            current = score
-        else:
-            quantizer.float_op_types.discard(op_type)
+        trials.append({"op_type": label, "rank_gain": rank_gain, "score": score, "kept": kept})
+        current, quantizer.float_op_types = (score, chosen) if kept else (current, previous)
+
+    for op_type in sorted((t for t in gains if gains[t] > 0), key=lambda t: -gains[t]):
+        attempt(quantizer.float_op_types | {op_type}, op_type, gains[op_type])
     union = set(types)  # every re-rounding type at once: a hardswish chain only pays when all its ops stay float
     if len(union) > 1 and union != quantizer.float_op_types:
-        chosen = set(quantizer.float_op_types)
-        quantizer.float_op_types = union
-        score = score_of(evaluate(excluded, job.evaluation_samples), target)
-        kept = score > current
-        trials.append({"op_type": "+".join(sorted(union)), "rank_gain": None, "score": score, "kept": kept})
-        if kept:
-            current = score
-        else:
-            quantizer.float_op_types = chosen
+        attempt(union, "+".join(sorted(union)), None)
     if job.progress is not None and quantizer.float_op_types:
         job.progress.note(f"fallback: op types left float: {', '.join(sorted(quantizer.float_op_types))} "
                           f"(score {base:.5f} → {current:.5f})")

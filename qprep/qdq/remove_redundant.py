@@ -41,7 +41,7 @@ from qprep import model_info
 from qprep.graph.ir_utils import constant_array, unique_node_name
 from qprep.graph.verify import Tolerance
 from qprep.qdq.params import EIGHT_BIT, QParams, consumers, producer, qparams
-from qprep.qdq.verified import OutputCheck, Rewrite, RewriteLog, apply_verified
+from qprep.qdq.verified import OutputCheck, Rewrite, RewriteLog, Verdict, apply_verified
 from qprep.stages import StageResult, stage
 
 DATA_MOVEMENT = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "MaxPool", "Slice", "Concat")
@@ -285,10 +285,13 @@ def requantizations(model: onnx.ModelProto) -> list[dict]:
     return found
 
 
-def simplify(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, dict]:
-    """These exact rules on a quantizer's output, verified as the stage verifies them: (model, rewrites by kind).
-    ONNX Runtime's QDQ models carry scaled round trips (PP-OCR classifier: 17, one per hardswish)."""
-    outcome = apply_verified(model, apply, OutputCheck(model, samples, TOLERANCE, threads))
+def simplify(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
+             verify: bool = True) -> tuple[onnx.ModelProto, dict]:
+    """These exact rules on a quantizer's output: (model, rewrites by kind). ONNX Runtime's QDQ models carry
+    scaled round trips (PP-OCR classifier: 17, one per hardswish). `verify=False` skips the ORT comparison
+    (onnx.checker still runs): for a caller that re-quantizes many times and verified the first result."""
+    check = OutputCheck(model, samples, TOLERANCE, threads) if verify else (lambda candidate, rewrites: Verdict(True))
+    outcome = apply_verified(model, apply, check)
     return outcome.model, dict(Counter(r.kind for r in outcome.applied))
 
 
