@@ -140,10 +140,10 @@ def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], thre
     """Per sample, {name: value} of the tensors `names` — graph inputs from the sample, the rest from one ORT
     session running the graph as written; names the model does not compute are left out. A generator, so a
     caller that reduces (GPTQ's input moments) never holds every sample's values at once."""
-    from qprep.model_info import cast_to_inputs
+    from qprep.model_info import cast_to_inputs, graph_inputs
 
     wanted = list(dict.fromkeys(names))
-    inputs = {spec.name for spec in model.graph.input}
+    inputs = {spec.name for spec in graph_inputs(model)}  # initializers listed as inputs: not in samples
     computed = [n for n in wanted if n not in inputs]
     session = ort_session(model, threads=threads, extra_outputs=computed)
     feeds = [i.name for i in session.get_inputs()]

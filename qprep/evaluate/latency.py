@@ -40,7 +40,3 @@ def interleaved(models: dict[str, tuple[onnx.ModelProto, dict]], threads: int, r
     return {label: {"median_ms": statistics.median(medians[label]), "p90_ms": statistics.median(p90s[label]),
                     "runs": runs, "warmup": warmup, "rounds": rounds, "threads": threads} for label in models}
 
-
-def measure(model: onnx.ModelProto, sample: dict, threads: int, runs: int, warmup: int) -> dict:
-    """One model on its own (one round)."""
-    return interleaved({"model": (model, sample)}, threads, runs, warmup, rounds=1)["model"]
