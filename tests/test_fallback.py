@@ -162,3 +162,43 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
     scores[frozenset({"Add", "Clip", "Mul"})] = 0.85  # worse together: nothing is left float
     quantizer.float_op_types = set()
     assert _float_op_types(quantizer, set(), job, evaluate)["chosen"] == []
+
+
+def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():
+    scores = {"minmax": 0.95, "mse": 0.97, "other": 0.999}
+    state = {"value": "minmax"}
+    used = []
+
+    def use(value):
+        used.append(value)
+        state["value"] = value
+
+    def evaluate(float_nodes, samples):
+        return {"y": {"cosine_mean": scores[state["value"]]}}
+
+    target = {"cosine_mean": 0.99}
+    record = fallback.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)
+    assert record["chosen"] == "mse" and state["value"] == "mse" and record["scores"] == {"minmax": 0.95, "mse": 0.97}
+    state["value"] = "minmax"
+    record = fallback.choose_setting("ranges", "minmax", ["other", "mse"], use, evaluate, set(), [{}], target)
+    assert record["chosen"] == "other" and "mse" not in record["scores"]  # the target met: nothing more is tried
+    scores["mse"] = 0.95  # a tie keeps the configured value
+    state["value"] = "minmax"
+    assert fallback.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)["chosen"] == "minmax"
+    assert state["value"] == "minmax"
+    scores["mse"] = 0.96  # removes a fifth of the error: not enough where every later trial would cost more
+    assert fallback.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target,
+                                   min_gain=0.25)["chosen"] == "minmax"
+    used.clear()
+    scores["minmax"] = 0.995  # the configured value meets the target: no alternative is built
+    assert fallback.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)["chosen"] == "minmax"
+    assert used == ["minmax"]
+
+
+def test_ort_calibrate_method_mse_runs_and_is_recorded(outlier_config):
+    tmp_path, config = outlier_config
+    config["pipeline"][0]["quantize"] = {"backend": "ort", "ort": {"calibrate_method": "mse"}}
+    config["evaluation"]["gate"] = {"cosine_mean": 0.0}
+    done, report = _run(tmp_path, config)
+    assert done.returncode == 0, done.stderr
+    assert report["stages"][-1]["calibrate_method"] == "mse"

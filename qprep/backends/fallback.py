@@ -79,8 +79,9 @@ def score_of(outputs: dict, target: dict) -> float:
 
 def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[str], base_float: set[str],
            samples: list[dict], options: dict, describe: Callable[[str], str] = str, progress=None,
-           rank: Callable[[tuple[str, ...]], list[dict]] | None = None) -> Outcome:
-    started = time.perf_counter()
+           rank: Callable[[tuple[str, ...]], list[dict]] | None = None, started: float | None = None) -> Outcome:
+    """`started`: when the backend's own fallback work began (perf_counter), so the budget covers it too."""
+    started = time.perf_counter() if started is None else started
     target, budget = options["target"], options["time_budget_s"]
     rank_samples = samples[: options["rank_samples"]]
     trials: list[Trial] = []
@@ -126,7 +127,8 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
             f"blocks of {options['block']}")
         promoted = 0
         for start in range(0, len(helpful), options["block"]):
-            if elapsed() > budget:
+            last = next((t.seconds for t in reversed(trials) if t.phase == "promote"), 0.0)
+            if elapsed() + last > budget:  # a trial that would end past the budget is not started
                 stop = "time budget spent"
                 break
             block = tuple(helpful[start:start + options["block"]])
@@ -162,6 +164,35 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
     if not best.passed:
         record["why"] = _why(best, ranking, stop)
     return Outcome(sorted(base_float | set(best.float_nodes)), best.passed, record)
+
+
+def choose_setting(setting: str, configured: str, alternatives: list[str], use: Callable[[str], None],
+                   evaluate: Callable[[set[str], list[dict]], dict], base_float: set[str], samples: list[dict],
+                   target: dict, progress=None, min_gain: float = MIN_GAIN) -> dict:
+    """A backend setting (e.g. how activation ranges are chosen) measured at the outputs before any node is
+    made float: the configured value first and, if the target is missed, each alternative. An alternative is
+    kept if it meets the target, or if it removes at least `min_gain` of the configured value's error
+    (1 - score) and scores best; a backend whose alternative makes every later trial slower asks for more."""
+    outputs = evaluate(base_float, samples)
+    scores, passed = {configured: score_of(outputs, target)}, check_gate(target, outputs)["passed"]
+    chosen = configured
+    for alternative in [] if passed else alternatives:
+        if progress is not None:
+            progress.note(f"fallback: trying {setting}: {alternative}")
+        use(alternative)
+        outputs = evaluate(base_float, samples)
+        scores[alternative] = score = score_of(outputs, target)
+        if check_gate(target, outputs)["passed"]:
+            chosen = alternative
+            break
+        if score - scores[configured] >= min_gain * (1.0 - scores[configured]) and score > scores[chosen]:
+            chosen = alternative
+    use(chosen)
+    message = f"{setting}: {chosen} kept ({', '.join(f'{k} {v:.5f}' for k, v in scores.items())})"
+    log.info("fallback: %s", message)
+    if progress is not None and len(scores) > 1:
+        progress.note(f"fallback: {message}")
+    return {"setting": setting, "configured": configured, "chosen": chosen, "scores": scores}
 
 
 def _rank(trial, chosen: tuple[str, ...], pool: list[str], rank_samples: list[dict], elapsed, budget: float, say,

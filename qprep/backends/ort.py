@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx.version_converter
 
-from qprep.backends import BackendInput, Quantized
+from qprep.backends import BackendInput, Quantized, activation_ranges
 from qprep.errors import QprepError
 from qprep.evaluate.metrics import sqnr_db
 from qprep.graph.verify import run_model
@@ -42,8 +42,9 @@ OPTIONS = section(
     weight_type=Key("str", default="int8", choices=("int8", "uint8"), doc="weight integer type"),
     per_channel=Key("bool", default=True, doc="per-output-channel weight scales"),
     reduce_range=Key("bool", default=False, doc="7-bit weights, only for CPUs without VNNI"),
-    calibrate_method=Key("str", default="minmax", choices=("minmax", "entropy", "percentile", "distribution"),
-                         doc="how activation ranges are chosen from the calibration data"),
+    calibrate_method=Key("str", default="minmax", choices=("minmax", "mse", "entropy", "percentile", "distribution"),
+                         doc="how activation ranges are chosen from the calibration data (mse: qprep's per-tensor "
+                             "least-squared-error range; the fallback tries it when minmax misses the target)"),
     op_types=Key("list", item=Key("str"), doc="op types to quantize (default: every op type ORT quantizes; "
                                               "dynamic: MatMul and Gemm)"),
     nodes_to_exclude=Key("list", item=Key("str"), default=[], doc="node names kept float (beside the float set)"),
@@ -88,12 +89,13 @@ class OrtQuantizer:
             self.upgraded_from, model = default_opset(model), onnx.version_converter.convert_version(model, MIN_OPSET)
         self.model, self.samples, self.options, self.work_dir, self.threads = model, samples, options, work_dir, threads
         self.node_names = {n.name for n in model.graph.node}
-        self._ranges = None
+        self.range_method = options["calibrate_method"]
+        self._ranges: dict = {}  # range method → ORT TensorsData
         self._moments: dict | None = None
         self._integers: dict = {}  # (node, scale bytes) → re-rounded integers
         self.rounding: dict = {"method": options["weight_rounding"]}
         self.float_op_types: set[str] = set()  # op types the fallback measured better left float
-        self._last: tuple | None = None  # (float set, float op types) → model of the last build
+        self._last: tuple | None = None  # (float set, float op types, range method) → model of the last build
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
 
     @property
@@ -101,12 +103,31 @@ class OrtQuantizer:
         return self.options["activations"] == "dynamic"
 
     def calibrate(self):
-        """Activation ranges from the calibration samples (ORT's calibrator, run once; none when dynamic)."""
+        """Activation ranges from the calibration samples (computed once per method; none when dynamic)."""
+        if self.dynamic:
+            return None
+        method = self.range_method
+        if method not in self._ranges:
+            if method == "mse":  # refined from min/max with one more run of the float model
+                minmax = self._ort_ranges("minmax")
+                pairs = {name: tuple(float(np.asarray(v).ravel()[0]) for v in data.range_value)
+                         for name, data in minmax.items()}
+                self._ranges[method] = _tensors_data(activation_ranges.mse_ranges(self.model, pairs, self.samples,
+                                                                                   self.threads))
+            else:
+                self._ranges[method] = self._ort_ranges(method)
+        return self._ranges[method]
+
+    def use_ranges(self, method: str) -> None:
+        self.range_method = method
+
+    def _ort_ranges(self, method: str):
+        """ONNX Runtime's calibrator (run once per method)."""
         from onnxruntime.quantization import CalibrationMethod
         from onnxruntime.quantization.calibrate import create_calibrator
 
-        if self._ranges is not None or self.dynamic:
-            return self._ranges
+        if method in self._ranges:
+            return self._ranges[method]
         extra = self.options["extra_options"]
         calibrator_options = {key: extra[name] for name, key in _CALIBRATOR_OPTIONS.items() if name in extra}
         inputs = [spec.name for spec in graph_inputs(self.model)]
@@ -115,17 +136,16 @@ class OrtQuantizer:
             save_model(self.model, source)
             calibrator = create_calibrator(
                 source, self._op_types(for_calibration=True), augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                calibrate_method=getattr(CalibrationMethod, _METHODS[self.options["calibrate_method"]]),
-                extra_options=calibrator_options)
+                calibrate_method=getattr(CalibrationMethod, _METHODS[method]), extra_options=calibrator_options)
             calibrator.collect_data(_Reader(self.samples, inputs))
-            self._ranges = calibrator.compute_data()
+            self._ranges[method] = calibrator.compute_data()
             del calibrator
-        return self._ranges
+        return self._ranges[method]
 
     def build(self, excluded: set[str]) -> onnx.ModelProto:
         """The quantized model with `excluded` nodes (and their edges) left float. The fallback asks for the
         same float set several times in a row (ranking base, candidates, search base): the last build is kept."""
-        key = (frozenset(excluded & self.node_names), frozenset(self.float_op_types))
+        key = (frozenset(excluded & self.node_names), frozenset(self.float_op_types), self.range_method)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         try:
@@ -202,6 +222,14 @@ class OrtQuantizer:
         return rounded if self.rounding["kept"] else quantized
 
 
+def _tensors_data(ranges: dict[str, tuple[float, float]]):
+    from onnxruntime.quantization import CalibrationMethod
+    from onnxruntime.quantization.calibrate import TensorsData
+
+    return TensorsData(CalibrationMethod.MinMax, {name: (np.array(low, np.float32), np.array(high, np.float32))
+                                                  for name, (low, high) in ranges.items()})
+
+
 def output_sqnr(expected: list[dict], actual: list[dict]) -> float:
     """SQNR (dB) of all float outputs together, over the samples."""
     pairs = [(e[name], a[name]) for e, a in zip(expected, actual) for name in e
@@ -223,7 +251,8 @@ def quantize(job: BackendInput) -> Quantized:
         excluded, details["fallback"] = set(outcome.float_nodes), outcome.record
     quantized = quantizer.build(excluded)
     details.update({"excluded_nodes": sorted(excluded), "calibration_samples": len(job.samples),
-                    "weight_rounding": quantizer.rounding, "float_op_types": sorted(quantizer.float_op_types),
+                    "calibrate_method": quantizer.range_method, "weight_rounding": quantizer.rounding,
+                    "float_op_types": sorted(quantizer.float_op_types),
                     "qdq_simplified": quantizer.simplified})
     missing = sorted(float_set - quantizer.node_names)
     if missing:  # e.g. keep_float ran before optimize fused the decomposed LayerNorms it named
@@ -238,19 +267,25 @@ def quantize(job: BackendInput) -> Quantized:
 def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
     """The accuracy-driven search with ORT: a trial is a re-quantization (ranges and GPTQ cached) and an
     ORT run on the evaluation samples; candidates are the quantized nodes, those losing most accuracy first."""
+    import time
+
     from qprep.backends import fallback
 
+    started = time.perf_counter()  # the op-type phase counts against the budget too
     ops = {n.name: n.op_type for n in quantizer.model.graph.node}
 
     def evaluate(float_nodes: set[str], samples: list[dict]) -> dict:
         return job.measure(run_model(quantizer.build(float_nodes), samples, job.threads, optimize=True))
 
+    ranges = fallback.choose_setting(
+        "calibrate_method", quantizer.range_method, ["mse"] if quantizer.range_method == "minmax" else [],
+        quantizer.use_ranges, evaluate, excluded, job.evaluation_samples, job.fallback["target"], job.progress)
     op_types = _float_op_types(quantizer, excluded, job, evaluate)
     candidates = _candidates(quantizer.model, quantizer.build(excluded), job.evaluation_samples[:8], excluded,
                              job.threads)
     outcome = fallback.search(evaluate, candidates, excluded, job.evaluation_samples, job.fallback,
-                              describe=lambda n: ops.get(n, "?"), progress=job.progress)
-    outcome.record["float_op_types"] = op_types
+                              describe=lambda n: ops.get(n, "?"), progress=job.progress, started=started)
+    outcome.record.update(float_op_types=op_types, ranges=ranges)
     return outcome
 
 

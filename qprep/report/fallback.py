@@ -22,6 +22,10 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
     if op_types.get("chosen"):
         verdict += (f" Op types left float first (re-rounding without compute): {', '.join(op_types['chosen'])} "
                     f"({op_types['nodes']} nodes).")
+    ranges = record.get("ranges") or {}
+    if len(ranges.get("scores", {})) > 1:
+        verdict += (f" {ranges['setting']} measured first: {ranges['chosen']} kept ("
+                    + ", ".join(f"{a} {v:.5f}" for a, v in ranges["scores"].items()) + ").")
     if record.get("why"):
         verdict += f" {record['why']}."
     tables = []

@@ -1,0 +1,39 @@
+"""MSE activation ranges: a rare outlier no longer sets the int8 grid of everything else."""
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from qprep.backends.activation_ranges import BINS, _best_range, _error, mse_ranges
+
+
+def _relu_model():
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_a_rare_outlier_is_clipped_and_the_error_goes_down():
+    """Ten million values spread over [0, 1] and one at 20 (as a large activation over many samples): clipping
+    that one value costs less than rounding ten million on a grid twenty times coarser."""
+    counts = np.zeros(BINS)
+    counts[: BINS // 20] = 1e7 / (BINS // 20)
+    counts[-1] = 1
+    low, high = _best_range(counts, 0.0, 20.0, 256)
+    assert low == 0.0 and high <= 10.0
+    centers = (np.arange(BINS) + 0.5) * 20.0 / BINS
+    weights = counts / counts.sum()
+    assert _error(centers, weights, low, high, 256) < 0.5 * _error(centers, weights, 0.0, 20.0, 256)
+
+
+def test_evenly_spread_values_keep_their_full_range():
+    counts = np.ones(BINS)
+    assert _best_range(counts, -1.0, 1.0, 256) == (-1.0, 1.0)
+
+
+def test_ranges_come_from_the_model_run_and_untouched_tensors_keep_theirs():
+    samples = [{"x": np.linspace(-1, 1, 4096, dtype=np.float32)[None]} for _ in range(2)]
+    ranges = {"r": (0.0, 1.0), "y": (-1.0, 0.0), "empty": (0.0, 0.0), "missing": (-1.0, 2.0)}
+    chosen = mse_ranges(_relu_model(), ranges, samples)
+    assert chosen["r"] == (0.0, 1.0) and chosen["y"] == (-1.0, 0.0)  # spread evenly: nothing to clip
+    assert chosen["empty"] == (0.0, 0.0) and chosen["missing"] == (-1.0, 2.0)
