@@ -278,7 +278,8 @@ def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
         return job.measure(run_model(quantizer.build(float_nodes), samples, job.threads, optimize=True))
 
     ranges = fallback.choose_setting(
-        "calibrate_method", quantizer.range_method, ["mse"] if quantizer.range_method == "minmax" else [],
+        "calibrate_method", quantizer.range_method,
+        ["mse"] if quantizer.range_method == "minmax" and not quantizer.dynamic else [],
         quantizer.use_ranges, evaluate, excluded, job.evaluation_samples, job.fallback["target"], job.progress)
     op_types = _float_op_types(quantizer, excluded, job, evaluate)
     candidates = _candidates(quantizer.model, quantizer.build(excluded), job.evaluation_samples[:8], excluded,
