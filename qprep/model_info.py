@@ -153,3 +153,28 @@ def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
     except (KeyError, TypeError):
         itemsize = 1
     return count * itemsize
+
+
+def multiply_adds(model: onnx.ModelProto) -> dict[str, int]:
+    """Multiply-adds per Conv/ConvTranspose/MatMul/Gemm node at batch 1 (symbolic dims count as 1), from ONNX
+    shape inference; nodes whose shapes are unknown count 0. What keeping a node float costs, roughly."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes = {}
+    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        shapes[value.name] = [d.dim_value if d.HasField("dim_value") else 1 for d in dims]
+    shapes.update({t.name: list(t.dims) for t in model.graph.initializer})
+    counts = {}
+    for node in model.graph.node:
+        out, inputs = shapes.get(node.output[0]), [shapes.get(i) for i in node.input]
+        if not out or not inputs or any(s is None for s in inputs[:2]):
+            continue
+        if node.op_type in ("Conv", "ConvTranspose") and len(inputs[1]) >= 3:
+            # Conv weight [M, C/group, k...]: each output element takes prod(weight[1:]) products;
+            # ConvTranspose weight [C, M/group, k...]: each input element gives prod(weight[1:]) products
+            elements = out if node.op_type == "Conv" else inputs[0]
+            counts[node.name] = int(np.prod(elements) * np.prod(inputs[1][1:]))
+        elif node.op_type in ("MatMul", "Gemm") and inputs[0]:
+            transposed = node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
+            counts[node.name] = int(np.prod(out) * inputs[0][-2 if transposed else -1])
+    return counts

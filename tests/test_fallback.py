@@ -113,9 +113,11 @@ def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config
     assert 1 <= len(record["float_nodes"]) <= 2
     assert report["evaluation"]["gate"]["passed"]  # the target is checked again on the final result
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] >= 0.99
-    assert record["rounds"] == 2  # "outlier" helps only once "second" is float: found by re-ranking
-    gains = {n["node"]: n["gain"] for n in record["float_nodes"]}
-    assert gains["outlier"] > 0.5  # its gain in round 2, not its 0.0 of round 1
+    # the outlier tensor m is float only when its producer and its consumer are: one candidate, one round
+    # (as single nodes, "outlier" helped only once "second" was float, found by re-ranking in round 2)
+    assert record["rounds"] == 1
+    assert {n["node"] for n in record["float_nodes"]} == {"outlier", "second"}
+    assert all(n["via"].startswith("m (") and n["gain"] > 0.5 for n in record["float_nodes"])
 
 
 def test_ort_fallback_that_cannot_meet_its_target_exits_1_with_the_best_model(outlier_config):
@@ -202,3 +204,24 @@ def test_ort_calibrate_method_mse_runs_and_is_recorded(outlier_config):
     done, report = _run(tmp_path, config)
     assert done.returncode == 0, done.stderr
     assert report["stages"][-1]["calibrate_method"] == "mse"
+
+
+def test_edges_group_a_tensors_producer_and_consumers_in_ranked_order():
+    from qprep.backends.ort import _edges
+
+    model = _outlier_model()  # x → first → h → outlier → m → second → y
+    edges = _edges(model, ["second", "outlier", "first"])  # ranked: second lost most
+    assert edges == {"m": ("outlier", "second"), "y": ("second",), "h": ("first", "outlier"), "x": ("first",)}
+    assert list(edges)[:2] == ["m", "y"]  # both contain "second", m first in graph order
+    assert _edges(model, ["outlier"]) == {"h": ("outlier",)}  # nodes not in the list (not quantized) drop out
+
+
+def test_with_costs_the_cheaper_candidate_of_equal_help_is_promoted_first():
+    evaluate, builds = _scripted({"early": 0.02, "late": 0.015})
+    outcome = fallback.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}},
+                              cost={"early": 0.3, "late": 0.02})
+    assert outcome.float_nodes == ["late"] and outcome.passed  # 0.985 ≥ 0.98 with the cheap one alone
+    evaluate, builds = _scripted({"early": 0.02, "late": 0.015})
+    outcome = fallback.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}})
+    assert outcome.float_nodes == ["early"]  # by gain alone
+

@@ -64,3 +64,18 @@ def test_op_counts_include_subgraphs():
     counts = model_info.op_counts(model)
     assert counts["Relu"] == 3 and counts["If"] == 1
     assert model_info.has_control_flow(model)
+
+
+def test_multiply_adds_of_conv_and_matmul():
+    from onnx import TensorProto, helper as h
+
+    w = numpy_helper.from_array(np.zeros((8, 4, 3, 3), np.float32), "w")
+    m = numpy_helper.from_array(np.zeros((8, 5), np.float32), "m")
+    graph = h.make_graph(
+        [h.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         h.make_node("ReduceMean", ["c"], ["r"], name="pool", axes=[2, 3], keepdims=0),
+         h.make_node("MatMul", ["r", "m"], ["y"], name="fc")],
+        "g", [h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 6, 6])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, m])
+    counts = model_info.multiply_adds(h.make_model(graph, opset_imports=[h.make_opsetid("", 13)]))
+    assert counts == {"conv": 8 * 6 * 6 * 4 * 3 * 3, "fc": 5 * 8}

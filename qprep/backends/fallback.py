@@ -3,8 +3,9 @@
 Why measured, not by op type: on EfficientNet-Lite0 excluding the 16 depthwise convolutions made the model
 *worse*, and restoring the most harmful nodes together is not the sum of restoring each one. So:
 
-1. rank: quantize everything once (the base), then restore one candidate node at a time and measure the
-   outputs on a subset of the evaluation samples; a node's damage is how much its restoring helps.
+1. rank: quantize everything once (the base), then restore one candidate at a time and measure the outputs
+   on a subset of the evaluation samples; a candidate's damage is how much its restoring helps. A candidate is
+   a node, or a group of nodes that only together keep something float (ORT: an activation edge).
 2. promote: add nodes in ranked order (`block` at a time, for backends where one build takes minutes),
    re-quantize and re-evaluate on all evaluation samples; a block that does not improve the outputs is dropped
    again. Then rank the rest again on top of the new float set (harm interacts) and promote again. Stop when
@@ -43,13 +44,15 @@ OPTIONS = section(
 
 
 MIN_GAIN = 0.01  # a promoted block must remove at least this share of the remaining error (1 - score)
+MIN_COST = 0.01  # candidates below 1% of the model's compute are ranked by gain alone
 
 
 @dataclass
 class Trial:
     phase: str  # base | rank | promote
-    float_nodes: tuple[str, ...]  # made float by the search (beside the base float set)
+    float_nodes: tuple[str, ...]  # candidates made float by the search (beside the base float set)
     added: tuple[str, ...]  # what this trial added to the float set it started from
+    nodes: int  # graph nodes those candidates make float
     score: float
     metrics: dict
     passed: bool
@@ -57,7 +60,7 @@ class Trial:
     accepted: bool = False
 
     def record(self) -> dict:
-        return {"phase": self.phase, "float_nodes": len(self.float_nodes), "added": list(self.added),
+        return {"phase": self.phase, "float_nodes": self.nodes, "added": list(self.added),
                 "score": self.score, "metrics": self.metrics, "passed": self.passed, "accepted": self.accepted,
                 "seconds": round(self.seconds, 2)}
 
@@ -79,9 +82,18 @@ def score_of(outputs: dict, target: dict) -> float:
 
 def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[str], base_float: set[str],
            samples: list[dict], options: dict, describe: Callable[[str], str] = str, progress=None,
-           rank: Callable[[tuple[str, ...]], list[dict]] | None = None, started: float | None = None) -> Outcome:
-    """`started`: when the backend's own fallback work began (perf_counter), so the budget covers it too."""
+           rank: Callable[[tuple[str, ...]], list[dict]] | None = None, started: float | None = None,
+           groups: dict[str, tuple[str, ...]] | None = None, cost: dict[str, float] | None = None) -> Outcome:
+    """`started`: when the backend's own fallback work began (perf_counter), so the budget covers it too.
+    `groups`: candidates that stand for several nodes (ORT: an activation edge is float only when its producer
+    and every consumer are); other candidates are node names. `cost`: each candidate's share of the model's
+    compute; given, candidates are promoted by gain per cost, so the target is met with the cheapest float set
+    (on EfficientNet-Lite0 the most harmful edges are the high-resolution early layers, the slowest in float)."""
     started = time.perf_counter() if started is None else started
+    groups = groups or {}
+
+    def nodes(candidates) -> set[str]:
+        return {n for c in candidates for n in groups.get(c, (c,))} - base_float
     target, budget = options["target"], options["time_budget_s"]
     rank_samples = samples[: options["rank_samples"]]
     trials: list[Trial] = []
@@ -91,11 +103,12 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
 
     def trial(phase: str, start: tuple[str, ...], added: tuple[str, ...], on: list[dict]) -> Trial:
         t0 = time.perf_counter()
-        outputs = evaluate(base_float | set(start) | set(added), on)
+        made_float = nodes(start + added)
+        outputs = evaluate(base_float | made_float, on)
         gate = check_gate(target, outputs) if on is samples else {"passed": False}
         metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
-        result = Trial(phase, start + added, added, score_of(outputs, target), metrics, gate["passed"],
-                       time.perf_counter() - t0)
+        result = Trial(phase, start + added, added, len(made_float), score_of(outputs, target), metrics,
+                       gate["passed"], time.perf_counter() - t0)
         trials.append(result)
         return result
 
@@ -122,19 +135,21 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
             ranked = _rank(trial, chosen, remaining, rank_samples, elapsed, budget, say, round_index)
         if round_index == 1:
             ranking = ranked
+        if cost:
+            ranked = sorted(ranked, key=lambda row: -row["gain"] / max(cost.get(row["node"], 0.0), MIN_COST))
         helpful = [row["node"] for row in ranked if row["gain"] > 0]
-        say(f"round {round_index}: {len(helpful)} of {len(ranked)} nodes help when kept float; promoting in "
+        say(f"round {round_index}: {len(helpful)} of {len(ranked)} candidates help when kept float; promoting in "
             f"blocks of {options['block']}")
-        promoted = 0
+        promoted, capped = 0, False
         for start in range(0, len(helpful), options["block"]):
             last = next((t.seconds for t in reversed(trials) if t.phase == "promote"), 0.0)
             if elapsed() + last > budget:  # a trial that would end past the budget is not started
                 stop = "time budget spent"
                 break
             block = tuple(helpful[start:start + options["block"]])
-            if len(chosen) + len(block) > options["max_float_nodes"]:
-                stop = f"max_float_nodes ({options['max_float_nodes']}) reached"
-                break
+            if len(nodes(chosen + block)) > options["max_float_nodes"]:
+                capped = True  # a smaller candidate further down may still fit
+                continue
             t = trial("promote", chosen, block, samples)
             # a float node must pay for itself: at least 1% of the error left (noise-level gains are refused)
             if t.passed or t.score - current.score >= MIN_GAIN * (1.0 - current.score):
@@ -147,13 +162,22 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
                 stop = "target met"
                 break
         remaining = [n for n in remaining if n not in chosen]
-        if not stop and (not promoted or not remaining):
+        if not stop and capped:  # the cap is (nearly) full: another round would only rank
+            stop = f"max_float_nodes ({options['max_float_nodes']}) reached"
+        elif not stop and (not promoted or not remaining):
             stop = "no candidate left that helps"
         elif not stop and elapsed() > budget:
             stop = "time budget spent"
+    made_float, seen = [], set(base_float)
+    for candidate in best.float_nodes:  # each node once, with the candidate (and its gain) that made it float
+        for node in groups.get(candidate, (candidate,)):
+            if node not in seen:
+                seen.add(node)
+                made_float.append({"node": node, "what": describe(node), "gain": gains.get(candidate),
+                                   **({"via": f"{candidate} ({describe(candidate)})"} if candidate in groups else {})})
     record = {
         "target": target, "passed": best.passed, "stopped": stop, "seconds": round(elapsed(), 1),
-        "float_nodes": [{"node": n, "what": describe(n), "gain": gains.get(n)} for n in best.float_nodes],
+        "float_nodes": made_float,
         "base": {"score": base.score, "metrics": base.metrics},
         "best": {"score": best.score, "metrics": best.metrics},
         "ranking": [{**row, "what": describe(row["node"])} for row in ranking[:50]], "ranked": len(ranking),
@@ -163,7 +187,7 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
     }
     if not best.passed:
         record["why"] = _why(best, ranking, stop)
-    return Outcome(sorted(base_float | set(best.float_nodes)), best.passed, record)
+    return Outcome(sorted(base_float | nodes(best.float_nodes)), best.passed, record)
 
 
 def choose_setting(setting: str, configured: str, alternatives: list[str], use: Callable[[str], None],
@@ -200,7 +224,7 @@ def _rank(trial, chosen: tuple[str, ...], pool: list[str], rank_samples: list[di
     """Each node's gain when it alone joins the float set. Re-ranked every round on top of the nodes already
     float, because harm interacts: an edge between two quantized nodes is only float when both are."""
     base = trial("rank", chosen, (), rank_samples)
-    say(f"round {round_index}: ranking {len(pool)} nodes on {len(rank_samples)} samples")
+    say(f"round {round_index}: ranking {len(pool)} candidates on {len(rank_samples)} samples")
     rows = []
     for index, node in enumerate(pool):
         if elapsed() > budget * (0.5 if round_index == 1 else 0.9):  # leave time to promote
@@ -215,7 +239,7 @@ def _better(a: Trial, b: Trial) -> bool:
     if a.passed != b.passed:
         return a.passed
     if a.passed:
-        return (len(a.float_nodes), -a.score) < (len(b.float_nodes), -b.score)
+        return (a.nodes, -a.score) < (b.nodes, -b.score)
     return a.score > b.score
 
 
@@ -226,8 +250,8 @@ def _metrics_text(metrics: dict) -> str:
 def _why(best: Trial, ranking: list[dict], stop: str) -> str:
     missed = ", ".join(f"{k} {v:.4f}" for k, v in best.metrics.items() if isinstance(v, float))
     helpful = sum(r["gain"] > 0 for r in ranking)
-    reason = (f"target not met ({stop}); best: {missed} with {len(best.float_nodes)} float nodes; "
-              f"{helpful} of {len(ranking)} nodes ranked first helped when kept float")
+    reason = (f"target not met ({stop}); best: {missed} with {best.nodes} float nodes; "
+              f"{helpful} of {len(ranking)} candidates ranked first helped when kept float")
     if stop.startswith("no candidate"):
         return (reason + ": the remaining error is spread over many layers (see the per-layer table; try more "
                 "calibration data or another backend mode)")

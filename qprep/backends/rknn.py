@@ -240,9 +240,12 @@ class RknnBuilder:
             self.details["float16_layers"] = layers
         return runner
 
-    def release(self) -> None:
-        while self._sessions:
-            self._sessions.popitem()[1][0].release()
+    def release(self, keep: "_Runner | None" = None) -> None:
+        """Free the simulator runtimes of the kept builds (all but `keep`)."""
+        for key, (rknn, runner, _) in list(self._sessions.items()):
+            if runner is not keep:
+                rknn.release()
+                del self._sessions[key]
 
 
 def quantize(job: BackendInput) -> Quantized:
@@ -253,6 +256,7 @@ def quantize(job: BackendInput) -> Quantized:
         float_set = set(outcome.float_nodes)
         builder.details["fallback"] = outcome.record
     runner = builder.session(float_set)
+    builder.release(keep=runner)
     work, options = job.work_dir, job.options
     rknn_path = work / "model.rknn"
     builder.toolkit.call("export_rknn", runner.rknn.export_rknn, str(rknn_path))

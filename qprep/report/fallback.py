@@ -30,9 +30,9 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
         verdict += f" {record['why']}."
     tables = []
     if record["float_nodes"]:
-        tables.append(("Kept float by the fallback", ["node", "op", "gain when ranked (its round)"],
-                       [[n["node"], n["what"], "–" if n["gain"] is None else f"{n['gain']:+.5f}"]
-                        for n in record["float_nodes"]]))
+        tables.append(("Kept float by the fallback", ["node", "op", "gain when ranked (its round)", "kept float for"],
+                       [[n["node"], n["what"], "–" if n["gain"] is None else f"{n['gain']:+.5f}",
+                         n.get("via") or "itself"] for n in record["float_nodes"]]))
     trials = [t for t in record["trials"] if t["phase"] == "promote"]
     if trials:
         tables.append(("Promotion trials (all evaluation samples)",
@@ -42,6 +42,6 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
                          "yes" if t["accepted"] else "no", f"{t['seconds']:.1f}"] for t in trials]))
     ranking = record.get("ranking", [])[:15]
     if ranking:
-        tables.append(("Most harmful nodes (gain when kept float alone, first round)", ["node", "op", "gain"],
+        tables.append(("Most harmful nodes or edges (gain when kept float alone, first round)", ["candidate", "op", "gain"],
                        [[r["node"], r["what"], f"{r['gain']:+.5f}"] for r in ranking]))
     return verdict, tables
