@@ -94,6 +94,7 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
 
     def nodes(candidates) -> set[str]:
         return {n for c in candidates for n in groups.get(c, (c,))} - base_float
+
     target, budget = options["target"], options["time_budget_s"]
     rank_samples = samples[: options["rank_samples"]]
     trials: list[Trial] = []
