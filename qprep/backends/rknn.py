@@ -165,6 +165,7 @@ class RknnBuilder:
                         "calibration_samples": _count_lines(self.dataset)}
         self._step1: tuple[Path, str, IRNames] | None = None
         self._sessions: dict = {}  # key → (RKNN object, runner, float16 layers) of the last two builds
+        self._pinned: tuple | None = None  # a build kept however many come after it (the fallback's best)
 
     @property
     def algorithm(self) -> str:
@@ -174,7 +175,10 @@ class RknnBuilder:
         """Build with another range algorithm from now on (hybrid step1 records it, so step1 runs again)."""
         if algorithm != self.algorithm:
             self.release()
-            self.config["quantized_algorithm"], self._step1 = algorithm, None
+            self.config["quantized_algorithm"], self._step1, self._pinned = algorithm, None, None
+
+    def pin(self, float_set: set[str]) -> None:
+        self._pinned = (self.algorithm, frozenset(float_set))
 
     def _loaded(self):
         rknn = self.toolkit.new(self.RKNN)
@@ -221,13 +225,13 @@ class RknnBuilder:
         return rknn
 
     def session(self, float_set: set[str]) -> "_Runner":
-        """The build with `float_set` as float16 layers, its simulator runtime initialized. The last two are
-        kept: the fallback evaluates, ranks (accuracy_analysis) and finally exports a build it has already
-        made — the best one is usually the one before a refused trial — and with `mmse` one build takes minutes."""
+        """The build with `float_set` as float16 layers, its simulator runtime initialized. The last one and
+        the pinned one are kept: the fallback evaluates, ranks (accuracy_analysis) and finally exports builds it
+        has already made (its best, pinned), and with `mmse` one build takes minutes."""
         key = (self.algorithm, frozenset(float_set))
         if key not in self._sessions:
-            while len(self._sessions) >= 2:
-                self._sessions.pop(next(iter(self._sessions)))[0].release()
+            for old in [k for k in self._sessions if k != self._pinned]:
+                self._sessions.pop(old)[0].release()
             rknn = self.build(float_set)
             self.toolkit.call("init_runtime (simulator)", rknn.init_runtime)
             runner = _Runner(rknn, self.toolkit, self.job.model, self.normalization)
@@ -281,11 +285,16 @@ def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
     ops = {n.name: n.op_type for n in job.model.graph.node}
     analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
     measured: dict = {}  # (algorithm, float set, samples) → per-output metrics
+    best = [float("-inf")]  # best score on all evaluation samples so far
 
     def evaluate(float_nodes: set[str], samples: list[dict]) -> dict:
         key = (builder.algorithm, frozenset(float_nodes), len(samples))
         if key not in measured:
             measured[key] = job.measure(builder.session(float_nodes)(samples))
+            score = fallback.score_of(measured[key], job.fallback["target"])
+            if samples is job.evaluation_samples and score > best[0]:  # the build the search will return
+                best[0] = score
+                builder.pin(float_nodes)
         return measured[key]
 
     def rank(chosen: tuple[str, ...]) -> list[dict]:
