@@ -144,7 +144,8 @@ def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], thre
 
     wanted = list(dict.fromkeys(names))
     inputs = {spec.name for spec in graph_inputs(model)}  # initializers listed as inputs: not in samples
-    computed = [n for n in wanted if n not in inputs]
+    produced = {o for node in model.graph.node for o in node.output}
+    computed = [n for n in wanted if n not in inputs and n in produced]
     session = ort_session(model, threads=threads, extra_outputs=computed)
     feeds = [i.name for i in session.get_inputs()]
     available = [n for n in computed if n in {o.name for o in session.get_outputs()}]

@@ -4,6 +4,7 @@ import pytest
 from onnx import numpy_helper
 
 from qprep.errors import ModelError
+from qprep import model_io
 from qprep.model_io import load_model, save_model, sha256_file
 from qprep import model_info
 from conftest import tiny_conv_model
@@ -79,3 +80,12 @@ def test_multiply_adds_of_conv_and_matmul():
         [h.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, m])
     counts = model_info.multiply_adds(h.make_model(graph, opset_imports=[h.make_opsetid("", 13)]))
     assert counts == {"conv": 8 * 6 * 6 * 4 * 3 * 3, "fc": 5 * 8}
+
+
+def test_intermediate_values_leave_out_names_the_graph_does_not_compute():
+    model = tiny_conv_model()
+    name = next(o for node in model.graph.node for o in node.output)
+    spec = model_info.graph_inputs(model)[0]
+    sample = {spec.name: np.ones([d if isinstance(d, int) else 1 for d in spec.shape], np.float32)}
+    values = next(model_io.intermediate_values(model, [name, "not_in_graph", spec.name], [sample], threads=1))
+    assert set(values) == {name, spec.name}

@@ -26,8 +26,7 @@ def mse_ranges(model: onnx.ModelProto, ranges: dict[str, tuple[float, float]], s
     """{tensor: (low, high)} minimising the expected squared quantization error of each tensor in `ranges`
     (its min/max ranges), on a `levels`-step asymmetric grid that contains zero (as ONNX Runtime builds it).
     Tensors the model does not compute or that are not float keep their range."""
-    computed = {o for node in model.graph.node for o in node.output} | {i.name for i in model.graph.input}
-    histograms = {name: np.zeros(BINS) for name, (low, high) in ranges.items() if high > low and name in computed}
+    histograms = {name: np.zeros(BINS) for name, (low, high) in ranges.items() if high > low}
     for values in intermediate_values(model, list(histograms), samples, threads):
         for name, value in values.items():
             if value.dtype.kind == "f":
