@@ -225,3 +225,20 @@ def test_with_costs_the_cheaper_candidate_of_equal_help_is_promoted_first():
     outcome = fallback.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}})
     assert outcome.float_nodes == ["early"]  # by gain alone
 
+
+
+def test_remembered_evaluates_each_build_once_per_setting_and_sample_count():
+    calls, setting = [], {"value": "minmax"}
+
+    def evaluate(float_nodes, samples):
+        calls.append((setting["value"], frozenset(float_nodes), len(samples)))
+        return {"y": {"cosine_mean": 0.9}}
+
+    once = fallback.remembered(evaluate, lambda: setting["value"])
+    samples = [{}] * 4
+    for _ in range(3):
+        once({"a"}, samples)
+    once({"a"}, samples[:2])
+    setting["value"] = "mse"
+    once({"a"}, samples)
+    assert calls == [("minmax", frozenset({"a"}), 4), ("minmax", frozenset({"a"}), 2), ("mse", frozenset({"a"}), 4)]

@@ -191,6 +191,21 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
     return Outcome(sorted(base_float | nodes(best.float_nodes)), best.passed, record)
 
 
+def remembered(evaluate: Callable[[set[str], list[dict]], dict], setting: Callable[[], object]):
+    """`evaluate` remembered per (backend setting, float set, number of samples): the range trial, the op-type
+    phase and the search's base all ask for the same build on the same samples. Samples are always a prefix of
+    the evaluation samples, so their number names them."""
+    results: dict = {}
+
+    def evaluate_once(float_nodes: set[str], samples: list[dict]) -> dict:
+        key = (setting(), frozenset(float_nodes), len(samples))
+        if key not in results:
+            results[key] = evaluate(float_nodes, samples)
+        return results[key]
+
+    return evaluate_once
+
+
 def choose_setting(setting: str, configured: str, alternatives: list[str], use: Callable[[str], None],
                    evaluate: Callable[[set[str], list[dict]], dict], base_float: set[str], samples: list[dict],
                    target: dict, progress=None, min_gain: float = MIN_GAIN) -> dict:

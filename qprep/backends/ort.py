@@ -266,7 +266,8 @@ def quantize(job: BackendInput) -> Quantized:
 
 def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
     """The accuracy-driven search with ORT: a trial is a re-quantization (ranges and GPTQ cached) and an
-    ORT run on the evaluation samples; candidates are the quantized nodes, those losing most accuracy first."""
+    ORT run on the evaluation samples; candidates are activation edges (`_edges`; MatMul nodes with dynamic
+    quantization), those losing most accuracy first, promoted by gain per multiply-add."""
     import time
 
     from qprep.backends import fallback
@@ -274,8 +275,10 @@ def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
     started = time.perf_counter()  # the op-type phase counts against the budget too
     ops = {n.name: n.op_type for n in quantizer.model.graph.node}
 
-    def evaluate(float_nodes: set[str], samples: list[dict]) -> dict:
+    def measure(float_nodes: set[str], samples: list[dict]) -> dict:
         return job.measure(run_model(quantizer.build(float_nodes), samples, job.threads, optimize=True))
+
+    evaluate = fallback.remembered(measure, lambda: (quantizer.range_method, frozenset(quantizer.float_op_types)))
 
     ranges = fallback.choose_setting(
         "calibrate_method", quantizer.range_method,

@@ -164,7 +164,7 @@ class RknnBuilder:
         self.details = {"config": self.config, "dataset": str(self.dataset),
                         "calibration_samples": _count_lines(self.dataset)}
         self._step1: tuple[Path, str, IRNames] | None = None
-        self._sessions: dict = {}  # key → (RKNN object, runner, float16 layers) of the last two builds
+        self._sessions: dict = {}  # key → (RKNN object, runner, float16 layers): the last build and the pinned one
         self._pinned: tuple | None = None  # a build kept however many come after it (the fallback's best)
 
     @property
@@ -236,7 +236,6 @@ class RknnBuilder:
             self.toolkit.call("init_runtime (simulator)", rknn.init_runtime)
             runner = _Runner(rknn, self.toolkit, self.job.model, self.normalization)
             self._sessions[key] = (rknn, runner, self.details.get("float16_layers"))
-        self._sessions[key] = self._sessions.pop(key)  # most recently used last
         rknn, runner, layers = self._sessions[key]
         if layers is None:
             self.details.pop("float16_layers", None)
@@ -284,18 +283,18 @@ def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
     started = time.perf_counter()
     ops = {n.name: n.op_type for n in job.model.graph.node}
     analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
-    measured: dict = {}  # (algorithm, float set, samples) → per-output metrics
-    best = [float("-inf")]  # best score on all evaluation samples so far
+    best_score = float("-inf")  # on all evaluation samples, so far
 
-    def evaluate(float_nodes: set[str], samples: list[dict]) -> dict:
-        key = (builder.algorithm, frozenset(float_nodes), len(samples))
-        if key not in measured:
-            measured[key] = job.measure(builder.session(float_nodes)(samples))
-            score = fallback.score_of(measured[key], job.fallback["target"])
-            if samples is job.evaluation_samples and score > best[0]:  # the build the search will return
-                best[0] = score
-                builder.pin(float_nodes)
-        return measured[key]
+    def measure(float_nodes: set[str], samples: list[dict]) -> dict:
+        nonlocal best_score
+        outputs = job.measure(builder.session(float_nodes)(samples))
+        score = fallback.score_of(outputs, job.fallback["target"])
+        if samples is job.evaluation_samples and score > best_score:  # the build the search will return
+            best_score = score
+            builder.pin(float_nodes)
+        return outputs
+
+    evaluate = fallback.remembered(measure, lambda: builder.algorithm)
 
     def rank(chosen: tuple[str, ...]) -> list[dict]:
         try:
