@@ -91,7 +91,8 @@ def ort_documented(name: str, calib: list[dict], work: Path) -> tuple[onnx.Model
     return onnx.load(str(out)), time.perf_counter() - start, note
 
 
-def run_qprep(name: str, work: Path, eval_count: int, fallback: bool) -> tuple[onnx.ModelProto, float, str]:
+def run_qprep(name: str, work: Path, eval_count: int, fallback: bool) -> tuple[onnx.ModelProto, float, dict]:
+    """→ (model, pipeline seconds, {float_nodes, fallback_s, passed, note})"""
     _, _, shapes = MODELS[name]
     quantize = {"backend": "ort", **QUANTIZE[name]}
     if not fallback:
@@ -106,15 +107,16 @@ def run_qprep(name: str, work: Path, eval_count: int, fallback: bool) -> tuple[o
     seconds = time.perf_counter() - start
     stage = report["stages"][-1]
     record = stage.get("fallback")
-    note = ""
+    info = {"float_nodes": 0, "fallback_s": None, "passed": None, "note": ""}
     if record:
-        note = (f"fallback {'met' if record['passed'] else 'missed'} {_target(record['target'])} with "
-                f"{len(record['float_nodes'])} float nodes in {record['seconds']:.0f} s")
+        info.update(float_nodes=len(record["float_nodes"]), fallback_s=record["seconds"], passed=record["passed"])
+        info["note"] = (f"fallback {'met' if record['passed'] else 'missed'} {_target(record['target'])} with "
+                        f"{len(record['float_nodes'])} float nodes in {record['seconds']:.0f} s")
     rounding = stage.get("weight_rounding", {})
-    note += f"; GPTQ {'on' if rounding.get('kept') else 'off'}"
+    info["note"] += f"; GPTQ {'on' if rounding.get('kept') else 'off'}"
     if quantize.get("ort", {}).get("activations") == "dynamic":
-        note += "; dynamic activations"
-    return onnx.load(str(work / f"qprep-{name}" / "model.onnx")), seconds, note
+        info["note"] += "; dynamic activations"
+    return onnx.load(str(work / f"qprep-{name}" / "model.onnx")), seconds, info
 
 
 def _target(target: dict) -> str:
@@ -131,6 +133,45 @@ def scores(reference: onnx.ModelProto, result: onnx.ModelProto, evaluation: list
     return {"cosine": m["cosine_mean"], "agreement": agreement, "task": task}
 
 
+def measure(models: list[str], eval_samples: int = 128, runs: int = 50, rounds: int = 3,
+            fallback: bool = True) -> list[dict]:
+    """One row per model and flow: {model, flow, cosine, agreement, task, speed, seconds, float_nodes,
+    fallback_s, passed, note}; speed is FP32 ÷ INT8 median latency."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name in models:
+            reference = onnx.load(str(ROOT / "models" / f"{name}.onnx"))
+            qprep_model, qprep_s, qprep_info = run_qprep(name, work, eval_samples, fallback)
+            evaluation = samples(name, "eval", eval_samples, qprep_model)  # fixed dims fit both models
+            calib = samples(name, "calib", 32, qprep_model)
+            ort_model, ort_s, note = ort_documented(name, calib, work)
+            timed = interleaved({label: (model, evaluation[0]) for label, model in
+                                 (("FP32", reference), ("ORT documented flow", ort_model), ("qprep", qprep_model))},
+                                2, runs, 10, rounds)
+            ms = {label: t["median_ms"] for label, t in timed.items()}
+            for flow, model, seconds, info in (
+                    ("ORT documented flow", ort_model, ort_s, {"float_nodes": 0, "note": note}),
+                    ("qprep", qprep_model, qprep_s, qprep_info)):
+                rows.append({"model": name, "flow": flow, **scores(reference, model, evaluation),
+                             "speed": ms["FP32"] / ms[flow], "seconds": seconds, **info})
+            print(f"bench: {name} ORT done", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], eval_samples: int) -> str:
+    lines = [f"| model | flow | cosine (mean, {eval_samples} samples) | agreement | INT8 speed vs FP32 | "
+             "pipeline seconds | note |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['flow']} | {r['cosine']:.5f} | {agreement_text(r)} | {r['speed']:.2f}× | "
+                     f"{r['seconds']:.1f} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def agreement_text(row: dict) -> str:
+    return "–" if row["agreement"] is None else f"{100 * row['agreement']:.1f}% ({row['task']})"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS))
@@ -139,30 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved latency rounds (median taken)")
     parser.add_argument("--no-fallback", action="store_true", help="qprep without the accuracy-driven fallback")
     args = parser.parse_args(argv)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for name in args.models:
-            reference = onnx.load(str(ROOT / "models" / f"{name}.onnx"))
-            qprep_model, qprep_s, qprep_note = run_qprep(name, work, args.eval_samples, not args.no_fallback)
-            evaluation = samples(name, "eval", args.eval_samples, qprep_model)  # fixed dims fit both models
-            calib = samples(name, "calib", 32, qprep_model)
-            ort_model, ort_s, note = ort_documented(name, calib, work)
-            timed = interleaved({label: (model, evaluation[0]) for label, model in
-                                 (("FP32", reference), ("ORT documented flow", ort_model), ("qprep", qprep_model))},
-                                2, args.runs, 10, args.rounds)
-            ms = {label: t["median_ms"] for label, t in timed.items()}
-            for tool, model, seconds in (("ORT documented flow", ort_model, ort_s), ("qprep", qprep_model, qprep_s)):
-                s = scores(reference, model, evaluation)
-                rows.append((name, tool, s, ms["FP32"] / ms[tool], seconds,
-                             note if tool.startswith("ORT") else qprep_note))
-            print(f"bench: {name} done", file=sys.stderr, flush=True)
-    print(f"| model | flow | cosine (mean, {args.eval_samples} samples) | agreement | INT8 speed vs FP32 | "
-          "pipeline seconds | note |")
-    print("|---|---|---|---|---|---|---|")
-    for name, tool, s, speed, seconds, note in rows:
-        agreement = "–" if s["agreement"] is None else f"{100 * s['agreement']:.1f}% ({s['task']})"
-        print(f"| {name} | {tool} | {s['cosine']:.5f} | {agreement} | {speed:.2f}× | {seconds:.1f} | {note} |")
+    rows = measure(args.models, args.eval_samples, args.runs, args.rounds, not args.no_fallback)
+    print(markdown(rows, args.eval_samples))
     return 0
 
 

@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import qprep  # noqa: E402
-from qprep.stages import registry  # noqa: E402
 
 OCR = {"mean": [127.5], "std": [127.5], "channel_order": "bgr", "resize": "none"}
 MODELS = {  # name → (data set, preprocessing, input dims, has LayerNorm)
@@ -40,11 +39,12 @@ TARGETS = {
     "minilm_l6_v2": {"cosine_mean": 0.99},
 }
 # beside the target: MiniLM needs more float16 layers than the default cap (0.984 at 32 in 1162 s, still
-# climbing), and promoting two per build fits them in the 20 minutes
-FALLBACK = {"minilm_l6_v2": {"max_float_nodes": 64, "block": 2}}
+# climbing), and promoting two per build fits them in the 20 minutes; rec's mmse builds take ~3 minutes each,
+# and two per build reached 0.9895 where one per build reached 0.9888
+FALLBACK = {"minilm_l6_v2": {"max_float_nodes": 64, "block": 2}, "ppocrv4_rec": {"block": 2}}
 
 
-def config(name: str, stages: list, eval_samples: int) -> dict:
+def config(name: str, pipeline: list, eval_samples: int) -> dict:
     data, preprocess, shapes, _ = MODELS[name]
     calibration = {"source": str(ROOT / "calibration_data" / data / "calib"), "max_samples": 32}
     evaluation = {"source": str(ROOT / "calibration_data" / data / "eval"), "max_samples": eval_samples,
@@ -52,7 +52,67 @@ def config(name: str, stages: list, eval_samples: int) -> dict:
     if preprocess:
         calibration["preprocess"] = evaluation["preprocess"] = preprocess
     return {"model": str(ROOT / "models" / f"{name}.onnx"), "inputs": shapes, "calibration": calibration,
-            "evaluation": evaluation, "pipeline": stages}
+            "evaluation": evaluation, "pipeline": pipeline}
+
+
+VARIANTS = ("direct", "qprep", "qprep + LN fp16", "qprep + fallback")
+
+
+def stages(name: str, variant: str, budget: float) -> list | None:
+    """The pipeline of one variant; None where it does not apply (LN fp16 on a model without LayerNorm)."""
+    layernorm = MODELS[name][3]
+    quantize = {"backend": "rknn", "rknn": {"analysis_samples": 0}}
+    if variant == "direct":
+        return [{"quantize": quantize}]
+    if variant == "qprep":
+        return [{"optimize": {}}, {"quantize": quantize}]
+    if variant == "qprep + LN fp16":
+        return [{"optimize": {}}, {"keep_float": {}}, {"quantize": quantize}] if layernorm else None
+    fallback = {"target": TARGETS[name], "time_budget_s": budget, **FALLBACK.get(name, {})}
+    return ([{"optimize": {}}] + ([{"keep_float": {}}] if layernorm else [])
+            + [{"quantize": {**quantize, "fallback": fallback}}])
+
+
+def measure(models: list[str], eval_samples: int = 128, budget: float = 1200.0,
+            variants: tuple[str, ...] = VARIANTS) -> list[dict]:
+    """One row per model and variant: {model, flow, cosine, agreement, task, seconds (quantize stage),
+    float16_layers (IR tensors), float_nodes, fallback_s, passed, note}."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            for variant in variants:
+                pipeline = stages(name, variant, budget)
+                if pipeline is None:
+                    continue
+                report = qprep.run(config(name, pipeline, eval_samples), output_dir=f"{tmp}/{name}-{len(rows)}")
+                metrics = next(iter(report["evaluation"]["outputs"].values()))
+                stage = next(s for s in report["stages"] if s["name"] == "quantize")
+                record = stage.get("fallback")
+                row = {"model": name, "flow": variant, "cosine": metrics["cosine_mean"], "task": metrics["task"],
+                       "agreement": next((metrics[k] for k in ("top1_agreement", "step_agreement") if k in metrics),
+                                         None),
+                       "seconds": stage["seconds"],
+                       "float16_layers": len(stage.get("float16_layers", {}).get("ir_tensors", [])),
+                       "float_nodes": 0, "fallback_s": None, "passed": None, "note": ""}
+                if record:
+                    row.update(float_nodes=len(record["float_nodes"]), fallback_s=record["seconds"],
+                               passed=record["passed"],
+                               note=(f"target {'met' if record['passed'] else 'missed'}: "
+                                     f"{len(record['float_nodes'])} float nodes, {record['seconds']:.0f} s, "
+                                     f"{record['stopped']}"))
+                rows.append(row)
+                print(f"bench: {name} {variant} done", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], eval_samples: int) -> str:
+    lines = [f"| model | flow | cosine (mean, {eval_samples} samples) | agreement | build s | float16 layers | "
+             "fallback |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        shown = "–" if r["agreement"] is None else f"{100 * r['agreement']:.1f}% ({r['task']})"
+        lines.append(f"| {r['model']} | {r['flow']} | {r['cosine']:.4f} | {shown} | {r['seconds']:.1f} | "
+                     f"{r['float16_layers']} | {r['note']} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -60,46 +120,11 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--eval-samples", type=int, default=128)
     parser.add_argument("--fallback-budget", type=float, default=1200.0, help="seconds per model (0: no fallback)")
-    parser.add_argument("--variants", nargs="*", help="only these flows (direct, qprep, 'qprep + LN fp16', …)")
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS), help="only these flows")
     args = parser.parse_args(argv)
-    quantize = {"quantize": {"backend": "rknn", "rknn": {"analysis_samples": 0}}}
-    variants = [("direct", [quantize]), ("qprep", [{"optimize": {}}, quantize])]
-    if "keep_float" in registry():
-        variants.append(("qprep + LN fp16", [{"optimize": {}}, {"keep_float": {}}, quantize]))
-    if args.fallback_budget > 0:
-        variants.append(("qprep + fallback", None))
-    if args.variants:
-        variants = [v for v in variants if v[0] in args.variants]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            for label, stages in variants:
-                if label.endswith("LN fp16") and not MODELS[name][3]:
-                    continue
-                if stages is None:  # the fallback, on top of keep_float for LayerNorm models
-                    fallback = {"target": TARGETS[name], "time_budget_s": args.fallback_budget,
-                                **FALLBACK.get(name, {})}
-                    stages = ([{"optimize": {}}] + ([{"keep_float": {}}] if MODELS[name][3] else [])
-                              + [{"quantize": {**quantize["quantize"], "fallback": fallback}}])
-                report = qprep.run(config(name, stages, args.eval_samples), output_dir=f"{tmp}/{name}-{len(rows)}")
-                metrics = next(iter(report["evaluation"]["outputs"].values()))
-                agreement = next((metrics[k] for k in ("top1_agreement", "step_agreement") if k in metrics), None)
-                build = next(s["seconds"] for s in report["stages"] if s["name"] == "quantize")
-                islands = next((s.get("float16_layers", {}).get("ir_tensors", []) for s in report["stages"]
-                                if s["name"] == "quantize"), [])
-                record = next((s.get("fallback") for s in report["stages"] if s["name"] == "quantize"), None)
-                note = "" if not record else (f"target {'met' if record['passed'] else 'missed'}: "
-                                              f"{len(record['float_nodes'])} float nodes, {record['seconds']:.0f} s, "
-                                              f"{record['stopped']}")
-                rows.append((name, label, metrics["cosine_mean"], agreement, metrics["task"], build, len(islands),
-                             note))
-                print(f"bench: {name} {label} done", file=sys.stderr, flush=True)
-    print(f"| model | flow | cosine (mean, {args.eval_samples} samples) | agreement | build s | float16 layers | "
-          "fallback |")
-    print("|---|---|---|---|---|---|---|")
-    for name, label, cosine, agreement, task, build, islands, note in rows:
-        shown = "–" if agreement is None else f"{100 * agreement:.1f}% ({task})"
-        print(f"| {name} | {label} | {cosine:.4f} | {shown} | {build:.1f} | {islands} | {note} |")
+    variants = [v for v in args.variants if v != "qprep + fallback" or args.fallback_budget > 0]
+    rows = measure(args.models, args.eval_samples, args.fallback_budget, tuple(variants))
+    print(markdown(rows, args.eval_samples))
     return 0
 
 

@@ -60,7 +60,7 @@ def test_layernorm_float16_islands_map_to_rknn_tensors_and_step2_builds(tmp_path
     work.mkdir()
     options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
                "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
-               "analysis_samples": 0}
+               "analysis_samples": 0, "weight_rounding": "nearest"}
     result = rknn.quantize(BackendInput(model=model, calibration=calibration, max_samples=8,
                                         float_set=set(layernorms), options=options, work_dir=work))
     islands = result.details["float16_layers"]
@@ -72,6 +72,43 @@ def test_layernorm_float16_islands_map_to_rknn_tensors_and_step2_builds(tmp_path
     outputs = result.runner(calibration.samples[:2])
     assert outputs[0]["softmax_11.tmp_0"].shape == (1, 40, 6625)
     assert np.isfinite(outputs[0]["softmax_11.tmp_0"]).all()
+
+
+def test_gptq_weights_sit_on_the_grid_the_toolkit_quantizes_them_to(tmp_path):
+    """rknn_weights' model of the toolkit's weight quantization (per output channel, asymmetric over
+    [min(w, 0), max(w, 0)]) checked against the toolkit's own quantization table (rknn-toolkit2 2.5.0, a private
+    attribute): every Conv weight it was handed gets the predicted scale and zero point and lies on that grid,
+    so the toolkit's rounding keeps GPTQ's integers."""
+    import qprep
+    from qprep.backends import rknn, rknn_weights
+    from qprep.data import load_samples
+    from qprep.model_info import graph_inputs
+
+    qprep.run({"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
+               "pipeline": [{"optimize": {"max_opset": 19}}]}, output_dir=str(tmp_path / "optimized"))
+    model = onnx.load(str(tmp_path / "optimized" / "model.onnx"))
+    cfg = {"source": str(CALIBRATION / "ocr_cls" / "calib"), "format": "auto", "max_samples": 8, "seed": 0,
+           "preprocess": {**OCR, "mean": [127.5] * 3, "std": [127.5] * 3, "layout": "auto"}}
+    calibration = load_samples(cfg, graph_inputs(model))
+    options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
+               "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
+               "analysis_samples": 0, "weight_rounding": "gptq"}
+    (tmp_path / "work").mkdir()
+    result = rknn.quantize(BackendInput(model=model, calibration=calibration, max_samples=8, float_set=set(),
+                                        options=options, work_dir=tmp_path / "work"))
+    assert result.details["weight_rounding"]["layers"] == 54  # 53 Conv + the classifier (Gemm, transB 0)
+    handed = onnx.load(str(tmp_path / "work" / "model.onnx"))
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in handed.graph.initializer}
+    table = result.runner.rknn.rknn_base.quantizer.quant_tab
+    layers = rknn_weights.layers(handed)
+    assert len(layers) == 54 and {layer.kind for layer in layers} == {"conv", "matmul"}
+    for layer in layers:
+        weight = weights[layer.quantized]
+        scale, zero = rknn_weights.grid(weight, layer.axis)
+        np.testing.assert_allclose(np.asarray(json.loads(str(table[layer.quantized]["scale"]))), scale, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(json.loads(str(table[layer.quantized]["zero_point"]))), zero)
+        steps = np.moveaxis(weight, layer.axis, 0).reshape(len(scale), -1) / scale[:, None] + zero[:, None]
+        assert np.abs(steps - np.round(steps)).max() < 1e-3
 
 
 def test_dynamic_input_dims_are_refused_with_the_fix(tmp_path):

@@ -102,3 +102,49 @@ def test_gptq_not_kept_when_it_does_not_help(tmp_path, monkeypatch):
     quantizer = OrtQuantizer(model, _samples([1, 5, 16]), options, tmp_path)
     quantizer.build(set())
     assert quantizer.rounding["kept"] is False
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rknn_weights_sit_on_the_grid_the_toolkit_derives_again_and_lower_the_error(case):
+    """rknn_weights.on_grid writes float weights the toolkit's per-channel asymmetric rounding maps onto
+    GPTQ's integers: every weight on the grid of the original weights, and that grid is what the new weights
+    give again (extremes kept at -128 and 127); the output error is below nearest rounding on that grid."""
+    from qprep.backends import rknn_weights
+
+    kind, shape, x_shape, attrs = CASES[case]
+    axis = 1 if kind == "MatMul" else 0  # output channels
+    rng = np.random.default_rng(3)
+    spread = np.linspace(0.2, 2.0, shape[axis]).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    weight = rng.standard_normal(shape) * spread
+    np.moveaxis(weight, axis, 0)[0] = np.abs(np.moveaxis(weight, axis, 0)[0])  # no negative weight: grid from 0
+    model = _model(kind, weight, x_shape, **attrs)
+    samples = _samples(x_shape)
+    rounded, layers = rknn_weights.on_grid(model, samples)
+    assert layers == 1
+    new = numpy_helper.to_array(next(t for t in rounded.graph.initializer if t.name == "w"))
+    scale, zero = rknn_weights.grid(weight.astype(np.float32), axis)
+    again_scale, again_zero = rknn_weights.grid(new, axis)
+    np.testing.assert_allclose(again_scale, scale, rtol=1e-6)
+    np.testing.assert_array_equal(again_zero, zero)
+    per_channel = [-1 if i == axis else 1 for i in range(len(shape))]
+    integers = new / scale.reshape(per_channel) + zero.reshape(per_channel)
+    assert np.abs(integers - np.round(integers)).max() < 1e-3  # on the grid: the toolkit's rounding is exact
+    assert integers.min() >= -128.001 and integers.max() <= 127.001
+    nearest_integers = np.clip(np.round(weight / scale.reshape(per_channel) + zero.reshape(per_channel)), -128, 127)
+    nearest = _model(kind, (nearest_integers - zero.reshape(per_channel)) * scale.reshape(per_channel), x_shape,
+                     **attrs)
+    expected = run_model(model, samples)
+    assert output_sqnr(expected, run_model(rounded, samples)) > output_sqnr(expected, run_model(nearest, samples)) + 1
+
+
+def test_rknn_weights_leave_shared_weights_alone():
+    from qprep.backends import rknn_weights
+
+    weight = numpy_helper.from_array(np.ones((16, 16), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    name_nodes(model.graph)
+    rounded, layers = rknn_weights.on_grid(model, _samples([1, 5, 16]))
+    assert layers == 0 and rounded.graph.initializer[0] == model.graph.initializer[0]

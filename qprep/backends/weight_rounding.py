@@ -175,6 +175,13 @@ def gptq(weight: np.ndarray, moment: np.ndarray, scale: np.ndarray, zero: np.nda
     return q
 
 
+def rounded(layer: Layer, moment: np.ndarray, qmin: int, qmax: int, damp: float = 0.01) -> np.ndarray:
+    """GPTQ integers for one layer's weight (weight-shaped, float64 holding integers in [qmin, qmax])."""
+    rows = gptq(_to_rows(layer.float_weight, layer), moment, _per_row(layer.scale, layer),
+                _per_row(layer.zero_point, layer), qmin, qmax, damp)
+    return _from_rows(rows, layer)
+
+
 def apply(qdq_model: onnx.ModelProto, layers: list[Layer], moments: dict[str, np.ndarray],
           damp: float = 0.01, cache: dict | None = None) -> tuple[onnx.ModelProto, int]:
     """A copy of the QDQ model with re-rounded integer weights for every layer that has a moment. `cache`
@@ -191,9 +198,8 @@ def apply(qdq_model: onnx.ModelProto, layers: list[Layer], moments: dict[str, np
         key = (layer.node, layer.scale.tobytes(), layer.zero_point.tobytes(), int(nearest.min()), int(nearest.max()))
         integers = None if cache is None else cache.get(key)
         if integers is None:
-            rows = gptq(_to_rows(layer.float_weight, layer), moments[layer.node], _per_row(layer.scale, layer),
-                        _per_row(layer.zero_point, layer), int(nearest.min()), int(nearest.max()), damp)
-            integers = _from_rows(rows, layer).astype(nearest.dtype)
+            integers = rounded(layer, moments[layer.node], int(nearest.min()), int(nearest.max()), damp)
+            integers = integers.astype(nearest.dtype)
             if cache is not None:
                 cache[key] = integers
         inits[layer.quantized].CopyFrom(numpy_helper.from_array(integers, layer.quantized))
