@@ -1,8 +1,9 @@
 """rknn-toolkit2 direct vs qprep's RKNN pipeline on the reference models (rk3588 w8a8, x86 simulator).
 
 Same calibration and evaluation samples and the same evaluation code for every variant:
-    direct          the toolkit on the model as exported (qprep only feeds it: pipeline [quantize rknn])
-    qprep           optimize (verified rewrites) → quantize rknn
+    direct          the toolkit on the model as exported (qprep only feeds it: pipeline [quantize rknn] with
+                    weight_rounding: nearest, the toolkit's own)
+    qprep           optimize (verified rewrites) → quantize rknn (GPTQ weights on the toolkit's grid)
     qprep + LN fp16 optimize → keep_float (LayerNorms) → quantize rknn with float16 islands (LayerNorm models)
     qprep + fallback optimize → keep_float → quantize rknn with the accuracy-driven fallback aiming at issue #8's
                     RKNN targets (TARGETS below; float16 layers ranked by accuracy_analysis)
@@ -62,8 +63,8 @@ def stages(name: str, variant: str, budget: float) -> list | None:
     """The pipeline of one variant; None where it does not apply (LN fp16 on a model without LayerNorm)."""
     layernorm = MODELS[name][3]
     quantize = {"backend": "rknn", "rknn": {"analysis_samples": 0}}
-    if variant == "direct":
-        return [{"quantize": quantize}]
+    if variant == "direct":  # the toolkit's own rounding too (qprep's GPTQ weights are part of "qprep")
+        return [{"quantize": {**quantize, "rknn": {**quantize["rknn"], "weight_rounding": "nearest"}}}]
     if variant == "qprep":
         return [{"optimize": {}}, {"quantize": quantize}]
     if variant == "qprep + LN fp16":
