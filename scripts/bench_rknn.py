@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import qprep  # noqa: E402
+from bench_quantize import agreement_text  # noqa: E402
 
 OCR = {"mean": [127.5], "std": [127.5], "channel_order": "bgr", "resize": "none"}
 MODELS = {  # name → (data set, preprocessing, input dims, has LayerNorm)
@@ -110,8 +111,7 @@ def markdown(rows: list[dict], eval_samples: int) -> str:
     lines = [f"| model | flow | cosine (mean, {eval_samples} samples) | agreement | build s | float16 layers | "
              "fallback |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        shown = "–" if r["agreement"] is None else f"{100 * r['agreement']:.1f}% ({r['task']})"
-        lines.append(f"| {r['model']} | {r['flow']} | {r['cosine']:.4f} | {shown} | {r['seconds']:.1f} | "
+        lines.append(f"| {r['model']} | {r['flow']} | {r['cosine']:.4f} | {agreement_text(r)} | {r['seconds']:.1f} | "
                      f"{r['float16_layers']} | {r['note']} |")
     return "\n".join(lines)
 
