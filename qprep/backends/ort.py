@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx.version_converter
 
-from qprep.backends import BackendInput, Quantized, activation_ranges
+from qprep.backends import BackendInput, Quantized, activation_ranges, float_maxpool
 from qprep.errors import QprepError
 from qprep.evaluate.metrics import sqnr_db
 from qprep.graph.verify import run_model
@@ -250,6 +250,8 @@ def quantize(job: BackendInput) -> Quantized:
         outcome = _fallback(quantizer, excluded, job)
         excluded, details["fallback"] = set(outcome.float_nodes), outcome.record
     quantized = quantizer.build(excluded)
+    if not quantizer.dynamic:  # exact, for speed: ORT would run these MaxPools on uint8 with a slow kernel
+        quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
     details.update({"excluded_nodes": sorted(excluded), "calibration_samples": len(job.samples),
                     "calibrate_method": quantizer.range_method, "weight_rounding": quantizer.rounding,
                     "float_op_types": sorted(quantizer.float_op_types),

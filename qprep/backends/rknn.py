@@ -48,8 +48,8 @@ OPTIONS = section(
     optimization_level=Key("int", default=3, minimum=0, doc="toolkit graph optimization level"),
     do_quantization=Key("bool", default=True, doc="false: a float16 model (no int8)"),
     weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest"),
-                        doc="gptq: Conv weights pre-rounded onto the toolkit's grid by GPTQ (rknn_weights.py); "
-                            "w8a8 per-channel with the normal or kl_divergence algorithm (mmse chooses its own)"),
+                        doc="gptq: Conv/MatMul/Gemm weights handed to the toolkit on its own grid with GPTQ's "
+                            "integers (rknn_weights.py); w8a8, per channel, normal algorithm (the one measured)"),
     analysis_samples=Key("int", default=1, minimum=0,
                          doc="evaluation samples run through accuracy_analysis for the per-layer table (~10 s each)"),
 )
@@ -188,7 +188,7 @@ class RknnBuilder:
         options = self.options
         rounding = (options["weight_rounding"] == "gptq" and options["do_quantization"]
                     and options["quantized_dtype"] == "w8a8" and options["quantized_method"] == "channel"
-                    and self.algorithm != "mmse" and self.job.samples)
+                    and self.algorithm == "normal" and self.job.samples)
         if rounding and self._on_grid is None:
             from qprep.backends import rknn_weights
 
@@ -197,7 +197,7 @@ class RknnBuilder:
             self._grid_record = {"method": "gptq", "layers": layers, "seconds": round(time.perf_counter() - start, 1)}
             log.info("rknn: GPTQ weights on the toolkit's grid for %d layers", layers)
         self.details["weight_rounding"] = (self._grid_record if rounding else
-                                           {"method": "mmse" if self.algorithm == "mmse" else "nearest"})
+                                           {"method": self.algorithm if self.algorithm != "normal" else "nearest"})
         onnx.save_model(self._on_grid if rounding else self.job.model, str(self.model_path))
 
     def pin(self, float_set: set[str]) -> None:
