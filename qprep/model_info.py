@@ -158,12 +158,7 @@ def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
 def multiply_adds(model: onnx.ModelProto) -> dict[str, int]:
     """Multiply-adds per Conv/ConvTranspose/MatMul/Gemm node at batch 1 (symbolic dims count as 1), from ONNX
     shape inference; nodes whose shapes are unknown count 0. What keeping a node float costs, roughly."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    shapes = {}
-    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
-        dims = value.type.tensor_type.shape.dim
-        shapes[value.name] = [d.dim_value if d.HasField("dim_value") else 1 for d in dims]
-    shapes.update({t.name: list(t.dims) for t in model.graph.initializer})
+    shapes = {name: [1 if d is None else d for d in dims] for name, (_, dims) in tensor_shapes(model).items()}
     counts = {}
     for node in model.graph.node:
         out, inputs = shapes.get(node.output[0]), [shapes.get(i) for i in node.input]
@@ -178,3 +173,21 @@ def multiply_adds(model: onnx.ModelProto) -> dict[str, int]:
             transposed = node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
             counts[node.name] = int(np.prod(out) * inputs[0][-2 if transposed else -1])
     return counts
+
+
+def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:
+    """{tensor: (element type, dims with None where unknown)} from ONNX shape inference and the initializers;
+    {} for the inferred part when inference fails (never fatal: callers only use what is known)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - e.g. models over 2 GB; the initializers are still known
+        inferred = model
+    shapes = {}
+    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
+        tensor_type = value.type.tensor_type
+        if tensor_type.HasField("shape"):
+            shapes[value.name] = (tensor_type.elem_type,
+                                  [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                                   for d in tensor_type.shape.dim])
+    shapes.update({t.name: (t.data_type, list(t.dims)) for t in model.graph.initializer})
+    return shapes

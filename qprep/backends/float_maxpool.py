@@ -19,17 +19,15 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qprep.graph.verify import run_model
+from qprep.model_info import tensor_shapes
 
 log = logging.getLogger("qprep")
 
 
 def rewrite(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, int]:
     """(model with every eligible MaxPool rewritten, how many); unchanged if the outputs differ at all."""
-    try:
-        shapes = _static_shapes(model)
-    except Exception as exc:  # shape inference refuses some graphs (e.g. over 2 GB): nothing to rewrite then
-        log.debug("float_maxpool: no shape inference (%s)", exc)
-        return model, 0
+    shapes = {name: dims for name, (kind, dims) in tensor_shapes(model).items()
+              if kind == onnx.TensorProto.FLOAT and dims and None not in dims}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
     result = onnx.ModelProto()
     result.CopyFrom(model)
@@ -50,16 +48,6 @@ def rewrite(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tu
         log.warning("float_maxpool: the rewritten model's outputs differ; MaxPools left as they were")
         return model, 0
     return result, count
-
-
-def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
-    inferred = onnx.shape_inference.infer_shapes(model)
-    shapes = {}
-    for value in list(inferred.graph.value_info) + list(inferred.graph.input):
-        dims = value.type.tensor_type.shape.dim
-        if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT and dims and all(d.dim_value > 0 for d in dims):
-            shapes[value.name] = [d.dim_value for d in dims]
-    return shapes
 
 
 def _eligible(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> list[int] | None:
