@@ -2,7 +2,7 @@
 
 Every contender gets the same calibration (32) and evaluation (128) samples of each reference model and is scored
 by the same code against the same FP32 model; ORT speeds are FP32 ÷ INT8 median latency (batch 1, 2 intra-op
-threads, 50 runs, 3 interleaved rounds). The two halves are scripts/bench_quantize.py (ORT) and
+threads, 200 runs, 5 interleaved rounds). The two halves are scripts/bench_quantize.py (ORT) and
 scripts/bench_rknn.py (RKNN simulator, rk3588 w8a8), which say what each flow runs; qprep runs with the
 accuracy-driven fallback aiming at the targets below (10 min budget for ORT, 20 min for RKNN).
 
