@@ -62,6 +62,36 @@ def test_search_respects_max_float_nodes_and_blocks():
     assert all(len(b) % 2 == 0 for b in promoted)
 
 
+@pytest.mark.parametrize("switches", [True, False])
+def test_when_no_slow_trial_fits_the_budget_the_rest_build_the_faster_way(monkeypatch, switches):
+    """RKNN mmse: builds take minutes until the backend reuses the accepted build's ranges (seconds)."""
+    clock, slow, asked = [0.0], [True], []
+    monkeypatch.setattr(fallback.time, "perf_counter", lambda: clock[0])
+    damage = {f"n{i}": 0.01 for i in range(6)}
+    scripted, _ = _scripted(damage)
+
+    def evaluate(float_nodes, samples):
+        clock[0] += 40.0 if slow[0] else 1.0
+        return scripted(float_nodes, samples)
+
+    def faster(float_nodes):
+        asked.append(set(float_nodes))
+        slow[0] = not switches
+        return switches
+
+    outcome = fallback.search(evaluate, list(damage), {"kept"}, [{}] * 4,
+                              {**OPTIONS, "target": {"cosine_mean": 0.999}, "time_budget_s": 100},
+                              rank=lambda chosen: [{"node": n, "gain": 0.01} for n in damage if n not in chosen],
+                              faster=faster)
+    assert asked == [{"kept", "n0"}]  # asked once, from the accepted set, when base + one trial left 20 s
+    assert fallback.FAST_SHARE < 0.4  # so the next 40-s trial would end in it
+    if switches:
+        assert outcome.passed and outcome.record["faster_from_trial"] == 2 and len(outcome.float_nodes) == 7
+    else:
+        assert not outcome.passed and outcome.record["stopped"] == "time budget spent"
+        assert "faster_from_trial" not in outcome.record and outcome.float_nodes == ["kept", "n0"]
+
+
 def _outlier_model():
     """x[1,16] → MatMul → Mul(one channel × 1000) → MatMul → y: one per-tensor range for all channels."""
     rng = np.random.default_rng(0)

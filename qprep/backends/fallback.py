@@ -45,6 +45,7 @@ OPTIONS = section(
 
 MIN_GAIN = 0.01  # a promoted block must remove at least this share of the remaining error (1 - score)
 MIN_COST = 0.01  # candidates below 1% of the model's compute are ranked by gain alone
+FAST_SHARE = 0.25  # of the budget, left to a backend's faster builds (RKNN mmse: ~7 s trials vs ~3 min)
 
 
 @dataclass
@@ -83,12 +84,16 @@ def score_of(outputs: dict, target: dict) -> float:
 def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[str], base_float: set[str],
            samples: list[dict], options: dict, describe: Callable[[str], str] = str, progress=None,
            rank: Callable[[tuple[str, ...]], list[dict]] | None = None, started: float | None = None,
-           groups: dict[str, tuple[str, ...]] | None = None, cost: dict[str, float] | None = None) -> Outcome:
+           groups: dict[str, tuple[str, ...]] | None = None, cost: dict[str, float] | None = None,
+           faster: Callable[[set[str]], bool] | None = None) -> Outcome:
     """`started`: when the backend's own fallback work began (perf_counter), so the budget covers it too.
     `groups`: candidates that stand for several nodes (ORT: an activation edge is float only when its producer
     and every consumer are); other candidates are node names. `cost`: each candidate's share of the model's
     compute; given, candidates are promoted by gain per cost, so the target is met with the cheapest float set
-    (on EfficientNet-Lite0 the most harmful edges are the high-resolution early layers, the slowest in float)."""
+    (on EfficientNet-Lite0 the most harmful edges are the high-resolution early layers, the slowest in float).
+    `faster(float_nodes)`: asked once, when the next trial would end in the last FAST_SHARE of the budget, to
+    build from then on in a faster, approximate way starting from the build of `float_nodes` (the accepted set);
+    True if it does (else the slow trials go on to the end of the budget)."""
     started = time.perf_counter() if started is None else started
     groups = groups or {}
 
@@ -127,6 +132,7 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
     remaining = list(candidates if rank is not None else candidates[: options["max_candidates"]])
     chosen: tuple[str, ...] = ()
     gains: dict[str, float] = {}  # promoted node → its gain in the round that promoted it
+    fast_from: int | None = None  # index of the first trial built the faster way
     round_index = 0
     while not stop:
         round_index += 1
@@ -143,7 +149,13 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
             f"blocks of {options['block']}")
         promoted, capped = 0, False
         for start in range(0, len(helpful), options["block"]):
-            last = next((t.seconds for t in reversed(trials) if t.phase == "promote"), 0.0)
+            last = next((t.seconds for t in reversed(trials[fast_from or 0:]) if t.phase == "promote"), 0.0)
+            if elapsed() + last > budget * (1 - FAST_SHARE) and faster is not None and fast_from is None:
+                if faster(base_float | nodes(chosen)):
+                    fast_from, last = len(trials), 0.0
+                    say("the last quarter of the budget: the trials left build the faster way")
+                else:
+                    faster = None
             if elapsed() + last > budget:  # a trial that would end past the budget is not started
                 stop = "time budget spent"
                 break
@@ -185,6 +197,7 @@ def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[st
         "candidates": len(candidates), "rounds": round_index,
         "trials": [t.record() for t in trials if t.phase != "rank"],
         "rank_trials": sum(t.phase == "rank" for t in trials), "ranked_by": "trials" if rank is None else "analysis",
+        **({"faster_from_trial": sum(t.phase != "rank" for t in trials[:fast_from])} if fast_from is not None else {}),
     }
     if not best.passed:
         record["why"] = _why(best, ranking, stop)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from qprep.backends import BackendInput, Quantized
+from qprep.backends import BackendInput, Quantized, rknn_ranges
 from qprep.backends.rknn_names import IRNames, map_float_set, parse_error_analysis, with_custom_layers
 from qprep.errors import QprepError
 from qprep.model_info import graph_inputs, graph_outputs
@@ -168,6 +168,7 @@ class RknnBuilder:
         self.details = {"config": self.config, "dataset": str(self.dataset),
                         "calibration_samples": _count_lines(self.dataset)}
         self._step1: tuple[Path, str, IRNames] | None = None
+        self._ranges: dict | None = None  # a build's quantization table later builds reuse (rknn_ranges.py)
         self._save_model()
         self._sessions: dict = {}  # key → (RKNN object, runner, float16 layers): the last build and the pinned one
         self._pinned: tuple | None = None  # a build kept however many come after it (the fallback's best)
@@ -181,7 +182,24 @@ class RknnBuilder:
         if algorithm != self.algorithm:
             self.release()
             self.config["quantized_algorithm"], self._step1, self._pinned = algorithm, None, None
+            self._ranges = None
+            self.details.pop("ranges_reused", None)
             self._save_model()
+
+    def reuse_ranges(self, float_set: set[str]) -> bool:
+        """Later builds take the ranges of the build of `float_set` (made with the current algorithm) and search
+        none (rknn_ranges.py): with mmse, a trial's step2 then takes seconds instead of minutes."""
+        entry = self._sessions.get((self.algorithm, frozenset(float_set)))
+        if entry is None or self.algorithm == "normal" or not self.options["do_quantization"]:
+            return False
+        try:
+            self._ranges = rknn_ranges.table_of(entry[0])
+        except ValueError as exc:
+            log.warning("rknn: every build searches its %s ranges again (%s)", self.algorithm, exc)
+            return False
+        self._step1 = None  # step1 again, with `normal`: the data file it writes is what step2 follows
+        self.details["ranges_reused"] = {"algorithm": self.algorithm, "from_float16_nodes": len(float_set)}
+        return True
 
     def _save_model(self) -> None:
         """The ONNX file the toolkit loads: with GPTQ weights where the toolkit's weight grid is the one
@@ -204,9 +222,9 @@ class RknnBuilder:
     def pin(self, float_set: set[str]) -> None:
         self._pinned = (self.algorithm, frozenset(float_set))
 
-    def _loaded(self):
+    def _loaded(self, algorithm: str | None = None):
         rknn = self.toolkit.new(self.RKNN)
-        self.toolkit.call("config", rknn.config, **self.config)
+        self.toolkit.call("config", rknn.config, **{**self.config, "quantized_algorithm": algorithm or self.algorithm})
         self.toolkit.call("load_onnx", rknn.load_onnx, model=str(self.model_path), inputs=[s.name for s in self.inputs],
                           input_size_list=[s.shape for s in self.inputs])
         return rknn
@@ -214,18 +232,27 @@ class RknnBuilder:
     def ir_names(self) -> IRNames:
         """Hybrid step1 (once): the IR, its tensor names and the quantization cfg step2 builds from."""
         if self._step1 is None:
-            rknn = self._loaded()
+            rknn = self._loaded("normal" if self._ranges else None)
             self.toolkit.call("hybrid_quantization_step1", rknn.hybrid_quantization_step1, dataset=str(self.dataset),
                               proposal=False)
             rknn.release()
             stem = self.toolkit.work_dir / "model"
             cfg_text = Path(f"{stem}.quantization.cfg").read_text()
+            if self._ranges:
+                try:
+                    cfg_text, counts = rknn_ranges.apply(stem, cfg_text, self._ranges)
+                except ValueError as exc:
+                    log.warning("rknn: every build searches its %s ranges again (%s)", self.algorithm, exc)
+                    self._ranges = None
+                    self.details.pop("ranges_reused", None)
+                    return self.ir_names()
+                self.details["ranges_reused"].update(counts)
             self._step1 = (stem, cfg_text, IRNames(f"{stem}.model", cfg_text))
         return self._step1[2]
 
     def build(self, float_set: set[str]):
         """An RKNN object built with `float_set` as float16 layers, its simulator runtime initialized."""
-        if float_set and self.options["do_quantization"]:
+        if (float_set or self._ranges) and self.options["do_quantization"]:
             ir = self.ir_names()
             stem, cfg_text, _ = self._step1
             mapping, unmapped = map_float_set(self.job.model, sorted(float_set), ir)
@@ -348,6 +375,9 @@ def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
     # with GPTQ weights: EfficientNet-Lite0 0.9976 → 0.9984 (its target met with no float layer), PP-OCRv4 rec
     # 0.9729 → 0.9791 (23%; its search then reaches 0.9895 in 20 minutes, the normal one was at 0.975 after 12);
     # MiniLM 0.505 → 0.533 (6%, builds 3× slower) keeps normal; cls meets its target with normal.
+    # In the last quarter of the budget the trials reuse the accepted build's ranges (seconds each,
+    # rknn_ranges.py). Not from the start: mmse's ranges depend on the float16 set, and a whole search on one
+    # build's ranges ended lower (rec 0.9843 vs 0.9895).
     ranges = fallback.choose_setting(
         "quantized_algorithm", builder.algorithm,
         ["mmse"] if builder.algorithm == "normal" and job.options["do_quantization"] else [],
@@ -355,7 +385,8 @@ def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
         min_gain=0.15)
     candidates = [n.name for n in job.model.graph.node if n.name not in base_float]
     outcome = fallback.search(evaluate, candidates, base_float, job.evaluation_samples, job.fallback,
-                              describe=lambda n: ops.get(n, "?"), progress=job.progress, rank=rank, started=started)
+                              describe=lambda n: ops.get(n, "?"), progress=job.progress, rank=rank, started=started,
+                              faster=builder.reuse_ranges)
     outcome.record["ranges"] = ranges
     return outcome
 

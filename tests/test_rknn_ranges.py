@@ -1,0 +1,158 @@
+"""Reusing one RKNN build's ranges in later hybrid builds (rknn_ranges.py): the file edits on tiny inputs, and
+for real, an mmse build's table rebuilt by a `normal` step2 that searches nothing."""
+
+import argparse
+import pickle
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+
+from qprep.backends import rknn_ranges
+from conftest import CALIBRATION, demo_model
+
+CFG = """custom_quantize_layers: {}
+quantize_parameters:
+    x:
+        qtype: asym
+        qmethod: layer
+        dtype: float32
+        min:
+        -   -1.0
+        max:
+        -   1.0
+        scale: []
+        zero_point: []
+    'conv.out':
+        qtype: asym
+        qmethod: layer
+        dtype: int8
+        min:
+        -   -20.5
+        max:
+        -   20.25
+        scale:
+        -   0.16
+        zero_point:
+        -   -1
+        ori_min:
+        -   -20.5
+        ori_max:
+        -   20.25
+    conv.weight:
+        qtype: asym
+        qmethod: channel
+        dtype: int8
+        min:
+        -   -1.0
+        -   -2.0
+        max:
+        -   1.0
+        -   2.0
+        scale:
+        -   0.01
+        -   0.02
+        zero_point:
+        -   0
+        -   0
+"""
+
+
+def _entry(qmethod, low, high, dtype="int8"):
+    scale = [(h - l) / 255 for l, h in zip(low, high)]
+    return {"name": "", "qmethod": qmethod, "qtype": "asym", "dtype": dtype, "min": str(low), "max": str(high),
+            "scale": str(scale), "zero_point": str([-128] * len(low)), "ori_min": str(low), "ori_max": str(high)}
+
+
+def test_cfg_entries_replaced_line_by_line_and_nothing_else():
+    table = {"conv.out": _entry("layer", [-3.0], [0.00001]), "conv.weight": _entry("channel", [-5.0, -5.0], [5.0, 5.0])}
+    text, changed = rknn_ranges._with_entries(CFG, table)
+    assert changed == 1
+    parsed = yaml.safe_load(text)["quantize_parameters"]
+    out = parsed["conv.out"]
+    assert out["min"] == [-3.0] and out["max"] == [0.00001] and out["ori_min"] == [-3.0]  # 1e-05 would be a string
+    assert out["scale"] == [3.00001 / 255] and out["zero_point"] == [-128]
+    assert parsed["x"] == yaml.safe_load(CFG)["quantize_parameters"]["x"]  # not in the table
+    assert parsed["conv.weight"]["min"] == [-1.0, -2.0]  # weights go through the data file, not the cfg
+    changed_lines = [b for a, b in zip(CFG.splitlines(), text.splitlines()) if a != b]
+    assert len(text.splitlines()) == len(CFG.splitlines()) and len(changed_lines) == 6  # min max scale zp ori ×2
+
+
+def _step1(tmp_path, quant_tab):
+    stem = tmp_path / "model"
+    with open(f"{stem}.data", "wb") as f:
+        pickle.dump({"quant_tab": quant_tab, "quantizer.param": {"qalgorithm": "mmse"},
+                     "args": argparse.Namespace(quantized_algorithm="mmse")}, f)
+    return stem
+
+
+def test_step1_data_file_gets_the_entries_and_the_normal_algorithm(tmp_path):
+    stem = _step1(tmp_path, {"conv.weight": _entry("channel", [-1.0, -2.0], [1.0, 2.0]),
+                             "other.weight": _entry("channel", [-1.0], [1.0]),
+                             "conv.out": _entry("layer", [-20.5], [20.25])})
+    table = {"conv.out": _entry("layer", [-3.0], [3.0]), "conv.weight": _entry("channel", [-5.0, -5.0], [5.0, 5.0]),
+             "other.weight": _entry("channel", [-7.0], [7.0], dtype="float16")}  # float16 there: no grid to take
+    text, counts = rknn_ranges.apply(stem, CFG, table)
+    assert counts == {"activations": 1, "weights": 1}
+    with open(f"{stem}.data", "rb") as f:
+        written = pickle.load(f)
+    entries = written["quant_tab"]
+    assert entries["conv.weight"]["min"] == "[-5.0, -5.0]" and entries["conv.out"]["min"] == "[-3.0]"
+    assert entries["other.weight"]["min"] == "[-1.0]"
+    assert written["quantizer.param"]["qalgorithm"] == "normal" and written["args"].quantized_algorithm == "normal"
+    assert yaml.safe_load(text)["quantize_parameters"]["conv.out"]["ori_max"] == [3.0]  # cfg and data agree
+
+
+def test_a_table_that_matches_nothing_is_refused_and_the_file_left_alone(tmp_path):
+    stem = _step1(tmp_path, {"conv.out": _entry("layer", [-20.5], [20.25])})
+    before = (tmp_path / "model.data").read_bytes()
+    with pytest.raises(ValueError, match="matches 0 activations"):
+        rknn_ranges.apply(stem, CFG, {"other": _entry("layer", [0.0], [1.0])})
+    assert (tmp_path / "model.data").read_bytes() == before
+    with pytest.raises(ValueError, match="no quantization table"):
+        rknn_ranges.table_of(object())
+
+
+def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
+    """cls with mmse: the builder reuses the first build's table; the next build (a hybrid step2 with the
+    `normal` algorithm) has the same ranges, gives the same outputs and runs no mmse search."""
+    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
+    import qprep
+    from qprep.backends import BackendInput, rknn
+    from qprep.data import load_samples
+    from qprep.model_info import graph_inputs
+
+    qprep.run({"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
+               "pipeline": [{"optimize": {"max_opset": 19}}]}, output_dir=str(tmp_path / "optimized"))
+    model = onnx.load(str(tmp_path / "optimized" / "model.onnx"))
+    ocr = {"channel_order": "bgr", "mean": [127.5] * 3, "std": [127.5] * 3, "resize": "none", "layout": "auto"}
+    calibration = load_samples({"source": str(CALIBRATION / "ocr_cls" / "calib"), "format": "auto", "max_samples": 8,
+                                "seed": 0, "preprocess": ocr}, graph_inputs(model))
+    options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "mmse",
+               "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
+               "analysis_samples": 0, "weight_rounding": "gptq"}
+    (tmp_path / "work").mkdir()
+    builder = rknn.RknnBuilder(BackendInput(model=model, calibration=calibration, max_samples=8, float_set=set(),
+                                            options=options, work_dir=tmp_path / "work"))
+    samples = calibration.samples[:4]
+    searched = builder.session(set())
+    expected = searched(samples)
+    table = rknn_ranges.table_of(searched.rknn)
+    assert builder.reuse_ranges(set())
+    builder.release()
+    log_start = builder.toolkit.log_path.stat().st_size
+    rebuilt = builder.session(set())
+    assert builder.details["ranges_reused"]["weights"] >= 50 and builder.details["ranges_reused"]["activations"] >= 50
+    with open(builder.toolkit.log_path, errors="replace") as f:
+        f.seek(log_start)
+        assert "Mmse" not in f.read()  # the mmse search ran once, in the first build
+    again = rknn_ranges.table_of(rebuilt.rknn)
+    int8 = [name for name, entry in table.items() if entry["dtype"] == "int8"]
+    assert len(int8) > 100
+    for name in int8:
+        for field in ("min", "max", "scale", "zero_point"):
+            assert np.allclose(rknn_ranges._numbers(again[name][field]), rknn_ranges._numbers(table[name][field]))
+    for old, new in zip(expected, rebuilt(samples)):
+        for key in old:
+            np.testing.assert_allclose(new[key], old[key], atol=1e-6)
