@@ -181,8 +181,7 @@ class RknnBuilder:
         """Build with another range algorithm from now on (hybrid step1 records it, so step1 runs again)."""
         if algorithm != self.algorithm:
             self.release()
-            self.config["quantized_algorithm"], self._step1, self._pinned = algorithm, None, None
-            self._ranges = None
+            self.config["quantized_algorithm"], self._step1, self._pinned, self._ranges = algorithm, None, None, None
             self.details.pop("ranges_reused", None)
             self._save_model()
 
@@ -195,11 +194,16 @@ class RknnBuilder:
         try:
             self._ranges = rknn_ranges.table_of(entry[0])
         except ValueError as exc:
-            log.warning("rknn: every build searches its %s ranges again (%s)", self.algorithm, exc)
+            self._stop_reusing(exc)
             return False
         self._step1 = None  # step1 again, with `normal`: the data file it writes is what step2 follows
         self.details["ranges_reused"] = {"algorithm": self.algorithm, "from_float16_nodes": len(float_set)}
         return True
+
+    def _stop_reusing(self, reason: Exception) -> None:
+        log.warning("rknn: every build searches its %s ranges again (%s)", self.algorithm, reason)
+        self._ranges = None
+        self.details.pop("ranges_reused", None)
 
     def _save_model(self) -> None:
         """The ONNX file the toolkit loads: with GPTQ weights where the toolkit's weight grid is the one
@@ -242,9 +246,7 @@ class RknnBuilder:
                 try:
                     cfg_text, counts = rknn_ranges.apply(stem, cfg_text, self._ranges)
                 except ValueError as exc:
-                    log.warning("rknn: every build searches its %s ranges again (%s)", self.algorithm, exc)
-                    self._ranges = None
-                    self.details.pop("ranges_reused", None)
+                    self._stop_reusing(exc)
                     return self.ir_names()
                 self.details["ranges_reused"].update(counts)
             self._step1 = (stem, cfg_text, IRNames(f"{stem}.model", cfg_text))

@@ -17,7 +17,7 @@ import re
 import onnx
 
 _SUFFIXES = re.compile(r"((?:_tp|-rs|_rs|_sw|_mm|_2ln|_2sp|_2sdpa|_sdpa|#\d+|_int8|__float16|_i\d+|_split)+)$")
-_CFG_KEY = re.compile(r"^    (?! )'?(.+?)'?:\s*$")
+CFG_KEY = re.compile(r"^    (?! )'?(.+?)'?:\s*$")  # a tensor under quantize_parameters
 
 
 def base_name(name: str) -> str:
@@ -27,7 +27,7 @@ def base_name(name: str) -> str:
 def cfg_tensor_names(cfg_text: str) -> set[str]:
     """Top-level keys under `quantize_parameters:` (4-space indent)."""
     _, sep, block = cfg_text.partition("\nquantize_parameters:\n")
-    return {m.group(1) for line in block.splitlines() if (m := _CFG_KEY.match(line))} if sep else set()
+    return {m.group(1) for line in block.splitlines() if (m := CFG_KEY.match(line))} if sep else set()
 
 
 class IRNames:

@@ -5,9 +5,10 @@ on PP-OCRv4 rec), while a `normal` step2 takes the ranges it is given (1 s). So 
 build, then build trials with `normal` on that build's ranges. Measured with rknn-toolkit2 2.5.0 on PP-OCRv4
 rec (LayerNorms float16, 128 evaluation samples): mmse build cosine 0.97909; normal step2 on its ranges 0.97925,
 the table equal to the mmse one on 289 of 319 tensors (the others float16, without scales); activation min/max
-alone 0.97696. With two more layers float16: mmse build 0.98835, normal step2 on the first build's ranges
-0.98646 (0.97742 before `ori_min`/`ori_max` were taken too: the int8 conversion after a float16 layer is
-quantized with them).
+alone 0.97696. But mmse's ranges depend on the float16 set: with Conv.5 + Conv.3 float16, their own mmse build
+gives 0.98835, a normal step2 on that build's ranges 0.98646 (0.98569 with min/max alone: `ori_min`/`ori_max`
+quantize the int8 conversion after a float16 layer), and on the all-int8 build's ranges 0.97711. So the
+fallback reuses ranges only for the trials of its budget's last quarter (fallback.FAST_SHARE).
 
 Toolkit internals this relies on (private, so checked: anything unexpected raises ValueError and the caller
 keeps building the slow way):
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-_KEY = re.compile(r"^    (?! )'?(.+?)'?:\s*$")  # a tensor under quantize_parameters
+from qprep.backends.rknn_names import CFG_KEY
+
 _FIELD = re.compile(r"^        (\w+):")  # one of its fields
 _ITEM = re.compile(r"^        -   ")  # an item of the field's list
 _FIELDS = ("min", "max", "scale", "zero_point", "ori_min", "ori_max")
@@ -84,7 +86,7 @@ def _with_entries(cfg_text: str, table: dict[str, dict]) -> tuple[str, int]:
     out: list[str] = []
     tensor, field, index, changed = None, None, 0, set()
     for line in block.split("\n"):
-        if key := _KEY.match(line):
+        if key := CFG_KEY.match(line):
             tensor, field = key.group(1), None
         elif name := _FIELD.match(line):
             field, index = name.group(1), 0
