@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import onnx.version_converter
 
 from qprep.backends import BackendInput, Quantized, activation_ranges, float_maxpool
 from qprep.errors import QprepError
+from qprep.evaluate.gate import check_gate
 from qprep.evaluate.metrics import sqnr_db
 from qprep.graph.verify import run_model
 from qprep.model_info import default_opset, graph_inputs, multiply_adds
@@ -52,6 +54,9 @@ OPTIONS = section(
     weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest"),
                         doc="gptq: integer weights rounded to minimise each layer's output error on the calibration "
                             "data (kept only if the model's output error goes down); nearest: ORT's rounding"),
+    bias_correction=Key("bool", default=True,
+                        doc="move each layer's integer bias by the drift of its output channels' means measured on "
+                            "the calibration data (static QDQ; kept only if the model's output error goes down)"),
 )
 
 # Per-channel DequantizeLinear (its `axis`) needs opset 13; ORT's quantizer would emit it anyway.
@@ -94,6 +99,9 @@ class OrtQuantizer:
         self._moments: dict | None = None
         self._integers: dict = {}  # (node, scale bytes) → re-rounded integers
         self.rounding: dict = {"method": options["weight_rounding"]}
+        self.correcting = bool(options["bias_correction"]) and options["format"] == "qdq" and not self.dynamic
+        self.bias: dict = {"applied": False}  # what bias correction did on the last build
+        self._bias: dict = {}  # (range method, float set) → {shifts, layers, calibration_sqnr_db, kept}
         self.float_op_types: set[str] = set()  # op types the fallback measured better left float
         self._last: tuple | None = None  # (float set, float op types, range method) → model of the last build
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
@@ -121,6 +129,10 @@ class OrtQuantizer:
     def use_ranges(self, method: str) -> None:
         self.range_method = method
 
+    def use_bias_correction(self, on: bool) -> None:
+        self.correcting = on and bool(self.options["bias_correction"]) and self.options["format"] == "qdq" \
+            and not self.dynamic
+
     def _ort_ranges(self, method: str):
         """ONNX Runtime's calibrator (run once per method)."""
         from onnxruntime.quantization import CalibrationMethod
@@ -145,7 +157,8 @@ class OrtQuantizer:
     def build(self, excluded: set[str]) -> onnx.ModelProto:
         """The quantized model with `excluded` nodes (and their edges) left float. The fallback asks for the
         same float set several times in a row (ranking base, candidates, search base): the last build is kept."""
-        key = (frozenset(excluded & self.node_names), frozenset(self.float_op_types), self.range_method)
+        key = (frozenset(excluded & self.node_names), frozenset(self.float_op_types), self.range_method,
+               self.correcting)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         try:
@@ -159,6 +172,10 @@ class OrtQuantizer:
             quantized = self._round_weights(quantized)
         elif self.options["weight_rounding"] == "gptq":
             self.rounding.update(kept=False, reason="GPTQ re-rounds DequantizeLinear weights: static QDQ only")
+        if self.correcting:
+            quantized = self._correct_biases(quantized, key[:3])
+        else:
+            self.bias = {"applied": False}
         if self.options["format"] == "qdq" and not self.dynamic:  # exact rules: verified on the first build only
             quantized, self.simplified = remove_redundant.simplify(quantized, self.samples[:8], self.threads,
                                                                    verify=self._last is None)
@@ -221,6 +238,29 @@ class OrtQuantizer:
                      nearest_db, rounded_db, "kept" if self.rounding["kept"] else "not better, nearest kept")
         return rounded if self.rounding["kept"] else quantized
 
+    def _correct_biases(self, quantized: onnx.ModelProto, key: tuple) -> onnx.ModelProto:
+        """Bias shifts (bias_correction.py) measured for this float set and range method: they compensate the
+        drift of the layers upstream, which another float set changes, so each build measures its own (~1 min
+        on PP-OCRv4 rec, which is why the fallback searches without them). Kept only if the calibration output
+        error goes down."""
+        from qprep.backends import bias_correction
+
+        layers = bias_correction.find_layers(quantized, self.model)
+        if key not in self._bias:
+            shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads)
+            corrected = bias_correction.apply(quantized, layers, shifts)
+            expected = run_model(self.model, self.samples, self.threads, optimize=True)
+            before_db, after_db = (output_sqnr(expected, run_model(m, self.samples, self.threads, optimize=True))
+                                   for m in (quantized, corrected))
+            kept = bool(after_db > before_db)
+            self._bias[key] = {"shifts": shifts if kept else {}, "layers": len(shifts), "kept": kept,
+                               "calibration_sqnr_db": {"before": round(before_db, 2), "after": round(after_db, 2)}}
+            log.info("ort: bias correction on %d layers: calibration SQNR %.2f → %.2f dB (%s)", len(shifts),
+                     before_db, after_db, "kept" if kept else "not better, left out")
+        result = self._bias[key]
+        self.bias = {"applied": result["kept"], **{k: v for k, v in result.items() if k != "shifts"}}
+        return bias_correction.apply(quantized, layers, result["shifts"]) if result["shifts"] else quantized
+
 
 def _tensors_data(ranges: dict[str, tuple[float, float]]):
     from onnxruntime.quantization import CalibrationMethod
@@ -254,6 +294,7 @@ def quantize(job: BackendInput) -> Quantized:
         quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
     details.update({"excluded_nodes": sorted(excluded), "calibration_samples": len(job.samples),
                     "calibrate_method": quantizer.range_method, "weight_rounding": quantizer.rounding,
+                    "bias_correction": quantizer.bias,
                     "float_op_types": sorted(quantizer.float_op_types),
                     "qdq_simplified": quantizer.simplified})
     missing = sorted(float_set - quantizer.node_names)
@@ -270,8 +311,6 @@ def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
     """The accuracy-driven search with ORT: a trial is a re-quantization (ranges and GPTQ cached) and an
     ORT run on the evaluation samples; candidates are activation edges (`_edges`; MatMul nodes with dynamic
     quantization), those losing most accuracy first, promoted by gain per multiply-add."""
-    import time
-
     from qprep.backends import fallback
 
     started = time.perf_counter()  # the op-type phase counts against the budget too
@@ -280,7 +319,10 @@ def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
     def measure(float_nodes: set[str], samples: list[dict]) -> dict:
         return job.measure(run_model(quantizer.build(float_nodes), samples, job.threads, optimize=True))
 
-    evaluate = fallback.remembered(measure, lambda: (quantizer.range_method, frozenset(quantizer.float_op_types)))
+    evaluate = fallback.remembered(measure, lambda: (quantizer.range_method, frozenset(quantizer.float_op_types),
+                                                     quantizer.correcting))
+    wanted = quantizer.correcting
+    quantizer.use_bias_correction(False)  # measured per float set (a minute on large models): not per trial
 
     ranges = fallback.choose_setting(
         "calibrate_method", quantizer.range_method,
@@ -292,6 +334,7 @@ def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
     groups = {} if quantizer.dynamic else _edges(quantizer.model, candidates)
     if groups:
         candidates = list(groups)
+    corrected_base = _corrected_base(quantizer, excluded, job, evaluate) if wanted else None
     macs = multiply_adds(quantizer.model)
     total = sum(macs.values()) or 1
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
@@ -299,7 +342,58 @@ def _fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput):
                               describe=lambda n: _describe(n, groups, ops), progress=job.progress, started=started,
                               groups=groups, cost=cost)
     outcome.record.update(float_op_types=op_types, ranges=ranges)
+    if wanted:
+        outcome.record["bias_correction"] = _correct_final(quantizer, outcome, corrected_base, job, evaluate, started)
     return outcome
+
+
+def _corrected_base(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput, evaluate) -> dict:
+    """The base float set with bias correction: if that meets the target, the search ends at its base trial
+    with it (EfficientNet-Lite0: 0 float nodes); otherwise the search runs without it."""
+    from qprep.backends import fallback
+
+    started = time.perf_counter()
+    quantizer.use_bias_correction(True)
+    outputs = evaluate(excluded, job.evaluation_samples)
+    passed = check_gate(job.fallback["target"], outputs)["passed"]
+    quantizer.use_bias_correction(passed)
+    score = fallback.score_of(outputs, job.fallback["target"])
+    log.info("fallback: bias correction on the base: score %.5f%s", score, ", target met" if passed else "")
+    return {"score": score, "passed": passed, "seconds": time.perf_counter() - started}
+
+
+def _correct_final(quantizer: OrtQuantizer, outcome, base: dict, job: BackendInput, evaluate, started: float) -> dict:
+    """Bias correction measured once more on the float set the search chose (if the budget has room for one
+    more measurement, as long as the base's took) and kept if the score goes up."""
+    from qprep.backends import fallback
+
+    target, float_set = job.fallback["target"], set(outcome.float_nodes)
+    record = {"base": {"score": base["score"], "passed": base["passed"]}}
+    if base["passed"] or not outcome.float_nodes:
+        record["kept"] = base["passed"]
+        return record
+    if time.perf_counter() - started + base["seconds"] > job.fallback["time_budget_s"]:
+        record.update(kept=False, why="no time left in the budget to measure it on the chosen float set")
+        return record
+    without = outcome.record["best"]["score"]
+    quantizer.use_bias_correction(True)
+    outputs = evaluate(float_set, job.evaluation_samples)
+    gate = check_gate(target, outputs)
+    score, passed = fallback.score_of(outputs, target), gate["passed"]
+    kept = score > without and (passed or not outcome.passed)
+    quantizer.use_bias_correction(kept)
+    record["final"] = {"without": without, "with": score, "passed": passed}
+    record["kept"] = kept
+    log.info("fallback: bias correction on the chosen float set: score %.5f → %.5f (%s)", without, score,
+             "kept" if kept else "left out")
+    if kept:
+        outcome.passed = passed
+        metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
+        outcome.record.update(passed=passed, best={"score": score, "metrics": metrics},
+                              seconds=round(time.perf_counter() - started, 1))
+        if passed:
+            outcome.record.pop("why", None)
+    return record
 
 
 def _edges(model: onnx.ModelProto, ordered_nodes: list[str]) -> dict[str, tuple[str, ...]]:
