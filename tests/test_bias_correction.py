@@ -1,8 +1,13 @@
 """Empirical bias correction on tiny graphs quantized by the ORT backend: it removes the channel-mean drift,
 layer after layer, and the backend keeps it only when the output error goes down."""
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import onnx
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from qprep.backends import bias_correction, ort
@@ -10,6 +15,7 @@ from qprep.backends.ort import OrtQuantizer, output_sqnr
 from qprep.graph.prepare import name_nodes
 from qprep.graph.verify import run_model
 from qprep.schema import validate
+from conftest import ROOT
 
 CHANNELS = 8
 
@@ -27,7 +33,7 @@ def _chain() -> onnx.ModelProto:
              helper.make_node("Conv", ["r", "pw", "pw_b"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
                                                                          [1, CHANNELS, 12, 12])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, CHANNELS, 12, 12])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     name_nodes(model.graph)
     return model
@@ -97,3 +103,33 @@ def test_the_backend_keeps_the_correction_only_when_it_helps(tmp_path, monkeypat
     refused = _quantized(model, tmp_path)
     assert refused.build(set()).SerializeToString() == plain.SerializeToString()
     assert refused.bias["applied"] is False and refused.bias["layers"] == 2
+
+
+def _run(tmp_path, quantize: dict) -> dict:
+    config = {"model": "m.onnx", "calibration": {"source": "calib"}, "output_dir": "out",
+              "evaluation": {"source": "eval", "latency": {"runs": 0}, "gate": {"cosine_mean": 0.0}},
+              "pipeline": [{"quantize": {"backend": "ort", **quantize}}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "qprep", "run", str(tmp_path / "c.yaml"), "--force", "--quiet"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return json.loads((tmp_path / "out" / "report.json").read_text())
+
+
+def test_a_fallback_whose_target_bias_correction_meets_makes_nothing_float(tmp_path):
+    """Between the plain and the corrected model's cosine, the target is met by the corrected base: no search."""
+    onnx.save(_chain(), str(tmp_path / "m.onnx"))
+    for split, samples in (("calib", _samples()), ("eval", _samples(24, seed=3))):
+        (tmp_path / split).mkdir()
+        for i, sample in enumerate(samples):
+            np.save(tmp_path / split / f"{i}.npy", sample["x"])
+    plain_ort = {"per_channel": False, "weight_rounding": "nearest", "bias_correction": False}
+    cosine = {on: _run(tmp_path, {"ort": {**plain_ort, "bias_correction": on}})["evaluation"]["outputs"]["y"]
+              ["cosine_mean"] for on in (False, True)}
+    assert cosine[True] > cosine[False]
+    target = {"cosine_mean": (cosine[True] + cosine[False]) / 2}
+    report = _run(tmp_path, {"ort": {**plain_ort, "bias_correction": True}, "fallback": {"target": target}})
+    stage = report["stages"][-1]
+    assert stage["fallback"]["passed"] and stage["fallback"]["float_nodes"] == []
+    assert stage["fallback"]["bias_correction"]["kept"] is True and stage["bias_correction"]["applied"] is True
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] >= target["cosine_mean"]
