@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from qprep.cli import main
@@ -72,3 +76,13 @@ def cli(capsys):
         return code, captured.out, captured.err
 
     return _cli
+
+
+def run_config(tmp_path: Path, config: dict):
+    """`qprep run` of `config` (written to tmp_path/c.yaml, output_dir relative to it) in a subprocess →
+    (completed process, report.json of tmp_path/out)."""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "qprep", "run", str(tmp_path / "c.yaml"), "--force", "--quiet"],
+                          capture_output=True, text=True, cwd=ROOT)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    return done, report

@@ -1,13 +1,8 @@
 """Empirical bias correction on tiny graphs quantized by the ORT backend: it removes the channel-mean drift,
 layer after layer, and the backend keeps it only when the output error goes down."""
 
-import json
-import subprocess
-import sys
-
 import numpy as np
 import onnx
-import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from qprep.backends import bias_correction, ort
@@ -15,7 +10,7 @@ from qprep.backends.ort import OrtQuantizer, output_sqnr
 from qprep.graph.prepare import name_nodes
 from qprep.graph.verify import run_model
 from qprep.schema import validate
-from conftest import ROOT
+from conftest import run_config
 
 CHANNELS = 8
 
@@ -109,11 +104,9 @@ def _run(tmp_path, quantize: dict) -> dict:
     config = {"model": "m.onnx", "calibration": {"source": "calib"}, "output_dir": "out",
               "evaluation": {"source": "eval", "latency": {"runs": 0}, "gate": {"cosine_mean": 0.0}},
               "pipeline": [{"quantize": {"backend": "ort", **quantize}}]}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "qprep", "run", str(tmp_path / "c.yaml"), "--force", "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT)
+    done, report = run_config(tmp_path, config)
     assert done.returncode == 0, done.stderr
-    return json.loads((tmp_path / "out" / "report.json").read_text())
+    return report
 
 
 def test_a_fallback_whose_target_bias_correction_meets_makes_nothing_float(tmp_path):

@@ -1,18 +1,13 @@
 """The accuracy-driven fallback: the search on a scripted backend, then end to end with ORT on a tiny graph
 whose one outlier channel ruins a static activation range."""
 
-import json
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from qprep.backends import fallback
 from qprep.errors import ConfigError
-from conftest import ROOT
+from conftest import run_config
 
 OPTIONS = {"target": {"cosine_mean": 0.99}, "max_float_nodes": 8, "time_budget_s": 60, "rank_samples": 2,
            "max_candidates": 10, "block": 1}
@@ -126,17 +121,9 @@ def outlier_config(tmp_path):
     return tmp_path, config
 
 
-def _run(tmp_path, config):
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "qprep", "run", str(tmp_path / "c.yaml"), "--force", "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT)
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
-    return done, report
-
-
 def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config):
     tmp_path, config = outlier_config
-    done, report = _run(tmp_path, config)
+    done, report = run_config(tmp_path, config)
     record = report["stages"][-1]["fallback"]
     assert done.returncode == 0, done.stderr
     assert record["base"]["score"] < 0.99 and record["passed"]
@@ -154,7 +141,7 @@ def test_ort_fallback_that_cannot_meet_its_target_exits_1_with_the_best_model(ou
     tmp_path, config = outlier_config
     config["pipeline"][0]["quantize"]["fallback"]["target"] = {"cosine_mean": 0.9999999}
     config["pipeline"][0]["quantize"]["fallback"]["max_float_nodes"] = 1
-    done, report = _run(tmp_path, config)
+    done, report = run_config(tmp_path, config)
     record = report["stages"][-1]["fallback"]
     assert done.returncode == 1 and "gate missed" in done.stderr
     assert not record["passed"] and "target not met" in record["why"]
@@ -231,7 +218,7 @@ def test_ort_calibrate_method_mse_runs_and_is_recorded(outlier_config):
     tmp_path, config = outlier_config
     config["pipeline"][0]["quantize"] = {"backend": "ort", "ort": {"calibrate_method": "mse"}}
     config["evaluation"]["gate"] = {"cosine_mean": 0.0}
-    done, report = _run(tmp_path, config)
+    done, report = run_config(tmp_path, config)
     assert done.returncode == 0, done.stderr
     assert report["stages"][-1]["calibrate_method"] == "mse"
 
