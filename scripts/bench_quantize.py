@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import qprep  # noqa: E402
 from qprep.config import data_source  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
-from qprep.evaluate.latency import interleaved  # noqa: E402
+from qprep.evaluate.latency import interleaved, speedups  # noqa: E402
 from qprep.evaluate.metrics import compare_output, output_task  # noqa: E402
 from qprep.graph.verify import run_model  # noqa: E402
 from qprep.model_info import graph_inputs  # noqa: E402
@@ -150,12 +150,14 @@ def measure(models: list[str], eval_samples: int = 128, runs: int = 200, rounds:
             timed = interleaved({label: (model, evaluation[0]) for label, model in
                                  (("FP32", reference), ("ORT documented flow", ort_model), ("qprep", qprep_model))},
                                 2, runs, 10, rounds)
-            ms = {label: t["median_ms"] for label, t in timed.items()}
             for flow, model, seconds, info in (
                     ("ORT documented flow", ort_model, ort_s, {"float_nodes": 0, "note": note}),
                     ("qprep", qprep_model, qprep_s, qprep_info)):
+                speed = speedups(timed["FP32"], timed[flow])
+                low, high = speed["speedup_rounds"]
+                info = {**info, "note": "; ".join(filter(None, [info["note"], f"rounds {low:.2f}–{high:.2f}×"]))}
                 rows.append({"model": name, "flow": flow, **scores(reference, model, evaluation),
-                             "speed": ms["FP32"] / ms[flow], "seconds": seconds, **info})
+                             "speed": speed["speedup"], "seconds": seconds, **info})
             print(f"bench: {name} ORT done", file=sys.stderr, flush=True)
     return rows
 

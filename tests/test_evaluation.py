@@ -33,7 +33,11 @@ def test_ort_int8_run_writes_the_three_reports_and_an_integer_model(ort_run):
     assert report["result"]["kind"] == "qdq"
     html = (out / "report.html").read_text()
     assert "<svg" in html and "Accuracy against the reference" in html
-    assert report["evaluation"]["latency"]["result"]["runs"] == 3
+    latency = report["evaluation"]["latency"]
+    assert latency["result"]["runs"] == 3 and len(latency["result"]["round_ms"]) == 3
+    low, high = latency["speedup_rounds"]  # median ratio lies within the rounds' ratios (odd round count)
+    assert low <= latency["speedup"] <= high
+    assert f"(rounds {low:.2f}–{high:.2f}×)" in (out / "report.md").read_text()
     assert report["evaluation"]["layers"], "per-layer error missing"
     layers = report["evaluation"]["layers"]
     assert [r["sqnr_db"] for r in layers] == sorted(r["sqnr_db"] for r in layers)  # worst first
@@ -93,6 +97,51 @@ def test_output_task_guess_and_sequence_agreement():
     res = [np.array([[[0.6, 0.4], [0.7, 0.3]]])]
     metrics = compare_output(ref, res, "sequence")
     assert metrics["step_agreement"] == 0.5 and metrics["step_count"] == 2
+
+
+def test_speed_ratio_keeps_its_rounds_and_flags_a_machine_that_changed_speed():
+    from qprep.evaluate.latency import speedups
+
+    def timing(rounds):
+        return {"median_ms": float(np.median(rounds)), "round_ms": rounds}
+
+    steady = speedups(timing([1.0, 1.02, 0.98]), timing([0.8, 0.81, 0.79]))
+    assert steady["speedup"] == pytest.approx(1.25) and "unstable" not in steady
+    # measured here: the FP32 model slowed 2.2x in a slow phase, the INT8 one 1.45x
+    phased = speedups(timing([0.90, 2.06, 0.92]), timing([0.75, 1.10, 0.76]))
+    assert phased["speedup_rounds"] == pytest.approx([1.2, 2.06 / 1.10])
+    assert "1.20×–1.87×" in phased["unstable"]
+
+
+def test_masks_match_overflow_is_a_miss_and_empty_outputs_compare():
+    """-inf at the same places compares as equal (attention masks, log-probabilities); an Inf/NaN the reference
+    does not have is a total miss for its sample, never a crash; empty outputs (no detections) compare."""
+    masked = np.array([[1.0, -np.inf, 2.0]])
+    same = compare_output([masked, masked], [masked + [[0.01, 0, 0]], masked], "classification")
+    assert same["cosine_min"] > 0.9999 and np.isfinite(same["sqnr_db"]) and same["top1_agreement"] == 1.0
+    overflow = compare_output([np.array([[1.0, 2.0]]), np.array([[3.0, 4.0]])],
+                              [np.array([[1.0, np.inf]]), np.array([[3.0, 4.0]])], "classification")
+    assert overflow["nonfinite_samples"] == 1 and overflow["cosine_min"] == 0.0 and overflow["cosine_mean"] == 0.5
+    assert overflow["sqnr_db"] == float("-inf") and overflow["max_abs"] == float("inf")
+    nan = compare_output([np.ones((1, 3))], [np.full((1, 3), np.nan)], "tensor")
+    assert nan["cosine_mean"] == 0.0 and nan["per_sample_cosine"] == [0.0]
+    empty = compare_output([np.zeros((0, 4))], [np.zeros((0, 4))], "tensor")
+    assert empty["max_abs"] == 0.0 and empty["cosine_mean"] == 1.0
+
+
+def test_integer_outputs_are_rated_by_element_agreement_not_argmax():
+    ids = [np.array([[5, 7, 7, 2]]), np.array([[1, 1, 3, 3]])]
+    changed = [np.array([[5, 7, 8, 2]]), np.array([[1, 1, 3, 3]])]
+    assert output_task("ids", (1, 4), "ArgMax", integer=True) == "tensor"
+    metrics = compare_output(ids, changed, "tensor")
+    assert metrics["element_agreement"] == 7 / 8 and "top1_agreement" not in metrics
+    assert check_gate({"element_agreement": 0.9}, {"ids": metrics})["passed"] is False
+
+
+def test_gate_fails_a_metric_that_could_not_be_computed():
+    outputs = {"a": {"top1_agreement": 1.0}, "b": {"top1_agreement": float("nan")}}
+    gate = check_gate({"top1_agreement": 0.9}, outputs)
+    assert gate["passed"] is False and math.isnan(gate["checks"][0]["value"])
 
 
 def test_wilson_interval_is_honest_at_full_agreement():

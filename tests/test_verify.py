@@ -40,6 +40,14 @@ def test_nan_in_result_where_reference_is_finite_fails():
     assert not compare(ref, got, Tolerance()).ok
 
 
+def test_non_numeric_outputs_must_stay_identical():
+    """String labels or ZipMap's maps cannot be compared numerically: unchanged passes, changed fails."""
+    ref = [{"label": np.array(["cat"], dtype=object), "y": np.ones(2)}]
+    assert compare(ref, [{"label": np.array(["cat"], dtype=object), "y": np.ones(2)}], Tolerance()).ok
+    verdict = compare(ref, [{"label": np.array(["dog"], dtype=object), "y": np.ones(2)}], Tolerance())
+    assert not verdict.ok and "output 'label'" in verdict.reason
+
+
 def test_cosine_edge_cases():
     assert cosine(np.zeros(3), np.zeros(3)) == 1.0
     assert cosine(np.ones(3), np.zeros(3)) == 0.0

@@ -17,12 +17,12 @@ import onnx
 from qprep import model_info
 from qprep.data import SampleSet, load_samples
 from qprep.evaluate.gate import check_gate
-from qprep.evaluate.latency import interleaved
+from qprep.evaluate.latency import interleaved, speedups
 from qprep.evaluate.layers import layer_errors
 from qprep.errors import DataError
-from qprep.evaluate.metrics import compare_output, output_task, wilson_interval
+from qprep.evaluate.metrics import compare_output, is_integer, output_task, wilson_interval
 from qprep.graph.prepare import name_nodes
-from qprep.graph.verify import run_model
+from qprep.graph.verify import numeric, run_model
 from qprep.model_io import load_model
 
 log = logging.getLogger("qprep")
@@ -43,6 +43,10 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
         actual = ctx.runner(samples.samples) if ctx.runner else run_model(
             final_model, model_info.cast_to_inputs(samples.samples, final_model), threads, optimize=True)
     outputs = output_metrics(expected, actual, cfg["tasks"], reference)
+    notes.extend(output_notes(outputs))
+    skipped = [name for name in expected[0] if name not in outputs]
+    if skipped:
+        notes.append(f"output {', '.join(skipped)}: not a numeric tensor (strings, sequences, maps), not compared")
     for name, metrics in outputs.items():
         per_sample = metrics.pop("per_sample_cosine")
         metrics["worst_samples"] = sorted(
@@ -69,6 +73,8 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
         if result["latency"]["speedup"] < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
             notes.append(f"the result runs {result['latency']['speedup']:.2f}× the reference's speed on this CPU "
                          "(slower): check it on the deployment CPU before shipping it for speed")
+        if "unstable" in result["latency"]:
+            notes.append(result["latency"]["unstable"])
     result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,
                             "result": final_model.ByteSize()}
     gate = {**ctx.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too
@@ -86,9 +92,28 @@ def output_metrics(expected: list[dict], actual: list[dict], tasks: dict, refere
     producers = {o: n.op_type for n in reference.graph.node for o in n.output}
     outputs = {}
     for name in expected[0]:
-        task = tasks.get(name) or output_task(name, expected[0][name].shape, producers.get(name))
-        outputs[name] = compare_output([e[name] for e in expected], [a[name] for a in actual], task)
+        values = [e[name] for e in expected]
+        if any(numeric(v) is None for v in values):
+            continue  # strings, sequences, maps: no accuracy figure (output_notes says so)
+        task = tasks.get(name) or output_task(name, expected[0][name].shape, producers.get(name), is_integer(values))
+        outputs[name] = compare_output(values, [a[name] for a in actual], task)
     return outputs
+
+
+def output_notes(outputs: dict) -> list[str]:
+    """What a reader must know before trusting an output's figures."""
+    notes = []
+    for name, m in outputs.items():
+        if m.get("shape_mismatch"):
+            notes.append(f"output '{name}': {m['shape_mismatch']} samples changed shape (data-dependent output); "
+                         f"its metrics cover the other {m['samples']} only")
+        if m.get("nonfinite_samples"):
+            notes.append(f"output '{name}': {m['nonfinite_samples']} samples have NaN/Inf where the reference has "
+                         "none (counted as cosine 0): look for an overflow (float16, a huge mask constant)")
+        if "element_agreement" in m:
+            notes.append(f"output '{name}' holds integers: element_agreement ({m['element_agreement']:.4f}) is "
+                         "its meaningful figure; cosine over ids or labels says little")
+    return notes
 
 
 @dataclass
@@ -163,6 +188,6 @@ def _latency(reference, final_model, sample, threads: int, cfg: dict, ctx) -> di
                          "result": (final_model, model_info.cast_to_inputs([sample], final_model)[0])},
                         threads, cfg["runs"], cfg["warmup"], cfg["rounds"])
     ref, res = timed["reference"], timed["result"]
-    return {"reference": ref, "result": res, "speedup": ref["median_ms"] / res["median_ms"],
+    return {"reference": ref, "result": res, **speedups(ref, res),
             "settings": {"batch": 1, "threads": threads, "provider": "CPUExecutionProvider",
                          "graph_optimization": "ORT_ENABLE_ALL"}}

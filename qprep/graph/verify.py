@@ -76,6 +76,19 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b) / (na * nb))
 
 
+def numeric(value) -> np.ndarray | None:
+    """An output as float64, or None when it is not a numeric tensor (strings, sequences, maps)."""
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
+        return None
+    return value.astype(np.float64)
+
+
+def same_nonfinite(a: np.ndarray, b: np.ndarray) -> bool:
+    """NaN/Inf at the same places with the same values in both (a -inf mask reproduced, no new overflow)."""
+    finite = np.isfinite(a)
+    return bool(np.array_equal(finite, np.isfinite(b)) and np.array_equal(a[~finite], b[~finite], equal_nan=True))
+
+
 def compare(reference: list[dict], result: list[dict], tol: Tolerance) -> Verification:
     """Compare every output over all samples; the reason names each failing output and by how much."""
     outputs, reasons = {}, []
@@ -85,8 +98,12 @@ def compare(reference: list[dict], result: list[dict], tol: Tolerance) -> Verifi
         stats = {"max_abs": 0.0, "max_rel": 0.0, "cosine_min": 1.0}
         ok = True
         for ref, got in zip(reference, result):
-            a = np.asarray(ref[name], dtype=np.float64)
-            b = np.asarray(got[name], dtype=np.float64)
+            a, b = numeric(ref[name]), numeric(got[name])
+            if a is None or b is None:  # strings, sequences, maps: a rewrite must leave them exactly as they were
+                if repr(ref[name]) != repr(got[name]):
+                    return Verification(False, outputs, f"output '{name}' (not a numeric tensor) changed",
+                                        len(reference))
+                continue
             if a.shape != b.shape:
                 return Verification(False, outputs, f"output '{name}' changed shape {a.shape} -> {b.shape}",
                                     len(reference))
@@ -99,9 +116,9 @@ def compare(reference: list[dict], result: list[dict], tol: Tolerance) -> Verifi
 
 def _compare_arrays(a: np.ndarray, b: np.ndarray, tol: Tolerance, stats: dict) -> bool:
     """Update running stats with one sample; True when it is within tolerance."""
-    finite = np.isfinite(a)
     # Non-finite reference values (e.g. -inf masks) must be reproduced exactly; finite ones within tolerance.
-    same_nonfinite = np.array_equal(finite, np.isfinite(b)) and np.array_equal(a[~finite], b[~finite], equal_nan=True)
+    same = same_nonfinite(a, b)
+    finite = np.isfinite(a)
     a, b = np.where(finite, a, 0.0), np.where(finite, b, 0.0)
     diff = np.abs(a - b)
     if diff.size:
@@ -109,10 +126,10 @@ def _compare_arrays(a: np.ndarray, b: np.ndarray, tol: Tolerance, stats: dict) -
         stats["max_rel"] = max(stats["max_rel"], float((diff / np.maximum(np.abs(a), 1e-12)).max()))
     within = bool((diff <= tol.atol + tol.rtol * np.abs(a)).all())
     if a.size and np.abs(a).max() <= 10 * tol.atol:
-        return same_nonfinite and within  # an all-but-zero output: its direction (cosine) is rounding noise
+        return same and within  # an all-but-zero output: its direction (cosine) is rounding noise
     similarity = cosine(a, b)
     stats["cosine_min"] = min(stats["cosine_min"], similarity)
-    return same_nonfinite and within and similarity >= tol.min_cosine
+    return same and within and similarity >= tol.min_cosine
 
 
 class Verifier:

@@ -94,7 +94,8 @@ def _evaluation(evaluation: dict | None) -> list:
     if latency and "speedup" in latency:
         blocks.append(Text(f"Latency (batch 1, {latency['settings']['threads']} threads, median of "
                            f"{latency['result']['runs']} runs): reference {latency['reference']['median_ms']:.2f} ms, "
-                           f"result {latency['result']['median_ms']:.2f} ms — **{latency['speedup']:.2f}×**."))
+                           f"result {latency['result']['median_ms']:.2f} ms — **{latency['speedup']:.2f}×**"
+                           f"{_round_range(latency)}."))
     elif latency:
         blocks.append(Text(f"Latency: {latency['status']}."))
     sizes = evaluation.get("size_bytes")
@@ -108,6 +109,14 @@ def _evaluation(evaluation: dict | None) -> list:
             blocks.append(Text(f"Worst samples for {name} (cosine): "
                                + ", ".join(f"{r['sample']} ({r['cosine']:.4f})" for r in rows)))
     return blocks
+
+
+def _round_range(latency: dict) -> str:
+    """' (rounds 1.17–1.25×)' when the speed was timed in more than one round (reports before it have none)."""
+    low_high = latency.get("speedup_rounds")
+    if not low_high or latency["result"].get("rounds", 1) < 2:
+        return ""
+    return f" (rounds {low_high[0]:.2f}–{low_high[1]:.2f}×)"
 
 
 def _layers(layers: list[dict] | None) -> list:
