@@ -1,6 +1,8 @@
 """Empirical bias correction on tiny graphs quantized by the ORT backend: it removes the channel-mean drift,
 layer after layer, and the backend keeps it only when the output error goes down."""
 
+import io
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -9,6 +11,7 @@ from qprep.backends import bias_correction, ort
 from qprep.backends.ort import OrtQuantizer, output_sqnr
 from qprep.graph.prepare import name_nodes
 from qprep.graph.verify import run_model
+from qprep.progress import Progress
 from qprep.schema import validate
 from conftest import run_config
 
@@ -40,11 +43,11 @@ def _samples(count=16, seed=0):
             for _ in range(count)]
 
 
-def _quantized(model, tmp_path, **options):
+def _quantized(model, tmp_path, progress=None, **options):
     # per-tensor weights: one coarse grid for all channels, so the small channels' rounding errors drift
     options = validate({"per_channel": False, "weight_rounding": "nearest", **options}, ort.OPTIONS, "quantize.ort",
                        tmp_path)
-    return OrtQuantizer(model, _samples(), options, tmp_path)
+    return OrtQuantizer(model, _samples(), options, tmp_path, progress=progress)
 
 
 def _drift(model, quantized, layer, samples):
@@ -65,6 +68,7 @@ def test_layers_are_found_with_their_upstream_layers(tmp_path):
     first, second = (n.name for n in model.graph.node if n.op_type == "Conv")
     assert [layer.node for layer in layers] == [first, second]
     assert layers[0].upstream == set() and layers[1].upstream == {first}
+    assert [[layer.node for layer in wave] for wave in bias_correction.waves(layers)] == [[first], [second]]
 
 
 def test_correction_removes_the_drift_of_every_layer_and_lowers_the_output_error(tmp_path):
@@ -87,9 +91,12 @@ def test_correction_removes_the_drift_of_every_layer_and_lowers_the_output_error
 def test_the_backend_keeps_the_correction_only_when_it_helps(tmp_path, monkeypatch):
     model = _chain()
     plain = _quantized(model, tmp_path, bias_correction=False).build(set())
-    helped = _quantized(model, tmp_path)
+    lines = io.StringIO()
+    helped = _quantized(model, tmp_path, progress=Progress(enabled=True, stream=lines))
     assert helped.build(set()).SerializeToString() != plain.SerializeToString()
     assert helped.bias["applied"] is True and helped.bias["layers"] == 2
+    assert "bias correction: 2 layers in 2 waves over 16 calibration samples" in lines.getvalue()
+    assert ", kept (" in lines.getvalue()
 
     def harmful(quantized, float_model, layers, samples, threads=2):
         return {layer.node: np.full(CHANNELS, 5.0) for layer in layers}

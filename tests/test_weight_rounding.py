@@ -50,6 +50,8 @@ def _samples(shape, count=24, seed=0):
 
 CASES = {
     "conv": ("Conv", (8, 4, 3, 3), [1, 4, 10, 10], {"pads": [1, 1, 1, 1], "strides": [2, 1]}),
+    # an explicit auto_pad (a string attribute: bytes when read) was once taken for SAME_* and skipped
+    "conv auto_pad VALID": ("Conv", (8, 4, 3, 3), [1, 4, 10, 10], {"auto_pad": "VALID"}),
     "depthwise": ("Conv", (4, 1, 3, 3), [1, 4, 10, 10], {"group": 4, "dilations": [2, 2], "pads": [2, 2, 2, 2]}),
     "grouped 1-D": ("Conv", (6, 2, 5), [1, 4, 30], {"group": 2, "pads": [2, 2]}),
     "matmul": ("MatMul", (16, 8), [1, 5, 16], {}),
@@ -79,6 +81,28 @@ def test_gptq_lowers_the_output_error_and_stays_in_the_quantizers_range(case, tm
     assert gain > 1.0, f"GPTQ gained only {gain:.2f} dB"
     assert after.dtype == before.dtype and after.min() >= before.min() and after.max() <= before.max()
     assert np.abs(after.astype(int) - before.astype(int)).max() <= 8  # re-rounded, not scrambled
+
+
+def test_conv_padding_gptq_cannot_rebuild_is_left_alone():
+    def form(**attrs):
+        return weight_rounding.weighted_form(helper.make_node("Conv", ["x", "w"], ["y"], **attrs), 4)
+
+    assert form(auto_pad="NOTSET")[0] == form()[0] == "conv"
+    assert form(auto_pad="SAME_UPPER") is None
+
+
+def test_inputs_that_never_fired_keep_nearest_rounding():
+    """A column the calibration samples never excited carries no evidence: GPTQ neither zeroes it nor pushes
+    other columns' errors into it."""
+    rng = np.random.default_rng(4)
+    weight = rng.standard_normal((1, 6, 5))
+    rows = np.maximum(rng.standard_normal((40, 5)), 0) + 0.5
+    rows[:, 2] = 0.0  # input 2 never fires
+    moment = (rows.T @ rows)[None]
+    scale, zero = np.full((1, 6, 1), 0.05), np.zeros((1, 6, 1))
+    integers = weight_rounding.gptq(weight, moment, scale, zero, -127, 127)
+    np.testing.assert_array_equal(integers[:, :, 2], np.round(weight[:, :, 2] / 0.05))
+    assert (integers[:, :, [0, 1, 3, 4]] != np.round(weight[:, :, [0, 1, 3, 4]] / 0.05)).any()  # the rest moved
 
 
 def test_exactly_representable_weights_keep_their_integers(tmp_path):
@@ -148,3 +172,22 @@ def test_rknn_weights_leave_shared_weights_alone():
     name_nodes(model.graph)
     rounded, layers = rknn_weights.on_grid(model, _samples([1, 5, 16]))
     assert layers == 0 and rounded.graph.initializer[0] == model.graph.initializer[0]
+
+
+def test_old_opset_model_is_upgraded_for_ort_or_refused_in_one_line(tmp_path, monkeypatch):
+    """ORT's quantizer needs opset 13: an opset-11 model is converted; a converter failure is a user error."""
+    import onnx.version_converter
+
+    from qprep.errors import QprepError
+
+    model = _model("MatMul", np.random.default_rng(1).standard_normal((16, 8)), [1, 5, 16])
+    model.opset_import[0].version = 11
+    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    assert OrtQuantizer(model, _samples([1, 5, 16]), options, tmp_path).upgraded_from == 11
+
+    def refuse(model, version):
+        raise RuntimeError("No Adapter From Version $11 for Foo\nmore detail")
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", refuse)
+    with pytest.raises(QprepError, match=r"opset 11; .*converter failed \(No Adapter From Version \$11 for Foo\)"):
+        OrtQuantizer(model, _samples([1, 5, 16]), options, tmp_path)

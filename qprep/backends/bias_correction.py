@@ -73,16 +73,25 @@ def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers
     float model's, with every upstream correction applied before a layer is measured."""
     expected = _channel_means(float_model, {layer.float_output: layer.axis for layer in layers}, samples, threads)
     shifts: dict[str, np.ndarray] = {}
-    done: set[str] = set()
-    while len(done) < len(layers):
-        wave = [layer for layer in layers if layer.node not in done and layer.upstream <= done]
+    for wave in waves(layers):
         measured = _channel_means(apply(qdq_model, layers, shifts), {layer.output: layer.axis for layer in wave},
                                   samples, threads)
         for layer in wave:
             if layer.output in measured and layer.float_output in expected:
                 shifts[layer.node] = expected[layer.float_output] - measured[layer.output]
-            done.add(layer.node)
     return shifts
+
+
+def waves(layers: list[BiasLayer]) -> list[list[BiasLayer]]:
+    """Layers grouped in measuring order: a layer joins the first wave after every layer upstream of it (one
+    quantized-model run per wave, so the cost is depth x samples)."""
+    done: set[str] = set()
+    groups = []
+    while len(done) < len(layers):
+        wave = [layer for layer in layers if layer.node not in done and layer.upstream <= done]
+        groups.append(wave)
+        done |= {layer.node for layer in wave}
+    return groups
 
 
 def apply(qdq_model: onnx.ModelProto, layers: list[BiasLayer], shifts: dict[str, np.ndarray]) -> onnx.ModelProto:

@@ -28,7 +28,7 @@ from qprep.evaluate.gate import check_gate
 from qprep.evaluate.metrics import sqnr_db
 from qprep.graph.verify import run_model
 from qprep.model_info import default_opset, graph_inputs, multiply_adds
-from qprep.model_io import save_model
+from qprep.model_io import is_large, save_model
 from qprep.qdq import remove_redundant
 from qprep.schema import Key, section
 
@@ -89,11 +89,13 @@ class OrtQuantizer:
     """Calibrate once, quantize as often as needed: activation ranges, the GPTQ input moments and the
     re-rounded integers of every layer are computed on the first build and reused by later builds."""
 
-    def __init__(self, model: onnx.ModelProto, samples: list[dict], options: dict, work_dir: Path, threads: int = 2):
+    def __init__(self, model: onnx.ModelProto, samples: list[dict], options: dict, work_dir: Path, threads: int = 2,
+                 progress=None):
         self.upgraded_from = None
         if default_opset(model) < MIN_OPSET:
-            self.upgraded_from, model = default_opset(model), onnx.version_converter.convert_version(model, MIN_OPSET)
+            self.upgraded_from, model = default_opset(model), _upgraded(model)
         self.model, self.samples, self.options, self.work_dir, self.threads = model, samples, options, work_dir, threads
+        self.progress = progress
         self.node_names = {n.name for n in model.graph.node}
         self.range_method = options["calibrate_method"]
         self._ranges: dict = {}  # range method → ORT TensorsData
@@ -150,7 +152,8 @@ class OrtQuantizer:
             save_model(self.model, source)
             calibrator = create_calibrator(
                 source, self._op_types(for_calibration=True), augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                calibrate_method=getattr(CalibrationMethod, _METHODS[method]), extra_options=calibrator_options)
+                calibrate_method=getattr(CalibrationMethod, _METHODS[method]), extra_options=calibrator_options,
+                use_external_data_format=is_large(self.model))  # the augmented model outgrows 2 GB with it
             calibrator.collect_data(_Reader(self.samples, inputs))
             self._ranges[method] = calibrator.compute_data()
             del calibrator
@@ -246,6 +249,11 @@ class OrtQuantizer:
         return [output_sqnr(self._float_outputs, run_model(m, self.samples, self.threads, optimize=True))
                 for m in models]
 
+    def _note(self, message: str) -> None:
+        log.info("ort: %s", message)
+        if self.progress is not None:
+            self.progress.note(message)
+
     def _correct_biases(self, quantized: onnx.ModelProto, key: tuple) -> onnx.ModelProto:
         """Bias shifts (bias_correction.py) measured for this float set and range method: they compensate the
         drift of the layers upstream, which another float set changes, so each build measures its own (~1 min
@@ -255,16 +263,34 @@ class OrtQuantizer:
 
         layers = bias_correction.find_layers(quantized, self.model)
         if key not in self._bias:
+            started = time.perf_counter()
+            self._note(f"bias correction: {len(layers)} layers in {len(bias_correction.waves(layers))} waves over "
+                       f"{len(self.samples)} calibration samples")
             shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads)
             before_db, after_db = self._calibration_sqnr(quantized, bias_correction.apply(quantized, layers, shifts))
             kept = bool(after_db > before_db)
             self._bias[key] = {"shifts": shifts if kept else {}, "layers": len(shifts), "kept": kept,
-                               "calibration_sqnr_db": {"before": round(before_db, 2), "after": round(after_db, 2)}}
-            log.info("ort: bias correction on %d layers: calibration SQNR %.2f → %.2f dB (%s)", len(shifts),
-                     before_db, after_db, "kept" if kept else "not better, left out")
+                               "calibration_sqnr_db": {"before": round(before_db, 2), "after": round(after_db, 2)},
+                               "seconds": round(time.perf_counter() - started, 1)}
+            self._note(f"bias correction: calibration SQNR {before_db:.2f} → {after_db:.2f} dB, "
+                       f"{'kept' if kept else 'not better, left out'} ({self._bias[key]['seconds']:.0f} s)")
         result = self._bias[key]
         self.bias = {"applied": result["kept"], **{k: v for k, v in result.items() if k != "shifts"}}
         return bias_correction.apply(quantized, layers, result["shifts"]) if result["shifts"] else quantized
+
+
+def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model at MIN_OPSET (ORT's quantizer needs it), or a one-line error when onnx's converter cannot."""
+    if is_large(model):
+        raise QprepError(f"the model is opset {default_opset(model)} and over 2 GB: ONNX Runtime's quantizer needs "
+                         f"opset {MIN_OPSET}+ and onnx's converter cannot upgrade models this large; re-export it "
+                         f"at opset {MIN_OPSET} or later")
+    try:
+        return onnx.version_converter.convert_version(model, MIN_OPSET)
+    except Exception as exc:  # the converter raises bare RuntimeErrors naming the op it could not adapt
+        raise QprepError(f"the model is opset {default_opset(model)}; ONNX Runtime's quantizer needs {MIN_OPSET}+ "
+                         f"and onnx's converter failed ({str(exc).splitlines()[0][:200]}): re-export it at opset "
+                         f"{MIN_OPSET} or later") from None
 
 
 def _tensors_data(ranges: dict[str, tuple[float, float]]):
@@ -288,7 +314,7 @@ def quantize(job: BackendInput) -> Quantized:
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
                          "run `qprep inspect` or see report.json for node names")
-    quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads)
+    quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress)
     excluded = (set(options["nodes_to_exclude"]) | float_set) & quantizer.node_names
     details = {}
     if job.fallback:

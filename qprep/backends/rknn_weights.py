@@ -51,19 +51,12 @@ def layers(model: onnx.ModelProto) -> list[Layer]:
         if (node.op_type not in ("Conv", "MatMul", "Gemm") or len(node.input) < 2 or node.input[1] not in inits
                 or uses[node.input[1]] != 1):
             continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         weight = numpy_helper.to_array(inits[node.input[1]])
-        if weight.dtype != np.float32:
+        form = weight_rounding.weighted_form(node, weight.ndim) if weight.dtype == np.float32 else None
+        if form is None:
             continue
-        if node.op_type == "Conv":
-            if weight.ndim not in (3, 4) or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-                continue
-            kind, axis, groups = "conv", 0, int(attrs.get("group", 1))
-        elif weight.ndim != 2 or (node.op_type == "Gemm" and attrs.get("transA", 0)):
-            continue
-        else:
-            kind = "gemm_t" if node.op_type == "Gemm" and attrs.get("transB", 0) else "matmul"
-            axis, groups = (0 if kind == "gemm_t" else 1), 1
+        kind, groups, attrs = form
+        axis = 0 if kind in ("conv", "gemm_t") else 1
         scale, zero = grid(weight, axis)
         found.append(Layer(node.name, kind, node.input[0], node.input[1], weight.astype(np.float64), scale, zero,
                            axis, groups, attrs))

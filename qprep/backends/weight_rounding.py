@@ -59,30 +59,37 @@ def find_layers(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto) -> lis
         if (dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits
                 or consumers[node.input[1]] != 1 or len(original.input) < 2 or original.input[1] not in float_inits):
             continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         weight = numpy_helper.to_array(float_inits[original.input[1]]).astype(np.float64)
+        form = weighted_form(node, weight.ndim)
         integers = numpy_helper.to_array(inits[dq.input[0]])
-        if integers.dtype.kind not in "iu" or integers.shape != weight.shape:
+        if form is None or integers.dtype.kind not in "iu" or integers.shape != weight.shape:
             continue
+        kind, groups, attrs = form
         scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
         zero = (numpy_helper.to_array(inits[dq.input[2]]).astype(np.float64)
                 if len(dq.input) > 2 and dq.input[2] in inits else np.zeros_like(scale))
         axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-        if node.op_type == "Conv":
-            if weight.ndim not in (3, 4) or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-                continue
-            kind, groups = "conv", int(attrs.get("group", 1))
-        elif weight.ndim != 2 or (node.op_type == "Gemm" and attrs.get("transA", 0)):
-            continue
-        else:
-            kind = "gemm_t" if node.op_type == "Gemm" and attrs.get("transB", 0) else "matmul"
-            groups = 1
         out_axis = 0 if kind in ("conv", "gemm_t") else 1
         if scale.size > 1 and axis % weight.ndim != out_axis:
             continue  # per-channel along the reduction axis: not a per-output-row scale
         layers.append(Layer(node.name, kind, node.input[0], dq.input[0], weight, scale, zero, out_axis, groups,
                             attrs))
     return layers
+
+
+def weighted_form(node: onnx.NodeProto, weight_ndim: int) -> tuple[str, int, dict] | None:
+    """(kind, groups, attributes) of a Conv/Gemm/MatMul whose input rows GPTQ can rebuild: "conv" (1-D/2-D,
+    explicit or no padding), "gemm_t" (Gemm transB), "matmul"; None for forms it cannot (auto_pad SAME_*,
+    Gemm transA). Why one place: the ORT and RKNN backends must agree on which layers they re-round."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Conv":
+        padding = attrs.get("auto_pad", b"NOTSET")  # string attributes come back as bytes
+        if weight_ndim not in (3, 4) or padding not in (b"NOTSET", b"VALID"):
+            return None
+        return "conv", int(attrs.get("group", 1)), attrs
+    if weight_ndim != 2 or (node.op_type == "Gemm" and attrs.get("transA", 0)):
+        return None
+    return ("gemm_t" if node.op_type == "Gemm" and attrs.get("transB", 0) else "matmul"), 1, attrs
 
 
 def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list[dict],
@@ -153,10 +160,12 @@ def gptq(weight: np.ndarray, moment: np.ndarray, scale: np.ndarray, zero: np.nda
     h = moment.astype(np.float64).copy()
     g, _, d = w.shape
     diag = np.einsum("gii->gi", h)
-    dead = diag == 0  # inputs that never fire: their weights cannot matter
+    # Inputs that never fired on the calibration samples: nothing says how their weights matter, so they keep
+    # nearest rounding (an isolated unit diagonal: no error flows into or out of them). GPTQ's reference code
+    # zeroes them, which deletes channels that do fire on data the calibration set missed.
+    dead = diag == 0
     for gi in range(g):
         h[gi, dead[gi], dead[gi]] = 1.0
-    w[np.broadcast_to(dead[:, None, :], w.shape)] = 0.0
     h += damp * np.maximum(diag.mean(axis=1), 1e-12)[:, None, None] * np.eye(d)
     upper = np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1)  # H⁻¹ = Uᵀ U, U upper triangular
     q = np.zeros_like(w)
