@@ -111,3 +111,16 @@ def test_dataset_txt_list_feeds_multi_input_models_in_input_order(tmp_path):
     before = samples.sha256
     np.save(tmp_path / "npy" / "mask1.npy", np.zeros((1, 4), np.float32))  # only the second input's file
     assert load_samples(source(tmp_path / "dataset.txt"), TWO_INPUTS).sha256 != before
+
+
+def test_random_samples_give_a_named_dim_one_size_across_inputs():
+    """Inputs that share a symbolic dim (ids [batch, seq], positions [seq]) must get the same size, or the
+    model cannot run on the verification samples; unknown dims ("?") are not a shared name."""
+    from qprep.data import random_samples
+    from qprep.model_info import TensorSpec
+
+    specs = [TensorSpec("positions", "int64", ["seq"]), TensorSpec("ids", "int64", ["batch", "seq"]),
+             TensorSpec("image", "float32", ["?", 3, "?", "?"])]
+    sample = random_samples(specs, 1).samples[0]
+    assert sample["positions"].shape[0] == sample["ids"].shape[1]
+    assert sample["ids"].shape[0] == 1 and sample["image"].shape == (1, 3, 32, 32)

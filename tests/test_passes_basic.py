@@ -92,6 +92,20 @@ def test_batchnorm_not_folded_when_conv_output_has_another_consumer():
     assert ops(out)["BatchNormalization"] == 1 and outcome.matches == 0
 
 
+def test_batchnorms_fold_into_convs_that_share_a_deduplicated_zero_bias():
+    """Two Conv→BN branches whose all-zero biases cleanup merged into one initializer: both BNs still fold."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "zeros"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c1", "g", "b", "m", "v"], ["y1"]),
+             helper.make_node("Conv", ["x", "w2", "zeros"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c2", "g", "b", "m", "v"], ["y2"])]
+    inits = {"w1": rand(4, 3, 3, 3), "w2": rand(4, 3, 3, 3, seed=5), "zeros": np.zeros(4, np.float32),
+             "g": rand(4, seed=1), "b": rand(4, seed=2), "m": rand(4, seed=3), "v": np.abs(rand(4, seed=4)) + 0.1}
+    model = make_model(nodes, [X], [("y1", [1, 4, 8, 8]), ("y2", [1, 4, 8, 8])], inits)
+    out, outcome = apply_pass(fold_into_conv.PASS, model)
+    assert ops(out) == {"Conv": 2} and outcome.matches == 2
+    assert max_diff(model, out, {"x": rand(1, 3, 8, 8)}) < 1e-5
+
+
 def test_constant_bias_add_folds_into_conv_only_when_per_channel():
     def model(addend):
         nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"]), helper.make_node("Add", ["c", "a"], ["y"])]
@@ -122,6 +136,23 @@ def test_transposes_compose_and_shape_chains_become_constant():
     assert out.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"  # still dynamic
     feeds = {"x": rand(2, 3, 8, 8)}
     assert max_diff(model, out, feeds) == 0.0
+
+
+def test_computed_reshape_shape_becomes_constant_on_opset_13():
+    """Reshape's allowzero exists from opset 14: the constant shape must not carry it on older models."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Slice", ["s", "zero", "one"], ["n"]),
+             helper.make_node("Concat", ["n", "minus1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 192])],
+                       {"zero": np.array([0], np.int64), "one": np.array([1], np.int64),
+                        "minus1": np.array([-1], np.int64)}, opset=13)
+    out, outcome = apply_pass(simplify_shapes.PASS, model)
+    onnx.checker.check_model(out)
+    assert ops(out) == {"Reshape": 1} and outcome.matches >= 1
+    reshape = next(n for n in out.graph.node if n.op_type == "Reshape")
+    assert [a.name for a in reshape.attribute] == []
+    assert max_diff(model, out, {"x": rand(2, 3, 8, 8)}) == 0.0
 
 
 def test_matmul_add_becomes_gemm_only_for_2d():

@@ -155,14 +155,23 @@ def check_sample(sample: dict[str, np.ndarray], inputs: list[TensorSpec], where:
 def random_samples(inputs: list[TensorSpec], count: int, seed: int = 0) -> SampleSet:
     """Seeded random inputs, only for verifying rewrites when no data is configured (and said so).
 
-    Dynamic dims become 1 for the batch and 32 elsewhere (a multiple of the usual CNN strides).
+    Dynamic dims become 1 for the batch and 32 elsewhere (a multiple of the usual CNN strides); a named dim
+    keeps the size of its first appearance, so inputs that share `seq` (ids [batch, seq], mask [seq]) agree.
     """
     rng = np.random.default_rng(seed)
     samples = []
+    named: dict[str, int] = {}
+
+    def size(axis: int, dim) -> int:
+        if isinstance(dim, int):
+            return dim
+        default = 1 if axis == 0 else 32
+        return named.setdefault(dim, default) if isinstance(dim, str) and dim not in ("", "?") else default
+
     for _ in range(count):
         sample = {}
         for spec in inputs:
-            shape = [d if isinstance(d, int) else (1 if i == 0 else 32) for i, d in enumerate(spec.shape or [])]
+            shape = [size(i, d) for i, d in enumerate(spec.shape or [])]
             dtype = spec.numpy_dtype
             if dtype.kind == "f":
                 sample[spec.name] = rng.standard_normal(shape).astype(dtype)

@@ -12,9 +12,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
-from onnxscript.rewriter.rules.common import (materialize_reshape_shape_rule, no_op_transpose_rule,
-                                              reshape_reshape_rule, squeeze_reshape_1d_rule,
+from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
                                               transpose_transpose_rule, unsqueeze_unsqueeze_rule)
+from onnxscript.rewriter.rules.common._materialize_reshape_shape import MaterializeReshapeShape
 
 from qprep.graph.ir_utils import constant_array, infer_shapes
 from qprep.graph.passes import GraphPass, PassOutcome, PassSettings
@@ -76,8 +76,24 @@ def _same_dim(a: ir.Value, b: ir.Value, axis: int) -> bool:
     return da.value is not None and da.value == db.value and not str(da.value).startswith("unk__")
 
 
+class ConstantReshapeShape(MaterializeReshapeShape):
+    """onnxscript's rule (the output shape is known: the computed shape becomes a constant) without its
+    allowzero=1, an attribute that exists from opset 14 only: on an opset-13 model the checker refused it and
+    the whole pass was rolled back. A shape without a 0 does not need it, so shapes with a 0 are left alone."""
+
+    def check(self, context, data, shape) -> MatchResult:
+        result = super().check(context, data, shape)
+        if result and 0 in self._new_dims:
+            return MatchResult().fail("a 0 dim would need allowzero (opset 14)")
+        self._name = f"{context.output_values[0].name}/shape"
+        return result
+
+    def rewrite(self, op, data, shape, **_):
+        return op.Reshape(data, op.initializer(ir.tensor(np.array(self._new_dims, np.int64), name=self._name)))
+
+
 RULES = RewriteRuleSet([ReshapeKeepingOwnDims.rule(), transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule,
-                        unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule, materialize_reshape_shape_rule])
+                        unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule, ConstantReshapeShape.rule()])
 
 
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
