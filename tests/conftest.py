@@ -86,3 +86,29 @@ def run_config(tmp_path: Path, config: dict):
                           capture_output=True, text=True, cwd=ROOT)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     return done, report
+
+
+OCR_DATA = {"ppocr_cls": ("ocr_cls", [1, 3, 48, 192]), "ppocrv4_rec": ("ocr_rec", [1, 3, 48, 320])}
+
+
+def rknn_job(tmp_path: Path, name: str, **options):
+    """A demo PP-OCR model optimized for the RKNN backend (opset ≤ 19) with 8 calibration samples, as qprep hands
+    them to rknn.quantize / RknnBuilder; `options` override rk3588 w8a8 defaults → BackendInput."""
+    import qprep
+    from qprep.backends import BackendInput
+    from qprep.data import load_samples
+    from qprep.model_info import graph_inputs
+
+    data, shape = OCR_DATA[name]
+    qprep.run({"model": str(demo_model(f"{name}.onnx")), "inputs": {"x": shape},
+               "pipeline": [{"optimize": {"max_opset": 19}}]}, output_dir=str(tmp_path / "optimized"))
+    model = onnx.load(str(tmp_path / "optimized" / "model.onnx"))
+    preprocess = {"channel_order": "bgr", "mean": [127.5] * 3, "std": [127.5] * 3, "resize": "none", "layout": "auto"}
+    calibration = load_samples({"source": str(CALIBRATION / data / "calib"), "format": "auto", "max_samples": 8,
+                                "seed": 0, "preprocess": preprocess}, graph_inputs(model))
+    (tmp_path / "work").mkdir()
+    options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
+               "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
+               "analysis_samples": 0, "weight_rounding": "nearest", **options}
+    return BackendInput(model=model, calibration=calibration, max_samples=8, float_set=set(), options=options,
+                        work_dir=tmp_path / "work")

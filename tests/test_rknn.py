@@ -8,7 +8,7 @@ import pytest
 
 from qprep.backends import BackendInput
 from qprep.errors import QprepError
-from conftest import CALIBRATION, ROOT, demo_model
+from conftest import CALIBRATION, ROOT, demo_model, rknn_job
 
 pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
 
@@ -40,29 +40,14 @@ def test_classifier_converts_evaluates_on_the_simulator_and_hands_off(tmp_path):
 
 def test_layernorm_float16_islands_map_to_rknn_tensors_and_step2_builds(tmp_path):
     """Hybrid quantization on the optimized recognizer: its 5 LayerNormalization nodes become float16 layers."""
-    import qprep
     from qprep.backends import rknn
-    from qprep.data import load_samples
-    from qprep.model_info import graph_inputs
 
-    optimized = tmp_path / "optimized"
-    qprep.run({"model": str(demo_model("ppocrv4_rec.onnx")), "inputs": {"x": [1, 3, 48, 320]},
-               "calibration": {"source": str(CALIBRATION / "ocr_rec" / "calib"), "max_samples": 4,
-                               "preprocess": OCR}, "pipeline": [{"optimize": {"max_opset": 19}}]},
-              output_dir=str(optimized))
-    model = onnx.load(str(optimized / "model.onnx"))
-    layernorms = [n.name for n in model.graph.node if n.op_type == "LayerNormalization"]
+    job = rknn_job(tmp_path, "ppocrv4_rec")
+    layernorms = [n.name for n in job.model.graph.node if n.op_type == "LayerNormalization"]
     assert len(layernorms) == 5
-    cfg = {"source": str(CALIBRATION / "ocr_rec" / "calib"), "format": "auto", "max_samples": 8, "seed": 0,
-           "preprocess": {**OCR, "mean": [127.5] * 3, "std": [127.5] * 3, "layout": "auto"}}
-    calibration = load_samples(cfg, graph_inputs(model))
-    work = tmp_path / "work"
-    work.mkdir()
-    options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
-               "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
-               "analysis_samples": 0, "weight_rounding": "nearest"}
-    result = rknn.quantize(BackendInput(model=model, calibration=calibration, max_samples=8,
-                                        float_set=set(layernorms), options=options, work_dir=work))
+    job.float_set = set(layernorms)
+    work, calibration = job.work_dir, job.calibration
+    result = rknn.quantize(job)
     islands = result.details["float16_layers"]
     assert islands["unmapped"] == [] and len(islands["mapped"]) == 5
     cfg_text = (work / "model.quantization.cfg").read_text()
@@ -79,25 +64,12 @@ def test_gptq_weights_sit_on_the_grid_the_toolkit_quantizes_them_to(tmp_path):
     [min(w, 0), max(w, 0)]) checked against the toolkit's own quantization table (rknn-toolkit2 2.5.0, a private
     attribute): every Conv weight it was handed gets the predicted scale and zero point and lies on that grid,
     so the toolkit's rounding keeps GPTQ's integers."""
-    import qprep
     from qprep.backends import rknn, rknn_weights
-    from qprep.data import load_samples
-    from qprep.model_info import graph_inputs
 
-    qprep.run({"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
-               "pipeline": [{"optimize": {"max_opset": 19}}]}, output_dir=str(tmp_path / "optimized"))
-    model = onnx.load(str(tmp_path / "optimized" / "model.onnx"))
-    cfg = {"source": str(CALIBRATION / "ocr_cls" / "calib"), "format": "auto", "max_samples": 8, "seed": 0,
-           "preprocess": {**OCR, "mean": [127.5] * 3, "std": [127.5] * 3, "layout": "auto"}}
-    calibration = load_samples(cfg, graph_inputs(model))
-    options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
-               "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
-               "analysis_samples": 0, "weight_rounding": "gptq"}
-    (tmp_path / "work").mkdir()
-    result = rknn.quantize(BackendInput(model=model, calibration=calibration, max_samples=8, float_set=set(),
-                                        options=options, work_dir=tmp_path / "work"))
+    job = rknn_job(tmp_path, "ppocr_cls", weight_rounding="gptq")
+    result = rknn.quantize(job)
     assert result.details["weight_rounding"]["layers"] == 54  # 53 Conv + the classifier (Gemm, transB 0)
-    handed = onnx.load(str(tmp_path / "work" / "model.onnx"))
+    handed = onnx.load(str(job.work_dir / "model.onnx"))
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in handed.graph.initializer}
     table = result.runner.rknn.rknn_base.quantizer.quant_tab
     layers = rknn_weights.layers(handed)

@@ -5,12 +5,11 @@ import argparse
 import pickle
 
 import numpy as np
-import onnx
 import pytest
 import yaml
 
 from qprep.backends import rknn_ranges
-from conftest import CALIBRATION, demo_model
+from conftest import rknn_job
 
 CFG = """custom_quantize_layers: {}
 quantize_parameters:
@@ -118,23 +117,10 @@ def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     """cls with mmse: the builder reuses the first build's table; the next build (a hybrid step2 with the
     `normal` algorithm) has the same ranges, gives the same outputs and runs no mmse search."""
     pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
-    import qprep
-    from qprep.backends import BackendInput, rknn
-    from qprep.data import load_samples
-    from qprep.model_info import graph_inputs
+    from qprep.backends import rknn
 
-    qprep.run({"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
-               "pipeline": [{"optimize": {"max_opset": 19}}]}, output_dir=str(tmp_path / "optimized"))
-    model = onnx.load(str(tmp_path / "optimized" / "model.onnx"))
-    ocr = {"channel_order": "bgr", "mean": [127.5] * 3, "std": [127.5] * 3, "resize": "none", "layout": "auto"}
-    calibration = load_samples({"source": str(CALIBRATION / "ocr_cls" / "calib"), "format": "auto", "max_samples": 8,
-                                "seed": 0, "preprocess": ocr}, graph_inputs(model))
-    options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "mmse",
-               "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
-               "analysis_samples": 0, "weight_rounding": "gptq"}
-    (tmp_path / "work").mkdir()
-    builder = rknn.RknnBuilder(BackendInput(model=model, calibration=calibration, max_samples=8, float_set=set(),
-                                            options=options, work_dir=tmp_path / "work"))
+    builder = rknn.RknnBuilder(rknn_job(tmp_path, "ppocr_cls", quantized_algorithm="mmse", weight_rounding="gptq"))
+    calibration = builder.job.calibration
     samples = calibration.samples[:4]
     searched = builder.session(set())
     expected = searched(samples)
