@@ -135,6 +135,8 @@ def test_integer_outputs_are_rated_by_element_agreement_not_argmax():
     assert output_task("ids", (1, 4), "ArgMax", integer=True) == "tensor"
     metrics = compare_output(ids, changed, "tensor")
     assert metrics["element_agreement"] == 7 / 8 and "top1_agreement" not in metrics
+    from qprep.report.document import agreement_text
+    assert agreement_text(metrics).startswith("element 87.5% (")
     assert check_gate({"element_agreement": 0.9}, {"ids": metrics})["passed"] is False
 
 

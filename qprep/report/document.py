@@ -202,7 +202,7 @@ def _result(result: dict | None, model: dict) -> list:
 
 
 def agreement_text(m: dict) -> str:
-    for prefix in ("top1", "step"):
+    for prefix in ("top1", "step", "element"):
         if f"{prefix}_agreement" in m:
             low, high = m[f"{prefix}_agreement_ci95"]
             return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "

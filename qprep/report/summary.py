@@ -34,7 +34,8 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     if outputs:
         first = next(iter(outputs.values()))  # the main output: the first one the model declares
         row["cosine_mean"] = min(m["cosine_mean"] for m in outputs.values())
-        row["agreement"] = next((first[k] for k in ("top1_agreement", "step_agreement") if k in first), None)
+        row["agreement"] = next((first[k] for k in ("top1_agreement", "step_agreement", "element_agreement")
+                                 if k in first), None)
     speedup = (evaluation.get("latency") or {}).get("speedup")
     row["speedup"] = speedup
     return row
