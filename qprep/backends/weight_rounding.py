@@ -160,12 +160,13 @@ def gptq(weight: np.ndarray, moment: np.ndarray, scale: np.ndarray, zero: np.nda
     h = moment.astype(np.float64).copy()
     g, _, d = w.shape
     diag = np.einsum("gii->gi", h)
-    # Inputs that never fired on the calibration samples: nothing says how their weights matter, so they keep
-    # nearest rounding (an isolated unit diagonal: no error flows into or out of them). GPTQ's reference code
-    # zeroes them, which deletes channels that do fire on data the calibration set missed.
+    # Inputs that never fired on the calibration samples get weight 0, as in GPTQ's reference code (an isolated
+    # unit diagonal: no error flows into or out of them). Keeping their nearest rounding instead was measured
+    # worse: PP-OCRv4 rec's ORT fallback then needed 14 float nodes for cosine 0.99007 instead of 11 for 0.99058.
     dead = diag == 0
     for gi in range(g):
         h[gi, dead[gi], dead[gi]] = 1.0
+    w[np.broadcast_to(dead[:, None, :], w.shape)] = 0.0
     h += damp * np.maximum(diag.mean(axis=1), 1e-12)[:, None, None] * np.eye(d)
     upper = np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1)  # H⁻¹ = Uᵀ U, U upper triangular
     q = np.zeros_like(w)
