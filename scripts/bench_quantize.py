@@ -30,7 +30,7 @@ import qprep  # noqa: E402
 from qprep.config import data_source  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
 from qprep.evaluate.latency import interleaved, speedups  # noqa: E402
-from qprep.evaluate.metrics import compare_output, output_task  # noqa: E402
+from qprep.evaluate.metrics import compare_output, main_agreement, output_task  # noqa: E402
 from qprep.graph.verify import run_model  # noqa: E402
 from qprep.model_info import graph_inputs  # noqa: E402
 from qprep.schema import validate  # noqa: E402
@@ -130,8 +130,8 @@ def scores(reference: onnx.ModelProto, result: onnx.ModelProto, evaluation: list
     name = next(iter(expected[0]))
     task = output_task(name, expected[0][name].shape, producers.get(name))
     m = compare_output([e[name] for e in expected], [a[name] for a in actual], task)
-    agreement = next((m[k] for k in ("top1_agreement", "step_agreement") if k in m), None)
-    return {"cosine": m["cosine_mean"], "agreement": agreement, "task": task}
+    prefix = main_agreement(m)
+    return {"cosine": m["cosine_mean"], "agreement": m[f"{prefix}_agreement"] if prefix else None, "task": task}
 
 
 def measure(models: list[str], eval_samples: int = 128, runs: int = 200, rounds: int = 5,

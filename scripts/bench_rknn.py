@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import qprep  # noqa: E402
 from bench_quantize import agreement_text  # noqa: E402
+from qprep.evaluate.metrics import main_agreement  # noqa: E402
 
 OCR = {"mean": [127.5], "std": [127.5], "channel_order": "bgr", "resize": "none"}
 MODELS = {  # name → (data set, preprocessing, input dims, has LayerNorm)
@@ -91,8 +92,7 @@ def measure(models: list[str], eval_samples: int = 128, budget: float = 1200.0,
                 stage = next(s for s in report["stages"] if s["name"] == "quantize")
                 record = stage.get("fallback")
                 row = {"model": name, "flow": variant, "cosine": metrics["cosine_mean"], "task": metrics["task"],
-                       "agreement": next((metrics[k] for k in ("top1_agreement", "step_agreement") if k in metrics),
-                                         None),
+                       "agreement": metrics[f"{prefix}_agreement"] if (prefix := main_agreement(metrics)) else None,
                        "seconds": stage["seconds"],
                        "float16_layers": len(stage.get("float16_layers", {}).get("ir_tensors", [])),
                        "float_nodes": 0, "fallback_s": None, "passed": None, "note": ""}

@@ -138,6 +138,10 @@ def test_integer_outputs_are_rated_by_element_agreement_not_argmax():
     from qprep.report.document import agreement_text
     assert agreement_text(metrics).startswith("element 87.5% (")
     assert check_gate({"element_agreement": 0.9}, {"ids": metrics})["passed"] is False
+    from qprep.evaluate import output_notes
+    assert output_notes({"ids": metrics}) == [
+        "output 'ids' holds integers: element_agreement (0.8750) is its meaningful figure; cosine over ids or "
+        "labels says little"]
 
 
 def test_gate_fails_a_metric_that_could_not_be_computed():

@@ -102,7 +102,7 @@ def test_batchnorms_fold_into_convs_that_share_a_deduplicated_zero_bias():
              "g": rand(4, seed=1), "b": rand(4, seed=2), "m": rand(4, seed=3), "v": np.abs(rand(4, seed=4)) + 0.1}
     model = make_model(nodes, [X], [("y1", [1, 4, 8, 8]), ("y2", [1, 4, 8, 8])], inits)
     out, outcome = apply_pass(fold_into_conv.PASS, model)
-    assert ops(out) == {"Conv": 2} and outcome.matches == 2
+    assert ops(out) == {"Conv": 2} and outcome.matches == 2 and outcome.details["weights_copied"] == 1
     assert max_diff(model, out, {"x": rand(1, 3, 8, 8)}) < 1e-5
 
 

@@ -15,6 +15,7 @@ keeps the result only if the model's output error goes down.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,10 +45,7 @@ def find_layers(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto) -> lis
     inits = {t.name: t for t in qdq_model.graph.initializer}
     float_nodes = {n.name: n for n in float_model.graph.node}
     producer = {o: n for n in qdq_model.graph.node for o in n.output}
-    readers: dict[str, int] = {}
-    for node in qdq_model.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = Counter(name for node in qdq_model.graph.node for name in node.input)
     layers: dict[str, BiasLayer] = {}
     feeds: dict[str, set[str]] = {}  # tensor → bias layers it depends on
     for node in qdq_model.graph.node:

@@ -20,6 +20,7 @@ per node is too slow (RKNN), `rank(float_nodes) → [{node, gain}]` from the bac
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -78,7 +79,7 @@ def score_of(outputs: dict, target: dict) -> float:
     single nodes on a few samples); the target itself is checked with the gate."""
     named = {key.rpartition(".")[0] for key in target} - {""}
     values = [m["cosine_mean"] for name, m in outputs.items() if (not named or name in named) and "cosine_mean" in m]
-    return float("-inf") if not values or any(v != v for v in values) else min(values)
+    return float("-inf") if not values or any(math.isnan(v) for v in values) else min(values)
 
 
 def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[str], base_float: set[str],

@@ -106,7 +106,7 @@ class OrtQuantizer:
         self.correcting = self._can_correct
         self._float_outputs: list | None = None  # the float model's outputs on the calibration samples
         self.bias: dict = {"applied": False}  # what bias correction did on the last build
-        self._bias: dict = {}  # (range method, float set) → {shifts, layers, calibration_sqnr_db, kept}
+        self._bias: dict = {}  # (float set, float op types, range method) → {shifts, layers, …, kept}
         self.float_op_types: set[str] = set()  # op types the fallback measured better left float
         self._last: tuple | None = None  # (float set, float op types, range method, correcting) → last build
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind

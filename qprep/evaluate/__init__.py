@@ -22,7 +22,7 @@ from qprep.evaluate.layers import layer_errors
 from qprep.errors import DataError
 from qprep.evaluate.metrics import compare_output, is_integer, output_task, wilson_interval
 from qprep.graph.prepare import name_nodes
-from qprep.graph.verify import numeric, run_model
+from qprep.graph.verify import is_numeric, run_model
 from qprep.model_io import load_model
 
 log = logging.getLogger("qprep")
@@ -93,8 +93,8 @@ def output_metrics(expected: list[dict], actual: list[dict], tasks: dict, refere
     outputs = {}
     for name in expected[0]:
         values = [e[name] for e in expected]
-        if any(numeric(v) is None for v in values):
-            continue  # strings, sequences, maps: no accuracy figure (output_notes says so)
+        if not all(is_numeric(v) for v in values):
+            continue  # strings, sequences, maps: no accuracy figure (evaluate() notes which)
         task = tasks.get(name) or output_task(name, expected[0][name].shape, producers.get(name), is_integer(values))
         outputs[name] = compare_output(values, [a[name] for a in actual], task)
     return outputs

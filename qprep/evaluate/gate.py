@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import math
+
 from qprep.evaluate.metrics import higher_is_better
 
 
@@ -21,7 +23,7 @@ def check_gate(gate: dict[str, float], outputs: dict[str, dict]) -> dict:
         values = [outputs[t][metric] for t in targets]
         minimum = higher_is_better(metric)
         value = min(values) if minimum else max(values)
-        if any(v != v for v in values):  # NaN (no sample to rate): min/max would skip it, the gate must not
+        if any(math.isnan(v) for v in values):  # no sample to rate: min/max would skip a NaN, the gate must not
             value = float("nan")
         passed = value >= threshold if minimum else value <= threshold
         checks.append({"metric": key, "threshold": threshold, "value": value, "passed": passed,

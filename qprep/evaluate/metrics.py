@@ -22,6 +22,12 @@ RUN_METRICS = {"reference_top1_accuracy": True, "agreement": True, "speedup": Tr
                "nodes": False}
 
 
+def main_agreement(metrics: dict) -> str | None:
+    """The agreement figure an output reports ("top1", "step" or "element"; None for plain tensors): the one
+    reports and summaries show beside its cosine."""
+    return next((prefix for prefix in ("top1", "step", "element") if f"{prefix}_agreement" in metrics), None)
+
+
 def higher_is_better(metric: str) -> bool:
     name = metric.rsplit(".", 1)[-1]
     return {**OUTPUT_METRICS, **RUN_METRICS}.get(name, name.endswith("_agreement"))
@@ -106,8 +112,8 @@ def sqnr_db(reference: list[np.ndarray], result: list[np.ndarray]) -> float:
     signal = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in reference)
     if noise == 0:
         return float("inf")
-    if not math.isfinite(noise) or not math.isfinite(signal):
-        return float("-inf") if not math.isfinite(noise) else float("inf")
+    if not math.isfinite(noise):  # NaN/Inf in the error: no signal outweighs it
+        return float("-inf")
     return 10 * math.log10(max(signal, 1e-300) / noise)
 
 

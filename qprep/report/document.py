@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qprep.evaluate.metrics import main_agreement
 from qprep.report.fallback import fallback_tables
 
 
@@ -202,12 +203,12 @@ def _result(result: dict | None, model: dict) -> list:
 
 
 def agreement_text(m: dict) -> str:
-    for prefix in ("top1", "step", "element"):
-        if f"{prefix}_agreement" in m:
-            low, high = m[f"{prefix}_agreement_ci95"]
-            return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "
-                    f"n={m[f'{prefix}_count']})")
-    return "–"
+    prefix = main_agreement(m)
+    if prefix is None:
+        return "–"
+    low, high = m[f"{prefix}_agreement_ci95"]
+    return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "
+            f"n={m[f'{prefix}_count']})")
 
 
 def _num(value, spec: str) -> str:

@@ -8,6 +8,8 @@ import json
 from html import escape
 from pathlib import Path
 
+from qprep.evaluate.metrics import main_agreement
+
 COLUMNS = ["model", "status", "cosine_mean", "agreement", "speedup", "nodes_before", "nodes_after",
            "layernorms_fused", "float_nodes", "seconds", "error", "run_dir"]
 
@@ -34,8 +36,8 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     if outputs:
         first = next(iter(outputs.values()))  # the main output: the first one the model declares
         row["cosine_mean"] = min(m["cosine_mean"] for m in outputs.values())
-        row["agreement"] = next((first[k] for k in ("top1_agreement", "step_agreement", "element_agreement")
-                                 if k in first), None)
+        prefix = main_agreement(first)
+        row["agreement"] = first[f"{prefix}_agreement"] if prefix else None
     speedup = (evaluation.get("latency") or {}).get("speedup")
     row["speedup"] = speedup
     return row

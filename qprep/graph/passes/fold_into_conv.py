@@ -198,6 +198,11 @@ RULES = [fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_conv_transpose_rule,
          *ConvInputShift.rule().commute(), normalize_pad_format_conv_rule, fuse_pad_into_conv_rule]
 
 
+def _constant_initializer(value: ir.Value | None) -> bool:
+    """What onnxscript's BN rule asks of every parameter: a constant initializer that is no graph input."""
+    return value is not None and value.is_initializer() and value.const_value is not None and not value.is_graph_input()
+
+
 def _own_weights_before_batchnorm(model: ir.Model) -> int:
     """Give a Conv/ConvTranspose/Gemm that feeds only a foldable BatchNormalization its own copy of a shared
     weight or bias. Why: cleanup merges identical initializers (the all-zero Conv biases some exporters write)
@@ -206,13 +211,10 @@ def _own_weights_before_batchnorm(model: ir.Model) -> int:
     for bn in list(model.graph):
         layer = bn.inputs[0].producer() if bn.op_type == "BatchNormalization" and bn.inputs[0] is not None else None
         if (layer is None or layer.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(bn.outputs) != 1
-                or len(layer.outputs[0].uses()) != 1
-                or any(v is None or not v.is_initializer() or v.const_value is None or v.is_graph_input()
-                       for v in bn.inputs[1:5])):
+                or len(layer.outputs[0].uses()) != 1 or not all(_constant_initializer(v) for v in bn.inputs[1:5])):
             continue
         for index, value in list(enumerate(layer.inputs))[1:3]:
-            if (value is None or not value.is_initializer() or value.const_value is None or value.is_graph_input()
-                    or len(value.uses()) < 2):
+            if not _constant_initializer(value) or len(value.uses()) < 2:
                 continue
             own = ir.Value(name=unique_value_name(model.graph, f"{value.name}/{layer.name}"), shape=value.shape,
                            type=value.type, const_value=value.const_value)
@@ -224,10 +226,11 @@ def _own_weights_before_batchnorm(model: ir.Model) -> int:
 
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     rules = RULES + ([ConvHardSigmoid.rule()] if default_opset(model) >= CLIP_INPUTS_OPSET else [])
-    _own_weights_before_batchnorm(model)  # every copy made is folded by the BN rule below
+    # a copy the BN rule then leaves unfolded is only a duplicate initializer: the next cleanup merges it again
+    copies = _own_weights_before_batchnorm(model)
     count = RewriteRuleSet(rules).apply_to_model(model)
     RemoveUnusedNodesPass()(model)
-    return PassOutcome(matches=count, details={"folded": count})
+    return PassOutcome(matches=count, details={"folded": count, "weights_copied": copies})
 
 
 PASS = GraphPass(name="fold_into_conv", apply=apply,
