@@ -21,6 +21,9 @@ from qprep.model_io import atomic_write_text, sha256_file
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 
 
+TERMINATE_GRACE_S = 30  # a timed-out model gets this long to write its report after SIGTERM, then SIGKILL
+
+
 def _dir_name(name: str, used: set[str]) -> str:
     """`a/b.onnx` → `a__b`; a second model mapping to a taken name (`a__b.onnx`) gets `a__b-2`, so two models
     never share a run directory."""
@@ -103,10 +106,18 @@ def _run_one(config_path: str, model: Path, run_dir: Path, sets, timeout) -> tup
     for assignment in sets:
         command += ["--set", assignment]
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "failed", time.perf_counter() - start, f"timed out after {timeout:g} s"
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as worker:
+        try:
+            _, stderr = worker.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            worker.terminate()  # SIGTERM first: the run writes its report ("interrupted") and manifest
+            try:
+                worker.communicate(timeout=TERMINATE_GRACE_S)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.communicate()
+            return "failed", time.perf_counter() - start, f"timed out after {timeout:g} s"
+    done = subprocess.CompletedProcess(command, worker.returncode, "", stderr)
     seconds = time.perf_counter() - start
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     error = lines[-1].removeprefix("qprep: error: ") if lines and done.returncode != EXIT_OK else ""

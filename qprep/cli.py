@@ -6,13 +6,16 @@ Exit codes: 0 ok, 1 accuracy gate missed, 2 usage/config/input error, 3 internal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from qprep import __version__
-from qprep.errors import EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError
+from qprep.errors import EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, Interrupted, QprepError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return EXIT_USAGE
+    with _signals_interrupt():
+        return _dispatch(args)
+
+
+def _dispatch(args) -> int:
     try:
         return COMMANDS[args.command](args)
     except QprepError as exc:
@@ -91,16 +99,36 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"qprep: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("qprep: interrupted; files already written are complete, nothing half-written was left",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"qprep: interrupted by {signal.Signals(signum).name}; files already written are complete, nothing "
+              "half-written was left (a run's report.json says where it stopped)", file=sys.stderr)
+        return 128 + signum
     except Exception as exc:  # noqa: BLE001 - the CLI is the last place to turn a bug into a clear line
         if args.debug:
             traceback.print_exc()
         print(f"qprep: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
               "(rerun with --debug for the traceback and please report it)", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so a run still writes its report (restored afterwards: main()
+    also runs inside other programs, e.g. tests)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _interrupted(signum, frame):
+    raise Interrupted(signum)
 
 
 def _overrides(args) -> dict:
@@ -137,14 +165,12 @@ def _fmt(value) -> str:
 
 
 def cmd_validate(args) -> int:
+    """The checks `run` makes before it touches the run directory (qprep/preflight.py), and nothing else."""
     from qprep.config import load_config
+    from qprep.preflight import check
 
     config = load_config(args.config, _overrides(args))
-    if not Path(config["model"]).is_file():
-        raise QprepError(f"model: file not found: {config['model']}")
-    calibration = config["calibration"]
-    if calibration and not Path(calibration["source"]).is_dir():
-        raise QprepError(f"calibration.source: folder not found: {calibration['source']}")
+    check(config)
     stages = ", ".join(name for name, _ in config.stages) or "no stages"
     if not args.quiet:
         print(f"qprep: {args.config} is valid ({stages})")

@@ -30,3 +30,15 @@ class DataError(QprepError):
 
 class RunDirError(QprepError):
     """The run directory cannot be used (non-empty without --force, not writable)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (what `timeout`, `kill`, batch timeouts and process managers send), unwound like
+    Ctrl-C so the run still writes its report and manifest."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signum)
+        self.signum = signum
+        self.cause = signal.Signals(signum).name

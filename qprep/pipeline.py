@@ -15,16 +15,15 @@ from typing import Callable
 
 import onnx
 
-from qprep import __version__, model_info, run_dir
+from qprep import __version__, model_info, preflight, run_dir
 from qprep.config import Config
-from qprep.data import SampleSet, load_samples, random_samples
+from qprep.data import SampleSet, random_samples
 from qprep.errors import ConfigError, QprepError
 from qprep.evaluate import evaluate
-from qprep.graph.prepare import fix_input_shapes, infer_shapes, name_nodes
 from qprep.graph.verify import Tolerance, Verifier
-from qprep.model_io import load_model, save_model, sha256_file
+from qprep.model_io import save_model, sha256_file
 from qprep.progress import Progress
-from qprep.report import write_report
+from qprep.report import write_report, write_report_json
 from qprep.stages import StageResult, registry
 
 log = logging.getLogger("qprep")
@@ -48,6 +47,8 @@ class RunContext:
     runner: Callable[[list[dict]], list[dict]] | None = None  # runs the result when it is not ONNX (RKNN)
     layer_analyzer: Callable[[list[dict]], list[dict]] | None = None  # backend's own per-layer analysis
     input_model: onnx.ModelProto | None = None  # the input as loaded and prepared: the default FP32 reference
+    evaluation: SampleSet | None = None  # evaluation samples, loaded and checked before the run started
+    reference_model: onnx.ModelProto | None = None  # evaluation.reference_model, when set (loaded likewise)
     fallback_target: dict = field(default_factory=dict)  # quantize.fallback's target, checked again by evaluation
     reference_run: object = None  # evaluate.ReferenceRun: FP32 outputs on the evaluation samples, computed once
 
@@ -59,27 +60,27 @@ class RunContext:
 
 
 def execute(config: Config, force: bool = False, quiet: bool = False, progress: Progress | None = None) -> dict:
-    """Run a validated config; returns the report (also written to the run directory)."""
+    """Run a validated config; returns the report (also written to the run directory).
+
+    Every input is loaded and checked (preflight) before the run directory is locked and touched, so a bad
+    input never costs the previous run."""
     out = config["output_dir"]
     if not out:
         raise ConfigError("output_dir: no run directory; set output_dir in the config or pass --out DIR")
-    _refuse_overwriting_input(Path(out), Path(config["model"]))
-    directory = run_dir.prepare(Path(out), force)
     progress = progress or Progress(enabled=False if quiet else None)
-    handler = run_dir.attach_log(directory)
     started = time.time()
+    checked = preflight.check(config, progress)
+    load_seconds = time.time() - started
+    directory, lock = run_dir.claim(Path(out), force)
+    handler = run_dir.attach_log(directory)
     report: dict = {"schema_version": SCHEMA_VERSION, "qprep_version": __version__, "status": "running",
-                    "run_dir": str(directory), "stages": [], "warnings": []}
+                    "run_dir": str(directory), **checked.record, "stages": [], "warnings": list(checked.warnings)}
     written: list[str] = []
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"load": load_seconds}
     try:
-        log.info("run started: config %s, model %s", config.path, config["model"])
-        with progress.step("load model"):
-            t0 = time.perf_counter()
-            model = _load(config, report)
-            timings["load"] = time.perf_counter() - t0
-        ctx = _context(config, model, directory, progress, report)
-        ctx.input_model = model
+        log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
+        ctx = _context(config, checked, directory, progress, report)
+        model = checked.model
         for index, (name, options) in enumerate(config.stages):
             with progress.step(f"[{index + 1}/{len(config.stages)}] {name}"), run_dir.toolkit_logging_to_run_log():
                 model = _run_stage(index, name, options, model, ctx, report, written)
@@ -99,6 +100,8 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
                 "note": f"model.onnx is the prepared float model {ctx.deployable} was built from"}
         report["float_set"] = sorted(ctx.float_set)
         if config["evaluation"]:
+            report["step"] = "evaluation"
+            write_report_json(directory, report)
             t0 = time.perf_counter()
             report["evaluation"] = evaluate(config, ctx, model, report["model"]["kind"])
             deployable = report["result"].get("deployable")
@@ -115,73 +118,51 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     except Exception as exc:  # internal error: still leave a report that says where it happened
         report["status"], report["error"] = "failed", f"internal error: {type(exc).__name__}: {exc}"
         raise
-    except KeyboardInterrupt:
-        report["status"], report["error"] = "interrupted", "interrupted by the user (Ctrl-C)"
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (errors.Interrupted)
+        report["status"], report["error"] = "interrupted", f"interrupted by {getattr(exc, 'cause', 'SIGINT (Ctrl-C)')}"
         raise
     finally:
         timings["total"] = time.time() - started
+        if report["status"] in ("ok", "gate missed"):
+            report.pop("step", None)  # where the run was: kept only when it did not finish
         report["seconds"] = round(timings["total"], 3)
-        written += write_report(directory, report)
-        run_dir.write_manifest(directory, {
-            "qprep_version": __version__,
-            "inputs": {
-                "config": {"path": str(config.path) if config.path else None,
-                           "sha256": sha256_file(config.path) if config.path else None},
-                "model": {"path": config["model"], "sha256": report.get("model", {}).get("sha256")},
-                "calibration": report.get("calibration"),
-            },
-            "config": config.resolved(),
-            "timings_s": {k: round(v, 3) for k, v in timings.items()},
-            "files": sorted(set(written + [run_dir.LOG])),
-        })
-        log.info("run finished: %s", report["status"])
-        run_dir.detach_log(handler)
+        with run_dir.deferred_signals():  # an interrupt while the record is written would leave it half-done
+            written += write_report(directory, report)
+            run_dir.write_manifest(directory, {
+                "qprep_version": __version__,
+                "inputs": {
+                    "config": {"path": str(config.path) if config.path else None,
+                               "sha256": sha256_file(config.path) if config.path else None},
+                    "model": {"path": config["model"], "sha256": report.get("model", {}).get("sha256")},
+                    "calibration": report.get("calibration"),
+                },
+                "config": config.resolved(),
+                "timings_s": {k: round(v, 3) for k, v in timings.items()},
+                "files": sorted(set(written + [run_dir.LOG])),
+            })
+            log.info("run finished: %s", report["status"])
+            run_dir.detach_log(handler)
+            lock.release()
 
 
-def _refuse_overwriting_input(out: Path, model: Path) -> None:
-    """The input model is never written to: a run directory where model.onnx (or its data) would land on the
-    input is refused."""
-    inputs = {model.resolve(), model.resolve().with_name(model.name + ".data")}
-    if {(out / "model.onnx").resolve(), (out / "model.onnx.data").resolve()} & inputs:
-        raise ConfigError(f"output_dir {out} would overwrite the input model {model}; choose another --out")
-
-
-def _load(config: Config, report: dict) -> onnx.ModelProto:
-    """Read and check the model, name its nodes, fix input dims, infer shapes; record what it is."""
-    path = config["model"]
-    model = load_model(path)
-    report["model"] = {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
-                       **model_info.summary(model)}
-    named = name_nodes(model.graph)
-    fixed = fix_input_shapes(model, config["inputs"] or {})
-    model, warning = infer_shapes(model)
-    report["load"] = {"nodes_named": named, "inputs_fixed": fixed,
-                      "inputs": [s.as_dict() for s in model_info.graph_inputs(model)]}
-    if warning:
-        report["warnings"].append(warning)
-    return model
-
-
-def _context(config: Config, model: onnx.ModelProto, directory: Path, progress: Progress, report: dict) -> RunContext:
-    inputs = model_info.graph_inputs(model)
-    calibration = None
-    if config["calibration"]:
-        with progress.step("load calibration data"):
-            calibration = load_samples(config["calibration"], inputs, role="calibration")
+def _context(config: Config, checked: preflight.Checked, directory: Path, progress: Progress,
+             report: dict) -> RunContext:
+    calibration = checked.calibration
+    if calibration is not None:
         report["calibration"] = calibration.describe()
-        report["warnings"] += calibration.warnings
     verify_cfg = config["verify"]
     if calibration is not None:
         samples = calibration.samples[: verify_cfg["max_samples"]]
         source = f"calibration ({len(samples)} samples)"
     else:
-        fallback = random_samples(inputs, verify_cfg["max_samples"])
+        fallback = random_samples(model_info.graph_inputs(checked.model), verify_cfg["max_samples"])
         samples, source = fallback.samples, "random (no calibration data)"
         if config.stages:
             report["warnings"] += fallback.warnings
     verifier = Verifier(samples, Tolerance.from_config(verify_cfg), threads=config["threads"], source=source)
     return RunContext(config=config, run_dir=directory, calibration=calibration, verifier=verifier,
-                      progress=progress)
+                      progress=progress, input_model=checked.model, evaluation=checked.evaluation,
+                      reference_model=checked.reference)
 
 
 def _run_stage(index: int, name: str, options: dict, model: onnx.ModelProto, ctx: RunContext,
@@ -192,6 +173,8 @@ def _run_stage(index: int, name: str, options: dict, model: onnx.ModelProto, ctx
     report["stages"].append(record)
     start = time.perf_counter()
     log.info("stage %d %s: options %s", index, name, options)
+    report["step"] = f"stage {index} {name}"
+    write_report_json(ctx.run_dir, report)  # a run killed outright still says which stage it was in
     try:
         result: StageResult = stage.run(model, ctx, options)
     except Exception as exc:

@@ -36,16 +36,18 @@ class Stage:
     run: Callable  # (model, ctx, options) -> StageResult
     options: Key
     summary: str
+    check: Callable | None = None  # (options, config) -> None: what can be refused before the run starts
 
 
 _REGISTRY: dict[str, Stage] = {}
 
 
-def stage(name: str, summary: str, **options: Key):
-    """Register a stage function under its YAML name with the schema of its options."""
+def stage(name: str, summary: str, check: Callable | None = None, **options: Key):
+    """Register a stage function under its YAML name with the schema of its options; `check` refuses, from the
+    config alone, what would make the stage fail after the run started (qprep/preflight.py calls it)."""
 
     def register(func):
-        _REGISTRY[name] = Stage(name=name, run=func, options=section(**options), summary=summary)
+        _REGISTRY[name] = Stage(name=name, run=func, options=section(**options), summary=summary, check=check)
         return func
 
     return register

@@ -42,7 +42,7 @@ def test_run_writes_run_directory_and_refuses_to_overwrite(tmp_path, save, cli):
     code, out, err = cli("run", config, "--quiet")
     assert code == 0, err
     run = tmp_path / "run"
-    assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "model.onnx", "qprep.log", "report.html",
+    assert sorted(p.name for p in run.iterdir()) == [".qprep.lock", "manifest.json", "model.onnx", "qprep.log", "report.html",
                                                      "report.json", "report.md"]
     report = json.loads((run / "report.json").read_text())
     assert report["status"] == "ok" and report["stages"] == [] and report["result"]["nodes"] == 2

@@ -7,6 +7,7 @@ the user insists (backend ort on a QAT model would stack a second set of Q/DQ no
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from qprep import model_info
 from qprep.backends import BackendInput
@@ -17,14 +18,34 @@ from qprep.schema import Key
 from qprep.stages import StageResult, stage
 
 BACKENDS = {"ort": "qprep.backends.ort", "fp16": "qprep.backends.fp16", "rknn": "qprep.backends.rknn"}
+SEARCHABLE = ("ort", "rknn")  # backends with an accuracy-driven fallback
 
 
 def _backend(name: str):
     return importlib.import_module(BACKENDS[name])
 
 
+def check(options: dict, config) -> None:
+    """What the run would otherwise find out after the stages before this one: data it needs, a toolkit."""
+    backend = options["backend"]
+    if not config["calibration"] and backend != "fp16":
+        raise QprepError("quantize: calibration data is required; add `calibration: {source: <folder>}`")
+    if options["fallback"]:
+        if backend not in SEARCHABLE:
+            raise QprepError(f"quantize.fallback: backend {backend} has nothing to fall back from; "
+                             f"use it with backend {' or '.join(SEARCHABLE)}")
+        if not config["evaluation"]:
+            raise QprepError("quantize.fallback: needs `evaluation:` data to measure the target on; add an "
+                             "evaluation section (source: <folder>)")
+    if backend == "rknn" and importlib.util.find_spec("rknn") is None:
+        raise QprepError("quantize: backend rknn needs rknn-toolkit2, which is not installed; run "
+                         "./scripts/setup.sh (it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 "
+                         "x86-64) or choose backend ort")
+
+
 @stage(
     "quantize",
+    check=check,
     summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
     backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
     max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),
@@ -40,8 +61,6 @@ def quantize(model, ctx, options: dict) -> StageResult:
         return StageResult(model=model, status="skipped",
                            reason="the model already holds Q/DQ nodes (QAT); use remove_redundant_qdq/fuse_conv_qdq")
     backend = options["backend"]
-    if ctx.calibration is None and backend != "fp16":
-        raise QprepError("quantize: calibration data is required; add `calibration: {source: <folder>}`")
     ctx.prepared_model = model  # the float model the per-layer analysis compares against
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
@@ -65,12 +84,6 @@ def _prepare_fallback(job: BackendInput, fallback: dict, backend: str, ctx) -> N
     the final evaluation)."""
     from qprep.evaluate import output_metrics, reference_run
 
-    if backend not in SEARCHABLE:
-        raise QprepError(f"quantize.fallback: backend {backend} has nothing to fall back from; "
-                         f"use it with backend {' or '.join(SEARCHABLE)}")
-    if not ctx.config["evaluation"]:
-        raise QprepError("quantize.fallback: needs `evaluation:` data to measure the target on; add an "
-                         "evaluation section (source: <folder>)")
     run = reference_run(ctx.config, ctx)
     tasks = ctx.config["evaluation"]["tasks"]
 
@@ -79,6 +92,3 @@ def _prepare_fallback(job: BackendInput, fallback: dict, backend: str, ctx) -> N
 
     job.fallback, job.evaluation_samples, job.measure = fallback, run.samples.samples, measure
     ctx.fallback_target = dict(fallback["target"])
-
-
-SEARCHABLE = ("ort", "rknn")

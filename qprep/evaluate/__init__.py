@@ -15,15 +15,13 @@ import numpy as np
 import onnx
 
 from qprep import model_info
-from qprep.data import SampleSet, load_samples
+from qprep.data import SampleSet
 from qprep.evaluate.gate import check_gate
 from qprep.evaluate.latency import interleaved, speedups
 from qprep.evaluate.layers import layer_errors
 from qprep.errors import DataError
 from qprep.evaluate.metrics import compare_output, is_integer, output_task, wilson_interval
-from qprep.graph.prepare import name_nodes
 from qprep.graph.verify import is_numeric, run_model
-from qprep.model_io import load_model
 
 log = logging.getLogger("qprep")
 
@@ -128,18 +126,17 @@ class ReferenceRun:
 
 
 def reference_run(config, ctx) -> ReferenceRun:
-    """Computed once per run (cached on ctx): the fallback's trials and the final evaluation share it."""
+    """Computed once per run (cached on ctx): the fallback's trials and the final evaluation share it. The
+    reference model and the samples were loaded and checked before the run started (preflight)."""
     if ctx.reference_run is None:
         cfg = config["evaluation"]
         if cfg["reference_model"]:
-            path, reference = cfg["reference_model"], load_model(cfg["reference_model"])
-            name_nodes(reference.graph)  # ORT refuses duplicate node names; the names do not change the numbers
+            path, reference = cfg["reference_model"], ctx.reference_model
         else:  # the input as loaded and prepared (names, fixed dims), before any stage
             path, reference = config["model"], ctx.input_model
         with ctx.progress.step("evaluation: FP32 reference outputs"):
-            samples = load_samples(cfg, model_info.graph_inputs(reference), role="evaluation")
-            expected = run_model(reference, samples.samples, config["threads"], optimize=True)
-        ctx.reference_run = ReferenceRun(path, reference, samples, expected)
+            expected = run_model(reference, ctx.evaluation.samples, config["threads"], optimize=True)
+        ctx.reference_run = ReferenceRun(path, reference, ctx.evaluation, expected)
     return ctx.reference_run
 
 

@@ -12,10 +12,16 @@ from qprep.report.markdown import render_markdown
 
 def write_report(directory: Path, report: dict) -> list[str]:
     """Write report.json, report.md and report.html atomically; returns the file names written."""
-    atomic_write_text(directory / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
+    write_report_json(directory, report)
     atomic_write_text(directory / "report.md", render_markdown(report))
     atomic_write_text(directory / "report.html", render_html(report))
     return ["report.json", "report.md", "report.html"]
+
+
+def write_report_json(directory: Path, report: dict) -> None:
+    """report.json alone: also written as each stage starts, so a run killed outright (SIGKILL, out of
+    memory) still leaves a report that says where it was."""
+    atomic_write_text(directory / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
 
 
 def _jsonable(value):
