@@ -55,11 +55,14 @@ def default_jobs(threads: int) -> int:
 
 def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, recursive: bool = False,
               resume: bool = False, timeout: float | None = None, sets: list[str] = (), quiet: bool = False) -> dict:
+    if jobs is not None and jobs < 1:
+        raise QprepError(f"batch --jobs {jobs}: needs at least 1 worker; omit --jobs for a default from cores "
+                         "and memory")
     folder_path, out_path = Path(folder).resolve(), Path(out).resolve()
     models = find_models(folder_path, recursive)
     base = load_config(config_path, {"model": str(models[0]), "output_dir": str(out_path / "_check")})
     jobs = jobs or default_jobs(base["threads"])
-    out_path.mkdir(parents=True, exist_ok=True)
+    _make_batch_dir(out_path)
     twins: dict[str, Path] = {}
     tasks, rows = [], {}
     used_dirs: set[str] = set()
@@ -95,6 +98,18 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     summary = _write_summary(out_path, rows, twins)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     return summary
+
+
+def _make_batch_dir(path: Path) -> None:
+    """The batch directory may exist (--resume) but must be a folder qprep can write in."""
+    try:
+        if path.exists() and not path.is_dir():
+            raise QprepError(f"batch --out {path} is a file; choose a folder for the run directories")
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QprepError(f"batch --out {path}: cannot create it ({exc.strerror}); choose another --out") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise QprepError(f"batch --out {path}: Permission denied; choose another --out")
 
 
 def _run_one(config_path: str, model: Path, run_dir: Path, sets, timeout) -> tuple[str, float, str]:

@@ -31,7 +31,7 @@ def data_source(doc: str) -> Key:
         format=Key("str", default="auto", choices=("auto", "npy", "npz", "images", "list"),
                    doc="sample format; auto picks it from the files in the folder (a file means list)"),
         max_samples=Key("int", default=64, minimum=1, doc="cap on samples used (fewer files is a warning)"),
-        seed=Key("int", default=0, doc="seed for choosing samples when the folder holds more than max_samples"),
+        seed=Key("int", default=0, minimum=0, doc="seed for choosing samples when the folder holds more than max_samples"),
         preprocess=section(
             "image preprocessing (images format only); the model's input size is taken from the model",
             mean=Key("list", item=Key("float"), doc="per-channel mean in 0..255 pixel units: (x - mean) / std"),
@@ -154,6 +154,10 @@ def _read_yaml(path: Path) -> Any:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the config as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc.strerror})") from None
 
 
 def _validate_pipeline(items: Any, base: Path) -> list[tuple[str, dict]]:

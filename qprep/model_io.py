@@ -57,6 +57,11 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
     for tensor in _get_all_tensors(model):
         if uses_external_data(tensor):
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            if _escapes_folder(location):  # a model file must not make qprep read files elsewhere
+                raise ModelError(
+                    f"{path} stores tensor '{tensor.name}' in '{location}', outside the model's folder; qprep "
+                    "reads external data only from beside the model: re-save it with the data file next to it"
+                )
             if not (path.parent / location).is_file():
                 raise ModelError(
                     f"{path} stores tensor '{tensor.name}' in external file '{location}', which is missing; "
@@ -64,8 +69,14 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
                 )
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # onnx refuses e.g. symlinks out
         raise ModelError(f"{path}: cannot read its external data ({_first_line(exc)})") from None
+
+
+def _escapes_folder(location: str) -> bool:
+    """An external-data location that is absolute or climbs out with `..`: ONNX allows only files beside the
+    model, and a downloaded model must not point qprep at other files of the user's."""
+    return Path(location).is_absolute() or ".." in Path(os.path.normpath(location)).parts
 
 
 def _check(model: onnx.ModelProto, path: Path) -> None:

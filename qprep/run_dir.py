@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import platform
 import shutil
 import sys
@@ -27,17 +28,19 @@ VERSIONED_PACKAGES = ("qprep", "onnx", "onnxruntime", "numpy", "protobuf", "onnx
 def prepare(path: Path, force: bool) -> Path:
     """Create the run directory; a non-empty one needs `force`, which removes the previous run's files."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise RunDirError(f"output directory {path} is a file; choose another --out")
-    if path.is_dir() and any(path.iterdir()):
-        if not force:
-            raise RunDirError(f"output directory {path} is not empty; pass --force to replace the previous run "
-                              "or choose another --out")
-        _remove_previous_run(path)
     try:
+        if path.exists() and not path.is_dir():
+            raise RunDirError(f"output directory {path} is a file; choose another --out")
+        if path.is_dir() and any(path.iterdir()):
+            if not force:
+                raise RunDirError(f"output directory {path} is not empty; pass --force to replace the previous "
+                                  "run or choose another --out")
+            _remove_previous_run(path)
         path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RunDirError(f"cannot create output directory {path}: {exc.strerror}") from None
+    except OSError as exc:  # e.g. permission denied on it or a folder above it
+        raise RunDirError(f"cannot use output directory {path}: {exc.strerror}; choose another --out") from None
+    if not os.access(path, os.W_OK | os.X_OK):  # an existing read-only folder: refuse before writing anything
+        raise RunDirError(f"cannot use output directory {path}: Permission denied; choose another --out")
     return path
 
 
