@@ -143,3 +143,29 @@ def test_a_closed_pipe_ends_quietly(tmp_path, args):
     process.stderr.close()
     assert (process.returncode, err) == (141, "")
     assert p.inputs() == before
+
+
+# --- item 10: `compare RUN` shows the FP32 reference as perfect ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory):
+    """A run whose result is the input model (empty pipeline), evaluated: every metric is exact."""
+    p = project(tmp_path_factory.mktemp("exact"), pipeline=())
+    assert_one_line(qprep("run", p.config, "--quiet"), 0)
+    return p
+
+
+def _markdown_rows(path) -> dict[str, list[str]]:
+    lines = path.read_text().splitlines()[2:]
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
+
+
+def test_compare_one_run_shows_the_reference_against_itself(exact_run, tmp_path):
+    """Errors (lower is better) are 0 for the reference, similarities and agreement 1, SQNR infinite."""
+    before = {**exact_run.inputs(), **digests(exact_run.out)}
+    outcome = qprep("compare", exact_run.out, "--markdown", tmp_path / "table.md")
+    assert_one_line(outcome, 0)
+    rows = _markdown_rows(tmp_path / "table.md")
+    assert rows["y.mse"] == ["0", "0 (+0)"] and rows["y.max_abs"] == ["0", "0 (+0)"]
+    assert rows["y.cosine_mean"][0] == "1" and rows["y.sqnr_db"] == ["inf", "inf"]
+    assert {**exact_run.inputs(), **digests(exact_run.out)} == before

@@ -117,14 +117,14 @@ def _single(path: str, report: dict) -> dict:
     if not report.get("evaluation"):
         raise QprepError(f"compare: {path} has no evaluation section; add `evaluation:` to its config to compare "
                          "the result with its FP32 reference")
-    flat, latency_ms, size_bytes = read_metrics(path, "report", report, _single_values)
+    flat, reference_accuracy, latency_ms, size_bytes = read_metrics(path, "report", report, _single_values)
     rows = []
     for name, value in flat.items():
         metric = name.rsplit(".", 1)[-1]
         if metric in OUTPUT_METRICS:
-            perfect = 0.0 if metric == "max_abs" else (float("inf") if metric == "sqnr_db" else 1.0)
-            delta = None if value is None or not math.isfinite(perfect) else value - perfect
-            rows.append({"metric": name, "base": perfect, "others": [{"value": value, "delta": delta, "worse": False}]})
+            base = reference_accuracy.get(name) if metric == "top1_accuracy" else reference_score(metric)
+            delta = None if value is None or base is None or not math.isfinite(base) else value - base
+            rows.append({"metric": name, "base": base, "others": [{"value": value, "delta": delta, "worse": False}]})
     for name, pair, scale in (("latency.median_ms", latency_ms, 1), ("size.MB", size_bytes, 1e6)):
         if pair and None not in pair:
             reference, result = (v / scale for v in pair)
@@ -133,15 +133,27 @@ def _single(path: str, report: dict) -> dict:
     return {"columns": ["FP32 reference", f"result ({path})"], "rows": rows, "regressions": []}
 
 
-def _single_values(report: dict) -> tuple[dict, tuple | None, tuple | None]:
-    """What one run shows: its metrics, and (reference, result) median latency and size when measured."""
+def reference_score(metric: str) -> float:
+    """What the FP32 reference scores against itself: no error (0) for lower-is-better metrics (max_abs, mse),
+    infinite SQNR, full similarity and agreement (1). Accuracy against ground truth is not one of these: the
+    reference's own accuracy is measured (`reference_top1_accuracy`)."""
+    if metric == "sqnr_db":
+        return float("inf")
+    return 1.0 if higher_is_better(metric) else 0.0
+
+
+def _single_values(report: dict) -> tuple[dict, dict, tuple | None, tuple | None]:
+    """What one run shows: its metrics, the reference's measured top-1 accuracy per output, and (reference,
+    result) median latency and size when measured."""
     evaluation = report["evaluation"]
+    reference_accuracy = {f"{output}.top1_accuracy": _number(values.get("reference_top1_accuracy"), output)
+                          for output, values in (evaluation.get("outputs") or {}).items()}
     latency = evaluation.get("latency") or {}
     sizes = evaluation.get("size_bytes") or {}
     latency_ms = tuple(_number(latency[side]["median_ms"], f"latency.{side}.median_ms")
                        for side in ("reference", "result")) if "speedup" in latency else None
     size_bytes = tuple(_number(sizes[side], f"size_bytes.{side}") for side in ("reference", "result")) if sizes else None
-    return metrics_of("report", report), latency_ms, size_bytes
+    return metrics_of("report", report), reference_accuracy, latency_ms, size_bytes
 
 
 def _fmt(value) -> str:
