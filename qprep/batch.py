@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.config import load_config, run_overrides
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError
 from qprep.model_io import atomic_write_text, sha256_file
@@ -141,8 +142,7 @@ def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path) -
         report = json.loads((run_dir / "report.json").read_text())
     except (OSError, ValueError):
         return False
-    wanted = json.loads(json.dumps(load_config(config_path, run_overrides(sets, model, run_dir)).resolved(),
-                                   default=str))
+    wanted = json.loads(jsonfile.dumps(load_config(config_path, run_overrides(sets, model, run_dir)).resolved()))
     return (report.get("status") in ("ok", "gate missed") and manifest.get("config") == wanted
             and report.get("model", {}).get("sha256") == digest)
 
@@ -156,7 +156,7 @@ def _write_summary(out: Path, rows: dict, twins: dict) -> dict:
     ordered = sorted(rows.values(), key=_worst_first)
     summary = {"models": ordered, "counts": {s: sum(r["status"] == s for r in ordered)
                                              for s in ("ok", "gate missed", "failed")}}
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    atomic_write_text(out / "summary.json", jsonfile.dumps(summary) + "\n")
     atomic_write_text(out / "summary.csv", render_summary_csv(ordered))
     atomic_write_text(out / "summary.md", render_summary_md(ordered))
     atomic_write_text(out / "summary.html", render_summary_html(ordered))

@@ -6,7 +6,6 @@ Exit codes: 0 ok, 1 accuracy gate missed, 2 usage/config/input error, 3 internal
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -167,10 +166,11 @@ def cmd_validate(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from qprep import jsonfile
     from qprep.inspect_model import inspect_model, render_inspection
 
     info = inspect_model(args.model)
-    print(json.dumps(info, indent=2) if args.json else render_inspection(info))
+    print(jsonfile.dumps(info) if args.json else render_inspection(info))
     return EXIT_OK
 
 

@@ -16,6 +16,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.errors import RunDirError
 from qprep.model_io import atomic_write_text
 
@@ -106,7 +107,7 @@ def versions() -> dict[str, str | None]:
 
 def write_manifest(path: Path, manifest: dict) -> None:
     manifest = {"command": sys.argv, **manifest, "versions": versions()}
-    atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n")
+    atomic_write_text(path / MANIFEST, jsonfile.dumps(manifest) + "\n")
 
 
 class _LogWriter:

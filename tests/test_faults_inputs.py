@@ -169,3 +169,23 @@ def test_compare_one_run_shows_the_reference_against_itself(exact_run, tmp_path)
     assert rows["y.mse"] == ["0", "0 (+0)"] and rows["y.max_abs"] == ["0", "0 (+0)"]
     assert rows["y.cosine_mean"][0] == "1" and rows["y.sqnr_db"] == ["inf", "inf"]
     assert {**exact_run.inputs(), **digests(exact_run.out)} == before
+
+
+# --- item 9: qprep writes standard JSON ---------------------------------------------------------------------
+
+def strict_json(path):
+    """Parse like a strict parser (JavaScript's JSON.parse, jq): Infinity and NaN are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not standard JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_an_exact_result_writes_standard_json_and_compares(exact_run):
+    report = strict_json(exact_run.out / "report.json")
+    strict_json(exact_run.out / "manifest.json")
+    assert report["evaluation"]["outputs"]["y"]["sqnr_db"] == "Infinity"
+    before = {**exact_run.inputs(), **digests(exact_run.out)}
+    outcome = qprep("compare", exact_run.out, exact_run.out)
+    assert_one_line(outcome, 0)
+    assert any(line.split()[:3] == ["y.sqnr_db", "inf", "inf"] for line in outcome.out.splitlines()), outcome.out
+    assert {**exact_run.inputs(), **digests(exact_run.out)} == before

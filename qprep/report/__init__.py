@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.model_io import atomic_write_text
 from qprep.report.html import render_html
 from qprep.report.markdown import render_markdown
@@ -12,15 +12,7 @@ from qprep.report.markdown import render_markdown
 
 def write_report(directory: Path, report: dict) -> list[str]:
     """Write report.json, report.md and report.html atomically; returns the file names written."""
-    atomic_write_text(directory / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
+    atomic_write_text(directory / "report.json", jsonfile.dumps(report) + "\n")
     atomic_write_text(directory / "report.md", render_markdown(report))
     atomic_write_text(directory / "report.html", render_html(report))
     return ["report.json", "report.md", "report.html"]
-
-
-def _jsonable(value):
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    return str(value)

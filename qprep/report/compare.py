@@ -12,6 +12,7 @@ import math
 from html import escape
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.errors import QprepError
 from qprep.evaluate.metrics import OUTPUT_METRICS, higher_is_better
 
@@ -72,7 +73,9 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
 
 
 def _number(value, where: str) -> float | None:
-    """A metric as read from JSON: a number or null (not measured); anything else is not a qprep report."""
+    """A metric as read from JSON: a number (non-finite ones as jsonfile writes them) or null (not measured);
+    anything else is not a qprep report."""
+    value = jsonfile.number(value)
     if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         return value
     raise ValueError(f"{where} is {value!r}, not a number")
@@ -95,7 +98,7 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
         cells = []
         for column, v in zip(columns[1:], values[1:]):
             value = v.get(metric)
-            delta = None if value is None or base is None else value - base
+            delta = None if value is None or base is None else (0.0 if value == base else value - base)  # inf = inf
             worse = delta is not None and (delta < 0 if higher_is_better(metric) else delta > 0)
             cells.append({"value": value, "delta": delta, "worse": worse})
             threshold = _threshold(metric, fail_on)
