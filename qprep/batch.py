@@ -69,7 +69,13 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     used_dirs: set[str] = set()
     for model in models:
         name = str(model.relative_to(folder_path))
-        digest = sha256_file(model)
+        try:
+            digest = sha256_file(model)
+        except OSError as exc:  # a symlink loop, a dangling symlink, a folder named *.onnx: this entry fails alone
+            rows[name] = _unreadable_row(name, model, exc)
+            if not quiet:
+                print(f"qprep batch: {name}: failed — {rows[name]['error']}", file=sys.stderr, flush=True)
+            continue
         if digest in twins:
             rows[name] = {"model": name, "status": "duplicate", "note": f"identical to {twins[digest]}",
                           "twin": str(twins[digest])}
@@ -111,6 +117,13 @@ def _make_batch_dir(path: Path) -> None:
         raise QprepError(f"batch --out {path}: cannot create it ({exc.strerror}); choose another --out") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise QprepError(f"batch --out {path}: Permission denied; choose another --out")
+
+
+def _unreadable_row(name: str, model: Path, exc: OSError) -> dict:
+    """The summary row of a folder entry that cannot be read as a file; it never gets a run directory."""
+    what = "symlink" if model.is_symlink() else "entry"
+    return {"model": name, "status": "failed", "run_dir": "", "note": "", "seconds": None,
+            "error": f"cannot read this {what}: {exc.strerror}; fix it or move it out of the folder"}
 
 
 def _run_one(config_path: str, model: Path, run_dir: Path, sets, timeout) -> tuple[str, float, str]:

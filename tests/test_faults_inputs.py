@@ -189,3 +189,27 @@ def test_an_exact_result_writes_standard_json_and_compares(exact_run):
     assert_one_line(outcome, 0)
     assert any(line.split()[:3] == ["y.sqnr_db", "inf", "inf"] for line in outcome.out.splitlines()), outcome.out
     assert {**exact_run.inputs(), **digests(exact_run.out)} == before
+
+
+# --- item 7: one bad folder entry fails alone in a batch -----------------------------------------------------
+
+def test_unreadable_batch_entries_fail_alone(tmp_path):
+    """A symlink loop, a dangling symlink and a folder named like a model each get a failed row with a one-line
+    reason; the real model still runs, and the batch exits 2 (a model failed)."""
+    p = project(tmp_path / "project", pipeline=())
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "real.onnx").write_bytes(p.model.read_bytes())
+    (models / "loop.onnx").symlink_to("loop.onnx")
+    (models / "dangling.onnx").symlink_to("gone.onnx")
+    (models / "folder.onnx").mkdir()
+    before = {**p.inputs(), **digests(models)}
+    outcome = qprep("batch", p.config, models, "--out", tmp_path / "out", "--quiet")
+    assert_one_line(outcome, 2)
+    rows = {row["model"]: row for row in strict_json(tmp_path / "out" / "summary.json")["models"]}
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "real.onnx": "ok", "loop.onnx": "failed", "dangling.onnx": "failed", "folder.onnx": "failed"}
+    for name in ("loop.onnx", "dangling.onnx", "folder.onnx"):
+        assert rows[name]["error"] and "\n" not in rows[name]["error"], rows[name]
+    assert "directory" in rows["folder.onnx"]["error"] and "symbolic link" in rows["loop.onnx"]["error"]
+    assert {**p.inputs(), **digests(models)} == before
