@@ -11,6 +11,7 @@ import contextlib
 import copy
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelError(f"model file not found: {path}; check `model:` in the config or pass --model")
     try:
         model = onnx.load(str(path), load_external_data=False)
+    except PermissionError:
+        raise ModelError(f"permission denied: {path}; make the model readable (chmod +r) or copy it") from None
     except (DecodeError, RuntimeError, ValueError, OSError) as exc:
         raise ModelError(
             f"{path} is not a readable ONNX model ({_first_line(exc)}); the file may be truncated or corrupt: "
@@ -93,7 +96,17 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
         else:
             onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
-        raise ModelError(f"{path} is not a valid ONNX model: {_first_line(exc)}") from None
+        raise ModelError(f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
+
+
+def _checker_message(exc: Exception) -> str:
+    """onnx.checker's message on one line: its first line says what is wrong, a later "==> Context: … Name: n
+    OpType: Op" line says where; the node comes first so it survives the length cap."""
+    text = " ".join(str(exc).split())
+    problem, _, context = text.partition(" ==> Context: ")
+    node = re.search(r"Name: (\S*) OpType: (\S+)", context)
+    where = f"node '{node.group(1)}' ({node.group(2)}): " if node else ""
+    return (where + problem)[:400]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -213,3 +213,46 @@ def test_unreadable_batch_entries_fail_alone(tmp_path):
         assert rows[name]["error"] and "\n" not in rows[name]["error"], rows[name]
     assert "directory" in rows["folder.onnx"]["error"] and "symbolic link" in rows["loop.onnx"]["error"]
     assert {**p.inputs(), **digests(models)} == before
+
+
+# --- item 11 (part): duplicate YAML keys, unreadable model, the checker's node name ------------------------
+
+@pytest.mark.parametrize("text, phrases", [
+    ("model: model.onnx\noutput_dir: out\nmodel: other.onnx\n", ("duplicate key 'model'", "line 3", "line 1")),
+    ("model: model.onnx\ncalibration:\n  source: calib\n  source: eval\n", ("duplicate key 'source'", "line 4")),
+], ids=["top level", "nested"])
+def test_duplicate_config_keys_are_refused(tmp_path, text, phrases):
+    p = project(tmp_path, pipeline=())
+    config = tmp_path / "twice.yaml"
+    config.write_text(text)
+    before = {**p.inputs(), **digests(config)}
+    assert_one_line(qprep("validate", config), 2, "twice.yaml", *phrases)
+    assert {**p.inputs(), **digests(config)} == before
+
+
+@pytest.mark.skipif(AS_ROOT, reason=ROOT_SKIP)
+def test_an_unreadable_model_is_permission_denied_not_corrupt(tmp_path):
+    p = project(tmp_path, pipeline=())
+    p.model.chmod(0)
+    try:
+        outcome = qprep("inspect", p.model)
+    finally:
+        p.model.chmod(0o644)
+    assert_one_line(outcome, 2, f"permission denied: {p.model}")
+    assert "corrupt" not in outcome.err
+
+
+def test_a_checker_failure_names_the_node(tmp_path):
+    """onnx.checker puts the node's name on a later line ("==> Context: … Name: relu_with_alpha"); it must
+    reach the one line."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Relu", ["x"], ["y"], name="relu_with_alpha", alpha=1.0)  # Relu has no alpha
+    graph = helper.make_graph([node], "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    model = tmp_path / "bad.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(model))
+    before = digests(model)
+    assert_one_line(qprep("inspect", model), 2, "relu_with_alpha", "alpha")
+    assert digests(model) == before
