@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.config import load_config, run_overrides
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError
 from qprep.model_io import atomic_write_text, sha256_file
@@ -58,17 +59,26 @@ def default_jobs(threads: int) -> int:
 
 def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, recursive: bool = False,
               resume: bool = False, timeout: float | None = None, sets: list[str] = (), quiet: bool = False) -> dict:
+    if jobs is not None and jobs < 1:
+        raise QprepError(f"batch --jobs {jobs}: needs at least 1 worker; omit --jobs for a default from cores "
+                         "and memory")
     folder_path, out_path = Path(folder).resolve(), Path(out).resolve()
     models = find_models(folder_path, recursive)
     base = load_config(config_path, {"model": str(models[0]), "output_dir": str(out_path / "_check")})
     jobs = jobs or default_jobs(base["threads"])
-    out_path.mkdir(parents=True, exist_ok=True)
+    _make_batch_dir(out_path)
     twins: dict[str, Path] = {}
     tasks, rows = [], {}
     used_dirs: set[str] = set()
     for model in models:
         name = str(model.relative_to(folder_path))
-        digest = sha256_file(model)
+        try:
+            digest = sha256_file(model)
+        except OSError as exc:  # a symlink loop, a dangling symlink, a folder named *.onnx: this entry fails alone
+            rows[name] = _unreadable_row(name, model, exc)
+            if not quiet:
+                print(f"qprep batch: {name}: failed — {rows[name]['error']}", file=sys.stderr, flush=True)
+            continue
         if digest in twins:
             rows[name] = {"model": name, "status": "duplicate", "note": f"identical to {twins[digest]}",
                           "twin": str(twins[digest])}
@@ -98,6 +108,25 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     summary = _write_summary(out_path, rows, twins)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     return summary
+
+
+def _make_batch_dir(path: Path) -> None:
+    """The batch directory may exist (--resume) but must be a folder qprep can write in."""
+    try:
+        if path.exists() and not path.is_dir():
+            raise QprepError(f"batch --out {path} is a file; choose a folder for the run directories")
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QprepError(f"batch --out {path}: cannot create it ({exc.strerror}); choose another --out") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise QprepError(f"batch --out {path}: Permission denied; choose another --out")
+
+
+def _unreadable_row(name: str, model: Path, exc: OSError) -> dict:
+    """The summary row of a folder entry that cannot be read as a file; it never gets a run directory."""
+    what = "symlink" if model.is_symlink() else "entry"
+    return {"model": name, "status": "failed", "run_dir": "", "note": "", "seconds": None,
+            "error": f"cannot read this {what}: {exc.strerror}; fix it or move it out of the folder"}
 
 
 def _run_one(config_path: str, model: Path, run_dir: Path, sets, timeout) -> tuple[str, float, str]:
@@ -137,8 +166,7 @@ def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path) -
         report = json.loads((run_dir / "report.json").read_text())
     except (OSError, ValueError):
         return False
-    wanted = json.loads(json.dumps(load_config(config_path, run_overrides(sets, model, run_dir)).resolved(),
-                                   default=str))
+    wanted = json.loads(jsonfile.dumps(load_config(config_path, run_overrides(sets, model, run_dir)).resolved()))
     return (report.get("status") in ("ok", "gate missed") and manifest.get("config") == wanted
             and report.get("model", {}).get("sha256") == digest)
 
@@ -152,7 +180,7 @@ def _write_summary(out: Path, rows: dict, twins: dict) -> dict:
     ordered = sorted(rows.values(), key=_worst_first)
     summary = {"models": ordered, "counts": {s: sum(r["status"] == s for r in ordered)
                                              for s in ("ok", "gate missed", "failed")}}
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    atomic_write_text(out / "summary.json", jsonfile.dumps(summary) + "\n")
     atomic_write_text(out / "summary.csv", render_summary_csv(ordered))
     atomic_write_text(out / "summary.md", render_summary_md(ordered))
     atomic_write_text(out / "summary.html", render_summary_html(ordered))

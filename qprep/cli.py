@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import os
 import signal
 import sys
 import threading
@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except QprepError as exc:
         if args.debug:
             traceback.print_exc()
@@ -129,6 +133,15 @@ def _signals_interrupt():
 
 def _interrupted(signum, frame):
     raise Interrupted(signum)
+
+
+def _reader_gone() -> int:
+    """`qprep inspect M | head -1`: the reader closed the pipe. Stop quietly like a Unix tool killed by SIGPIPE
+    (exit 128 + 13); stdout goes to /dev/null so Python's flush at exit cannot raise again (Python docs,
+    "Note on SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def _overrides(args) -> dict:
@@ -178,10 +191,11 @@ def cmd_validate(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from qprep import jsonfile
     from qprep.inspect_model import inspect_model, render_inspection
 
     info = inspect_model(args.model)
-    print(json.dumps(info, indent=2) if args.json else render_inspection(info))
+    print(jsonfile.dumps(info) if args.json else render_inspection(info))
     return EXIT_OK
 
 
@@ -221,10 +235,12 @@ def cmd_compare(args) -> int:
             raise QprepError(f"--fail-on-regression {item}: expected METRIC=THRESHOLD, e.g. cosine_mean=0.005") from None
     result = compare(args.runs, thresholds)
     print(render_text(result), end="")
-    if args.markdown:
-        atomic_write_text(args.markdown, render_markdown(result))
-    if args.html:
-        atomic_write_text(args.html, render_html(result))
+    for option, path, render in (("--markdown", args.markdown, render_markdown), ("--html", args.html, render_html)):
+        if path:
+            try:
+                atomic_write_text(path, render(result))
+            except OSError as exc:  # permission denied, a file where a folder should be, disk full
+                raise QprepError(f"{option} {path}: cannot write it ({exc.strerror}); choose another path") from None
     return EXIT_GATE_MISSED if result["regressions"] else EXIT_OK
 
 

@@ -31,7 +31,7 @@ def data_source(doc: str) -> Key:
         format=Key("str", default="auto", choices=("auto", "npy", "npz", "images", "list"),
                    doc="sample format; auto picks it from the files in the folder (a file means list)"),
         max_samples=Key("int", default=64, minimum=1, doc="cap on samples used (fewer files is a warning)"),
-        seed=Key("int", default=0, doc="seed for choosing samples when the folder holds more than max_samples"),
+        seed=Key("int", default=0, minimum=0, doc="seed for choosing samples when the folder holds more than max_samples"),
         preprocess=section(
             "image preprocessing (images format only); the model's input size is taken from the model",
             mean=Key("list", item=Key("float"), doc="per-channel mean in 0..255 pixel units: (x - mean) / std"),
@@ -143,17 +143,40 @@ def check_metric_names(thresholds: dict, where: str) -> None:
             raise ConfigError(f"{where}.{key}: unknown metric '{metric}'; {hint}")
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (no Python tags), but a key given twice in one mapping is an error: plain PyYAML
+    keeps the later value silently, so a forgotten earlier line would quietly stop applying."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<:` merges may be overridden by design; complex keys are refused elsewhere
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '{key}' (first on line {seen[key].line + 1}); keep one of them",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> Any:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f) or {}
+            return yaml.load(f, Loader=UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the config as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc.strerror})") from None
 
 
 def _validate_pipeline(items: Any, base: Path) -> list[tuple[str, dict]]:

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelError(f"model file not found: {path}; check `model:` in the config or pass --model")
     try:
         model = onnx.load(str(path), load_external_data=False)
+    except PermissionError:
+        raise ModelError(f"permission denied: {path}; make the model readable (chmod +r) or copy it") from None
     except (DecodeError, RuntimeError, ValueError, OSError) as exc:
         raise ModelError(
             f"{path} is not a readable ONNX model ({_first_line(exc)}); the file may be truncated or corrupt: "
@@ -74,6 +77,11 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
     for tensor in _get_all_tensors(model):
         if uses_external_data(tensor):
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            if _escapes_folder(location):  # a model file must not make qprep read files elsewhere
+                raise ModelError(
+                    f"{path} stores tensor '{tensor.name}' in '{location}', outside the model's folder; qprep "
+                    "reads external data only from beside the model: re-save it with the data file next to it"
+                )
             if not (path.parent / location).is_file():
                 raise ModelError(
                     f"{path} stores tensor '{tensor.name}' in external file '{location}', which is missing; "
@@ -81,8 +89,14 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
                 )
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # onnx refuses e.g. symlinks out
         raise ModelError(f"{path}: cannot read its external data ({_first_line(exc)})") from None
+
+
+def _escapes_folder(location: str) -> bool:
+    """An external-data location that is absolute or climbs out with `..`: ONNX allows only files beside the
+    model, and a downloaded model must not point qprep at other files of the user's."""
+    return Path(location).is_absolute() or ".." in Path(os.path.normpath(location)).parts
 
 
 def _check(model: onnx.ModelProto, path: Path) -> None:
@@ -99,7 +113,17 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
         else:
             onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
-        raise ModelError(f"{path} is not a valid ONNX model: {_first_line(exc)}") from None
+        raise ModelError(f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
+
+
+def _checker_message(exc: Exception) -> str:
+    """onnx.checker's message on one line: its first line says what is wrong, a later "==> Context: … Name: n
+    OpType: Op" line says where; the node comes first so it survives the length cap."""
+    text = " ".join(str(exc).split())
+    problem, _, context = text.partition(" ==> Context: ")
+    node = re.search(r"Name: (\S*) OpType: (\S+)", context)
+    where = f"node '{node.group(1)}' ({node.group(2)}): " if node else ""
+    return (where + problem)[:400]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ import threading
 from importlib import metadata
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.errors import RunDirError
 from qprep.model_io import atomic_write_text
 
@@ -59,8 +60,10 @@ def claim(path: Path, force: bool) -> tuple[Path, RunLock]:
     try:
         path.mkdir(parents=True, exist_ok=True)
         was_run_dir = any((path / name).exists() for name in (LOCK, MANIFEST, LOG))
+        if not os.access(path, os.W_OK | os.X_OK):  # an existing read-only folder: refuse before writing
+            raise PermissionError(13, "Permission denied")
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
+    except OSError as exc:  # e.g. permission denied on it or a folder above it
         raise RunDirError(f"cannot use output directory {path}: {exc.strerror}; choose another --out") from None
     lock = RunLock(fd)
     try:
@@ -74,6 +77,9 @@ def claim(path: Path, force: bool) -> tuple[Path, RunLock]:
                               f"{LOG}); --force only replaces a previous run: choose another --out")
         if entries:
             _remove_previous_run(path)
+    except OSError as exc:
+        lock.release()
+        raise RunDirError(f"cannot use output directory {path}: {exc.strerror}; choose another --out") from None
     except BaseException:
         lock.release()
         raise
@@ -176,7 +182,7 @@ def versions() -> dict[str, str | None]:
 
 def write_manifest(path: Path, manifest: dict) -> None:
     manifest = {"command": sys.argv, **manifest, "versions": versions()}
-    atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n")
+    atomic_write_text(path / MANIFEST, jsonfile.dumps(manifest) + "\n")
 
 
 class _LogWriter:

@@ -66,7 +66,12 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
     order), paths relative to the list's folder; .npy arrays or, for single-input image models, images."""
     if not path.is_file():
         raise DataError(f"{role}.source: list file not found: {path}")
-    lines = [(number, line.split()) for number, line in enumerate(path.read_text().splitlines(), 1)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:  # e.g. one image or .npy given where its folder was meant
+        raise DataError(f"{role}.source: {path} is a single binary file, not a dataset.txt list; point source at "
+                        "the folder of samples or at a text list of sample files") from None
+    lines = [(number, line.split()) for number, line in enumerate(text.splitlines(), 1)
              if line.strip() and not line.startswith("#")]  # file line numbers, for the messages
     if not lines:
         raise DataError(f"{role}.source: {path} lists no samples; one sample per line, one file per input")

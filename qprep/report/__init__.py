@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.model_io import atomic_write_text
 from qprep.report.html import render_html
 from qprep.report.markdown import render_markdown
@@ -21,12 +21,4 @@ def write_report(directory: Path, report: dict) -> list[str]:
 def write_report_json(directory: Path, report: dict) -> None:
     """report.json alone: also written as each stage starts, so a run killed outright (SIGKILL, out of
     memory) still leaves a report that says where it was."""
-    atomic_write_text(directory / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
-
-
-def _jsonable(value):
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    return str(value)
+    atomic_write_text(directory / "report.json", jsonfile.dumps(report) + "\n")

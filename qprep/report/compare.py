@@ -8,9 +8,11 @@ result against its FP32 reference.
 from __future__ import annotations
 
 import json
+import math
 from html import escape
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.errors import QprepError
 from qprep.evaluate.metrics import OUTPUT_METRICS, higher_is_better
 
@@ -21,10 +23,32 @@ def load_record(path: str) -> tuple[str, dict]:
         if candidate.is_file():
             try:
                 data = json.loads(candidate.read_text())
-            except ValueError:
-                raise QprepError(f"compare: {candidate} is not valid JSON") from None
+            except (ValueError, OSError) as exc:  # not JSON, not UTF-8, not readable
+                raise QprepError(f"compare: cannot read {candidate} as JSON ({_reason(exc)})") from None
+            if not isinstance(data, dict):
+                raise QprepError(f"compare: {candidate} holds {_describe(data)}, not a qprep report.json or "
+                                 "summary.json; pass a run or batch directory qprep wrote")
             return ("summary" if "models" in data else "report"), data
     raise QprepError(f"compare: {path} holds no report.json or summary.json")
+
+
+def _reason(exc: Exception) -> str:
+    return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+
+
+def _describe(data) -> str:
+    return "null" if data is None else f"a JSON {type(data).__name__} ({json.dumps(data)[:40]})"
+
+
+def read_metrics(path: str, kind: str, data: dict, reader=None):
+    """`metrics_of` (or another `reader` of the file's numbers) for a file the user named: a file of another
+    layout (hand-edited, another tool's JSON) is the user's to fix, so its shape errors become one line naming
+    the file instead of an internal error."""
+    try:
+        return reader(data) if reader else metrics_of(kind, data)
+    except (AttributeError, TypeError, KeyError, ValueError) as exc:
+        raise QprepError(f"compare: {path} does not read as a qprep {kind} ({_reason(exc)}); pass a run or batch "
+                         "directory qprep wrote") from None
 
 
 def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
@@ -33,19 +57,28 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
     if kind == "summary":
         for row in data["models"]:
             for metric in ("cosine_mean", "agreement", "speedup"):
-                flat[f"{row['model']}.{metric}"] = row.get(metric)
+                flat[f"{row['model']}.{metric}"] = _number(row.get(metric), f"{row['model']}.{metric}")
         return flat
     evaluation = data.get("evaluation") or {}
     for output, values in (evaluation.get("outputs") or {}).items():
         for metric in OUTPUT_METRICS:
             if metric in values:
-                flat[f"{output}.{metric}"] = values[metric]
+                flat[f"{output}.{metric}"] = _number(values[metric], f"{output}.{metric}")
     latency = evaluation.get("latency") or {}
     if "speedup" in latency:
-        flat["latency.speedup"] = latency["speedup"]
-        flat["latency.result_ms"] = latency["result"]["median_ms"]
-    flat["result.nodes"] = (data.get("result") or {}).get("nodes")
+        flat["latency.speedup"] = _number(latency["speedup"], "latency.speedup")
+        flat["latency.result_ms"] = _number(latency["result"]["median_ms"], "latency.result.median_ms")
+    flat["result.nodes"] = _number((data.get("result") or {}).get("nodes"), "result.nodes")
     return flat
+
+
+def _number(value, where: str) -> float | None:
+    """A metric as read from JSON: a number (non-finite ones as jsonfile writes them) or null (not measured);
+    anything else is not a qprep report."""
+    value = jsonfile.number(value)
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{where} is {value!r}, not a number")
 
 
 def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
@@ -53,7 +86,7 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
     if len(records) == 1 and records[0][1] == "report":
         return _single(records[0][0], records[0][2])
     columns = [path for path, _, _ in records]
-    values = [metrics_of(kind, data) for _, kind, data in records]
+    values = [read_metrics(path, kind, data) for path, kind, data in records]
     known = {m for v in values for m in v} | {m.rsplit(".", 1)[-1] for v in values for m in v}
     for metric in fail_on:
         if metric not in known:
@@ -65,7 +98,7 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
         cells = []
         for column, v in zip(columns[1:], values[1:]):
             value = v.get(metric)
-            delta = None if value is None or base is None else value - base
+            delta = None if value is None or base is None else (0.0 if value == base else value - base)  # inf = inf
             worse = delta is not None and (delta < 0 if higher_is_better(metric) else delta > 0)
             cells.append({"value": value, "delta": delta, "worse": worse})
             threshold = _threshold(metric, fail_on)
@@ -84,30 +117,46 @@ def _threshold(metric: str, fail_on: dict[str, float]) -> float | None:
 
 
 def _single(path: str, report: dict) -> dict:
-    evaluation = report.get("evaluation")
-    if not evaluation:
+    if not report.get("evaluation"):
         raise QprepError(f"compare: {path} has no evaluation section; add `evaluation:` to its config to compare "
                          "the result with its FP32 reference")
+    flat, reference_accuracy, latency_ms, size_bytes = read_metrics(path, "report", report, _single_values)
     rows = []
-    for output, values in evaluation["outputs"].items():
-        for metric in OUTPUT_METRICS:
-            if metric in values:
-                perfect = 0.0 if metric == "max_abs" else (float("inf") if metric == "sqnr_db" else 1.0)
-                rows.append({"metric": f"{output}.{metric}", "base": perfect,
-                             "others": [{"value": values[metric], "delta": values[metric] - perfect
-                                         if perfect != float("inf") else None, "worse": False}]})
-    latency = evaluation.get("latency") or {}
-    if "speedup" in latency:
-        rows.append({"metric": "latency.median_ms", "base": latency["reference"]["median_ms"],
-                     "others": [{"value": latency["result"]["median_ms"],
-                                 "delta": latency["result"]["median_ms"] - latency["reference"]["median_ms"],
-                                 "worse": False}]})
-    sizes = evaluation.get("size_bytes") or {}
-    if sizes:
-        rows.append({"metric": "size.MB", "base": sizes["reference"] / 1e6,
-                     "others": [{"value": sizes["result"] / 1e6, "delta": (sizes["result"] - sizes["reference"]) / 1e6,
-                                 "worse": False}]})
+    for name, value in flat.items():
+        metric = name.rsplit(".", 1)[-1]
+        if metric in OUTPUT_METRICS:
+            base = reference_accuracy.get(name) if metric == "top1_accuracy" else reference_score(metric)
+            delta = None if value is None or base is None or not math.isfinite(base) else value - base
+            rows.append({"metric": name, "base": base, "others": [{"value": value, "delta": delta, "worse": False}]})
+    for name, pair, scale in (("latency.median_ms", latency_ms, 1), ("size.MB", size_bytes, 1e6)):
+        if pair and None not in pair:
+            reference, result = (v / scale for v in pair)
+            rows.append({"metric": name, "base": reference,
+                         "others": [{"value": result, "delta": result - reference, "worse": False}]})
     return {"columns": ["FP32 reference", f"result ({path})"], "rows": rows, "regressions": []}
+
+
+def reference_score(metric: str) -> float:
+    """What the FP32 reference scores against itself: no error (0) for lower-is-better metrics (max_abs, mse),
+    infinite SQNR, full similarity and agreement (1). Accuracy against ground truth is not one of these: the
+    reference's own accuracy is measured (`reference_top1_accuracy`)."""
+    if metric == "sqnr_db":
+        return float("inf")
+    return 1.0 if higher_is_better(metric) else 0.0
+
+
+def _single_values(report: dict) -> tuple[dict, dict, tuple | None, tuple | None]:
+    """What one run shows: its metrics, the reference's measured top-1 accuracy per output, and (reference,
+    result) median latency and size when measured."""
+    evaluation = report["evaluation"]
+    reference_accuracy = {f"{output}.top1_accuracy": _number(values.get("reference_top1_accuracy"), output)
+                          for output, values in (evaluation.get("outputs") or {}).items()}
+    latency = evaluation.get("latency") or {}
+    sizes = evaluation.get("size_bytes") or {}
+    latency_ms = tuple(_number(latency[side]["median_ms"], f"latency.{side}.median_ms")
+                       for side in ("reference", "result")) if "speedup" in latency else None
+    size_bytes = tuple(_number(sizes[side], f"size_bytes.{side}") for side in ("reference", "result")) if sizes else None
+    return metrics_of("report", report), reference_accuracy, latency_ms, size_bytes
 
 
 def _fmt(value) -> str:

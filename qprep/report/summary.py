@@ -9,6 +9,7 @@ from html import escape
 from pathlib import Path
 
 from qprep.evaluate.metrics import main_agreement
+from qprep.jsonfile import number
 
 COLUMNS = ["model", "status", "cosine_mean", "agreement", "speedup", "nodes_before", "nodes_after",
            "layernorms_fused", "float_nodes", "seconds", "error", "run_dir"]
@@ -35,11 +36,10 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     outputs = evaluation.get("outputs") or {}
     if outputs:
         first = next(iter(outputs.values()))  # the main output: the first one the model declares
-        row["cosine_mean"] = min(m["cosine_mean"] for m in outputs.values())
+        row["cosine_mean"] = min(number(m["cosine_mean"]) for m in outputs.values())
         prefix = main_agreement(first)
-        row["agreement"] = first[f"{prefix}_agreement"] if prefix else None
-    speedup = (evaluation.get("latency") or {}).get("speedup")
-    row["speedup"] = speedup
+        row["agreement"] = number(first[f"{prefix}_agreement"]) if prefix else None
+    row["speedup"] = number((evaluation.get("latency") or {}).get("speedup"))
     return row
 
 

@@ -1,0 +1,258 @@
+"""Issue #18, bad inputs: user and environment errors are one line with exit 2, never "internal error".
+
+Every case runs the CLI in a subprocess (tests/faults.py) and asserts the exit code, at most one stderr line
+without a traceback, and that the input files are byte-identical afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from conftest import ROOT
+from faults import assert_one_line, digests, project, qprep
+
+AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+ROOT_SKIP = "running as root: chmod 000 does not deny root, so permission denied cannot be produced"
+
+
+# --- item 8: user and environment errors that were "internal error" ---------------------------------------
+
+def _non_utf8(p):
+    config = p.root / "latin1.yaml"
+    config.write_bytes(p.config.read_bytes() + "# caf\xe9 au lait\n".encode("latin-1"))
+    return ["validate", config], ("latin1.yaml", "UTF-8")
+
+
+def _negative_seed(p):
+    return ["validate", p.config, "--set", "calibration.seed=-1"], ("calibration.seed",)
+
+
+def _png_as_source(p):
+    Image.new("RGB", (8, 8)).save(p.root / "one.png")
+    return ["run", p.config, "--set", "calibration.source=one.png", "--quiet"], ("calibration.source", "one.png")
+
+
+CONFIG_CASES = {"non-utf8 config": _non_utf8, "negative seed": _negative_seed, "one png as source": _png_as_source}
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_config_and_data_errors_are_user_errors(tmp_path, case):
+    p = project(tmp_path, pipeline=())
+    args, phrases = CONFIG_CASES[case](p)
+    before = p.inputs()
+    outcome = qprep(*args, cwd=tmp_path)
+    assert_one_line(outcome, 2, *phrases)
+    assert p.inputs() == before
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path):
+    import onnx
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    p = project(tmp_path / "project", pipeline=())
+    model = onnx.load(str(p.model))
+    convert_model_to_external_data(model, location="weights.bin", size_threshold=0)
+    onnx.save(model, str(p.model))
+    (tmp_path / "secret.bin").write_bytes((p.root / "weights.bin").read_bytes())
+    model = onnx.load(str(p.model), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../secret.bin"
+    onnx.save(model, str(p.model))
+    before = {**p.inputs(), **digests(tmp_path / "secret.bin")}
+    outcome = qprep("inspect", p.model)
+    assert_one_line(outcome, 2, "../secret.bin", "outside")
+    assert {**p.inputs(), **digests(tmp_path / "secret.bin")} == before
+
+
+@pytest.mark.skipif(AS_ROOT, reason=ROOT_SKIP)
+@pytest.mark.parametrize("command", ["run", "compare-markdown"])
+def test_permission_denied_on_an_output_path(tmp_path, command):
+    p = project(tmp_path / "project", pipeline=())
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if command == "compare-markdown":
+        assert qprep("run", p.config, "--quiet").code == 0
+    before = p.inputs()
+    locked.chmod(0)
+    try:
+        if command == "run":
+            outcome = qprep("run", p.config, "--out", locked / "run", "--quiet")
+        else:
+            outcome = qprep("compare", p.out, "--markdown", locked / "table.md")
+    finally:
+        locked.chmod(0o755)
+    assert_one_line(outcome, 2, str(locked), "ermission denied")
+    assert p.inputs() == before
+
+
+def test_compare_markdown_into_a_path_that_cannot_be_a_file(tmp_path):
+    """The same write error as permission denied, in a form root cannot bypass: the parent is a file."""
+    p = project(tmp_path, pipeline=())
+    assert qprep("run", p.config, "--quiet").code == 0
+    before = {**p.inputs(), **digests(p.out)}
+    outcome = qprep("compare", p.out, "--markdown", p.model / "table.md")
+    assert_one_line(outcome, 2, "--markdown", "table.md")
+    assert {**p.inputs(), **digests(p.out)} == before
+
+
+@pytest.mark.parametrize("args", [["--jobs", "-1"], ["--jobs", "0"], ["--out-is-a-file"]],
+                         ids=["jobs -1", "jobs 0", "out is a file"])
+def test_batch_arguments(tmp_path, args):
+    p = project(tmp_path, pipeline=())
+    out = tmp_path / "out"
+    if args == ["--out-is-a-file"]:
+        out.write_text("not a folder\n")
+        args = []
+    before = {**p.inputs(), **digests(out)}
+    outcome = qprep("batch", p.config, tmp_path, "--out", out, "--quiet", *args)
+    assert_one_line(outcome, 2, *(["--jobs"] if args else [str(out)]))
+    assert {**p.inputs(), **digests(out)} == before
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "42", "metric-string"])
+def test_compare_on_a_report_that_is_not_one(tmp_path, content):
+    report = tmp_path / "report.json"
+    if content == "metric-string":
+        content = json.dumps({"evaluation": {"outputs": {"y": {"cosine_mean": "high", "mse": 0.1}}}})
+    report.write_text(content)
+    before = digests(report)
+    outcome = qprep("compare", report)
+    assert_one_line(outcome, 2, "report.json")
+    assert digests(report) == before
+
+
+@pytest.mark.parametrize("args", [["config", "--schema"], ["inspect", "model.onnx"]], ids=["config", "inspect"])
+def test_a_closed_pipe_ends_quietly(tmp_path, args):
+    """`qprep … | head -1`: the reader is gone before qprep writes; like a Unix tool killed by SIGPIPE it exits
+    128 + 13 without a word (the read end is closed before qprep starts writing, so this is deterministic)."""
+    p = project(tmp_path, pipeline=())
+    before = p.inputs()
+    process = subprocess.Popen([sys.executable, "-m", "qprep", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    process.wait(timeout=60)
+    process.stderr.close()
+    assert (process.returncode, err) == (141, "")
+    assert p.inputs() == before
+
+
+# --- item 10: `compare RUN` shows the FP32 reference as perfect ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory):
+    """A run whose result is the input model (empty pipeline), evaluated: every metric is exact."""
+    p = project(tmp_path_factory.mktemp("exact"), pipeline=())
+    assert_one_line(qprep("run", p.config, "--quiet"), 0)
+    return p
+
+
+def _markdown_rows(path) -> dict[str, list[str]]:
+    lines = path.read_text().splitlines()[2:]
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
+
+
+def test_compare_one_run_shows_the_reference_against_itself(exact_run, tmp_path):
+    """Errors (lower is better) are 0 for the reference, similarities and agreement 1, SQNR infinite."""
+    before = {**exact_run.inputs(), **digests(exact_run.out)}
+    outcome = qprep("compare", exact_run.out, "--markdown", tmp_path / "table.md")
+    assert_one_line(outcome, 0)
+    rows = _markdown_rows(tmp_path / "table.md")
+    assert rows["y.mse"] == ["0", "0 (+0)"] and rows["y.max_abs"] == ["0", "0 (+0)"]
+    assert rows["y.cosine_mean"][0] == "1" and rows["y.sqnr_db"] == ["inf", "inf"]
+    assert {**exact_run.inputs(), **digests(exact_run.out)} == before
+
+
+# --- item 9: qprep writes standard JSON ---------------------------------------------------------------------
+
+def strict_json(path):
+    """Parse like a strict parser (JavaScript's JSON.parse, jq): Infinity and NaN are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not standard JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_an_exact_result_writes_standard_json_and_compares(exact_run):
+    report = strict_json(exact_run.out / "report.json")
+    strict_json(exact_run.out / "manifest.json")
+    assert report["evaluation"]["outputs"]["y"]["sqnr_db"] == "Infinity"
+    before = {**exact_run.inputs(), **digests(exact_run.out)}
+    outcome = qprep("compare", exact_run.out, exact_run.out)
+    assert_one_line(outcome, 0)
+    assert any(line.split()[:3] == ["y.sqnr_db", "inf", "inf"] for line in outcome.out.splitlines()), outcome.out
+    assert {**exact_run.inputs(), **digests(exact_run.out)} == before
+
+
+# --- item 7: one bad folder entry fails alone in a batch -----------------------------------------------------
+
+def test_unreadable_batch_entries_fail_alone(tmp_path):
+    """A symlink loop, a dangling symlink and a folder named like a model each get a failed row with a one-line
+    reason; the real model still runs, and the batch exits 2 (a model failed)."""
+    p = project(tmp_path / "project", pipeline=())
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "real.onnx").write_bytes(p.model.read_bytes())
+    (models / "loop.onnx").symlink_to("loop.onnx")
+    (models / "dangling.onnx").symlink_to("gone.onnx")
+    (models / "folder.onnx").mkdir()
+    before = {**p.inputs(), **digests(models)}
+    outcome = qprep("batch", p.config, models, "--out", tmp_path / "out", "--quiet")
+    assert_one_line(outcome, 2)
+    rows = {row["model"]: row for row in strict_json(tmp_path / "out" / "summary.json")["models"]}
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "real.onnx": "ok", "loop.onnx": "failed", "dangling.onnx": "failed", "folder.onnx": "failed"}
+    for name in ("loop.onnx", "dangling.onnx", "folder.onnx"):
+        assert rows[name]["error"] and "\n" not in rows[name]["error"], rows[name]
+    assert "directory" in rows["folder.onnx"]["error"] and "symbolic link" in rows["loop.onnx"]["error"]
+    assert {**p.inputs(), **digests(models)} == before
+
+
+# --- item 11 (part): duplicate YAML keys, unreadable model, the checker's node name ------------------------
+
+@pytest.mark.parametrize("text, phrases", [
+    ("model: model.onnx\noutput_dir: out\nmodel: other.onnx\n", ("duplicate key 'model'", "line 3", "line 1")),
+    ("model: model.onnx\ncalibration:\n  source: calib\n  source: eval\n", ("duplicate key 'source'", "line 4")),
+], ids=["top level", "nested"])
+def test_duplicate_config_keys_are_refused(tmp_path, text, phrases):
+    p = project(tmp_path, pipeline=())
+    config = tmp_path / "twice.yaml"
+    config.write_text(text)
+    before = {**p.inputs(), **digests(config)}
+    assert_one_line(qprep("validate", config), 2, "twice.yaml", *phrases)
+    assert {**p.inputs(), **digests(config)} == before
+
+
+@pytest.mark.skipif(AS_ROOT, reason=ROOT_SKIP)
+def test_an_unreadable_model_is_permission_denied_not_corrupt(tmp_path):
+    p = project(tmp_path, pipeline=())
+    p.model.chmod(0)
+    try:
+        outcome = qprep("inspect", p.model)
+    finally:
+        p.model.chmod(0o644)
+    assert_one_line(outcome, 2, f"permission denied: {p.model}")
+    assert "corrupt" not in outcome.err
+
+
+def test_a_checker_failure_names_the_node(tmp_path):
+    """onnx.checker puts the node's name on a later line ("==> Context: … Name: relu_with_alpha"); it must
+    reach the one line."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Relu", ["x"], ["y"], name="relu_with_alpha", alpha=1.0)  # Relu has no alpha
+    graph = helper.make_graph([node], "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    model = tmp_path / "bad.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(model))
+    before = digests(model)
+    assert_one_line(qprep("inspect", model), 2, "relu_with_alpha", "alpha")
+    assert digests(model) == before
