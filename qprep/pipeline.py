@@ -50,6 +50,7 @@ class RunContext:
     input_model: onnx.ModelProto | None = None  # the input as loaded and prepared: the default FP32 reference
     fallback_target: dict = field(default_factory=dict)  # quantize.fallback's target, checked again by evaluation
     reference_run: object = None  # evaluate.ReferenceRun: FP32 outputs on the evaluation samples, computed once
+    closers: list[Callable[[], None]] = field(default_factory=list)  # run when the run ends (toolkit workers)
 
     def work_dir(self, name: str) -> Path:
         """A folder inside the run directory for a stage's or toolkit's working files."""
@@ -72,6 +73,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
                     "run_dir": str(directory), "stages": [], "warnings": []}
     written: list[str] = []
     timings: dict[str, float] = {}
+    ctx: RunContext | None = None
     try:
         log.info("run started: config %s, model %s", config.path, config["model"])
         with progress.step("load model"):
@@ -119,6 +121,8 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         report["status"], report["error"] = "interrupted", "interrupted by the user (Ctrl-C)"
         raise
     finally:
+        for close in ctx.closers if ctx else []:
+            close()  # e.g. the RKNN runner's toolkit worker, kept alive for the evaluation
         timings["total"] = time.time() - started
         report["seconds"] = round(timings["total"], 3)
         written += write_report(directory, report)

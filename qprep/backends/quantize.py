@@ -56,6 +56,8 @@ def quantize(model, ctx, options: dict) -> StageResult:
     ctx.artifacts.update(result.artifacts)
     ctx.deployable = result.deployable
     ctx.runner, ctx.layer_analyzer = result.runner, result.analyzer
+    if result.close is not None:
+        ctx.closers.append(result.close)
     return StageResult(model=result.model if result.model is not None else model,
                        details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details})
 
