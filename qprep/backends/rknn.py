@@ -73,7 +73,8 @@ class _Toolkit:
         self._worker: rknn_worker.Worker | None = None
 
     def start(self) -> None:
-        """Start the worker (it imports the toolkit, ~2 s, while the parent goes on until the first call)."""
+        """Start the worker (it imports the toolkit, ~2 s, while the parent goes on until the first call).
+        Once per builder: a stopped or crashed worker is not restarted (the RKNN objects died with it)."""
         if self._worker is None:
             self._worker = rknn_worker.Worker(self.work_dir, self.log_path)
             log.info("rknn-toolkit2 worker started (pid %d)", self._worker.pid)
@@ -116,9 +117,10 @@ class _Toolkit:
 
     def _request(self, step: str, kind: str, rknn: int | None = None, name=None, args: tuple = (),
                  kwargs: dict | None = None, start: int | None = None):
+        if self._worker is None:  # closed, or crashed before: its RKNN objects are gone
+            raise RuntimeError(f"rknn-toolkit2 {step}: the toolkit worker is not running")
         if start is None:
             start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self.start()
         try:
             return self._worker.request(kind, rknn, name, args, kwargs)
         except rknn_worker.NotInstalled as exc:
@@ -382,6 +384,8 @@ def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
     def rank(chosen: tuple[str, ...]) -> list[dict]:
         try:
             analysis = builder.session(base_float | set(chosen)).analyze(analysis_samples)
+        except ToolkitError:  # the worker crashed: every build is gone
+            raise
         except QprepError as exc:
             if not chosen:
                 raise
