@@ -77,6 +77,33 @@ def alive(pid: int) -> bool:
         return False
 
 
+def test_integer_only_model_on_rknn_is_refused_before_the_toolkit(tmp_path):
+    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
+    config, model = integer_project(tmp_path, "rknn")
+    before = digests(model, tmp_path / "calib", config)
+    outcome = qprep("run", config, "--quiet", cwd=tmp_path)
+    assert_one_line(outcome, 2, "computes no float tensors", "nothing to quantize", "drop the quantize stage")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["status"] == "failed" and "computes no float tensors" in report["error"]
+    assert (tmp_path / "out" / "manifest.json").is_file()
+    assert not (tmp_path / "out" / "work" / "rknn" / "rknn-toolkit.log").exists()  # the toolkit never ran
+    assert digests(model, tmp_path / "calib", config) == before
+
+
+@pytest.mark.parametrize("backend", ["ort", "fp16"])
+def test_integer_only_model_through_ort_or_fp16_is_skipped_with_a_warning_and_nothing_on_stderr(tmp_path, backend):
+    config, model = integer_project(tmp_path, backend)
+    outcome = qprep("run", config, cwd=tmp_path)
+    assert outcome.code == 0 and outcome.err == "", outcome.err  # no ORT warning leaking from C++ to fd 2
+    assert outcome.out.startswith("qprep: ok:")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    stage = report["stages"][0]
+    assert stage["status"] == "skipped" and stage["reason"] == "nothing to quantize (the model computes no float tensors)"
+    assert any("nothing to quantize" in w for w in report["warnings"])
+    written = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert [n.op_type for n in written.graph.node] == ["Add", "Mul"]  # passed through unchanged
+
+
 def test_real_toolkit_abort_becomes_a_toolkit_error_naming_step_signal_and_its_error(tmp_path):
     """The crash itself, not refused first: rknn.quantize called directly on the integer-only model makes
     rknn-toolkit2 abort in build. The test process survives and gets one line."""
