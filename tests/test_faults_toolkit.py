@@ -104,6 +104,17 @@ def test_integer_only_model_through_ort_or_fp16_is_skipped_with_a_warning_and_no
     assert [n.op_type for n in written.graph.node] == ["Add", "Mul"]  # passed through unchanged
 
 
+def test_ort_warnings_from_its_calibration_sessions_stay_off_the_terminal(tmp_path):
+    """A float model with an unused weight: ORT's calibrator session logs "Removing initializer ..." from C++."""
+    tiny = project(tmp_path / "p", pipeline=("quantize",))
+    model = onnx.load(str(tiny.model))
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(3, np.float32), "unused"))
+    onnx.save(model, str(tiny.model))
+    outcome = qprep("run", tiny.write_config(inputs={"x": [1, 3, 8, 8]}), cwd=tiny.root)
+    assert outcome.code == 0 and outcome.err == "", outcome.err
+    assert outcome.out.startswith("qprep: ok:")
+
+
 def test_real_toolkit_abort_becomes_a_toolkit_error_naming_step_signal_and_its_error(tmp_path):
     """The crash itself, not refused first: rknn.quantize called directly on the integer-only model makes
     rknn-toolkit2 abort in build. The test process survives and gets one line."""
