@@ -56,8 +56,6 @@ OPTIONS = section(
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STAMP = re.compile(r"^RKNN: \[[0-9:.]+\] ")  # the C++ logger's prefix: `E RKNN: [02:41:12.288] message`
 _NOISE = ("Unkown op target", "rknn-toolkit2 version")
-
-
 _SETUP = "run ./scripts/setup.sh (it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 x86-64)"
 
 
@@ -129,8 +127,9 @@ class _Toolkit:
         except rknn_worker.WorkerDied as exc:
             self._copy_to_run_log(start, step)
             self.close()
-            raise ToolkitError(f"rknn-toolkit2 crashed ({exc.how}) in {step}: "
-                               f"{self._error_line(start) or 'no error in its log'} (toolkit log: {self.log_path})") from None
+            why = self._error_line(start) or ("no error in its log; killed from outside (out of memory?)"
+                                              if exc.how == "SIGKILL" else "no error in its log")
+            raise ToolkitError(f"rknn-toolkit2 crashed ({exc.how}) in {step}: {why} (toolkit log: {self.log_path})") from None
 
     def _copy_to_run_log(self, start: int, step: str) -> None:
         """What the toolkit printed during one call, into qprep.log (colour codes stripped)."""

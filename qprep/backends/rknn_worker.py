@@ -8,27 +8,35 @@ writes its failed report and manifest.
 The worker (`serve`) owns the RKNN objects and hands out integer handles. It runs in the work folder with fds
 1/2 on the toolkit log: the toolkit prints from C++ straight to the fds and writes its working files into the
 current directory, so nothing has to be redirected per call in the parent. Requests are
-`(kind, handle, name, args, kwargs)` over a Pipe (numpy arrays pickle): "new" an RKNN object, "call" one of its
-methods, "apply" a module-level function to it (how rknn_ranges reads the toolkit's private table), "release".
+`(kind, handle, name, args, kwargs)` over a multiprocessing Connection (numpy arrays pickle): "new" an RKNN
+object, "call" one of its methods, "apply" a module-level function to it (how rknn_ranges reads the toolkit's
+private table), "release".
 
-It is started with "spawn" (the parent has ONNX Runtime thread pools, which a fork would copy mid-state), once
-per RknnBuilder: starting costs ~2 s, mostly `import rknn.api` importing torch. It must not outlive qprep: it
-asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), ignores SIGINT (a Ctrl-C reaches the
-whole process group; the parent decides and stops it) and exits when the pipe closes.
+It is a fresh interpreter (`python -m qprep.backends.rknn_worker`), not a fork: the parent has ONNX Runtime
+thread pools, which a fork would copy mid-state. Not multiprocessing's "spawn" either: spawn re-runs the
+parent's main script in the child, so `qprep.run()` from a script without an `if __name__ == "__main__"` guard
+would fail, and its resource tracker would print the semaphores a crashed worker leaked onto the terminal.
+One worker per RknnBuilder: starting costs ~2 s, mostly `import rknn.api` importing torch. It must not outlive
+qprep: it asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG; strictly, when the parent thread
+that started it ends: qprep starts it from the thread that runs the pipeline), ignores SIGINT (a Ctrl-C
+reaches the whole process group; the parent decides and stops it) and exits when the pipe closes.
 """
 
 from __future__ import annotations
 
 import ctypes
-import multiprocessing
 import os
 import pickle
 import signal
+import socket
+import subprocess
 import sys
 import weakref
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the qprep package, for the worker's imports
 
 
 class WorkerDied(Exception):
@@ -47,13 +55,15 @@ class Worker:
     """The parent's side: starts the worker, sends requests, raises what the toolkit raised, and stops it."""
 
     def __init__(self, work_dir: Path, log_path: Path):
-        _start_resource_tracker(log_path)
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self.process = context.Process(target=serve, args=(child, str(work_dir), str(log_path), os.getpid()),
-                                       name="rknn-toolkit2")
-        self.process.start()
-        child.close()
+        ours, theirs = socket.socketpair()
+        paths = [str(_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "qprep.backends.rknn_worker", str(theirs.fileno()), str(os.getpid())],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=work_dir, pass_fds=[theirs.fileno()],
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+        theirs.close()
+        self._conn = Connection(ours.detach())
         self._ready = False
         self._busy = False  # a request is in flight: stopping must not wait for an answer
         # tests and API users may drop a builder without closing it: stop the worker when it is collected
@@ -92,9 +102,9 @@ class Worker:
         return reply
 
     def _death(self) -> str:
-        self.process.join(10)
-        code = self.process.exitcode
-        if code is None:
+        try:
+            code = self.process.wait(10)
+        except subprocess.TimeoutExpired:
             return "closed its pipe"
         if code < 0:
             try:
@@ -104,57 +114,35 @@ class Worker:
         return f"exit status {code}"
 
     def close(self) -> None:
-        """Release every RKNN object and stop (join); a busy or stuck worker is terminated, then killed."""
+        """Release every RKNN object and stop (wait); a busy or stuck worker is terminated, then killed."""
         if self._busy:  # interrupted mid-request: the answer would never be read
             self.process.terminate()
         self._finalizer()
 
 
-def _start_resource_tracker(log_path: Path) -> None:
-    """multiprocessing's resource tracker (one per process, started by the first spawn) prints a warning about
-    the semaphores a crashed worker leaked (torch's) when qprep exits, to its fd 2, inherited from the parent:
-    started here with fd 2 on the toolkit log, so that goes to the log and not to the terminal."""
-    from multiprocessing import resource_tracker
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.dup2(fd, 2)
-        resource_tracker.ensure_running()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(fd)
-
-
-def _stop(process, conn, timeout: float = 30) -> None:
+def _stop(process: subprocess.Popen, conn: Connection, timeout: float = 30) -> None:
     try:
         conn.send(None)  # the worker releases its RKNN objects and returns
     except OSError:
         pass
-    process.join(timeout)
-    if process.is_alive():
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
         process.terminate()
-        process.join(5)
-    if process.is_alive():
-        process.kill()
-        process.join()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
     conn.close()
 
 
-def serve(conn, work_dir: str, log_path: str, parent: int) -> None:
-    """The worker's loop (in the child process)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def serve(conn: Connection, parent: int) -> None:
+    """The worker's loop (in the child process, started in the work folder with fds 1/2 on the toolkit log)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the death signal was armed
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.chdir(work_dir)
     try:
         from rknn.api import RKNN
     except ImportError as exc:
@@ -207,3 +195,7 @@ def _portable(exc: Exception) -> Exception:
         return exc
     except Exception:  # noqa: BLE001
         return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1])), int(sys.argv[2]))
