@@ -114,6 +114,23 @@ def model_kind(model: onnx.ModelProto) -> str:
     return FLOAT
 
 
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+
+
+def computes_float(model: onnx.ModelProto) -> bool:
+    """Whether any node outputs a float tensor (or one whose type shape inference cannot tell, to be safe).
+    A model that computes none (e.g. an index or token graph, all int64) has nothing to quantize whatever
+    its kind says: model_kind() calls it "float" because it holds no Q/DQ or QLinear ops."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - e.g. models over 2 GB: unknown types count as float
+        inferred = model
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    return any(types.get(output, onnx.TensorProto.UNDEFINED) in FLOAT_TYPES | {onnx.TensorProto.UNDEFINED}
+               for node in iter_nodes(model.graph) for output in node.output if output)
+
+
 def opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
 

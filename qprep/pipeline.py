@@ -51,6 +51,7 @@ class RunContext:
     reference_model: onnx.ModelProto | None = None  # evaluation.reference_model, when set (loaded likewise)
     fallback_target: dict = field(default_factory=dict)  # quantize.fallback's target, checked again by evaluation
     reference_run: object = None  # evaluate.ReferenceRun: FP32 outputs on the evaluation samples, computed once
+    closers: list[Callable[[], None]] = field(default_factory=list)  # run when the run ends (toolkit workers)
 
     def work_dir(self, name: str) -> Path:
         """A folder inside the run directory for a stage's or toolkit's working files."""
@@ -77,6 +78,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
                     "run_dir": str(directory), **checked.record, "stages": [], "warnings": list(checked.warnings)}
     written: list[str] = []
     timings: dict[str, float] = {"load": load_seconds}
+    ctx: RunContext | None = None
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
         ctx = _context(config, checked, directory, progress, report)
@@ -122,6 +124,11 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         report["status"], report["error"] = "interrupted", f"interrupted by {getattr(exc, 'cause', 'SIGINT (Ctrl-C)')}"
         raise
     finally:
+        for close in ctx.closers if ctx else []:  # e.g. the RKNN runner's toolkit worker, kept for the evaluation
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - the report and manifest must still be written
+                log.warning("closing a backend's resources failed: %s: %s", type(exc).__name__, exc)
         timings["total"] = time.time() - started
         if report["status"] in ("ok", "gate missed"):
             report.pop("step", None)  # where the run was: kept only when it did not finish

@@ -62,8 +62,8 @@ def test_layernorm_float16_islands_map_to_rknn_tensors_and_step2_builds(tmp_path
 def test_gptq_weights_sit_on_the_grid_the_toolkit_quantizes_them_to(tmp_path):
     """rknn_weights' model of the toolkit's weight quantization (per output channel, asymmetric over
     [min(w, 0), max(w, 0)]) checked against the toolkit's own quantization table (rknn-toolkit2 2.5.0, a private
-    attribute): every Conv weight it was handed gets the predicted scale and zero point and lies on that grid,
-    so the toolkit's rounding keeps GPTQ's integers."""
+    attribute read in the toolkit worker): every Conv weight it was handed gets the predicted scale and zero point
+    and lies on that grid, so the toolkit's rounding keeps GPTQ's integers."""
     from qprep.backends import rknn, rknn_weights
 
     job = rknn_job(tmp_path, "ppocr_cls", weight_rounding="gptq")
@@ -71,7 +71,7 @@ def test_gptq_weights_sit_on_the_grid_the_toolkit_quantizes_them_to(tmp_path):
     assert result.details["weight_rounding"]["layers"] == 54  # 53 Conv + the classifier (Gemm, transB 0)
     handed = onnx.load(str(job.work_dir / "model.onnx"))
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in handed.graph.initializer}
-    table = result.runner.rknn.rknn_base.quantizer.quant_tab
+    table = result.runner.quantization_table()  # rknn_ranges.table_of in the toolkit worker
     layers = rknn_weights.layers(handed)
     assert len(layers) == 54 and {layer.kind for layer in layers} == {"conv", "matmul"}
     for layer in layers:

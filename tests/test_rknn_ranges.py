@@ -124,7 +124,7 @@ def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     samples = calibration.samples[:4]
     searched = builder.session(set())
     expected = searched(samples)
-    table = rknn_ranges.table_of(searched.rknn)
+    table = searched.quantization_table()
     assert builder.reuse_ranges(set())
     builder.release()
     log_start = builder.toolkit.log_path.stat().st_size
@@ -133,7 +133,7 @@ def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     with open(builder.toolkit.log_path, errors="replace") as f:
         f.seek(log_start)
         assert "Mmse" not in f.read()  # the mmse search ran once, in the first build
-    again = rknn_ranges.table_of(rebuilt.rknn)
+    again = rebuilt.quantization_table()
     int8 = [name for name, entry in table.items() if entry["dtype"] == "int8"]
     assert len(int8) > 100
     for name in int8:

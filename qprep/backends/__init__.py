@@ -25,6 +25,7 @@ class Quantized:
     deployable: str | None = None  # the artifact to ship, when it is not model.onnx (RKNN: model.rknn)
     runner: Callable[[list[dict]], list[dict]] | None = None  # None: evaluate the ONNX model with ORT
     analyzer: Callable[[list[dict]], list[dict]] | None = None  # per-layer rows from the backend's own tool
+    close: Callable[[], None] | None = None  # frees what runner/analyzer hold (RKNN: the toolkit worker)
 
 
 @dataclass

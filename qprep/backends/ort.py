@@ -309,6 +309,12 @@ def output_sqnr(expected: list[dict], actual: list[dict]) -> float:
 
 
 def quantize(job: BackendInput) -> Quantized:
+    import onnxruntime
+
+    # ORT's quantization tools (the calibrator) make sessions with default options, whose C++ warnings go
+    # straight to fd 2, e.g. "Removing initializer 'w'. It is not used by any node" for a model with an unused
+    # weight: the terminal shows qprep's lines only (qprep's own sessions set severity 3 in model_io.session)
+    onnxruntime.set_default_logger_severity(3)
     options, float_set = job.options, job.float_set
     unknown = sorted(set(options["nodes_to_exclude"]) - {n.name for n in job.model.graph.node})
     if unknown:

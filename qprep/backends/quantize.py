@@ -1,7 +1,8 @@
 """The `quantize` stage: hand the prepared float model to the configured backend (ort | fp16 | rknn).
 
 Refuses already-integer models (there is nothing left to quantize); a QDQ model is quantized again only if
-the user insists (backend ort on a QAT model would stack a second set of Q/DQ nodes).
+the user insists (backend ort on a QAT model would stack a second set of Q/DQ nodes). A model that computes no
+float tensor is skipped with a warning (ort, fp16) or refused (rknn, whose build aborts the process on it).
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def quantize(model, ctx, options: dict) -> StageResult:
         return StageResult(model=model, status="skipped",
                            reason="the model already holds Q/DQ nodes (QAT); use remove_redundant_qdq/fuse_conv_qdq")
     backend = options["backend"]
+    if not model_info.computes_float(model):
+        if backend == "rknn" and options["rknn"]["do_quantization"]:  # the toolkit aborts on it (SIGABRT)
+            raise QprepError("quantize.rknn: the model computes no float tensors, nothing to quantize; drop the "
+                             "quantize stage (or set quantize.rknn.do_quantization: false for a .rknn without int8)")
+        if backend != "rknn":  # ort and fp16 would return the model as it is and call it quantized
+            reason = "nothing to quantize (the model computes no float tensors)"
+            ctx.warnings.append(f"quantize: skipped, {reason}; the model passes through unchanged")
+            return StageResult(model=model, status="skipped", reason=reason)
     ctx.prepared_model = model  # the float model the per-layer analysis compares against
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
@@ -75,6 +84,8 @@ def quantize(model, ctx, options: dict) -> StageResult:
     ctx.artifacts.update(result.artifacts)
     ctx.deployable = result.deployable
     ctx.runner, ctx.layer_analyzer = result.runner, result.analyzer
+    if result.close is not None:
+        ctx.closers.append(result.close)
     return StageResult(model=result.model if result.model is not None else model,
                        details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details})
 

@@ -4,8 +4,9 @@ per-layer accuracy_analysis, and the files a board needs.
 Facts this module is built on (measured with rknn-toolkit2 2.5.0, see ../shared/notes/rknn-toolkit2.md):
 - calls fail three ways: an exception (its last line is the message), a non-zero return, or None; the
   reason is in the toolkit's own `E <api>: ...` log line. Every call goes through `_call`.
-- the toolkit prints from C++ straight to file descriptors 1/2 and writes working files into the current
-  directory: `_inside` redirects both fds into the run log and changes into the work folder, then restores.
+- the toolkit prints from C++ straight to file descriptors 1/2, writes working files into the current
+  directory and aborts the process on some inputs: every call runs in a worker process (rknn_worker.py) that
+  sits in the work folder with both fds on the toolkit log, so a crash becomes a one-line ToolkitError.
 - mean/std in `config` apply to `.npy` calibration files too, and RGB→BGR does not: for image sources the
   raw pixels (already in the model's channel order) go to dataset.txt and the normalization to the config,
   so it runs on the NPU and becomes the deployed input contract. `.npy` files must be NCHW.
@@ -14,22 +15,20 @@ Facts this module is built on (measured with rknn-toolkit2 2.5.0, see ../shared/
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from qprep.backends import BackendInput, Quantized, rknn_ranges
+from qprep.backends import BackendInput, Quantized, rknn_ranges, rknn_worker
 from qprep.backends.rknn_names import IRNames, map_float_set, parse_error_analysis, with_custom_layers
-from qprep.errors import QprepError
+from qprep.errors import QprepError, ToolkitError
 from qprep.model_info import graph_inputs, graph_outputs
 from qprep.schema import Key, section
 
@@ -55,56 +54,46 @@ OPTIONS = section(
 )
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STAMP = re.compile(r"^RKNN: \[[0-9:.]+\] ")  # the C++ logger's prefix: `E RKNN: [02:41:12.288] message`
 _NOISE = ("Unkown op target", "rknn-toolkit2 version")
-
-
-def _rknn_class():
-    try:
-        from rknn.api import RKNN
-    except ImportError as exc:
-        raise QprepError(f"rknn-toolkit2 is not installed or does not import ({exc}); run ./scripts/setup.sh "
-                         "(it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 x86-64)") from None
-    return RKNN
+_SETUP = "run ./scripts/setup.sh (it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 x86-64)"
 
 
 class _Toolkit:
-    """Runs toolkit calls inside the work folder with fds 1/2 going to the toolkit log; checks results."""
+    """Every rknn-toolkit2 call: made in the toolkit worker process (rknn_worker.py), which owns the RKNN
+    objects (the parent holds integer handles), runs in the work folder and prints into the toolkit log. A
+    failed call (exception, non-zero or None) becomes a QprepError with the toolkit's own error line; a crash
+    of the worker (a signal) a ToolkitError naming the step, the signal and that line."""
 
     def __init__(self, work_dir: Path):
         self.work_dir = work_dir
         self.log_path = work_dir / "rknn-toolkit.log"
+        self._worker: rknn_worker.Worker | None = None
 
-    @contextlib.contextmanager
-    def _inside(self):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved_fds, saved_cwd = (os.dup(1), os.dup(2)), os.getcwd()
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.chdir(self.work_dir)
-            with open(self.log_path, "a") as text, contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
-                yield  # Python-level prints too, when sys.stdout is not fd 1 (e.g. under a test runner)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.chdir(saved_cwd)
-            os.dup2(saved_fds[0], 1)
-            os.dup2(saved_fds[1], 2)
-            for handle in (fd, *saved_fds):
-                os.close(handle)
+    def start(self) -> None:
+        """Start the worker (it imports the toolkit, ~2 s, while the parent goes on until the first call).
+        Once per builder: a stopped or crashed worker is not restarted (the RKNN objects died with it)."""
+        if self._worker is None:
+            self._worker = rknn_worker.Worker(self.work_dir, self.log_path)
+            log.info("rknn-toolkit2 worker started (pid %d)", self._worker.pid)
 
-    def new(self, RKNN):
-        """An RKNN object, created inside the redirect (its constructor logs to the terminal)."""
-        with self._inside():
-            return RKNN(verbose=False)
+    def close(self) -> None:
+        """Release the RKNN objects and stop the worker (terminated if it is stuck or mid-call)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
-    def call(self, step: str, fn, *args, **kwargs):
+    def new(self) -> int:
+        """A new RKNN object in the worker → its handle."""
+        return self._request("RKNN()", "new")
+
+    def call(self, step: str, rknn: int, method: str, *args, **kwargs):
+        """`rknn.method(*args, **kwargs)` in the worker; its result checked (0 or a value, not None)."""
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
         try:
-            with self._inside():
-                result = fn(*args, **kwargs)
+            result = self._request(step, "call", rknn, method, args, kwargs, start)
+        except QprepError:
+            raise
         except Exception as exc:  # the toolkit raises bare ValueError/KeyError with its message last
             self._copy_to_run_log(start, step)
             lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
@@ -115,6 +104,32 @@ class _Toolkit:
             raise QprepError(f"rknn-toolkit2 {step} failed: {self._error_line(start) or f'returned {result}'} "
                              f"(toolkit log: {self.log_path})")
         return result
+
+    def apply(self, step: str, rknn: int, function, *args):
+        """`function(the RKNN object, *args)` in the worker (a module-level function: it is sent by name);
+        what it raises is raised here."""
+        return self._request(step, "apply", rknn, function, args)
+
+    def release(self, rknn: int) -> None:
+        self._request("release", "release", rknn)
+
+    def _request(self, step: str, kind: str, rknn: int | None = None, name=None, args: tuple = (),
+                 kwargs: dict | None = None, start: int | None = None):
+        if self._worker is None:  # closed, or crashed before: its RKNN objects are gone
+            raise RuntimeError(f"rknn-toolkit2 {step}: the toolkit worker is not running")
+        if start is None:
+            start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        try:
+            return self._worker.request(kind, rknn, name, args, kwargs)
+        except rknn_worker.NotInstalled as exc:
+            self.close()
+            raise QprepError(f"rknn-toolkit2 is not installed or does not import ({exc}); {_SETUP}") from None
+        except rknn_worker.WorkerDied as exc:
+            self._copy_to_run_log(start, step)
+            self.close()
+            why = self._error_line(start) or ("no error in its log; killed from outside (out of memory?)"
+                                              if exc.how == "SIGKILL" else "no error in its log")
+            raise ToolkitError(f"rknn-toolkit2 crashed ({exc.how}) in {step}: {why} (toolkit log: {self.log_path})") from None
 
     def _copy_to_run_log(self, start: int, step: str) -> None:
         """What the toolkit printed during one call, into qprep.log (colour codes stripped)."""
@@ -133,7 +148,7 @@ class _Toolkit:
             lines = [_ANSI.sub("", line).strip() for line in f]
         for index, line in enumerate(lines):
             if line.startswith("E ") and not any(noise in line for noise in _NOISE):
-                message = line[2:].strip()
+                message = _STAMP.sub("", line[2:].strip())
                 if message.endswith("Traceback (most recent call last):"):  # the toolkit logged a traceback:
                     cause = next((l for l in lines[index + 1:] if re.match(r"^\w+(Error|Exception)\b", l)), "")
                     message = f"{message.split(':')[0]}: {cause}" if cause else message
@@ -147,7 +162,7 @@ class RknnBuilder:
     the fallback's trials affordable."""
 
     def __init__(self, job: BackendInput):
-        self.RKNN, self.job, self.options = _rknn_class(), job, job.options
+        self.job, self.options = job, job.options
         self.toolkit = _Toolkit(job.work_dir)
         self.inputs = graph_inputs(job.model)
         for spec in self.inputs:
@@ -169,7 +184,12 @@ class RknnBuilder:
                         "calibration_samples": _count_lines(self.dataset)}
         self._step1: tuple[Path, str, IRNames] | None = None
         self._ranges: dict | None = None  # a build's quantization table later builds reuse (rknn_ranges.py)
-        self._save_model()
+        self.toolkit.start()  # its start-up (~2 s) overlaps the GPTQ weights
+        try:
+            self._save_model()
+        except BaseException:
+            self.toolkit.close()
+            raise
         self._sessions: dict = {}  # key → (RKNN object, runner, float16 layers): the last build and the pinned one
         self._pinned: tuple | None = None  # a build kept however many come after it (the fallback's best)
 
@@ -192,7 +212,7 @@ class RknnBuilder:
         if entry is None or self.algorithm == "normal" or not self.options["do_quantization"]:
             return False
         try:
-            self._ranges = rknn_ranges.table_of(entry[0])
+            self._ranges = entry[1].quantization_table()
         except ValueError as exc:
             self._stop_reusing(exc)
             return False
@@ -227,9 +247,9 @@ class RknnBuilder:
         self._pinned = (self.algorithm, frozenset(float_set))
 
     def _loaded(self, algorithm: str | None = None):
-        rknn = self.toolkit.new(self.RKNN)
-        self.toolkit.call("config", rknn.config, **{**self.config, "quantized_algorithm": algorithm or self.algorithm})
-        self.toolkit.call("load_onnx", rknn.load_onnx, model=str(self.model_path), inputs=[s.name for s in self.inputs],
+        rknn = self.toolkit.new()
+        self.toolkit.call("config", rknn, "config", **{**self.config, "quantized_algorithm": algorithm or self.algorithm})
+        self.toolkit.call("load_onnx", rknn, "load_onnx", model=str(self.model_path), inputs=[s.name for s in self.inputs],
                           input_size_list=[s.shape for s in self.inputs])
         return rknn
 
@@ -237,9 +257,9 @@ class RknnBuilder:
         """Hybrid step1 (once): the IR, its tensor names and the quantization cfg step2 builds from."""
         if self._step1 is None:
             rknn = self._loaded("normal" if self._ranges else None)
-            self.toolkit.call("hybrid_quantization_step1", rknn.hybrid_quantization_step1, dataset=str(self.dataset),
-                              proposal=False)
-            rknn.release()
+            self.toolkit.call("hybrid_quantization_step1", rknn, "hybrid_quantization_step1",
+                              dataset=str(self.dataset), proposal=False)
+            self.toolkit.release(rknn)
             stem = self.toolkit.work_dir / "model"
             cfg_text = Path(f"{stem}.quantization.cfg").read_text()
             if self._ranges:
@@ -261,8 +281,8 @@ class RknnBuilder:
             tensors = list(dict.fromkeys(t for m in mapping.values() for t in m["tensors"]))
             cfg_path = Path(f"{stem}.quantization.cfg")
             cfg_path.write_text(with_custom_layers(cfg_text, tensors))
-            rknn = self.toolkit.new(self.RKNN)
-            self.toolkit.call("hybrid_quantization_step2", rknn.hybrid_quantization_step2,
+            rknn = self.toolkit.new()
+            self.toolkit.call("hybrid_quantization_step2", rknn, "hybrid_quantization_step2",
                               model_input=f"{stem}.model", data_input=f"{stem}.data",
                               model_quantization_cfg=str(cfg_path))
             self.details["float16_layers"] = {"requested_nodes": len(float_set), "mapped": mapping,
@@ -272,7 +292,7 @@ class RknnBuilder:
                             ", ".join(unmapped[:10]))
         else:
             rknn = self._loaded()
-            self.toolkit.call("build", rknn.build, do_quantization=self.options["do_quantization"],
+            self.toolkit.call("build", rknn, "build", do_quantization=self.options["do_quantization"],
                               dataset=str(self.dataset))
             self.details.pop("float16_layers", None)
         return rknn
@@ -284,9 +304,9 @@ class RknnBuilder:
         key = (self.algorithm, frozenset(float_set))
         if key not in self._sessions:
             for old in [k for k in self._sessions if k != self._pinned]:
-                self._sessions.pop(old)[0].release()
+                self.toolkit.release(self._sessions.pop(old)[0])
             rknn = self.build(float_set)
-            self.toolkit.call("init_runtime (simulator)", rknn.init_runtime)
+            self.toolkit.call("init_runtime (simulator)", rknn, "init_runtime")
             runner = _Runner(rknn, self.toolkit, self.job.model, self.normalization)
             self._sessions[key] = (rknn, runner, self.details.get("float16_layers"))
         rknn, runner, layers = self._sessions[key]
@@ -296,26 +316,37 @@ class RknnBuilder:
             self.details["float16_layers"] = layers
         return runner
 
+    def close(self) -> None:
+        """Release every build and stop the toolkit worker."""
+        self._sessions.clear()
+        self.toolkit.close()
+
     def release(self, keep: "_Runner | None" = None) -> None:
         """Free the simulator runtimes of the kept builds (all but `keep`)."""
         for key, (rknn, runner, _) in list(self._sessions.items()):
             if runner is not keep:
-                rknn.release()
+                self.toolkit.release(rknn)
                 del self._sessions[key]
 
 
 def quantize(job: BackendInput) -> Quantized:
+    """The build (after the fallback's search, if on), exported; its runner stays usable for the evaluation
+    until the result's `close` stops the toolkit worker (at once when this fails or is interrupted)."""
     builder = RknnBuilder(job)
-    float_set = set(job.float_set)
-    if job.fallback:
-        outcome = _fallback(builder, float_set, job)
-        float_set = set(outcome.float_nodes)
-        builder.details["fallback"] = outcome.record
-    runner = builder.session(float_set)
-    builder.release(keep=runner)
-    work, options = job.work_dir, job.options
-    rknn_path = work / "model.rknn"
-    builder.toolkit.call("export_rknn", runner.rknn.export_rknn, str(rknn_path))
+    try:
+        float_set = set(job.float_set)
+        if job.fallback:
+            outcome = _fallback(builder, float_set, job)
+            float_set = set(outcome.float_nodes)
+            builder.details["fallback"] = outcome.record
+        runner = builder.session(float_set)
+        builder.release(keep=runner)
+        work, options = job.work_dir, job.options
+        rknn_path = work / "model.rknn"
+        builder.toolkit.call("export_rknn", runner.rknn, "export_rknn", str(rknn_path))
+    except BaseException:
+        builder.close()
+        raise
     contract = _input_contract(builder.inputs, builder.normalization, options)
     (work / "input_contract.json").write_text(json.dumps(contract, indent=2) + "\n")
     (work / "run_on_board.py").write_text(_BOARD_SCRIPT)
@@ -323,7 +354,7 @@ def quantize(job: BackendInput) -> Quantized:
                      analyzer=(lambda samples: runner.analyze(samples[: options["analysis_samples"]]))
                      if options["analysis_samples"] else None,
                      artifacts={"model.rknn": rknn_path, "input_contract.json": work / "input_contract.json",
-                                "run_on_board.py": work / "run_on_board.py"})
+                                "run_on_board.py": work / "run_on_board.py"}, close=builder.close)
 
 
 def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
@@ -352,6 +383,8 @@ def _fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
     def rank(chosen: tuple[str, ...]) -> list[dict]:
         try:
             analysis = builder.session(base_float | set(chosen)).analyze(analysis_samples)
+        except ToolkitError:  # the worker crashed: every build is gone
+            raise
         except QprepError as exc:
             if not chosen:
                 raise
@@ -439,7 +472,7 @@ def _count_lines(path: Path) -> int:
 class _Runner:
     """Runs evaluation samples on the simulator; undoes qprep's normalization where the NPU normalizes."""
 
-    def __init__(self, rknn, toolkit: _Toolkit, model: onnx.ModelProto, normalization: dict | None):
+    def __init__(self, rknn: int, toolkit: _Toolkit, model: onnx.ModelProto, normalization: dict | None):
         self.rknn, self.toolkit, self.normalization = rknn, toolkit, normalization
         self.inputs = graph_inputs(model)
         self.outputs = graph_outputs(model)
@@ -464,10 +497,14 @@ class _Runner:
         # 'nchw' describes our 4-D arrays and is ignored for other ranks.
         formats = ["nchw"] * len(self.inputs) if any(len(spec.shape) == 4 for spec in self.inputs) else None
         for sample in samples:
-            outs = self.toolkit.call("inference", self.rknn.inference, inputs=self._feeds(sample),
+            outs = self.toolkit.call("inference", self.rknn, "inference", inputs=self._feeds(sample),
                                      data_format=formats)
             results.append({spec.name: self._shaped(out, spec) for spec, out in zip(self.outputs, outs)})
         return results
+
+    def quantization_table(self) -> dict[str, dict]:
+        """The build's quantization table (rknn_ranges.table_of, read in the worker); ValueError if unreadable."""
+        return self.toolkit.apply("quantization table", self.rknn, rknn_ranges.table_of)
 
     @staticmethod
     def _shaped(array: np.ndarray, spec) -> np.ndarray:
@@ -487,7 +524,8 @@ class _Runner:
                 path = self.toolkit.work_dir / f"analysis_{index}_{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}.npy"
                 np.save(path, array)
                 paths.append(str(path))
-            self.toolkit.call("accuracy_analysis", self.rknn.accuracy_analysis, inputs=paths, output_dir=str(out_dir))
+            self.toolkit.call("accuracy_analysis", self.rknn, "accuracy_analysis", inputs=paths,
+                              output_dir=str(out_dir))
             for row in parse_error_analysis((out_dir / "error_analysis.txt").read_text()):
                 if row["tensor"] not in rows_by_tensor:
                     order.append(row["tensor"])
