@@ -55,9 +55,9 @@ def claim(path: Path, force: bool) -> tuple[Path, RunLock]:
     """Lock the run directory (created if needed), then check it is free to use: a non-empty one needs
     `force`, which removes the previous run's files; a folder that holds no qprep run is never cleared."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise RunDirError(f"output directory {path} is a file; choose another --out")
     try:
+        if path.exists() and not path.is_dir():
+            raise RunDirError(f"output directory {path} is a file; choose another --out")
         path.mkdir(parents=True, exist_ok=True)
         was_run_dir = any((path / name).exists() for name in (LOCK, MANIFEST, LOG))
         if not os.access(path, os.W_OK | os.X_OK):  # an existing read-only folder: refuse before writing

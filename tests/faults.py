@@ -8,6 +8,8 @@ traceback, the input files byte-identical, and a previous run intact where it sh
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,10 +31,18 @@ class Outcome:
     err: str
 
 
-def qprep(*args, cwd: Path | None = None, timeout: float = 300, stdin=None) -> Outcome:
-    """`python -m qprep ARGS` in a subprocess → exit code, stdout, stderr."""
-    done = subprocess.run([sys.executable, "-m", "qprep", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or ROOT, timeout=timeout, stdin=stdin)
+# Root ignores file permissions; without the two capabilities that let it, a chmod 000 denies root too.
+UNPRIVILEGED = (["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+                if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("setpriv") else [])
+CAN_BE_DENIED = not (hasattr(os, "geteuid") and os.geteuid() == 0) or bool(UNPRIVILEGED)
+
+
+def qprep(*args, cwd: Path | None = None, timeout: float = 300, stdin=None, unprivileged: bool = False) -> Outcome:
+    """`python -m qprep ARGS` in a subprocess → exit code, stdout, stderr. `unprivileged`: file permissions
+    apply (as root, the capabilities that bypass them are dropped)."""
+    prefix = UNPRIVILEGED if unprivileged else []
+    done = subprocess.run([*prefix, sys.executable, "-m", "qprep", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd or ROOT, timeout=timeout, stdin=stdin)
     return Outcome(done.returncode, done.stdout, done.stderr)
 
 

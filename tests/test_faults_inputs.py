@@ -15,10 +15,9 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT
-from faults import assert_one_line, digests, project, qprep
+from faults import CAN_BE_DENIED, assert_one_line, digests, project, qprep
 
-AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-ROOT_SKIP = "running as root: chmod 000 does not deny root, so permission denied cannot be produced"
+ROOT_SKIP = "running as root without setpriv: chmod 000 does not deny root, so permission denied cannot be produced"
 
 
 # --- item 8: user and environment errors that were "internal error" ---------------------------------------
@@ -72,7 +71,7 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
     assert {**p.inputs(), **digests(tmp_path / "secret.bin")} == before
 
 
-@pytest.mark.skipif(AS_ROOT, reason=ROOT_SKIP)
+@pytest.mark.skipif(not CAN_BE_DENIED, reason=ROOT_SKIP)
 @pytest.mark.parametrize("command", ["run", "compare-markdown"])
 def test_permission_denied_on_an_output_path(tmp_path, command):
     p = project(tmp_path / "project", pipeline=())
@@ -84,9 +83,9 @@ def test_permission_denied_on_an_output_path(tmp_path, command):
     locked.chmod(0)
     try:
         if command == "run":
-            outcome = qprep("run", p.config, "--out", locked / "run", "--quiet")
+            outcome = qprep("run", p.config, "--out", locked / "run", "--quiet", unprivileged=True)
         else:
-            outcome = qprep("compare", p.out, "--markdown", locked / "table.md")
+            outcome = qprep("compare", p.out, "--markdown", locked / "table.md", unprivileged=True)
     finally:
         locked.chmod(0o755)
     assert_one_line(outcome, 2, str(locked), "ermission denied")
@@ -230,12 +229,12 @@ def test_duplicate_config_keys_are_refused(tmp_path, text, phrases):
     assert {**p.inputs(), **digests(config)} == before
 
 
-@pytest.mark.skipif(AS_ROOT, reason=ROOT_SKIP)
+@pytest.mark.skipif(not CAN_BE_DENIED, reason=ROOT_SKIP)
 def test_an_unreadable_model_is_permission_denied_not_corrupt(tmp_path):
     p = project(tmp_path, pipeline=())
     p.model.chmod(0)
     try:
-        outcome = qprep("inspect", p.model)
+        outcome = qprep("inspect", p.model, unprivileged=True)
     finally:
         p.model.chmod(0o644)
     assert_one_line(outcome, 2, f"permission denied: {p.model}")
