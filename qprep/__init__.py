@@ -20,7 +20,7 @@ def run(config, *, force: bool = False, quiet: bool = True, **overrides) -> dict
     subclasses for user errors.
     """
     from qprep.config import load_config
-    from qprep.pipeline import execute
+    from qprep.pipeline.runner import execute
 
     paths = {key.replace("__", "."): value for key, value in overrides.items()}
     return execute(load_config(config, paths), force=force, quiet=quiet)

@@ -152,7 +152,7 @@ def _overrides(args) -> dict:
 
 def cmd_run(args) -> int:
     from qprep.config import load_config
-    from qprep.pipeline import execute
+    from qprep.pipeline.runner import execute
 
     config = load_config(args.config, _overrides(args))
     report = execute(config, force=args.force, quiet=args.quiet)
@@ -180,7 +180,7 @@ def _fmt(value) -> str:
 def cmd_validate(args) -> int:
     """The checks `run` makes before it touches the run directory (qprep/preflight.py), and nothing else."""
     from qprep.config import load_config
-    from qprep.preflight import check
+    from qprep.pipeline.preflight import check
 
     config = load_config(args.config, _overrides(args))
     check(config)
@@ -192,7 +192,7 @@ def cmd_validate(args) -> int:
 
 def cmd_inspect(args) -> int:
     from qprep import jsonfile
-    from qprep.inspect_model import inspect_model, render_inspection
+    from qprep.model.inspect import inspect_model, render_inspection
 
     info = inspect_model(args.model)
     print(jsonfile.dumps(info) if args.json else render_inspection(info))
@@ -202,7 +202,7 @@ def cmd_inspect(args) -> int:
 def cmd_config(args) -> int:
     from qprep.config import SCHEMA
     from qprep.schema import reference
-    from qprep.stages import registry
+    from qprep.pipeline.stages import registry
 
     lines = ["# qprep config keys", ""] + reference(SCHEMA)
     for name, stage in sorted(registry().items()):
@@ -212,7 +212,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_batch(args) -> int:
-    from qprep.batch import exit_code, run_batch
+    from qprep.pipeline.batch import exit_code, run_batch
 
     summary = run_batch(args.config, args.folder, args.out, jobs=args.jobs, recursive=args.recursive,
                         resume=args.resume, timeout=args.timeout, sets=args.sets, quiet=args.quiet)
@@ -223,7 +223,7 @@ def cmd_batch(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from qprep.model_io import atomic_write_text
+    from qprep.model.io import atomic_write_text
     from qprep.report.compare import compare, render_html, render_markdown, render_text
 
     thresholds = {}

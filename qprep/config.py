@@ -18,8 +18,8 @@ import yaml
 
 from qprep.errors import ConfigError
 from qprep.evaluate.metrics import OUTPUT_METRICS
-from qprep.schema import Key, closest, section, unknown_key_message, validate
-from qprep.stages import registry
+from qprep.schema import Key, closest, section, validate
+from qprep.pipeline.stages import registry
 
 
 def data_source(doc: str) -> Key:

@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import qprep  # noqa: E402
-from qprep import model_info  # noqa: E402
+from qprep.model import info as model_info  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
-from qprep.graph.verify import run_model  # noqa: E402
+from qprep.model.runtime import run_model# noqa: E402
 
 OCR = {"mean": [127.5], "std": [127.5], "channel_order": "bgr", "resize": "none"}
 MODELS = {  # model file → (calibration set, image preprocessing)
@@ -54,7 +54,7 @@ def load(name: str, samples: int):
 
 
 def facts(model: onnx.ModelProto, original_outputs, samples) -> dict:
-    from qprep.graph.passes.layernorm import count_decomposed_layernorms
+    from qprep.optimize.passes.layernorm import count_decomposed_layernorms
 
     ops = model_info.op_counts(model)
     result = run_model(model, samples)

@@ -25,7 +25,7 @@ import qprep  # noqa: E402
 from qprep.config import data_source  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
 from qprep.evaluate.latency import interleaved  # noqa: E402
-from qprep.model_info import graph_inputs, op_counts  # noqa: E402
+from qprep.model.info import graph_inputs, op_counts  # noqa: E402
 from qprep.schema import validate  # noqa: E402
 
 IMAGENET = {"source": str(ROOT / "calibration_data" / "imagenet" / "calib"),

@@ -31,8 +31,8 @@ from qprep.config import data_source  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
 from qprep.evaluate.latency import interleaved, speedups  # noqa: E402
 from qprep.evaluate.metrics import compare_output, main_agreement, output_task  # noqa: E402
-from qprep.graph.verify import run_model  # noqa: E402
-from qprep.model_info import graph_inputs  # noqa: E402
+from qprep.model.runtime import run_model# noqa: E402
+from qprep.model.info import graph_inputs  # noqa: E402
 from qprep.schema import validate  # noqa: E402
 
 OCR = {"mean": [127.5], "std": [127.5], "channel_order": "bgr", "resize": "none"}

@@ -67,7 +67,7 @@ def samples(model_path: Path, source: dict, max_samples: int = 1000) -> list[dic
 
     from qprep.config import data_source
     from qprep.data import load_samples
-    from qprep.model_info import graph_inputs
+    from qprep.model.info import graph_inputs
     from qprep.schema import validate
 
     cfg = validate({**source, "max_samples": max_samples}, data_source(""), "calibration", ROOT)
@@ -162,7 +162,7 @@ def build_qat(files: dict[str, Path]) -> str:
     import torch.ao.quantization as tq
     from torch import nn
 
-    from qprep.graph.verify import run_model
+    from qprep.model.runtime import run_model
     import onnx
 
     torch.manual_seed(0)

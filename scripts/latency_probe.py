@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from qprep.data import random_samples  # noqa: E402
-from qprep.model_info import graph_inputs  # noqa: E402
-from qprep.model_io import ort_session  # noqa: E402
+from qprep.model.info import graph_inputs  # noqa: E402
+from qprep.model.runtime import ort_session# noqa: E402
 
 
 def main(argv=None) -> int:

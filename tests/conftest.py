@@ -95,9 +95,9 @@ def rknn_job(tmp_path: Path, name: str, **options):
     """A demo PP-OCR model optimized for the RKNN backend (opset ≤ 19) with 8 calibration samples, as qprep hands
     them to rknn.quantize / RknnBuilder; `options` override rk3588 w8a8 defaults → BackendInput."""
     import qprep
-    from qprep.backends import BackendInput
+    from qprep.quantize.backend import BackendInput
     from qprep.data import load_samples
-    from qprep.model_info import graph_inputs
+    from qprep.model.info import graph_inputs
 
     data, shape = OCR_DATA[name]
     qprep.run({"model": str(demo_model(f"{name}.onnx")), "inputs": {"x": shape},

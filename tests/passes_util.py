@@ -9,8 +9,8 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
-from qprep.graph.passes import PassSettings
-from qprep.graph.verify import run_model
+from qprep.optimize.passes import PassSettings
+from qprep.model.runtime import run_model
 
 
 def make_model(nodes, inputs, outputs, initializers=(), opset=13) -> onnx.ModelProto:

@@ -3,7 +3,7 @@
 import numpy as np
 from onnx import TensorProto, helper
 
-from qprep.backends.activation_ranges import BINS, _best_range, _error, mse_ranges
+from qprep.quantize.ranges import BINS, _best_range, _error, mse_ranges
 
 
 def _relu_model():

@@ -7,10 +7,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qprep.backends import bias_correction, ort
-from qprep.backends.ort import OrtQuantizer, output_sqnr
-from qprep.graph.prepare import name_nodes
-from qprep.graph.verify import run_model
+from qprep.quantize import bias_correction
+from qprep.quantize import ort
+from qprep.quantize.ort import OrtQuantizer, output_sqnr
+from qprep.model.prepare import name_nodes
+from qprep.model.runtime import run_model
 from qprep.progress import Progress
 from qprep.schema import validate
 from conftest import run_config
@@ -53,7 +54,7 @@ def _quantized(model, tmp_path, progress=None, **options):
 def _drift(model, quantized, layer, samples):
     """Largest |per-channel mean difference| of the layer's output between the float and the quantized model
     (ORT's quantizer drops a Relu after a Conv, so the names differ)."""
-    from qprep.model_io import intermediate_values
+    from qprep.model.runtime import intermediate_values
 
     def means(m, name):
         return np.mean([v[name].mean(axis=(0, 2, 3)) for v in intermediate_values(m, [name], samples)], axis=0)

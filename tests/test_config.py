@@ -5,7 +5,7 @@ import pytest
 from qprep.config import load_config, parse_set
 from qprep.errors import ConfigError
 from qprep.schema import Key, section
-from qprep import stages
+from qprep.pipeline import stages
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from PIL import Image
 
 from qprep.data import load_samples
 from qprep.errors import DataError
-from qprep.model_info import graph_inputs
+from qprep.model.info import graph_inputs
 from conftest import tiny_conv_model, two_input_model
 
 CONV_INPUTS = graph_inputs(tiny_conv_model())
@@ -117,7 +117,7 @@ def test_random_samples_give_a_named_dim_one_size_across_inputs():
     """Inputs that share a symbolic dim (ids [batch, seq], positions [seq]) must get the same size, or the
     model cannot run on the verification samples; unknown dims ("?") are not a shared name."""
     from qprep.data import random_samples
-    from qprep.model_info import TensorSpec
+    from qprep.model.info import TensorSpec
 
     specs = [TensorSpec("positions", "int64", ["seq"]), TensorSpec("ids", "int64", ["batch", "seq"]),
              TensorSpec("image", "float32", ["?", 3, "?", "?"])]

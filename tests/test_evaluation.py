@@ -47,8 +47,8 @@ def test_report_cosine_and_agreement_match_an_independent_recomputation(ort_run)
     """Run reference and result with plain ORT and numpy; the report must agree to 1e-6."""
     report, out = ort_run
     from qprep.data import load_samples
-    from qprep.model_info import graph_inputs
-    from qprep.model_io import load_model
+    from qprep.model.info import graph_inputs
+    from qprep.model.io import load_model
 
     model = load_model(out / "model.onnx")
     cfg = {"source": str(CALIBRATION / "imagenet" / "eval"), "format": "auto", "max_samples": 24, "seed": 0,
@@ -158,7 +158,7 @@ def test_wilson_interval_is_honest_at_full_agreement():
 
 def test_fp16_config_keeps_layernorm_float32_and_io_types(tmp_path):
     import qprep
-    from qprep.model_io import load_model
+    from qprep.model.io import load_model
 
     report = qprep.run(str(ROOT / "configs" / "fp16.yaml"), output_dir=str(tmp_path), force=True,
                        **{"calibration.max_samples": 4, "verify.max_samples": 2, "evaluation.max_samples": 8,
@@ -209,11 +209,12 @@ def test_misspelt_gate_metric_is_a_config_error():
 
 
 def test_ort_backend_reports_float_set_nodes_that_no_longer_exist(tmp_path):
-    from qprep.backends import BackendInput, ort
+    from qprep.quantize.backend import BackendInput
+    from qprep.quantize import ort
     from qprep.data import SampleSet
     from conftest import tiny_conv_model
 
-    from qprep.graph.prepare import name_nodes
+    from qprep.model.prepare import name_nodes
 
     model = tiny_conv_model()
     name_nodes(model.graph)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qprep.backends import fallback
+from qprep.quantize import search
 from qprep.errors import ConfigError
 from conftest import run_config
 
@@ -28,7 +28,7 @@ def _scripted(damage: dict[str, float], interaction: dict[frozenset, float] | No
 
 def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
     evaluate, _ = _scripted({"a": 0.001, "b": 0.02, "c": 0.004, "d": 0.0})
-    outcome = fallback.search(evaluate, ["a", "b", "c", "d"], set(), [{}] * 4,
+    outcome = search.search(evaluate, ["a", "b", "c", "d"], set(), [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 0.998}})
     assert outcome.passed and outcome.float_nodes == ["b", "c"]  # 1 - 0.001 ≥ 0.998 after b and c
     assert [r["node"] for r in outcome.record["ranking"]][:3] == ["b", "c", "a"]
@@ -40,7 +40,7 @@ def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
 def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_target_is_missed():
     damage = {"a": 0.01, "b": 0.01, "c": 0.05}
     evaluate, _ = _scripted(damage, {frozenset({"a", "c"}): 0.02})  # a helps alone, hurts next to c
-    outcome = fallback.search(evaluate, ["a", "b", "c"], {"kept"}, [{}] * 4,
+    outcome = search.search(evaluate, ["a", "b", "c"], {"kept"}, [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 0.9999}})
     assert not outcome.passed
     assert set(outcome.float_nodes) == {"kept", "b", "c"}  # a rejected: it made the outputs worse
@@ -50,7 +50,7 @@ def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_t
 
 def test_search_respects_max_float_nodes_and_blocks():
     evaluate, builds = _scripted({f"n{i}": 0.01 * (i + 1) for i in range(6)})
-    outcome = fallback.search(evaluate, [f"n{i}" for i in range(6)], set(), [{}] * 4,
+    outcome = search.search(evaluate, [f"n{i}" for i in range(6)], set(), [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": 4, "block": 2})
     assert len(outcome.float_nodes) == 4 and outcome.record["stopped"] == "max_float_nodes (4) reached"
     promoted = [b for b in builds[8:]]  # after base, the rank base and 6 rank trials
@@ -61,7 +61,7 @@ def test_search_respects_max_float_nodes_and_blocks():
 def test_when_no_slow_trial_fits_the_budget_the_rest_build_the_faster_way(monkeypatch, switches):
     """RKNN mmse: builds take minutes until the backend reuses the accepted build's ranges (seconds)."""
     clock, slow, asked = [0.0], [True], []
-    monkeypatch.setattr(fallback.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
     damage = {f"n{i}": 0.01 for i in range(6)}
     scripted, _ = _scripted(damage)
 
@@ -74,12 +74,12 @@ def test_when_no_slow_trial_fits_the_budget_the_rest_build_the_faster_way(monkey
         slow[0] = not switches
         return switches
 
-    outcome = fallback.search(evaluate, list(damage), {"kept"}, [{}] * 4,
+    outcome = search.search(evaluate, list(damage), {"kept"}, [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 0.999}, "time_budget_s": 100},
                               rank=lambda chosen: [{"node": n, "gain": 0.01} for n in damage if n not in chosen],
                               faster=faster)
     assert asked == [{"kept", "n0"}]  # asked once, from the accepted set, when base + one trial left 20 s
-    assert fallback.FAST_SHARE < 0.4  # so the next 40-s trial would end in it
+    assert search.FAST_SHARE < 0.4  # so the next 40-s trial would end in it
     if switches:
         assert outcome.passed and outcome.record["faster_from_trial"] == 2 and len(outcome.float_nodes) == 7
     else:
@@ -162,7 +162,7 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
     """Hardswish as Add → Clip → Mul: one type left float only adds Q/DQ pairs; all of them at once pays."""
     from types import SimpleNamespace
 
-    from qprep.backends.ort import _float_op_types
+    from qprep.quantize.ort import _float_op_types
 
     scores = {frozenset(): 0.90, frozenset({"Add"}): 0.89, frozenset({"Clip"}): 0.895, frozenset({"Mul"}): 0.89,
               frozenset({"Add", "Clip", "Mul"}): 0.95}
@@ -196,21 +196,21 @@ def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():
         return {"y": {"cosine_mean": scores[state["value"]]}}
 
     target = {"cosine_mean": 0.99}
-    record = fallback.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)
+    record = search.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)
     assert record["chosen"] == "mse" and state["value"] == "mse" and record["scores"] == {"minmax": 0.95, "mse": 0.97}
     state["value"] = "minmax"
-    record = fallback.choose_setting("ranges", "minmax", ["other", "mse"], use, evaluate, set(), [{}], target)
+    record = search.choose_setting("ranges", "minmax", ["other", "mse"], use, evaluate, set(), [{}], target)
     assert record["chosen"] == "other" and "mse" not in record["scores"]  # the target met: nothing more is tried
     scores["mse"] = 0.95  # a tie keeps the configured value
     state["value"] = "minmax"
-    assert fallback.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)["chosen"] == "minmax"
+    assert search.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)["chosen"] == "minmax"
     assert state["value"] == "minmax"
     scores["mse"] = 0.96  # removes a fifth of the error: not enough where every later trial would cost more
-    assert fallback.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target,
+    assert search.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target,
                                    min_gain=0.25)["chosen"] == "minmax"
     used.clear()
     scores["minmax"] = 0.995  # the configured value meets the target: no alternative is built
-    assert fallback.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)["chosen"] == "minmax"
+    assert search.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)["chosen"] == "minmax"
     assert used == ["minmax"]
 
 
@@ -224,7 +224,7 @@ def test_ort_calibrate_method_mse_runs_and_is_recorded(outlier_config):
 
 
 def test_edges_group_a_tensors_producer_and_consumers_in_ranked_order():
-    from qprep.backends.ort import _edges
+    from qprep.quantize.ort import _edges
 
     model = _outlier_model()  # x → first → h → outlier → m → second → y
     edges = _edges(model, ["second", "outlier", "first"])  # ranked: second lost most
@@ -235,11 +235,11 @@ def test_edges_group_a_tensors_producer_and_consumers_in_ranked_order():
 
 def test_with_costs_the_cheaper_candidate_of_equal_help_is_promoted_first():
     evaluate, builds = _scripted({"early": 0.02, "late": 0.015})
-    outcome = fallback.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}},
+    outcome = search.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}},
                               cost={"early": 0.3, "late": 0.02})
     assert outcome.float_nodes == ["late"] and outcome.passed  # 0.985 ≥ 0.98 with the cheap one alone
     evaluate, builds = _scripted({"early": 0.02, "late": 0.015})
-    outcome = fallback.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}})
+    outcome = search.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}})
     assert outcome.float_nodes == ["early"]  # by gain alone
 
 
@@ -251,7 +251,7 @@ def test_remembered_evaluates_each_build_once_per_setting_and_sample_count():
         calls.append((setting["value"], frozenset(float_nodes), len(samples)))
         return {"y": {"cosine_mean": 0.9}}
 
-    once = fallback.remembered(evaluate, lambda: setting["value"])
+    once = search.remembered(evaluate, lambda: setting["value"])
     samples = [{}] * 4
     for _ in range(3):
         once({"a"}, samples)

@@ -5,8 +5,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from qprep.backends import float_maxpool
-from qprep.graph.verify import run_model
+from qprep.qdq import float_maxpool
+from qprep.model.runtime import run_model
 
 
 def _model(opset: int, shape: list[int], **attrs) -> onnx.ModelProto:

@@ -4,9 +4,9 @@ import pytest
 from onnx import numpy_helper
 
 from qprep.errors import ModelError
-from qprep import model_io
-from qprep.model_io import load_model, save_model, sha256_file
-from qprep import model_info
+from qprep.model import runtime
+from qprep.model.io import load_model, save_model, sha256_file
+from qprep.model import info as model_info
 from conftest import tiny_conv_model
 
 
@@ -87,5 +87,5 @@ def test_intermediate_values_leave_out_names_the_graph_does_not_compute():
     name = next(o for node in model.graph.node for o in node.output)
     spec = model_info.graph_inputs(model)[0]
     sample = {spec.name: np.ones([d if isinstance(d, int) else 1 for d in spec.shape], np.float32)}
-    values = next(model_io.intermediate_values(model, [name, "not_in_graph", spec.name], [sample], threads=1))
+    values = next(runtime.intermediate_values(model, [name, "not_in_graph", spec.name], [sample], threads=1))
     assert set(values) == {name, spec.name}

@@ -8,11 +8,11 @@ import pytest
 
 from qprep.config import load_config
 from qprep.errors import ConfigError
-from qprep.graph import optimize as optimize_module
-from qprep.graph.passes import GraphPass, PassOutcome, all_passes
-from qprep.graph.passes.layernorm import count_decomposed_layernorms
-from qprep.model_io import load_model
-from qprep import model_info
+from qprep.optimize import stage as optimize_module
+from qprep.optimize.passes import GraphPass, PassOutcome, all_passes
+from qprep.optimize.passes.layernorm import count_decomposed_layernorms
+from qprep.model.io import load_model
+from qprep.model import info as model_info
 from conftest import CALIBRATION, ROOT, demo_model, tiny_conv_model
 
 

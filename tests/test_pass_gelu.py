@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxscript.rewriter import MatchingTracer
 
 from conftest import CALIBRATION, demo_model
-from qprep.graph.passes import PassSettings
-from qprep.graph.passes.gelu import PASS, rule_sets
+from qprep.optimize.passes import PassSettings
+from qprep.optimize.passes.gelu import PASS, rule_sets
 
 SQRT_2 = math.sqrt(2.0)
 # Fused vs decomposed in ORT 1.26 (CPU, float32), measured on 400k points of x in [-10, 10] and N(0, 3):

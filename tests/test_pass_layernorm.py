@@ -16,10 +16,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import CALIBRATION, demo_model
-from qprep.graph.passes import PassSettings
-from qprep.graph.passes.layernorm import PASS, count_decomposed_layernorms
-from qprep.graph.verify import cosine
-from qprep.model_io import ort_session
+from qprep.optimize.passes import PassSettings
+from qprep.optimize.passes.layernorm import PASS, count_decomposed_layernorms
+from qprep.verify import cosine
+from qprep.model.runtime import ort_session
 
 SHAPE = [2, 8, 16]  # [batch, sequence, hidden]
 RNG = np.random.default_rng(0)

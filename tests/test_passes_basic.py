@@ -5,7 +5,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qprep.graph.passes import cleanup, fold_constants, fold_into_conv, fuse_gemm, simplify_shapes
+from qprep.optimize.passes import cleanup
+from qprep.optimize.passes import fold_constants
+from qprep.optimize.passes import fold_into_conv
+from qprep.optimize.passes import fuse_gemm
+from qprep.optimize.passes import simplify_shapes
 from passes_util import apply_pass, make_model, max_diff, ops, rand
 
 X = ("x", [1, 3, 8, 8])
@@ -57,7 +61,7 @@ def test_fold_constants_folds_weight_arithmetic_but_never_dequantize():
 
 
 def test_fold_constants_respects_the_size_cap():
-    from qprep.graph.passes import PassSettings
+    from qprep.optimize.passes import PassSettings
 
     nodes = [helper.make_node("ConstantOfShape", ["shape"], ["big"], value=helper.make_tensor("v", 1, [1], [1.0])),
              helper.make_node("Add", ["x", "big"], ["y"])]

@@ -2,7 +2,7 @@ import onnx
 import pytest
 
 from qprep.errors import ConfigError
-from qprep.graph.prepare import fix_input_shapes, infer_shapes, name_nodes
+from qprep.model.prepare import fix_input_shapes, infer_shapes, name_nodes
 from conftest import tiny_conv_model
 
 

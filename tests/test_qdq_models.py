@@ -11,10 +11,11 @@ import pytest
 
 import qprep
 from conftest import ROOT, demo_model
-from qprep import model_info
+from qprep.model import info as model_info
 from qprep.config import data_source
 from qprep.data import load_samples
-from qprep.graph.verify import cosine, run_model
+from qprep.verify import cosine
+from qprep.model.runtime import run_model
 from qprep.schema import validate
 from test_qdq_fixtures import IMAGENET, MINILM, qdq_fixtures  # noqa: F401 - the session fixture
 

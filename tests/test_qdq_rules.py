@@ -15,11 +15,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qprep.errors import ConfigError
-from qprep.graph.verify import Tolerance, Verifier, run_model
+from qprep.verify import Tolerance, Verifier
+from qprep.model.runtime import run_model
 from qprep.qdq import fuse_conv, params as qdq_params
 from qprep.qdq.params import QParams, quantize_array
 from qprep.schema import validate
-from qprep.stages import registry
+from qprep.pipeline.stages import registry
 
 RNG = np.random.default_rng(0)
 
@@ -121,7 +122,7 @@ def test_a_scalar_div_or_mul_between_matching_grids_is_a_scaled_round_trip():
     assert result.details["rewrites"]["scaled_round_trip"] == 2
     assert ops(result.model)["Div"] == 0 and ops(result.model)["Mul"] == 2
     assert max_abs(model, result.model, data) == 0.0
-    from qprep.qdq.remove_redundant import simplify  # what the ORT backend runs on each re-quantization
+    from qprep.qdq.remove_redundant import simplify# what the ORT backend runs on each re-quantization
 
     for verify in (True, False):
         simplified, kinds = simplify(model, data, threads=1, verify=verify)

@@ -1,4 +1,4 @@
-"""Reusing one RKNN build's ranges in later hybrid builds (rknn_ranges.py): the file edits on tiny inputs, and
+"""Reusing one RKNN build's ranges in later hybrid builds (qprep/quantize/rknn/ranges.py): the file edits on tiny inputs, and
 for real, an mmse build's table rebuilt by a `normal` step2 that searches nothing."""
 
 import argparse
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from qprep.backends import rknn_ranges
+from qprep.quantize.rknn import ranges as rknn_ranges
 from conftest import rknn_job
 
 CFG = """custom_quantize_layers: {}
@@ -117,7 +117,7 @@ def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     """cls with mmse: the builder reuses the first build's table; the next build (a hybrid step2 with the
     `normal` algorithm) has the same ranges, gives the same outputs and runs no mmse search."""
     pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
-    from qprep.backends import rknn
+    from qprep.quantize.rknn import builder as rknn
 
     builder = rknn.RknnBuilder(rknn_job(tmp_path, "ppocr_cls", quantized_algorithm="mmse", weight_rounding="gptq"))
     calibration = builder.job.calibration

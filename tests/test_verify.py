@@ -2,7 +2,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qprep.graph.verify import Tolerance, Verifier, compare, cosine
+from qprep.verify import Tolerance, Verifier, compare, cosine
 from conftest import tiny_conv_model
 
 

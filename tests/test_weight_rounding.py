@@ -5,10 +5,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qprep.backends import ort, weight_rounding
-from qprep.backends.ort import OrtQuantizer, output_sqnr
-from qprep.graph.prepare import name_nodes
-from qprep.graph.verify import run_model
+from qprep.quantize import ort
+from qprep.quantize import gptq
+from qprep.quantize.ort import OrtQuantizer, output_sqnr
+from qprep.model.prepare import name_nodes
+from qprep.model.runtime import run_model
 from qprep.schema import validate
 
 
@@ -67,10 +68,10 @@ def test_gptq_lowers_the_output_error_and_stays_in_the_quantizers_range(case, tm
     options = validate({"weight_rounding": "nearest"}, ort.OPTIONS, "quantize.ort", tmp_path)
     samples = _samples(x_shape)
     nearest = OrtQuantizer(model, samples, options, tmp_path).build(set())
-    layers = weight_rounding.find_layers(nearest, model)
+    layers = gptq.find_layers(nearest, model)
     assert [layer.node for layer in layers] == [model.graph.node[0].name]
-    moments = weight_rounding.input_moments(nearest, layers, samples)
-    rounded, changed = weight_rounding.apply(nearest, layers, moments)
+    moments = gptq.input_moments(nearest, layers, samples)
+    rounded, changed = gptq.apply(nearest, layers, moments)
     assert changed == 1
     before = numpy_helper.to_array(next(t for t in nearest.graph.initializer if t.name == layers[0].quantized))
     after = numpy_helper.to_array(next(t for t in rounded.graph.initializer if t.name == layers[0].quantized))
@@ -85,7 +86,7 @@ def test_gptq_lowers_the_output_error_and_stays_in_the_quantizers_range(case, tm
 
 def test_conv_padding_gptq_cannot_rebuild_is_left_alone():
     def form(**attrs):
-        return weight_rounding.weighted_form(helper.make_node("Conv", ["x", "w"], ["y"], **attrs), 4)
+        return gptq.weighted_form(helper.make_node("Conv", ["x", "w"], ["y"], **attrs), 4)
 
     assert form(auto_pad="NOTSET")[0] == form()[0] == "conv"
     assert form(auto_pad="SAME_UPPER") is None
@@ -100,10 +101,10 @@ def test_inputs_that_never_fired_are_zeroed_without_moving_the_others():
     rows[:, 2] = 0.0  # input 2 never fires
     moment = (rows.T @ rows)[None]
     scale, zero = np.full((1, 6, 1), 0.05), np.zeros((1, 6, 1))
-    integers = weight_rounding.gptq(weight, moment, scale, zero, -127, 127)
+    integers = gptq.gptq(weight, moment, scale, zero, -127, 127)
     assert (integers[:, :, 2] == 0).all()
     live = [0, 1, 3, 4]
-    alone = weight_rounding.gptq(weight[:, :, live], moment[:, live][:, :, live], scale, zero, -127, 127)
+    alone = gptq.gptq(weight[:, :, live], moment[:, live][:, :, live], scale, zero, -127, 127)
     np.testing.assert_array_equal(integers[:, :, live], alone)
 
 
@@ -124,7 +125,7 @@ def test_exactly_representable_weights_keep_their_integers(tmp_path):
 def test_gptq_not_kept_when_it_does_not_help(tmp_path, monkeypatch):
     model = _model("MatMul", np.random.default_rng(1).standard_normal((16, 8)), [1, 5, 16])
     options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
-    monkeypatch.setattr(weight_rounding, "gptq", lambda w, h, s, z, lo, hi, damp=0.01: np.full(w.shape, hi))
+    monkeypatch.setattr(gptq, "gptq", lambda w, h, s, z, lo, hi, damp=0.01: np.full(w.shape, hi))
     quantizer = OrtQuantizer(model, _samples([1, 5, 16]), options, tmp_path)
     quantizer.build(set())
     assert quantizer.rounding["kept"] is False
@@ -135,7 +136,7 @@ def test_rknn_weights_sit_on_the_grid_the_toolkit_derives_again_and_lower_the_er
     """rknn_weights.on_grid writes float weights the toolkit's per-channel asymmetric rounding maps onto
     GPTQ's integers: every weight on the grid of the original weights, and that grid is what the new weights
     give again (extremes kept at -128 and 127); the output error is below nearest rounding on that grid."""
-    from qprep.backends import rknn_weights
+    from qprep.quantize.rknn import weights as rknn_weights
 
     kind, shape, x_shape, attrs = CASES[case]
     axis = 1 if kind == "MatMul" else 0  # output channels
@@ -164,7 +165,7 @@ def test_rknn_weights_sit_on_the_grid_the_toolkit_derives_again_and_lower_the_er
 
 
 def test_rknn_weights_leave_shared_weights_alone():
-    from qprep.backends import rknn_weights
+    from qprep.quantize.rknn import weights as rknn_weights
 
     weight = numpy_helper.from_array(np.ones((16, 16), np.float32), "w")
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])]

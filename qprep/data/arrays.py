@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from qprep.errors import DataError
-from qprep.model_info import TensorSpec
+from qprep.model.info import TensorSpec
 from qprep.schema import closest
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from qprep.data.arrays import read_array_sample
 from qprep.data.images import IMAGE_SUFFIXES, ImagePreprocess
 from qprep.errors import DataError
-from qprep.model_info import TensorSpec
+from qprep.model.info import TensorSpec
 
 FORMAT_SUFFIXES = {"npy": {".npy"}, "npz": {".npz"}, "images": IMAGE_SUFFIXES}
 

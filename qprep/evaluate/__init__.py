@@ -14,14 +14,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from qprep import model_info
+from qprep.model import info as model_info
 from qprep.data import SampleSet
 from qprep.evaluate.gate import check_gate
 from qprep.evaluate.latency import interleaved, speedups
 from qprep.evaluate.layers import layer_errors
 from qprep.errors import DataError
 from qprep.evaluate.metrics import compare_output, is_integer, output_task, wilson_interval
-from qprep.graph.verify import is_numeric, run_model
+from qprep.verify import is_numeric
+from qprep.model.runtime import run_model
 
 log = logging.getLogger("qprep")
 

@@ -13,7 +13,7 @@ import time
 
 import onnx
 
-from qprep.model_io import ort_session
+from qprep.model.runtime import ort_session
 
 UNSTABLE = 1.15  # rounds whose speed ratios differ by more than this factor make the figure unreliable
 

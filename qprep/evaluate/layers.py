@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from qprep.evaluate.metrics import compare_output
-from qprep.model_io import intermediate_values
+from qprep.model.runtime import intermediate_values
 
 QDQ_SUFFIX = "_DequantizeLinear_Output"
 

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from qprep.graph.verify import cosine, same_nonfinite
+from qprep.verify import cosine, same_nonfinite
 
 # The one list of per-output metrics the evaluation reports (name → higher is better): the gate and the
 # fallback target accept these names, `compare` shows them.

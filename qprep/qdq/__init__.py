@@ -10,7 +10,7 @@ quantizers.
     params.py            reading a Q/DQ node's scale / zero point / type / axis; quantizing constants as ORT does
     verified.py          applying a stage's rules in verified batches and rolling back the rewrites that fail
 
-Rules follow the graph-rewrite convention of qprep/graph/passes (onnx_ir + the onnxscript rewriter, pattern /
+Rules follow the graph-rewrite convention of qprep/optimize/passes (onnx_ir + the onnxscript rewriter, pattern /
 check / rewrite kept separate); what differs here is that every rewrite is keyed by an *anchor* node name, so a
 failing rewrite can be rolled back on its own instead of the whole pass.
 """

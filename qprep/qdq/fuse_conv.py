@@ -46,14 +46,13 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
 
-from qprep import model_info
-from qprep.graph.ir_utils import constant_array, unique_node_name, unique_value_name
-from qprep.graph.verify import run_model
-from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array,
-                              quantize_bias)
+from qprep.model import info as model_info
+from qprep.optimize.ir_utils import constant_array, unique_node_name, unique_value_name
+from qprep.model.runtime import run_model
+from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array, quantize_bias)
 from qprep.qdq.verified import ProbeCheck, Probe, Rewrite, RewriteLog, apply_verified
 from qprep.schema import Key
-from qprep.stages import StageResult, stage
+from qprep.pipeline.stages import StageResult, stage
 
 MAX_SWEEPS = 10
 # End-to-end gate. Integer kernels round a few elements per layer differently from float Conv + Q (ties,

@@ -37,12 +37,12 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
-from qprep import model_info
-from qprep.graph.ir_utils import constant_array, unique_node_name
-from qprep.graph.verify import Tolerance
+from qprep.model import info as model_info
+from qprep.optimize.ir_utils import constant_array, unique_node_name
+from qprep.verify import Tolerance
 from qprep.qdq.params import EIGHT_BIT, QParams, consumers, producer, qparams
 from qprep.qdq.verified import OutputCheck, Rewrite, RewriteLog, Verdict, apply_verified
-from qprep.stages import StageResult, stage
+from qprep.pipeline.stages import StageResult, stage
 
 DATA_MOVEMENT = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "MaxPool", "Slice", "Concat")
 # Exact rewrites: no output may move by more than this (absolute). A quantized output changes by at least one

@@ -1,1 +1,0 @@
-"""Float-graph work: preparing a loaded model, the verifier, and (one module per pass) the optimize rewrites."""

@@ -1,0 +1,176 @@
+"""Reading, writing and running ONNX models safely.
+
+Why one module: every file qprep writes goes through an atomic temp-file + rename (a killed run leaves no
+half-written model), models above protobuf's 2 GB limit need external data on every path (load, save, ORT
+session), and the input model must never be written to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from qprep.errors import ModelError
+
+# Above this a ModelProto cannot be serialized in one piece: use external data.
+PROTOBUF_LIMIT = 2**31 - 2**24
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Load and check a model file (external data included), or raise a one-line ModelError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path}; check `model:` in the config or pass --model")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except PermissionError:
+        raise ModelError(f"permission denied: {path}; make the model readable (chmod +r) or copy it") from None
+    except (DecodeError, RuntimeError, ValueError, OSError) as exc:
+        raise ModelError(
+            f"{path} is not a readable ONNX model ({_first_line(exc)}); the file may be truncated or corrupt: "
+            "re-export or re-download it"
+        ) from None
+    if not model.graph.node and not model.graph.output:
+        raise ModelError(f"{path} holds no ONNX graph (empty or not an ONNX file); re-export or re-download it")
+    _load_external_data(model, path)
+    _check(model, path)
+    return model
+
+
+def external_data_files(path: str | os.PathLike) -> list[Path]:
+    """The external data files a model file names (resolved beside it); [] when it does not parse (loading
+    it reports that). A model file over 256 MB holds its weights itself and is not parsed twice for this."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    path = Path(path)
+    try:
+        if path.stat().st_size > 2**28:
+            return []
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - load_model gives the one-line reason
+        return []
+    locations = {e.value for tensor in _get_all_tensors(model) if uses_external_data(tensor)
+                 for e in tensor.external_data if e.key == "location"}
+    return [path.parent / location for location in sorted(locations)]
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            if _escapes_folder(location):  # a model file must not make qprep read files elsewhere
+                raise ModelError(
+                    f"{path} stores tensor '{tensor.name}' in '{location}', outside the model's folder; qprep "
+                    "reads external data only from beside the model: re-save it with the data file next to it"
+                )
+            if not (path.parent / location).is_file():
+                raise ModelError(
+                    f"{path} stores tensor '{tensor.name}' in external file '{location}', which is missing; "
+                    f"keep the data file next to the model"
+                )
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # onnx refuses e.g. symlinks out
+        raise ModelError(f"{path}: cannot read its external data ({_first_line(exc)})") from None
+
+
+def _escapes_folder(location: str) -> bool:
+    """An external-data location that is absolute or climbs out with `..`: ONNX allows only files beside the
+    model, and a downloaded model must not point qprep at other files of the user's."""
+    return Path(location).is_absolute() or ".." in Path(os.path.normpath(location)).parts
+
+
+def _check(model: onnx.ModelProto, path: Path) -> None:
+    newest = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > newest:
+            raise ModelError(
+                f"{path} uses opset {opset.version}, newer than this onnx ({onnx.__version__}) knows ({newest}); "
+                "export it with an older opset"
+            )
+    try:
+        if model.ByteSize() > PROTOBUF_LIMIT:
+            onnx.checker.check_model(str(path))
+        else:
+            onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
+
+
+def _checker_message(exc: Exception) -> str:
+    """onnx.checker's message on one line: its first line says what is wrong, a later "==> Context: … Name: n
+    OpType: Op" line says where; the node comes first so it survives the length cap."""
+    text = " ".join(str(exc).split())
+    problem, _, context = text.partition(" ==> Context: ")
+    node = re.search(r"Name: (\S*) OpType: (\S+)", context)
+    where = f"node '{node.group(1)}' ({node.group(2)}): " if node else ""
+    return (where + problem)[:400]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def is_large(model: onnx.ModelProto) -> bool:
+    return model.ByteSize() > PROTOBUF_LIMIT
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write a model atomically; models over 2 GB go to `<name>.data` beside it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tmp-") as tmp:
+        tmp_model = Path(tmp) / path.name
+        if is_large(model):
+            data_name = path.name + ".data"
+            # save_model(save_as_external_data=True) rewrites the proto in place: save a copy.
+            onnx.save_model(copy.deepcopy(model), str(tmp_model), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+            os.replace(Path(tmp) / data_name, path.parent / data_name)
+        else:
+            tmp_model.write_bytes(model.SerializeToString())
+        os.replace(tmp_model, path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; reports are shared like any written file
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,79 @@
+"""Make a freshly loaded model ready for the stages: stable node names, fixed input dims, shapes inferred.
+
+Why: rewrites, per-layer reports and RKNN's hybrid-quantization config all refer to nodes by name, so every
+node needs a unique, reproducible one; quantizers and shape folding need the concrete input sizes the user
+deploys with.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import onnx
+
+from qprep.errors import ConfigError
+from qprep.model.info import graph_inputs
+
+log = logging.getLogger("qprep")
+
+
+def name_nodes(graph: onnx.GraphProto, taken: set[str] | None = None, prefix: str = "") -> int:
+    """Give every unnamed (or duplicate-named) node a unique name `<op>_<n>`; returns how many were named.
+
+    Names depend only on graph order and op types, so the same model always gets the same names.
+    """
+    taken = set() if taken is None else taken
+    renamed = 0
+    counters: dict[str, int] = {}
+    for node in graph.node:
+        if not node.name or node.name in taken:
+            base = f"{prefix}{node.name or node.op_type}"
+            n = counters.get(base, 0)
+            while f"{base}_{n}" in taken:
+                n += 1
+            counters[base] = n + 1
+            node.name = f"{base}_{n}"
+            renamed += 1
+        taken.add(node.name)
+        for attr in node.attribute:
+            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subgraphs:
+                renamed += name_nodes(sub, taken, prefix=f"{node.name}/")
+    return renamed
+
+
+def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> list[str]:
+    """Replace input dims by the concrete sizes the config gives; returns the inputs changed.
+
+    A static dim may only be restated, never changed: a model exported for 224x224 does not run at 320.
+    """
+    inputs = {v.name: v for v in model.graph.input}
+    real = {s.name for s in graph_inputs(model)}
+    changed = []
+    for name, dims in shapes.items():
+        if name not in real:
+            raise ConfigError(f"inputs.{name}: the model has no input '{name}' (inputs: {', '.join(sorted(real))})")
+        shape = inputs[name].type.tensor_type.shape
+        if len(shape.dim) != len(dims):
+            raise ConfigError(
+                f"inputs.{name}: {len(dims)} dims given, the model's input has rank {len(shape.dim)}"
+            )
+        for i, (dim, size) in enumerate(zip(shape.dim, dims)):
+            if dim.HasField("dim_value") and dim.dim_value >= 0 and dim.dim_value != size:
+                raise ConfigError(
+                    f"inputs.{name}[{i}]: the model fixes this dim to {dim.dim_value}; {size} cannot be used"
+                )
+            dim.Clear()
+            dim.dim_value = int(size)
+        changed.append(name)
+    return changed
+
+
+def infer_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """ONNX shape inference with data propagation; never fatal. Returns (model, warning or None)."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True), None
+    except Exception as exc:  # noqa: BLE001 - inference failures must not stop a run
+        message = f"shape inference failed ({str(exc).splitlines()[0][:200]}); continuing without inferred shapes"
+        log.warning(message)
+        return model, message

@@ -1,0 +1,77 @@
+"""Running models with ONNX Runtime: one place that builds sessions (threads, optimization level, logging,
+models over 2 GB), runs samples through them and exposes intermediate tensors."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from qprep.errors import ModelError
+from qprep.model.io import is_large, save_model
+
+
+def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
+              optimize: bool = False) -> list[dict[str, np.ndarray]]:
+    """Outputs of `model` for every sample (only the inputs the model declares are fed). `optimize=True` runs
+    it as deployed (ORT_ENABLE_ALL: QDQ fused into integer kernels); False runs the graph exactly as written."""
+    try:
+        session = ort_session(model, threads=threads, optimize=optimize)
+        names = [i.name for i in session.get_inputs()]
+        outputs = [o.name for o in session.get_outputs()]
+        return [dict(zip(outputs, session.run(outputs, {n: s[n] for n in names}))) for s in samples]
+    except Exception as exc:  # ORT raises its own exception types
+        raise ModelError(f"ONNX Runtime cannot run the model on the verification samples "
+                         f"({str(exc).splitlines()[0][:200]}); fix the input dims with `inputs:` or give "
+                         "calibration data") from None
+
+
+def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], threads: int = 2):
+    """Per sample, {name: value} of the tensors `names` — graph inputs from the sample, the rest from one ORT
+    session running the graph as written; names the model does not compute are left out. A generator, so a
+    caller that reduces (GPTQ's input moments) never holds every sample's values at once."""
+    from qprep.model.info import cast_to_inputs, graph_inputs
+
+    wanted = list(dict.fromkeys(names))
+    inputs = {spec.name for spec in graph_inputs(model)}  # initializers listed as inputs: not in samples
+    produced = {o for node in model.graph.node for o in node.output}
+    computed = [n for n in wanted if n not in inputs and n in produced]
+    session = ort_session(model, threads=threads, extra_outputs=computed)
+    feeds = [i.name for i in session.get_inputs()]
+    available = [n for n in computed if n in {o.name for o in session.get_outputs()}]
+    for sample in cast_to_inputs(samples, model):
+        values = dict(zip(available, session.run(available, {n: sample[n] for n in feeds}) if available else []))
+        yield {n: np.asarray(sample[n]) if n in inputs else values[n] for n in wanted if n in inputs or n in values}
+
+
+def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False, extra_outputs=()):
+    """An ONNX Runtime CPU session for an in-memory model (large models go through a temp file).
+
+    `optimize=False` runs the graph exactly as written (ORT_DISABLE_ALL): verification compares what qprep
+    wrote, not what ORT would have fused. `extra_outputs` exposes intermediate tensors by name.
+    """
+    import onnxruntime as ort
+
+    if extra_outputs:
+        model = copy.deepcopy(model)
+        present = {o.name for o in model.graph.output}
+        for name in extra_outputs:
+            if name not in present:
+                model.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    providers = ["CPUExecutionProvider"]
+    if not is_large(model):
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    with tempfile.TemporaryDirectory(prefix="qprep-session-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        save_model(model, path)
+        return ort.InferenceSession(str(path), options, providers=providers)

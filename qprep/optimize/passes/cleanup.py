@@ -1,0 +1,161 @@
+"""Remove what computes nothing: Identity, inference Dropout, x*1, x+0, x-0, x/1, Cast to the same type,
+Expand/Transpose/Reshape that keep the shape, zero Pad; then dead nodes, unused and duplicate initializers.
+
+Why first: every later pass matches fewer nodes, and quantizers do not insert Q/DQ around ops that are not
+there. Each rule is exact (the output equals the input bit for bit), which the stage still verifies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import (DeduplicateInitializersPass, IdentityEliminationPass, RemoveUnusedNodesPass,
+                                   RemoveUnusedOpsetsPass)
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter.rules.common import (dropout_inference_rule, dropout_zero_rule, no_op_cast_rule,
+                                              no_op_expand_rule, no_op_transpose_rule)
+
+from qprep.optimize.ir_utils import constant_array
+from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
+
+
+class _NeutralOperand(RewriteRuleClassBase):
+    """x ∘ c → x when c is exactly the operation's neutral element, a single value that cannot broadcast x to
+    a bigger shape. Exact comparison on purpose: onnxscript's add_0 rule accepts |c| <= 1e-8, which deletes
+    LayerNorm's `+ 1e-12` epsilon."""
+
+    op_type = ""
+    neutral = 0.0
+    constant_first = False  # match c ∘ x (only for commutative ops)
+
+    def pattern(self, op, x, c):
+        operands = (c, x) if self.constant_first else (x, c)
+        return getattr(op, self.op_type)(*operands)
+
+    def check(self, context, x, c, **_) -> MatchResult:
+        result = MatchResult()
+        value = constant_array(c)
+        if value is None or value.size != 1 or value.dtype != _numpy_dtype(x):
+            return result.fail("not a single constant of x's type")
+        if x.shape is None or value.ndim > len(x.shape):
+            return result.fail("the constant could broadcast x to a higher rank")
+        return result if float(value.reshape(())) == self.neutral else result.fail("not the neutral element")
+
+    def rewrite(self, op, x, c, **_):
+        return op.Identity(x)
+
+
+def _numpy_dtype(value: ir.Value):
+    return None if value.dtype is None else value.dtype.numpy()
+
+
+def _neutral_rule(op_type: str, neutral: float, constant_first: bool = False):
+    name = f"{op_type}{'ConstFirst' if constant_first else ''}Neutral"
+    rule_class = type(name, (_NeutralOperand,), {"op_type": op_type, "neutral": neutral,
+                                                 "constant_first": constant_first})
+    return rule_class.rule()
+
+
+NEUTRAL_RULES = [_neutral_rule("Add", 0.0), _neutral_rule("Add", 0.0, True), _neutral_rule("Sub", 0.0),
+                 _neutral_rule("Mul", 1.0), _neutral_rule("Mul", 1.0, True), _neutral_rule("Div", 1.0)]
+
+
+class ReshapeToSameShape(RewriteRuleClassBase):
+    """Reshape(x, shape) whose output shape equals x's static shape → x."""
+
+    def pattern(self, op, x, shape):
+        return op.Reshape(x, shape, _allow_other_attributes=True)
+
+    def check(self, context, x, shape, **_) -> MatchResult:
+        result = MatchResult()
+        target = constant_array(shape)
+        if x.shape is None or not x.shape.is_static() or target is None:
+            return result.fail("input shape or target shape not static")
+        dims = list(x.shape.numpy())
+        wanted = [int(d) for d in target.reshape(-1)]
+        if -1 in wanted or len(wanted) != len(dims):
+            return result.fail("target has -1 or another rank")
+        wanted = [dims[i] if d == 0 else d for i, d in enumerate(wanted)]  # 0 copies the input dim
+        return result if wanted == dims else result.fail("shape changes")
+
+    def rewrite(self, op, x, shape, **_):
+        return op.Identity(x)
+
+
+class InferenceDropout(RewriteRuleClassBase):
+    """Dropout without a true training_mode input (opset 12+: inference by default) and no mask used → x."""
+
+    def pattern(self, op, x):
+        return op.Dropout(x, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, y, **_) -> MatchResult:
+        result = MatchResult()
+        node = y.producer()
+        if len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output()):
+            return result.fail("the mask output is used")
+        training = node.inputs[2] if len(node.inputs) > 2 else None
+        if training is not None and (constant_array(training) is None or bool(constant_array(training))):
+            return result.fail("training_mode may be true")
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
+
+
+class ZeroPad(RewriteRuleClassBase):
+    """Pad with all-zero pads (constant mode or any mode) → x."""
+
+    def pattern(self, op, x, pads):
+        return op.Pad(x, pads, _allow_other_inputs=True, _allow_other_attributes=True)
+
+    def check(self, context, x, pads, **_) -> MatchResult:
+        result = MatchResult()
+        values = constant_array(pads)
+        if values is None or np.any(values != 0):
+            return result.fail("pads are not constant zeros")
+        return result
+
+    def rewrite(self, op, x, pads, **_):
+        return op.Identity(x)
+
+
+RULES = RewriteRuleSet([
+    *NEUTRAL_RULES, dropout_zero_rule, dropout_inference_rule, InferenceDropout.rule(), no_op_cast_rule, no_op_expand_rule, no_op_transpose_rule,
+    ReshapeToSameShape.rule(), ZeroPad.rule(),
+])
+
+
+class _IdentityElimination(IdentityEliminationPass):
+    """onnx_ir's pass, except for a subgraph output that is Identity(value from an enclosing graph) (If
+    branches returning an outer tensor): eliminating it would rename the outer value, so it stays."""
+
+    def _try_eliminate_identity_node(self, node: ir.Node) -> bool:
+        graph = node.graph
+        if node.outputs and node.outputs[0].is_graph_output() and graph is not None and node.inputs:
+            source = node.inputs[0]
+            if source is not None and source.graph is not graph and (
+                    source.producer() is None or source.producer().graph is not graph):
+                return False
+        return super()._try_eliminate_identity_node(node)
+
+
+def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
+    nodes_before = _count_nodes(model)
+    initializers_before = len(model.graph.initializers)
+    no_ops = RULES.apply_to_model(model)
+    for cleanup in (_IdentityElimination(), RemoveUnusedNodesPass(), DeduplicateInitializersPass(),
+                    RemoveUnusedNodesPass(), RemoveUnusedOpsetsPass()):
+        cleanup(model)
+    removed = nodes_before - _count_nodes(model)
+    initializers_removed = initializers_before - len(model.graph.initializers)
+    return PassOutcome(matches=removed + initializers_removed,
+                       details={"no_op_rewrites": no_ops, "nodes_removed": removed,
+                                "initializers_removed": initializers_removed})
+
+
+def _count_nodes(model: ir.Model) -> int:
+    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+PASS = GraphPass(name="cleanup", apply=apply,
+                 doc="remove Identity/Dropout/no-op ops, dead nodes, unused and duplicate initializers")

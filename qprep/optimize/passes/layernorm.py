@@ -1,0 +1,597 @@
+"""fuse_layernorm: decomposed LayerNorm subgraphs → one ONNX `LayerNormalization` (opset 17).
+
+Why: exporters below opset 17 (and TF/JAX converters at any opset) spell LayerNorm as a chain of ~9 ops. A
+quantizer then calibrates and rounds every step of that chain (mean, deviation, variance, rsqrt) on its own,
+which is where transformer accuracy goes; as one op it can be kept float or handled by the backend's kernel.
+
+Math, over the trailing k axes (k = number of reduced axes):
+
+    y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta  ≡  LayerNormalization(x, gamma, beta, axis=-k, epsilon=eps)
+
+Forms (one rule class per family; `pattern`, `check`, `rewrite` kept separate):
+
+    pytorch  Div(Sub(x, m), Sqrt(Add(ReduceMean(Pow(d, 2) | Mul(d, d)), eps))) or Mul(d, Reciprocal(std)),
+             then Mul(gamma), Add(beta), each optional. torch.onnx (TorchScript) and paddle2onnx write this.
+    tf       x * s + (beta - m * s)  with s = Reciprocal(Sqrt(var + eps)) [* gamma]; no beta: + Neg(m * s).
+             tf.nn.batch_normalization / Keras, via tf2onnx. var as in pytorch (SquaredDifference = Mul(d, d)).
+    jax      (x - m) * (Reciprocal(Sqrt(Max(E[x²] - m², 0) + eps)) [* gamma]) [+ beta], every mean written as
+             ReduceSum(t) * (1/N) or ReduceSum(t) / N. Flax via jax2tf + tf2onnx.
+
+Preconditions (any miss leaves the subgraph untouched; the reason goes to the record):
+  - x is float16/bfloat16/float/double (types come from shape inference, run here if missing);
+  - every reduction keeps dims and reduces the same, trailing axes (positive axes need a known rank);
+  - ReduceSum-based means divide by exactly the number of reduced elements (static dims needed);
+  - eps is a positive scalar constant added to the variance under the square root; Pow exponents are 2;
+    the JAX variance guard is Max(·, 0);
+  - gamma/beta are constants (initializer or Constant node, not graph inputs) of x's dtype that vary only
+    along the normalized axes;
+  - no intermediate value is used outside the subgraph (the rewriter itself refuses those).
+LayerNormalization exists from opset 17: a model below it is converted first, only when something matches and
+`settings.max_opset` allows it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import pattern as orp
+from onnxscript.version_converter import ConvertVersionPass
+
+from qprep.optimize.ir_utils import constant_array, default_opset, first_free, infer_shapes
+from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
+
+LAYERNORM_OPSET = 17
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+# Why a shorter form declines: the longer form saw this LayerNorm's affine step and refused it (e.g. gamma
+# is a graph input). Fusing only the normalization would hide that refusal, so the whole LayerNorm stays.
+DEFERS_TO_AFFINE = "followed by its own affine Mul/Add: the form with affine decides"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the checks found, and the per-run log the rules write to
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Mean:
+    """One mean over the normalized axes: ReduceMean(t), or ReduceSum(t) * factor (1/N) or / divisor (N)."""
+
+    node: ir.Node
+    factor: ir.Value | None = None
+    divisor: ir.Value | None = None
+
+
+@dataclass
+class _Fusion:
+    """Everything `rewrite` needs, decided by `check` from the graph alone."""
+
+    form: str
+    axis: int
+    epsilon: float
+    scale: ir.Value | np.ndarray  # an existing constant value, or an array for a new initializer
+    bias: ir.Value | np.ndarray
+    name: str  # of the new node; its new initializers are '<name>.scale' / '<name>.bias' (made unique)
+    initializer_names: dict[str, str]
+    root: ir.Node  # the matched node the new one replaces
+
+
+@dataclass
+class _FusionLog:
+    """Filled by the rules during one run: what was fused, and why the other candidates were not."""
+
+    fused: list[_Fusion] = field(default_factory=list)
+    refused: dict[ir.Node, str] = field(default_factory=dict)  # root node -> reason (last one wins)
+    untyped: bool = False  # a candidate's input had no dtype: shape inference may let it through
+
+    def details(self) -> dict:
+        """The record. Facts appear only when there are some: the optimize stage keeps a round's latest
+        non-numeric values, so an empty later round must not overwrite what an earlier one fused."""
+        fused_roots = {f.root for f in self.fused}
+        refused = Counter(reason for root, reason in self.refused.items() if root not in fused_roots)
+        out: dict = {"fused": len(self.fused)}
+        if self.fused:
+            out["forms"] = dict(sorted(Counter(f.form for f in self.fused).items()))
+            out["epsilons"] = sorted({_readable(f.epsilon) for f in self.fused})
+            out["axes"] = sorted({f.axis for f in self.fused})
+        if refused:
+            out["refused"] = dict(sorted(refused.items()))
+        return out
+
+
+def _readable(epsilon: float) -> float:
+    """The shortest decimal that is the same float32 (1e-12, not 9.999999960041972e-13)."""
+    return float(str(np.float32(epsilon)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sub-patterns shared by the families
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _either(make, a, b):
+    """make(a, b) or make(b, a): exporters differ in operand order.
+
+    A local choice costs one failed node match per wrong order. `RewriteRuleSet(commute=True)` would instead
+    copy the whole rule per combination of swapped nodes (2^k): 972 rules here, 3.6 s per run on MiniLM.
+    """
+    return orp.OrValue([make(a, b), make(b, a)])
+
+
+def _square(op, t, exponent: str):
+    """t², as Pow(t, exponent) or Mul(t, t); `check` proves the exponent is 2."""
+    return orp.OrValue([op.Pow(t, orp.Var(exponent)), op.Mul(t, t)])
+
+
+def _mean_of_squared_deviation(op, x, mean):
+    """Var[x] = ReduceMean((x - mean)²), bound as `var`. TF's SquaredDifference exports as Mul(d, d)."""
+    return op.ReduceMean(_square(op, op.Sub(x, mean), "exponent"), _allow_other_inputs=True, _outputs=["var"])
+
+
+def _mean_by_sum(op, t, tag: str):
+    """jnp.mean through jax2tf: ReduceSum(t) * (1/N) or ReduceSum(t) / N; `check` proves N."""
+    total = op.ReduceSum(t, _allow_other_inputs=True, _outputs=[f"{tag}_sum"])
+    by_factor = _either(op.Mul, total, orp.Var(f"{tag}_factor"))
+    return orp.OrValue([by_factor, op.Div(total, orp.Var(f"{tag}_divisor"))])
+
+
+def _rsqrt(op, var, eps):
+    """1 / sqrt(var + eps): TF's Rsqrt exports as Reciprocal(Sqrt)."""
+    return op.Reciprocal(op.Sqrt(_either(op.Add, var, eps)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The shared check and rewrite
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _LayerNormRule(RewriteRuleClassBase):
+    """Base of the three families: they differ in `pattern` and in which bindings feed the shared check."""
+
+    form = ""
+
+    def __init__(self, log: _FusionLog, *, scale: bool = True, bias: bool = True, swapped: bool = False,
+                 variant: str = "") -> None:
+        affine = "+".join(p for p, on in (("scale", scale), ("bias", bias)) if on) or "plain"
+        parts = ["fuse_layernorm", self.form, affine, variant, "swapped" if swapped else ""]
+        super().__init__(name=".".join(p for p in parts if p))
+        self.scale, self.bias, self.swapped = scale, bias, swapped
+        self._log = log
+        self._found: _Fusion | None = None  # set by check, read by the rewrite of the same match
+
+    def _steps_of_longer_forms(self) -> tuple[str, ...]:
+        """Ops that, right after this rule's root, a longer form of the family would have matched too."""
+        if self.bias:
+            return ()
+        return ("Add",) if self.scale else ("Mul", "Add")
+
+    def _root(self, make, a, b):
+        """The pattern's last node in this rule's operand order (the engine cannot root a pattern at a choice)."""
+        return make(b, a) if self.swapped else make(a, b)
+
+    def _check_layernorm(self, context, x: ir.Value, means: list[_Mean], eps: ir.Value, gamma, beta,
+                         *, exponents: tuple = (), zero: ir.Value | None = None) -> MatchResult:
+        """Run the common preconditions; on success leave the fusion in `self._found`."""
+        result = self._verify(context, x, means, eps, gamma, beta, exponents, zero)
+        if isinstance(result, _Fusion):
+            self._found = result
+            return MatchResult()
+        if result.reason != DEFERS_TO_AFFINE:
+            self._log.refused[context.root] = result.reason
+        return result
+
+    def _verify(self, context, x, means, eps, gamma, beta, exponents, zero) -> _Fusion | MatchResult:
+        fail = MatchResult().fail
+        follower = _affine_follower(context.output_values[0], self._steps_of_longer_forms())
+        if follower is not None:  # first: a deferral is not a refusal, whatever else is wrong
+            return fail(DEFERS_TO_AFFINE, follower)
+        if x.dtype is None:
+            self._log.untyped = True
+        if x.dtype not in FLOAT_TYPES:
+            return fail(f"input dtype {x.dtype} is not float (None: shape inference could not type it)", x)
+        rank = x.shape.rank() if x.shape is not None else None
+
+        axes = set()
+        for mean in means:
+            reduced = _reduced_axes(mean.node, rank)
+            if isinstance(reduced, str):
+                return fail(reduced, mean.node)
+            axes.add(reduced)
+        if len(axes) != 1:
+            return fail(f"the mean and the variance reduce different axes {sorted(axes)}", means[0].node)
+        (reduced,) = axes
+        k = len(reduced)
+        if reduced != tuple(range(-k, 0)):
+            return fail(f"reduced axes {list(reduced)} are not the trailing axes of the input", means[0].node)
+        norm_shape = _static_dims(x, k)
+
+        for mean in means:
+            if mean.factor is None and mean.divisor is None:
+                continue
+            if norm_shape is None:
+                return fail("ReduceSum-based mean needs static normalized dims to prove its 1/N", mean.node)
+            count = int(np.prod(norm_shape))
+            value = _scalar(mean.factor if mean.factor is not None else mean.divisor, rank)
+            expected = 1.0 / count if mean.factor is not None else float(count)
+            if value is None or not np.isclose(value, expected, rtol=1e-6, atol=0.0):
+                return fail(f"ReduceSum scaled by {value}, not the mean over {count} elements", mean.node)
+
+        epsilon = _scalar(eps, rank)
+        if epsilon is None or not np.isfinite(epsilon) or epsilon <= 0:
+            return fail("epsilon is not a positive scalar constant", eps)
+        for exponent in exponents:
+            if exponent is not None and _scalar(exponent, rank) != 2.0:
+                return fail("Pow exponent is not the constant 2", exponent)
+        if zero is not None and _scalar(zero, rank) != 0.0:
+            return fail("the variance guard is not Max(·, 0)", zero)
+
+        params = []
+        for role, value, default in (("gamma", gamma, 1.0), ("beta", beta, 0.0)):
+            param = _affine_param(role, value, default, x, k, rank, norm_shape)
+            if isinstance(param, str):
+                return fail(param, value if value is not None else x)
+            params.append(param)
+        if isinstance(context.graph_or_function, ir.Function) and any(isinstance(p, np.ndarray) for p in params):
+            return fail("new scale/bias initializers cannot be added inside a function", x)
+
+        node_names, value_names = _taken_names(context.model)
+        name = first_free(_scope_name(context.nodes, means[0].node), node_names)
+        new_names = {role: first_free(f"{name}.{role}", value_names)
+                     for role, p in zip(("scale", "bias"), params) if isinstance(p, np.ndarray)}
+        return _Fusion(self.form, -k, float(np.float32(epsilon)), *params, name, new_names, context.root)
+
+    def rewrite(self, op, x, **_):
+        found = self._found
+        self._log.fused.append(found)
+        scale, bias = (
+            p if isinstance(p, ir.Value) else op.initializer(ir.tensor(p), name=found.initializer_names[role])
+            for p, role in ((found.scale, "scale"), (found.bias, "bias"))
+        )
+        # stash_type 1 (float32): the schema allows float/bfloat16 only; ORT still computes double inputs in double
+        return op.LayerNormalization(x, scale, bias, axis=found.axis, epsilon=found.epsilon, stash_type=1,
+                                     _name=found.name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The three families
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _ReduceMeanLayerNorm(_LayerNormRule):
+    """Families whose mean and variance are ReduceMean nodes bound as `mean` and `var`."""
+
+    def check(self, context, x, mean, var, eps, gamma=None, beta=None, exponent=None, **_) -> MatchResult:
+        return self._check_layernorm(context, x, [_Mean(mean.producer()), _Mean(var.producer())], eps,
+                                     gamma, beta, exponents=(exponent,))
+
+
+class DecomposedLayerNorm(_ReduceMeanLayerNorm):
+    """PyTorch (TorchScript exporter) and Paddle: normalize (x - mean) by sqrt(var + eps), then the affine."""
+
+    form = "pytorch"
+
+    def __init__(self, log: _FusionLog, *, scale: bool = True, bias: bool = True, swapped: bool = False,
+                 normalize: str = "Div|Reciprocal") -> None:
+        plain = not (scale or bias)
+        super().__init__(log, scale=scale, bias=bias, swapped=swapped, variant=normalize if plain else "")
+        self.normalize = normalize  # without affine the root is this step, and a root cannot be a choice
+
+    def pattern(self, op, x, eps, gamma, beta):
+        mean = op.ReduceMean(x, _allow_other_inputs=True, _outputs=["mean"])
+        deviation = op.Sub(x, mean)
+        std = op.Sqrt(_either(op.Add, _mean_of_squared_deviation(op, x, mean), eps))
+        affine = [(op.Mul, gamma)] * self.scale + [(op.Add, beta)] * self.bias
+        if not affine:
+            if self.normalize == "Div":
+                return op.Div(deviation, std)
+            return self._root(op.Mul, deviation, op.Reciprocal(std))
+        y = orp.OrValue([op.Div(deviation, std), _either(op.Mul, deviation, op.Reciprocal(std))])
+        for make, param in affine[:-1]:
+            y = _either(make, y, param)
+        make, param = affine[-1]
+        return self._root(make, y, param)
+
+
+class FoldedScaleLayerNorm(_ReduceMeanLayerNorm):
+    """TF/Keras (tf.nn.batch_normalization): s = gamma * rsqrt(var + eps) scales x; the mean moves into the shift."""
+
+    form = "tf"
+
+    def pattern(self, op, x, eps, gamma, beta):
+        mean = op.ReduceMean(x, _allow_other_inputs=True, _outputs=["mean"])
+        inv_std = _rsqrt(op, _mean_of_squared_deviation(op, x, mean), eps)
+        s = orp.OrValue([_either(op.Mul, inv_std, gamma), inv_std])
+        scaled_mean = _either(op.Mul, mean, s)
+        shift = orp.OrValue([op.Sub(beta, scaled_mean), op.Neg(scaled_mean)])  # Neg: Keras center=False
+        return self._root(op.Add, _either(op.Mul, x, s), shift)
+
+
+class MomentsLayerNorm(_LayerNormRule):
+    """Flax via jax2tf: variance as max(E[x²] - E[x]², 0), each mean a ReduceSum scaled by 1/N."""
+
+    form = "jax"
+
+    def pattern(self, op, x, eps, zero, gamma, beta):
+        mean = _mean_by_sum(op, x, "mean")
+        mean_of_square = _mean_by_sum(op, _square(op, x, "exponent"), "square_mean")
+        var = _either(op.Max, op.Sub(mean_of_square, _square(op, mean, "mean_exponent")), zero)
+        multiplier = orp.OrValue([_either(op.Mul, _rsqrt(op, var, eps), gamma), _rsqrt(op, var, eps)])
+        centered = op.Sub(x, mean)
+        if not self.bias:
+            return self._root(op.Mul, centered, multiplier)
+        return self._root(op.Add, _either(op.Mul, centered, multiplier), beta)
+
+    def check(self, context, x, eps, zero, mean_sum, square_mean_sum, gamma=None, beta=None, exponent=None,
+              mean_exponent=None, mean_factor=None, mean_divisor=None, square_mean_factor=None,
+              square_mean_divisor=None, **_) -> MatchResult:
+        means = [_Mean(mean_sum.producer(), mean_factor, mean_divisor),
+                 _Mean(square_mean_sum.producer(), square_mean_factor, square_mean_divisor)]
+        return self._check_layernorm(context, x, means, eps, gamma, beta,
+                                     exponents=(exponent, mean_exponent), zero=zero)
+
+
+def _rule_set(log: _FusionLog) -> RewriteRuleSet:
+    """Every form, each root in both operand orders (a Div root has only one)."""
+    rules = [DecomposedLayerNorm.rule(log, scale=False, bias=False, normalize="Div")]
+    for swapped in (False, True):
+        rules += [
+            DecomposedLayerNorm.rule(log, scale=True, bias=True, swapped=swapped),
+            DecomposedLayerNorm.rule(log, scale=True, bias=False, swapped=swapped),
+            DecomposedLayerNorm.rule(log, scale=False, bias=True, swapped=swapped),
+            DecomposedLayerNorm.rule(log, scale=False, bias=False, normalize="Reciprocal", swapped=swapped),
+            FoldedScaleLayerNorm.rule(log, swapped=swapped),
+            MomentsLayerNorm.rule(log, bias=True, swapped=swapped),
+            MomentsLayerNorm.rule(log, bias=False, swapped=swapped),
+        ]
+    return RewriteRuleSet(rules)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Graph reading helpers used by the check
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _scalar(value: ir.Value | None, rank: int | None) -> float | None:
+    """The constant's single element, if it is one and broadcasting it cannot raise the rank of the result."""
+    array = constant_array(value)
+    if array is None or array.size != 1 or array.ndim > (rank if rank is not None else 1):
+        return None
+    return float(array.reshape(()))
+
+
+def _reduced_axes(node: ir.Node, rank: int | None) -> tuple[int, ...] | str:
+    """The axes a ReduceMean/ReduceSum reduces, as sorted negative indices; a string says why they are unusable.
+
+    Axes are an attribute before opset 18 (ReduceSum: 13) and an input after; absent axes mean all axes.
+    """
+    if node.attributes.get_int("keepdims", 1) != 1:
+        return f"{node.op_type} drops the reduced dims (keepdims=0)"
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = constant_array(node.inputs[1])
+        if array is None:
+            return f"{node.op_type} axes are not constant"
+        axes = [int(a) for a in array.reshape(-1)]
+    else:
+        axes = list(node.attributes.get_ints("axes", []))
+    if not axes:
+        if node.attributes.get_int("noop_with_empty_axes", 0):
+            return f"{node.op_type} with empty axes is a no-op"
+        if rank is None:
+            return f"{node.op_type} reduces all axes of an input of unknown rank"
+        axes = list(range(rank))
+    if rank is None:
+        if any(a >= 0 for a in axes):
+            return f"{node.op_type} axes {axes} are positive and the input rank is unknown"
+    elif any(not -rank <= a < rank for a in axes):
+        return f"{node.op_type} axes {axes} out of range for rank {rank}"
+    else:
+        axes = [a - rank if a >= 0 else a for a in axes]
+    if len(set(axes)) != len(axes):
+        return f"{node.op_type} repeats axes {axes}"
+    return tuple(sorted(axes))
+
+
+def _static_dims(x: ir.Value, k: int) -> tuple[int, ...] | None:
+    """The trailing k dims of x when all are known integers."""
+    if x.shape is None or x.shape.rank() < k:
+        return None
+    dims = tuple(x.shape.dims[x.shape.rank() - k:])
+    return dims if all(isinstance(d, int) for d in dims) else None
+
+
+def _affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value, k: int, rank: int | None,
+                  norm_shape: tuple[int, ...] | None) -> ir.Value | np.ndarray | str:
+    """gamma/beta as LayerNormalization needs them: the value itself, a reshaped copy, or a filled array.
+
+    Returns a string saying why not when the parameter is not a constant of x's dtype that varies only along
+    the normalized axes (a per-position gamma [S, D] with axes [-1] is not a LayerNorm parameter).
+    """
+    if value is None:
+        if norm_shape is None:
+            return f"no {role}: building one needs static normalized dims"
+        return np.full(norm_shape, default, dtype=x.dtype.numpy())
+    array = constant_array(value)
+    if array is None:
+        return f"{role} is not a constant (graph input or computed)"
+    if array.dtype != x.dtype.numpy():
+        return f"{role} dtype {array.dtype} differs from the input's {x.dtype.numpy()}"
+    if rank is not None and array.ndim > rank:
+        return f"{role} rank {array.ndim} exceeds the input rank {rank}"
+    lead, tail = array.shape[: max(0, array.ndim - k)], array.shape[max(0, array.ndim - k):]
+    if any(d != 1 for d in lead):
+        return f"{role} shape {array.shape} varies outside the normalized axes"
+    if norm_shape is None:
+        if len(tail) != k or 1 in tail:
+            return f"{role} shape {array.shape} needs broadcasting but the normalized dims are unknown"
+        return value if array.shape == tail else np.ascontiguousarray(array.reshape(tail))
+    try:
+        full = np.broadcast_to(array.reshape(tail), norm_shape)
+    except ValueError:
+        return f"{role} shape {array.shape} does not broadcast to the normalized shape {norm_shape}"
+    return value if array.shape == norm_shape else np.ascontiguousarray(full)
+
+
+def _affine_follower(output: ir.Value, op_types: tuple[str, ...]) -> ir.Node | None:
+    """The single consumer of `output` when it is a Mul/Add by a parameter (initializer, Constant, input)."""
+    uses = output.uses()
+    if not op_types or len(uses) != 1 or output.is_graph_output():
+        return None
+    consumer = uses[0].node
+    if consumer.domain != "" or consumer.op_type not in op_types:
+        return None
+    others = [v for v in consumer.inputs if v is not output]
+    is_parameter = [v is not None and (v.producer() is None or v.producer().op_type == "Constant") for v in others]
+    return consumer if any(is_parameter) else None
+
+
+def _scope_name(nodes, anchor: ir.Node) -> str:
+    """'<common scope of the matched nodes>/LayerNormalization', e.g. '/bert/embeddings/LayerNorm/…'.
+
+    Exports without scopes (paddle2onnx: 'p2o.ReduceMean.0') anchor on the mean's node name instead.
+    """
+    scopes = [n.name.split("/")[:-1] for n in nodes if n.name and "/" in n.name]
+    common: list[str] = []
+    if scopes and len(scopes) == sum(1 for n in nodes if n.name):
+        for parts in zip(*scopes):
+            if len(set(parts)) != 1:
+                break
+            common.append(parts[0])
+    base = "/".join(common) if any(common) else (anchor.name or "")
+    return f"{base}/LayerNormalization" if base else "LayerNormalization"
+
+
+def _taken_names(model: ir.Model) -> tuple[set[str], set[str]]:
+    """Node names and value names in use anywhere in the model (subgraphs included)."""
+    nodes, values = set(), set(model.graph.initializers)
+    values.update(v.name for v in model.graph.inputs if v.name)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.name:
+            nodes.add(node.name)
+        values.update(v.name for v in node.outputs if v.name)
+    for subgraph in _subgraphs(model):
+        values.update(subgraph.initializers)
+        values.update(v.name for v in subgraph.inputs if v.name)
+    return nodes, values
+
+
+def _subgraphs(model: ir.Model):
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield attr.as_graph()
+            elif attr.type == ir.AttributeType.GRAPHS:
+                yield from attr.as_graphs()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driving the rules
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _typed_retry(model: ir.Model, run, details: dict) -> tuple[int, _FusionLog]:
+    """`run(log)`, and once more after shape inference if a candidate was refused for lacking a dtype.
+
+    Inference runs only then, so a model nothing matches is never touched. `details` records that it ran.
+    """
+    log = _FusionLog()
+    count = run(log)
+    if not log.untyped:
+        return count, log
+    infer_shapes(model)
+    details["shape_inference"] = "ran: a candidate's input had no dtype"
+    retry = _FusionLog(fused=log.fused, refused=log.refused)
+    return count + run(retry), retry
+
+
+def _count_candidates(model: ir.Model, rules: RewriteRuleSet) -> int:
+    """How many LayerNorms the rules would fuse, without changing the model (decides the opset upgrade)."""
+    def candidates():  # (container the rewriter would pass, node), like RewriteRuleSet.apply_to_model
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            yield node.graph, node
+        for function in model.functions.values():
+            for node in ir.traversal.RecursiveGraphIterator(function):
+                yield (function if node.graph is function.graph else node.graph), node
+
+    return sum(any(rule.match(model, container, node) for rule in rules) for container, node in candidates())
+
+
+def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
+    """Fuse every decomposed LayerNorm in place; upgrade to opset 17 first when needed and allowed."""
+    details: dict = {}
+    opset = default_opset(model)
+    if opset < LAYERNORM_OPSET:  # upgrade only for a match: a dry run first
+        found, dry_run = _typed_retry(model, lambda log: _count_candidates(model, _rule_set(log)), details)
+        if not found:
+            return PassOutcome(0, {**dry_run.details(), **details})
+        if settings.max_opset < LAYERNORM_OPSET:
+            return PassOutcome(0, {**details, "skipped": f"opset {opset} < {LAYERNORM_OPSET} and max_opset "
+                                   f"{settings.max_opset} forbids the upgrade"})
+        if not _upgrade(model):
+            return PassOutcome(0, {**details, "skipped": f"converting opset {opset} to {LAYERNORM_OPSET} "
+                                   f"failed (onnx version converter); {found} LayerNorms left decomposed"})
+        details["opset_upgraded_from"] = opset
+    fused, log = _typed_retry(model, lambda log: _rule_set(log).apply_to_model(model), details)
+    if fused:
+        RemoveUnusedNodesPass()(model)  # the eps / exponent Constant nodes the match did not own
+    return PassOutcome(fused, {**log.details(), **details})
+
+
+def _upgrade(model: ir.Model) -> bool:
+    """Convert to opset 17 with onnx's C converter (onnxscript's own starts at 18). True when it worked.
+
+    ConvertVersionPass logs a warning for the expected fallback and only logs a failed conversion, so the
+    result is judged by the opset it leaves.
+    """
+    converter_log = logging.getLogger("onnxscript.version_converter")
+    level = converter_log.level
+    converter_log.setLevel(logging.ERROR)
+    try:
+        ConvertVersionPass(LAYERNORM_OPSET, fallback=True)(model)
+    finally:
+        converter_log.setLevel(level)
+    return default_opset(model) == LAYERNORM_OPSET
+
+
+def count_decomposed_layernorms(model: onnx.ModelProto) -> int:
+    """How many LayerNorms `fuse_layernorm` would fuse in `model`: the same rules, on a copy.
+
+    The proto is not changed. Its weights must be loaded (`onnx.load` does that): constants read from
+    unresolved external data are unknown, and every check on them refuses.
+    """
+    copy = ir.from_proto(model)  # a new object graph; the proto is never written to
+    fused, _ = _typed_retry(copy, lambda log: _rule_set(log).apply_to_model(copy), {})
+    return fused
+
+
+PASS = GraphPass(
+    name="fuse_layernorm",
+    apply=apply,
+    doc="Fuse decomposed LayerNorm (PyTorch/Paddle, TF/Keras, JAX/Flax exports) into LayerNormalization "
+        "(opset 17; converts an older model first when max_opset allows).",
+)
+
+
+def decomposed_layernorm_nodes(proto: onnx.ModelProto) -> list[list[str]]:
+    """Node names of each decomposed LayerNorm the optimize stage's fuse_layernorm rules match.
+
+    keep_float uses it to put still-decomposed LayerNorms in the float set: the same matcher as the fusion.
+    """
+    model = ir.from_proto(proto)  # a copy: shape inference below rewrites value types the result must not keep
+    infer_shapes(model)  # the rules need dtypes
+    rules = _rule_set(_FusionLog())
+    groups, claimed = [], set()
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        for rule in rules:
+            match = rule.match(model, node.graph, node)
+            if match:
+                names = [n.name for n in match.nodes if n.name not in claimed]
+                claimed.update(names)
+                groups.append(names)
+                break
+    return groups

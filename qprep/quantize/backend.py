@@ -1,0 +1,50 @@
+"""Quantization backends behind the one `quantize` stage: ONNX Runtime static INT8 (ort.py), FP16 (fp16.py),
+and RKNN (rknn/). Each takes the prepared float model, calibration samples and the float set (node names that
+must stay float) and returns a `Quantized` result; qprep/quantize/stage.py is the stage that dispatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from qprep.data import SampleSet
+
+
+@dataclass
+class Quantized:
+    """A backend's result: the ONNX model that continues down the pipeline (None when the artifact is not
+    ONNX), extra deployable files, an optional runner for evaluation, and facts for the record."""
+
+    model: onnx.ModelProto | None
+    details: dict = field(default_factory=dict)
+    artifacts: dict[str, Path] = field(default_factory=dict)  # file name in the run dir → where it is now
+    deployable: str | None = None  # the artifact to ship, when it is not model.onnx (RKNN: model.rknn)
+    runner: Callable[[list[dict]], list[dict]] | None = None  # None: evaluate the ONNX model with ORT
+    analyzer: Callable[[list[dict]], list[dict]] | None = None  # per-layer rows from the backend's own tool
+    close: Callable[[], None] | None = None  # frees what runner/analyzer hold (RKNN: the toolkit worker)
+
+
+@dataclass
+class BackendInput:
+    """What every backend gets: the prepared float model, calibration samples (capped at max_samples), the
+    float set, its own options and a work folder inside the run directory."""
+
+    model: onnx.ModelProto
+    calibration: "SampleSet | None"
+    max_samples: int
+    float_set: set[str]
+    options: dict
+    work_dir: Path
+    fallback: dict | None = None  # quantize.fallback (target, budget, …) when the search is on
+    measure: Callable[[list[dict]], dict] | None = None  # outputs on evaluation_samples[:n] → per-output metrics
+    evaluation_samples: list[dict] = field(default_factory=list)  # what the fallback measures on
+    progress: object = None
+    threads: int = 2
+
+    @property
+    def samples(self) -> list[dict]:
+        return self.calibration.samples[: self.max_samples] if self.calibration is not None else []

@@ -1,0 +1,62 @@
+"""Activation ranges that minimise each tensor's int8 error (rounding inside the range, clipping outside) on
+the calibration data, instead of its min/max.
+
+Why: a min/max range is set by the few largest values of the calibration set, so every other value is
+rounded on a coarser grid than it needs; shrinking the range trades a little clipping for finer rounding. The
+best trade is found per tensor from a histogram of its calibration values (one run of the float model), by
+trying shrunk low/high ends and scoring each by the expected squared error. Measured on EfficientNet-Lite0
+(ORT, everything quantized, 128 evaluation samples): cosine 0.99733 → 0.99751, top-1 agreement 91.4% → 93.8%.
+With 8-bit grids clipping pays only for rare outliers, so gains are small.
+A smaller per-tensor error does not always mean better outputs, so the fallback measures the choice at the
+model's outputs before keeping it (quantize/ort.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from qprep.model.runtime import intermediate_values
+
+BINS = 2048  # histogram bins over [min, max]: 8× finer than the 255 int8 steps, so bin error is negligible
+SHRINK = np.linspace(0.25, 1.0, 16)  # tried fractions of each end of the min/max range
+
+
+def mse_ranges(model: onnx.ModelProto, ranges: dict[str, tuple[float, float]], samples: list[dict],
+               threads: int = 2, levels: int = 256) -> dict[str, tuple[float, float]]:
+    """{tensor: (low, high)} minimising the expected squared quantization error of each tensor in `ranges`
+    (its min/max ranges), on a `levels`-step asymmetric grid that contains zero (as ONNX Runtime builds it).
+    Tensors the model does not compute or that are not float keep their range."""
+    histograms = {name: np.zeros(BINS) for name, (low, high) in ranges.items() if high > low}
+    for values in intermediate_values(model, list(histograms), samples, threads):
+        for name, value in values.items():
+            if value.dtype.kind == "f":
+                low, high = ranges[name]
+                histograms[name] += np.histogram(value, bins=BINS, range=(low, high))[0]
+    chosen = dict(ranges)
+    for name, counts in histograms.items():
+        if counts.sum():
+            chosen[name] = _best_range(counts, *ranges[name], levels)
+    return chosen
+
+
+def _best_range(counts: np.ndarray, low: float, high: float, levels: int) -> tuple[float, float]:
+    edges = np.linspace(low, high, BINS + 1)
+    centers, weights = (edges[:-1] + edges[1:]) / 2, counts / counts.sum()
+    best, best_error = (low, high), _error(centers, weights, low, high, levels)
+    for a in SHRINK if low < 0 else (1.0,):
+        for b in SHRINK if high > 0 else (1.0,):
+            error = _error(centers, weights, low * a, high * b, levels)
+            if error < best_error:
+                best, best_error = (float(low * a), float(high * b)), error
+    return best
+
+
+def _error(values: np.ndarray, weights: np.ndarray, low: float, high: float, levels: int) -> float:
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = (high - low) / (levels - 1)
+    if scale <= 0:
+        return float("inf")
+    zero = np.round(-low / scale)
+    restored = (np.clip(np.round(values / scale) + zero, 0, levels - 1) - zero) * scale
+    return float(weights @ (restored - values) ** 2)

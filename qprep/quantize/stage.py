@@ -1,0 +1,105 @@
+"""The `quantize` stage: hand the prepared float model to the configured backend (ort | fp16 | rknn).
+
+Refuses already-integer models (there is nothing left to quantize); a QDQ model is quantized again only if
+the user insists (backend ort on a QAT model would stack a second set of Q/DQ nodes). A model that computes no
+float tensor is skipped with a warning (ort, fp16) or refused (rknn, whose build aborts the process on it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from qprep.model import info as model_info
+from qprep.quantize.backend import BackendInput
+from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
+from qprep.errors import QprepError
+from qprep.pipeline.run_dir import toolkit_logging_to_run_log
+from qprep.schema import Key
+from qprep.pipeline.stages import StageResult, stage
+
+BACKENDS = {"ort": "qprep.quantize.ort", "fp16": "qprep.quantize.fp16", "rknn": "qprep.quantize.rknn.builder"}
+SEARCHABLE = ("ort", "rknn")  # backends with an accuracy-driven fallback
+
+
+def _backend(name: str):
+    return importlib.import_module(BACKENDS[name])
+
+
+def check(options: dict, config) -> None:
+    """What the run would otherwise find out after the stages before this one: data it needs, a toolkit."""
+    backend = options["backend"]
+    if not config["calibration"] and backend != "fp16":
+        raise QprepError("quantize: calibration data is required; add `calibration: {source: <folder>}`")
+    if options["fallback"]:
+        if backend not in SEARCHABLE:
+            raise QprepError(f"quantize.fallback: backend {backend} has nothing to fall back from; "
+                             f"use it with backend {' or '.join(SEARCHABLE)}")
+        if not config["evaluation"]:
+            raise QprepError("quantize.fallback: needs `evaluation:` data to measure the target on; add an "
+                             "evaluation section (source: <folder>)")
+    if backend == "rknn" and importlib.util.find_spec("rknn") is None:
+        raise QprepError("quantize: backend rknn needs rknn-toolkit2, which is not installed; run "
+                         "./scripts/setup.sh (it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 "
+                         "x86-64) or choose backend ort")
+
+
+@stage(
+    "quantize",
+    check=check,
+    summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
+    backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
+    max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),
+    fallback=FALLBACK_OPTIONS,
+    **{name: _backend(name).OPTIONS for name in BACKENDS},
+)
+def quantize(model, ctx, options: dict) -> StageResult:
+    kind = model_info.model_kind(model)
+    if kind == model_info.INTEGER:
+        raise QprepError("quantize: the model is already integer-quantized (QLinear*/ConvInteger ops); "
+                         "remove the quantize stage or start from the float model")
+    if kind == model_info.QDQ:
+        return StageResult(model=model, status="skipped",
+                           reason="the model already holds Q/DQ nodes (QAT); use remove_redundant_qdq/fuse_conv_qdq")
+    backend = options["backend"]
+    if not model_info.computes_float(model):
+        if backend == "rknn" and options["rknn"]["do_quantization"]:  # the toolkit aborts on it (SIGABRT)
+            raise QprepError("quantize.rknn: the model computes no float tensors, nothing to quantize; drop the "
+                             "quantize stage (or set quantize.rknn.do_quantization: false for a .rknn without int8)")
+        if backend != "rknn":  # ort and fp16 would return the model as it is and call it quantized
+            reason = "nothing to quantize (the model computes no float tensors)"
+            ctx.warnings.append(f"quantize: skipped, {reason}; the model passes through unchanged")
+            return StageResult(model=model, status="skipped", reason=reason)
+    ctx.prepared_model = model  # the float model the per-layer analysis compares against
+    job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
+                       float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
+                       progress=ctx.progress, threads=ctx.config["threads"])
+    if options["fallback"]:
+        _prepare_fallback(job, options["fallback"], backend, ctx)
+    with toolkit_logging_to_run_log():
+        result = _backend(backend).quantize(job)
+    if result.details.get("float_set_unmatched"):
+        ctx.warnings.append(f"quantize: {len(result.details['float_set_unmatched'])} float-set nodes no longer exist "
+                            "(keep_float ran before a stage that rewrote them?) and were quantized")
+    ctx.artifacts.update(result.artifacts)
+    ctx.deployable = result.deployable
+    ctx.runner, ctx.layer_analyzer = result.runner, result.analyzer
+    if result.close is not None:
+        ctx.closers.append(result.close)
+    return StageResult(model=result.model if result.model is not None else model,
+                       details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details})
+
+
+def _prepare_fallback(job: BackendInput, fallback: dict, backend: str, ctx) -> None:
+    """Evaluation samples and their FP32 outputs, computed once for every trial of the search (and reused by
+    the final evaluation)."""
+    from qprep.evaluate import output_metrics, reference_run
+
+    run = reference_run(ctx.config, ctx)
+    tasks = ctx.config["evaluation"]["tasks"]
+
+    def measure(actual_outputs: list[dict]) -> dict:
+        return output_metrics(run.expected[: len(actual_outputs)], actual_outputs, tasks, run.model)
+
+    job.fallback, job.evaluation_samples, job.measure = fallback, run.samples.samples, measure
+    ctx.fallback_target = dict(fallback["target"])
