@@ -8,7 +8,7 @@ the table equal to the mmse one on 289 of 319 tensors (the others float16, witho
 alone 0.97696. But mmse's ranges depend on the float16 set: with Conv.5 + Conv.3 float16, their own mmse build
 gives 0.98835, a normal step2 on that build's ranges 0.98646 (0.98569 with min/max alone: `ori_min`/`ori_max`
 quantize the int8 conversion after a float16 layer), and on the all-int8 build's ranges 0.97711. So the
-fallback reuses ranges only for the trials of its budget's last quarter (fallback.FAST_SHARE).
+fallback reuses ranges only for the trials of its budget's last quarter (FAST_SHARE in qprep/quantize/search.py).
 
 Toolkit internals this relies on (private, so checked: anything unexpected raises ValueError and the caller
 keeps building the slow way):

@@ -77,6 +77,7 @@ class Toolkit:
         return self._request(step, "apply", rknn, function, args)
 
     def release(self, rknn: int) -> None:
+        """Release one RKNN object in the worker (its simulator runtime with it)."""
         self._request("release", "release", rknn)
 
     def _request(self, step: str, kind: str, rknn: int | None = None, name=None, args: tuple = (),
