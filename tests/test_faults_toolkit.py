@@ -120,7 +120,7 @@ def test_real_toolkit_abort_becomes_a_toolkit_error_naming_step_signal_and_its_e
     rknn-toolkit2 abort in build. The test process survives and gets one line."""
     pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
     from qprep.quantize.backend import BackendInput
-    from qprep.quantize.rknn import builder as rknn
+    from qprep.quantize import rknn
     from qprep.data import load_samples
     from qprep.errors import EXIT_INTERNAL, ToolkitError
     from qprep.model.info import graph_inputs

@@ -40,7 +40,7 @@ def test_classifier_converts_evaluates_on_the_simulator_and_hands_off(tmp_path):
 
 def test_layernorm_float16_islands_map_to_rknn_tensors_and_step2_builds(tmp_path):
     """Hybrid quantization on the optimized recognizer: its 5 LayerNormalization nodes become float16 layers."""
-    from qprep.quantize.rknn import builder as rknn
+    from qprep.quantize import rknn
 
     job = rknn_job(tmp_path, "ppocrv4_rec")
     layernorms = [n.name for n in job.model.graph.node if n.op_type == "LayerNormalization"]
@@ -64,7 +64,7 @@ def test_gptq_weights_sit_on_the_grid_the_toolkit_quantizes_them_to(tmp_path):
     [min(w, 0), max(w, 0)]) checked against the toolkit's own quantization table (rknn-toolkit2 2.5.0, a private
     attribute read in the toolkit worker): every Conv weight it was handed gets the predicted scale and zero point
     and lies on that grid, so the toolkit's rounding keeps GPTQ's integers."""
-    from qprep.quantize.rknn import builder as rknn
+    from qprep.quantize import rknn
     from qprep.quantize.rknn import weights as rknn_weights
 
     job = rknn_job(tmp_path, "ppocr_cls", weight_rounding="gptq")
@@ -85,7 +85,7 @@ def test_gptq_weights_sit_on_the_grid_the_toolkit_quantizes_them_to(tmp_path):
 
 
 def test_dynamic_input_dims_are_refused_with_the_fix(tmp_path):
-    from qprep.quantize.rknn import builder as rknn
+    from qprep.quantize import rknn
 
     model = onnx.load(str(demo_model("ppocr_cls.onnx")))
     with pytest.raises(QprepError, match=r"input 'x' has dynamic dims .*add `inputs: \{x: \[\.\.\.\]\}`"):
@@ -109,14 +109,14 @@ def test_error_analysis_parser_reads_glued_columns_and_fused_rows():
 
 
 def test_toolkit_traceback_in_the_log_becomes_one_line(tmp_path):
-    from qprep.quantize.rknn.builder import _Toolkit
+    from qprep.quantize.rknn.toolkit import Toolkit
 
-    toolkit = _Toolkit(tmp_path)
+    toolkit = Toolkit(tmp_path)
     toolkit.log_path.write_text("E RKNN: [11:03] Unkown op target: 0\n"
                                 "\x1b[1;31mE\x1b[0m \x1b[1;31minference: Traceback (most recent call last):\n"
                                 '  File "rknn/api/rknn_base.py", line 2776, in inference\n'
                                 "AttributeError: 'NoneType' object has no attribute 'lower'\n\x1b[0m\n")
-    assert toolkit._error_line(0) == "inference: AttributeError: 'NoneType' object has no attribute 'lower'"
+    assert toolkit.error_line(0) == "inference: AttributeError: 'NoneType' object has no attribute 'lower'"
 
 
 def test_fallback_ranks_by_accuracy_analysis_and_builds_float16_layers(tmp_path):

@@ -66,7 +66,7 @@ def _entry(qmethod, low, high, dtype="int8"):
 
 def test_cfg_entries_replaced_line_by_line_and_nothing_else():
     table = {"conv.out": _entry("layer", [-3.0], [0.00001]), "conv.weight": _entry("channel", [-5.0, -5.0], [5.0, 5.0])}
-    text, changed = rknn_ranges._with_entries(CFG, table)
+    text, changed = rknn_ranges.with_entries(CFG, table)
     assert changed == 1
     parsed = yaml.safe_load(text)["quantize_parameters"]
     out = parsed["conv.out"]
@@ -117,7 +117,7 @@ def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     """cls with mmse: the builder reuses the first build's table; the next build (a hybrid step2 with the
     `normal` algorithm) has the same ranges, gives the same outputs and runs no mmse search."""
     pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
-    from qprep.quantize.rknn import builder as rknn
+    from qprep.quantize import rknn
 
     builder = rknn.RknnBuilder(rknn_job(tmp_path, "ppocr_cls", quantized_algorithm="mmse", weight_rounding="gptq"))
     calibration = builder.job.calibration
@@ -138,7 +138,7 @@ def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     assert len(int8) > 100
     for name in int8:
         for field in ("min", "max", "scale", "zero_point"):
-            assert np.allclose(rknn_ranges._numbers(again[name][field]), rknn_ranges._numbers(table[name][field]))
+            assert np.allclose(rknn_ranges.numbers(again[name][field]), rknn_ranges.numbers(table[name][field]))
     for old, new in zip(expected, rebuilt(samples)):
         for key in old:
             np.testing.assert_allclose(new[key], old[key], atol=1e-6)

@@ -18,7 +18,7 @@ from qprep.pipeline.run_dir import toolkit_logging_to_run_log
 from qprep.schema import Key
 from qprep.pipeline.stages import StageResult, stage
 
-BACKENDS = {"ort": "qprep.quantize.ort", "fp16": "qprep.quantize.fp16", "rknn": "qprep.quantize.rknn.builder"}
+BACKENDS = {"ort": "qprep.quantize.ort", "fp16": "qprep.quantize.fp16", "rknn": "qprep.quantize.rknn"}
 SEARCHABLE = ("ort", "rknn")  # backends with an accuracy-driven fallback
 
 

@@ -8,7 +8,7 @@ the table equal to the mmse one on 289 of 319 tensors (the others float16, witho
 alone 0.97696. But mmse's ranges depend on the float16 set: with Conv.5 + Conv.3 float16, their own mmse build
 gives 0.98835, a normal step2 on that build's ranges 0.98646 (0.98569 with min/max alone: `ori_min`/`ori_max`
 quantize the int8 conversion after a float16 layer), and on the all-int8 build's ranges 0.97711. So the
-fallback reuses ranges only for the trials of its budget's last quarter (fallback.FAST_SHARE).
+fallback reuses ranges only for the trials of its budget's last quarter (FAST_SHARE in qprep/quantize/search.py).
 
 Toolkit internals this relies on (private, so checked: anything unexpected raises ValueError and the caller
 keeps building the slow way):
@@ -64,7 +64,7 @@ def apply(stem: Path, cfg_text: str, table: dict[str, dict]) -> tuple[str, dict]
     taken = [name for name, entry in entries.items() if _same_kind(entry, table.get(name))]
     for name in taken:
         entries[name] = table[name]
-    cfg_text, activations = _with_entries(cfg_text, {name: table[name] for name in taken})
+    cfg_text, activations = with_entries(cfg_text, {name: table[name] for name in taken})
     weights = sum(entries[name]["qmethod"] == "channel" for name in taken)
     if not activations or not weights:
         raise ValueError(f"the table matches {activations} activations and {weights} weights of step1's outputs")
@@ -77,7 +77,7 @@ def _same_kind(entry: dict, source: dict | None) -> bool:
     return source is not None and all(source.get(k) == entry.get(k) for k in ("qmethod", "dtype"))
 
 
-def _with_entries(cfg_text: str, table: dict[str, dict]) -> tuple[str, int]:
+def with_entries(cfg_text: str, table: dict[str, dict]) -> tuple[str, int]:
     """The cfg with the listed values of its int8 layer-wise tensors taken from `table`; only those lines change
     (a YAML dumper would rewrite every number's text)."""
     head, sep, block = cfg_text.partition("\nquantize_parameters:\n")
@@ -92,7 +92,7 @@ def _with_entries(cfg_text: str, table: dict[str, dict]) -> tuple[str, int]:
             field, index = name.group(1), 0
         elif _ITEM.match(line) and field in _FIELDS:
             source = table.get(tensor, {})
-            values = _numbers(source.get(field, [])) if source.get("qmethod") == "layer" else []
+            values = numbers(source.get(field, [])) if source.get("qmethod") == "layer" else []
             if index < len(values):
                 number = values[index]
                 line = f"        -   {int(number) if field == 'zero_point' else _yaml_float(number)}"
@@ -102,7 +102,7 @@ def _with_entries(cfg_text: str, table: dict[str, dict]) -> tuple[str, int]:
     return head + sep + "\n".join(out), len(changed)
 
 
-def _numbers(value) -> list[float]:
+def numbers(value) -> list[float]:
     """The toolkit keeps lists either as lists or as their text."""
     return [float(v) for v in (json.loads(value) if isinstance(value, str) else value)]
 

@@ -1,0 +1,37 @@
+"""The files a board needs next to model.rknn: input_contract.json (what to feed each input) and
+run_on_board.py (an example runner for rknn-toolkit-lite2).
+
+run_on_board.py is a file of this package, shipped as package data (pyproject.toml), copied as it is: it
+runs on the board, never in qprep, and reads the contract written here.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+
+def input_contract(inputs, normalization: dict | None, options: dict) -> dict:
+    """Per input: its shape and dtype, and how to feed it; where the NPU normalizes (dataset.py), uint8
+    pixels in the calibration's channel order with the mean/std the model was built with."""
+    contract = {"target_platform": options["target_platform"], "inputs": []}
+    for spec in inputs:
+        entry = {"name": spec.name, "shape": spec.shape, "dtype": spec.dtype}
+        if normalization and spec.name == normalization["input"]:
+            entry.update(feed="uint8 pixels, NHWC, in this channel order; the NPU applies (x - mean) / std",
+                         channel_order=normalization["channel_order"], mean=normalization["mean"],
+                         std=normalization["std"])
+        else:
+            entry["feed"] = f"{spec.dtype} array of this shape, as given to the ONNX model"
+        contract["inputs"].append(entry)
+    return contract
+
+
+def write_board_files(work: Path, inputs, normalization: dict | None, options: dict) -> dict[str, Path]:
+    """input_contract.json and run_on_board.py in `work` → artifact name → path."""
+    contract = input_contract(inputs, normalization, options)
+    (work / "input_contract.json").write_text(json.dumps(contract, indent=2) + "\n")
+    script = resources.files(__package__).joinpath("run_on_board.py").read_text()
+    (work / "run_on_board.py").write_text(script)
+    return {"input_contract.json": work / "input_contract.json", "run_on_board.py": work / "run_on_board.py"}
