@@ -51,8 +51,10 @@ OPTIONS = section(
 
 
 def quantize(job: BackendInput) -> Quantized:
-    # imported here, not at the top: onnxruntime.quantization imports torch (~5 s), and the config schema
-    # imports this package for OPTIONS on every run, whatever the backend
+    """The float set and nodes_to_exclude left float; with a fallback configured, the search (search.py) first
+    chooses which more nodes stay float and the settings of the final build."""
+    # imported here, not at the top: onnxruntime.quantization imports torch when it is installed (~5 s here),
+    # and the config schema imports this package for OPTIONS on every run, whatever the backend
     import onnxruntime
 
     from qprep.quantize.ort.quantizer import OrtQuantizer

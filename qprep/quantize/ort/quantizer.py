@@ -22,7 +22,7 @@ import onnx.version_converter
 
 # ONNX Runtime's quantization internals (private modules, no stability promise between ORT releases): kept
 # in this one block so that an ORT upgrade is checked here. Importing onnxruntime.quantization also imports
-# torch (~5 s), which is why the package's quantize() imports this module only when a model is quantized.
+# torch when it is installed (~5 s here): the package's quantize() imports this module only when it runs.
 from onnxruntime.quantization import CalibrationMethod, QuantType
 from onnxruntime.quantization.calibrate import TensorsData, create_calibrator
 from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
