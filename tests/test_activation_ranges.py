@@ -3,7 +3,7 @@
 import numpy as np
 from onnx import TensorProto, helper
 
-from qprep.quantize.ranges import BINS, _best_range, _error, mse_ranges
+from qprep.quantize.ranges import BINS, best_range, mse_ranges, quantization_error
 
 
 def _relu_model():
@@ -19,16 +19,17 @@ def test_a_rare_outlier_is_clipped_and_the_error_goes_down():
     counts = np.zeros(BINS)
     counts[: BINS // 20] = 1e7 / (BINS // 20)
     counts[-1] = 1
-    low, high = _best_range(counts, 0.0, 20.0, 256)
+    low, high = best_range(counts, 0.0, 20.0, 256)
     assert low == 0.0 and high <= 10.0
     centers = (np.arange(BINS) + 0.5) * 20.0 / BINS
     weights = counts / counts.sum()
-    assert _error(centers, weights, low, high, 256) < 0.5 * _error(centers, weights, 0.0, 20.0, 256)
+    shrunk, full = (quantization_error(centers, weights, *ends, 256) for ends in [(low, high), (0.0, 20.0)])
+    assert shrunk < 0.5 * full
 
 
 def test_evenly_spread_values_keep_their_full_range():
     counts = np.ones(BINS)
-    assert _best_range(counts, -1.0, 1.0, 256) == (-1.0, 1.0)
+    assert best_range(counts, -1.0, 1.0, 256) == (-1.0, 1.0)
 
 
 def test_ranges_come_from_the_model_run_and_untouched_tensors_keep_theirs():

@@ -2,14 +2,16 @@
 layer after layer, and the backend keeps it only when the output error goes down."""
 
 import io
+from dataclasses import replace
 
 import numpy as np
+import pytest
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qprep.quantize import bias_correction
 from qprep.quantize import ort
-from qprep.quantize.ort import OrtQuantizer, output_sqnr
+from qprep.quantize.ort.quantizer import OrtQuantizer, output_sqnr
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
 from qprep.progress import Progress
@@ -106,6 +108,22 @@ def test_the_backend_keeps_the_correction_only_when_it_helps(tmp_path, monkeypat
     refused = _quantized(model, tmp_path)
     assert refused.build(set()).SerializeToString() == plain.SerializeToString()
     assert refused.bias["applied"] is False and refused.bias["layers"] == 2
+
+
+def test_each_build_takes_its_settings_and_the_quantizer_keeps_the_configured_ones(tmp_path):
+    """The fallback measures bias correction on and off with one quantizer: settings go with each build (and key
+    its cache), they are never set on the quantizer."""
+    model = _chain()
+    plain = _quantized(model, tmp_path, bias_correction=False).build(set())
+    quantizer = _quantized(model, tmp_path)
+    configured = quantizer.settings
+    corrected = quantizer.build(set(), configured)
+    without = quantizer.build(set(), replace(configured, bias_correction=False))
+    assert without.SerializeToString() == plain.SerializeToString() and quantizer.bias["applied"] is False
+    assert quantizer.build(set(), configured).SerializeToString() == corrected.SerializeToString()
+    assert quantizer.settings == configured and quantizer.bias["applied"] is True
+    with pytest.raises(ValueError, match="bias correction was not configured"):
+        _quantized(model, tmp_path, bias_correction=False).build(set(), configured)
 
 
 def _run(tmp_path, quantize: dict) -> dict:

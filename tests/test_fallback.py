@@ -162,25 +162,27 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
     """Hardswish as Add → Clip → Mul: one type left float only adds Q/DQ pairs; all of them at once pays."""
     from types import SimpleNamespace
 
-    from qprep.quantize.ort import _float_op_types
+    from qprep.quantize.ort.quantizer import OrtSettings
+    from qprep.quantize.ort.search import Trials, choose_float_op_types
 
     scores = {frozenset(): 0.90, frozenset({"Add"}): 0.89, frozenset({"Clip"}): 0.895, frozenset({"Mul"}): 0.89,
               frozenset({"Add", "Clip", "Mul"}): 0.95}
     nodes = [SimpleNamespace(name=f"n{i}", op_type=t) for i, t in enumerate(["Conv", "Add", "Clip", "Mul", "Conv"])]
-    quantizer = SimpleNamespace(model=SimpleNamespace(graph=SimpleNamespace(node=nodes)), float_op_types=set(),
-                                _op_types=lambda: ["Add", "Clip", "Conv", "Mul"])
+    quantizer = SimpleNamespace(model=SimpleNamespace(graph=SimpleNamespace(node=nodes)),
+                                op_types=["Add", "Clip", "Conv", "Mul"])
     job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4,
                           progress=None)
 
-    def evaluate(excluded, samples):
-        return {"y": {"cosine_mean": scores[frozenset(quantizer.float_op_types)]}}
+    def trials():
+        return Trials(OrtSettings("minmax", bias_correction=False),
+                      lambda excluded, samples, settings: {"y": {"cosine_mean": scores[settings.float_op_types]}})
 
-    record = _float_op_types(quantizer, set(), job, evaluate)
+    chain = trials()
+    record = choose_float_op_types(quantizer, chain, set(), job)
     assert record["chosen"] == ["Add", "Clip", "Mul"] and record["nodes"] == 3
-    assert quantizer.float_op_types == {"Add", "Clip", "Mul"}
+    assert chain.settings.float_op_types == {"Add", "Clip", "Mul"}
     scores[frozenset({"Add", "Clip", "Mul"})] = 0.85  # worse together: nothing is left float
-    quantizer.float_op_types = set()
-    assert _float_op_types(quantizer, set(), job, evaluate)["chosen"] == []
+    assert choose_float_op_types(quantizer, trials(), set(), job)["chosen"] == []
 
 
 def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():
@@ -224,13 +226,13 @@ def test_ort_calibrate_method_mse_runs_and_is_recorded(outlier_config):
 
 
 def test_edges_group_a_tensors_producer_and_consumers_in_ranked_order():
-    from qprep.quantize.ort import _edges
+    from qprep.quantize.ort.search import edges
 
     model = _outlier_model()  # x → first → h → outlier → m → second → y
-    edges = _edges(model, ["second", "outlier", "first"])  # ranked: second lost most
-    assert edges == {"m": ("outlier", "second"), "y": ("second",), "h": ("first", "outlier"), "x": ("first",)}
-    assert list(edges)[:2] == ["m", "y"]  # both contain "second", m first in graph order
-    assert _edges(model, ["outlier"]) == {"h": ("outlier",)}  # nodes not in the list (not quantized) drop out
+    grouped = edges(model, ["second", "outlier", "first"])  # ranked: second lost most
+    assert grouped == {"m": ("outlier", "second"), "y": ("second",), "h": ("first", "outlier"), "x": ("first",)}
+    assert list(grouped)[:2] == ["m", "y"]  # both contain "second", m first in graph order
+    assert edges(model, ["outlier"]) == {"h": ("outlier",)}  # nodes not in the list (not quantized) drop out
 
 
 def test_with_costs_the_cheaper_candidate_of_equal_help_is_promoted_first():

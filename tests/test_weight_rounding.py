@@ -7,7 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qprep.quantize import ort
 from qprep.quantize import gptq
-from qprep.quantize.ort import OrtQuantizer, output_sqnr
+from qprep.quantize.ort.quantizer import OrtQuantizer, output_sqnr
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
 from qprep.schema import validate

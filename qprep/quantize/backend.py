@@ -1,4 +1,4 @@
-"""Quantization backends behind the one `quantize` stage: ONNX Runtime static INT8 (ort.py), FP16 (fp16.py),
+"""Quantization backends behind the one `quantize` stage: ONNX Runtime static INT8 (ort/), FP16 (fp16.py),
 and RKNN (rknn/). Each takes the prepared float model, calibration samples and the float set (node names that
 must stay float) and returns a `Quantized` result; qprep/quantize/stage.py is the stage that dispatches.
 """

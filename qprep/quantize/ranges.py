@@ -8,7 +8,7 @@ trying shrunk low/high ends and scoring each by the expected squared error. Meas
 (ORT, everything quantized, 128 evaluation samples): cosine 0.99733 → 0.99751, top-1 agreement 91.4% → 93.8%.
 With 8-bit grids clipping pays only for rare outliers, so gains are small.
 A smaller per-tensor error does not always mean better outputs, so the fallback measures the choice at the
-model's outputs before keeping it (quantize/ort.py).
+model's outputs before keeping it (quantize/ort/search.py).
 """
 
 from __future__ import annotations
@@ -36,23 +36,23 @@ def mse_ranges(model: onnx.ModelProto, ranges: dict[str, tuple[float, float]], s
     chosen = dict(ranges)
     for name, counts in histograms.items():
         if counts.sum():
-            chosen[name] = _best_range(counts, *ranges[name], levels)
+            chosen[name] = best_range(counts, *ranges[name], levels)
     return chosen
 
 
-def _best_range(counts: np.ndarray, low: float, high: float, levels: int) -> tuple[float, float]:
+def best_range(counts: np.ndarray, low: float, high: float, levels: int) -> tuple[float, float]:
     edges = np.linspace(low, high, BINS + 1)
     centers, weights = (edges[:-1] + edges[1:]) / 2, counts / counts.sum()
-    best, best_error = (low, high), _error(centers, weights, low, high, levels)
+    best, best_error = (low, high), quantization_error(centers, weights, low, high, levels)
     for a in SHRINK if low < 0 else (1.0,):
         for b in SHRINK if high > 0 else (1.0,):
-            error = _error(centers, weights, low * a, high * b, levels)
+            error = quantization_error(centers, weights, low * a, high * b, levels)
             if error < best_error:
                 best, best_error = (float(low * a), float(high * b)), error
     return best
 
 
-def _error(values: np.ndarray, weights: np.ndarray, low: float, high: float, levels: int) -> float:
+def quantization_error(values: np.ndarray, weights: np.ndarray, low: float, high: float, levels: int) -> float:
     low, high = min(low, 0.0), max(high, 0.0)
     scale = (high - low) / (levels - 1)
     if scale <= 0:

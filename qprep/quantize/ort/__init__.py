@@ -1,0 +1,93 @@
+"""ONNX Runtime INT8 quantization (its static quantizer, or dynamic MatMuls), with defaults chosen for x86 CPUs.
+
+Why these defaults (measured on this machine, see BENCHMARKS.md): QDQ format, uint8 activations with int8
+weights (U8S8: ORT's fast VNNI path; S8S8 QDQ is converted at session time and is often slower), per-channel
+weights (per-tensor loses badly on depthwise convolutions), no reduce_range (only for CPUs without VNNI).
+Nodes in the float set get no Q/DQ at all (nodes_to_exclude), so they and their edges compute in float32.
+Weights are then re-rounded by GPTQ (gptq.py), which takes EfficientNet-Lite0 from cosine 0.989 to
+0.997, and biases corrected for the drift of channel means (bias_correction.py: calibration SQNR 22.8 → 26.0 dB
+on top).
+
+The flow: `quantize` (below) → quantizer.py (OrtQuantizer: calibrate once, build per float set and settings)
+→ with a fallback configured, search.py (the ORT trials around qprep.quantize.search) → the final build.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from qprep.errors import QprepError
+from qprep.qdq import float_maxpool
+from qprep.quantize.backend import BackendInput, Quantized
+from qprep.schema import Key, section
+
+log = logging.getLogger("qprep")
+
+OPTIONS = section(
+    "ONNX Runtime static quantization (backend: ort)",
+    activations=Key("str", default="static", choices=("static", "dynamic"),
+                    doc="static: calibrated activation ranges (CNNs); dynamic: ranges computed per inference for "
+                        "MatMul inputs (transformers, whose static ranges fail: MiniLM cosine 0.42 → 0.98)"),
+    format=Key("str", default="qdq", choices=("qdq", "qoperator"), doc="QDQ (recommended) or QOperator; "
+               "dynamic activations are always QOperator (MatMulInteger)"),
+    activation_type=Key("str", default="uint8", choices=("uint8", "int8"), doc="activation integer type"),
+    weight_type=Key("str", default="int8", choices=("int8", "uint8"), doc="weight integer type"),
+    per_channel=Key("bool", default=True, doc="per-output-channel weight scales"),
+    reduce_range=Key("bool", default=False, doc="7-bit weights, only for CPUs without VNNI"),
+    calibrate_method=Key("str", default="minmax", choices=("minmax", "mse", "entropy", "percentile", "distribution"),
+                         doc="how activation ranges are chosen from the calibration data (mse: qprep's per-tensor "
+                             "least-squared-error range; the fallback tries it when minmax misses the target)"),
+    op_types=Key("list", item=Key("str"), doc="op types to quantize (default: every op type ORT quantizes; "
+                                              "dynamic: MatMul and Gemm)"),
+    nodes_to_exclude=Key("list", item=Key("str"), default=[], doc="node names kept float (beside the float set)"),
+    extra_options=Key("mapping", default={}, doc="passed to ORT's quantizer (and calibrator) extra_options as is"),
+    weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest"),
+                        doc="gptq: integer weights rounded to minimise each layer's output error on the calibration "
+                            "data (kept only if the model's output error goes down); nearest: ORT's rounding"),
+    bias_correction=Key("bool", default=True,
+                        doc="move each layer's integer bias by the drift of its output channels' means measured on "
+                            "the calibration data (static QDQ; kept only if the model's output error goes down)"),
+)
+
+
+def quantize(job: BackendInput) -> Quantized:
+    """The float set and nodes_to_exclude left float; with a fallback configured, the search (search.py) first
+    chooses which more nodes stay float and the settings of the final build."""
+    # imported here, not at the top: onnxruntime.quantization imports torch when it is installed (~5 s here),
+    # and the config schema imports this package for OPTIONS on every run, whatever the backend
+    import onnxruntime
+
+    from qprep.quantize.ort.quantizer import OrtQuantizer
+    from qprep.quantize.ort.search import fallback
+
+    # ORT's quantization tools (the calibrator) make sessions with default options, whose C++ warnings go
+    # straight to fd 2, e.g. "Removing initializer 'w'. It is not used by any node" for a model with an unused
+    # weight: the terminal shows qprep's lines only (qprep's own sessions set severity 3 in model/runtime.py)
+    onnxruntime.set_default_logger_severity(3)
+    options, float_set = job.options, job.float_set
+    unknown = sorted(set(options["nodes_to_exclude"]) - {n.name for n in job.model.graph.node})
+    if unknown:
+        raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
+                         "run `qprep inspect` or see report.json for node names")
+    quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress)
+    excluded = (set(options["nodes_to_exclude"]) | float_set) & quantizer.node_names
+    settings, details = quantizer.settings, {}
+    if job.fallback:
+        outcome, settings = fallback(quantizer, excluded, job)
+        excluded, details["fallback"] = set(outcome.float_nodes), outcome.record
+    quantized = quantizer.build(excluded, settings)
+    if not quantizer.dynamic:  # exact, for speed: ORT would run these MaxPools on uint8 with a slow kernel
+        quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
+    details.update({"excluded_nodes": sorted(excluded), "calibration_samples": len(job.samples),
+                    "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,
+                    "bias_correction": quantizer.bias,
+                    "float_op_types": sorted(settings.float_op_types),
+                    "qdq_simplified": quantizer.simplified})
+    missing = sorted(float_set - quantizer.node_names)
+    if missing:  # e.g. keep_float ran before optimize fused the decomposed LayerNorms it named
+        details["float_set_unmatched"] = missing
+        log.warning("ort: %d float-set nodes are not in the model any more (run keep_float after optimize): %s",
+                    len(missing), ", ".join(missing[:10]))
+    if quantizer.upgraded_from is not None:
+        details["opset_upgraded_from"] = quantizer.upgraded_from
+    return Quantized(model=quantized, details=details)

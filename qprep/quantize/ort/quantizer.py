@@ -1,0 +1,282 @@
+"""The ONNX Runtime adapter: calibration, ORT's static (or dynamic) quantizer, then qprep's GPTQ weight rounding,
+bias correction and exact Q/DQ simplification on what ORT produced.
+
+Calibration runs once per model: `OrtQuantizer.build(float_set, settings)` re-quantizes with another float set
+or other settings in about a second, which is what the accuracy-driven fallback (search.py) needs. Everything
+the builds may vary is one immutable `OrtSettings`, which is also the cache key: the quantizer is never
+reconfigured from outside.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import onnx
+import onnx.version_converter
+
+# ONNX Runtime's quantization internals (private modules, no stability promise between ORT releases): kept
+# in this one block so that an ORT upgrade is checked here. Importing onnxruntime.quantization also imports
+# torch when it is installed (~5 s here): the package's quantize() imports this module only when it runs.
+from onnxruntime.quantization import CalibrationMethod, QuantType
+from onnxruntime.quantization.calibrate import TensorsData, create_calibrator
+from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
+from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
+from onnxruntime.quantization.quant_utils import QuantizationMode, save_and_reload_model_with_shape_infer
+from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+from qprep.errors import QprepError
+from qprep.evaluate.metrics import sqnr_db
+from qprep.model.info import default_opset, graph_inputs
+from qprep.model.io import is_large, save_model
+from qprep.model.runtime import run_model
+from qprep.qdq import remove_redundant
+from qprep.quantize import bias_correction, gptq
+from qprep.quantize import ranges as activation_ranges
+
+log = logging.getLogger("qprep")
+
+# Per-channel DequantizeLinear (its `axis`) needs opset 13; ORT's quantizer would emit it anyway.
+MIN_OPSET = 13
+_TYPES = {"uint8": "QUInt8", "int8": "QInt8"}
+_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", "distribution": "Distribution"}
+
+# extra_options ORT's quantize_static hands to the calibrator (its own names → the calibrator's)
+_CALIBRATOR_OPTIONS = {"CalibTensorRangeSymmetric": "symmetric", "CalibMovingAverage": "moving_average",
+                       "CalibMovingAverageConstant": "averaging_constant",
+                       "CalibMaxIntermediateOutputs": "max_intermediate_outputs", "CalibPercentile": "percentile"}
+
+
+@dataclass(frozen=True)
+class OrtSettings:
+    """What one build may vary beyond the float set; the rest of the options are fixed per run. The fallback
+    tries other values per trial (mse ranges, bias correction on or off, op types left float), so a build is
+    asked for with its settings and cached under them."""
+
+    calibrate_method: str  # how activation ranges are chosen (ORT's calibrators, or qprep's "mse")
+    bias_correction: bool  # correct the integer biases (static QDQ only)
+    float_op_types: frozenset[str] = field(default_factory=frozenset)  # op types not quantized at all
+
+
+class _Reader:
+    """The calibrator's CalibrationDataReader over qprep samples (a reader is consumed once: make a new one)."""
+
+    def __init__(self, samples: list[dict], input_names: list[str]):
+        self._items = iter([{n: s[n] for n in input_names} for s in samples])
+
+    def get_next(self):
+        return next(self._items, None)
+
+    def rewind(self):  # pragma: no cover - ORT calls it only for some calibrators
+        pass
+
+
+class OrtQuantizer:
+    """Calibrate once, quantize as often as needed: activation ranges, the GPTQ input moments and the
+    re-rounded integers of every layer are computed on the first build and reused by later builds.
+    After a build, `rounding`, `bias` and `simplified` say what it did (for the stage's record)."""
+
+    def __init__(self, model: onnx.ModelProto, samples: list[dict], options: dict, work_dir: Path, threads: int = 2,
+                 progress=None):
+        self.upgraded_from = None
+        if default_opset(model) < MIN_OPSET:
+            self.upgraded_from, model = default_opset(model), _upgraded(model)
+        self.model, self.samples, self.options, self.work_dir, self.threads = model, samples, options, work_dir, threads
+        self.progress = progress
+        self.node_names = {n.name for n in model.graph.node}
+        self.settings = OrtSettings(  # as configured: what builds use unless the fallback measured better
+            calibrate_method=options["calibrate_method"],
+            bias_correction=bool(options["bias_correction"]) and options["format"] == "qdq" and not self.dynamic)
+        self._ranges: dict = {}  # range method → ORT TensorsData
+        self._moments: dict | None = None
+        self._integers: dict = {}  # (node, scale bytes) → re-rounded integers
+        self.rounding: dict = {"method": options["weight_rounding"]}
+        self._float_outputs: list | None = None  # the float model's outputs on the calibration samples
+        self.bias: dict = {"applied": False}  # what bias correction did on the last build
+        self._bias: dict = {}  # (float set, settings) → {shifts, layers, …, kept}
+        self._last: tuple | None = None  # ((float set, settings), model) of the last build
+        self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
+
+    @property
+    def dynamic(self) -> bool:
+        return self.options["activations"] == "dynamic"
+
+    @property
+    def op_types(self) -> list[str]:
+        """The op types ORT quantizes here (configured, or by default every one it can; a build leaves its
+        settings' float_op_types out)."""
+        if self.options["op_types"]:
+            return list(self.options["op_types"])
+        if self.dynamic:  # ConvInteger is slower than float Conv on x86; Gather/Attention are not worth it
+            return ["MatMul", "Gemm"]
+        return sorted(set(QDQRegistry) | set(QLinearOpsRegistry))
+
+    def calibrate(self, method: str):
+        """Activation ranges from the calibration samples (computed once per method; none when dynamic)."""
+        if self.dynamic:
+            return None
+        if method not in self._ranges:
+            if method == "mse":  # refined from min/max with one more run of the float model
+                minmax = self._ort_ranges("minmax")
+                pairs = {name: tuple(float(np.asarray(v).ravel()[0]) for v in data.range_value)
+                         for name, data in minmax.items()}
+                self._ranges[method] = _tensors_data(activation_ranges.mse_ranges(self.model, pairs, self.samples,
+                                                                                   self.threads))
+            else:
+                self._ranges[method] = self._ort_ranges(method)
+        return self._ranges[method]
+
+    def _ort_ranges(self, method: str):
+        """ONNX Runtime's calibrator (run once per method)."""
+        if method in self._ranges:
+            return self._ranges[method]
+        extra = self.options["extra_options"]
+        calibrator_options = {key: extra[name] for name, key in _CALIBRATOR_OPTIONS.items() if name in extra}
+        inputs = [spec.name for spec in graph_inputs(self.model)]
+        with tempfile.TemporaryDirectory(dir=self.work_dir, prefix="ort-calibrate-") as tmp:
+            source = Path(tmp) / "float.onnx"
+            save_model(self.model, source)
+            calibrator = create_calibrator(
+                source, self.op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+                calibrate_method=getattr(CalibrationMethod, _METHODS[method]), extra_options=calibrator_options,
+                use_external_data_format=is_large(self.model))  # the augmented model outgrows 2 GB with it
+            calibrator.collect_data(_Reader(self.samples, inputs))
+            self._ranges[method] = calibrator.compute_data()
+            del calibrator
+        return self._ranges[method]
+
+    def build(self, excluded: set[str], settings: OrtSettings | None = None) -> onnx.ModelProto:
+        """The quantized model with `excluded` nodes (and their edges) left float, built with `settings` (the
+        configured ones by default). The fallback asks for the same build several times in a row (ranking base,
+        candidates, search base): the last build is kept."""
+        if settings is None:
+            settings = self.settings
+        if settings.bias_correction and not self.settings.bias_correction:
+            raise ValueError("bias correction was not configured, or the format is not static QDQ")
+        key = (frozenset(excluded & self.node_names), settings)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        try:
+            quantized = self._quantize(self.calibrate(settings.calibrate_method), sorted(key[0]),
+                                       settings.float_op_types)
+        except QprepError:
+            raise
+        except Exception as exc:  # ORT raises bare exceptions with the op/tensor in the text
+            raise QprepError(f"ONNX Runtime quantization failed: {str(exc).splitlines()[0][:300]} "
+                             "(try format: qdq, per_channel: false, or exclude the node named in the message)") from None
+        if self.options["weight_rounding"] == "gptq" and self.options["format"] == "qdq" and not self.dynamic:
+            quantized = self._round_weights(quantized)
+        elif self.options["weight_rounding"] == "gptq":
+            self.rounding.update(kept=False, reason="GPTQ re-rounds DequantizeLinear weights: static QDQ only")
+        if settings.bias_correction:
+            quantized = self._correct_biases(quantized, key)
+        else:
+            self.bias = {"applied": False}
+        if self.options["format"] == "qdq" and not self.dynamic:  # exact rules: verified on the first build only
+            quantized, self.simplified = remove_redundant.simplify(quantized, self.samples[:8], self.threads,
+                                                                   verify=self._last is None)
+        self._last = (key, quantized)
+        return quantized
+
+    def _quantize(self, ranges, excluded: list[str], float_op_types: frozenset[str]) -> onnx.ModelProto:
+        model = save_and_reload_model_with_shape_infer(self.model)
+        common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
+                      weight_qType=getattr(QuantType, _TYPES[self.options["weight_type"]]),
+                      activation_qType=getattr(QuantType, _TYPES[self.options["activation_type"]]),
+                      tensors_range=ranges, nodes_to_quantize=[], nodes_to_exclude=excluded,
+                      op_types_to_quantize=[t for t in self.op_types if t not in float_op_types],
+                      extra_options=dict(self.options["extra_options"]))
+        if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
+            extra = {"MatMulConstBOnly": True, **common.pop("extra_options")}
+            common.update(activation_qType=QuantType.QUInt8, tensors_range=None, extra_options=extra)
+            quantizer = ONNXQuantizer(model, mode=QuantizationMode.IntegerOps, static=False, **common)
+        elif self.options["format"] == "qdq":
+            quantizer = QDQQuantizer(model, **common)
+        else:
+            quantizer = ONNXQuantizer(model, mode=QuantizationMode.QLinearOps, static=True, **common)
+        quantizer.quantize_model()
+        quantizer.model.topological_sort()  # what ORT's save_model_to_file does: new Q/DQ nodes are appended
+        return quantizer.model.model
+
+    def _round_weights(self, quantized: onnx.ModelProto) -> onnx.ModelProto:
+        """GPTQ integers; on the first build the result is compared with nearest rounding on the calibration
+        samples and kept only if the output error went down (then every later build uses it too)."""
+        if self.rounding.get("kept") is False:
+            return quantized
+        layers = gptq.find_layers(quantized, self.model)
+        if self._moments is None:
+            self._moments = gptq.input_moments(quantized, layers, self.samples, self.threads)
+        rounded, changed = gptq.apply(quantized, layers, self._moments, cache=self._integers)
+        if "kept" not in self.rounding:
+            nearest_db, rounded_db = self._calibration_sqnr(quantized, rounded)
+            self.rounding.update(layers=changed, calibration_sqnr_db={"nearest": nearest_db, "gptq": rounded_db},
+                                 kept=bool(rounded_db > nearest_db))
+            log.info("ort: GPTQ weight rounding on %d layers: calibration SQNR %.2f → %.2f dB (%s)", changed,
+                     nearest_db, rounded_db, "kept" if self.rounding["kept"] else "not better, nearest kept")
+        return rounded if self.rounding["kept"] else quantized
+
+    def _calibration_sqnr(self, *models: onnx.ModelProto) -> list[float]:
+        """Each model's output SQNR (dB) against the float model on the calibration samples (the float outputs
+        computed once): how GPTQ and bias correction decide whether they are kept."""
+        if self._float_outputs is None:
+            self._float_outputs = run_model(self.model, self.samples, self.threads, optimize=True)
+        return [output_sqnr(self._float_outputs, run_model(m, self.samples, self.threads, optimize=True))
+                for m in models]
+
+    def _note(self, message: str) -> None:
+        log.info("ort: %s", message)
+        if self.progress is not None:
+            self.progress.note(message)
+
+    def _correct_biases(self, quantized: onnx.ModelProto, key: tuple) -> onnx.ModelProto:
+        """Bias shifts (bias_correction.py) measured for this float set and these settings: they compensate the
+        drift of the layers upstream, which another float set changes, so each build measures its own (~1 min
+        on PP-OCRv4 rec, which is why the fallback searches without them). Kept only if the calibration output
+        error goes down."""
+        layers = bias_correction.find_layers(quantized, self.model)
+        if key not in self._bias:
+            started = time.perf_counter()
+            self._note(f"bias correction: {len(layers)} layers in {len(bias_correction.waves(layers))} waves over "
+                       f"{len(self.samples)} calibration samples")
+            shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads)
+            before_db, after_db = self._calibration_sqnr(quantized, bias_correction.apply(quantized, layers, shifts))
+            kept = bool(after_db > before_db)
+            self._bias[key] = {"shifts": shifts if kept else {}, "layers": len(shifts), "kept": kept,
+                               "calibration_sqnr_db": {"before": round(before_db, 2), "after": round(after_db, 2)},
+                               "seconds": round(time.perf_counter() - started, 1)}
+            self._note(f"bias correction: calibration SQNR {before_db:.2f} → {after_db:.2f} dB, "
+                       f"{'kept' if kept else 'not better, left out'} ({self._bias[key]['seconds']:.0f} s)")
+        result = self._bias[key]
+        self.bias = {"applied": result["kept"], **{k: v for k, v in result.items() if k != "shifts"}}
+        return bias_correction.apply(quantized, layers, result["shifts"]) if result["shifts"] else quantized
+
+
+def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model at MIN_OPSET (ORT's quantizer needs it), or a one-line error when onnx's converter cannot."""
+    if is_large(model):
+        raise QprepError(f"the model is opset {default_opset(model)} and over 2 GB: ONNX Runtime's quantizer needs "
+                         f"opset {MIN_OPSET}+ and onnx's converter cannot upgrade models this large; re-export it "
+                         f"at opset {MIN_OPSET} or later")
+    try:
+        return onnx.version_converter.convert_version(model, MIN_OPSET)
+    except Exception as exc:  # the converter raises bare RuntimeErrors naming the op it could not adapt
+        raise QprepError(f"the model is opset {default_opset(model)}; ONNX Runtime's quantizer needs {MIN_OPSET}+ "
+                         f"and onnx's converter failed ({str(exc).splitlines()[0][:200]}): re-export it at opset "
+                         f"{MIN_OPSET} or later") from None
+
+
+def _tensors_data(ranges: dict[str, tuple[float, float]]) -> TensorsData:
+    return TensorsData(CalibrationMethod.MinMax, {name: (np.array(low, np.float32), np.array(high, np.float32))
+                                                  for name, (low, high) in ranges.items()})
+
+
+def output_sqnr(expected: list[dict], actual: list[dict]) -> float:
+    """SQNR (dB) of all float outputs together, over the samples."""
+    pairs = [(e[name], a[name]) for e, a in zip(expected, actual) for name in e
+             if np.asarray(e[name]).dtype.kind == "f" and np.shape(e[name]) == np.shape(a[name])]
+    return sqnr_db([p[0] for p in pairs], [p[1] for p in pairs])

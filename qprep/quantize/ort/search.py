@@ -1,0 +1,228 @@
+"""The accuracy-driven fallback with ORT: what qprep.quantize.search does for every backend, plus the trials
+only ORT's second-long builds can afford.
+
+A trial is a re-quantization (ranges and GPTQ cached by the quantizer) and an ORT run on the evaluation
+samples. Before any node is made float, three settings are measured at the outputs: bias correction on the
+base float set, mse activation ranges, and op types left float as a whole. Candidates are then activation
+edges (`edges`; MatMul nodes with dynamic quantization), those losing most accuracy first, promoted by gain
+per multiply-add. Last, bias correction is measured again on the float set the search chose.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Callable
+
+import onnx
+
+from qprep.evaluate.gate import check_gate
+from qprep.evaluate.layers import layer_errors
+from qprep.model.info import graph_inputs, multiply_adds
+from qprep.model.runtime import run_model
+from qprep.quantize import search
+from qprep.quantize.backend import BackendInput
+from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
+
+log = logging.getLogger("qprep")
+
+# Ops without weights whose int8 version only re-rounds an activation (elementwise, data movement, softmax).
+# Conv/MatMul/Gemm are where INT8 pays; these are judged as whole op types before nodes are ranked.
+_COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
+
+
+class Trials:
+    """The search's measurements at the settings chosen so far. Each phase replaces `settings` (immutable)
+    with what it measured better, and every build is asked for with them: the quantizer is never changed.
+    `measure(float_nodes, samples, settings)` → per-output metrics; results are remembered per (settings,
+    float set, number of samples), as the range trial, the op-type phase and the search's base share builds."""
+
+    def __init__(self, settings: OrtSettings, measure: Callable[[set[str], list[dict], OrtSettings], dict]):
+        self.settings = settings
+        self.evaluate = search.remembered(lambda nodes, samples: measure(nodes, samples, self.settings),
+                                          lambda: self.settings)
+
+    def use(self, **changes) -> None:
+        self.settings = replace(self.settings, **changes)
+
+
+def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> tuple[search.Outcome, OrtSettings]:
+    """The float set and the settings the final build uses, with the search's record."""
+    started = time.perf_counter()  # the op-type phase counts against the budget too
+    ops = {n.name: n.op_type for n in quantizer.model.graph.node}
+
+    def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
+        return job.measure(run_model(quantizer.build(float_nodes, settings), samples, job.threads, optimize=True))
+
+    trials = Trials(quantizer.settings, measure)
+    wanted = trials.settings.bias_correction
+    # bias correction is measured per float set (a minute on large models), so not per trial: tried first on the
+    # configured ranges (EfficientNet-Lite0 meets its target so, not with mse ranges), the search runs without it
+    corrected_base = _corrected_base(trials, excluded, job) if wanted else None
+
+    configured = trials.settings.calibrate_method
+    ranges = search.choose_setting(
+        "calibrate_method", configured, ["mse"] if configured == "minmax" and not quantizer.dynamic else [],
+        lambda method: trials.use(calibrate_method=method), trials.evaluate, excluded, job.evaluation_samples,
+        job.fallback["target"], job.progress)
+    op_types = choose_float_op_types(quantizer, trials, excluded, job)
+    candidates = _candidates(quantizer.model, quantizer.build(excluded, trials.settings),
+                             job.evaluation_samples[:8], excluded, job.threads)
+    groups = {} if quantizer.dynamic else edges(quantizer.model, candidates)
+    if groups:
+        candidates = list(groups)
+    macs = multiply_adds(quantizer.model)
+    total = sum(macs.values()) or 1
+    cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
+    outcome = search.search(trials.evaluate, candidates, excluded, job.evaluation_samples, job.fallback,
+                            describe=lambda n: _describe(n, groups, ops), progress=job.progress, started=started,
+                            groups=groups, cost=cost)
+    outcome.record.update(float_op_types=op_types, ranges=ranges)
+    if wanted:
+        outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, started)
+    return outcome, trials.settings
+
+
+def _corrected_base(trials: Trials, excluded: set[str], job: BackendInput) -> dict:
+    """The base float set with bias correction: if that meets the target, the search ends at its base trial
+    with it (EfficientNet-Lite0: 0 float nodes); otherwise the search runs without it."""
+    started = time.perf_counter()
+    trials.use(bias_correction=True)
+    outputs = trials.evaluate(excluded, job.evaluation_samples)
+    passed = check_gate(job.fallback["target"], outputs)["passed"]
+    trials.use(bias_correction=passed)
+    score = search.score_of(outputs, job.fallback["target"])
+    log.info("fallback: bias correction on the base: score %.5f%s", score, ", target met" if passed else "")
+    return {"score": score, "passed": passed, "float_set": set(excluded), "seconds": time.perf_counter() - started}
+
+
+def _correct_final(trials: Trials, outcome: search.Outcome, base: dict, job: BackendInput, started: float) -> dict:
+    """Bias correction on the float set the search chose (measured again unless that is the base's set, if the
+    budget has room for a measurement as long as the base's took) and kept if the score goes up."""
+    target, float_set = job.fallback["target"], set(outcome.float_nodes)
+    record = {"base": {"score": base["score"], "passed": base["passed"]}}
+    if base["passed"]:
+        record["kept"] = True
+        return record
+    late = time.perf_counter() - started + base["seconds"] > job.fallback["time_budget_s"]
+    if float_set != base["float_set"] and late:
+        record.update(kept=False, why="no time left in the budget to measure it on the chosen float set")
+        return record
+    without = outcome.record["best"]["score"]
+    trials.use(bias_correction=True)
+    outputs = trials.evaluate(float_set, job.evaluation_samples)
+    gate = check_gate(target, outputs)
+    score, passed = search.score_of(outputs, target), gate["passed"]
+    kept = score > without and (passed or not outcome.passed)
+    trials.use(bias_correction=kept)
+    record["final"] = {"without": without, "with": score, "passed": passed}
+    record["kept"] = kept
+    log.info("fallback: bias correction on the chosen float set: score %.5f → %.5f (%s)", without, score,
+             "kept" if kept else "left out")
+    if kept:
+        outcome.passed = passed
+        metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
+        outcome.record.update(passed=passed, best={"score": score, "metrics": metrics},
+                              seconds=round(time.perf_counter() - started, 1))
+        if passed:
+            outcome.record.pop("why", None)
+    return record
+
+
+def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput) -> dict:
+    """Leave an op type float when that measurably helps: on PP-OCRv4 rec, quantizing the hardswish chains
+    (Add, Clip, Mul) re-rounds every activation three times. Greedy: rank each type on the ranking samples, keep
+    each drop that helps on all samples; then try all these types at once (one of a chain's ops left float
+    alone only adds Q/DQ pairs), kept if better still. The chosen types stay in `trials.settings`."""
+    target = job.fallback["target"]
+    outputs = trials.evaluate(excluded, job.evaluation_samples)
+    if check_gate(target, outputs)["passed"]:
+        return {"chosen": [], "trials": [], "nodes": 0}
+    current = search.score_of(outputs, target)
+    present = {n.op_type for n in quantizer.model.graph.node if n.name not in excluded}
+    types = [t for t in quantizer.op_types if t in present and t not in _COMPUTE]
+    rank_samples = job.evaluation_samples[: job.fallback["rank_samples"]]
+    base = search.score_of(trials.evaluate(excluded, rank_samples), target)
+    gains = {}
+    for op_type in types:
+        trials.use(float_op_types=frozenset({op_type}))
+        gains[op_type] = search.score_of(trials.evaluate(excluded, rank_samples), target) - base
+    trials.use(float_op_types=frozenset())
+    attempts = []
+
+    def attempt(chosen: frozenset[str], label: str, rank_gain) -> None:
+        """Leave `chosen` float if that beats the current score on all samples, else put the last set back."""
+        nonlocal current
+        previous = trials.settings.float_op_types
+        trials.use(float_op_types=chosen)
+        score = search.score_of(trials.evaluate(excluded, job.evaluation_samples), target)
+        kept = score > current
+        attempts.append({"op_type": label, "rank_gain": rank_gain, "score": score, "kept": kept})
+        if kept:
+            current = score
+        else:
+            trials.use(float_op_types=previous)
+
+    for op_type in sorted((t for t in gains if gains[t] > 0), key=lambda t: -gains[t]):
+        attempt(trials.settings.float_op_types | {op_type}, op_type, gains[op_type])
+    union = frozenset(types)  # every re-rounding type at once: a hardswish chain only pays when all its ops stay float
+    if len(union) > 1 and union != trials.settings.float_op_types:
+        attempt(union, "+".join(sorted(union)), None)
+    chosen = trials.settings.float_op_types
+    if job.progress is not None and chosen:
+        job.progress.note(f"fallback: op types left float: {', '.join(sorted(chosen))} "
+                          f"(score {base:.5f} → {current:.5f})")
+    log.info("ort fallback: op types left float %s, score %.5f → %.5f", sorted(chosen), base, current)
+    return {"chosen": sorted(chosen), "trials": attempts,
+            "nodes": sum(n.op_type in chosen for n in quantizer.model.graph.node)}
+
+
+def edges(model: onnx.ModelProto, ordered_nodes: list[str]) -> dict[str, tuple[str, ...]]:
+    """Activation tensor → the quantized nodes that must all be float for it to stay float (its producer and
+    every consumer: with Q/DQ, a tensor is rounded when any of them is quantized). Why edges, not nodes: on
+    EfficientNet-Lite0 keeping one edge float (2 nodes) did what four single nodes did not (0.9973 → 0.9980).
+    Ordered as `ordered_nodes` (most accuracy lost first) by the edge's first member; duplicates dropped."""
+    position = {name: i for i, name in enumerate(ordered_nodes)}
+    consumers: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node.name)
+    tensors = [(o, node.name) for node in model.graph.node for o in node.output]
+    tensors += [(spec.name, None) for spec in graph_inputs(model)]
+    found, seen = [], set()
+    for tensor, producer in tensors:
+        members = tuple(dict.fromkeys(n for n in [producer, *consumers.get(tensor, [])] if n in position))
+        if members and frozenset(members) not in seen:
+            seen.add(frozenset(members))
+            found.append((min(position[n] for n in members), tensor, members))
+    return {tensor: members for _, tensor, members in sorted(found, key=lambda e: e[0])}
+
+
+def _describe(candidate: str, groups: dict, ops: dict) -> str:
+    if candidate in groups:
+        return " + ".join(ops.get(n, "?") for n in groups[candidate]) + " (edge)"
+    return ops.get(candidate, "?")
+
+
+def _candidates(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[dict], excluded: set[str],
+                threads: int) -> list[str]:
+    """Nodes the quantizer touched (an input from DequantizeLinear, or replaced by an integer op), ordered by
+    the accuracy lost across the node itself: SQNR at its inputs minus SQNR at its output (accumulated errors
+    cancel out). Nodes whose output cannot be compared (graph outputs: the last classifier layer) come first."""
+    dq_outputs = {o for n in quantized.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    in_quantized = {n.name: n for n in quantized.graph.node}
+    originals = {n.name: n for n in float_model.graph.node}
+    touched = [n for n in float_model.graph.node if n.name not in excluded and (
+        n.name not in in_quantized  # replaced by an integer op (QOperator, dynamic MatMulInteger)
+        or set(in_quantized[n.name].input) & dq_outputs)]
+    rows = {r["node"]: r["sqnr_db"] for r in layer_errors(float_model, quantized, samples, threads)}
+    producer = {o: n.name for n in float_model.graph.node for o in n.output}
+    ceiling = 80.0  # dB: graph inputs and weights count as (nearly) exact
+
+    def local_loss(node) -> float:
+        before = min([rows.get(producer[i], ceiling) for i in originals[node.name].input if i in producer]
+                     or [ceiling])
+        return float("inf") if node.name not in rows else min(before, ceiling) - min(rows[node.name], ceiling)
+
+    return [n.name for n in sorted(touched, key=lambda n: -local_loss(n))]
