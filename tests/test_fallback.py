@@ -26,9 +26,31 @@ def _scripted(damage: dict[str, float], interaction: dict[frozenset, float] | No
     return evaluate, builds
 
 
+class Scripted(search.SearchBackend):
+    """A backend whose build is a function; optionally its own ranking (as RKNN) and a faster mode."""
+
+    def __init__(self, evaluate, rank=None, faster=None):
+        self.build, self.ranking, self.switch = evaluate, rank, faster
+        self.ranks_itself = rank is not None
+
+    def evaluate(self, float_nodes, samples):
+        return self.build(float_nodes, samples)
+
+    def rank(self, chosen):
+        return self.ranking(chosen)
+
+    def faster(self, float_nodes):
+        return self.switch(float_nodes) if self.switch else False
+
+
+def run_search(evaluate, names, base_float, samples, options, rank=None, faster=None, cost=None):
+    return search.Search(Scripted(evaluate, rank, faster), search.Candidates(names, cost=cost), base_float, samples,
+                         options).run()
+
+
 def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
     evaluate, _ = _scripted({"a": 0.001, "b": 0.02, "c": 0.004, "d": 0.0})
-    outcome = search.search(evaluate, ["a", "b", "c", "d"], set(), [{}] * 4,
+    outcome = run_search(evaluate, ["a", "b", "c", "d"], set(), [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 0.998}})
     assert outcome.passed and outcome.float_nodes == ["b", "c"]  # 1 - 0.001 ≥ 0.998 after b and c
     assert [r["node"] for r in outcome.record["ranking"]][:3] == ["b", "c", "a"]
@@ -40,7 +62,7 @@ def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
 def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_target_is_missed():
     damage = {"a": 0.01, "b": 0.01, "c": 0.05}
     evaluate, _ = _scripted(damage, {frozenset({"a", "c"}): 0.02})  # a helps alone, hurts next to c
-    outcome = search.search(evaluate, ["a", "b", "c"], {"kept"}, [{}] * 4,
+    outcome = run_search(evaluate, ["a", "b", "c"], {"kept"}, [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 0.9999}})
     assert not outcome.passed
     assert set(outcome.float_nodes) == {"kept", "b", "c"}  # a rejected: it made the outputs worse
@@ -50,7 +72,7 @@ def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_t
 
 def test_search_respects_max_float_nodes_and_blocks():
     evaluate, builds = _scripted({f"n{i}": 0.01 * (i + 1) for i in range(6)})
-    outcome = search.search(evaluate, [f"n{i}" for i in range(6)], set(), [{}] * 4,
+    outcome = run_search(evaluate, [f"n{i}" for i in range(6)], set(), [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": 4, "block": 2})
     assert len(outcome.float_nodes) == 4 and outcome.record["stopped"] == "max_float_nodes (4) reached"
     promoted = [b for b in builds[8:]]  # after base, the rank base and 6 rank trials
@@ -74,7 +96,7 @@ def test_when_no_slow_trial_fits_the_budget_the_rest_build_the_faster_way(monkey
         slow[0] = not switches
         return switches
 
-    outcome = search.search(evaluate, list(damage), {"kept"}, [{}] * 4,
+    outcome = run_search(evaluate, list(damage), {"kept"}, [{}] * 4,
                               {**OPTIONS, "target": {"cosine_mean": 0.999}, "time_budget_s": 100},
                               rank=lambda chosen: [{"node": n, "gain": 0.01} for n in damage if n not in chosen],
                               faster=faster)
@@ -237,11 +259,11 @@ def test_edges_group_a_tensors_producer_and_consumers_in_ranked_order():
 
 def test_with_costs_the_cheaper_candidate_of_equal_help_is_promoted_first():
     evaluate, builds = _scripted({"early": 0.02, "late": 0.015})
-    outcome = search.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}},
+    outcome = run_search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}},
                               cost={"early": 0.3, "late": 0.02})
     assert outcome.float_nodes == ["late"] and outcome.passed  # 0.985 ≥ 0.98 with the cheap one alone
     evaluate, builds = _scripted({"early": 0.02, "late": 0.015})
-    outcome = search.search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}})
+    outcome = run_search(evaluate, ["early", "late"], set(), [{}] * 4, {**OPTIONS, "target": {"cosine_mean": 0.98}})
     assert outcome.float_nodes == ["early"]  # by gain alone
 
 

@@ -240,4 +240,5 @@ def test_a_batch_timeout_lets_the_model_write_its_report(tmp_path):
     row, = json.loads((tmp_path / "batch" / "summary.json").read_text())["models"]
     assert row["status"] == "failed" and "timed out after 8 s" in row["error"]
     report = json.loads((tmp_path / "batch" / "tiny" / "report.json").read_text())
-    assert report["status"] == "interrupted" and report["step"] == "evaluation"
+    assert report["status"] == "interrupted" and report["error"] == "interrupted by SIGTERM"
+    assert report["step"] in ("stage 0 optimize", "stage 1 quantize", "evaluation")  # a loaded machine is slower

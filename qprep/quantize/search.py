@@ -12,9 +12,10 @@ Why measured, not by op type: on EfficientNet-Lite0 excluding the 16 depthwise c
    the target holds, at `max_float_nodes`, when nothing helps any more, or when the time budget is spent.
 
 The best float set found is always returned (the target met with the fewest float nodes, else the best score);
-the backend builds its final model from it. Backends plug in with `evaluate(float_nodes, samples) → per-output
-metrics` (FP32 reference outputs and calibration statistics computed once by the caller) and, where one trial
-per node is too slow (RKNN), `rank(float_nodes) → [{node, gain}]` from the backend's own per-layer analysis.
+the backend builds its final model from it. A backend plugs in as a `SearchBackend`: `evaluate(float_nodes,
+samples) → per-output metrics` (FP32 reference outputs and calibration statistics computed once by the caller)
+and, where one trial per node is too slow (RKNN), `rank(chosen) → [{node, gain}]` from its own per-layer
+analysis; `Search(backend, Candidates(...), ...).run()` is the search.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from qprep.evaluate.gate import check_gate
@@ -82,127 +83,209 @@ def score_of(outputs: dict, target: dict) -> float:
     return float("-inf") if not values or any(math.isnan(v) for v in values) else min(values)
 
 
-def search(evaluate: Callable[[set[str], list[dict]], dict], candidates: list[str], base_float: set[str],
-           samples: list[dict], options: dict, describe: Callable[[str], str] = str, progress=None,
-           rank: Callable[[tuple[str, ...]], list[dict]] | None = None, started: float | None = None,
-           groups: dict[str, tuple[str, ...]] | None = None, cost: dict[str, float] | None = None,
-           faster: Callable[[set[str]], bool] | None = None) -> Outcome:
-    """`started`: when the backend's own fallback work began (perf_counter), so the budget covers it too.
-    `groups`: candidates that stand for several nodes (ORT: an activation edge is float only when its producer
-    and every consumer are); other candidates are node names. `cost`: each candidate's share of the model's
-    compute; given, candidates are promoted by gain per cost, so the target is met with the cheapest float set
-    (on EfficientNet-Lite0 the most harmful edges are the high-resolution early layers, the slowest in float).
-    `faster(float_nodes)`: asked once, when the next trial would end in the last FAST_SHARE of the budget, to
-    build from then on in a faster, approximate way starting from the build of `float_nodes` (the accepted set);
-    True if it does (else the slow trials go on to the end of the budget)."""
-    started = time.perf_counter() if started is None else started
-    groups = groups or {}
+class SearchBackend:
+    """What the search asks a backend. `evaluate` is required. A backend whose builds take minutes ranks the
+    candidates from its own per-layer analysis (`ranks_itself` and `rank`) instead of one trial per candidate;
+    one that can build faster, approximately, says so in `faster`."""
 
-    def nodes(candidates) -> set[str]:
-        return {n for c in candidates for n in groups.get(c, (c,))} - base_float
+    ranks_itself = False
 
-    target, budget = options["target"], options["time_budget_s"]
-    rank_samples = samples[: options["rank_samples"]]
-    trials: list[Trial] = []
+    def evaluate(self, float_nodes: set[str], samples: list[dict]) -> dict:
+        """Per-output metrics of the build with `float_nodes` float, on `samples` (a prefix of the evaluation
+        samples, so their number names them)."""
+        raise NotImplementedError
 
-    def elapsed() -> float:
-        return time.perf_counter() - started
+    def rank(self, chosen: tuple[str, ...]) -> list[dict]:
+        """[{node, gain}] for the candidates not in `chosen`, most harmful first (when `ranks_itself`)."""
+        raise NotImplementedError
 
-    def trial(phase: str, start: tuple[str, ...], added: tuple[str, ...], on: list[dict]) -> Trial:
-        t0 = time.perf_counter()
-        made_float = nodes(start + added)
-        outputs = evaluate(base_float | made_float, on)
-        gate = check_gate(target, outputs) if on is samples else {"passed": False}
-        metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
-        result = Trial(phase, start + added, added, len(made_float), score_of(outputs, target), metrics,
-                       gate["passed"], time.perf_counter() - t0)
-        trials.append(result)
-        return result
+    def faster(self, float_nodes: set[str]) -> bool:
+        """Asked once, when the next trial would end in the last FAST_SHARE of the budget: build the faster,
+        approximate way from now on, starting from the build of `float_nodes` (the accepted set)? True if so."""
+        return False
 
-    def say(message: str) -> None:
-        log.info("fallback: %s", message)
-        if progress is not None:
-            progress.note(f"fallback: {message}")
 
-    base = trial("base", (), (), samples)
-    base.accepted = True
-    say(f"base (all quantized): score {base.score:.5f}, target {'met' if base.passed else 'missed'} "
-        f"({_metrics_text(base.metrics)})")
-    best, current, stop = base, base, "target met" if base.passed else ""
-    ranking: list[dict] = []
-    remaining = list(candidates if rank is not None else candidates[: options["max_candidates"]])
-    chosen: tuple[str, ...] = ()
-    gains: dict[str, float] = {}  # promoted node → its gain in the round that promoted it
-    fast_from: int | None = None  # index of the first trial built the faster way
-    round_index = 0
-    while not stop:
-        round_index += 1
-        if rank is not None:
-            ranked = [row for row in rank(chosen) if row["node"] in remaining]
+@dataclass
+class Candidates:
+    """What the search may make float. A name is a node, or stands for the nodes `groups` lists (ORT: an
+    activation edge is float only when its producer and every consumer are). `cost`: each candidate's share of
+    the model's compute; given, candidates are promoted by gain per cost, so the target is met with the
+    cheapest float set (on EfficientNet-Lite0 the most harmful edges are the high-resolution early layers, the
+    slowest in float). `ops`: node → op type, for the record."""
+
+    names: list[str]
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    cost: dict[str, float] | None = None
+    ops: dict[str, str] = field(default_factory=dict)
+
+    def nodes(self, names, base_float: set[str]) -> set[str]:
+        return {n for c in names for n in self.groups.get(c, (c,))} - base_float
+
+    def describe(self, name: str) -> str:
+        if name in self.groups:
+            return " + ".join(self.ops.get(n, "?") for n in self.groups[name]) + " (edge)"
+        return self.ops.get(name, name)
+
+
+class Search:
+    """One search: rank the candidates, promote them most harmful first, re-rank each round, until the target
+    holds, the float-node cap or the time budget is reached, or nothing helps. `started`: when the backend's own
+    fallback work began (perf_counter), so the budget covers it too."""
+
+    def __init__(self, backend: SearchBackend, candidates: Candidates, base_float: set[str], samples: list[dict],
+                 options: dict, progress=None, started: float | None = None):
+        self.backend, self.candidates, self.base_float = backend, candidates, set(base_float)
+        self.samples, self.options, self.progress = samples, options, progress
+        self.target, self.budget = options["target"], options["time_budget_s"]
+        self.started = time.perf_counter() if started is None else started
+        self.trials: list[Trial] = []
+        self.chosen: tuple[str, ...] = ()  # candidates accepted so far
+        self.gains: dict[str, float] = {}  # promoted candidate → its gain in the round that promoted it
+        self.fast_from: int | None = None  # index of the first trial built the faster way
+        self.ask_faster = True
+        self.best = self.current = None
+
+    def run(self) -> Outcome:
+        base = self.trial("base", (), (), self.samples)
+        base.accepted = True
+        self.say(f"base (all quantized): score {base.score:.5f}, target {'met' if base.passed else 'missed'} "
+                 f"({_metrics_text(base.metrics)})")
+        self.best = self.current = base
+        stop = "target met" if base.passed else ""
+        names = self.candidates.names
+        remaining = list(names if self.backend.ranks_itself else names[: self.options["max_candidates"]])
+        ranking: list[dict] = []
+        rounds = 0
+        while not stop:
+            rounds += 1
+            ranked = self.ranked(remaining, rounds)
+            ranking = ranking if rounds > 1 else ranked
+            stop, promoted, capped = self.promote(ranked, rounds)
+            remaining = [n for n in remaining if n not in self.chosen]
+            if not stop and capped:  # the cap is (nearly) full: another round would only rank
+                stop = f"max_float_nodes ({self.options['max_float_nodes']}) reached"
+            elif not stop and (not promoted or not remaining):
+                stop = "no candidate left that helps"
+            elif not stop and self.elapsed() > self.budget:
+                stop = "time budget spent"
+        float_nodes = sorted(self.base_float | self.candidates.nodes(self.best.float_nodes, self.base_float))
+        return Outcome(float_nodes, self.best.passed, self.record(base, ranking, stop, rounds))
+
+    def ranked(self, remaining: list[str], round_index: int) -> list[dict]:
+        """This round's candidates, most harmful first (by gain per cost when costs are known)."""
+        if self.backend.ranks_itself:
+            ranked = [row for row in self.backend.rank(self.chosen) if row["node"] in remaining]
         else:
-            ranked = _rank(trial, chosen, remaining, rank_samples, elapsed, budget, say, round_index)
-        if round_index == 1:
-            ranking = ranked
+            ranked = self.rank_by_trials(remaining, round_index)
+        cost = self.candidates.cost
         if cost:
             ranked = sorted(ranked, key=lambda row: -row["gain"] / max(cost.get(row["node"], 0.0), MIN_COST))
-        helpful = [row["node"] for row in ranked if row["gain"] > 0]
-        say(f"round {round_index}: {len(helpful)} of {len(ranked)} candidates help when kept float; promoting in "
-            f"blocks of {options['block']}")
-        promoted, capped = 0, False
-        for start in range(0, len(helpful), options["block"]):
-            last = next((t.seconds for t in reversed(trials[fast_from or 0:]) if t.phase == "promote"), 0.0)
-            if elapsed() + last > budget * (1 - FAST_SHARE) and faster is not None and fast_from is None:
-                if faster(base_float | nodes(chosen)):
-                    fast_from, last = len(trials), 0.0
-                    say("the last quarter of the budget: the trials left build the faster way")
-                else:
-                    faster = None
-            if elapsed() + last > budget:  # a trial that would end past the budget is not started
-                stop = "time budget spent"
+        return ranked
+
+    def rank_by_trials(self, pool: list[str], round_index: int) -> list[dict]:
+        """Each candidate's gain when it alone joins the float set. Re-ranked every round on top of the
+        candidates already float, because harm interacts: an edge between two quantized nodes is only float
+        when both are."""
+        rank_samples = self.samples[: self.options["rank_samples"]]
+        base = self.trial("rank", self.chosen, (), rank_samples)
+        self.say(f"round {round_index}: ranking {len(pool)} candidates on {len(rank_samples)} samples")
+        rows = []
+        for index, name in enumerate(pool):
+            if self.elapsed() > self.budget * (0.5 if round_index == 1 else 0.9):  # leave time to promote
+                self.say(f"ranking stopped after {index} nodes (time budget)")
                 break
-            block = tuple(helpful[start:start + options["block"]])
-            if len(nodes(chosen + block)) > options["max_float_nodes"]:
+            t = self.trial("rank", self.chosen, (name,), rank_samples)
+            rows.append({"node": name, "gain": t.score - base.score})
+        return sorted(rows, key=lambda row: -row["gain"])
+
+    def promote(self, ranked: list[dict], round_index: int) -> tuple[str, int, bool]:
+        """Add the helpful candidates `block` at a time, each block kept only if it pays for itself →
+        (why the search stops, or "", candidates promoted, whether the float-node cap refused one)."""
+        block_size, cap = self.options["block"], self.options["max_float_nodes"]
+        helpful = [row["node"] for row in ranked if row["gain"] > 0]
+        self.say(f"round {round_index}: {len(helpful)} of {len(ranked)} candidates help when kept float; "
+                 f"promoting in blocks of {block_size}")
+        promoted, capped = 0, False
+        for start in range(0, len(helpful), block_size):
+            if self.out_of_time():
+                return "time budget spent", promoted, capped
+            block = tuple(helpful[start:start + block_size])
+            if len(self.candidates.nodes(self.chosen + block, self.base_float)) > cap:
                 capped = True  # a smaller candidate further down may still fit
                 continue
-            t = trial("promote", chosen, block, samples)
+            t = self.trial("promote", self.chosen, block, self.samples)
             # a float node must pay for itself: at least 1% of the error left (noise-level gains are refused)
-            if t.passed or t.score - current.score >= MIN_GAIN * (1.0 - current.score):
-                t.accepted, chosen, current, promoted = True, chosen + block, t, promoted + len(block)
-                gains.update({row["node"]: row["gain"] for row in ranked if row["node"] in block})
-                best = t if _better(t, best) else best
-            say(f"{'+' if t.accepted else '-'} {', '.join(block)}: score {t.score:.5f} "
-                f"({_metrics_text(t.metrics)}){' target met' if t.passed else ''}")
+            if t.passed or t.score - self.current.score >= MIN_GAIN * (1.0 - self.current.score):
+                t.accepted, self.chosen, self.current = True, self.chosen + block, t
+                promoted += len(block)
+                self.gains.update({row["node"]: row["gain"] for row in ranked if row["node"] in block})
+                self.best = t if _better(t, self.best) else self.best
+            self.say(f"{'+' if t.accepted else '-'} {', '.join(block)}: score {t.score:.5f} "
+                     f"({_metrics_text(t.metrics)}){' target met' if t.passed else ''}")
             if t.passed:
-                stop = "target met"
-                break
-        remaining = [n for n in remaining if n not in chosen]
-        if not stop and capped:  # the cap is (nearly) full: another round would only rank
-            stop = f"max_float_nodes ({options['max_float_nodes']}) reached"
-        elif not stop and (not promoted or not remaining):
-            stop = "no candidate left that helps"
-        elif not stop and elapsed() > budget:
-            stop = "time budget spent"
-    made_float, seen = [], set(base_float)
-    for candidate in best.float_nodes:  # each node once, with the candidate (and its gain) that made it float
-        for node in groups.get(candidate, (candidate,)):
-            if node not in seen:
-                seen.add(node)
-                made_float.append({"node": node, "what": describe(node), "gain": gains.get(candidate),
-                                   **({"via": f"{candidate} ({describe(candidate)})"} if candidate in groups else {})})
-    record = {
-        "target": target, "passed": best.passed, "stopped": stop, "seconds": round(elapsed(), 1),
-        "float_nodes": made_float,
-        "base": {"score": base.score, "metrics": base.metrics},
-        "best": {"score": best.score, "metrics": best.metrics},
-        "ranking": [{**row, "what": describe(row["node"])} for row in ranking[:50]], "ranked": len(ranking),
-        "candidates": len(candidates), "rounds": round_index,
-        "trials": [t.record() for t in trials if t.phase != "rank"],
-        "rank_trials": sum(t.phase == "rank" for t in trials), "ranked_by": "trials" if rank is None else "analysis",
-        **({"faster_from_trial": sum(t.phase != "rank" for t in trials[:fast_from])} if fast_from is not None else {}),
-    }
-    if not best.passed:
-        record["why"] = _why(best, ranking, stop)
-    return Outcome(sorted(base_float | nodes(best.float_nodes)), best.passed, record)
+                return "target met", promoted, capped
+        return "", promoted, capped
+
+    def out_of_time(self) -> bool:
+        """Would the next promotion trial (as long as the last one) end past the budget? Before the last
+        FAST_SHARE of the budget, the backend is asked once to build the faster way from then on."""
+        slow = [t for t in self.trials[self.fast_from or 0:] if t.phase == "promote"]
+        last = slow[-1].seconds if slow else 0.0
+        if self.ask_faster and self.fast_from is None and self.elapsed() + last > self.budget * (1 - FAST_SHARE):
+            self.ask_faster = False
+            if self.backend.faster(self.base_float | self.candidates.nodes(self.chosen, self.base_float)):
+                self.fast_from, last = len(self.trials), 0.0
+                self.say("the last quarter of the budget: the trials left build the faster way")
+        return self.elapsed() + last > self.budget  # a trial that would end past the budget is not started
+
+    def trial(self, phase: str, start: tuple[str, ...], added: tuple[str, ...], samples: list[dict]) -> Trial:
+        t0 = time.perf_counter()
+        made_float = self.candidates.nodes(start + added, self.base_float)
+        outputs = self.backend.evaluate(self.base_float | made_float, samples)
+        gate = check_gate(self.target, outputs) if samples is self.samples else {"passed": False}
+        metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
+        result = Trial(phase, start + added, added, len(made_float), score_of(outputs, self.target), metrics,
+                       gate["passed"], time.perf_counter() - t0)
+        self.trials.append(result)
+        return result
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def say(self, message: str) -> None:
+        log.info("fallback: %s", message)
+        if self.progress is not None:
+            self.progress.note(f"fallback: {message}")
+
+    def record(self, base: Trial, ranking: list[dict], stop: str, rounds: int) -> dict:
+        """What the report shows: every node made float with the candidate (and gain) that made it, the
+        trials, the ranking of the first round, and why the search stopped."""
+        candidates, best, trials = self.candidates, self.best, self.trials
+        made_float, seen = [], set(self.base_float)
+        for candidate in best.float_nodes:  # each node once
+            for node in candidates.groups.get(candidate, (candidate,)):
+                if node not in seen:
+                    seen.add(node)
+                    via = f"{candidate} ({candidates.describe(candidate)})"
+                    made_float.append({"node": node, "what": candidates.describe(node),
+                                       "gain": self.gains.get(candidate),
+                                       **({"via": via} if candidate in candidates.groups else {})})
+        record = {
+            "target": self.target, "passed": best.passed, "stopped": stop, "seconds": round(self.elapsed(), 1),
+            "float_nodes": made_float,
+            "base": {"score": base.score, "metrics": base.metrics},
+            "best": {"score": best.score, "metrics": best.metrics},
+            "ranking": [{**row, "what": candidates.describe(row["node"])} for row in ranking[:50]],
+            "ranked": len(ranking), "candidates": len(candidates.names), "rounds": rounds,
+            "trials": [t.record() for t in trials if t.phase != "rank"],
+            "rank_trials": sum(t.phase == "rank" for t in trials),
+            "ranked_by": "analysis" if self.backend.ranks_itself else "trials",
+        }
+        if self.fast_from is not None:
+            record["faster_from_trial"] = sum(t.phase != "rank" for t in trials[: self.fast_from])
+        if not best.passed:
+            record["why"] = _why(best, ranking, stop)
+        return record
 
 
 def remembered(evaluate: Callable[[set[str], list[dict]], dict], setting: Callable[[], object]):
@@ -247,22 +330,6 @@ def choose_setting(setting: str, configured: str, alternatives: list[str], use: 
     if progress is not None and len(scores) > 1:
         progress.note(f"fallback: {message}")
     return {"setting": setting, "configured": configured, "chosen": chosen, "scores": scores}
-
-
-def _rank(trial, chosen: tuple[str, ...], pool: list[str], rank_samples: list[dict], elapsed, budget: float, say,
-          round_index: int) -> list[dict]:
-    """Each node's gain when it alone joins the float set. Re-ranked every round on top of the nodes already
-    float, because harm interacts: an edge between two quantized nodes is only float when both are."""
-    base = trial("rank", chosen, (), rank_samples)
-    say(f"round {round_index}: ranking {len(pool)} candidates on {len(rank_samples)} samples")
-    rows = []
-    for index, node in enumerate(pool):
-        if elapsed() > budget * (0.5 if round_index == 1 else 0.9):  # leave time to promote
-            say(f"ranking stopped after {index} nodes (time budget)")
-            break
-        t = trial("rank", chosen, (node,), rank_samples)
-        rows.append({"node": node, "gain": t.score - base.score})
-    return sorted(rows, key=lambda row: -row["gain"])
 
 
 def _better(a: Trial, b: Trial) -> bool:

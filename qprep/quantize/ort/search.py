@@ -32,16 +32,20 @@ log = logging.getLogger("qprep")
 _COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
 
 
-class Trials:
-    """The search's measurements at the settings chosen so far. Each phase replaces `settings` (immutable)
-    with what it measured better, and every build is asked for with them: the quantizer is never changed.
-    `measure(float_nodes, samples, settings)` → per-output metrics; results are remembered per (settings,
-    float set, number of samples), as the range trial, the op-type phase and the search's base share builds."""
+class Trials(search.SearchBackend):
+    """The search's backend: measurements at the settings chosen so far. Each phase replaces `settings`
+    (immutable) with what it measured better, and every build is asked for with them: the quantizer is never
+    changed. `measure(float_nodes, samples, settings)` → per-output metrics; results are remembered per
+    (settings, float set, number of samples), as the range trial, the op-type phase and the search's base share
+    builds."""
 
     def __init__(self, settings: OrtSettings, measure: Callable[[set[str], list[dict], OrtSettings], dict]):
         self.settings = settings
-        self.evaluate = search.remembered(lambda nodes, samples: measure(nodes, samples, self.settings),
-                                          lambda: self.settings)
+        self.remembered = search.remembered(lambda nodes, samples: measure(nodes, samples, self.settings),
+                                            lambda: self.settings)
+
+    def evaluate(self, float_nodes: set[str], samples: list[dict]) -> dict:
+        return self.remembered(float_nodes, samples)
 
     def use(self, **changes) -> None:
         self.settings = replace(self.settings, **changes)
@@ -75,9 +79,8 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     macs = multiply_adds(quantizer.model)
     total = sum(macs.values()) or 1
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
-    outcome = search.search(trials.evaluate, candidates, excluded, job.evaluation_samples, job.fallback,
-                            describe=lambda n: _describe(n, groups, ops), progress=job.progress, started=started,
-                            groups=groups, cost=cost)
+    outcome = search.Search(trials, search.Candidates(candidates, groups, cost, ops), excluded,
+                            job.evaluation_samples, job.fallback, job.progress, started).run()
     outcome.record.update(float_op_types=op_types, ranges=ranges)
     if wanted:
         outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, started)
@@ -197,12 +200,6 @@ def edges(model: onnx.ModelProto, ordered_nodes: list[str]) -> dict[str, tuple[s
             seen.add(frozenset(members))
             found.append((min(position[n] for n in members), tensor, members))
     return {tensor: members for _, tensor, members in sorted(found, key=lambda e: e[0])}
-
-
-def _describe(candidate: str, groups: dict, ops: dict) -> str:
-    if candidate in groups:
-        return " + ".join(ops.get(n, "?") for n in groups[candidate]) + " (edge)"
-    return ops.get(candidate, "?")
 
 
 def _candidates(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[dict], excluded: set[str],

@@ -20,27 +20,43 @@ if TYPE_CHECKING:  # builder.py calls this module: a run-time import would be ci
 log = logging.getLogger("qprep")
 
 
-def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
-    """The search with RKNN builds: one build per trial (a step2, seconds to minutes), so nodes are ranked by
-    the toolkit's accuracy_analysis (the error each layer adds on its own) of the current build — all int8 in
-    the first round, with the float16 layers promoted so far in later ones — not by one trial per node.
-    Before any node, the range algorithm itself is measured at the outputs."""
-    started = time.perf_counter()
-    ops = {n.name: n.op_type for n in job.model.graph.node}
-    analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
-    best_score = float("-inf")  # on all evaluation samples, so far
+class RknnTrials(search.SearchBackend):
+    """The search's backend: a trial is a build on the simulator (a hybrid step2, seconds to minutes), so
+    candidates are ranked by the toolkit's accuracy_analysis of the current build (the error each layer adds
+    on its own) — all int8 in the first round, with the float16 layers promoted so far in later ones — not by
+    one trial per node. The best build on all evaluation samples is pinned: the final export reuses it."""
 
-    def measure(float_nodes: set[str], samples: list[dict]) -> dict:
-        nonlocal best_score
-        outputs = job.measure(builder.session(float_nodes)(samples))
-        score = search.score_of(outputs, job.fallback["target"])
-        if samples is job.evaluation_samples and score > best_score:  # the build the search will return
-            best_score = score
-            builder.pin(float_nodes)
+    ranks_itself = True
+
+    def __init__(self, builder: RknnBuilder, job: BackendInput, base_float: set[str]):
+        self.builder, self.job, self.base_float = builder, job, base_float
+        self.analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
+        self.best_score = float("-inf")  # on all evaluation samples, so far
+        self.remembered = search.remembered(self.measure, lambda: builder.algorithm)
+
+    def measure(self, float_nodes: set[str], samples: list[dict]) -> dict:
+        outputs = self.job.measure(self.builder.session(float_nodes)(samples))
+        score = search.score_of(outputs, self.job.fallback["target"])
+        if samples is self.job.evaluation_samples and score > self.best_score:  # the build the search returns
+            self.best_score = score
+            self.builder.pin(float_nodes)
         return outputs
 
-    evaluate = search.remembered(measure, lambda: builder.algorithm)
+    def evaluate(self, float_nodes: set[str], samples: list[dict]) -> dict:
+        return self.remembered(float_nodes, samples)
 
+    def rank(self, chosen: tuple[str, ...]) -> list[dict]:
+        return _ranked(self.builder, self.job, self.base_float, self.analysis_samples, chosen)
+
+    def faster(self, float_nodes: set[str]) -> bool:
+        return self.builder.reuse_ranges(float_nodes)
+
+
+def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> search.Outcome:
+    """Which layers become float16, and whether `mmse` replaces the `normal` range algorithm: the range
+    algorithm is measured at the outputs first, then the search runs with RKNN trials."""
+    started = time.perf_counter()
+    trials = RknnTrials(builder, job, base_float)
     # mmse searches weight and activation ranges in step2, so every later build pays it again (minutes, vs
     # seconds): measured once, kept only if it removes 15% of the error. All int8, 128 samples, against normal
     # with GPTQ weights: EfficientNet-Lite0 0.9976 → 0.9984 (its target met with no float layer), PP-OCRv4 rec
@@ -52,13 +68,12 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput):
     ranges = search.choose_setting(
         "quantized_algorithm", builder.algorithm,
         ["mmse"] if builder.algorithm == "normal" and job.options["do_quantization"] else [],
-        builder.use_algorithm, evaluate, base_float, job.evaluation_samples, job.fallback["target"], job.progress,
-        min_gain=0.15)
-    candidates = [n.name for n in job.model.graph.node if n.name not in base_float]
-    outcome = search.search(evaluate, candidates, base_float, job.evaluation_samples, job.fallback,
-                              describe=lambda n: ops.get(n, "?"), progress=job.progress, started=started,
-                              rank=lambda chosen: _ranked(builder, job, base_float, analysis_samples, chosen),
-                              faster=builder.reuse_ranges)
+        builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
+        job.progress, min_gain=0.15)
+    ops = {n.name: n.op_type for n in job.model.graph.node}
+    candidates = search.Candidates([n.name for n in job.model.graph.node if n.name not in base_float], ops=ops)
+    outcome = search.Search(trials, candidates, base_float, job.evaluation_samples, job.fallback, job.progress,
+                            started).run()
     outcome.record["ranges"] = ranges
     return outcome
 
