@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import onnx
 
@@ -60,7 +61,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         raise ConfigError("output_dir: no run directory; set output_dir in the config or pass --out DIR")
     progress = progress or Progress(enabled=False if quiet else None)
     started = time.time()
-    checked = preflight.check(config, progress)
+    checked = preflight.check(config, progress)  # before the run directory is claimed
     load_seconds = time.time() - started
     directory, lock = run_dir.claim(Path(out), force)
     handler = run_dir.attach_log(directory)
@@ -97,6 +98,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
 
 
 def _new_report(directory: Path, checked: preflight.Checked) -> dict:
+    """The report as the run starts: what preflight loaded (model, load record) and its warnings."""
     return {"schema_version": SCHEMA_VERSION, "qprep_version": __version__, "status": "running",
             "run_dir": str(directory), **checked.record, "stages": [], "warnings": list(checked.warnings)}
 
@@ -215,7 +217,7 @@ def _evaluate(run: Run, model: onnx.ModelProto) -> None:
     run.timings["evaluation"] = time.perf_counter() - t0
 
 
-def _close(closers: list) -> None:
+def _close(closers: list[Callable[[], None]]) -> None:
     """Free what the stages held open for the evaluation; a failure is logged, the record must still be written."""
     for close in closers:
         try:

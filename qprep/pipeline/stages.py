@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from qprep.pipeline.context import StageFunction
 from qprep.schema import Key, section
+
+if TYPE_CHECKING:  # qprep.config imports this module
+    from qprep.config import Config
+
+StageCheck = Callable[[dict, "Config"], None]  # (options, config): refuses, before the run starts, what would fail
 
 # Modules that define stages (imported on first use; each registers itself).
 STAGE_MODULES: tuple[str, ...] = ("qprep.optimize.stage", "qprep.quantize.stage", "qprep.qdq.remove_redundant", "qprep.keep_float", "qprep.qdq.fuse_conv")
@@ -25,13 +30,13 @@ class Stage:
     run: StageFunction
     options: Key
     summary: str
-    check: Callable | None = None  # (options, config) -> None: what can be refused before the run starts
+    check: StageCheck | None = None
 
 
-REGISTRY: dict[str, Stage] = {}
+REGISTRY: dict[str, Stage] = {}  # filled by @stage as the stage modules are imported; read it through registry()
 
 
-def stage(name: str, summary: str, check: Callable | None = None,
+def stage(name: str, summary: str, check: StageCheck | None = None,
           **options: Key) -> Callable[[StageFunction], StageFunction]:
     """Register a stage function under its YAML name with the schema of its options; `check` refuses, from the
     config alone, what would make the stage fail after the run started (qprep/preflight.py calls it)."""
