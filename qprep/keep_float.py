@@ -2,8 +2,9 @@
 
 The float set: every LayerNormalization (also ORT's fused Skip/Simplified variants, and LayerNorms still
 decomposed into ReduceMean/Sub/Pow/… — found with the optimize stage's own LayerNorm rules), plus the op
-types, node names and name patterns (re.search) the config lists. It goes into the run context for the quantize
-backends (ORT excludes those nodes, RKNN keeps them float16) and into the report.
+types, node names and name patterns (re.search) the config lists. The stage hands it back in its StageResult;
+the runner puts it into the context of later stages for the quantize backends (ORT excludes those nodes, RKNN
+keeps them float16) and into the report.
 
 On a model with Q/DQ nodes it also removes the rounding around those nodes, so they compute on float32 end to
 end:
@@ -28,11 +29,12 @@ import onnx_ir as ir
 from qprep.model import info as model_info
 from qprep.errors import ConfigError
 from qprep.optimize.passes.layernorm import decomposed_layernorm_nodes
-from qprep.verify import compare, Tolerance
+from qprep.verify import compare, Tolerance, Verifier
 from qprep.model.runtime import run_model
 from qprep.qdq.params import consumers, producer, remove_dead
 from qprep.schema import Key, closest
-from qprep.pipeline.stages import StageResult, stage
+from qprep.pipeline.context import RunContext, StageResult
+from qprep.pipeline.stages import stage
 
 LAYERNORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
                  "SkipSimplifiedLayerNormalization")
@@ -144,24 +146,24 @@ def unquantize(model: ir.Model, names: set[str]) -> dict:
        nodes=Key("list", item=Key("str"), default=[], doc="node names that stay float"),
        patterns=Key("list", item=Key("str"), default=[],
                     doc="regular expressions searched in node names (re.search), e.g. ['attention/.*Add$']"))
-def keep_float(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
+def keep_float(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+    """Hands back the float set (for the quantize backends after it) and, on a QDQ model, that model with the
+    float set's Q/DQ pairs bypassed."""
     ir_model = ir.from_proto(model)
     members = float_set(ir_model, options, model)
-    for text in options["patterns"]:
-        if not any(reason == f"patterns: {text}" for reason in members.values()):
-            ctx.warnings.append(f"keep_float: pattern '{text}' matches no node name")
-    ctx.float_set |= set(members)
+    warnings = [f"keep_float: pattern '{text}' matches no node name" for text in options["patterns"]
+                if not any(reason == f"patterns: {text}" for reason in members.values())]
     summary = {"count": len(members), "by_reason": dict(Counter(_reason_kind(r) for r in members.values()))}
     if not members:
         return StageResult(model=model, status="skipped",
                            reason="the float set is empty: no LayerNormalization in the model and no op_types, "
-                                  "nodes or patterns configured")
+                                  "nodes or patterns configured", warnings=warnings)
     counts = model_info.op_counts(model)
     if not (counts.get("QuantizeLinear") or counts.get("DequantizeLinear")):
         return StageResult(model=model, details={
             "float_set": summary, "model_kind": model_info.model_kind(model),
             "note": "no Q/DQ nodes: nothing removed; the float set is recorded for the quantize backends, which "
-                    "keep these nodes float"})
+                    "keep these nodes float"}, float_set=set(members), warnings=warnings)
     record = unquantize(ir_model, set(members))
     result = ir.to_proto(ir_model)
     outputs = {label: run_model(m, ctx.verifier.samples, ctx.verifier.threads)
@@ -172,10 +174,10 @@ def keep_float(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
     if evaluation and evaluation.get("reference_model"):
         details["effect"]["against_fp32"] = _against_reference(outputs, evaluation["reference_model"],
                                                                ctx.verifier)
-    return StageResult(model=result, details=details)
+    return StageResult(model=result, details=details, float_set=set(members), warnings=warnings)
 
 
-def _against_reference(outputs: dict[str, list[dict]], reference_path: str, verifier) -> dict:
+def _against_reference(outputs: dict[str, list[dict]], reference_path: str, verifier: Verifier) -> dict:
     """Cosine of the QDQ model's outputs against the FP32 model it came from, before and after the float set
     lost its rounding: the number that says whether keeping these nodes float helped."""
     from qprep.evaluate.metrics import compare_output

@@ -154,10 +154,10 @@ def test_compare_prints_deltas_and_fails_on_regression(tmp_path, cli):
 
 
 def test_models_whose_names_flatten_alike_get_their_own_run_directories():
-    from qprep.pipeline.batch import _dir_name
+    from qprep.pipeline.batch import dir_name
 
     used: set[str] = set()
-    assert [_dir_name(n, used) for n in ("a/b.onnx", "a__b.onnx", "c.onnx", "a__b-2.onnx")] == \
+    assert [dir_name(n, used) for n in ("a/b.onnx", "a__b.onnx", "c.onnx", "a__b-2.onnx")] == \
         ["a__b", "a__b-2", "c", "a__b-2-2"]
 
 

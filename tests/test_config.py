@@ -6,16 +6,17 @@ from qprep.config import load_config, parse_set
 from qprep.errors import ConfigError
 from qprep.schema import Key, section
 from qprep.pipeline import stages
+from qprep.pipeline.context import StageResult
 
 
 @pytest.fixture
 def fake_stage(monkeypatch):
     """Register a throwaway stage so pipeline validation and --set can be tested before real stages exist."""
     registry = dict(stages.registry())  # import the real stages first, then shadow `quantize`
-    registry["quantize"] = stages.Stage("quantize", lambda m, c, o: stages.StageResult(m),
+    registry["quantize"] = stages.Stage("quantize", lambda m, c, o: StageResult(m),
                                         section(backend=Key("str", default="ort", choices=("ort", "rknn")),
                                                 algorithm=Key("str", default="normal")), "test stage")
-    monkeypatch.setattr(stages, "_REGISTRY", registry)
+    monkeypatch.setattr(stages, "REGISTRY", registry)
 
 
 def write(tmp_path: Path, text: str) -> Path:

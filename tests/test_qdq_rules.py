@@ -73,9 +73,8 @@ def run_stage(name, model, options=None, data=None):
     """Call a registered stage the way the pipeline does (options validated, a run context with a verifier)."""
     stage = registry()[name]
     ctx = SimpleNamespace(verifier=Verifier(data or samples(), Tolerance(), threads=1, source="test"),
-                          float_set=set(), warnings=[], config={"evaluation": None})
-    result = stage.run(model, ctx, validate(options or {}, stage.options, name, None))
-    return result, ctx
+                          float_set=frozenset(), config={"evaluation": None})
+    return stage.run(model, ctx, validate(options or {}, stage.options, name, None))
 
 
 def ops(model) -> Counter:
@@ -96,7 +95,7 @@ def test_round_trips_and_doubled_pairs_go_and_a_requantization_stays_counted():
     doubled = g.op("Relu", g.qdq(g.dq(g.q(x, 0.05, 128), 0.05, 128), 0.05, 128))  # Q→DQ→Q→DQ, equal params
     requantized = g.dq(g.q(g.dq(g.q(x, 0.05, 128), 0.05, 128), 0.1, 128), 0.1, 128)  # DQ→Q with another scale
     model = g.model(doubled, requantized)
-    result, _ = run_stage("remove_redundant_qdq", model)
+    result = run_stage("remove_redundant_qdq", model)
     assert result.details["rewrites"] == {"round_trip": 1, "scaled_round_trip": 0, "data_movement": 0, "sink_dq": 0}
     assert result.details["qdq_nodes_removed"] == 2
     kept = result.details["requantizations_kept"]
@@ -118,7 +117,7 @@ def test_a_scalar_div_or_mul_between_matching_grids_is_a_scaled_round_trip():
     shifted = g.dq(g.q(g.op("Mul", g.dq(hard, 0.03, 10), g.init(0.5)), 0.015, 11), 0.015, 11)
     model = g.model(divided, scaled, coarser, shifted)
     data = [{"x": 4 * d["x"]} for d in samples()]
-    result, _ = run_stage("remove_redundant_qdq", model, data=data)
+    result = run_stage("remove_redundant_qdq", model, data=data)
     assert result.details["rewrites"]["scaled_round_trip"] == 2
     assert ops(result.model)["Div"] == 0 and ops(result.model)["Mul"] == 2
     assert max_abs(model, result.model, data) == 0.0
@@ -150,7 +149,7 @@ def test_pairs_around_data_movement_ops_go_and_the_op_runs_on_quantized_data(op_
         extra, attrs = MOVEMENT[op_type]
         moved = g.op(op_type, g.qdq(x, 0.05, 128), *extra(g), **attrs)
     model = g.model(g.qdq(moved, 0.05, 128))
-    result, _ = run_stage("remove_redundant_qdq", model)
+    result = run_stage("remove_redundant_qdq", model)
     assert result.details["rewrites"]["data_movement"] == 1, result.details
     assert result.details["data_movement_ops"] == {op_type: 1}
     assert ops(result.model)["QuantizeLinear"] == ops(model)["QuantizeLinear"] - 1
@@ -165,7 +164,7 @@ def test_dequantize_sinks_below_maxpool_so_the_next_conv_reads_dq():
     g = Graph()
     pooled = g.op("MaxPool", g.qdq(g.input(), 0.05, 128), kernel_shape=[2, 2], strides=[2, 2])
     model = g.model(g.op("Relu", pooled))
-    result, _ = run_stage("remove_redundant_qdq", model)
+    result = run_stage("remove_redundant_qdq", model)
     assert result.details["rewrites"]["sink_dq"] == 1
     producers = {o: n.op_type for n in result.model.graph.node for o in n.output}
     relu = next(n for n in result.model.graph.node if n.op_type == "Relu")
@@ -182,14 +181,14 @@ def test_per_axis_pairs_around_a_reshape_are_left_with_the_reason():
     reshaped = g.op("Reshape", dq, g.init([1, 3, 64], np.int64))
     out = g.op("QuantizeLinear", reshaped, g.init(scales), g.init(zeros, np.uint8), axis=1)
     model = g.model(g.op("DequantizeLinear", out, g.init(scales), g.init(zeros, np.uint8), axis=1))
-    result, _ = run_stage("remove_redundant_qdq", model)
+    result = run_stage("remove_redundant_qdq", model)
     assert result.details["rewrites"]["data_movement"] == 0
     assert result.details["refused"] == {"Reshape with per-axis quantization (the axis would need remapping)": 1}
 
 
 def test_remove_redundant_skips_a_float_model_with_the_reason():
     g = Graph()
-    result, _ = run_stage("remove_redundant_qdq", g.model(g.op("Relu", g.input())))
+    result = run_stage("remove_redundant_qdq", g.model(g.op("Relu", g.input())))
     assert result.status == "skipped" and "no QuantizeLinear/DequantizeLinear" in result.reason
 
 
@@ -200,7 +199,7 @@ def test_a_wrong_removal_is_rolled_back_with_the_output_named(monkeypatch):
     model = g.model(g.dq(g.q(g.dq(g.q(x, 0.05, 128), 0.05, 128), 0.2, 100), 0.2, 100),
                     g.op("Relu", g.qdq(g.dq(g.q(x, 0.05, 128), 0.05, 128), 0.05, 128)))
     monkeypatch.setattr(QParams, "same_as", lambda self, other: True)
-    result, _ = run_stage("remove_redundant_qdq", model)
+    result = run_stage("remove_redundant_qdq", model)
     assert result.status == "ok"
     assert [r["kind"] for r in result.rolled_back] == ["round_trip"]
     assert "output 'DequantizeLinear_" in result.rolled_back[0]["reason"]
@@ -244,7 +243,7 @@ def conv_model(y_zero=0, y_scale=0.05, per_channel=True, bias="int32", activatio
 
 
 def fused(model, options=None, data=None):
-    result, _ = run_stage("fuse_conv_qdq", model, options, data)
+    result = run_stage("fuse_conv_qdq", model, options, data)
     return result
 
 
@@ -413,14 +412,14 @@ def decomposed_layernorm_model():
 def test_keep_float_on_a_qdq_model_removes_the_pairs_around_layernorm():
     model = layernorm_model()
     data = samples((1, 4, 16))
-    result, ctx = run_stage("keep_float", model, data=data)
+    result = run_stage("keep_float", model, data=data)
     removed = result.details["removed"]
     assert removed["input_pairs_bypassed"] == 1 and removed["output_pairs_bypassed"] == 1
     assert removed["qdq_nodes_removed"] == {"QuantizeLinear": 2, "DequantizeLinear": 2}
     assert removed["kept"] == {"dequantized constant or integer tensor on an input (no float original in the "
                                "model)": 1}  # the int8 gamma's DQ stays: its float original is gone
     ln = next(n for n in result.model.graph.node if n.op_type == "LayerNormalization")
-    assert ln.input[0] == "x" and ctx.float_set == {ln.name}
+    assert ln.input[0] == "x" and result.float_set == {ln.name}
     softmax = next(n for n in result.model.graph.node if n.op_type == "Softmax")
     assert softmax.input[0] == ln.output[0]
     assert result.details["effect"]["outputs"]
@@ -429,26 +428,26 @@ def test_keep_float_on_a_qdq_model_removes_the_pairs_around_layernorm():
 
 def test_keep_float_on_a_float_model_only_records_the_set_and_says_so():
     model = layernorm_model(quantized=False)
-    result, ctx = run_stage("keep_float", model, {"op_types": ["Softmax"]}, samples((1, 4, 16)))
+    result = run_stage("keep_float", model, {"op_types": ["Softmax"]}, samples((1, 4, 16)))
     assert result.status == "ok" and result.model is model
     assert "nothing removed" in result.details["note"]
     assert result.details["float_set"] == {"count": 2, "by_reason": {"LayerNormalization": 1, "op_types": 1}}
-    assert len(ctx.float_set) == 2
+    assert len(result.float_set) == 2
 
 
 def test_decomposed_layernorm_nodes_are_in_the_float_set():
-    result, ctx = run_stage("keep_float", decomposed_layernorm_model(), data=samples((1, 4, 16)))
+    result = run_stage("keep_float", decomposed_layernorm_model(), data=samples((1, 4, 16)))
     assert result.details["float_set"]["by_reason"] == {"decomposed LayerNorm": 9}
-    assert {n.split("_")[0] for n in ctx.float_set} == {"ReduceMean", "Sub", "Pow", "Add", "Sqrt", "Div", "Mul"}
+    assert {n.split("_")[0] for n in result.float_set} == {"ReduceMean", "Sub", "Pow", "Add", "Sqrt", "Div", "Mul"}
 
 
 def test_keep_float_options_name_nodes_patterns_and_op_types():
     model = layernorm_model(quantized=False)
-    result, ctx = run_stage("keep_float", model, {"layernorm": False, "patterns": ["^Soft"]}, samples((1, 4, 16)))
-    assert {n.split("_")[0] for n in ctx.float_set} == {"Softmax"}
+    result = run_stage("keep_float", model, {"layernorm": False, "patterns": ["^Soft"]}, samples((1, 4, 16)))
+    assert {n.split("_")[0] for n in result.float_set} == {"Softmax"}
     softmax = next(n.name for n in model.graph.node if n.op_type == "Softmax")
-    result, ctx = run_stage("keep_float", model, {"layernorm": False, "nodes": [softmax]}, samples((1, 4, 16)))
-    assert ctx.float_set == {softmax}
+    result = run_stage("keep_float", model, {"layernorm": False, "nodes": [softmax]}, samples((1, 4, 16)))
+    assert result.float_set == {softmax}
 
 
 @pytest.mark.parametrize("options,message", [
@@ -466,7 +465,7 @@ def test_keep_float_errors_are_one_actionable_line(options, message):
 
 def test_keep_float_skips_when_the_float_set_is_empty():
     g = Graph()
-    result, _ = run_stage("keep_float", g.model(g.op("Relu", g.input())))
+    result = run_stage("keep_float", g.model(g.op("Relu", g.input())))
     assert result.status == "skipped" and "float set is empty" in result.reason
 
 

@@ -8,14 +8,13 @@ size; the worst samples; and the gate. Everything lands in report.json under `ev
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 
 from qprep.model import info as model_info
-from qprep.data import SampleSet
 from qprep.evaluate.gate import check_gate
 from qprep.evaluate.latency import interleaved, speedups
 from qprep.evaluate.layers import layer_errors
@@ -24,22 +23,29 @@ from qprep.evaluate.metrics import compare_output, is_integer, output_task, wils
 from qprep.verify import is_numeric
 from qprep.model.runtime import run_model
 
+if TYPE_CHECKING:  # the pipeline imports this package
+    from qprep.config import Config
+    from qprep.pipeline.context import Products, RunContext
+
 log = logging.getLogger("qprep")
 
 
-def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> dict:
+def evaluate(config: Config, ctx: RunContext, products: Products, final_model: onnx.ModelProto,
+             original_kind: str) -> dict:
+    """The final model (or the backend's runner) against ctx.reference; `products` is what the stages handed
+    back for it: runner, per-layer analyzer, prepared float model, fallback target."""
     cfg = config["evaluation"]
     threads = config["threads"]
     notes = []
     if cfg["reference_model"] is None and original_kind == model_info.QDQ:
         notes.append("the input model is QDQ and no evaluation.reference_model is set: the result is compared "
                      "with the QDQ input, not with an FP32 model")
-    run = reference_run(config, ctx)
+    run = ctx.reference
     reference_path, reference, samples, expected = run.path, run.model, run.samples, run.expected
     if ctx.calibration is not None and set(samples.files) & set(ctx.calibration.files):
         notes.append("evaluation and calibration share samples: agreement figures are optimistic")
     with ctx.progress.step(f"evaluation: {len(samples)} samples"):
-        actual = ctx.runner(samples.samples) if ctx.runner else run_model(
+        actual = products.runner(samples.samples) if products.runner else run_model(
             final_model, model_info.cast_to_inputs(samples.samples, final_model), threads, optimize=True)
     outputs = output_metrics(expected, actual, cfg["tasks"], reference)
     notes.extend(output_notes(outputs))
@@ -57,18 +63,18 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
             if metrics["task"] == "classification":
                 metrics.update(task_accuracy([e[name] for e in expected], [a[name] for a in actual], labels))
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
-    if cfg["layers"] and ctx.layer_analyzer is not None:
+    if cfg["layers"] and products.analyzer is not None:
         with ctx.progress.step("evaluation: per-layer error (backend analysis)"):
-            result["layers"] = ctx.layer_analyzer(samples.samples[: cfg["layer_samples"]])
-    elif cfg["layers"] and ctx.prepared_model is not None and ctx.runner is None:
+            result["layers"] = products.analyzer(samples.samples[: cfg["layer_samples"]])
+    elif cfg["layers"] and products.prepared_model is not None and products.runner is None:
         with ctx.progress.step("evaluation: per-layer error"):
-            result["layers"] = layer_errors(ctx.prepared_model, final_model, samples.samples[: cfg["layer_samples"]],
-                                            threads)
-    if ctx.runner is not None:
+            result["layers"] = layer_errors(products.prepared_model, final_model,
+                                            samples.samples[: cfg["layer_samples"]], threads)
+    if products.runner is not None:
         result["latency"] = {"status": "not measured (no device): the result runs on the toolkit's simulator"}
     elif cfg["latency"]["runs"] > 0:
         with ctx.progress.step("evaluation: latency"):
-            result["latency"] = _latency(reference, final_model, samples.samples[0], threads, cfg["latency"], ctx)
+            result["latency"] = _latency(reference, final_model, samples.samples[0], threads, cfg["latency"])
         if result["latency"]["speedup"] < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
             notes.append(f"the result runs {result['latency']['speedup']:.2f}× the reference's speed on this CPU "
                          "(slower): check it on the deployment CPU before shipping it for speed")
@@ -76,10 +82,10 @@ def evaluate(config, ctx, final_model: onnx.ModelProto, original_kind: str) -> d
             notes.append(result["latency"]["unstable"])
     result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,
                             "result": final_model.ByteSize()}
-    gate = {**ctx.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too
+    gate = {**products.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too
     if gate:
         result["gate"] = check_gate(gate, outputs)
-    if ctx.fallback_target:
+    if products.fallback_target:
         notes.append("quantize.fallback chose its float nodes on these evaluation samples: give a separate "
                      "evaluation set to the final check for an unbiased figure")
     return result
@@ -113,32 +119,6 @@ def output_notes(outputs: dict) -> list[str]:
             notes.append(f"output '{name}' holds integers: element_agreement ({m['element_agreement']:.4f}) is "
                          "its meaningful figure; cosine over ids or labels says little")
     return notes
-
-
-@dataclass
-class ReferenceRun:
-    """The FP32 reference, the evaluation samples (checked against its inputs: the result's may differ, e.g.
-    float16) and its outputs on them."""
-
-    path: str
-    model: onnx.ModelProto
-    samples: SampleSet
-    expected: list[dict]
-
-
-def reference_run(config, ctx) -> ReferenceRun:
-    """Computed once per run (cached on ctx): the fallback's trials and the final evaluation share it. The
-    reference model and the samples were loaded and checked before the run started (preflight)."""
-    if ctx.reference_run is None:
-        cfg = config["evaluation"]
-        if cfg["reference_model"]:
-            path, reference = cfg["reference_model"], ctx.reference_model
-        else:  # the input as loaded and prepared (names, fixed dims), before any stage
-            path, reference = config["model"], ctx.input_model
-        with ctx.progress.step("evaluation: FP32 reference outputs"):
-            expected = run_model(reference, ctx.evaluation.samples, config["threads"], optimize=True)
-        ctx.reference_run = ReferenceRun(path, reference, ctx.evaluation, expected)
-    return ctx.reference_run
 
 
 def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[int]:
@@ -181,7 +161,7 @@ def _top1_hits(outputs: list, labels: list[int]) -> np.ndarray:
                      for o, y in zip(outputs, labels)])
 
 
-def _latency(reference, final_model, sample, threads: int, cfg: dict, ctx) -> dict:
+def _latency(reference, final_model, sample, threads: int, cfg: dict) -> dict:
     timed = interleaved({"reference": (reference, sample),
                          "result": (final_model, model_info.cast_to_inputs([sample], final_model)[0])},
                         threads, cfg["runs"], cfg["warmup"], cfg["rounds"])

@@ -19,7 +19,8 @@ from qprep.errors import QprepError
 from qprep.optimize.passes import PassSettings, all_passes
 from qprep.verify import checker_problem
 from qprep.schema import Key
-from qprep.pipeline.stages import StageResult, stage
+from qprep.pipeline.context import RunContext, StageResult
+from qprep.pipeline.stages import stage
 
 log = logging.getLogger("qprep")
 
@@ -40,8 +41,10 @@ RKNN_MAX_OPSET = 19  # rknn-toolkit2 recommends 19 and fails on 21
              doc="GELU fusion target: ONNX Gelu (opset 20), ORT's com.microsoft Gelu, or none"),
     rounds=Key("int", default=3, minimum=1, doc="repeat the pass list while a round still changes the graph"),
 )
-def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
-    passes = _selected_passes(options)
+def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+    """Rewrites before quantization, each proved on ctx.verifier's samples: a pass that changes the numbers is
+    rolled back (listed in `rolled_back`), so the model handed on computes what the input did."""
+    passes = selected_passes(options)
     settings = _settings(options, ctx.config.stages)
     verifier = ctx.verifier
     verifier.set_reference(model)
@@ -115,7 +118,7 @@ def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
     })
 
 
-def _selected_passes(options: dict) -> list[str]:
+def selected_passes(options: dict) -> list[str]:
     """The configured pass list (names were validated against the registry with the config)."""
     names = options["passes"] if options["passes"] is not None else [
         name for name, graph_pass in all_passes().items() if graph_pass.default]

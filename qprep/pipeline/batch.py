@@ -25,7 +25,7 @@ from qprep.report.summary import render_summary_csv, render_summary_html, render
 TERMINATE_GRACE_S = 30  # a timed-out model gets this long to write its report after SIGTERM, then SIGKILL
 
 
-def _dir_name(name: str, used: set[str]) -> str:
+def dir_name(name: str, used: set[str]) -> str:
     """`a/b.onnx` → `a__b`; a second model mapping to a taken name (`a__b.onnx`) gets `a__b-2`, so two models
     never share a run directory."""
     stem = name.removesuffix(".onnx").replace(os.sep, "__")
@@ -84,7 +84,7 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
                           "twin": str(twins[digest])}
             continue
         twins[digest] = Path(name)
-        run_dir = out_path / _dir_name(name, used_dirs)
+        run_dir = out_path / dir_name(name, used_dirs)
         if resume and _complete(run_dir, digest, config_path, sets, model):
             rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
             continue

@@ -1,7 +1,9 @@
-"""One qprep run: load → stages in config order → (evaluation) → report, inside one run directory.
+"""One qprep run, inside one run directory: load and check → stages in config order → save the result →
+(evaluation) → record (report + manifest, however the run ended).
 
 The runner owns what every stage has in common: timing, op counts before/after, the record, saving the
-per-stage model, and turning a stage failure into a report that says where it failed.
+per-stage model, turning a stage failure into a report that says where it failed, and applying what each
+stage hands back (its StageResult, the contract in qprep/pipeline/context.py) to the run.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -20,47 +22,33 @@ from qprep.model import info as model_info
 from qprep.pipeline import preflight
 from qprep.pipeline import run_dir
 from qprep.config import Config
-from qprep.data import SampleSet, random_samples
+from qprep.data import random_samples
 from qprep.errors import ConfigError, QprepError
 from qprep.evaluate import evaluate
+from qprep.evaluate.reference import ReferenceOutputs
 from qprep.verify import Tolerance, Verifier
 from qprep.model.io import save_model, sha256_file
 from qprep.progress import Progress
 from qprep.report import write_report, write_report_json
-from qprep.pipeline.stages import StageResult, registry
+from qprep.pipeline.context import Products, RunContext, StageResult
+from qprep.pipeline.stages import registry
 
 log = logging.getLogger("qprep")
 SCHEMA_VERSION = 1
 
 
 @dataclass
-class RunContext:
-    """What stages share: config, run directory, samples, the verifier and the float set."""
+class Run:
+    """One run as the runner builds it: the report, the files written, the timings, the context the stages read
+    and what they handed back."""
 
     config: Config
-    run_dir: Path
-    calibration: SampleSet | None
-    verifier: Verifier
-    progress: Progress
-    float_set: set[str] = field(default_factory=set)  # node names that must stay float (keep_float)
-    warnings: list[str] = field(default_factory=list)
-    prepared_model: onnx.ModelProto | None = None  # the float model handed to quantize (per-layer analysis)
-    artifacts: dict[str, Path] = field(default_factory=dict)  # extra deployable files: run-dir name → source
-    deployable: str | None = None  # the artifact to ship when it is not model.onnx (a backend says so)
-    runner: Callable[[list[dict]], list[dict]] | None = None  # runs the result when it is not ONNX (RKNN)
-    layer_analyzer: Callable[[list[dict]], list[dict]] | None = None  # backend's own per-layer analysis
-    input_model: onnx.ModelProto | None = None  # the input as loaded and prepared: the default FP32 reference
-    evaluation: SampleSet | None = None  # evaluation samples, loaded and checked before the run started
-    reference_model: onnx.ModelProto | None = None  # evaluation.reference_model, when set (loaded likewise)
-    fallback_target: dict = field(default_factory=dict)  # quantize.fallback's target, checked again by evaluation
-    reference_run: object = None  # evaluate.ReferenceRun: FP32 outputs on the evaluation samples, computed once
-    closers: list[Callable[[], None]] = field(default_factory=list)  # run when the run ends (toolkit workers)
-
-    def work_dir(self, name: str) -> Path:
-        """A folder inside the run directory for a stage's or toolkit's working files."""
-        path = self.run_dir / "work" / name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+    directory: Path
+    report: dict
+    timings: dict[str, float]
+    written: list[str] = field(default_factory=list)
+    products: Products = field(default_factory=Products)
+    ctx: RunContext | None = None  # set once the run directory is claimed
 
 
 def execute(config: Config, force: bool = False, quiet: bool = False, progress: Progress | None = None) -> dict:
@@ -73,47 +61,20 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         raise ConfigError("output_dir: no run directory; set output_dir in the config or pass --out DIR")
     progress = progress or Progress(enabled=False if quiet else None)
     started = time.time()
-    checked = preflight.check(config, progress)
+    checked = preflight.check(config, progress)  # before the run directory is claimed
     load_seconds = time.time() - started
     directory, lock = run_dir.claim(Path(out), force)
     handler = run_dir.attach_log(directory)
-    report: dict = {"schema_version": SCHEMA_VERSION, "qprep_version": __version__, "status": "running",
-                    "run_dir": str(directory), **checked.record, "stages": [], "warnings": list(checked.warnings)}
-    written: list[str] = []
-    timings: dict[str, float] = {"load": load_seconds}
-    ctx: RunContext | None = None
+    run = Run(config, directory, _new_report(directory, checked), timings={"load": load_seconds})
+    report = run.report
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
-        ctx = _context(config, checked, directory, progress, report)
-        model = checked.model
-        for index, (name, options) in enumerate(config.stages):
-            with progress.step(f"[{index + 1}/{len(config.stages)}] {name}"), run_dir.toolkit_logging_to_run_log():
-                model = _run_stage(index, name, options, model, ctx, report, written)
-            timings[f"stage {index} {name}"] = report["stages"][-1]["seconds"]
-        save_model(model, directory / "model.onnx")
-        written.append("model.onnx")
-        for name, source in ctx.artifacts.items():
-            os.replace(source, directory / name)
-            written.append(name)
-        if (directory / "work").exists():
-            written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
-        report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
-                            "artifacts": sorted(ctx.artifacts), **model_info.summary(model)}
-        if ctx.deployable:  # e.g. the .rknn; model.onnx is then the float model it was built from
-            report["result"]["deployable"] = {
-                "path": ctx.deployable, "bytes": (directory / ctx.deployable).stat().st_size,
-                "note": f"model.onnx is the prepared float model {ctx.deployable} was built from"}
-        report["float_set"] = sorted(ctx.float_set)
+        run.ctx = _context(config, checked, directory, progress, report)
+        model = _run_stages(run, checked.model)
+        _save_result(run, model)
         if config["evaluation"]:
-            report["step"] = "evaluation"
-            write_report_json(directory, report)
-            t0 = time.perf_counter()
-            report["evaluation"] = evaluate(config, ctx, model, report["model"]["kind"])
-            deployable = report["result"].get("deployable")
-            if deployable:
-                report["evaluation"]["size_bytes"]["result"] = deployable["bytes"]
-            timings["evaluation"] = time.perf_counter() - t0
-        report["warnings"] += ctx.warnings
+            _evaluate(run, model)
+        report["warnings"] += run.products.warnings
         gate = (report.get("evaluation") or {}).get("gate")
         report["status"] = "gate missed" if gate and not gate["passed"] else "ok"
         return report
@@ -127,36 +88,24 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         report["status"], report["error"] = "interrupted", f"interrupted by {getattr(exc, 'cause', 'SIGINT (Ctrl-C)')}"
         raise
     finally:
-        for close in ctx.closers if ctx else []:  # e.g. the RKNN runner's toolkit worker, kept for the evaluation
-            try:
-                close()
-            except Exception as exc:  # noqa: BLE001 - the report and manifest must still be written
-                log.warning("closing a backend's resources failed: %s: %s", type(exc).__name__, exc)
-        timings["total"] = time.time() - started
-        if report["status"] in ("ok", "gate missed"):
-            report.pop("step", None)  # where the run was: kept only when it did not finish
-        report["seconds"] = round(timings["total"], 3)
+        _close(run.products.closers)  # e.g. the RKNN runner's toolkit worker, kept for the evaluation
+        run.timings["total"] = time.time() - started
         with run_dir.deferred_signals():  # an interrupt while the record is written would leave it half-done
-            written += write_report(directory, report)
-            run_dir.write_manifest(directory, {
-                "qprep_version": __version__,
-                "inputs": {
-                    "config": {"path": str(config.path) if config.path else None,
-                               "sha256": sha256_file(config.path) if config.path else None},
-                    "model": {"path": config["model"], "sha256": report.get("model", {}).get("sha256")},
-                    "calibration": report.get("calibration"),
-                },
-                "config": config.resolved(),
-                "timings_s": {k: round(v, 3) for k, v in timings.items()},
-                "files": sorted(set(written + [run_dir.LOG])),
-            })
+            _write_record(run)
             log.info("run finished: %s", report["status"])
             run_dir.detach_log(handler)
             lock.release()
 
 
+def _new_report(directory: Path, checked: preflight.Checked) -> dict:
+    """The report as the run starts: what preflight loaded (model, load record) and its warnings."""
+    return {"schema_version": SCHEMA_VERSION, "qprep_version": __version__, "status": "running",
+            "run_dir": str(directory), **checked.record, "stages": [], "warnings": list(checked.warnings)}
+
+
 def _context(config: Config, checked: preflight.Checked, directory: Path, progress: Progress,
              report: dict) -> RunContext:
+    """What the first stage reads; the calibration's record (and random samples' warnings) go into the report."""
     calibration = checked.calibration
     if calibration is not None:
         report["calibration"] = calibration.describe()
@@ -171,32 +120,128 @@ def _context(config: Config, checked: preflight.Checked, directory: Path, progre
             report["warnings"] += fallback.warnings
     verifier = Verifier(samples, Tolerance.from_config(verify_cfg), threads=config["threads"], source=source)
     return RunContext(config=config, run_dir=directory, calibration=calibration, verifier=verifier,
-                      progress=progress, input_model=checked.model, evaluation=checked.evaluation,
-                      reference_model=checked.reference)
+                      progress=progress, reference=_reference(config, checked, progress))
 
 
-def _run_stage(index: int, name: str, options: dict, model: onnx.ModelProto, ctx: RunContext,
-               report: dict, written: list[str]) -> onnx.ModelProto:
-    stage = registry()[name]
+def _reference(config: Config, checked: preflight.Checked, progress: Progress) -> ReferenceOutputs | None:
+    """The FP32 reference of the evaluation: evaluation.reference_model, else the input as loaded and prepared
+    (names, fixed dims), before any stage. Its outputs are computed when first read (fallback or evaluation)."""
+    cfg = config["evaluation"]
+    if not cfg:
+        return None
+    if cfg["reference_model"]:
+        path, model = cfg["reference_model"], checked.reference
+    else:
+        path, model = config["model"], checked.model
+    return ReferenceOutputs(path, model, checked.evaluation, config["threads"], progress)
+
+
+def _run_stages(run: Run, model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every stage in config order, each on the model the one before handed back."""
+    stages = run.config.stages
+    for index, (name, options) in enumerate(stages):
+        with run.ctx.progress.step(f"[{index + 1}/{len(stages)}] {name}"), run_dir.toolkit_logging_to_run_log():
+            model = _run_stage(run, index, name, options, model)
+        run.timings[f"stage {index} {name}"] = run.report["stages"][-1]["seconds"]
+    return model
+
+
+
+
+def _run_stage(run: Run, index: int, name: str, options: dict, model: onnx.ModelProto) -> onnx.ModelProto:
+    """One stage: a report.json checkpoint first (a run killed outright still says which stage it was in), then
+    the stage, its record, what it handed back applied to the run, and its model saved when asked."""
+    stage, report, ctx = registry()[name], run.report, run.ctx
     record = {"name": name, "index": index, "status": "running", "nodes_before": model_info.node_count(model),
               "op_counts_before": model_info.op_counts(model)}
     report["stages"].append(record)
     start = time.perf_counter()
     log.info("stage %d %s: options %s", index, name, options)
     report["step"] = f"stage {index} {name}"
-    write_report_json(ctx.run_dir, report)  # a run killed outright still says which stage it was in
+    write_report_json(run.directory, report)
     try:
-        result: StageResult = stage.run(model, ctx, options)
+        result = stage.run(model, ctx, options)
     except Exception as exc:
         record.update(status="failed", seconds=round(time.perf_counter() - start, 3), error=str(exc))
         raise
+    _apply(run, result)  # first: what it holds open (closers) must reach the finally block whatever follows
     record.update(status=result.status, seconds=round(time.perf_counter() - start, 3),
                   nodes_after=model_info.node_count(result.model), op_counts_after=model_info.op_counts(result.model),
                   rolled_back=result.rolled_back, **({"reason": result.reason} if result.reason else {}),
                   **result.details)
     log.info("stage %d %s: %s in %.2f s", index, name, result.status, record["seconds"])
-    if ctx.config["save_stage_models"]:
+    if run.config["save_stage_models"]:
         relative = f"stages/{index:02d}_{name}.onnx"
-        save_model(result.model, ctx.run_dir / relative)
-        written.append(relative)
+        save_model(result.model, run.directory / relative)
+        run.written.append(relative)
     return result.model
+
+
+def _apply(run: Run, result: StageResult) -> None:
+    """What a stage handed back: the float set into the context later stages read, the rest into the products
+    the result, the evaluation and the record use."""
+    run.products.add(result)
+    if result.float_set:
+        run.ctx = replace(run.ctx, float_set=run.ctx.float_set | result.float_set)
+
+
+def _save_result(run: Run, model: onnx.ModelProto) -> None:
+    """model.onnx, the backends' artifacts moved into the run directory, and the result's part of the report."""
+    directory, products, report = run.directory, run.products, run.report
+    save_model(model, directory / "model.onnx")
+    run.written.append("model.onnx")
+    for name, source in products.artifacts.items():
+        os.replace(source, directory / name)
+        run.written.append(name)
+    if (directory / "work").exists():
+        run.written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
+    report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
+                        "artifacts": sorted(products.artifacts), **model_info.summary(model)}
+    if products.deployable:  # e.g. the .rknn; model.onnx is then the float model it was built from
+        report["result"]["deployable"] = {
+            "path": products.deployable, "bytes": (directory / products.deployable).stat().st_size,
+            "note": f"model.onnx is the prepared float model {products.deployable} was built from"}
+    report["float_set"] = sorted(run.ctx.float_set)
+
+
+def _evaluate(run: Run, model: onnx.ModelProto) -> None:
+    """The result against the FP32 reference, after a report.json checkpoint that says the run got this far."""
+    report = run.report
+    report["step"] = "evaluation"
+    write_report_json(run.directory, report)
+    t0 = time.perf_counter()
+    report["evaluation"] = evaluate(run.config, run.ctx, run.products, model, report["model"]["kind"])
+    deployable = report["result"].get("deployable")
+    if deployable:
+        report["evaluation"]["size_bytes"]["result"] = deployable["bytes"]
+    run.timings["evaluation"] = time.perf_counter() - t0
+
+
+def _close(closers: list[Callable[[], None]]) -> None:
+    """Free what the stages held open for the evaluation; a failure is logged, the record must still be written."""
+    for close in closers:
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - the report and manifest must still be written
+            log.warning("closing a backend's resources failed: %s: %s", type(exc).__name__, exc)
+
+
+def _write_record(run: Run) -> None:
+    """report.json/.md/.html and manifest.json, however the run ended (called with signals deferred)."""
+    report, config = run.report, run.config
+    if report["status"] in ("ok", "gate missed"):
+        report.pop("step", None)  # where the run was: kept only when it did not finish
+    report["seconds"] = round(run.timings["total"], 3)
+    run.written += write_report(run.directory, report)
+    run_dir.write_manifest(run.directory, {
+        "qprep_version": __version__,
+        "inputs": {
+            "config": {"path": str(config.path) if config.path else None,
+                       "sha256": sha256_file(config.path) if config.path else None},
+            "model": {"path": config["model"], "sha256": report.get("model", {}).get("sha256")},
+            "calibration": report.get("calibration"),
+        },
+        "config": config.resolved(),
+        "timings_s": {k: round(v, 3) for k, v in run.timings.items()},
+        "files": sorted(set(run.written + [run_dir.LOG])),
+    })

@@ -1,53 +1,48 @@
 """The stage registry: YAML stage names → the function that runs the stage and its option schema.
 
-A stage takes the current ModelProto, the run context and its validated options, and returns the new model
-plus a record of what it did. Stage modules register themselves with `@stage(...)`; `registry()` imports
-them, so config validation and the runner see the same list.
+A stage takes the current ModelProto, the run context and its validated options, and returns a StageResult:
+the new model, its record and everything later steps use (the contract: qprep/pipeline/context.py). Stage
+modules register themselves with `@stage(...)`; `registry()` imports them, so config validation and the
+runner see the same list.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-import onnx
-
+from qprep.pipeline.context import StageFunction
 from qprep.schema import Key, section
+
+if TYPE_CHECKING:  # qprep.config imports this module
+    from qprep.config import Config
+
+StageCheck = Callable[[dict, "Config"], None]  # (options, config): refuses, before the run starts, what would fail
 
 # Modules that define stages (imported on first use; each registers itself).
 STAGE_MODULES: tuple[str, ...] = ("qprep.optimize.stage", "qprep.quantize.stage", "qprep.qdq.remove_redundant", "qprep.keep_float", "qprep.qdq.fuse_conv")
 
 
 @dataclass
-class StageResult:
-    """What a stage hands back: the new model and the stage-specific part of its record."""
-
-    model: onnx.ModelProto
-    details: dict = field(default_factory=dict)
-    status: str = "ok"  # ok | skipped
-    reason: str = ""  # why skipped
-    rolled_back: list = field(default_factory=list)
-
-
-@dataclass
 class Stage:
     name: str
-    run: Callable  # (model, ctx, options) -> StageResult
+    run: StageFunction
     options: Key
     summary: str
-    check: Callable | None = None  # (options, config) -> None: what can be refused before the run starts
+    check: StageCheck | None = None
 
 
-_REGISTRY: dict[str, Stage] = {}
+REGISTRY: dict[str, Stage] = {}  # filled by @stage as the stage modules are imported; read it through registry()
 
 
-def stage(name: str, summary: str, check: Callable | None = None, **options: Key):
+def stage(name: str, summary: str, check: StageCheck | None = None,
+          **options: Key) -> Callable[[StageFunction], StageFunction]:
     """Register a stage function under its YAML name with the schema of its options; `check` refuses, from the
     config alone, what would make the stage fail after the run started (qprep/preflight.py calls it)."""
 
-    def register(func):
-        _REGISTRY[name] = Stage(name=name, run=func, options=section(**options), summary=summary, check=check)
+    def register(func: StageFunction) -> StageFunction:
+        REGISTRY[name] = Stage(name=name, run=func, options=section(**options), summary=summary, check=check)
         return func
 
     return register
@@ -56,4 +51,4 @@ def stage(name: str, summary: str, check: Callable | None = None, **options: Key
 def registry() -> dict[str, Stage]:
     for module in STAGE_MODULES:
         importlib.import_module(module)
-    return _REGISTRY
+    return REGISTRY

@@ -52,7 +52,8 @@ from qprep.model.runtime import run_model
 from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array, quantize_bias)
 from qprep.qdq.verified import ProbeCheck, Probe, Rewrite, RewriteLog, apply_verified
 from qprep.schema import Key
-from qprep.pipeline.stages import StageResult, stage
+from qprep.pipeline.context import RunContext, StageResult
+from qprep.pipeline.stages import stage
 
 MAX_SWEEPS = 10
 # End-to-end gate. Integer kernels round a few elements per layer differently from float Conv + Q (ties,
@@ -703,7 +704,10 @@ def _convertible(model: onnx.ModelProto, matmul: bool) -> int:
        min_cosine=Key("float", default=DEFAULT_MIN_COSINE, minimum=-1,
                       doc="end-to-end gate: cosine of every output against the stage's input model (each rewrite "
                           "is also checked on its own: within one quantization step)"))
-def fuse_conv_qdq(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
+def fuse_conv_qdq(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+    """Q/DQ around Conv (optionally MatMul) into integer operators ahead of time, so a runtime that does not fuse
+    QDQ itself runs integer kernels; each rewrite is checked on ctx.verifier's samples (within one quantization
+    step) and rolled back on its own."""
     counts = model_info.op_counts(model)
     if not counts.get("DequantizeLinear"):
         return StageResult(model=model, status="skipped",

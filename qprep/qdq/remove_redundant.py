@@ -42,7 +42,8 @@ from qprep.optimize.ir_utils import constant_array, unique_node_name
 from qprep.verify import Tolerance
 from qprep.qdq.params import EIGHT_BIT, QParams, consumers, producer, qparams
 from qprep.qdq.verified import OutputCheck, Rewrite, RewriteLog, Verdict, apply_verified
-from qprep.pipeline.stages import StageResult, stage
+from qprep.pipeline.context import RunContext, StageResult
+from qprep.pipeline.stages import stage
 
 DATA_MOVEMENT = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "MaxPool", "Slice", "Concat")
 # Exact rewrites: no output may move by more than this (absolute). A quantized output changes by at least one
@@ -302,7 +303,9 @@ def _qdq_counts(model: onnx.ModelProto) -> dict[str, int]:
 
 @stage("remove_redundant_qdq",
        summary="remove Q/DQ round trips and doubled pairs, run data-movement ops on quantized data (exact, verified)")
-def remove_redundant_qdq(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
+def remove_redundant_qdq(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+    """Q/DQ that compute nothing removed, DQ moved past data-movement ops: fewer float ops for the runtime and
+    more fusable patterns for the stages after it; each rewrite verified exact on ctx.verifier's samples."""
     before = _qdq_counts(model)
     if not any(before.values()):
         return StageResult(model=model, status="skipped",

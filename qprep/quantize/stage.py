@@ -10,13 +10,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+import onnx
+
 from qprep.model import info as model_info
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
 from qprep.pipeline.run_dir import toolkit_logging_to_run_log
 from qprep.schema import Key
-from qprep.pipeline.stages import StageResult, stage
+from qprep.pipeline.context import RunContext, StageResult
+from qprep.pipeline.stages import stage
 
 BACKENDS = {"ort": "qprep.quantize.ort", "fp16": "qprep.quantize.fp16", "rknn": "qprep.quantize.rknn"}
 SEARCHABLE = ("ort", "rknn")  # backends with an accuracy-driven fallback
@@ -53,7 +56,10 @@ def check(options: dict, config) -> None:
     fallback=FALLBACK_OPTIONS,
     **{name: _backend(name).OPTIONS for name in BACKENDS},
 )
-def quantize(model, ctx, options: dict) -> StageResult:
+def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+    """The prepared float model through the configured backend; hands back what the evaluation needs to run
+    the result (the backend's runner and analyzer, the float model for per-layer error), its files and what to
+    close when the run ends."""
     kind = model_info.model_kind(model)
     if kind == model_info.INTEGER:
         raise QprepError("quantize: the model is already integer-quantized (QLinear*/ConvInteger ops); "
@@ -68,38 +74,37 @@ def quantize(model, ctx, options: dict) -> StageResult:
                              "quantize stage (or set quantize.rknn.do_quantization: false for a .rknn without int8)")
         if backend != "rknn":  # ort and fp16 would return the model as it is and call it quantized
             reason = "nothing to quantize (the model computes no float tensors)"
-            ctx.warnings.append(f"quantize: skipped, {reason}; the model passes through unchanged")
-            return StageResult(model=model, status="skipped", reason=reason)
-    ctx.prepared_model = model  # the float model the per-layer analysis compares against
+            return StageResult(model=model, status="skipped", reason=reason,
+                               warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
                        progress=ctx.progress, threads=ctx.config["threads"])
     if options["fallback"]:
-        _prepare_fallback(job, options["fallback"], backend, ctx)
+        _prepare_fallback(job, options["fallback"], ctx)
     with toolkit_logging_to_run_log():
         result = _backend(backend).quantize(job)
+    warnings = []
     if result.details.get("float_set_unmatched"):
-        ctx.warnings.append(f"quantize: {len(result.details['float_set_unmatched'])} float-set nodes no longer exist "
-                            "(keep_float ran before a stage that rewrote them?) and were quantized")
-    ctx.artifacts.update(result.artifacts)
-    ctx.deployable = result.deployable
-    ctx.runner, ctx.layer_analyzer = result.runner, result.analyzer
-    if result.close is not None:
-        ctx.closers.append(result.close)
+        warnings.append(f"quantize: {len(result.details['float_set_unmatched'])} float-set nodes no longer exist "
+                        "(keep_float ran before a stage that rewrote them?) and were quantized")
     return StageResult(model=result.model if result.model is not None else model,
-                       details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details})
+                       details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details},
+                       warnings=warnings, prepared_model=model, runner=result.runner, analyzer=result.analyzer,
+                       deployable=result.deployable, artifacts=result.artifacts,
+                       closers=[result.close] if result.close is not None else [],
+                       fallback_target=dict(options["fallback"]["target"]) if options["fallback"] else {})
 
 
-def _prepare_fallback(job: BackendInput, fallback: dict, backend: str, ctx) -> None:
-    """Evaluation samples and their FP32 outputs, computed once for every trial of the search (and reused by
-    the final evaluation)."""
-    from qprep.evaluate import output_metrics, reference_run
+def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> None:
+    """The search measures every trial on the evaluation samples against the FP32 outputs; those are the run's
+    shared ReferenceOutputs, computed here once (the final evaluation reuses them)."""
+    from qprep.evaluate import output_metrics
 
-    run = reference_run(ctx.config, ctx)
+    run = ctx.reference
+    expected = run.expected
     tasks = ctx.config["evaluation"]["tasks"]
 
     def measure(actual_outputs: list[dict]) -> dict:
-        return output_metrics(run.expected[: len(actual_outputs)], actual_outputs, tasks, run.model)
+        return output_metrics(expected[: len(actual_outputs)], actual_outputs, tasks, run.model)
 
     job.fallback, job.evaluation_samples, job.measure = fallback, run.samples.samples, measure
-    ctx.fallback_target = dict(fallback["target"])

@@ -1,0 +1,36 @@
+"""The FP32 reference outputs on the evaluation samples: run once, shared by quantize's fallback and the evaluation.
+
+Why an object of its own: the fallback search measures every trial against the reference, and the final
+evaluation compares the result with it; running the reference twice costs a full pass over the evaluation set.
+The runner creates one `ReferenceOutputs` per run and hands it to both on the run context; whoever reads
+`expected` first runs the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import onnx
+
+from qprep.data import SampleSet
+from qprep.model.runtime import run_model
+from qprep.progress import Progress
+
+
+@dataclass
+class ReferenceOutputs:
+    """The FP32 reference, the evaluation samples (checked against its inputs: the result's may differ, e.g.
+    float16) and, computed on first use, its outputs on them."""
+
+    path: str  # where the reference came from (evaluation.reference_model, or the input model)
+    model: onnx.ModelProto
+    samples: SampleSet
+    threads: int
+    progress: Progress
+
+    @cached_property
+    def expected(self) -> list[dict]:
+        """The reference's outputs, one dict per sample (run on the first read, then kept)."""
+        with self.progress.step("evaluation: FP32 reference outputs"):
+            return run_model(self.model, self.samples.samples, self.threads, optimize=True)
