@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._ir_utils import get_numpy_value
+
+from qprep.third_party import numpy_value
 
 
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
     """The value's array when it is a constant (initializer or Constant node) and not a graph input."""
     if value is None or value.is_graph_input():
         return None
-    return get_numpy_value(value)
+    return numpy_value(value)
 
 
 def default_opset(model: ir.Model) -> int:
