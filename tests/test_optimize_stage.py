@@ -35,7 +35,7 @@ def test_a_pass_that_changes_numbers_is_rolled_back_and_the_run_goes_on(tmp_path
     config.write_text(f"model: {model}\noutput_dir: {tmp_path / 'run'}\n"
                       "pipeline: [{optimize: {passes: [cleanup]}}]\n")
     # pass names are validated with the config; the broken one is injected after validation
-    monkeypatch.setattr(optimize_module, "_selected_passes", lambda options: ["broken", "cleanup"])
+    monkeypatch.setattr(optimize_module, "selected_passes", lambda options: ["broken", "cleanup"])
     code, _, err = cli("run", config, "--quiet")
     assert code == 0, err
     report = json.loads((tmp_path / "run" / "report.json").read_text())

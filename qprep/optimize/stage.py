@@ -41,7 +41,7 @@ RKNN_MAX_OPSET = 19  # rknn-toolkit2 recommends 19 and fails on 21
     rounds=Key("int", default=3, minimum=1, doc="repeat the pass list while a round still changes the graph"),
 )
 def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
-    passes = _selected_passes(options)
+    passes = selected_passes(options)
     settings = _settings(options, ctx.config.stages)
     verifier = ctx.verifier
     verifier.set_reference(model)
@@ -115,7 +115,7 @@ def optimize(model: onnx.ModelProto, ctx, options: dict) -> StageResult:
     })
 
 
-def _selected_passes(options: dict) -> list[str]:
+def selected_passes(options: dict) -> list[str]:
     """The configured pass list (names were validated against the registry with the config)."""
     names = options["passes"] if options["passes"] is not None else [
         name for name, graph_pass in all_passes().items() if graph_pass.default]
