@@ -56,7 +56,9 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
 def external_data_files(path: str | os.PathLike) -> list[Path]:
     """The external data files a model file names (resolved beside it); [] when it does not parse (loading
     it reports that). A model file over 256 MB holds its weights itself and is not parsed twice for this."""
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+    from onnx.external_data_helper import uses_external_data
+
+    from qprep.third_party import all_tensors
 
     path = Path(path)
     try:
@@ -65,15 +67,17 @@ def external_data_files(path: str | os.PathLike) -> list[Path]:
         model = onnx.load(str(path), load_external_data=False)
     except Exception:  # noqa: BLE001 - load_model gives the one-line reason
         return []
-    locations = {e.value for tensor in _get_all_tensors(model) if uses_external_data(tensor)
+    locations = {e.value for tensor in all_tensors(model) if uses_external_data(tensor)
                  for e in tensor.external_data if e.key == "location"}
     return [path.parent / location for location in sorted(locations)]
 
 
 def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+    from onnx.external_data_helper import uses_external_data
 
-    for tensor in _get_all_tensors(model):
+    from qprep.third_party import all_tensors
+
+    for tensor in all_tensors(model):
         if uses_external_data(tensor):
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
             if _escapes_folder(location):  # a model file must not make qprep read files elsewhere

@@ -1,17 +1,18 @@
-"""Small helpers over onnx_ir shared by the passes: constants, opset, ranks."""
+"""Small helpers over onnx_ir shared by the rules: constants, opset, shape inference (rule infrastructure: rules.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._ir_utils import get_numpy_value
+
+from qprep.third_party import numpy_value
 
 
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
     """The value's array when it is a constant (initializer or Constant node) and not a graph input."""
     if value is None or value.is_graph_input():
         return None
-    return get_numpy_value(value)
+    return numpy_value(value)
 
 
 def default_opset(model: ir.Model) -> int:
@@ -36,21 +37,3 @@ def infer_shapes(model: ir.Model) -> bool:
     except Exception:  # noqa: BLE001 - inference failure only means fewer rules can prove their checks
         return False
 
-
-def first_free(wanted: str, taken: set[str]) -> str:
-    """`wanted`, or `wanted_1`, `wanted_2`, … — the first one not in `taken`."""
-    name, i = wanted, 1
-    while name in taken:
-        name, i = f"{wanted}_{i}", i + 1
-    return name
-
-
-def unique_node_name(graph: ir.Graph, wanted: str) -> str:
-    """The first name like `wanted` that no node of the graph has."""
-    return first_free(wanted, {n.name for n in graph})
-
-
-def unique_value_name(graph: ir.Graph, wanted: str) -> str:
-    """The first name like `wanted` that no value of the graph has (inputs, initializers, node outputs)."""
-    return first_free(wanted, set(graph.initializers) | {v.name for n in graph for v in n.outputs}
-                      | {v.name for v in graph.inputs})

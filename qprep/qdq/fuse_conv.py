@@ -47,7 +47,8 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 from onnxscript.rewriter import pattern as orp
 
 from qprep.model import info as model_info
-from qprep.optimize.ir_utils import constant_array, unique_node_name, unique_value_name
+from qprep.optimize.ir_utils import constant_array
+from qprep.optimize.rules import per_channel, unique_node_name, unique_value_name
 from qprep.model.runtime import run_model
 from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array, quantize_bias)
 from qprep.qdq.verified import ProbeCheck, Probe, Rewrite, RewriteLog, apply_verified
@@ -156,17 +157,6 @@ def _bias_int32(bias: _Bias, scale: np.ndarray, channels: int) -> tuple[np.ndarr
     return quantize_bias(bias.values, target), "quantized from float (as onnxruntime.quantization does)"
 
 
-def _channel_constant(value: ir.Value, channels: int, out_rank: int) -> np.ndarray | None:
-    """`value` as a per-output-channel vector, when it is a constant that broadcasts only along axis 1."""
-    array = constant_array(value)
-    if array is None or array.ndim > out_rank:
-        return None
-    shape = (1,) * (out_rank - array.ndim) + array.shape
-    if any(d != 1 for i, d in enumerate(shape) if i != 1) or (out_rank > 1 and shape[1] not in (1, channels)):
-        return None
-    return np.broadcast_to(array.reshape(-1).astype(np.float64), (channels,))
-
-
 def _vector(value: ir.Value, channels: int) -> np.ndarray | None:
     """A 1-D per-channel constant (BatchNormalization's parameters) as float64 [C]."""
     array = constant_array(value)
@@ -256,9 +246,10 @@ class EpilogueAffine(_ConvRule):
             return found
         if constant_array(c) is None:
             return MatchResult().fail(f"{self.op_type} by a computed value: not an epilogue")
-        vector = _channel_constant(c, found["channels"], found["weight"].array.ndim)
-        if vector is None:
+        vector = per_channel(constant_array(c), found["channels"], found["weight"].array.ndim)
+        if isinstance(vector, str):
             return self.log.refuse(node.name, f"{self.op_type} after the Conv is not by a per-channel constant")
+        vector = vector.astype(np.float64)
         if self.op_type == "Div":
             if np.any(vector == 0):
                 return self.log.refuse(node.name, "Div by zero after the Conv")

@@ -38,7 +38,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
 from qprep.model import info as model_info
-from qprep.optimize.ir_utils import constant_array, unique_node_name
+from qprep.optimize.ir_utils import constant_array
+from qprep.optimize.rules import unique_node_name
 from qprep.verify import Tolerance
 from qprep.qdq.params import EIGHT_BIT, QParams, consumers, producer, qparams
 from qprep.qdq.verified import OutputCheck, Rewrite, RewriteLog, Verdict, apply_verified

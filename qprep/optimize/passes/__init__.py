@@ -1,11 +1,35 @@
-"""The optimize passes, one module each, in the order `optimize` runs them by default.
+"""The optimize passes, one module each, in the order `optimize` runs them by default — and how to write a rule.
 
-A pass is pattern → check → replacement on graph edges, written with onnx_ir and the onnxscript rewriter
-(`RewriteRuleClassBase`: `pattern`, `check`, `rewrite` kept visibly separate). It mutates the `ir.Model` it is
-given and says how many places it rewrote; the optimize stage (qprep/optimize/stage.py), not the pass,
-converts to and from ModelProto, verifies the numbers with ONNX Runtime and rolls a failing pass back.
+A pass mutates the `ir.Model` it is given and says how many places it rewrote (`PassOutcome`); the optimize stage
+(qprep/optimize/stage.py), not the pass, converts to and from ModelProto, verifies the numbers with ONNX Runtime
+and rolls a failing pass back. Each module defines `PASS = GraphPass(...)`. The qdq rewrites (qprep/qdq/) are
+rules written the same way, verified rewrite by rewrite by qdq/verified.py instead.
 
-Each module defines `PASS = GraphPass(...)`.
+Writing a rule. A rule is pattern → check → replacement on graph edges (producer/consumer, never node order),
+written with onnx_ir and the onnxscript rewriter as a `RewriteRuleClassBase` subclass whose `pattern`, `check`
+and `rewrite` stay separate:
+
+    pattern(op, x, ...)          the subgraph's structure only; bind what the check needs (`_outputs=["name"]`)
+    check(context, x, ...)       everything that makes it legal: dtypes, shapes, attributes, constants read from
+                                 the graph (`ir_utils.constant_array`; never assumed); `MatchResult().fail(reason)`
+                                 otherwise — a partial match leaves the graph untouched
+    rewrite(op, x, ...)          the replacement, named after what it replaces (`_name=`)
+
+The module docstring states its Forms, Preconditions and Math. Its tests build tiny graphs and either
+`assert_fused` (same numbers with ONNX Runtime) or `assert_refused` (with the reason), as
+tests/test_pass_layernorm.py does. Shared helpers, written once:
+
+    qprep/optimize/ir_utils.py   constant_array (initializer or Constant node, never a graph input),
+                                 default_opset, infer_shapes
+    qprep/optimize/rules.py      names_in_use / unique_node_name / unique_value_name (names for what a
+                                 replacement adds); OpsetUpgrade + count_matches (a replacement op newer than the
+                                 model: dry run, then convert only when something matches and max_opset allows
+                                 it); per_channel (a constant on a Conv output as one value per channel)
+    qprep/third_party.py         the dependencies' private APIs (get_numpy_value, MaterializeReshapeShape, ...)
+
+Per-run state (what a run fused, refused, which anchors it may touch) lives in an object `apply` creates and
+hands to the rules' constructors (layernorm's _FusionLog, qdq/verified.py's RewriteLog, float_maxpool's shapes);
+never in a module-level variable, so two runs cannot see each other's state.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from onnxscript.rewriter.rules.common import (fuse_batchnorm_into_conv_rule, fus
                                               fuse_batchnorm_into_gemm_rule, fuse_pad_into_conv_rule,
                                               normalize_pad_format_conv_rule)
 
-from qprep.optimize.ir_utils import constant_array, default_opset, unique_value_name
+from qprep.optimize.ir_utils import constant_array, default_opset
+from qprep.optimize.rules import per_channel, unique_value_name
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 
 CLIP_INPUTS_OPSET = 11  # Clip's bounds became inputs in opset 11; older models keep their HardSigmoid
@@ -44,19 +45,11 @@ def _conv_parts(conv: ir.Value) -> tuple[ir.Node, np.ndarray | None, np.ndarray 
     return node, weights, bias
 
 
-def _per_channel(extra: np.ndarray | None, weights: np.ndarray) -> np.ndarray | str:
+def _per_output_channel(extra: np.ndarray | None, weights: np.ndarray) -> np.ndarray | str:
     """`extra`, broadcast against the Conv's output, as one value per output channel, or why it is not."""
-    if extra is None:
-        return "not a constant"
-    if extra.dtype != weights.dtype:
+    if extra is not None and extra.dtype != weights.dtype:
         return "dtype differs from the weights"
-    channels, rank = weights.shape[0], weights.ndim  # Conv output rank = weight rank
-    if extra.ndim > rank:
-        return f"constant of rank {extra.ndim} on a rank-{rank} output"
-    shape = (1,) * (rank - extra.ndim) + extra.shape
-    if any(d != 1 for i, d in enumerate(shape) if i != 1) or shape[1] not in (1, channels):
-        return f"constant shape {extra.shape} is not per-channel for {channels} channels"
-    return np.broadcast_to(extra.reshape(-1), (channels,))
+    return per_channel(extra, weights.shape[0], weights.ndim)  # Conv output rank = weight rank
 
 
 def _scalar(extra: np.ndarray | None, weights: np.ndarray) -> float | str:
@@ -91,12 +84,12 @@ class _ConvOutputConstant(RewriteRuleClassBase):
 
     def check(self, context, x, w, constant, conv, **_) -> MatchResult:
         parts = _conv_parts(conv)
-        extra = parts if isinstance(parts, str) else _per_channel(constant_array(constant), parts[1])
+        extra = parts if isinstance(parts, str) else _per_output_channel(constant_array(constant), parts[1])
         return MatchResult().fail(extra) if isinstance(extra, str) else MatchResult()
 
     def rewrite(self, op, x, w, constant, conv, **_):
         node, weights, bias = _conv_parts(conv)
-        values = _per_channel(constant_array(constant), weights).astype(np.float64)
+        values = _per_output_channel(constant_array(constant), weights).astype(np.float64)
         return _conv(op, node, x, *self.fold(weights, bias, values), f"{self.op_type.lower()}_folded")
 
 

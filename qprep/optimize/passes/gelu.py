@@ -28,54 +28,23 @@ from __future__ import annotations
 import abc
 import functools
 import math
-from collections.abc import Iterator
 
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
-from onnx_ir.traversal import RecursiveGraphIterator
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
-from onnxscript.version_converter import ConvertVersionPass
 
 from qprep.optimize.ir_utils import constant_array, default_opset
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
+from qprep.optimize.rules import OpsetUpgrade, all_nodes, count_matches, unique_node_name
 
 REL_TOL = 1e-4  # relative tolerance on every constant (see the module docstring)
 GELU_OPSET = 20  # ONNX Gelu's first opset
+UPGRADE = OpsetUpgrade(GELU_OPSET, forbidden="gelu: {found} GELU(s) need opset {target} for ONNX Gelu but max_opset "
+                                          "is {max_opset}", failed="gelu: converting opset {opset} → {target} failed")
 MS_DOMAIN = "com.microsoft"
 MODES = ("auto", "onnx", "microsoft", "off")
 HALF_PLACEMENTS = ("last", "on_x", "on_sum")  # where the 0.5 joins the product 0.5 * x * (1 + t)
-
-
-def _all_nodes(model: ir.Model):
-    """Nodes of the graph, its subgraphs and the model's functions: everywhere apply_to_model rewrites."""
-    yield from RecursiveGraphIterator(model.graph)
-    for function in model.functions.values():
-        yield from RecursiveGraphIterator(function)
-
-
-class _NodeNames:
-    """Hands out node names unique in the model, so fused nodes stay traceable to the scope they replace."""
-
-    def __init__(self):
-        self._taken: set[str] = set()
-
-    def start(self, model: ir.Model) -> None:
-        self._taken = {node.name for node in _all_nodes(model) if node.name}
-
-    def near(self, node: ir.Node, op_type: str) -> str:
-        """`<scope of node>/<op_type>`, e.g. `/bert/.../intermediate_act_fn/Gelu`; suffixed `_1`, `_2` if taken."""
-        scope = (node.name or "").rpartition("/")[0] or node.name or ""
-        base = f"{scope}/{op_type}" if scope else op_type
-        name, n = base, 0
-        while name in self._taken:
-            n += 1
-            name = f"{base}_{n}"
-        self._taken.add(name)
-        return name
-
-
-_NAMES = _NodeNames()  # the rules are built once and shared (see _form_rules); apply() points it at its model
 
 
 def _check_constants(x: ir.Value, expected: dict[str, tuple[ir.Value | None, float]]) -> MatchResult:
@@ -125,9 +94,15 @@ class _GeluRule(RewriteRuleClassBase):
 
     def rewrite(self, op, x, core, **_):
         if self.mode == "onnx":
-            return op.Gelu(x, approximate=self.approximate, _name=_NAMES.near(core.producer(), "Gelu"))
-        return getattr(op, self.ms_op)(x, _domain=MS_DOMAIN, _version=1,
-                                       _name=_NAMES.near(core.producer(), self.ms_op))
+            return op.Gelu(x, approximate=self.approximate, _name=_name_near(core.producer(), "Gelu"))
+        return getattr(op, self.ms_op)(x, _domain=MS_DOMAIN, _version=1, _name=_name_near(core.producer(), self.ms_op))
+
+
+def _name_near(node: ir.Node, op_type: str) -> str:
+    """`<scope of node>/<op_type>`, e.g. `/bert/.../intermediate_act_fn/Gelu`; suffixed `_1`, `_2` if taken, so
+    fused nodes stay traceable to the scope they replace."""
+    scope = (node.name or "").rpartition("/")[0] or node.name or ""
+    return unique_node_name(node.graph, f"{scope}/{op_type}" if scope else op_type)
 
 
 class ErfGelu(_GeluRule):
@@ -178,7 +153,7 @@ def _form_rules(form: str, mode: str) -> RewriteRuleSet:
 def rule_sets(model: ir.Model, mode: str) -> dict[str, RewriteRuleSet]:
     """The rule set of each form whose Erf/Tanh op occurs in the model. The engine tries every rule at every
     node, and the 768 tanh rules cost ~2 s on MiniLM's 646 nodes although it has no Tanh at all."""
-    ops = {node.op_type for node in _all_nodes(model) if node.domain == ""}
+    ops = {node.op_type for node in all_nodes(model) if node.domain == ""}
     return {form: _form_rules(form, mode) for form, marker in MARKER_OPS.items() if marker in ops}
 
 
@@ -196,12 +171,6 @@ def resolve_mode(settings: PassSettings, opset: int) -> tuple[str, str]:
                    f"{opset} < {GELU_OPSET}")
 
 
-def matching_nodes(model: ir.Model, rule_sets_: dict[str, RewriteRuleSet]) -> Iterator[ir.Node]:
-    """The nodes where a rule would fire, found without changing the model (to decide whether converting pays)."""
-    rules = [rule for rule_set in rule_sets_.values() for rule in rule_set.rules]
-    return (node for node in _all_nodes(model) if any(rule.match(model, node.graph, node) for rule in rules))
-
-
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     """Fuse in place; details: mode (and why), fused per form, opset_upgraded_from, or skipped: reason."""
     opset = default_opset(model)
@@ -209,20 +178,13 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     if mode == "off":
         return PassOutcome(0, {"skipped": "gelu: off" if settings.gelu == "off" else f"gelu: {why}"})
     details: dict = {"mode": mode, "mode_reason": why}
-    if mode == "onnx" and opset < GELU_OPSET:
-        matches = matching_nodes(model, rule_sets(model, mode))
-        if next(matches, None) is None:
+    if mode == "onnx":
+        rules = [rule for rule_set in rule_sets(model, mode).values() for rule in rule_set.rules]
+        proceed, upgrade = UPGRADE.prepare(model, settings.max_opset, lambda: count_matches(model, rules))
+        details.update(upgrade)
+        if not proceed:
             return PassOutcome(0, details)
-        if settings.max_opset < GELU_OPSET:
-            found = 1 + sum(1 for _ in matches)
-            return PassOutcome(0, {**details, "skipped": f"gelu: {found} GELU(s) need opset {GELU_OPSET} for ONNX "
-                                                         f"Gelu but max_opset is {settings.max_opset}"})
-        ConvertVersionPass(GELU_OPSET, fallback=True)(model)
-        if default_opset(model) != GELU_OPSET:  # a failed conversion only logs a warning and keeps the opset
-            return PassOutcome(0, {**details, "skipped": f"gelu: converting opset {opset} → {GELU_OPSET} failed"})
-        details["opset_upgraded_from"] = opset
     fused = dict.fromkeys(FORMS, 0)
-    _NAMES.start(model)
     for form, rules in rule_sets(model, mode).items():
         fused[form] = rules.apply_to_model(model)
     RemoveUnusedNodesPass()(model)  # Constant nodes that fed only the fused subgraphs

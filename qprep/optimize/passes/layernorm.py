@@ -32,7 +32,6 @@ LayerNormalization exists from opset 17: a model below it is converted first, on
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -42,12 +41,15 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
-from onnxscript.version_converter import ConvertVersionPass
 
-from qprep.optimize.ir_utils import constant_array, default_opset, first_free, infer_shapes
+from qprep.optimize.ir_utils import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
+from qprep.optimize.rules import OpsetUpgrade, count_matches, names_in_use
 
 LAYERNORM_OPSET = 17
+UPGRADE = OpsetUpgrade(
+    LAYERNORM_OPSET, forbidden="opset {opset} < {target} and max_opset {max_opset} forbids the upgrade",
+    failed="converting opset {opset} to {target} failed (onnx version converter); {found} LayerNorms left decomposed")
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 # Why a shorter form declines: the longer form saw this LayerNorm's affine step and refused it (e.g. gamma
 # is a graph input). Fusing only the normalization would hide that refusal, so the whole LayerNorm stays.
@@ -240,9 +242,9 @@ class _LayerNormRule(RewriteRuleClassBase):
         if isinstance(context.graph_or_function, ir.Function) and any(isinstance(p, np.ndarray) for p in params):
             return fail("new scale/bias initializers cannot be added inside a function", x)
 
-        node_names, value_names = _taken_names(context.model)
-        name = first_free(_scope_name(context.nodes, means[0].node), node_names)
-        new_names = {role: first_free(f"{name}.{role}", value_names)
+        names = names_in_use(context.model)
+        name = names.node(_scope_name(context.nodes, means[0].node))
+        new_names = {role: names.value(f"{name}.{role}")
                      for role, p in zip(("scale", "bias"), params) if isinstance(p, np.ndarray)}
         return _Fusion(self.form, -k, float(np.float32(epsilon)), *params, name, new_names, context.root)
 
@@ -466,29 +468,6 @@ def _scope_name(nodes, anchor: ir.Node) -> str:
     return f"{base}/LayerNormalization" if base else "LayerNormalization"
 
 
-def _taken_names(model: ir.Model) -> tuple[set[str], set[str]]:
-    """Node names and value names in use anywhere in the model (subgraphs included)."""
-    nodes, values = set(), set(model.graph.initializers)
-    values.update(v.name for v in model.graph.inputs if v.name)
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.name:
-            nodes.add(node.name)
-        values.update(v.name for v in node.outputs if v.name)
-    for subgraph in _subgraphs(model):
-        values.update(subgraph.initializers)
-        values.update(v.name for v in subgraph.inputs if v.name)
-    return nodes, values
-
-
-def _subgraphs(model: ir.Model):
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield attr.as_graph()
-            elif attr.type == ir.AttributeType.GRAPHS:
-                yield from attr.as_graphs()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Driving the rules
 # ---------------------------------------------------------------------------------------------------------
@@ -509,53 +488,24 @@ def _typed_retry(model: ir.Model, run, details: dict) -> tuple[int, _FusionLog]:
     return count + run(retry), retry
 
 
-def _count_candidates(model: ir.Model, rules: RewriteRuleSet) -> int:
-    """How many LayerNorms the rules would fuse, without changing the model (decides the opset upgrade)."""
-    def candidates():  # (container the rewriter would pass, node), like RewriteRuleSet.apply_to_model
-        for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            yield node.graph, node
-        for function in model.functions.values():
-            for node in ir.traversal.RecursiveGraphIterator(function):
-                yield (function if node.graph is function.graph else node.graph), node
-
-    return sum(any(rule.match(model, container, node) for rule in rules) for container, node in candidates())
-
-
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     """Fuse every decomposed LayerNorm in place; upgrade to opset 17 first when needed and allowed."""
     details: dict = {}
-    opset = default_opset(model)
-    if opset < LAYERNORM_OPSET:  # upgrade only for a match: a dry run first
-        found, dry_run = _typed_retry(model, lambda log: _count_candidates(model, _rule_set(log)), details)
-        if not found:
-            return PassOutcome(0, {**dry_run.details(), **details})
-        if settings.max_opset < LAYERNORM_OPSET:
-            return PassOutcome(0, {**details, "skipped": f"opset {opset} < {LAYERNORM_OPSET} and max_opset "
-                                   f"{settings.max_opset} forbids the upgrade"})
-        if not _upgrade(model):
-            return PassOutcome(0, {**details, "skipped": f"converting opset {opset} to {LAYERNORM_OPSET} "
-                                   f"failed (onnx version converter); {found} LayerNorms left decomposed"})
-        details["opset_upgraded_from"] = opset
+    dry_runs: list[_FusionLog] = []
+
+    def dry_run() -> int:
+        found, log = _typed_retry(model, lambda log: count_matches(model, _rule_set(log)), details)
+        dry_runs.append(log)
+        return found
+
+    proceed, upgrade = UPGRADE.prepare(model, settings.max_opset, dry_run)
+    details.update(upgrade)
+    if not proceed:  # nothing matched (the dry run's refusals go to the record), or the upgrade was not possible
+        return PassOutcome(0, {**(dry_runs[0].details() if not upgrade else {}), **details})
     fused, log = _typed_retry(model, lambda log: _rule_set(log).apply_to_model(model), details)
     if fused:
         RemoveUnusedNodesPass()(model)  # the eps / exponent Constant nodes the match did not own
     return PassOutcome(fused, {**log.details(), **details})
-
-
-def _upgrade(model: ir.Model) -> bool:
-    """Convert to opset 17 with onnx's C converter (onnxscript's own starts at 18). True when it worked.
-
-    ConvertVersionPass logs a warning for the expected fallback and only logs a failed conversion, so the
-    result is judged by the opset it leaves.
-    """
-    converter_log = logging.getLogger("onnxscript.version_converter")
-    level = converter_log.level
-    converter_log.setLevel(logging.ERROR)
-    try:
-        ConvertVersionPass(LAYERNORM_OPSET, fallback=True)(model)
-    finally:
-        converter_log.setLevel(level)
-    return default_opset(model) == LAYERNORM_OPSET
 
 
 def count_decomposed_layernorms(model: onnx.ModelProto) -> int:

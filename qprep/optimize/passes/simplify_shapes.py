@@ -14,10 +14,10 @@ from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
                                               transpose_transpose_rule, unsqueeze_unsqueeze_rule)
-from onnxscript.rewriter.rules.common._materialize_reshape_shape import MaterializeReshapeShape
 
 from qprep.optimize.ir_utils import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
+from qprep.third_party import MaterializeReshapeShape, materialized_dims
 
 
 class ReshapeKeepingOwnDims(RewriteRuleClassBase):
@@ -83,13 +83,13 @@ class ConstantReshapeShape(MaterializeReshapeShape):
 
     def check(self, context, data, shape) -> MatchResult:
         result = super().check(context, data, shape)
-        if result and 0 in self._new_dims:
+        if result and 0 in materialized_dims(self):
             return MatchResult().fail("a 0 dim would need allowzero (opset 14)")
         self._name = f"{context.output_values[0].name}/shape"
         return result
 
     def rewrite(self, op, data, shape, **_):
-        return op.Reshape(data, op.initializer(ir.tensor(np.array(self._new_dims, np.int64), name=self._name)))
+        return op.Reshape(data, op.initializer(ir.tensor(np.array(materialized_dims(self), np.int64), name=self._name)))
 
 
 RULES = RewriteRuleSet([ReshapeKeepingOwnDims.rule(), transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule,

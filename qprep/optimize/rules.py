@@ -1,0 +1,182 @@
+"""What every graph rewrite rule shares (optimize passes and qdq rewrites): written once, here.
+
+    Names           unique node / value names for what a replacement adds (`names_in_use`, `unique_node_name`,
+                    `unique_value_name`)
+    OpsetUpgrade    a rule whose replacement needs a newer opset: dry run first (`count_matches`), convert only
+                    when something matches and max_opset allows it
+    per_channel     a constant on a Conv output as one value per output channel, or why it is not one
+
+How to write a rule: see the docstring of qprep/optimize/passes/__init__.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.version_converter import ConvertVersionPass
+
+from qprep.optimize.ir_utils import default_opset
+
+# ---------------------------------------------------------------------------------------------------------
+# Unique names
+# ---------------------------------------------------------------------------------------------------------
+
+
+def first_free(wanted: str, taken: set[str]) -> str:
+    """`wanted`, or `wanted_1`, `wanted_2`, … — the first one not in `taken`."""
+    name, i = wanted, 1
+    while name in taken:
+        name, i = f"{wanted}_{i}", i + 1
+    return name
+
+
+@dataclass
+class Names:
+    """The node and value names in use; `node`/`value` hand out a free one and count it as taken."""
+
+    nodes: set[str] = field(default_factory=set)
+    values: set[str] = field(default_factory=set)
+
+    def node(self, wanted: str) -> str:
+        name = first_free(wanted, self.nodes)
+        self.nodes.add(name)
+        return name
+
+    def value(self, wanted: str) -> str:
+        name = first_free(wanted, self.values)
+        self.values.add(name)
+        return name
+
+
+def names_in_use(container: ir.Model | ir.Graph) -> Names:
+    """Every node and value name of a model (its graph, subgraphs and functions) or of one graph (with its
+    subgraphs): inputs, initializers, node outputs."""
+    graphs = _graphs(container)
+    names = Names()
+    for graph in graphs:
+        names.values.update(graph.initializers)
+        names.values.update(v.name for v in graph.inputs if v.name)
+    for node in all_nodes(container):
+        if node.name:
+            names.nodes.add(node.name)
+        names.values.update(v.name for v in node.outputs if v.name)
+    return names
+
+
+def unique_node_name(graph: ir.Graph, wanted: str) -> str:
+    """The first name like `wanted` that no node of the graph has."""
+    return names_in_use(graph).node(wanted)
+
+
+def unique_value_name(graph: ir.Graph, wanted: str) -> str:
+    """The first name like `wanted` that no value of the graph has (inputs, initializers, node outputs)."""
+    return names_in_use(graph).value(wanted)
+
+
+def all_nodes(container: ir.Model | ir.Graph) -> Iterator[ir.Node]:
+    """Nodes of the graph and its subgraphs, and of a model's functions: everywhere apply_to_model rewrites."""
+    if isinstance(container, ir.Graph):
+        yield from ir.traversal.RecursiveGraphIterator(container)
+        return
+    yield from ir.traversal.RecursiveGraphIterator(container.graph)
+    for function in container.functions.values():
+        yield from ir.traversal.RecursiveGraphIterator(function)
+
+
+def _graphs(container: ir.Model | ir.Graph) -> list[ir.Graph]:
+    """The graph and every subgraph (If/Loop/Scan bodies) under it."""
+    graphs = [container if isinstance(container, ir.Graph) else container.graph]
+    for node in all_nodes(container):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                graphs.append(attr.as_graph())
+            elif attr.type == ir.AttributeType.GRAPHS:
+                graphs.extend(attr.as_graphs())
+    return graphs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dry run, then opset upgrade
+# ---------------------------------------------------------------------------------------------------------
+
+
+def count_matches(model: ir.Model, rules: Iterable) -> int:
+    """At how many nodes one of `rules` matches, without changing the model."""
+    rules = list(rules)
+
+    def candidates():  # (container the rewriter would pass, node), like RewriteRuleSet.apply_to_model
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            yield node.graph, node
+        for function in model.functions.values():
+            for node in ir.traversal.RecursiveGraphIterator(function):
+                yield (function if node.graph is function.graph else node.graph), node
+
+    return sum(any(rule.match(model, container, node) for rule in rules) for container, node in candidates())
+
+
+@dataclass(frozen=True)
+class OpsetUpgrade:
+    """A replacement op that exists from `opset` on. A model below it is converted (onnx's version converter)
+    only when the rules match somewhere and max_opset allows it.
+
+    `forbidden` and `failed` word the record's `skipped` reason; they may use {opset} (the model's), {target},
+    {max_opset} and {found} (how many matches the dry run saw).
+    """
+
+    opset: int
+    forbidden: str
+    failed: str
+
+    def prepare(self, model: ir.Model, max_opset: int, dry_run: Callable[[], int]) -> tuple[bool, dict]:
+        """(whether to run the rules, facts for the record). `dry_run()` counts the matches on the unchanged
+        model and runs only when the model is below `opset`."""
+        opset = default_opset(model)
+        if opset >= self.opset:
+            return True, {}
+        found = dry_run()
+        if not found:
+            return False, {}
+        words = {"opset": opset, "target": self.opset, "max_opset": max_opset, "found": found}
+        if max_opset < self.opset:
+            return False, {"skipped": self.forbidden.format(**words)}
+        if not upgrade_opset(model, self.opset):
+            return False, {"skipped": self.failed.format(**words)}
+        return True, {"opset_upgraded_from": opset}
+
+
+def upgrade_opset(model: ir.Model, opset: int) -> bool:
+    """Convert in place (onnx's C converter below 18, onnxscript's own above). True when it worked.
+
+    ConvertVersionPass logs a warning for the expected fallback and only logs a failed conversion, so the
+    result is judged by the opset it leaves.
+    """
+    converter_log = logging.getLogger("onnxscript.version_converter")
+    level = converter_log.level
+    converter_log.setLevel(logging.ERROR)
+    try:
+        ConvertVersionPass(opset, fallback=True)(model)
+    finally:
+        converter_log.setLevel(level)
+    return default_opset(model) == opset
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-channel constants
+# ---------------------------------------------------------------------------------------------------------
+
+
+def per_channel(array: np.ndarray | None, channels: int, rank: int) -> np.ndarray | str:
+    """`array`, broadcast against a rank-`rank` output [N, C, ...], as one value per channel C (a read-only
+    view, same dtype); or why it is not a per-channel constant (None: not a constant)."""
+    if array is None:
+        return "not a constant"
+    if array.ndim > rank:
+        return f"constant of rank {array.ndim} on a rank-{rank} output"
+    shape = (1,) * (rank - array.ndim) + array.shape
+    if any(d != 1 for i, d in enumerate(shape) if i != 1) or (rank > 1 and shape[1] not in (1, channels)):
+        return f"constant shape {array.shape} is not per-channel for {channels} channels"
+    return np.broadcast_to(array.reshape(-1), (channels,))

@@ -1,0 +1,60 @@
+"""The dependencies' private APIs qprep wraps in qprep/third_party.py still exist and still do what qprep relies on.
+
+A failure here after upgrading onnx or onnxscript names the API that changed: adapt qprep/third_party.py (and
+only it), or pin the dependency.
+"""
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto, helper, numpy_helper
+from onnxscript.rewriter import RewriteRuleSet
+
+from qprep import third_party
+
+
+def test_onnx_all_tensors_yields_initializers_and_tensor_attributes_of_subgraphs_too():
+    weight = numpy_helper.from_array(np.ones((2, 2), np.float32), "w")
+    constant = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.zeros(2, np.float32), "cv"))
+    branch = helper.make_graph([constant], "branch", [], [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2])])
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], [weight])
+    tensors = list(third_party.all_tensors(helper.make_model(graph)))
+    assert all(isinstance(t, onnx.TensorProto) for t in tensors), "onnx.external_data_helper._get_all_tensors changed"
+    assert sorted(t.name for t in tensors) == ["cv", "cv", "w"], \
+        "onnx.external_data_helper._get_all_tensors no longer walks initializers and subgraph attributes"
+
+
+def test_onnxscript_get_numpy_value_reads_initializers_and_constant_nodes_only():
+    x = ir.Value(name="x")
+    init = ir.Value(name="w", const_value=ir.tensor(np.arange(3, dtype=np.float32)))
+    constant = ir.node("Constant", [], attributes={"value": ir.tensor(np.float32(2.5))})
+    computed = ir.node("Relu", [x])
+    assert isinstance(third_party.numpy_value(init), np.ndarray), "onnxscript _ir_utils.get_numpy_value changed"
+    np.testing.assert_array_equal(third_party.numpy_value(init), [0, 1, 2])
+    assert float(third_party.numpy_value(constant.outputs[0])) == 2.5
+    assert third_party.numpy_value(computed.outputs[0]) is None
+    assert third_party.numpy_value(x) is None and third_party.numpy_value(None) is None
+
+
+def test_onnxscript_materialize_reshape_shape_leaves_the_new_dims_for_its_rewrite():
+    data = ir.Value(name="data", shape=ir.Shape([2, 3, 4]), type=ir.TensorType(ir.DataType.FLOAT))
+    shape_of = ir.node("Shape", [data])
+    reshape = ir.node("Reshape", [data, shape_of.outputs[0]], outputs=[ir.Value(name="y")])
+    reshape.outputs[0].shape = ir.Shape(["n", 12])
+    reshape.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+    graph = ir.Graph([data], reshape.outputs, nodes=[shape_of, reshape], opset_imports={"": 18}, name="g")
+    model = ir.Model(graph, ir_version=9)
+
+    class Probe(third_party.MaterializeReshapeShape):
+        seen: list = []
+
+        def check(self, context, data, shape):
+            result = super().check(context, data, shape)
+            if result:
+                Probe.seen.append(third_party.materialized_dims(self))
+            return result
+
+    assert RewriteRuleSet([Probe.rule()]).apply_to_model(model) == 1, "MaterializeReshapeShape no longer matches"
+    assert Probe.seen == [[-1, 12]], "MaterializeReshapeShape no longer keeps its shape in `_new_dims`"
