@@ -6,12 +6,13 @@ input and checks the result qprep relies on, so an upgrade that breaks one fails
 deep inside a pipeline run. Callers import the names below from here, never the private paths.
 
 It sits at the top of the package, not in model/ or optimize/, because its users are spread over the tree:
-model/io.py (onnx), optimize/ (onnxscript), quantize/ort.py (onnxruntime).
+model/io.py (onnx), optimize/ (onnxscript), quantize/ort/quantizer.py (onnxruntime).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -49,8 +50,21 @@ def materialized_dims(rule: MaterializeReshapeShape) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# onnxruntime (quantization internals used by qprep/quantize/ort.py)
+# onnxruntime (quantization internals the ORT backend, qprep/quantize/ort/quantizer.py, builds on)
 # ---------------------------------------------------------------------------------------------------------
-# The ORT names go here, imported inside a function each (importing onnxruntime.quantization is slow and only
-# the ort backend needs it): onnxruntime.quantization.onnx_quantizer.ONNXQuantizer,
-# onnxruntime.quantization.qdq_quantizer.QDQQuantizer, onnxruntime.quantization.calibrate.create_calibrator.
+
+
+def ort_quantization() -> SimpleNamespace:
+    """ONNX Runtime's quantizer classes and helpers (modules with no stability promise between releases).
+    Imported on first use, not with this module: onnxruntime.quantization imports torch when it is installed
+    (~5 s), and only the ort backend needs it."""
+    from onnxruntime.quantization.calibrate import TensorsData, create_calibrator
+    from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
+    from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
+    from onnxruntime.quantization.quant_utils import QuantizationMode, save_and_reload_model_with_shape_infer
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+    return SimpleNamespace(TensorsData=TensorsData, create_calibrator=create_calibrator, ONNXQuantizer=ONNXQuantizer,
+                           QDQQuantizer=QDQQuantizer, QuantizationMode=QuantizationMode,
+                           save_and_reload_model_with_shape_infer=save_and_reload_model_with_shape_infer,
+                           QDQRegistry=QDQRegistry, QLinearOpsRegistry=QLinearOpsRegistry)

@@ -58,3 +58,15 @@ def test_onnxscript_materialize_reshape_shape_leaves_the_new_dims_for_its_rewrit
 
     assert RewriteRuleSet([Probe.rule()]).apply_to_model(model) == 1, "MaterializeReshapeShape no longer matches"
     assert Probe.seen == [[-1, 12]], "MaterializeReshapeShape no longer keeps its shape in `_new_dims`"
+
+
+def test_onnxruntime_quantization_internals_are_where_the_ort_backend_takes_them():
+    ort = third_party.ort_quantization()
+    assert {"Conv", "MatMul"} <= set(ort.QDQRegistry) and {"Conv", "MatMul"} <= set(ort.QLinearOpsRegistry), \
+        "onnxruntime.quantization.registry changed: the op types ORT quantizes are read from it"
+    assert hasattr(ort.QuantizationMode, "IntegerOps") and hasattr(ort.QuantizationMode, "QLinearOps")
+    for cls in (ort.ONNXQuantizer, ort.QDQQuantizer):
+        assert callable(getattr(cls, "quantize_model", None)), f"{cls.__name__}.quantize_model is gone"
+    data = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
+                           {"x": (np.array(-1.0, np.float32), np.array(1.0, np.float32))})
+    assert "x" in data, "onnxruntime.quantization.calibrate.TensorsData no longer maps tensor names to ranges"

@@ -20,17 +20,12 @@ import numpy as np
 import onnx
 import onnx.version_converter
 
-# ONNX Runtime's quantization internals (private modules, no stability promise between ORT releases): kept
-# in this one block so that an ORT upgrade is checked here. Importing onnxruntime.quantization also imports
-# torch when it is installed (~5 s here): the package's quantize() imports this module only when it runs.
+# Importing onnxruntime.quantization also imports torch when it is installed (~5 s here): the package's
+# quantize() imports this module only when it runs. Its private internals come through qprep/third_party.py.
 from onnxruntime.quantization import CalibrationMethod, QuantType
-from onnxruntime.quantization.calibrate import TensorsData, create_calibrator
-from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
-from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
-from onnxruntime.quantization.quant_utils import QuantizationMode, save_and_reload_model_with_shape_infer
-from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
 from qprep.errors import QprepError
+from qprep.third_party import ort_quantization
 from qprep.evaluate.metrics import sqnr_db
 from qprep.model.info import default_opset, graph_inputs
 from qprep.model.io import is_large, save_model
@@ -39,6 +34,7 @@ from qprep.qdq import remove_redundant
 from qprep.quantize import bias_correction, gptq
 from qprep.quantize import ranges as activation_ranges
 
+ORT = ort_quantization()
 log = logging.getLogger("qprep")
 
 # Per-channel DequantizeLinear (its `axis`) needs opset 13; ORT's quantizer would emit it anyway.
@@ -114,7 +110,7 @@ class OrtQuantizer:
             return list(self.options["op_types"])
         if self.dynamic:  # ConvInteger is slower than float Conv on x86; Gather/Attention are not worth it
             return ["MatMul", "Gemm"]
-        return sorted(set(QDQRegistry) | set(QLinearOpsRegistry))
+        return sorted(set(ORT.QDQRegistry) | set(ORT.QLinearOpsRegistry))
 
     def calibrate(self, method: str):
         """Activation ranges from the calibration samples (computed once per method; none when dynamic)."""
@@ -141,7 +137,7 @@ class OrtQuantizer:
         with tempfile.TemporaryDirectory(dir=self.work_dir, prefix="ort-calibrate-") as tmp:
             source = Path(tmp) / "float.onnx"
             save_model(self.model, source)
-            calibrator = create_calibrator(
+            calibrator = ORT.create_calibrator(
                 source, self.op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
                 calibrate_method=getattr(CalibrationMethod, _METHODS[method]), extra_options=calibrator_options,
                 use_external_data_format=is_large(self.model))  # the augmented model outgrows 2 GB with it
@@ -184,7 +180,7 @@ class OrtQuantizer:
         return quantized
 
     def _quantize(self, ranges, excluded: list[str], float_op_types: frozenset[str]) -> onnx.ModelProto:
-        model = save_and_reload_model_with_shape_infer(self.model)
+        model = ORT.save_and_reload_model_with_shape_infer(self.model)
         common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
                       weight_qType=getattr(QuantType, _TYPES[self.options["weight_type"]]),
                       activation_qType=getattr(QuantType, _TYPES[self.options["activation_type"]]),
@@ -194,11 +190,11 @@ class OrtQuantizer:
         if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
             extra = {"MatMulConstBOnly": True, **common.pop("extra_options")}
             common.update(activation_qType=QuantType.QUInt8, tensors_range=None, extra_options=extra)
-            quantizer = ONNXQuantizer(model, mode=QuantizationMode.IntegerOps, static=False, **common)
+            quantizer = ORT.ONNXQuantizer(model, mode=ORT.QuantizationMode.IntegerOps, static=False, **common)
         elif self.options["format"] == "qdq":
-            quantizer = QDQQuantizer(model, **common)
+            quantizer = ORT.QDQQuantizer(model, **common)
         else:
-            quantizer = ONNXQuantizer(model, mode=QuantizationMode.QLinearOps, static=True, **common)
+            quantizer = ORT.ONNXQuantizer(model, mode=ORT.QuantizationMode.QLinearOps, static=True, **common)
         quantizer.quantize_model()
         quantizer.model.topological_sort()  # what ORT's save_model_to_file does: new Q/DQ nodes are appended
         return quantizer.model.model
@@ -270,8 +266,8 @@ def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
                          f"{MIN_OPSET} or later") from None
 
 
-def _tensors_data(ranges: dict[str, tuple[float, float]]) -> TensorsData:
-    return TensorsData(CalibrationMethod.MinMax, {name: (np.array(low, np.float32), np.array(high, np.float32))
+def _tensors_data(ranges: dict[str, tuple[float, float]]):
+    return ORT.TensorsData(CalibrationMethod.MinMax, {name: (np.array(low, np.float32), np.array(high, np.float32))
                                                   for name, (low, high) in ranges.items()})
 
 
