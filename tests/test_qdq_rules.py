@@ -17,7 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 from qprep.errors import ConfigError
 from qprep.verify import Tolerance, Verifier
 from qprep.model.runtime import run_model
-from qprep.qdq import fuse_conv, params as qdq_params
+from qprep.qdq import params as qdq_params
+from qprep.qdq.fuse_conv import operands as fuse_conv_operands
 from qprep.qdq.params import QParams, quantize_array
 from qprep.schema import validate
 from qprep.pipeline.stages import registry
@@ -341,7 +342,7 @@ def test_a_fusion_that_breaks_the_numbers_is_rolled_back_on_its_own(monkeypatch)
     """A wrong bias (offset by 5000 accumulator steps, ~10 output steps) fails the Conv's own probe; only that
     Conv is rolled back."""
     good, *_ = conv_model(bias="float")
-    monkeypatch.setattr(fuse_conv, "quantize_bias", lambda b, s: qdq_params.quantize_bias(b, s) + 5000)
+    monkeypatch.setattr(fuse_conv_operands, "quantize_bias", lambda b, s: qdq_params.quantize_bias(b, s) + 5000)
     result = fused(good)
     assert ops(result.model)["Conv"] == 1
     (entry,) = result.rolled_back
