@@ -13,6 +13,8 @@ from onnx import TensorProto, helper
 
 from conftest import ROOT, demo_model, tiny_conv_model
 
+pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
+
 
 def if_model() -> onnx.ModelProto:
     """y = If(sum(x) > 0) then x*2 else x-1: control flow the optimize stage must keep."""

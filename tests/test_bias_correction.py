@@ -135,6 +135,7 @@ def _run(tmp_path, quantize: dict) -> dict:
     return report
 
 
+@pytest.mark.slow
 def test_a_fallback_whose_target_bias_correction_meets_makes_nothing_float(tmp_path):
     """Between the plain and the corrected model's cosine, the target is met by the corrected base: no search."""
     onnx.save(_chain(), str(tmp_path / "m.onnx"))

@@ -95,6 +95,7 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path, save, cli):
     assert "input 'x' has shape [1, 3, 9, 9]" in err
 
 
+@pytest.mark.slow
 def test_console_script_shows_no_traceback_and_debug_does(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("model: m.onnx\nthreads: many\n")

@@ -6,6 +6,8 @@ import pytest
 
 from conftest import CALIBRATION, ROOT, demo_model
 
+pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
+
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 

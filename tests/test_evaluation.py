@@ -27,6 +27,7 @@ def ort_run(tmp_path_factory):
     return report, out
 
 
+@pytest.mark.slow
 def test_ort_int8_run_writes_the_three_reports_and_an_integer_model(ort_run):
     report, out = ort_run
     assert {"report.json", "report.md", "report.html", "model.onnx", "manifest.json"} <= {p.name for p in out.iterdir()}
@@ -43,6 +44,7 @@ def test_ort_int8_run_writes_the_three_reports_and_an_integer_model(ort_run):
     assert [r["sqnr_db"] for r in layers] == sorted(r["sqnr_db"] for r in layers)  # worst first
 
 
+@pytest.mark.slow
 def test_report_cosine_and_agreement_match_an_independent_recomputation(ort_run):
     """Run reference and result with plain ORT and numpy; the report must agree to 1e-6."""
     report, out = ort_run
@@ -68,6 +70,7 @@ def test_report_cosine_and_agreement_match_an_independent_recomputation(ort_run)
     assert abs(metrics["top1_agreement"] - (a.argmax(1) == b.argmax(1)).mean()) < 1e-6
 
 
+@pytest.mark.slow
 def test_gate_miss_is_recorded_and_exits_1(ort_run, cli, tmp_path):
     report, _ = ort_run
     gate = report["evaluation"]["gate"]
@@ -156,6 +159,7 @@ def test_wilson_interval_is_honest_at_full_agreement():
     assert all(math.isnan(v) for v in wilson_interval(0, 0))  # no samples, no interval
 
 
+@pytest.mark.slow
 def test_fp16_config_keeps_layernorm_float32_and_io_types(tmp_path):
     import qprep
     from qprep.model.io import load_model
@@ -172,6 +176,7 @@ def test_fp16_config_keeps_layernorm_float32_and_io_types(tmp_path):
     assert report["evaluation"]["outputs"]["last_hidden_state"]["cosine_min"] > 0.999
 
 
+@pytest.mark.slow
 def test_labels_give_task_accuracy_of_reference_and_result(tmp_path):
     """PP-OCR direction classifier on the labelled eval lines: FP32 gets 127 of 128 right (checked when the
     set was built); the INT8 result is scored against the same ground truth."""

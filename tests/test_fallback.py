@@ -143,6 +143,7 @@ def outlier_config(tmp_path):
     return tmp_path, config
 
 
+@pytest.mark.slow
 def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config):
     tmp_path, config = outlier_config
     done, report = run_config(tmp_path, config)
@@ -159,6 +160,7 @@ def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config
     assert all(n["via"].startswith("m (") and n["gain"] > 0.5 for n in record["float_nodes"])
 
 
+@pytest.mark.slow
 def test_ort_fallback_that_cannot_meet_its_target_exits_1_with_the_best_model(outlier_config):
     tmp_path, config = outlier_config
     config["pipeline"][0]["quantize"]["fallback"]["target"] = {"cosine_mean": 0.9999999}
@@ -238,6 +240,7 @@ def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():
     assert used == ["minmax"]
 
 
+@pytest.mark.slow
 def test_ort_calibrate_method_mse_runs_and_is_recorded(outlier_config):
     tmp_path, config = outlier_config
     config["pipeline"][0]["quantize"] = {"backend": "ort", "ort": {"calibrate_method": "mse"}}

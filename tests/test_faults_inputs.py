@@ -17,6 +17,8 @@ from PIL import Image
 from conftest import ROOT
 from faults import CAN_BE_DENIED, assert_one_line, digests, project, qprep
 
+pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
+
 ROOT_SKIP = "running as root without setpriv: chmod 000 does not deny root, so permission denied cannot be produced"
 
 

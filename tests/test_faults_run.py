@@ -14,6 +14,8 @@ import pytest
 
 from faults import assert_one_line, digests, interrupt, project, qprep, start, wait_for
 
+pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
+
 
 def previous_run(out):
     """The run directory's files and their sha256 (the lock file is rewritten by every attempt: left out)."""

@@ -21,6 +21,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from faults import Outcome, assert_one_line, digests, interrupt, project, qprep, start, wait_for
 
+pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
+
 WORKER_LINE = re.compile(r"rknn-toolkit2 worker started \(pid (\d+)\)")
 
 

@@ -89,6 +89,7 @@ def optimized(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_model_optimized_within_tolerance_and_no_bigger_than_onnxslim(optimized, name):
     report, model = optimized[name]
@@ -107,6 +108,7 @@ def test_real_model_optimized_within_tolerance_and_no_bigger_than_onnxslim(optim
     assert stage["nodes_after"] <= onnxslim_nodes, (stage["nodes_after"], onnxslim_nodes)
 
 
+@pytest.mark.slow
 def test_dynamic_dims_stay_dynamic(optimized):
     _, model = optimized["minilm_l6_v2"]
     dims = [[d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input]

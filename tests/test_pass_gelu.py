@@ -306,6 +306,7 @@ def minilm():
     return model, feeds, run(model, feeds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["microsoft", "onnx"])
 def test_minilm_fuses_its_six_gelus(minilm, mode):
     original, feeds, reference = minilm

@@ -462,6 +462,7 @@ def _real_model_check(name: str, feeds: dict, expected: int):
     return outcome
 
 
+@pytest.mark.slow
 def test_minilm_fuses_13_and_is_upgraded_to_opset_17():
     sample = np.load(CALIBRATION / "minilm" / "calib" / "0000.npz")
     outcome = _real_model_check("minilm_l6_v2.onnx", dict(sample), 13)
@@ -469,6 +470,7 @@ def test_minilm_fuses_13_and_is_upgraded_to_opset_17():
     assert outcome.details["epsilons"] == [1e-12]
 
 
+@pytest.mark.slow
 def test_ppocrv4_rec_fuses_5():
     image = cv2.imread(str(CALIBRATION / "ocr_rec" / "calib" / "0000.png"))  # BGR, 48x320
     x = ((image.astype(np.float32) - 127.5) / 127.5).transpose(2, 0, 1)[None]

@@ -16,6 +16,8 @@ import pytest
 import qprep
 from conftest import CALIBRATION, ROOT, demo_model
 
+pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
+
 FIXTURES = ROOT / "models" / "qdq"
 IMAGENET = {"source": str(CALIBRATION / "imagenet" / "calib"), "preprocess": {"mean": [127.0], "std": [128.0]}}
 MINILM = {"source": str(CALIBRATION / "minilm" / "calib")}

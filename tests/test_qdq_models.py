@@ -19,6 +19,8 @@ from qprep.model.runtime import run_model
 from qprep.schema import validate
 from test_qdq_fixtures import IMAGENET, MINILM, qdq_fixtures  # noqa: F401 - the session fixture
 
+pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
+
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 

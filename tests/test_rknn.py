@@ -10,6 +10,8 @@ from qprep.quantize.backend import BackendInput
 from qprep.errors import QprepError
 from conftest import CALIBRATION, ROOT, demo_model, rknn_job
 
+pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
+
 pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
 
 OCR = {"channel_order": "bgr", "mean": [127.5], "std": [127.5], "resize": "none"}

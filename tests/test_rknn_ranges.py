@@ -113,6 +113,7 @@ def test_a_table_that_matches_nothing_is_refused_and_the_file_left_alone(tmp_pat
         rknn_ranges.table_of(object())
 
 
+@pytest.mark.slow
 def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     """cls with mmse: the builder reuses the first build's table; the next build (a hybrid step2 with the
     `normal` algorithm) has the same ranges, gives the same outputs and runs no mmse search."""
