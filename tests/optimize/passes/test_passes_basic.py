@@ -10,7 +10,7 @@ from qprep.optimize.passes import fold_constants
 from qprep.optimize.passes import fold_into_conv
 from qprep.optimize.passes import fuse_gemm
 from qprep.optimize.passes import simplify_shapes
-from passes_util import apply_pass, make_model, max_diff, ops, rand
+from graphs import apply_pass, make_model, max_diff, ops, rand
 
 X = ("x", [1, 3, 8, 8])
 

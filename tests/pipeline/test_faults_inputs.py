@@ -1,6 +1,6 @@
 """Issue #18, bad inputs: user and environment errors are one line with exit 2, never "internal error".
 
-Every case runs the CLI in a subprocess (tests/faults.py) and asserts the exit code, at most one stderr line
+Every case runs the CLI in a subprocess (tests/pipeline/faults.py) and asserts the exit code, at most one stderr line
 without a traceback, and that the input files are byte-identical afterwards.
 """
 

@@ -1,4 +1,4 @@
-"""Helpers for pass tests: build tiny graphs, apply one pass, compare with ONNX Runtime."""
+"""Tiny hand-built graphs for the tests: build one, apply a pass, compare with ONNX Runtime."""
 
 from __future__ import annotations
 
