@@ -3,8 +3,9 @@
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
+from graphs import make_model
 from qprep.quantize import ort
 from qprep.quantize import gptq
 from qprep.quantize.ort.quantizer import OrtQuantizer, output_sqnr
@@ -14,17 +15,14 @@ from qprep.schema import validate
 
 
 def _model(kind: str, weight: np.ndarray, x_shape: list[int], **attrs) -> onnx.ModelProto:
-    w = numpy_helper.from_array(weight.astype(np.float32), "w")
     inputs = ["x", "w"]
-    initializers = [w]
+    initializers = {"w": weight.astype(np.float32)}
     if kind in ("Conv", "Gemm"):
         bias_len = weight.shape[0] if kind == "Conv" or attrs.get("transB") else weight.shape[1]
-        initializers.append(numpy_helper.from_array(np.linspace(-1, 1, bias_len).astype(np.float32), "b"))
+        initializers["b"] = np.linspace(-1, 1, bias_len).astype(np.float32)
         inputs.append("b")
-    graph = helper.make_graph([helper.make_node(kind, inputs, ["y"], **attrs)], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model = make_model([helper.make_node(kind, inputs, ["y"], **attrs)], [("x", x_shape)], ["y"], initializers,
+                       infer_shapes=False)
     name_nodes(model.graph)
     return model
 
@@ -167,11 +165,8 @@ def test_rknn_weights_sit_on_the_grid_the_toolkit_derives_again_and_lower_the_er
 def test_rknn_weights_leave_shared_weights_alone():
     from qprep.quantize.rknn import weights as rknn_weights
 
-    weight = numpy_helper.from_array(np.ones((16, 16), np.float32), "w")
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [weight])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model = make_model(nodes, [("x", [1, 5, 16])], ["y"], {"w": np.ones((16, 16), np.float32)}, infer_shapes=False)
     name_nodes(model.graph)
     rounded, layers = rknn_weights.on_grid(model, _samples([1, 5, 16]))
     assert layers == 0 and rounded.graph.initializer[0] == model.graph.initializer[0]

@@ -10,7 +10,7 @@ from qprep.optimize.passes import fold_constants
 from qprep.optimize.passes import fold_into_conv
 from qprep.optimize.passes import fuse_gemm
 from qprep.optimize.passes import simplify_shapes
-from graphs import apply_pass, make_model, max_diff, ops, rand
+from graphs import apply_pass, make_graph, make_model, max_diff, ops, rand
 
 X = ("x", [1, 3, 8, 8])
 
@@ -188,10 +188,8 @@ def test_cleanup_keeps_an_add_that_broadcasts_to_a_bigger_shape():
 
 def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity():
     """then-branch: Identity(a) with `a` from the main graph; renaming `a` would break the main graph."""
-    then = helper.make_graph([helper.make_node("Identity", ["a"], ["t"])], "then", [],
-                             [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [1, 3, 8, 8])])
-    other = helper.make_graph([helper.make_node("Neg", ["a"], ["e"])], "else", [],
-                              [helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [1, 3, 8, 8])])
+    then = make_graph([helper.make_node("Identity", ["a"], ["t"])], [], [("t", [1, 3, 8, 8])], name="then")
+    other = make_graph([helper.make_node("Neg", ["a"], ["e"])], [], [("e", [1, 3, 8, 8])], name="else")
     nodes = [helper.make_node("Relu", ["x"], ["a"]),
              helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
              helper.make_node("Greater", ["s", "zero"], ["c"]),
