@@ -3,7 +3,7 @@ what must not."""
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from qprep.optimize.passes import cleanup
 from qprep.optimize.passes import fold_constants
@@ -40,11 +40,22 @@ def test_cleanup_keeps_mul_by_two_and_a_real_pad():
 
 
 def test_cleanup_merges_duplicate_initializers():
-    w = rand(3)
-    nodes = [helper.make_node("Add", ["x", "w1"], ["a"]), helper.make_node("Add", ["a", "w2"], ["y"])]
-    model = make_model(nodes, [("x", [3])], [("y", [3])], {"w1": w, "w2": w.copy()})
-    out, _ = apply_pass(cleanup.PASS, model)
-    assert len(out.graph.initializer) == 1
+    """w1 and w2 hold the same numbers, other does not: both Adds read the one kept copy, other is left alone,
+    and the outputs do not move."""
+    w, other = rand(3), rand(3, seed=1)
+    nodes = [helper.make_node("Add", ["x", "w1"], ["a"]), helper.make_node("Add", ["a", "w2"], ["b"]),
+             helper.make_node("Add", ["b", "other"], ["y"])]
+    model = make_model(nodes, [("x", [3])], [("y", [3])], {"w1": w, "w2": w.copy(), "other": other})
+    out, outcome = apply_pass(cleanup.PASS, model)
+    inits = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    assert len(inits) == 2 and "other" in inits and outcome.matches > 0
+    kept = next(name for name in inits if name != "other")
+    assert kept in ("w1", "w2")
+    np.testing.assert_array_equal(inits[kept], w)
+    np.testing.assert_array_equal(inits["other"], other)
+    assert [(n.op_type, list(n.input), list(n.output)) for n in out.graph.node] == [
+        ("Add", ["x", kept], ["a"]), ("Add", ["a", kept], ["b"]), ("Add", ["b", "other"], ["y"])]
+    assert max_diff(model, out, {"x": rand(3, seed=2)}) == 0.0
 
 
 def test_fold_constants_folds_weight_arithmetic_but_never_dequantize():
