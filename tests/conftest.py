@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny hand-built graphs, the real demo models, and a CLI runner."""
+"""Shared fixtures: the real demo models, a CLI runner, an RKNN job (tiny hand-built graphs: graphs.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 import yaml
-from onnx import TensorProto, helper, numpy_helper
 
 from qprep.cli import main
 
@@ -25,33 +23,6 @@ def demo_model(name: str) -> Path:
     path = MODELS / name
     assert path.is_file(), f"{path} missing: run ./scripts/setup.sh (it fetches the demo models)"
     return path
-
-
-def tiny_conv_model(batch="N", opset: int = 13) -> onnx.ModelProto:
-    """x[N,3,8,8] → Conv(4, 3x3, pads 1) → Relu → y[N,4,8,8], unnamed nodes on purpose."""
-    rng = np.random.default_rng(0)
-    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
-    b = numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b")
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
-         helper.make_node("Relu", ["c"], ["y"])],
-        "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 4, 8, 8])], [w, b])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-
-
-def two_input_model() -> onnx.ModelProto:
-    """ids:int64[N,S], mask:float[N,S] → Gather(emb) * mask → y[N,S,4]: integer + float inputs."""
-    emb = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "emb")
-    graph = helper.make_graph(
-        [helper.make_node("Gather", ["emb", "ids"], ["g"]),
-         helper.make_node("Unsqueeze", ["mask", "axes"], ["m"]),
-         helper.make_node("Mul", ["g", "m"], ["y"])],
-        "two", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", "S"]),
-                helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["N", "S"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "S", 4])],
-        [emb, numpy_helper.from_array(np.array([-1], dtype=np.int64), "axes")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
 @pytest.fixture

@@ -7,20 +7,20 @@ only it), or pin the dependency.
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 from onnxscript.rewriter import RewriteRuleSet
 
+from graphs import make_graph, make_model
 from qprep import third_party
 
 
 def test_onnx_all_tensors_yields_initializers_and_tensor_attributes_of_subgraphs_too():
-    weight = numpy_helper.from_array(np.ones((2, 2), np.float32), "w")
     constant = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.zeros(2, np.float32), "cv"))
-    branch = helper.make_graph([constant], "branch", [], [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2])])
+    branch = make_graph([constant], [], [("c", [2])], name="branch")
     node = helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], [weight])
-    tensors = list(third_party.all_tensors(helper.make_model(graph)))
+    model = make_model([node], [("cond", [], np.bool_)], [("y", [2])], {"w": np.ones((2, 2), np.float32)},
+                       infer_shapes=False)
+    tensors = list(third_party.all_tensors(model))
     assert all(isinstance(t, onnx.TensorProto) for t in tensors), "onnx.external_data_helper._get_all_tensors changed"
     assert sorted(t.name for t in tensors) == ["cv", "cv", "w"], \
         "onnx.external_data_helper._get_all_tensors no longer walks initializers and subgraph attributes"

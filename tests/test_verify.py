@@ -3,7 +3,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.verify import Tolerance, Verifier, compare, cosine
-from conftest import tiny_conv_model
+from graphs import tiny_conv_model
 
 
 def sample(seed=0):

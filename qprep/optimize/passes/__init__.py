@@ -17,7 +17,7 @@ and `rewrite` stay separate:
 
 The module docstring states its Forms, Preconditions and Math. Its tests build tiny graphs and either
 `assert_fused` (same numbers with ONNX Runtime) or `assert_refused` (with the reason), as
-tests/test_pass_layernorm.py does. Shared helpers, written once:
+tests/optimize/passes/test_pass_layernorm.py does. Shared helpers, written once:
 
     qprep/optimize/ir_utils.py   constant_array (initializer or Constant node, never a graph input),
                                  default_opset, infer_shapes

@@ -3,7 +3,7 @@ import pytest
 
 from qprep.errors import ConfigError
 from qprep.model.prepare import fix_input_shapes, infer_shapes, name_nodes
-from conftest import tiny_conv_model
+from graphs import tiny_conv_model
 
 
 def test_unnamed_and_duplicate_nodes_get_stable_unique_names():

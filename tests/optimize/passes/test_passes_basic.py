@@ -3,14 +3,14 @@ what must not."""
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from qprep.optimize.passes import cleanup
 from qprep.optimize.passes import fold_constants
 from qprep.optimize.passes import fold_into_conv
 from qprep.optimize.passes import fuse_gemm
 from qprep.optimize.passes import simplify_shapes
-from passes_util import apply_pass, make_model, max_diff, ops, rand
+from graphs import apply_pass, make_graph, make_model, max_diff, ops, rand
 
 X = ("x", [1, 3, 8, 8])
 
@@ -40,11 +40,22 @@ def test_cleanup_keeps_mul_by_two_and_a_real_pad():
 
 
 def test_cleanup_merges_duplicate_initializers():
-    w = rand(3)
-    nodes = [helper.make_node("Add", ["x", "w1"], ["a"]), helper.make_node("Add", ["a", "w2"], ["y"])]
-    model = make_model(nodes, [("x", [3])], [("y", [3])], {"w1": w, "w2": w.copy()})
-    out, _ = apply_pass(cleanup.PASS, model)
-    assert len(out.graph.initializer) == 1
+    """w1 and w2 hold the same numbers, other does not: both Adds read the one kept copy, other is left alone,
+    and the outputs do not move."""
+    w, other = rand(3), rand(3, seed=1)
+    nodes = [helper.make_node("Add", ["x", "w1"], ["a"]), helper.make_node("Add", ["a", "w2"], ["b"]),
+             helper.make_node("Add", ["b", "other"], ["y"])]
+    model = make_model(nodes, [("x", [3])], [("y", [3])], {"w1": w, "w2": w.copy(), "other": other})
+    out, outcome = apply_pass(cleanup.PASS, model)
+    inits = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    assert len(inits) == 2 and "other" in inits and outcome.matches > 0
+    kept = next(name for name in inits if name != "other")
+    assert kept in ("w1", "w2")
+    np.testing.assert_array_equal(inits[kept], w)
+    np.testing.assert_array_equal(inits["other"], other)
+    assert [(n.op_type, list(n.input), list(n.output)) for n in out.graph.node] == [
+        ("Add", ["x", kept], ["a"]), ("Add", ["a", kept], ["b"]), ("Add", ["b", "other"], ["y"])]
+    assert max_diff(model, out, {"x": rand(3, seed=2)}) == 0.0
 
 
 def test_fold_constants_folds_weight_arithmetic_but_never_dequantize():
@@ -188,10 +199,8 @@ def test_cleanup_keeps_an_add_that_broadcasts_to_a_bigger_shape():
 
 def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity():
     """then-branch: Identity(a) with `a` from the main graph; renaming `a` would break the main graph."""
-    then = helper.make_graph([helper.make_node("Identity", ["a"], ["t"])], "then", [],
-                             [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [1, 3, 8, 8])])
-    other = helper.make_graph([helper.make_node("Neg", ["a"], ["e"])], "else", [],
-                              [helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [1, 3, 8, 8])])
+    then = make_graph([helper.make_node("Identity", ["a"], ["t"])], [], [("t", [1, 3, 8, 8])], name="then")
+    other = make_graph([helper.make_node("Neg", ["a"], ["e"])], [], [("e", [1, 3, 8, 8])], name="else")
     nodes = [helper.make_node("Relu", ["x"], ["a"]),
              helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
              helper.make_node("Greater", ["s", "zero"], ["c"]),

@@ -217,7 +217,7 @@ def test_ort_backend_reports_float_set_nodes_that_no_longer_exist(tmp_path):
     from qprep.quantize.backend import BackendInput
     from qprep.quantize import ort
     from qprep.data import SampleSet
-    from conftest import tiny_conv_model
+    from graphs import tiny_conv_model
 
     from qprep.model.prepare import name_nodes
 
@@ -240,7 +240,7 @@ def test_fp16_model_with_float16_inputs_is_evaluated_on_the_same_float32_samples
     import onnx
 
     import qprep
-    from conftest import tiny_conv_model
+    from graphs import tiny_conv_model
 
     onnx.save(tiny_conv_model(batch=1), str(tmp_path / "m.onnx"))
     (tmp_path / "eval").mkdir()

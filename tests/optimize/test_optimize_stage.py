@@ -13,7 +13,8 @@ from qprep.optimize.passes import GraphPass, PassOutcome, all_passes
 from qprep.optimize.passes.layernorm import count_decomposed_layernorms
 from qprep.model.io import load_model
 from qprep.model import info as model_info
-from conftest import CALIBRATION, ROOT, demo_model, tiny_conv_model
+from conftest import CALIBRATION, ROOT, demo_model
+from graphs import tiny_conv_model
 
 
 def perturb_weights(model, settings):

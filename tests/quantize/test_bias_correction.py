@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from qprep.quantize import bias_correction
 from qprep.quantize import ort
@@ -17,6 +17,7 @@ from qprep.model.runtime import run_model
 from qprep.progress import Progress
 from qprep.schema import validate
 from conftest import run_config
+from graphs import make_model
 
 CHANNELS = 8
 
@@ -26,16 +27,14 @@ def _chain() -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     depthwise = rng.standard_normal((CHANNELS, 1, 3, 3)) * np.linspace(0.05, 1.0, CHANNELS)[:, None, None, None]
     pointwise = rng.standard_normal((CHANNELS, CHANNELS, 1, 1)) * 0.3
-    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in
+    inits = {n: a.astype(np.float32) for n, a in
              (("dw", depthwise), ("dw_b", rng.standard_normal(CHANNELS) * 0.1),
-              ("pw", pointwise), ("pw_b", rng.standard_normal(CHANNELS) * 0.1))]
+              ("pw", pointwise), ("pw_b", rng.standard_normal(CHANNELS) * 0.1))}
     nodes = [helper.make_node("Conv", ["x", "dw", "dw_b"], ["d"], group=CHANNELS, pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["d"], ["r"]),
              helper.make_node("Conv", ["r", "pw", "pw_b"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
-                                                                         [1, CHANNELS, 12, 12])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, CHANNELS, 12, 12])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model = make_model(nodes, [("x", [1, CHANNELS, 12, 12])], [("y", [1, CHANNELS, 12, 12])], inits,
+                       infer_shapes=False)
     name_nodes(model.graph)
     return model
 

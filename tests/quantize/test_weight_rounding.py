@@ -3,8 +3,9 @@
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
+from graphs import make_model
 from qprep.quantize import ort
 from qprep.quantize import gptq
 from qprep.quantize.ort.quantizer import OrtQuantizer, output_sqnr
@@ -14,17 +15,14 @@ from qprep.schema import validate
 
 
 def _model(kind: str, weight: np.ndarray, x_shape: list[int], **attrs) -> onnx.ModelProto:
-    w = numpy_helper.from_array(weight.astype(np.float32), "w")
     inputs = ["x", "w"]
-    initializers = [w]
+    initializers = {"w": weight.astype(np.float32)}
     if kind in ("Conv", "Gemm"):
         bias_len = weight.shape[0] if kind == "Conv" or attrs.get("transB") else weight.shape[1]
-        initializers.append(numpy_helper.from_array(np.linspace(-1, 1, bias_len).astype(np.float32), "b"))
+        initializers["b"] = np.linspace(-1, 1, bias_len).astype(np.float32)
         inputs.append("b")
-    graph = helper.make_graph([helper.make_node(kind, inputs, ["y"], **attrs)], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model = make_model([helper.make_node(kind, inputs, ["y"], **attrs)], [("x", x_shape)], ["y"], initializers,
+                       infer_shapes=False)
     name_nodes(model.graph)
     return model
 
@@ -123,12 +121,30 @@ def test_exactly_representable_weights_keep_their_integers(tmp_path):
 
 
 def test_gptq_not_kept_when_it_does_not_help(tmp_path, monkeypatch):
+    """A GPTQ that writes the top of the range everywhere loses to nearest rounding on the calibration samples:
+    the build returns nearest rounding's integers, exactly, and the record says why."""
     model = _model("MatMul", np.random.default_rng(1).standard_normal((16, 8)), [1, 5, 16])
+    samples = _samples([1, 5, 16])
+    (tmp_path / "nearest").mkdir()
+    nearest = OrtQuantizer(model, samples, validate({"weight_rounding": "nearest"}, ort.OPTIONS, "quantize.ort",
+                                                    tmp_path / "nearest"), tmp_path / "nearest").build(set())
     options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    assert options["weight_rounding"] == "gptq"
     monkeypatch.setattr(gptq, "gptq", lambda w, h, s, z, lo, hi, damp=0.01: np.full(w.shape, hi))
-    quantizer = OrtQuantizer(model, _samples([1, 5, 16]), options, tmp_path)
-    quantizer.build(set())
-    assert quantizer.rounding["kept"] is False
+    quantizer = OrtQuantizer(model, samples, options, tmp_path)
+    built = quantizer.build(set())
+
+    def integers(quantized):
+        [layer] = gptq.find_layers(quantized, model)
+        return numpy_helper.to_array(next(t for t in quantized.graph.initializer if t.name == layer.quantized))
+
+    returned, expected = integers(built), integers(nearest)
+    assert returned.dtype == expected.dtype == np.int8
+    np.testing.assert_array_equal(returned, expected)
+    assert len(np.unique(returned)) > 2  # not the all-top-of-range GPTQ integers
+    record = quantizer.rounding
+    assert record["kept"] is False and record["layers"] == 1
+    assert record["calibration_sqnr_db"]["gptq"] < record["calibration_sqnr_db"]["nearest"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -167,14 +183,31 @@ def test_rknn_weights_sit_on_the_grid_the_toolkit_derives_again_and_lower_the_er
 def test_rknn_weights_leave_shared_weights_alone():
     from qprep.quantize.rknn import weights as rknn_weights
 
-    weight = numpy_helper.from_array(np.ones((16, 16), np.float32), "w")
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [weight])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    """`shared` feeds two MatMuls (one integer grid cannot serve both layers' rounding): it stays byte for byte,
+    as do the bias and the Reshape's shape; only `own`, used once, moves onto its grid."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("MatMul", ["x", "shared"], ["h"]), helper.make_node("MatMul", ["h", "shared"], ["s"]),
+             helper.make_node("Add", ["s", "bias"], ["a"]), helper.make_node("MatMul", ["a", "own"], ["o"]),
+             helper.make_node("Reshape", ["o", "shape"], ["y"])]
+    model = make_model(nodes, [("x", [1, 5, 16])], ["y"],
+                       {"shared": rng.standard_normal((16, 16)).astype(np.float32),
+                        "bias": rng.standard_normal(16).astype(np.float32),
+                        "own": rng.standard_normal((16, 8)).astype(np.float32), "shape": np.array([5, 8], np.int64)},
+                       infer_shapes=False)
     name_nodes(model.graph)
     rounded, layers = rknn_weights.on_grid(model, _samples([1, 5, 16]))
-    assert layers == 0 and rounded.graph.initializer[0] == model.graph.initializer[0]
+    assert layers == 1
+    before = {t.name: t for t in model.graph.initializer}
+    after = {t.name: t for t in rounded.graph.initializer}
+    assert list(after) == list(before) == ["shared", "bias", "own", "shape"]
+    for name in ("shared", "bias", "shape"):
+        assert after[name] == before[name], f"{name} changed"
+    own, new = numpy_helper.to_array(before["own"]), numpy_helper.to_array(after["own"])
+    assert new.shape == own.shape and new.dtype == np.float32 and not np.array_equal(new, own)
+    scale, zero = rknn_weights.grid(own, 1)
+    integers = new / scale + zero
+    assert np.abs(integers - np.round(integers)).max() < 1e-3 and integers.min() >= -128.001
+    assert rounded.graph.node == model.graph.node
 
 
 def test_old_opset_model_is_upgraded_for_ort_or_refused_in_one_line(tmp_path, monkeypatch):

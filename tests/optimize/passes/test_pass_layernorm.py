@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import CALIBRATION, demo_model
+from graphs import make_model, value
 from qprep.optimize.passes import PassSettings
 from qprep.optimize.passes.layernorm import PASS, count_decomposed_layernorms
 from qprep.verify import cosine
@@ -41,7 +42,7 @@ class Graph:
         return f"{self.scope}/{op_type}_{self.count}"
 
     def input(self, name: str = "x", shape=SHAPE, dtype=None) -> str:
-        self.inputs.append(helper.make_tensor_value_info(name, dtype or self.dtype, shape))
+        self.inputs.append(value(name, shape, dtype or self.dtype))
         return name
 
     def init(self, value, dtype=np.float32) -> str:
@@ -73,10 +74,8 @@ class Graph:
         return self.op("ReduceMean", t, axes=list(axes), **attrs)
 
     def model(self, output: str, extra_outputs=()) -> onnx.ModelProto:
-        outputs = [helper.make_tensor_value_info(o, self.dtype, None) for o in (output, *extra_outputs)]
-        graph = helper.make_graph(self.nodes, "ln", self.inputs, outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)])
-        return onnx.shape_inference.infer_shapes(model)  # the stage does this before passes
+        return make_model(self.nodes, self.inputs, [(o, None, self.dtype) for o in (output, *extra_outputs)],
+                          self.initializers, opset=self.opset, name="ln")  # shapes inferred: the stage does it
 
 
 def pytorch_ln(g: Graph, x: str, *, axes=(-1,), eps=1e-5, gamma=GAMMA, beta=BETA, square="Pow", exponent=2.0,
@@ -430,9 +429,8 @@ def test_refuses_non_float_input():
     d = g.op("Sub", x, mean)
     var = g.mean(g.op("Mul", d, d))
     y = g.op("Div", d, g.op("Sqrt", g.op("Add", var, g.init(1, np.int32))))
-    proto = helper.make_model(helper.make_graph(g.nodes, "ln", g.inputs,
-                                                [helper.make_tensor_value_info(y, TensorProto.INT32, None)],
-                                                g.initializers), opset_imports=[helper.make_opsetid("", 17)])
+    proto = make_model(g.nodes, g.inputs, [(y, None, TensorProto.INT32)], g.initializers, opset=17, name="ln",
+                       infer_shapes=False)
     assert_refused(proto, "not float")
 
 

@@ -10,10 +10,10 @@ from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from graphs import make_model, value
 from qprep.errors import ConfigError
 from qprep.verify import Tolerance, Verifier
 from qprep.model.runtime import run_model
@@ -33,7 +33,7 @@ class Graph:
         self.opset, self.nodes, self.initializers, self.inputs, self.count = opset, [], [], [], 0
 
     def input(self, name="x", shape=(1, 3, 8, 8)):
-        self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape)))
+        self.inputs.append(value(name, list(shape)))
         return name
 
     def init(self, value, dtype=np.float32):
@@ -59,11 +59,7 @@ class Graph:
         return self.dq(self.q(x, scale, zero, dtype), scale, zero, dtype)
 
     def model(self, *outputs):
-        graph = helper.make_graph(self.nodes, "t", self.inputs,
-                                  [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
-                                  self.initializers)
-        return onnx.shape_inference.infer_shapes(
-            helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)]))
+        return make_model(self.nodes, self.inputs, list(outputs), self.initializers, opset=self.opset, name="t")
 
 
 def samples(shape=(1, 3, 8, 8), count=3, name="x"):

@@ -9,45 +9,35 @@ import time
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
-from conftest import ROOT, demo_model, tiny_conv_model
+from conftest import ROOT, demo_model
+from graphs import make_graph, make_model, tiny_conv_model
 
 pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
 
 
 def if_model() -> onnx.ModelProto:
     """y = If(sum(x) > 0) then x*2 else x-1: control flow the optimize stage must keep."""
-    out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3])  # noqa: E731
-    then = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["t"])], "then", [], [out("t")],
-                             [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])
-    other = helper.make_graph([helper.make_node("Sub", ["x", "one"], ["e"])], "else", [], [out("e")],
-                              [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    then = make_graph([helper.make_node("Mul", ["x", "two"], ["t"])], [], [("t", [2, 3])], {"two": np.float32(2)},
+                      name="then")
+    other = make_graph([helper.make_node("Sub", ["x", "one"], ["e"])], [], [("e", [2, 3])], {"one": np.float32(1)},
+                       name="else")
     nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
              helper.make_node("Greater", ["s", "zero"], ["c"]),
              helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)]
-    graph = helper.make_graph(nodes, "if", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                              [out("y")], [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return make_model(nodes, [("x", [2, 3])], [("y", [2, 3])], {"zero": np.float32(0)}, name="if",
+                      infer_shapes=False)
 
 
 def endless_loop_model() -> onnx.ModelProto:
     """A Loop with a huge trip count: its worker never finishes, so the test can kill it."""
-    body = helper.make_graph(
+    body = make_graph(
         [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["v_in", "one"], ["v_out"])],
-        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
-                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-                 helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1])],
-        [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
-    graph = helper.make_graph(
-        [helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)], "loop",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
-        [helper.make_tensor("trips", TensorProto.INT64, [], [10**15]),
-         helper.make_tensor("cond", TensorProto.BOOL, [], [True])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+        [("i", [], np.int64), ("cond_in", [], np.bool_), ("v_in", [1])], [("cond_out", [], np.bool_), ("v_out", [1])],
+        {"one": np.ones(1, np.float32)}, name="body")
+    return make_model([helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)], [("x", [1])], [("y", [1])],
+                      {"trips": np.int64(10**15), "cond": np.bool_(True)}, name="loop", infer_shapes=False)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ import numpy as np
 import onnx
 import yaml
 
-from conftest import ROOT, tiny_conv_model
+from conftest import ROOT
+from graphs import tiny_conv_model
 
 
 @dataclass

@@ -8,6 +8,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from graphs import make_model
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("QPREP_LARGE_TESTS") != "1",
                                                   reason="opt-in: set QPREP_LARGE_TESTS=1 (needs ~10 GB RAM)")]
 
@@ -37,11 +39,10 @@ def test_model_over_2gb_runs_end_to_end(tmp_path):
              helper.make_node("Add", ["v", "eps"], ["ve"]),
              helper.make_node("Sqrt", ["ve"], ["s"]),
              helper.make_node("Div", ["d", "s"], ["y"])]
-    graph = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 256])],
-                              [table, numpy_helper.from_array(np.float32(2.0), "two"),
-                               numpy_helper.from_array(np.float32(1e-5), "eps")])
-    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)]), str(source))
+    model = make_model(nodes, [("ids", [1, 8], np.int64)], [("y", [1, 8, 256])],
+                       [table, numpy_helper.from_array(np.float32(2.0), "two"),
+                        numpy_helper.from_array(np.float32(1e-5), "eps")], opset=14, name="big", infer_shapes=False)
+    onnx.save_model(model, str(source))
     data = tmp_path / "data"
     data.mkdir()
     np.save(data / "0.npy", np.array([[1, 5, 9, 100, 1000, 10_000, 100_000, 2_000_000]], dtype=np.int64))

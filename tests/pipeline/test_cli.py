@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, tiny_conv_model
+from conftest import ROOT
+from graphs import tiny_conv_model
 
 
 def write_config(tmp_path, model, calibration=None, extra=""):

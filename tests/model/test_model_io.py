@@ -7,7 +7,7 @@ from qprep.errors import ModelError
 from qprep.model import runtime
 from qprep.model.io import load_model, save_model, sha256_file
 from qprep.model import info as model_info
-from conftest import tiny_conv_model
+from graphs import make_graph, make_model, tiny_conv_model
 
 
 def test_truncated_model_is_a_one_line_model_error(tmp_path, save):
@@ -58,8 +58,7 @@ def test_model_kind_classification():
 
 
 def test_op_counts_include_subgraphs():
-    then = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["t"])], "then", [],
-                                  [onnx.helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, None)])
+    then = make_graph([onnx.helper.make_node("Relu", ["x"], ["t"])], [], ["t"], name="then")
     model = tiny_conv_model()
     model.graph.node.append(onnx.helper.make_node("If", ["cond"], ["o"], then_branch=then, else_branch=then))
     counts = model_info.op_counts(model)
@@ -68,17 +67,15 @@ def test_op_counts_include_subgraphs():
 
 
 def test_multiply_adds_of_conv_and_matmul():
-    from onnx import TensorProto, helper as h
+    from onnx import helper as h
 
-    w = numpy_helper.from_array(np.zeros((8, 4, 3, 3), np.float32), "w")
-    m = numpy_helper.from_array(np.zeros((8, 5), np.float32), "m")
-    graph = h.make_graph(
-        [h.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
-         h.make_node("ReduceMean", ["c"], ["r"], name="pool", axes=[2, 3], keepdims=0),
-         h.make_node("MatMul", ["r", "m"], ["y"], name="fc")],
-        "g", [h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 6, 6])],
-        [h.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, m])
-    counts = model_info.multiply_adds(h.make_model(graph, opset_imports=[h.make_opsetid("", 13)]))
+    model = make_model([h.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+                        h.make_node("ReduceMean", ["c"], ["r"], name="pool", axes=[2, 3], keepdims=0),
+                        h.make_node("MatMul", ["r", "m"], ["y"], name="fc")],
+                       [("x", ["batch", 4, 6, 6])], ["y"],
+                       {"w": np.zeros((8, 4, 3, 3), np.float32), "m": np.zeros((8, 5), np.float32)},
+                       infer_shapes=False)
+    counts = model_info.multiply_adds(model)
     assert counts == {"conv": 8 * 6 * 6 * 4 * 3 * 3, "fc": 5 * 8}
 
 

@@ -1,16 +1,15 @@
 """MSE activation ranges: a rare outlier no longer sets the int8 grid of everything else."""
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import helper
 
+from graphs import make_model
 from qprep.quantize.ranges import BINS, best_range, mse_ranges, quantization_error
 
 
 def _relu_model():
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return make_model([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])],
+                      [("x", [1, 4096])], [("y", [1, 4096])], infer_shapes=False)
 
 
 def test_a_rare_outlier_is_clipped_and_the_error_goes_down():

@@ -3,8 +3,9 @@
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
+from graphs import make_model
 from qprep.qdq import float_maxpool
 from qprep.model.runtime import run_model
 
@@ -12,9 +13,7 @@ from qprep.model.runtime import run_model
 def _model(opset: int, shape: list[int], **attrs) -> onnx.ModelProto:
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
              helper.make_node("MaxPool", ["r"], ["y"], name="pool", **attrs)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "c", "h", "w"])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return make_model(nodes, [("x", shape)], [("y", ["n", "c", "h", "w"])], opset=opset, infer_shapes=False)
 
 
 def _samples(shape, count=3):

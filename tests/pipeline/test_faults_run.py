@@ -1,6 +1,6 @@
 """Fault suite, the run directory: input safety under --force, checks before anything is touched, one run per
 directory, signals. Each case runs the real CLI and asserts the exit code, one stderr line, the inputs
-unchanged and the previous run intact (tests/faults.py)."""
+unchanged and the previous run intact (tests/pipeline/faults.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from PIL import Image
 from qprep.data import load_samples
 from qprep.errors import DataError
 from qprep.model.info import graph_inputs
-from conftest import tiny_conv_model, two_input_model
+from graphs import tiny_conv_model, two_input_model
 
 CONV_INPUTS = graph_inputs(tiny_conv_model())
 TWO_INPUTS = graph_inputs(two_input_model())

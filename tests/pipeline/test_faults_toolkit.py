@@ -17,8 +17,9 @@ import numpy as np
 import onnx
 import pytest
 import yaml
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
+from graphs import make_model
 from faults import Outcome, assert_one_line, digests, interrupt, project, qprep, start, wait_for
 
 pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
@@ -30,14 +31,11 @@ def integer_project(root: Path, backend: str) -> tuple[Path, Path]:
     """ids:int64[N,4] → Add(3) → Mul(itself) → y:int64: nothing float anywhere; .npy calibration/evaluation,
     `inputs:` fixed. → (config path, model path)."""
     root.mkdir(parents=True, exist_ok=True)
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["ids", "three"], ["a"], name="add"),
-         helper.make_node("Mul", ["a", "a"], ["y"], name="mul")], "integers",
-        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.INT64, ["N", 4])],
-        [numpy_helper.from_array(np.array([[3]], np.int64), "three")])
     model = root / "int.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(model))
+    onnx.save(make_model([helper.make_node("Add", ["ids", "three"], ["a"], name="add"),
+                          helper.make_node("Mul", ["a", "a"], ["y"], name="mul")],
+                         [("ids", ["N", 4], np.int64)], [("y", ["N", 4], np.int64)],
+                         {"three": np.array([[3]], np.int64)}, name="integers", infer_shapes=False), str(model))
     for name in ("calib", "eval"):
         (root / name).mkdir(exist_ok=True)
         for i in range(4):

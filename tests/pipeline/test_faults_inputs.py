@@ -1,6 +1,6 @@
 """Issue #18, bad inputs: user and environment errors are one line with exit 2, never "internal error".
 
-Every case runs the CLI in a subprocess (tests/faults.py) and asserts the exit code, at most one stderr line
+Every case runs the CLI in a subprocess (tests/pipeline/faults.py) and asserts the exit code, at most one stderr line
 without a traceback, and that the input files are byte-identical afterwards.
 """
 
@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT
+from graphs import make_model
 from faults import CAN_BE_DENIED, assert_one_line, digests, project, qprep
 
 pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
@@ -247,13 +248,11 @@ def test_a_checker_failure_names_the_node(tmp_path):
     """onnx.checker puts the node's name on a later line ("==> Context: … Name: relu_with_alpha"); it must
     reach the one line."""
     import onnx
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     node = helper.make_node("Relu", ["x"], ["y"], name="relu_with_alpha", alpha=1.0)  # Relu has no alpha
-    graph = helper.make_graph([node], "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
     model = tmp_path / "bad.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(model))
+    onnx.save(make_model([node], [("x", [1, 4])], [("y", [1, 4])], name="bad", infer_shapes=False), str(model))
     before = digests(model)
     assert_one_line(qprep("inspect", model), 2, "relu_with_alpha", "alpha")
     assert digests(model) == before

@@ -3,11 +3,12 @@ whose one outlier channel ruins a static activation range."""
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from qprep.quantize import search
 from qprep.errors import ConfigError
 from conftest import run_config
+from graphs import make_model
 
 OPTIONS = {"target": {"cosine_mean": 0.99}, "max_float_nodes": 8, "time_budget_s": 60, "rank_samples": 2,
            "max_candidates": 10, "block": 1}
@@ -114,17 +115,12 @@ def _outlier_model():
     rng = np.random.default_rng(0)
     scale = np.ones(16, np.float32)
     scale[3] = 1000.0
-    inits = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w1"),
-             numpy_helper.from_array(scale, "s"),
-             numpy_helper.from_array((rng.standard_normal((16, 8)) / np.where(scale > 1, 1000, 1)[:, None])
-                                     .astype(np.float32), "w2")]
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
-         helper.make_node("Mul", ["h", "s"], ["m"], name="outlier"),
-         helper.make_node("MatMul", ["m", "w2"], ["y"], name="second")],
-        "outlier", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    inits = {"w1": rng.standard_normal((16, 16)).astype(np.float32), "s": scale,
+             "w2": (rng.standard_normal((16, 8)) / np.where(scale > 1, 1000, 1)[:, None]).astype(np.float32)}
+    return make_model([helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
+                       helper.make_node("Mul", ["h", "s"], ["m"], name="outlier"),
+                       helper.make_node("MatMul", ["m", "w2"], ["y"], name="second")],
+                      [("x", [1, 16])], [("y", [1, 8])], inits, name="outlier", infer_shapes=False)
 
 
 @pytest.fixture

@@ -12,10 +12,11 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 from onnxscript.rewriter import MatchingTracer
 
 from conftest import CALIBRATION, demo_model
+from graphs import make_model
 from qprep.optimize.passes import PassSettings
 from qprep.optimize.passes.gelu import PASS, rule_sets
 
@@ -74,13 +75,10 @@ class GraphBuilder:
 
     def model(self, output: str, *, opset: int = 14, extra_outputs=(), graph_inputs=()) -> onnx.ModelProto:
         self.nodes.append(helper.make_node("Identity", [output], ["y"], name="/out/Identity"))
-        outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(SAMPLE.shape))
-                   for name in ("y", *extra_outputs)]
-        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(SAMPLE.shape))]
-        inputs += [helper.make_tensor_value_info(i.name, TensorProto.FLOAT, list(i.dims))
-                   for i in self.initializers if i.name in graph_inputs]
-        graph = helper.make_graph(self.nodes, "gelu", inputs, outputs, self.initializers)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        inputs = [("x", list(SAMPLE.shape))] + [(i.name, list(i.dims)) for i in self.initializers
+                                                 if i.name in graph_inputs]
+        return make_model(self.nodes, inputs, [(name, list(SAMPLE.shape)) for name in ("y", *extra_outputs)],
+                          self.initializers, opset=opset, name="gelu", infer_shapes=False)
 
 
 def build(form: str, *, opset=14, swap_operands=False, constant_nodes=False, **options) -> onnx.ModelProto:

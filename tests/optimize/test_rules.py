@@ -3,8 +3,9 @@
 import numpy as np
 import onnx_ir as ir
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
+from graphs import make_graph, make_model
 from qprep.optimize.rules import OpsetUpgrade, names_in_use, per_channel, unique_node_name, unique_value_name
 
 UPGRADE = OpsetUpgrade(17, forbidden="{found} at opset {opset}: max_opset {max_opset} < {target}",
@@ -13,15 +14,12 @@ UPGRADE = OpsetUpgrade(17, forbidden="{found} at opset {opset}: max_opset {max_o
 
 def _model(opset: int = 13) -> ir.Model:
     """Relu → If whose branch holds a node `inner` with output `branch_out` and initializer `branch_w`."""
-    branch_w = helper.make_tensor("branch_w", TensorProto.FLOAT, [1], [1.0])
-    branch = helper.make_graph([helper.make_node("Add", ["r", "branch_w"], ["branch_out"], name="inner")], "b", [],
-                               [helper.make_tensor_value_info("branch_out", TensorProto.FLOAT, [2])], [branch_w])
+    branch = make_graph([helper.make_node("Add", ["r", "branch_w"], ["branch_out"], name="inner")], [],
+                        [("branch_out", [2])], {"branch_w": np.ones(1, np.float32)}, name="b")
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
              helper.make_node("If", ["cond"], ["y"], name="if", then_branch=branch, else_branch=branch)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
-                                           helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]))
+    return ir.from_proto(make_model(nodes, [("x", [2]), ("cond", [], np.bool_)], [("y", [2])], opset=opset,
+                                    infer_shapes=False))
 
 
 def test_names_in_use_cover_subgraphs_and_hand_out_each_free_name_once():

@@ -1,0 +1,105 @@
+"""The one tiny-graph builder of the tests: value infos, initializers, opset and shape inference written once,
+the tiny models several test files share, and helpers to apply a pass and compare with ONNX Runtime.
+
+    make_model(nodes, inputs, outputs, initializers={}, opset=13, name="g", infer_shapes=True) → ModelProto
+    make_graph(nodes, inputs, outputs, initializers={}, name="g") → GraphProto (If/Loop bodies, or a model
+        whose opset list is unusual)
+    value(name, shape=None, dtype=np.float32) → ValueInfoProto
+
+inputs/outputs: names (unknown shape), (name, shape) or (name, shape, dtype) tuples (dtype a numpy dtype or a
+TensorProto element type; float32 by default), or ready ValueInfoProtos. initializers: a name → array mapping
+(the array's own dtype: np.float32(1), np.array([3], np.int64)) or a sequence of TensorProtos."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import helper, numpy_helper
+
+from qprep.optimize.passes import PassSettings
+from qprep.model.runtime import run_model
+
+
+def value(name: str, shape=None, dtype=np.float32) -> onnx.ValueInfoProto:
+    """A tensor value info; `shape` None is an unknown shape, its entries ints or symbolic names."""
+    elem = dtype if isinstance(dtype, int) else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _values(specs) -> list[onnx.ValueInfoProto]:
+    out = []
+    for spec in specs:
+        if isinstance(spec, onnx.ValueInfoProto):
+            out.append(spec)
+        elif isinstance(spec, str):
+            out.append(value(spec))
+        else:
+            out.append(value(*spec))
+    return out
+
+
+def _initializers(initializers) -> list[onnx.TensorProto]:
+    if isinstance(initializers, dict):
+        return [numpy_helper.from_array(np.asarray(v), k) for k, v in initializers.items()]
+    return list(initializers)
+
+
+def make_graph(nodes, inputs=(), outputs=(), initializers=(), name: str = "g") -> onnx.GraphProto:
+    return helper.make_graph(list(nodes), name, _values(inputs), _values(outputs), _initializers(initializers))
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset: int = 13, name: str = "g",
+               infer_shapes: bool = True) -> onnx.ModelProto:
+    """A model of the default domain at `opset`; with `infer_shapes`, onnx's shape inference has filled in the
+    intermediate value infos (as qprep's own prepare step would)."""
+    graph = make_graph(nodes, inputs, outputs, initializers, name)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return onnx.shape_inference.infer_shapes(model) if infer_shapes else model
+
+
+# the tiny models several test files share
+
+def tiny_conv_model(batch="N", opset: int = 13) -> onnx.ModelProto:
+    """x[N,3,8,8] → Conv(4, 3x3, pads 1) → Relu → y[N,4,8,8], unnamed nodes on purpose."""
+    rng = np.random.default_rng(0)
+    return make_model([helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+                       helper.make_node("Relu", ["c"], ["y"])],
+                      [("x", [batch, 3, 8, 8])], [("y", [batch, 4, 8, 8])],
+                      {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+                       "b": rng.standard_normal(4).astype(np.float32)},
+                      opset=opset, name="tiny", infer_shapes=False)
+
+
+def two_input_model() -> onnx.ModelProto:
+    """ids:int64[N,S], mask:float[N,S] → Gather(emb) * mask → y[N,S,4]: integer + float inputs."""
+    return make_model([helper.make_node("Gather", ["emb", "ids"], ["g"]),
+                       helper.make_node("Unsqueeze", ["mask", "axes"], ["m"]),
+                       helper.make_node("Mul", ["g", "m"], ["y"])],
+                      [("ids", ["N", "S"], np.int64), ("mask", ["N", "S"])], [("y", ["N", "S", 4])],
+                      {"emb": np.arange(40, dtype=np.float32).reshape(10, 4), "axes": np.array([-1], np.int64)},
+                      name="two", infer_shapes=False)
+
+
+# applying a pass, comparing with ONNX Runtime
+
+def apply_pass(graph_pass, model: onnx.ModelProto, settings: PassSettings | None = None):
+    """(rewritten proto, outcome); the input proto is left untouched."""
+    ir_model = ir.from_proto(model)
+    outcome = graph_pass.apply(ir_model, settings or PassSettings())
+    return ir.to_proto(ir_model), outcome
+
+
+def ops(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def max_diff(a: onnx.ModelProto, b: onnx.ModelProto, feeds: dict) -> float:
+    ra, rb = run_model(a, [feeds])[0], run_model(b, [feeds])[0]
+    return max(float(np.abs(ra[k].astype(np.float64) - rb[k]).max()) for k in ra)
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
