@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import onnx
 import pytest
 
@@ -13,7 +12,7 @@ from qprep.optimize.passes import GraphPass, PassOutcome, all_passes
 from qprep.optimize.passes.layernorm import count_decomposed_layernorms
 from qprep.model.io import load_model
 from qprep.model import info as model_info
-from conftest import CALIBRATION, ROOT, demo_model
+from conftest import CALIBRATION, demo_model
 from graphs import tiny_conv_model
 
 

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from conftest import ROOT, demo_model
+from conftest import demo_model
 from graphs import make_graph, make_model, tiny_conv_model
 
 pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them

@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT
 from graphs import tiny_conv_model
 
 
