@@ -6,16 +6,15 @@ Exit codes: 0 ok, 1 accuracy gate missed, 2 usage/config/input error, 3 internal
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
-import threading
 import traceback
 from pathlib import Path
 
 from qprep import __version__
-from qprep.errors import EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, Interrupted, QprepError
+from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError, raise_interrupted,
+                          signal_handlers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return EXIT_USAGE
-    with _signals_interrupt():
+    with signal_handlers(raise_interrupted, signal.SIGTERM, signal.SIGHUP):  # the run still writes its report
         return _dispatch(args)
 
 
@@ -114,25 +113,6 @@ def _dispatch(args) -> int:
         print(f"qprep: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
               "(rerun with --debug for the traceback and please report it)", file=sys.stderr)
         return EXIT_INTERNAL
-
-
-@contextlib.contextmanager
-def _signals_interrupt():
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so a run still writes its report (restored afterwards: main()
-    also runs inside other programs, e.g. tests)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
-def _interrupted(signum, frame):
-    raise Interrupted(signum)
 
 
 def _reader_gone() -> int:

@@ -4,6 +4,10 @@ User errors (bad config, missing file, data that does not match the model) exit 
 or an environment failure and exits 3. A missed accuracy gate is not an exception: it is a result (exit 1).
 """
 
+import contextlib
+import signal
+import threading
+
 EXIT_OK = 0
 EXIT_GATE_MISSED = 1
 EXIT_USAGE = 2
@@ -37,11 +41,29 @@ class Interrupted(KeyboardInterrupt):
     Ctrl-C so the run still writes its report and manifest."""
 
     def __init__(self, signum: int):
-        import signal
-
         super().__init__(signum)
         self.signum = signum
         self.cause = signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def signal_handlers(handler, *signals: int):
+    """`handler` for `signals` while the block runs, the previous handlers after it. Only the main thread can
+    set handlers; elsewhere (qprep called from a worker thread) the block runs with the handlers it has."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, previous in saved.items():
+            signal.signal(sig, previous)
+
+
+def raise_interrupted(signum, frame):
+    """A signal handler: SIGTERM/SIGHUP unwind like Ctrl-C."""
+    raise Interrupted(signum)
 
 
 class ToolkitError(QprepError):

@@ -17,12 +17,11 @@ import re
 import shutil
 import signal
 import sys
-import threading
 from importlib import metadata
 from pathlib import Path
 
 from qprep import jsonfile
-from qprep.errors import RunDirError
+from qprep.errors import RunDirError, signal_handlers
 from qprep.model.io import atomic_write_text
 
 MANIFEST = "manifest.json"
@@ -153,16 +152,9 @@ def toolkit_logging_to_run_log():
 @contextlib.contextmanager
 def deferred_signals():
     """Ctrl-C and SIGTERM ignored while the final report and manifest are written (well under a second):
-    a second Ctrl-C must not leave a run without its record. Only the main thread can set handlers."""
-    if threading.current_thread() is not threading.main_thread():
+    a second Ctrl-C must not leave a run without its record."""
+    with signal_handlers(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         yield
-        return
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def detach_log(handler: logging.Handler) -> None:
