@@ -34,6 +34,11 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Load and check a model file (external data included), or raise a one-line ModelError."""
+    return load_model_and_data_files(path)[0]
+
+
+def load_model_and_data_files(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[Path]]:
+    """`load_model`, and the external data files it read (what must survive the run, as the model itself)."""
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"model file not found: {path}; check `model:` in the config or pass --model")
@@ -48,35 +53,17 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         ) from None
     if not model.graph.node and not model.graph.output:
         raise ModelError(f"{path} holds no ONNX graph (empty or not an ONNX file); re-export or re-download it")
-    _load_external_data(model, path)
+    data_files = _load_external_data(model, path)
     _check(model, path)
-    return model
+    return model, data_files
 
 
-def external_data_files(path: str | os.PathLike) -> list[Path]:
-    """The external data files a model file names (resolved beside it); [] when it does not parse (loading
-    it reports that). A model file over 256 MB holds its weights itself and is not parsed twice for this."""
+def _load_external_data(model: onnx.ModelProto, path: Path) -> list[Path]:
     from onnx.external_data_helper import uses_external_data
 
     from qprep.third_party import all_tensors
 
-    path = Path(path)
-    try:
-        if path.stat().st_size > 2**28:
-            return []
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # noqa: BLE001 - load_model gives the one-line reason
-        return []
-    locations = {e.value for tensor in all_tensors(model) if uses_external_data(tensor)
-                 for e in tensor.external_data if e.key == "location"}
-    return [path.parent / location for location in sorted(locations)]
-
-
-def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
-    from onnx.external_data_helper import uses_external_data
-
-    from qprep.third_party import all_tensors
-
+    locations = set()
     for tensor in all_tensors(model):
         if uses_external_data(tensor):
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
@@ -90,10 +77,12 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
                     f"{path} stores tensor '{tensor.name}' in external file '{location}', which is missing; "
                     f"keep the data file next to the model"
                 )
+            locations.add(location)
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # onnx refuses e.g. symlinks out
         raise ModelError(f"{path}: cannot read its external data ({_first_line(exc)})") from None
+    return [path.parent / location for location in sorted(locations)]
 
 
 def _escapes_folder(location: str) -> bool:

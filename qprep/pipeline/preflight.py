@@ -19,7 +19,7 @@ from qprep.config import Config
 from qprep.data import SampleSet, load_samples
 from qprep.errors import ConfigError
 from qprep.model.prepare import fix_input_shapes, infer_shapes, name_nodes
-from qprep.model.io import external_data_files, load_model, sha256_file
+from qprep.model.io import load_model, load_model_and_data_files, sha256_file
 from qprep.progress import Progress
 from qprep.pipeline.stages import registry
 
@@ -45,7 +45,8 @@ def check(config: Config, progress: Progress | None = None) -> Checked:
         if stage.check:
             stage.check(options, config)
     with progress.step("load model"):
-        model, record, warnings = _load_model(config)
+        model, record, warnings, data_files = _load_model(config)
+    refuse_inputs_inside_run_dir(config, data_files)  # the external data files are known once it is read
     inputs = model_info.graph_inputs(model)
     calibration = evaluation = reference = None
     if config["calibration"]:
@@ -67,10 +68,11 @@ def check(config: Config, progress: Progress | None = None) -> Checked:
                    reference=reference, warnings=warnings)
 
 
-def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str]]:
-    """Read and check the model, name its nodes, fix input dims, infer shapes; record what it is."""
+def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[Path]]:
+    """Read and check the model, name its nodes, fix input dims, infer shapes; record what it is. Also the
+    external data files it read."""
     path = config["model"]
-    model = load_model(path)
+    model, data_files = load_model_and_data_files(path)
     record = {"model": {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
                         **model_info.summary(model)}}
     named = name_nodes(model.graph)
@@ -78,13 +80,14 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str]]:
     model, warning = infer_shapes(model)
     record["load"] = {"nodes_named": named, "inputs_fixed": fixed,
                       "inputs": [s.as_dict() for s in model_info.graph_inputs(model)]}
-    return model, record, [warning] if warning else []
+    return model, record, [warning] if warning else [], data_files
 
 
-def input_paths(config: Config) -> dict[str, Path]:
-    """Every file or folder the run reads: what must survive it untouched."""
+def input_paths(config: Config, data_files=()) -> dict[str, Path]:
+    """Every file or folder the run reads (with the model's external data files, once known): what must
+    survive it untouched."""
     paths = {"the input model": Path(config["model"])}
-    for location in external_data_files(config["model"]):
+    for location in data_files:
         paths[f"the input model's external data {location.name}"] = location
     if config.path:
         paths["the config"] = Path(config.path)
@@ -98,12 +101,12 @@ def input_paths(config: Config) -> dict[str, Path]:
     return paths
 
 
-def refuse_inputs_inside_run_dir(config: Config) -> None:
+def refuse_inputs_inside_run_dir(config: Config, data_files=()) -> None:
     """The run directory is cleared by --force and written by the run: no input may live in it (or be it)."""
     if not config["output_dir"]:
         return
     out = Path(config["output_dir"]).resolve()
-    for what, path in input_paths(config).items():
+    for what, path in input_paths(config, data_files).items():
         resolved = path.resolve()
         if resolved == out or out in resolved.parents:
             raise ConfigError(f"output_dir {config['output_dir']} would overwrite {what} ({path}), which lies "

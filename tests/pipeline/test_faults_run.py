@@ -244,3 +244,19 @@ def test_a_batch_timeout_lets_the_model_write_its_report(tmp_path):
     report = json.loads((tmp_path / "batch" / "tiny" / "report.json").read_text())
     assert report["status"] == "interrupted" and report["error"] == "interrupted by SIGTERM"
     assert report["step"] in ("stage 0 optimize", "stage 1 quantize", "evaluation")  # a loaded machine is slower
+
+
+def test_force_never_deletes_external_data_that_lies_in_the_run_directory(tmp_path):
+    """The model file is outside --out, but the weights it reads are inside: refused like the model itself."""
+    import onnx
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    p = project(tmp_path)
+    model = onnx.load(str(p.model))
+    convert_model_to_external_data(model, location="out/weights.bin", size_threshold=0)
+    (p.out).mkdir()
+    onnx.save(model, str(p.model))
+    before = p.inputs()
+    outcome = qprep("run", p.config, "--force")
+    assert_one_line(outcome, 2, "would overwrite the input model's external data weights.bin")
+    assert p.inputs() == before and (p.out / "weights.bin").is_file()
