@@ -65,6 +65,13 @@ def evaluation_section() -> Key:
                                                      "(e.g. ['0', '180']); default: labels are class indices"),
         gate=Key("mapping", item=Key("float"), default={},
                  doc="metric → threshold, e.g. {cosine_mean: 0.99}; a miss exits 1 after the report"),
+        heldout=section(
+            "held-out samples (read like `source`: same format and preprocess) that no decision sees: the fallback "
+            "and every other choice use `source`; the result is also measured here and the gate is judged here",
+            nullable=True,
+            source=Key("path", required=True, doc="folder of samples or a dataset.txt list, disjoint from `source`"),
+            labels=Key("path", doc="ground truth for the held-out samples, as evaluation.labels"),
+        ),
     )
     return key
 

@@ -75,22 +75,21 @@ def _evaluation(evaluation: dict | None) -> list:
                     Text(f"Reference `{evaluation['reference_model']}`, {samples['count']} evaluation samples from "
                          f"`{samples.get('source', '?')}`.")]
     blocks += [Text(note, note=True) for note in evaluation.get("notes", [])]
-    blocks.append(Table(["output", "cosine mean", "cosine min", "SQNR dB", "max abs", "agreement (95% CI)"],
-                        [[name, f"{m['cosine_mean']:.5f}", f"{m['cosine_min']:.5f}", f"{m['sqnr_db']:.1f}",
-                          f"{m['max_abs']:.3g}", agreement_text(m)] for name, m in evaluation["outputs"].items()]))
-    for name, m in evaluation["outputs"].items():
-        if "top1_accuracy" in m:
-            low, high = m["top1_accuracy_ci95"]
-            blocks.append(Text(f"Task accuracy of {name} against ground truth ({m['labelled_samples']} labelled "
-                               f"samples): FP32 {100 * m['reference_top1_accuracy']:.1f}%, result "
-                               f"{100 * m['top1_accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%)."))
+    blocks += _outputs(evaluation["outputs"])
+    heldout = evaluation.get("heldout")
+    if heldout:
+        blocks.append(Text(f"**Held-out samples** ({heldout['samples']['count']} from "
+                           f"`{heldout['samples'].get('source', '?')}`; no decision of the run saw them):"))
+        blocks += [Text(note, note=True) for note in heldout.get("notes", [])]
+        blocks += _outputs(heldout["outputs"])
     gate = evaluation.get("gate")
     if gate:
+        judged = " (judged on the held-out samples)" if gate.get("judged_on") == "heldout" else ""
         blocks.append(Table(["metric", "value", "needs", "result"], [
             [c["metric"], "n/a" if c["value"] is None else f"{c['value']:.4g}",
              f"{'≤' if c.get('kind') == 'maximum' else '≥'} {c['threshold']}",
              "ok" if c["passed"] else "**missed**"] for c in gate["checks"]],
-            title=f"Gate {'passed' if gate['passed'] else '**missed**'}"))
+            title=f"Gate {'passed' if gate['passed'] else '**missed**'}{judged}"))
     latency = evaluation.get("latency")
     if latency and "speedup" in latency:
         blocks.append(Text(f"Latency (batch 1, {latency['settings']['threads']} threads, median of "
@@ -109,6 +108,20 @@ def _evaluation(evaluation: dict | None) -> list:
         if rows:
             blocks.append(Text(f"Worst samples for {name} (cosine): "
                                + ", ".join(f"{r['sample']} ({r['cosine']:.4f})" for r in rows)))
+    return blocks
+
+
+def _outputs(outputs: dict) -> list:
+    """The per-output table of one sample set, and task accuracy where labels were given."""
+    blocks: list = [Table(["output", "cosine mean", "cosine min", "SQNR dB", "max abs", "agreement (95% CI)"],
+                          [[name, f"{m['cosine_mean']:.5f}", f"{m['cosine_min']:.5f}", f"{m['sqnr_db']:.1f}",
+                            f"{m['max_abs']:.3g}", agreement_text(m)] for name, m in outputs.items()])]
+    for name, m in outputs.items():
+        if "top1_accuracy" in m:
+            low, high = m["top1_accuracy_ci95"]
+            blocks.append(Text(f"Task accuracy of {name} against ground truth ({m['labelled_samples']} labelled "
+                               f"samples): FP32 {100 * m['reference_top1_accuracy']:.1f}%, result "
+                               f"{100 * m['top1_accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%)."))
     return blocks
 
 
