@@ -17,6 +17,7 @@ import onnx
 from qprep.model import info as model_info
 from qprep.config import Config
 from qprep.data import SampleSet, load_samples
+from qprep.data.pitfalls import data_warnings
 from qprep.errors import ConfigError
 from qprep.model.prepare import fix_input_shapes, infer_shapes, name_nodes
 from qprep.model.io import load_model, load_model_and_data_files, sha256_file
@@ -74,6 +75,7 @@ def check(config: Config, progress: Progress | None = None) -> Checked:
                 if shared:
                     raise ConfigError(f"evaluation.heldout shares {len(shared)} samples with evaluation.source "
                                       f"(e.g. {Path(sorted(shared)[0]).name}): held-out samples must be others")
+    warnings += data_warnings(model, calibration, evaluation, heldout)
     return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation, heldout=heldout,
                    reference=reference, warnings=warnings)
 

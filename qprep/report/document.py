@@ -52,6 +52,8 @@ def build(report: dict) -> list:
         f"status: **{report.get('status')}**" + (f" — {report['error']}" if report.get("error") else ""),
         f"input model: {model.get('kind', '?')}, {model.get('nodes', '?')} nodes, opsets {model.get('opsets', {})}",
         f"run time: {report.get('seconds', 0):.1f} s"])]
+    if report.get("warnings"):  # first: each one can make the figures below mean less than they seem to
+        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
     calibration = report.get("calibration")
     if calibration:
         blocks.append(Text(f"Calibration data: {calibration['count']} samples ({calibration['format']}) from "
@@ -62,8 +64,6 @@ def build(report: dict) -> list:
     if report.get("float_set"):
         blocks += [Heading(2, f"Kept float ({len(report['float_set'])} nodes)"),
                    Text(", ".join(f"`{n}`" for n in report["float_set"]))]
-    if report.get("warnings"):
-        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
     return blocks
 
 
