@@ -46,6 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     _common(inspect)
 
+    init = sub.add_parser("init", help="write a commented starter config for a model",
+                          description="Reads the model (inputs, dims, layout, whether it normalizes its input, "
+                                      "LayerNorms, output kinds) and, with --data, the sample folders, and writes "
+                                      "a config to review and run.")
+    init.add_argument("model", help="the ONNX model")
+    init.add_argument("--backend", choices=("ort", "rknn", "fp16"), default="ort",
+                      help="ort: ONNX Runtime INT8 (default); rknn: Rockchip NPU; fp16: float16")
+    init.add_argument("--data", help="folder of samples, or holding calib/ eval/ heldout/ folders")
+    init.add_argument("--out", help="config file to write (default: ./<model name>.yaml)")
+    init.add_argument("--force", action="store_true", help="replace an existing config file")
+    _common(init)
+
     batch = sub.add_parser("batch", help="run one config over every .onnx model in a folder",
                            description="Each model runs in its own process and run directory under --out; "
                                        "summary.json/csv/md/html list them worst first. Exit 2 if any model "
@@ -184,6 +196,16 @@ def cmd_inspect(args) -> int:
     return EXIT_OK
 
 
+def cmd_init(args) -> int:
+    from qprep.starter import write_starter
+
+    out = write_starter(args.model, args.out or f"{Path(args.model).stem}.yaml", args.backend, args.data, args.force)
+    if not args.quiet:
+        print(f"qprep: wrote {out}: review the lines marked FILL IN and the preprocess comment, then "
+              f"`qprep run {out}`")
+    return EXIT_OK
+
+
 def cmd_config(args) -> int:
     from qprep.config import SCHEMA
     from qprep.schema import reference
@@ -231,5 +253,5 @@ def cmd_compare(args) -> int:
 
 MAX_TERMINAL_WARNINGS = 5  # the rest are in report.md
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "config": cmd_config,
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "init": cmd_init, "config": cmd_config,
             "batch": cmd_batch, "compare": cmd_compare}
