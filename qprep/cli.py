@@ -253,5 +253,6 @@ def cmd_compare(args) -> int:
 
 MAX_TERMINAL_WARNINGS = 5  # the rest are in report.md
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "init": cmd_init, "config": cmd_config,
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "init": cmd_init,
+            "config": cmd_config,
             "batch": cmd_batch, "compare": cmd_compare}
