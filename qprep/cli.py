@@ -254,5 +254,4 @@ def cmd_compare(args) -> int:
 MAX_TERMINAL_WARNINGS = 5  # the rest are in report.md
 
 COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "init": cmd_init,
-            "config": cmd_config,
-            "batch": cmd_batch, "compare": cmd_compare}
+            "config": cmd_config, "batch": cmd_batch, "compare": cmd_compare}
