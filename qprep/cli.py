@@ -37,12 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
 
     validate = sub.add_parser("validate", help="check a config (keys, types, files) without running it")
-    validate.add_argument("config")
-    validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    validate.add_argument("config", help="YAML config file")
+    validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a config key, as in `run`")
     _common(validate)
 
     inspect = sub.add_parser("inspect", help="describe a model: kind, inputs/outputs, op histogram, opsets")
-    inspect.add_argument("model")
+    inspect.add_argument("model", help="the ONNX model")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     _common(inspect)
 
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Each model runs in its own process and run directory under --out; "
                                        "summary.json/csv/md/html list them worst first. Exit 2 if any model "
                                        "failed, else 1 if any missed its gate.")
-    batch.add_argument("config")
+    batch.add_argument("config", help="YAML config applied to every model (its `model:` is replaced)")
     batch.add_argument("folder", help="folder of .onnx models")
     batch.add_argument("--out", required=True, help="batch directory (one run directory per model)")
     batch.add_argument("--jobs", type=int, help="worker processes (default: from cores, threads and memory)")
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--resume", action="store_true", help="skip models whose run directory holds a complete "
                                                              "result for the same model and config")
     batch.add_argument("--timeout", type=float, help="seconds per model before it counts as failed")
-    batch.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    batch.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key for every model, as in `run`")
     _common(batch)
 
     compare = sub.add_parser("compare", help="compare runs (INT8 vs FP32, run vs run, batch vs batch)")

@@ -180,3 +180,23 @@ def test_duplicate_node_names_in_the_input_do_not_break_the_evaluation(tmp_path,
     assert code == 0, err
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.99
+
+
+def test_run_log_keeps_toolkit_records_but_not_graph_library_chatter(tmp_path):
+    """onnx_ir/onnxscript log an INFO line per pass over the graph: 90% of a run's log; only their warnings
+    stay. The toolkits' own records (ORT's quantizer, rknn-toolkit2) still reach the log."""
+    import logging
+
+    from qprep.pipeline.run_dir import attach_log, detach_log, toolkit_logging_to_run_log
+
+    handler = attach_log(tmp_path)
+    try:
+        with toolkit_logging_to_run_log():
+            logging.getLogger("onnx_ir.passes.common").info("pass ran")
+            logging.getLogger("onnxscript.rewriter").warning("rule failed")
+            logging.getLogger("root.toolkit").info("calibrating")
+    finally:
+        detach_log(handler)
+    log = (tmp_path / "qprep.log").read_text()
+    assert "pass ran" not in log and "rule failed" in log and "calibrating" in log
+    assert logging.getLogger("onnx_ir").level == logging.NOTSET  # restored after the toolkit call
