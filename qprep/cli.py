@@ -13,8 +13,8 @@ import traceback
 from pathlib import Path
 
 from qprep import __version__
-from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError, raise_interrupted,
-                          signal_handlers)
+from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, Problems, QprepError,
+                          raise_interrupted, signal_handlers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,7 +182,12 @@ def cmd_validate(args) -> int:
     from qprep.pipeline.preflight import check
 
     config = load_config(args.config, _overrides(args))
-    check(config)
+    try:
+        check(config, every_problem=True)
+    except Problems as found:  # every problem, one line each; the dispatcher would show the first only
+        for problem in found.all:
+            print(f"qprep: error: {problem}", file=sys.stderr)
+        return found.exit_code
     stages = ", ".join(name for name, _ in config.stages) or "no stages"
     if not args.quiet:
         print(f"qprep: {args.config} is valid ({stages})")

@@ -200,3 +200,20 @@ def test_run_log_keeps_toolkit_records_but_not_graph_library_chatter(tmp_path):
     log = (tmp_path / "qprep.log").read_text()
     assert "pass ran" not in log and "rule failed" in log and "calibrating" in log
     assert logging.getLogger("onnx_ir").level == logging.NOTSET  # restored after the toolkit call
+
+
+def test_validate_lists_every_independent_problem_and_run_stops_at_the_first(tmp_path, cli):
+    import onnx
+
+    from graphs import tiny_conv_model
+
+    onnx.save(tiny_conv_model(batch=1), tmp_path / "m.onnx")
+    (tmp_path / "c.yaml").write_text(
+        "model: m.onnx\ncalibration: {source: nowhere/calib}\n"
+        "evaluation: {source: nowhere/eval, heldout: {source: nowhere/heldout}}\npipeline: [{quantize: {}}]\n")
+    code, _, err = cli("validate", str(tmp_path / "c.yaml"))
+    assert code == 2
+    assert [line.split(":")[2].strip() for line in err.splitlines()] == [
+        "calibration.source", "evaluation.source", "evaluation.heldout.source"]
+    code, _, err = cli("run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run"))
+    assert code == 2 and len(err.splitlines()) == 1 and "calibration.source" in err
