@@ -31,7 +31,7 @@ from qprep.model.info import default_opset, graph_inputs
 from qprep.model.io import is_large, save_model
 from qprep.model.runtime import run_model
 from qprep.qdq import remove_redundant
-from qprep.quantize import bias_correction, gptq
+from qprep.quantize import bias_correction, gptq, nonfinite
 from qprep.quantize import ranges as activation_ranges
 
 ORT = ort_quantization()
@@ -165,6 +165,7 @@ class OrtQuantizer:
         except Exception as exc:  # ORT raises bare exceptions with the op/tensor in the text
             raise QprepError(f"ONNX Runtime quantization failed: {str(exc).splitlines()[0][:300]} "
                              "(try format: qdq, per_channel: false, or exclude the node named in the message)") from None
+        nonfinite.check_scales(quantized)  # a mask that still reached a Q/DQ would collapse every output
         if self.options["weight_rounding"] == "gptq" and self.options["format"] == "qdq" and not self.dynamic:
             quantized = self._round_weights(quantized)
         elif self.options["weight_rounding"] == "gptq":
