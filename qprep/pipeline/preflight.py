@@ -47,6 +47,10 @@ def check(config: Config, progress: Progress | None = None) -> Checked:
     with progress.step("load model"):
         model, record, warnings, data_files = _load_model(config)
     refuse_inputs_inside_run_dir(config, data_files)  # the external data files are known once it is read
+    for name, options in config.stages:  # what a stage cannot take from this model (e.g. an op its toolkit refuses)
+        stage = registry()[name]
+        if stage.check_model:
+            stage.check_model(options, model)
     inputs = model_info.graph_inputs(model)
     calibration = evaluation = reference = None
     if config["calibration"]:

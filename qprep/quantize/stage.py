@@ -52,9 +52,19 @@ def check(options: dict, config) -> None:
                          "x86-64) or choose backend ort")
 
 
+def check_model(options: dict, model: onnx.ModelProto) -> None:
+    """What the backend's toolkit is known to fail on, refused before any work (rknn: random ops, an opset
+    above 19 that cannot be converted down)."""
+    if options["backend"] == "rknn":
+        from qprep.quantize.rknn.limits import refuse_unsupported
+
+        refuse_unsupported(model)
+
+
 @stage(
     "quantize",
     check=check,
+    check_model=check_model,
     summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
     backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
     max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),

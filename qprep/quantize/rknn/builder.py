@@ -21,7 +21,7 @@ import onnx
 from qprep.errors import QprepError
 from qprep.model.info import graph_inputs
 from qprep.quantize.backend import BackendInput, Quantized
-from qprep.quantize.rknn import dataset
+from qprep.quantize.rknn import dataset, limits
 from qprep.quantize.rknn import ranges as rknn_ranges
 from qprep.quantize.rknn.contract import write_board_files
 from qprep.quantize.rknn.names import IRNames, map_float_set, with_custom_layers
@@ -228,7 +228,11 @@ class RknnBuilder:
 def quantize(job: BackendInput) -> Quantized:
     """The build (after the fallback's search, if on), exported; its runner stays usable for the evaluation
     until the result's `close` stops the toolkit worker (at once when this fails or is interrupted)."""
+    limits.refuse_unsupported(job.model)
+    job.model, converted = limits.within_opset(job.model, job.samples[:8], job.threads)
     builder = RknnBuilder(job)
+    if converted:
+        builder.details["opset_converted"] = converted
     try:
         float_set = set(job.float_set)
         if job.fallback:

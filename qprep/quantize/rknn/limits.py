@@ -1,0 +1,52 @@
+"""What rknn-toolkit2 cannot take, refused before any work, and the opset it wants, reached before it loads the
+model.
+
+Facts (rknn-toolkit2 2.5.0, measured here): its build stops on random ops ("Found Random node 'noise', which is
+not supported, please remove it manually", logged on the line after an empty `E build:`; seen with
+RandomNormalLike and RandomUniformLike); Rockchip recommends opset 19 and the toolkit fails on 21. A model above
+19 is converted down with onnx's version converter and verified with ONNX Runtime before the toolkit sees it;
+a model that uses an op opset 19 does not have (Gelu is 20) cannot be, and is refused at once.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from qprep.errors import ModelError
+from qprep.model.info import default_opset
+from qprep.model.prepare import convert_down
+from qprep.optimize.stage import RKNN_MAX_OPSET
+from qprep.verify import Tolerance, compare
+from qprep.model.runtime import run_model
+
+REFUSED_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike")
+
+
+def refuse_unsupported(model: onnx.ModelProto) -> None:
+    """A one-line ModelError for what the toolkit is known to fail on: random ops, an opset that cannot be
+    converted down to RKNN_MAX_OPSET (named by the op that blocks it)."""
+    for node in model.graph.node:
+        if node.op_type in REFUSED_OPS and node.domain in ("", "ai.onnx"):
+            raise ModelError(f"quantize.rknn: node '{node.name}' is {node.op_type}, and rknn-toolkit2 refuses random "
+                             "ops; remove it from the export (e.g. export in eval mode, or feed the noise as an input)")
+    if default_opset(model) > RKNN_MAX_OPSET:
+        try:
+            convert_down(model, RKNN_MAX_OPSET)  # a dry run: the conversion used is verified in within_opset
+        except ModelError as exc:
+            raise ModelError(f"quantize.rknn: rknn-toolkit2 takes opset {RKNN_MAX_OPSET} at most, and {exc}") from None
+
+
+def within_opset(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, dict]:
+    """`model` at opset ≤ RKNN_MAX_OPSET → (model, record); a conversion is verified on `samples` with ONNX
+    Runtime (the default verification tolerance) and refused in one line when it changes the outputs."""
+    opset = default_opset(model)
+    if opset <= RKNN_MAX_OPSET:
+        return model, {}
+    converted = convert_down(model, RKNN_MAX_OPSET)
+    record = {"from": opset, "to": RKNN_MAX_OPSET, "verified_on": len(samples)}
+    if samples:
+        verdict = compare(run_model(model, samples, threads), run_model(converted, samples, threads), Tolerance())
+        if not verdict.ok:
+            raise ModelError(f"quantize.rknn: converting opset {opset} → {RKNN_MAX_OPSET} for rknn-toolkit2 changed "
+                             f"the outputs ({verdict.reason}); export the model at opset {RKNN_MAX_OPSET}")
+    return converted, record
