@@ -23,6 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.errors import EXIT_INTERNAL, QprepError
+from qprep.model.info import graph_inputs
 from qprep.model.runtime import intermediate_values
 
 LIMIT = float(np.finfo(np.float16).max)  # 65504: beyond it float16 overflows and no int8 grid keeps the rest
@@ -67,9 +68,10 @@ def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Extre
         stats = _stats(array)
         if extreme(stats["min"], stats["max"], stats["nan"]):
             found.tensors[name] = {"kind": "constant", **stats}
+    inputs = [spec.name for spec in graph_inputs(model)]  # an additive mask may also be fed as data
     outputs = [o for node in model.graph.node if node.op_type != "Constant" for o in node.output if o]
     ranges: dict[str, dict] = {}
-    for values in intermediate_values(model, outputs, samples, threads):
+    for values in intermediate_values(model, inputs + outputs, samples, threads):
         for name, value in values.items():
             if value.dtype.kind == "f" and value.size:
                 ranges[name] = _merged(ranges.get(name), _stats(value))

@@ -31,6 +31,14 @@ def test_ordinary_values_and_a_float16_sized_mask_are_left_to_the_calibrator():
     assert not nonfinite.find(masked_attention_model(-1e4), masked_attention_samples(4)).nodes
 
 
+def test_a_mask_fed_as_data_keeps_its_readers_float():
+    model = make_model([helper.make_node("Add", ["scores", "mask"], ["masked"], name="add"),
+                        helper.make_node("Softmax", ["masked"], ["y"], name="softmax")],
+                       [("scores", [1, 4]), ("mask", [1, 4])], [("y", [1, 4])])
+    sample = {"scores": np.ones((1, 4), np.float32), "mask": np.array([[0, 0, 0, -3.4e38]], np.float32)}
+    assert set(nonfinite.find(model, [sample]).nodes) == {"add", "softmax"}
+
+
 def test_a_nan_constant_keeps_its_reader_float():
     """jnp.take's out-of-bounds fill, as jax2tf writes it: Where(in_range, gathered, NaN)."""
     model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
