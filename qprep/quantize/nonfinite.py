@@ -106,16 +106,38 @@ def check_scales(model: onnx.ModelProto) -> None:
                                      f"(keep_float.nodes)")
 
 
-def _float_constants(model: onnx.ModelProto):
-    """(name, array) of every float initializer and Constant node value of the main graph."""
+def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float) -> tuple[onnx.ModelProto, dict]:
+    """A copy of `model` whose extreme float constants are clipped to ±`bound` (NaN left alone) → (model,
+    {constant: "[before] → [after]"}). For a backend whose float is float16, where finfo(float32).min and -1e9
+    become -inf and HF's `(1 - mask) * fill` then gives 0 * -inf = NaN. The caller verifies the numbers."""
+    clipped = onnx.ModelProto()
+    clipped.CopyFrom(model)
+    names = {name for name, stats in extremes.tensors.items() if stats["kind"] == "constant"}
+    changed = {}
+    for name, tensor in _float_constant_protos(clipped):
+        if name in names:
+            array = numpy_helper.to_array(tensor)
+            values = np.clip(array, -bound, bound).astype(array.dtype)
+            tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+            changed[name] = f"{describe(_stats(array))} → {describe(_stats(values))}"
+    return clipped, changed
+
+
+def _float_constant_protos(model: onnx.ModelProto):
+    """(name, TensorProto) of every float initializer and Constant node value of the main graph."""
     for tensor in model.graph.initializer:
         if tensor.data_type in _FLOAT_TYPES:
-            yield tensor.name, numpy_helper.to_array(tensor)
+            yield tensor.name, tensor
     for node in model.graph.node:
         if node.op_type == "Constant":
             for attribute in node.attribute:
                 if attribute.name == "value" and attribute.t.data_type in _FLOAT_TYPES:
-                    yield node.output[0], numpy_helper.to_array(attribute.t)
+                    yield node.output[0], attribute.t
+
+
+def _float_constants(model: onnx.ModelProto):
+    for name, tensor in _float_constant_protos(model):
+        yield name, numpy_helper.to_array(tensor)
 
 
 

@@ -230,9 +230,12 @@ def quantize(job: BackendInput) -> Quantized:
     until the result's `close` stops the toolkit worker (at once when this fails or is interrupted)."""
     limits.refuse_unsupported(job.model)
     job.model, converted = limits.within_opset(job.model, job.samples[:8], job.threads)
+    job.model, clipped = limits.float16_safe(job.model, job.extremes, job.samples[:8], job.threads)
     builder = RknnBuilder(job)
     if converted:
         builder.details["opset_converted"] = converted
+    if clipped:
+        builder.details["nonfinite"] = {"float16_clip": clipped}
     try:
         float_set = set(job.float_set)
         if job.fallback:

@@ -8,7 +8,8 @@ from onnx import helper
 
 from qprep.errors import ModelError
 from qprep.model.prepare import convert_down, ops_newer_than
-from qprep.quantize.rknn.limits import refuse_unsupported, within_opset
+from qprep.quantize import nonfinite
+from qprep.quantize.rknn.limits import float16_safe, refuse_unsupported, within_opset
 from graphs import make_model, masked_attention_model, masked_attention_samples
 
 
@@ -49,6 +50,19 @@ def test_opset_21_is_converted_down_and_verified():
     assert record == {"from": 21, "to": 19, "verified_on": 2}
     assert [o.version for o in converted.opset_import if o.domain in ("", "ai.onnx")] == [19]
     assert within_opset(convert_down(model, 19), [])[1] == {}  # at 19 already: untouched
+
+
+def test_mask_constants_are_clipped_for_float16_only_when_the_outputs_stay():
+    model, samples = masked_attention_model(-1e9, "scale"), masked_attention_samples(4)
+    clipped, record = float16_safe(model, nonfinite.find(model, samples), samples)
+    assert record["clipped"] and record["constants"] == {"fill": "[-1e+09, -1e+09] → [-1e+04, -1e+04]"}
+    fill = next(t for t in clipped.graph.initializer if t.name == "fill")
+    assert onnx.numpy_helper.to_array(fill) == -1e4
+    offset = make_model([helper.make_node("Add", ["x", "big"], ["y"], name="add")], [("x", [1, 4])], [("y", [1, 4])],
+                        {"big": np.array(1e5, np.float32)})  # a constant that is the output itself
+    samples = [{"x": np.ones((1, 4), np.float32)}]
+    kept, record = float16_safe(offset, nonfinite.find(offset, samples), samples)
+    assert kept is offset and record["clipped"] is False and "max |a-b|" in record["reason"]
 
 
 @pytest.mark.parametrize("op", ["RandomNormalLike", "RandomUniformLike"])
@@ -109,14 +123,15 @@ def test_the_toolkit_s_reason_for_a_random_op_reaches_the_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_masked_attention_keeps_its_mask_chain_float16_on_rknn(tmp_path):
-    """The -inf mask chain is handed to the toolkit as float16 layers (what it maps), the run stays finite."""
+def test_masked_attention_keeps_its_mask_chain_float16_on_rknn_with_the_mask_clipped(tmp_path):
+    """HF's `(1 - mask) * -1e9`: the mask chain is handed to the toolkit as float16 layers with the -1e9 clipped
+    to -10000 (unclipped, float16 holds -inf and the cosine fell from 0.876 to 0.778)."""
     pytest.importorskip("rknn.api")
     import qprep
 
-    report = qprep.run(_write(tmp_path, masked_attention_model(), masked_attention_samples(8)),
+    report = qprep.run(_write(tmp_path, masked_attention_model(-1e9, "scale"), masked_attention_samples(8)),
                        output_dir=str(tmp_path / "out"))
     stage = report["stages"][0]
-    assert set(stage["nonfinite"]["nodes"]) == {"mask_where", "mask_rows", "mask_add", "softmax"}
-    assert "mask_where" in stage["float16_layers"]["mapped"]
-    assert report["status"] == "ok" and report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.8
+    assert set(stage["nonfinite"]["nodes"]) == {"mask_scale", "mask_rows", "mask_add", "softmax"}
+    assert stage["nonfinite"]["float16_clip"]["clipped"] and "mask_scale" in stage["float16_layers"]["mapped"]
+    assert report["status"] == "ok" and report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.85
