@@ -95,15 +95,16 @@ def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Extre
 
 def check_scales(model: onnx.ModelProto) -> None:
     """Stop with the tensor's name when a Q/DQ scale of the quantized model is not finite (exit 3)."""
-    constants = dict(_float_constants(model))
-    for node in model.graph.node:
-        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 1:
-            scale = constants.get(node.input[1])
-            if scale is not None and not np.isfinite(scale).all():
-                raise NonFiniteRange(f"quantize: the scale of tensor '{node.input[0]}' ({node.name}) is not finite "
-                                     f"({np.asarray(scale).ravel()[:4].tolist()}): its values reached the "
-                                     f"calibrator; please report it, and keep its producer float meanwhile "
-                                     f"(keep_float.nodes)")
+    quantizers = [node for node in model.graph.node
+                  if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 1]
+    wanted = {node.input[1] for node in quantizers}
+    scales = {name: numpy_helper.to_array(tensor) for name, tensor in _float_constant_protos(model) if name in wanted}
+    for node in quantizers:
+        scale = scales.get(node.input[1])
+        if scale is not None and not np.isfinite(scale).all():
+            raise NonFiniteRange(f"quantize: the scale of tensor '{node.input[0]}' ({node.name}) is not finite "
+                                 f"({np.asarray(scale).ravel()[:4].tolist()}): its values reached the calibrator; "
+                                 "please report it, and keep its producer float meanwhile (keep_float.nodes)")
 
 
 def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float) -> tuple[onnx.ModelProto, dict]:
@@ -138,7 +139,6 @@ def _float_constant_protos(model: onnx.ModelProto):
 def _float_constants(model: onnx.ModelProto):
     for name, tensor in _float_constant_protos(model):
         yield name, numpy_helper.to_array(tensor)
-
 
 
 def _stats(array: np.ndarray) -> dict:
