@@ -17,7 +17,8 @@ def _conv_model(opset: int, extra=()):
     """x[1,8,4,4] → Conv 1x1 → Relu → (extra nodes reading `r`) → Reshape → y[1,128]."""
     weight = np.random.default_rng(0).standard_normal((8, 8, 1, 1)).astype(np.float32)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
-             helper.make_node("Relu", ["c"], ["r"], name="relu"), *extra, helper.make_node("Reshape", ["r", "s"], ["y"], name="flatten")]
+             helper.make_node("Relu", ["c"], ["r"], name="relu"), *extra,
+             helper.make_node("Reshape", ["r", "s"], ["y"], name="flatten")]
     return make_model(nodes, [("x", [1, 8, 4, 4])], [("y", [1, 128])],
                       {"w": weight, "s": np.array([1, 128], np.int64)}, opset=opset)
 
