@@ -50,9 +50,11 @@ def test_a_nan_constant_keeps_its_reader_float():
     assert found.nodes == {"take": "reads 'fill' (constant, values [0, 0], NaN)"}
 
 
-def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path):
+@pytest.mark.parametrize("method", ["minmax", "percentile"])
+def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path, method):
     """Before: the mask's range [-inf, 0] reached ORT's calibrator and every score rounded to one integer
-    (cosine 0.78, status ok). After: the mask chain stays float32 and the rest is int8."""
+    (minmax: cosine 0.78, status ok; percentile: "autodetected range of [0.0, inf] is not finite", exit 2).
+    After: the mask chain stays float32, the calibrator sees the mask clipped, the rest is int8."""
     import qprep
 
     onnx.save(masked_attention_model(), str(tmp_path / "m.onnx"))
@@ -62,8 +64,8 @@ def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path):
             np.savez(tmp_path / role / f"{i:04d}.npz", **sample)
     report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
                         "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
-                        "pipeline": [{"quantize": {"backend": "ort", "ort": {"weight_rounding": "nearest",
-                                                                              "bias_correction": False}}}]},
+                        "pipeline": [{"quantize": {"backend": "ort", "ort": {
+                            "weight_rounding": "nearest", "bias_correction": False, "calibrate_method": method}}}]},
                        output_dir=str(tmp_path / "out"))
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.98
     assert MASK_CHAIN <= set(report["float_set"])
