@@ -103,3 +103,44 @@ def max_diff(a: onnx.ModelProto, b: onnx.ModelProto, feeds: dict) -> float:
 
 def rand(*shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def masked_attention_model(fill: float = -np.inf, style: str = "where", seq: int = 6, dim: int = 8) -> onnx.ModelProto:
+    """One attention head whose padding is masked additively, as real exports write it:
+    style "where": torch's `Where(Not(mask), fill, 0)`; "scale": HF's `(1 - mask) * fill` (fill: finfo.min).
+    x[1,seq,dim], mask[1,seq] (float 0/1: 1 = a real token) → y[1,seq,dim]."""
+    rng = np.random.default_rng(0)
+    if style == "where":
+        masking = [helper.make_node("Cast", ["mask"], ["mask_bool"], to=onnx.TensorProto.BOOL, name="mask_cast"),
+                   helper.make_node("Not", ["mask_bool"], ["padding"], name="mask_not"),
+                   helper.make_node("Where", ["padding", "fill", "zero"], ["additive"], name="mask_where")]
+        constants = {"fill": np.array(fill, np.float32), "zero": np.array(0.0, np.float32)}
+    else:
+        masking = [helper.make_node("Sub", ["one", "mask"], ["padding"], name="mask_invert"),
+                   helper.make_node("Mul", ["padding", "fill"], ["additive"], name="mask_scale")]
+        constants = {"fill": np.array(fill, np.float32), "one": np.array(1.0, np.float32)}
+    weights = {f"w{n}": (rng.standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32) for n in "qkv"}
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="q"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="k"),
+             helper.make_node("MatMul", ["x", "wv"], ["v"], name="v"),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="kt"),
+             helper.make_node("MatMul", ["q", "kt"], ["scores"], name="scores"),
+             *masking,
+             helper.make_node("Unsqueeze", ["additive", "axis1"], ["additive_rows"], name="mask_rows"),
+             helper.make_node("Add", ["scores", "additive_rows"], ["masked"], name="mask_add"),
+             helper.make_node("Softmax", ["masked"], ["attention"], axis=-1, name="softmax"),
+             helper.make_node("MatMul", ["attention", "v"], ["context"], name="context"),
+             helper.make_node("Add", ["context", "x"], ["y"], name="residual")]
+    return make_model(nodes, [("x", [1, seq, dim]), ("mask", [1, seq])], [("y", [1, seq, dim])],
+                      {**weights, **constants, "axis1": np.array([1], np.int64)}, name="masked_attention")
+
+
+def masked_attention_samples(count: int, seq: int = 6, dim: int = 8) -> list[dict]:
+    """Samples whose mask really masks: 2..seq real tokens, the rest padding."""
+    rng = np.random.default_rng(1)
+    samples = []
+    for i in range(count):
+        mask = np.zeros((1, seq), np.float32)
+        mask[0, : 2 + i % (seq - 1)] = 1
+        samples.append({"x": rng.standard_normal((1, seq, dim)).astype(np.float32), "mask": mask})
+    return samples

@@ -1,4 +1,5 @@
-"""Make a freshly loaded model ready for the stages: stable node names, fixed input dims, shapes inferred.
+"""Make a freshly loaded model ready for the stages: stable node names, fixed input dims, shapes inferred,
+and for a backend with an opset ceiling (rknn-toolkit2: 19), the model converted down to it.
 
 Why: rewrites, per-layer reports and RKNN's hybrid-quantization config all refer to nodes by name, so every
 node needs a unique, reproducible one; quantizers and shape folding need the concrete input sizes the user
@@ -10,9 +11,10 @@ from __future__ import annotations
 import logging
 
 import onnx
+import onnx.version_converter
 
-from qprep.errors import ConfigError
-from qprep.model.info import graph_inputs
+from qprep.errors import ConfigError, ModelError
+from qprep.model.info import default_opset, graph_inputs
 
 log = logging.getLogger("qprep")
 
@@ -77,3 +79,32 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
         message = f"shape inference failed ({str(exc).splitlines()[0][:200]}); continuing without inferred shapes"
         log.warning(message)
         return model, message
+
+
+def ops_newer_than(model: onnx.ModelProto, opset: int) -> list[str]:
+    """Op types of the default domain (subgraphs included) that do not exist at `opset` (Gelu came in 20):
+    what stops a model from being converted down that far."""
+    return sorted({node.op_type for node in _all_nodes(model.graph)
+                   if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type, opset)})
+
+
+def convert_down(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """`model` at `opset` by onnx's version converter, or a one-line error naming what blocks it (an op that
+    does not exist at `opset`, or the converter's own complaint). The caller verifies the numbers."""
+    blocking = ops_newer_than(model, opset)
+    if blocking:
+        raise ModelError(f"the model is opset {default_opset(model)} and uses {', '.join(blocking)}, which opset "
+                         f"{opset} does not have: export it at opset {opset} (without {blocking[0]})")
+    try:
+        return onnx.version_converter.convert_version(model, opset)
+    except Exception as exc:  # the converter raises bare RuntimeErrors naming the op it could not adapt
+        raise ModelError(f"the model is opset {default_opset(model)} and onnx's converter cannot take it down to "
+                         f"{opset} ({str(exc).splitlines()[0][:200]}): export it at opset {opset}") from None
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                yield from _all_nodes(sub)

@@ -79,6 +79,11 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     model, record, warnings, data_files = loaded
     with found.attempt():
         refuse_inputs_inside_run_dir(config, data_files)  # the external data files are known once it is read
+    for name, options in config.stages:  # what a stage cannot take from this model (e.g. an op its toolkit refuses)
+        stage = registry()[name]
+        if stage.check_model:
+            with found.attempt():
+                stage.check_model(options, model)
     calibration = evaluation = heldout = reference = None
     if config["calibration"]:
         with found.attempt(), progress.step("load calibration data"):

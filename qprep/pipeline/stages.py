@@ -16,9 +16,12 @@ from qprep.pipeline.context import StageFunction
 from qprep.schema import Key, section
 
 if TYPE_CHECKING:  # qprep.config imports this module
+    import onnx
+
     from qprep.config import Config
 
 StageCheck = Callable[[dict, "Config"], None]  # (options, config): refuses, before the run starts, what would fail
+ModelCheck = Callable[[dict, "onnx.ModelProto"], None]  # (options, the loaded model): the same, for the model
 
 # Modules that define stages (imported on first use; each registers itself).
 STAGE_MODULES: tuple[str, ...] = ("qprep.optimize.stage", "qprep.quantize.stage", "qprep.qdq.remove_redundant", "qprep.keep_float", "qprep.qdq.fuse_conv")
@@ -31,18 +34,21 @@ class Stage:
     options: Key
     summary: str
     check: StageCheck | None = None
+    check_model: ModelCheck | None = None
 
 
 REGISTRY: dict[str, Stage] = {}  # filled by @stage as the stage modules are imported; read it through registry()
 
 
-def stage(name: str, summary: str, check: StageCheck | None = None,
+def stage(name: str, summary: str, check: StageCheck | None = None, check_model: ModelCheck | None = None,
           **options: Key) -> Callable[[StageFunction], StageFunction]:
     """Register a stage function under its YAML name with the schema of its options; `check` refuses, from the
-    config alone, what would make the stage fail after the run started (qprep/preflight.py calls it)."""
+    config alone, what would make the stage fail after the run started, `check_model` the same from the loaded
+    model (qprep/preflight.py calls both)."""
 
     def register(func: StageFunction) -> StageFunction:
-        REGISTRY[name] = Stage(name=name, run=func, options=section(**options), summary=summary, check=check)
+        REGISTRY[name] = Stage(name=name, run=func, options=section(**options), summary=summary, check=check,
+                               check_model=check_model)
         return func
 
     return register

@@ -12,6 +12,7 @@ from typing import Callable
 import onnx
 
 from qprep.data import SampleSet
+from qprep.quantize.nonfinite import Extremes
 
 
 @dataclass
@@ -44,6 +45,7 @@ class BackendInput:
     evaluation_samples: list[dict] = field(default_factory=list)  # what the fallback measures on
     progress: object = None
     threads: int = 2
+    extremes: Extremes = field(default_factory=Extremes)  # non-finite/huge tensors; their nodes are in float_set
 
     @property
     def samples(self) -> list[dict]:

@@ -27,7 +27,8 @@ def mse_ranges(model: onnx.ModelProto, ranges: dict[str, tuple[float, float]], s
     """{tensor: (low, high)} minimising the expected squared quantization error of each tensor in `ranges`
     (its min/max ranges), on a `levels`-step asymmetric grid that contains zero (as ONNX Runtime builds it).
     Tensors the model does not compute or that are not float keep their range."""
-    histograms = {name: np.zeros(BINS) for name, (low, high) in ranges.items() if high > low}
+    histograms = {name: np.zeros(BINS) for name, (low, high) in ranges.items()
+                  if high > low and np.isfinite(low) and np.isfinite(high)}  # ±inf: a float tensor, no grid
     for values in intermediate_values(model, list(histograms), samples, threads):
         for name, value in values.items():
             if value.dtype.kind == "f":

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 
 import onnx
 
 from qprep.model import info as model_info
+from qprep.quantize import nonfinite
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
@@ -21,8 +23,11 @@ from qprep.schema import Key
 from qprep.pipeline.context import RunContext, StageResult
 from qprep.pipeline.stages import stage
 
+log = logging.getLogger("qprep")
+
 BACKENDS = {"ort": "qprep.quantize.ort", "fp16": "qprep.quantize.fp16", "rknn": "qprep.quantize.rknn"}
 SEARCHABLE = ("ort", "rknn")  # backends with an accuracy-driven fallback
+CALIBRATED = ("ort", "rknn")  # backends that calibrate int8 ranges: extreme values must not reach them
 
 
 def _backend(name: str):
@@ -47,9 +52,19 @@ def check(options: dict, config) -> None:
                          "x86-64) or choose backend ort")
 
 
+def check_model(options: dict, model: onnx.ModelProto) -> None:
+    """What the backend's toolkit is known to fail on, refused before any work (rknn: random ops, an opset
+    above 19 that cannot be converted down)."""
+    if options["backend"] == "rknn":
+        from qprep.quantize.rknn.limits import refuse_unsupported
+
+        refuse_unsupported(model)
+
+
 @stage(
     "quantize",
     check=check,
+    check_model=check_model,
     summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
     backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
     max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),
@@ -79,20 +94,37 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
                        progress=ctx.progress, threads=ctx.config["threads"])
+    if backend in CALIBRATED and job.samples:
+        job.extremes = _kept_out_of_calibration(job)
     if options["fallback"]:
         _prepare_fallback(job, options["fallback"], ctx)
     with toolkit_logging_to_run_log():
         result = _backend(backend).quantize(job)
+    if job.extremes.tensors:
+        result.details["nonfinite"] = {**job.extremes.record(), **result.details.get("nonfinite", {})}
     warnings = []
     if result.details.get("float_set_unmatched"):
         warnings.append(f"quantize: {len(result.details['float_set_unmatched'])} float-set nodes no longer exist "
                         "(keep_float ran before a stage that rewrote them?) and were quantized")
     return StageResult(model=result.model if result.model is not None else model,
-                       details={"backend": backend, "float_set_size": len(ctx.float_set), **result.details},
+                       details={"backend": backend, "float_set_size": len(job.float_set), **result.details},
                        warnings=warnings, prepared_model=model, runner=result.runner, analyzer=result.analyzer,
                        deployable=result.deployable, artifacts=result.artifacts,
                        closers=[result.close] if result.close is not None else [],
+                       float_set=set(job.extremes.nodes),
                        fallback_target=dict(options["fallback"]["target"]) if options["fallback"] else {})
+
+
+def _kept_out_of_calibration(job: BackendInput) -> nonfinite.Extremes:
+    """Tensors holding ±inf, NaN or float16-overflowing values on the calibration samples (attention masks):
+    their nodes join the float set before the backend calibrates anything (nonfinite.py)."""
+    extremes = nonfinite.find(job.model, job.samples, job.threads)
+    if extremes.nodes:
+        job.float_set |= set(extremes.nodes)
+        log.info("quantize: %d tensors hold non-finite or beyond-float16 values (%s); %d nodes stay float: %s",
+                 len(extremes.tensors), ", ".join(list(extremes.tensors)[:5]), len(extremes.nodes),
+                 ", ".join(list(extremes.nodes)[:10]))
+    return extremes
 
 
 def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> None:

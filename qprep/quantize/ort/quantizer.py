@@ -31,7 +31,7 @@ from qprep.model.info import default_opset, graph_inputs
 from qprep.model.io import is_large, save_model
 from qprep.model.runtime import run_model
 from qprep.qdq import remove_redundant
-from qprep.quantize import bias_correction, gptq
+from qprep.quantize import bias_correction, gptq, nonfinite
 from qprep.quantize import ranges as activation_ranges
 
 ORT = ort_quantization()
@@ -78,7 +78,8 @@ class OrtQuantizer:
     After a build, `rounding`, `bias` and `simplified` say what it did (for the stage's record)."""
 
     def __init__(self, model: onnx.ModelProto, samples: list[dict], options: dict, work_dir: Path, threads: int = 2,
-                 progress=None):
+                 progress=None, extremes: nonfinite.Extremes | None = None):
+        self.extremes = extremes or nonfinite.Extremes()  # tensors kept float for their values: never calibrated
         self.upgraded_from = None
         if default_opset(model) < MIN_OPSET:
             self.upgraded_from, model = default_opset(model), _upgraded(model)
@@ -136,15 +137,25 @@ class OrtQuantizer:
         inputs = [spec.name for spec in graph_inputs(self.model)]
         with tempfile.TemporaryDirectory(dir=self.work_dir, prefix="ort-calibrate-") as tmp:
             source = Path(tmp) / "float.onnx"
-            save_model(self.model, source)
+            save_model(self._calibration_model(), source)
             calibrator = ORT.create_calibrator(
                 source, self.op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
                 calibrate_method=getattr(CalibrationMethod, _METHODS[method]), extra_options=calibrator_options,
                 use_external_data_format=is_large(self.model))  # the augmented model outgrows 2 GB with it
             calibrator.collect_data(_Reader(self.samples, inputs))
-            self._ranges[method] = calibrator.compute_data()
+            ranges = calibrator.compute_data()
+            self._ranges[method] = ORT.TensorsData(ranges.calibration_method, {
+                name: ranges[name] for name in ranges if name not in self.extremes.tensors})
             del calibrator
         return self._ranges[method]
+
+    def _calibration_model(self) -> onnx.ModelProto:
+        """What ORT's calibrator runs: the model with its extreme constants (attention masks) clipped to ±65504,
+        so no statistic or histogram it computes holds ±inf (its histogram methods fail on them: "autodetected
+        range of [0.0, inf] is not finite"). The tensors that carry them stay float: their ranges are dropped."""
+        if not any(stats["kind"] == "constant" for stats in self.extremes.tensors.values()):
+            return self.model
+        return nonfinite.clip_constants(self.model, self.extremes, nonfinite.LIMIT)[0]
 
     def build(self, excluded: set[str], settings: OrtSettings | None = None) -> onnx.ModelProto:
         """The quantized model with `excluded` nodes (and their edges) left float, built with `settings` (the
@@ -165,6 +176,7 @@ class OrtQuantizer:
         except Exception as exc:  # ORT raises bare exceptions with the op/tensor in the text
             raise QprepError(f"ONNX Runtime quantization failed: {str(exc).splitlines()[0][:300]} "
                              "(try format: qdq, per_channel: false, or exclude the node named in the message)") from None
+        nonfinite.check_scales(quantized)  # a mask that still reached a Q/DQ would collapse every output
         if self.options["weight_rounding"] == "gptq" and self.options["format"] == "qdq" and not self.dynamic:
             quantized = self._round_weights(quantized)
         elif self.options["weight_rounding"] == "gptq":

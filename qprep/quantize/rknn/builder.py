@@ -18,10 +18,9 @@ from pathlib import Path
 
 import onnx
 
-from qprep.errors import QprepError
 from qprep.model.info import graph_inputs
 from qprep.quantize.backend import BackendInput, Quantized
-from qprep.quantize.rknn import dataset
+from qprep.quantize.rknn import dataset, limits
 from qprep.quantize.rknn import ranges as rknn_ranges
 from qprep.quantize.rknn.contract import write_board_files
 from qprep.quantize.rknn.names import IRNames, map_float_set, with_custom_layers
@@ -61,10 +60,7 @@ class RknnBuilder:
         self.job, self.options = job, job.options
         self.toolkit = Toolkit(job.work_dir)
         self.inputs = graph_inputs(job.model)
-        for spec in self.inputs:
-            if spec.shape is None or not all(isinstance(d, int) for d in spec.shape):
-                raise QprepError(f"quantize.rknn: input '{spec.name}' has dynamic dims {spec.shape}; RKNN needs "
-                                 f"fixed sizes: add `inputs: {{{spec.name}: [...]}}` to the config")
+        limits.require_fixed_dims(job.model)
         self.model_path = job.work_dir / "model.onnx"
         self._on_grid: onnx.ModelProto | None = None  # the model with GPTQ weights, made once
         self._grid_record: dict = {}
@@ -228,7 +224,14 @@ class RknnBuilder:
 def quantize(job: BackendInput) -> Quantized:
     """The build (after the fallback's search, if on), exported; its runner stays usable for the evaluation
     until the result's `close` stops the toolkit worker (at once when this fails or is interrupted)."""
+    limits.refuse_unsupported(job.model)
+    job.model, converted = limits.within_opset(job.model, job.samples[:8], job.threads)
+    job.model, clipped = limits.float16_safe(job.model, job.extremes, job.samples[:8], job.threads)
     builder = RknnBuilder(job)
+    if converted:
+        builder.details["opset_converted"] = converted
+    if clipped:
+        builder.details["nonfinite"] = {"float16_clip": clipped}
     try:
         float_set = set(job.float_set)
         if job.fallback:

@@ -21,6 +21,7 @@ log = logging.getLogger("qprep")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STAMP = re.compile(r"^RKNN: \[[0-9:.]+\] ")  # the C++ logger's prefix: `E RKNN: [02:41:12.288] message`
+_LOG_LINE = re.compile(r"^[EWID] ")  # a new line of the toolkit's logger
 _NOISE = ("Unkown op target", "rknn-toolkit2 version")
 _SETUP = "run ./scripts/setup.sh (it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 x86-64)"
 
@@ -121,5 +122,8 @@ class Toolkit:
                 if message.endswith("Traceback (most recent call last):"):  # the toolkit logged a traceback:
                     cause = next((l for l in lines[index + 1:] if re.match(r"^\w+(Error|Exception)\b", l)), "")
                     message = f"{message.split(':')[0]}: {cause}" if cause else message
+                elif re.fullmatch(r"[\w.]+:", message):  # `E build: ` with its reason on the next line(s)
+                    cause = next((l for l in lines[index + 1:] if l), "")
+                    message = f"{message} {cause}" if cause and not _LOG_LINE.match(cause) else message
                 return message
         return ""

@@ -145,3 +145,13 @@ def test_fallback_ranks_by_accuracy_analysis_and_builds_float16_layers(tmp_path)
     assert record["best"]["score"] >= record["base"]["score"]
     assert (tmp_path / "model.rknn").is_file()
     assert report["evaluation"]["gate"]["checks"][0]["metric"] == "cosine_mean"
+
+
+def test_dynamic_input_dims_are_refused_by_validate_before_any_work(tmp_path, cli):
+    from graphs import tiny_conv_model
+
+    onnx.save(tiny_conv_model(batch="N"), tmp_path / "m.onnx")
+    (tmp_path / "c.yaml").write_text("model: m.onnx\npipeline: [{quantize: {backend: rknn}}]\n")
+    code, _, err = cli("validate", str(tmp_path / "c.yaml"))
+    assert code == 2 and "input 'x' has dynamic dims ['N', 3, 8, 8]" in err.splitlines()[-1]
+    assert "calibration data is required" in err.splitlines()[0]  # validate names every problem

@@ -1,0 +1,91 @@
+"""What rknn-toolkit2 cannot take, refused before any work, and the opset it wants, reached before it loads the
+model.
+
+Facts (rknn-toolkit2 2.5.0, measured here): its build stops on random ops ("Found Random node 'noise', which is
+not supported, please remove it manually", logged on the line after an empty `E build:`; seen with
+RandomNormalLike and RandomUniformLike); Rockchip recommends opset 19 and the toolkit fails on 21. A model above
+19 is converted down with onnx's version converter and verified with ONNX Runtime before the toolkit sees it;
+a model that uses an op opset 19 does not have (Gelu is 20) cannot be, and is refused at once. Constants
+float16 cannot hold (attention masks: finfo.min, -inf, -1e9) are clipped to ±10000 first, as the toolkit
+itself does for ±3e38 at optimization_level 3, so the float16 layers that carry a mask stay finite.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import onnx
+
+from qprep.errors import ModelError
+from qprep.model.info import default_opset, graph_inputs
+from qprep.model.prepare import convert_down
+from qprep.optimize.stage import RKNN_MAX_OPSET
+from qprep.verify import Tolerance, compare
+from qprep.model.runtime import run_model
+from qprep.quantize import nonfinite
+from qprep.quantize.nonfinite import Extremes
+
+log = logging.getLogger("qprep")
+
+REFUSED_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike")
+# What the toolkit itself turns constants beyond ±3e38 into ("corrected to -10000 or 10000", optimization_level 3
+# only); qprep clips every constant float16 cannot hold (|x| > 65504: also -1e9 masks, and at any level) to it
+MASK_BOUND = 10000.0
+
+
+def refuse_unsupported(model: onnx.ModelProto) -> None:
+    """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an opset
+    that cannot be converted down to RKNN_MAX_OPSET (named by the op that blocks it)."""
+    require_fixed_dims(model)
+    for node in model.graph.node:
+        if node.op_type in REFUSED_OPS and node.domain in ("", "ai.onnx"):
+            raise ModelError(f"quantize.rknn: node '{node.name}' is {node.op_type}, and rknn-toolkit2 refuses random "
+                             "ops; remove it from the export (e.g. export in eval mode, or feed the noise as an input)")
+    if default_opset(model) > RKNN_MAX_OPSET:
+        try:
+            convert_down(model, RKNN_MAX_OPSET)  # a dry run: the conversion used is verified in within_opset
+        except ModelError as exc:
+            raise ModelError(f"quantize.rknn: rknn-toolkit2 takes opset {RKNN_MAX_OPSET} at most, and {exc}") from None
+
+
+def require_fixed_dims(model: onnx.ModelProto) -> None:
+    """RKNN compiles for one input size: every input dim must be a number."""
+    for spec in graph_inputs(model):
+        if spec.shape is None or not all(isinstance(d, int) for d in spec.shape):
+            raise ModelError(f"quantize.rknn: input '{spec.name}' has dynamic dims {spec.shape}; RKNN needs fixed "
+                             f"sizes: add `inputs: {{{spec.name}: [...]}}` to the config (the deployment's size)")
+
+
+def within_opset(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, dict]:
+    """`model` at opset ≤ RKNN_MAX_OPSET → (model, record); a conversion is verified on `samples` with ONNX
+    Runtime (the default verification tolerance) and refused in one line when it changes the outputs."""
+    opset = default_opset(model)
+    if opset <= RKNN_MAX_OPSET:
+        return model, {}
+    converted = convert_down(model, RKNN_MAX_OPSET)
+    record = {"from": opset, "to": RKNN_MAX_OPSET, "verified_on": len(samples)}
+    if samples:
+        verdict = compare(run_model(model, samples, threads), run_model(converted, samples, threads), Tolerance())
+        if not verdict.ok:
+            raise ModelError(f"quantize.rknn: converting opset {opset} → {RKNN_MAX_OPSET} for rknn-toolkit2 changed "
+                             f"the outputs ({verdict.reason}); export the model at opset {RKNN_MAX_OPSET}")
+    return converted, record
+
+
+def float16_safe(model: onnx.ModelProto, extremes: Extremes, samples: list[dict],
+                 threads: int = 2) -> tuple[onnx.ModelProto, dict]:
+    """`model` with its extreme constants (nonfinite.py) clipped to ±MASK_BOUND → (model, record), when that
+    leaves the float32 outputs on `samples` within the verification tolerance (exp(-10000) is 0 as exp(-inf)
+    is); else the model as it was and the reason. Measured on a masked attention with HF's `(1 - mask) * -1e9`:
+    the mask kept float16 unclipped, cosine 0.876 → 0.778."""
+    clipped, changed = nonfinite.clip_constants(model, extremes, MASK_BOUND)
+    if not changed:
+        return model, {}
+    record = {"bound": MASK_BOUND, "constants": changed, "verified_on": len(samples)}
+    if samples:
+        verdict = compare(run_model(model, samples, threads), run_model(clipped, samples, threads), Tolerance())
+        if not verdict.ok:
+            log.warning("rknn: clipping the constants float16 cannot hold changed the outputs (%s); left as they are",
+                        verdict.reason)
+            return model, {**record, "clipped": False, "reason": verdict.reason}
+    return clipped, {**record, "clipped": True}

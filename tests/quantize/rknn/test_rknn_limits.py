@@ -1,0 +1,138 @@
+"""What rknn-toolkit2 cannot take: refused before any work with the op named, or (an opset above 19) converted
+down and verified before the toolkit sees it; a toolkit error whose reason sits on the next log line."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from qprep.errors import ModelError
+from qprep.model.prepare import convert_down, ops_newer_than
+from qprep.quantize import nonfinite
+from qprep.quantize.rknn.limits import float16_safe, refuse_unsupported, within_opset
+from graphs import make_model, masked_attention_model, masked_attention_samples
+
+
+def _conv_model(opset: int, extra=()):
+    """x[1,8,4,4] → Conv 1x1 → Relu → (extra nodes reading `r`) → Reshape → y[1,128]."""
+    weight = np.random.default_rng(0).standard_normal((8, 8, 1, 1)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"), *extra,
+             helper.make_node("Reshape", ["r", "s"], ["y"], name="flatten")]
+    return make_model(nodes, [("x", [1, 8, 4, 4])], [("y", [1, 128])],
+                      {"w": weight, "s": np.array([1, 128], np.int64)}, opset=opset)
+
+
+def _write(tmp_path, model, samples):
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    (tmp_path / "data").mkdir()
+    for i, sample in enumerate(samples):
+        np.savez(tmp_path / "data" / f"{i:04d}.npz", **sample)
+    return {"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "data")},
+            "evaluation": {"source": str(tmp_path / "data"), "layers": False, "latency": {"runs": 0}},
+            "pipeline": [{"quantize": {"backend": "rknn", "rknn": {"weight_rounding": "nearest",
+                                                                    "analysis_samples": 0}}}]}
+
+
+def _conv_samples(count=4):
+    return [{"x": np.random.default_rng(i).standard_normal((1, 8, 4, 4)).astype(np.float32)} for i in range(count)]
+
+
+def test_an_op_opset_19_lacks_blocks_the_conversion_by_name():
+    model = make_model([helper.make_node("Gelu", ["x"], ["y"], name="gelu")], [("x", [1, 4])], ["y"], opset=21)
+    assert ops_newer_than(model, 19) == ["Gelu"] and ops_newer_than(model, 20) == []
+    with pytest.raises(ModelError, match=r"opset 19 at most, and the model is opset 21 and uses Gelu, which opset 19"):
+        refuse_unsupported(model)
+
+
+def test_opset_21_is_converted_down_and_verified():
+    model = _conv_model(21)
+    converted, record = within_opset(model, _conv_samples(2))
+    assert record == {"from": 21, "to": 19, "verified_on": 2}
+    assert [o.version for o in converted.opset_import if o.domain in ("", "ai.onnx")] == [19]
+    assert within_opset(convert_down(model, 19), [])[1] == {}  # at 19 already: untouched
+
+
+def test_mask_constants_are_clipped_for_float16_only_when_the_outputs_stay():
+    model, samples = masked_attention_model(-1e9, "scale"), masked_attention_samples(4)
+    clipped, record = float16_safe(model, nonfinite.find(model, samples), samples)
+    assert record["clipped"] and record["constants"] == {"fill": "[-1e+09, -1e+09] → [-1e+04, -1e+04]"}
+    fill = next(t for t in clipped.graph.initializer if t.name == "fill")
+    assert onnx.numpy_helper.to_array(fill) == -1e4
+    offset = make_model([helper.make_node("Add", ["x", "big"], ["y"], name="add")], [("x", [1, 4])], [("y", [1, 4])],
+                        {"big": np.array(1e5, np.float32)})  # a constant that is the output itself
+    samples = [{"x": np.ones((1, 4), np.float32)}]
+    kept, record = float16_safe(offset, nonfinite.find(offset, samples), samples)
+    assert kept is offset and record["clipped"] is False and "max |a-b|" in record["reason"]
+
+
+@pytest.mark.parametrize("op", ["RandomNormalLike", "RandomUniformLike"])
+def test_random_ops_are_refused_before_any_work(tmp_path, op):
+    pytest.importorskip("rknn.api")  # without the toolkit the run is refused for that first
+    import qprep
+
+    config = _write(tmp_path, _conv_model(13, [helper.make_node(op, ["r"], ["noise"], name="noise")]), _conv_samples())
+    with pytest.raises(ModelError, match=rf"node 'noise' is {op}, and rknn-toolkit2 refuses random ops"):
+        qprep.run(config, output_dir=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused by the checks, before the run directory was touched
+
+
+def test_an_empty_toolkit_error_takes_its_reason_from_the_next_line(tmp_path):
+    from qprep.quantize.rknn.toolkit import Toolkit
+
+    toolkit = Toolkit(tmp_path)
+    toolkit.log_path.write_text("\x1b[1;31mE\x1b[0m \x1b[1;31mbuild: \n"
+                                "Found Random node 'noise', which is not supported, please remove it!\x1b[0m\n"
+                                "\x1b[1;33mW\x1b[0m \x1b[1;33mbuild: ===================== WARN(3) =====\x1b[0m\n")
+    assert toolkit.error_line(0) == "build: Found Random node 'noise', which is not supported, please remove it!"
+    toolkit.log_path.write_text("E build: \nW build: a warning\n")
+    assert toolkit.error_line(0) == "build:"  # no reason given: nothing borrowed from the next log line
+
+
+@pytest.mark.slow
+def test_opset_21_model_builds_with_the_toolkit(tmp_path):
+    """Before: `load_onnx: Unsupport onnx opset 21, need <= 19!` (exit 2); after: converted, built, evaluated."""
+    pytest.importorskip("rknn.api")
+    import qprep
+
+    report = qprep.run(_write(tmp_path, _conv_model(21), _conv_samples()), output_dir=str(tmp_path / "out"))
+    assert report["status"] == "ok" and report["stages"][0]["opset_converted"]["from"] == 21
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.999
+
+
+@pytest.mark.slow
+def test_the_toolkit_s_reason_for_a_random_op_reaches_the_error(tmp_path):
+    """The toolkit's own refusal (what a user of the Toolkit client sees when an op is not refused up front)."""
+    pytest.importorskip("rknn.api")
+    from qprep.errors import QprepError
+    from qprep.quantize.rknn.toolkit import Toolkit
+
+    model = _conv_model(13, [helper.make_node("RandomNormalLike", ["r"], ["noise"], name="noise")])
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    np.save(tmp_path / "x.npy", _conv_samples(1)[0]["x"])
+    (tmp_path / "dataset.txt").write_text(f"{tmp_path / 'x.npy'}\n")
+    toolkit = Toolkit(tmp_path)
+    toolkit.start()
+    try:
+        rknn = toolkit.new()
+        toolkit.call("config", rknn, "config", target_platform="rk3588")
+        toolkit.call("load_onnx", rknn, "load_onnx", model=str(tmp_path / "m.onnx"))
+        with pytest.raises(QprepError, match=r"build failed: build: Found Random node 'noise', which is not supported"):
+            toolkit.call("build", rknn, "build", do_quantization=True, dataset=str(tmp_path / "dataset.txt"))
+    finally:
+        toolkit.close()
+
+
+@pytest.mark.slow
+def test_masked_attention_keeps_its_mask_chain_float16_on_rknn_with_the_mask_clipped(tmp_path):
+    """HF's `(1 - mask) * -1e9`: the mask chain is handed to the toolkit as float16 layers with the -1e9 clipped
+    to -10000 (unclipped, float16 holds -inf and the cosine fell from 0.876 to 0.778)."""
+    pytest.importorskip("rknn.api")
+    import qprep
+
+    report = qprep.run(_write(tmp_path, masked_attention_model(-1e9, "scale"), masked_attention_samples(8)),
+                       output_dir=str(tmp_path / "out"))
+    stage = report["stages"][0]
+    assert set(stage["nonfinite"]["nodes"]) == {"mask_scale", "mask_rows", "mask_add", "softmax"}
+    assert stage["nonfinite"]["float16_clip"]["clipped"] and "mask_scale" in stage["float16_layers"]["mapped"]
+    assert report["status"] == "ok" and report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.85

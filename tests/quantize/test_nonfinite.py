@@ -1,0 +1,92 @@
+"""Non-finite and float16-overflowing values (additive attention masks) never reach a calibrator: found by the
+graph's constants and the calibration statistics, kept float with a reason, on a tiny masked attention."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from qprep.errors import EXIT_INTERNAL
+from qprep.quantize import nonfinite
+from qprep.quantize.ranges import mse_ranges
+from graphs import make_model, masked_attention_model, masked_attention_samples
+
+MASK_CHAIN = {"mask_where", "mask_rows", "mask_add", "softmax"}  # the mask until the Softmax that reads it
+
+
+@pytest.mark.parametrize("style, fill, producer", [("where", -np.inf, "mask_where"),
+                                                    ("scale", np.finfo(np.float32).min, "mask_scale")])
+def test_the_mask_chain_is_found_by_values_not_names(style, fill, producer):
+    found = nonfinite.find(masked_attention_model(fill, style), masked_attention_samples(4))
+    assert set(found.nodes) == MASK_CHAIN - {"mask_where"} | {producer}
+    assert {name: t["kind"] for name, t in found.tensors.items()} == {
+        "fill": "constant", "additive": "activation", "additive_rows": "activation", "masked": "activation"}
+    assert found.tensors["masked"]["min"] == float(np.float32(fill)) and 0 < found.tensors["masked"]["max"] < 100
+    assert found.nodes["softmax"].startswith("reads 'masked' (activation, values [")
+    record = found.record()
+    assert record["limit"] == 65504.0 and {t["tensor"] for t in record["tensors"]} == set(found.tensors)
+
+
+def test_ordinary_values_and_a_float16_sized_mask_are_left_to_the_calibrator():
+    assert not nonfinite.find(masked_attention_model(-1e4), masked_attention_samples(4)).nodes
+
+
+def test_a_mask_fed_as_data_keeps_its_readers_float():
+    model = make_model([helper.make_node("Add", ["scores", "mask"], ["masked"], name="add"),
+                        helper.make_node("Softmax", ["masked"], ["y"], name="softmax")],
+                       [("scores", [1, 4]), ("mask", [1, 4])], [("y", [1, 4])])
+    sample = {"scores": np.ones((1, 4), np.float32), "mask": np.array([[0, 0, 0, -3.4e38]], np.float32)}
+    assert set(nonfinite.find(model, [sample]).nodes) == {"add", "softmax"}
+
+
+def test_a_nan_constant_keeps_its_reader_float():
+    """jnp.take's out-of-bounds fill, as jax2tf writes it: Where(in_range, gathered, NaN)."""
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Greater", ["x", "zero"], ["in_range"], name="check"),
+                        helper.make_node("Where", ["in_range", "r", "fill"], ["y"], name="take")],
+                       [("x", [1, 4])], [("y", [1, 4])],
+                       {"zero": np.array(-10.0, np.float32), "fill": np.full((1, 4), np.nan, np.float32)})
+    found = nonfinite.find(model, [{"x": np.ones((1, 4), np.float32)}])
+    assert found.nodes == {"take": "reads 'fill' (constant, values [0, 0], NaN)"}
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile"])
+def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path, method):
+    """Before: the mask's range [-inf, 0] reached ORT's calibrator and every score rounded to one integer
+    (minmax: cosine 0.78, status ok; percentile: "autodetected range of [0.0, inf] is not finite", exit 2).
+    After: the mask chain stays float32, the calibrator sees the mask clipped, the rest is int8."""
+    import qprep
+
+    onnx.save(masked_attention_model(), str(tmp_path / "m.onnx"))
+    for role, samples in (("calib", masked_attention_samples(8)), ("eval", masked_attention_samples(16)[8:])):
+        (tmp_path / role).mkdir()
+        for i, sample in enumerate(samples):
+            np.savez(tmp_path / role / f"{i:04d}.npz", **sample)
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                        "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
+                        "pipeline": [{"quantize": {"backend": "ort", "ort": {
+                            "weight_rounding": "nearest", "bias_correction": False, "calibrate_method": method}}}]},
+                       output_dir=str(tmp_path / "out"))
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.98
+    assert MASK_CHAIN <= set(report["float_set"])
+    assert set(report["stages"][0]["nonfinite"]["nodes"]) == MASK_CHAIN
+    quantized = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    quantized_inputs = {n.input[0] for n in quantized.graph.node if n.op_type == "QuantizeLinear"}
+    assert quantized_inputs and not quantized_inputs & {"additive", "additive_rows", "masked", "fill"}
+    nonfinite.check_scales(quantized)
+
+
+def test_a_non_finite_scale_stops_the_run_naming_the_tensor():
+    model = make_model([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q_x"),
+                        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], name="dq_x")],
+                       [("x", [4])], [("y", [4])], {"s": np.array(np.inf, np.float32), "z": np.array(0, np.uint8)})
+    with pytest.raises(nonfinite.NonFiniteRange, match=r"scale of tensor 'x' \(q_x\) is not finite") as error:
+        nonfinite.check_scales(model)
+    assert error.value.exit_code == EXIT_INTERNAL
+
+
+def test_mse_ranges_leave_a_non_finite_range_alone():
+    model = masked_attention_model()
+    ranges = {"additive": (float("-inf"), 0.0), "q": (-4.0, 4.0)}
+    chosen = mse_ranges(model, ranges, masked_attention_samples(4))
+    assert chosen["additive"] == (float("-inf"), 0.0) and chosen["q"] != (-4.0, 4.0)
