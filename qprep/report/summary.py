@@ -36,7 +36,8 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     outputs = evaluation.get("outputs") or {}
     if outputs:
         first = next(iter(outputs.values()))  # the main output: the first one the model declares
-        row["cosine_mean"] = min(number(m["cosine_mean"]) for m in outputs.values())
+        cosines = [number(m["cosine_mean"]) for m in outputs.values() if m.get("cosine_mean") is not None]
+        row["cosine_mean"] = min(cosines) if cosines else None  # outputs judged by cosine only (evaluate/kinds.py)
         prefix = main_agreement(first)
         row["agreement"] = number(first[f"{prefix}_agreement"]) if prefix else None
     row["speedup"] = number((evaluation.get("latency") or {}).get("speedup"))
