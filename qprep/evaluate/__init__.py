@@ -129,9 +129,9 @@ def output_notes(outputs: dict) -> list[str]:
 
 def worst_samples(per_sample: dict, files: list[str]) -> dict:
     """The five worst samples by the output's per-sample figure (`worst_by` names it)."""
-    sign = -1 if per_sample.get("higher_is_better", True) else 1
+    higher = per_sample.get("higher_is_better", True)
     rated = [(v, Path(f).name) for f, v in zip(files, per_sample["values"]) if v is not None]
-    rated.sort(key=lambda pair: (-sign * pair[0], pair[1]))
+    rated.sort(key=lambda pair: (pair[0] if higher else -pair[0], pair[1]))
     return {"worst_by": per_sample["metric"],
             "worst_samples": [{"sample": name, "value": value} for value, name in rated[:5]]}
 
