@@ -54,8 +54,8 @@ def evaluation_section() -> Key:
         max_samples=Key("int", default=128, minimum=1, doc="cap on evaluation samples"),
         reference_model=Key("path", doc="FP32 model to compare with (default: the input model; set it for QAT input)"),
         tasks=Key("mapping", item=Key("str", choices=KINDS), default={},
-                  doc="per output: its kind, which decides the metrics that judge it (default: read from the graph "
-                      "and the reference's values; the report says which and why)"),
+                  doc="per output: its kind (" + "|".join(KINDS) + "), which decides the metrics that judge it "
+                      "(default: read from the graph and the reference's values; the report says which and why)"),
         decision_threshold=Key("float", default=0.5,
                                doc="probability outputs: a decision is value >= this; decision_agreement counts "
                                    "the decisions reference and result share"),

@@ -79,6 +79,8 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], kind: 
     there they compare as equal; a sample whose result has NaN/Inf elsewhere is a total miss."""
     if kind in ("boxes", "ranked", "ranked_ids"):
         metrics = compare_rows(reference, result, kind)
+        if kind == "ranked":
+            metrics["score"] = cosine_equivalent(metrics["rel_error"])
     else:
         pairs, changed = aligned(reference, result)
         usable = [p for p in pairs if p is not None]

@@ -44,7 +44,6 @@ def compare_rows(reference: list, result: list, kind: str) -> dict:
         noise = sum(s["noise"] for s in per_sample)
         metrics["rel_error"] = (0.0 if noise == 0 else math.sqrt(noise / signal) if signal > 0 else math.inf)
         metrics["max_abs"] = max((s["max_abs"] for s in per_sample), default=0.0)
-        metrics["score"] = 1.0 - metrics["rel_error"] ** 2 / 2 if math.isfinite(metrics["rel_error"]) else -math.inf
         values, name, higher = [s["max_abs"] for s in per_sample], "max abs error (sorted)", False
     else:
         shared = sum(s["shared"] for s in per_sample)

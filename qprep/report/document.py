@@ -176,7 +176,8 @@ def _stages(stages: list[dict]) -> list:
         against = (s.get("effect") or {}).get("against_fp32")
         for output, values in (against or {}).get("outputs", {}).items():
             blocks.append(Text(f"{s['name']}: cosine of `{output}` against the FP32 model "
-                               f"{values['cosine_mean_before']:.4f} before → {values['cosine_mean_after']:.4f} after "
+                               f"{_num(values['cosine_mean_before'], '.4f', 'not measured')} before → "
+                               f"{_num(values['cosine_mean_after'], '.4f', 'not measured')} after "
                                f"({against['samples']} samples)."))
     return blocks
 
