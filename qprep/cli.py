@@ -142,6 +142,11 @@ def cmd_run(args) -> int:
               f"({report['model']['nodes']} → {report['result']['nodes']} nodes, {report['seconds']:.1f} s)")
         if not report.get("evaluation"):
             print("qprep: accuracy not measured: the config has no `evaluation:` section")
+        warnings = report.get("warnings", [])
+        for warning in warnings[:MAX_TERMINAL_WARNINGS]:
+            print(f"qprep: warning: {warning}", file=sys.stderr)
+        if len(warnings) > MAX_TERMINAL_WARNINGS:
+            print(f"qprep: {len(warnings) - MAX_TERMINAL_WARNINGS} more warnings in report.md", file=sys.stderr)
     if args.strict and rolled_back:
         print(f"qprep: error: --strict: rewrites were rolled back in {', '.join(rolled_back)} (see report.md)",
               file=sys.stderr)
@@ -227,6 +232,8 @@ def cmd_compare(args) -> int:
                 raise QprepError(f"{option} {path}: cannot write it ({exc.strerror}); choose another path") from None
     return EXIT_GATE_MISSED if result["regressions"] else EXIT_OK
 
+
+MAX_TERMINAL_WARNINGS = 5  # the rest are in report.md
 
 COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "config": cmd_config,
             "batch": cmd_batch, "compare": cmd_compare}

@@ -75,6 +75,13 @@ def evaluation_section() -> Key:
         floor=Key("any", default=dict(DEFAULT_FLOOR),
                   doc="used when no gate (and no fallback target) is set: thresholds in the gate's form that catch "
                       "a collapsed result (exit 1, worst tensors named); `none` disables it"),
+        heldout=section(
+            "held-out samples (read like `source`: same format and preprocess) that no decision sees: the fallback "
+            "and every other choice use `source`; the result is also measured here and the gate is judged here",
+            nullable=True,
+            source=Key("path", required=True, doc="folder of samples or a dataset.txt list, disjoint from `source`"),
+            labels=Key("path", doc="ground truth for the held-out samples, as evaluation.labels"),
+        ),
     )
     return key
 

@@ -43,6 +43,7 @@ def verdict(row: dict, target: dict, speed: float | None = None) -> str:
 
 
 def cell(row: dict | None, speed: bool = False) -> str:
+    """cosine / agreement [/ speed] on the evaluation samples, then the same on the held-out samples."""
     if row is None:
         return "–"
     text = f"{row['cosine']:.5f}"
@@ -50,6 +51,8 @@ def cell(row: dict | None, speed: bool = False) -> str:
         text += f" / {100 * row['agreement']:.1f}%"
     if speed:
         text += f" / {row['speed']:.2f}×"
+    if row.get("heldout_cosine") is not None:
+        text += f"<br>held-out {bench_quantize.heldout_text(row)}"
     return text
 
 

@@ -4,6 +4,8 @@ Both are evaluated with the same code (qprep.evaluate.metrics) on the same evalu
 FP32 model, and timed the same way (batch 1, 2 intra-op threads, ORT_ENABLE_ALL, median of 200 runs after 10,
 FP32 and both INT8 models taking turns for 5 rounds, median of the rounds: with 50 runs × 3 rounds the
 0.8 ms PP-OCR classifier gave 1.18×, 1.10× and 1.04× in three runs of the same models).
+Accuracy is also given on calibration_data/*/heldout, samples that neither calibration nor the fallback saw
+(the evaluation samples are the ones the fallback chose its float set on).
 
     ORT documented flow: quant_pre_process + quantize_static defaults (QDQ, S8S8, per-tensor, MinMax)
     qprep:               optimize → quantize ort (GPTQ weight rounding) with the accuracy-driven fallback aiming
@@ -145,6 +147,7 @@ def measure(models: list[str], eval_samples: int = 128, runs: int = 200, rounds:
             reference = onnx.load(str(ROOT / "models" / f"{name}.onnx"))
             qprep_model, qprep_s, qprep_info = run_qprep(name, work, eval_samples, fallback)
             evaluation = samples(name, "eval", eval_samples, qprep_model)  # fixed dims fit both models
+            heldout = samples(name, "heldout", eval_samples, qprep_model)  # no qprep decision saw these
             calib = samples(name, "calib", 32, qprep_model)
             ort_model, ort_s, note = ort_documented(name, calib, work)
             timed = interleaved({label: (model, evaluation[0]) for label, model in
@@ -156,23 +159,33 @@ def measure(models: list[str], eval_samples: int = 128, runs: int = 200, rounds:
                 speed = speedups(timed["FP32"], timed[flow])
                 low, high = speed["speedup_rounds"]
                 info = {**info, "note": "; ".join(filter(None, [info["note"], f"rounds {low:.2f}–{high:.2f}×"]))}
+                held = scores(reference, model, heldout)
                 rows.append({"model": name, "flow": flow, **scores(reference, model, evaluation),
+                             "heldout_cosine": held["cosine"], "heldout_agreement": held["agreement"],
                              "speed": speed["speedup"], "seconds": seconds, **info})
             print(f"bench: {name} ORT done", file=sys.stderr, flush=True)
     return rows
 
 
 def markdown(rows: list[dict], eval_samples: int) -> str:
-    lines = [f"| model | flow | cosine (mean, {eval_samples} samples) | agreement | INT8 speed vs FP32 | "
-             "pipeline seconds | note |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| model | flow | cosine (mean, {eval_samples} samples) | agreement | held-out cosine / agreement | "
+             "INT8 speed vs FP32 | pipeline seconds | note |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['flow']} | {r['cosine']:.5f} | {agreement_text(r)} | {r['speed']:.2f}× | "
-                     f"{r['seconds']:.1f} | {r['note']} |")
+        lines.append(f"| {r['model']} | {r['flow']} | {r['cosine']:.5f} | {agreement_text(r)} | {heldout_text(r)} | "
+                     f"{r['speed']:.2f}× | {r['seconds']:.1f} | {r['note']} |")
     return "\n".join(lines)
 
 
 def agreement_text(row: dict) -> str:
     return "–" if row["agreement"] is None else f"{100 * row['agreement']:.1f}% ({row['task']})"
+
+
+def heldout_text(row: dict) -> str:
+    """The figures on calibration_data/*/heldout: samples that neither calibration nor the fallback saw."""
+    if row.get("heldout_cosine") is None:
+        return "–"
+    agreement = row["heldout_agreement"]
+    return f"{row['heldout_cosine']:.5f}" + ("" if agreement is None else f" / {100 * agreement:.1f}%")
 
 
 def main(argv=None) -> int:

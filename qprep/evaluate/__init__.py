@@ -44,25 +44,24 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
                      "with the QDQ input, not with an FP32 model")
     run = ctx.reference
     reference_path, reference, samples, expected = run.path, run.model, run.samples, run.expected
-    if ctx.calibration is not None and set(samples.files) & set(ctx.calibration.files):
-        notes.append("evaluation and calibration share samples: agreement figures are optimistic")
+    def result_on(sample_set) -> list[dict]:
+        return products.runner(sample_set.samples) if products.runner else run_model(
+            final_model, model_info.cast_to_inputs(sample_set.samples, final_model), threads, optimize=True)
+
     with ctx.progress.step(f"evaluation: {len(samples)} samples"):
-        actual = products.runner(samples.samples) if products.runner else run_model(
-            final_model, model_info.cast_to_inputs(samples.samples, final_model), threads, optimize=True)
-    kinds = output_kinds(reference, expected, cfg["tasks"])
-    outputs = output_metrics(expected, actual, kinds, cfg["decision_threshold"])
-    notes.extend(output_notes(outputs))
-    skipped = [name for name in expected[0] if name not in outputs]
-    if skipped:
-        notes.append(f"output {', '.join(skipped)}: not a numeric tensor (strings, sequences, maps), not compared")
-    for metrics in outputs.values():
-        metrics.update(worst_samples(metrics.pop("per_sample"), samples.files))
-    if cfg["labels"]:
-        labels = read_labels(Path(cfg["labels"]), cfg["label_names"], samples.files)
-        for name, metrics in outputs.items():
-            if metrics["task"] == "classification":
-                metrics.update(task_accuracy([e[name] for e in expected], [a[name] for a in actual], labels))
+        actual = result_on(samples)
+    kinds = output_kinds(reference, expected, cfg["tasks"])  # decided once: the held-out set is judged the same way
+    outputs = measure(samples, expected, actual, kinds, cfg, cfg["labels"], notes)
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
+    heldout = None
+    if run.heldout is not None:
+        heldout_expected = run.heldout_expected
+        with ctx.progress.step(f"evaluation: {len(run.heldout)} held-out samples"):
+            heldout_actual = result_on(run.heldout)
+        heldout_notes: list[str] = []
+        heldout = measure(run.heldout, heldout_expected, heldout_actual, kinds, cfg, cfg["heldout"]["labels"],
+                          heldout_notes)
+        result["heldout"] = {"samples": run.heldout.describe(), "outputs": heldout, "notes": heldout_notes}
     if cfg["layers"] and products.analyzer is not None:
         with ctx.progress.step("evaluation: per-layer error (backend analysis)"):
             result["layers"] = products.analyzer(samples.samples[: cfg["layer_samples"]])
@@ -84,13 +83,34 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
                             "result": final_model.ByteSize()}
     gate = {**products.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too
     if gate or cfg["floor"]:
-        result["gate"] = check_gate(gate, outputs) if gate else check_gate(cfg["floor"], outputs, floor=True)
+        judged = heldout if heldout is not None else outputs
+        result["gate"] = {**(check_gate(gate, judged) if gate else check_gate(cfg["floor"], judged, floor=True)),
+                          "judged_on": "heldout" if heldout is not None else "evaluation"}
         if not result["gate"]["passed"]:
-            result["gate"]["worst_tensors"] = worst_tensors(result["gate"], outputs, result.get("layers"))
-    if products.fallback_target:
-        notes.append("quantize.fallback chose its float nodes on these evaluation samples: give a separate "
-                     "evaluation set to the final check for an unbiased figure")
+            result["gate"]["worst_tensors"] = worst_tensors(result["gate"], judged, result.get("layers"))
+    if products.fallback_target and heldout is None:
+        notes.append("quantize.fallback chose its float nodes on these evaluation samples: give "
+                     "evaluation.heldout (samples no decision sees) for an unbiased figure")
     return result
+
+
+def measure(samples, expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]], cfg: dict,
+            labels_path, notes: list[str]) -> dict:
+    """Per-output metrics of `actual` against `expected` on one sample set (evaluation or held-out), with the
+    worst samples and, given labels, task accuracy; what a reader must know goes to `notes`."""
+    outputs = output_metrics(expected, actual, kinds, cfg["decision_threshold"])
+    notes.extend(output_notes(outputs))
+    skipped = [name for name in expected[0] if name not in outputs]
+    if skipped:
+        notes.append(f"output {', '.join(skipped)}: not a numeric tensor (strings, sequences, maps), not compared")
+    for metrics in outputs.values():
+        metrics.update(worst_samples(metrics.pop("per_sample"), samples.files))
+    if labels_path:
+        labels = read_labels(Path(labels_path), cfg["label_names"], samples.files)
+        for name, metrics in outputs.items():
+            if metrics["kind"] == "classification":
+                metrics.update(task_accuracy([e[name] for e in expected], [a[name] for a in actual], labels))
+    return outputs
 
 
 def output_metrics(expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]],

@@ -28,9 +28,15 @@ class ReferenceOutputs:
     samples: SampleSet
     threads: int
     progress: Progress
+    heldout: SampleSet | None = None  # evaluation.heldout: only the final evaluation reads it
 
     @cached_property
     def expected(self) -> list[dict]:
         """The reference's outputs, one dict per sample (run on the first read, then kept)."""
         with self.progress.step("evaluation: FP32 reference outputs"):
             return run_model(self.model, self.samples.samples, self.threads, optimize=True)
+
+    @cached_property
+    def heldout_expected(self) -> list[dict]:
+        with self.progress.step("evaluation: FP32 reference outputs on the held-out samples"):
+            return run_model(self.model, self.heldout.samples, self.threads, optimize=True)

@@ -17,6 +17,7 @@ import onnx
 from qprep.model import info as model_info
 from qprep.config import Config
 from qprep.data import SampleSet, load_samples
+from qprep.data.pitfalls import data_warnings
 from qprep.errors import ConfigError
 from qprep.model.prepare import fix_input_shapes, infer_shapes, name_nodes
 from qprep.model.io import load_model, load_model_and_data_files, sha256_file
@@ -32,6 +33,7 @@ class Checked:
     record: dict  # report["model"] and report["load"]
     calibration: SampleSet | None
     evaluation: SampleSet | None
+    heldout: SampleSet | None  # evaluation.heldout: measured at the end only, never seen by a decision
     reference: onnx.ModelProto | None  # evaluation.reference_model (None: the input model is the reference)
     warnings: list[str] = field(default_factory=list)
 
@@ -48,7 +50,7 @@ def check(config: Config, progress: Progress | None = None) -> Checked:
         model, record, warnings, data_files = _load_model(config)
     refuse_inputs_inside_run_dir(config, data_files)  # the external data files are known once it is read
     inputs = model_info.graph_inputs(model)
-    calibration = evaluation = reference = None
+    calibration = evaluation = heldout = reference = None
     if config["calibration"]:
         with progress.step("load calibration data"):
             calibration = load_samples(config["calibration"], inputs, role="calibration")
@@ -60,11 +62,21 @@ def check(config: Config, progress: Progress | None = None) -> Checked:
                 reference = load_model(cfg["reference_model"])
                 name_nodes(reference.graph)  # ORT refuses duplicate node names; names do not change numbers
             evaluation = load_samples(cfg, model_info.graph_inputs(reference or model), role="evaluation")
-            if cfg["labels"]:
-                from qprep.evaluate import read_labels
+            from qprep.evaluate import read_labels
 
+            if cfg["labels"]:
                 read_labels(Path(cfg["labels"]), cfg["label_names"], evaluation.files)
-    return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation,
+            if cfg["heldout"]:
+                heldout = load_samples({**cfg, **cfg["heldout"]}, model_info.graph_inputs(reference or model),
+                                       role="evaluation.heldout")
+                if cfg["heldout"]["labels"]:
+                    read_labels(Path(cfg["heldout"]["labels"]), cfg["label_names"], heldout.files)
+                shared = set(heldout.files) & set(evaluation.files)
+                if shared:
+                    raise ConfigError(f"evaluation.heldout shares {len(shared)} samples with evaluation.source "
+                                      f"(e.g. {Path(sorted(shared)[0]).name}): held-out samples must be others")
+    warnings += data_warnings(model, calibration, evaluation, heldout)
+    return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation, heldout=heldout,
                    reference=reference, warnings=warnings)
 
 
@@ -98,6 +110,9 @@ def input_paths(config: Config, data_files=()) -> dict[str, Path]:
     for key in ("reference_model", "labels"):
         if evaluation.get(key):
             paths[f"evaluation.{key}"] = Path(evaluation[key])
+    for key, value in (evaluation.get("heldout") or {}).items():
+        if value:
+            paths[f"evaluation.heldout.{key}"] = Path(value)
     return paths
 
 

@@ -133,7 +133,7 @@ def _reference(config: Config, checked: preflight.Checked, progress: Progress) -
         path, model = cfg["reference_model"], checked.reference
     else:
         path, model = config["model"], checked.model
-    return ReferenceOutputs(path, model, checked.evaluation, config["threads"], progress)
+    return ReferenceOutputs(path, model, checked.evaluation, config["threads"], progress, checked.heldout)
 
 
 def _run_stages(run: Run, model: onnx.ModelProto) -> onnx.ModelProto:

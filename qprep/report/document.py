@@ -52,6 +52,8 @@ def build(report: dict) -> list:
         f"status: **{report.get('status')}**" + (f" — {report['error']}" if report.get("error") else ""),
         f"input model: {model.get('kind', '?')}, {model.get('nodes', '?')} nodes, opsets {model.get('opsets', {})}",
         f"run time: {report.get('seconds', 0):.1f} s"] + _not_measured(report))]
+    if report.get("warnings"):  # first: each one can make the figures below mean less than they seem to
+        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
     calibration = report.get("calibration")
     if calibration:
         blocks.append(Text(f"Calibration data: {calibration['count']} samples ({calibration['format']}) from "
@@ -62,8 +64,6 @@ def build(report: dict) -> list:
     if report.get("float_set"):
         blocks += [Heading(2, f"Kept float ({len(report['float_set'])} nodes)"),
                    Text(", ".join(f"`{n}`" for n in report["float_set"]))]
-    if report.get("warnings"):
-        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
     return blocks
 
 
@@ -83,29 +83,23 @@ def _evaluation(evaluation: dict | None) -> list:
                     Text(f"Reference `{evaluation['reference_model']}`, {samples['count']} evaluation samples from "
                          f"`{samples.get('source', '?')}`.")]
     blocks += [Text(note, note=True) for note in evaluation.get("notes", [])]
-    outputs = evaluation["outputs"]
-    blocks.append(Table(["output", "kind", "judged by", "cosine mean", "cosine min", "SQNR dB", "max abs"],
-                        [[name, m.get("kind", "tensor"), judged_text(m), _num(m.get("cosine_mean"), ".5f"),
-                          _num(m.get("cosine_min"), ".5f"), _num(m.get("sqnr_db"), ".1f"), _num(m.get("max_abs"), ".3g")]
-                         for name, m in outputs.items()]))
-    if any("why" in m for m in outputs.values()):
-        blocks.append(Bullets([f"`{name}` is judged as **{m['kind']}**: {m['why']}"
-                               for name, m in outputs.items() if "why" in m]))
-    for name, m in evaluation["outputs"].items():
-        if "top1_accuracy" in m:
-            low, high = m["top1_accuracy_ci95"]
-            blocks.append(Text(f"Task accuracy of {name} against ground truth ({m['labelled_samples']} labelled "
-                               f"samples): FP32 {100 * m['reference_top1_accuracy']:.1f}%, result "
-                               f"{100 * m['top1_accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%)."))
+    blocks += _outputs(evaluation["outputs"])
+    heldout = evaluation.get("heldout")
+    if heldout:
+        blocks.append(Text(f"**Held-out samples** ({heldout['samples']['count']} from "
+                           f"`{heldout['samples'].get('source', '?')}`; no decision of the run saw them):"))
+        blocks += [Text(note, note=True) for note in heldout.get("notes", [])]
+        blocks += _outputs(heldout["outputs"], why=False)
     gate = evaluation.get("gate")
     if gate:
         kind = "Accuracy floor (no gate configured; it catches a collapse)" if gate.get("source") == "floor" else "Gate"
+        judged = " (judged on the held-out samples)" if gate.get("judged_on") == "heldout" else ""
         blocks.append(Table(["metric", "value", "needs", "result"], [
             [c["metric"] + (f" (for {c['stands_for']})" if c.get("stands_for") else ""),
              "not measured" if c["value"] is None else f"{c['value']:.4g}",
              f"{'≤' if c.get('kind') == 'maximum' else '≥'} {c['threshold']:.4g}",
              "ok" if c["passed"] else "**missed**"] for c in gate["checks"]],
-            title=f"{kind} {'passed' if gate['passed'] else '**missed**'}"))
+            title=f"{kind} {'passed' if gate['passed'] else '**missed**'}{judged}"))
         if gate.get("worst_tensors"):
             blocks.append(Text("Worst: " + "; ".join(gate["worst_tensors"]), note=True))
     latency = evaluation.get("latency")
@@ -126,6 +120,25 @@ def _evaluation(evaluation: dict | None) -> list:
         if rows:
             blocks.append(Text(f"Worst samples for {name} ({m.get('worst_by', 'cosine')}): "
                                + ", ".join(f"{r['sample']} ({_value(r):.4g})" for r in rows)))
+    return blocks
+
+
+def _outputs(outputs: dict, why: bool = True) -> list:
+    """The per-output table of one sample set (each output's kind and the figures that judge it), why each
+    kind was chosen, and task accuracy where labels were given."""
+    blocks: list = [Table(["output", "kind", "judged by", "cosine mean", "cosine min", "SQNR dB", "max abs"],
+                          [[name, m.get("kind", "tensor"), judged_text(m), _num(m.get("cosine_mean"), ".5f"),
+                            _num(m.get("cosine_min"), ".5f"), _num(m.get("sqnr_db"), ".1f"),
+                            _num(m.get("max_abs"), ".3g")] for name, m in outputs.items()])]
+    if why and any("why" in m for m in outputs.values()):
+        blocks.append(Bullets([f"`{name}` is judged as **{m['kind']}**: {m['why']}"
+                               for name, m in outputs.items() if "why" in m]))
+    for name, m in outputs.items():
+        if "top1_accuracy" in m:
+            low, high = m["top1_accuracy_ci95"]
+            blocks.append(Text(f"Task accuracy of {name} against ground truth ({m['labelled_samples']} labelled "
+                               f"samples): FP32 {100 * m['reference_top1_accuracy']:.1f}%, result "
+                               f"{100 * m['top1_accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%)."))
     return blocks
 
 

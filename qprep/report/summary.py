@@ -11,7 +11,8 @@ from pathlib import Path
 from qprep.evaluate.metrics import main_agreement
 from qprep.jsonfile import number
 
-COLUMNS = ["model", "status", "cosine_mean", "agreement", "speedup", "nodes_before", "nodes_after",
+COLUMNS = ["model", "status", "cosine_mean", "agreement", "heldout_cosine", "heldout_agreement", "speedup",
+           "nodes_before", "nodes_after",
            "layernorms_fused", "float_nodes", "seconds", "error", "run_dir"]
 
 
@@ -33,15 +34,21 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     if seconds is None:
         row["seconds"] = report.get("seconds")
     evaluation = report.get("evaluation") or {}
-    outputs = evaluation.get("outputs") or {}
-    if outputs:
-        first = next(iter(outputs.values()))  # the main output: the first one the model declares
-        cosines = [number(m["cosine_mean"]) for m in outputs.values() if m.get("cosine_mean") is not None]
-        row["cosine_mean"] = min(cosines) if cosines else None  # outputs judged by cosine only (evaluate/kinds.py)
-        prefix = main_agreement(first)
-        row["agreement"] = number(first[f"{prefix}_agreement"]) if prefix else None
+    row["cosine_mean"], row["agreement"] = _headline(evaluation.get("outputs"))
+    row["heldout_cosine"], row["heldout_agreement"] = _headline((evaluation.get("heldout") or {}).get("outputs"))
     row["speedup"] = number((evaluation.get("latency") or {}).get("speedup"))
     return row
+
+
+def _headline(outputs: dict | None) -> tuple[float | None, float | None]:
+    """(worst cosine over the outputs, the main output's agreement) of one sample set."""
+    if not outputs:
+        return None, None
+    first = next(iter(outputs.values()))  # the main output: the first one the model declares
+    prefix = main_agreement(first)
+    cosines = [number(m["cosine_mean"]) for m in outputs.values() if m.get("cosine_mean") is not None]
+    return (min(cosines) if cosines else None,  # outputs judged by cosine only (evaluate/kinds.py)
+            number(first[f"{prefix}_agreement"]) if prefix else None)
 
 
 def _cell(value) -> str:

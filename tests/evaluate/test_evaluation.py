@@ -252,3 +252,34 @@ def test_fp16_model_with_float16_inputs_is_evaluated_on_the_same_float32_samples
     assert onnx.load(str(tmp_path / "out" / "model.onnx")).graph.input[0].type.tensor_type.elem_type == 10  # fp16
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.999
     assert report["evaluation"]["latency"]["result"]["runs"] == 2
+
+
+def test_heldout_samples_are_measured_apart_and_judge_the_gate(tmp_path):
+    """evaluation.heldout: the result is measured on samples no decision saw, with their own labels, and the
+    gate is judged there; a held-out set that shares samples with evaluation.source is refused."""
+    import qprep
+    from qprep.errors import ConfigError
+
+    ocr = {"channel_order": "bgr", "mean": [127.5], "std": [127.5], "resize": "none"}
+    sets = CALIBRATION / "ocr_cls"
+    config = {"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
+              "calibration": {"source": str(sets / "calib"), "preprocess": ocr, "max_samples": 8},
+              "evaluation": {"source": str(sets / "eval"), "preprocess": ocr, "max_samples": 16,
+                             "label_names": ["0", "180"], "latency": {"runs": 0}, "layers": False,
+                             "gate": {"cosine_mean": 0.5},
+                             "heldout": {"source": str(sets / "heldout"),
+                                         "labels": str(sets / "heldout" / "labels.txt")}},
+              "pipeline": [{"quantize": {"backend": "ort"}}]}
+    report = qprep.run(config, output_dir=str(tmp_path / "run"))
+    evaluation = report["evaluation"]
+    heldout = evaluation["heldout"]
+    assert heldout["samples"]["count"] == 16 and heldout["samples"]["source"].endswith("heldout")
+    (name, metrics), = heldout["outputs"].items()
+    assert metrics["labelled_samples"] == 16 and "top1_accuracy" not in evaluation["outputs"][name]
+    assert evaluation["gate"]["judged_on"] == "heldout"
+    assert evaluation["gate"]["checks"][0]["value"] == metrics["cosine_mean"]
+    assert "Held-out samples" in (tmp_path / "run" / "report.md").read_text()
+
+    config["evaluation"]["heldout"] = {"source": str(sets / "eval")}
+    with pytest.raises(ConfigError, match="shares 16 samples"):
+        qprep.run(config, output_dir=str(tmp_path / "again"))
