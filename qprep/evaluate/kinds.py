@@ -26,6 +26,7 @@ import re
 import numpy as np
 import onnx
 
+from qprep.errors import ConfigError
 from qprep.evaluate.metrics import is_integer, output_task
 from qprep.verify import is_numeric
 
@@ -51,6 +52,10 @@ def output_kinds(model: onnx.ModelProto, expected: list[dict], tasks: dict) -> d
         if not all(is_numeric(v) for v in values):
             continue  # strings, sequences, maps: not compared
         if name in tasks:
+            width = min(np.asarray(v).shape[-1] if np.ndim(v) >= 2 else 1 for v in values)
+            if tasks[name] == "boxes" and width < 4:
+                raise ConfigError(f"evaluation.tasks.{name}: boxes needs rows of at least 4 numbers (the box, then "
+                                  f"scores); this output's rows hold {width}: choose another kind")
             kinds[name] = (tasks[name], "named in evaluation.tasks")
         else:
             kinds[name] = output_kind(name, values, producers, inputs)

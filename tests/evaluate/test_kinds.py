@@ -107,6 +107,15 @@ def detector_model() -> onnx.ModelProto:
                        "flat": np.array([-1], np.int64), "k": np.array([3], np.int64)}, opset=13)
 
 
+def test_a_kind_named_in_tasks_wins_and_boxes_need_four_columns():
+    from qprep.errors import ConfigError
+
+    model, expected, _ = vad_outputs()
+    assert output_kinds(model, expected, {"stateN": "tensor"})["stateN"] == ("tensor", "named in evaluation.tasks")
+    with pytest.raises(ConfigError, match="evaluation.tasks.prob: boxes needs rows of at least 4 numbers"):
+        output_kinds(model, expected, {"prob": "boxes"})
+
+
 def test_rows_chosen_by_nms_and_topk_are_matched_not_compared_element_by_element():
     boxes = np.array([[[0, 0, 10, 10], [20, 20, 30, 30], [40, 0, 50, 10], [0, 40, 10, 50],
                        [60, 60, 70, 70], [80, 0, 90, 10]]], np.float32)
