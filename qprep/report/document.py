@@ -276,7 +276,7 @@ def judged_text(m: dict) -> str:
         if metric.endswith("_agreement"):
             parts.append(agreement_text(m, metric[: -len("_agreement")]))
         else:
-            parts.append(f"{metric} " + _num(m.get(metric), ".5g" if metric.startswith("cosine") else ".4g",
+            parts.append(f"{metric} " + _num(m.get(metric), ".5f" if metric.startswith("cosine") else ".4g",
                                              "not measured"))
     return "; ".join(parts)
 
