@@ -13,8 +13,8 @@ import traceback
 from pathlib import Path
 
 from qprep import __version__
-from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError, raise_interrupted,
-                          signal_handlers)
+from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, Problems, QprepError,
+                          raise_interrupted, signal_handlers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,20 +37,33 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
 
     validate = sub.add_parser("validate", help="check a config (keys, types, files) without running it")
-    validate.add_argument("config")
-    validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    validate.add_argument("config", help="YAML config file")
+    validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a config key, as in `run`")
     _common(validate)
 
     inspect = sub.add_parser("inspect", help="describe a model: kind, inputs/outputs, op histogram, opsets")
-    inspect.add_argument("model")
+    inspect.add_argument("model", help="the ONNX model")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     _common(inspect)
+
+    init = sub.add_parser("init", help="write a commented starter config for a model",
+                          description="Reads the model (inputs, dims, layout, whether it normalizes its input, "
+                                      "LayerNorms, output kinds) and, with --data, the sample folders, and writes "
+                                      "a config to review and run.")
+    init.add_argument("model", help="the ONNX model")
+    init.add_argument("--backend", choices=("ort", "rknn", "fp16"), default="ort",
+                      help="ort: ONNX Runtime INT8 (default); rknn: Rockchip NPU; fp16: float16")
+    init.add_argument("--data", help="folder of samples, or holding calib/ eval/ heldout/ folders")
+    init.add_argument("--out", help="config file to write (default: ./<model name>.yaml)")
+    init.add_argument("--force", action="store_true", help="replace an existing config file")
+    _common(init)
 
     batch = sub.add_parser("batch", help="run one config over every .onnx model in a folder",
                            description="Each model runs in its own process and run directory under --out; "
                                        "summary.json/csv/md/html list them worst first. Exit 2 if any model "
                                        "failed, else 1 if any missed its gate.")
-    batch.add_argument("config")
+    batch.add_argument("config", help="YAML config applied to every model (its `model:` is replaced)")
     batch.add_argument("folder", help="folder of .onnx models")
     batch.add_argument("--out", required=True, help="batch directory (one run directory per model)")
     batch.add_argument("--jobs", type=int, help="worker processes (default: from cores, threads and memory)")
@@ -58,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--resume", action="store_true", help="skip models whose run directory holds a complete "
                                                              "result for the same model and config")
     batch.add_argument("--timeout", type=float, help="seconds per model before it counts as failed")
-    batch.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    batch.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key for every model, as in `run`")
     _common(batch)
 
     compare = sub.add_parser("compare", help="compare runs (INT8 vs FP32, run vs run, batch vs batch)")
@@ -172,7 +186,12 @@ def cmd_validate(args) -> int:
     from qprep.pipeline.preflight import check
 
     config = load_config(args.config, _overrides(args))
-    check(config)
+    try:
+        check(config, every_problem=True)
+    except Problems as found:  # every problem, one line each; the dispatcher would show the first only
+        for problem in found.all:
+            print(f"qprep: error: {problem}", file=sys.stderr)
+        return found.exit_code
     stages = ", ".join(name for name, _ in config.stages) or "no stages"
     if not args.quiet:
         print(f"qprep: {args.config} is valid ({stages})")
@@ -185,6 +204,16 @@ def cmd_inspect(args) -> int:
 
     info = inspect_model(args.model)
     print(jsonfile.dumps(info) if args.json else render_inspection(info))
+    return EXIT_OK
+
+
+def cmd_init(args) -> int:
+    from qprep.starter import write_starter
+
+    out = write_starter(args.model, args.out or f"{Path(args.model).stem}.yaml", args.backend, args.data, args.force)
+    if not args.quiet:
+        print(f"qprep: wrote {out}: review the lines marked FILL IN and the preprocess comment, then "
+              f"`qprep run {out}`")
     return EXIT_OK
 
 
@@ -235,5 +264,5 @@ def cmd_compare(args) -> int:
 
 MAX_TERMINAL_WARNINGS = 5  # the rest are in report.md
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "config": cmd_config,
-            "batch": cmd_batch, "compare": cmd_compare}
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "init": cmd_init,
+            "config": cmd_config, "batch": cmd_batch, "compare": cmd_compare}

@@ -36,6 +36,16 @@ class RunDirError(QprepError):
     """The run directory cannot be used (non-empty without --force, not writable)."""
 
 
+class Problems(QprepError):
+    """Several independent problems found at once (`qprep validate`): the message is the first one, `all`
+    holds every one, each a one-line QprepError of its own."""
+
+    def __init__(self, problems: list[QprepError]):
+        super().__init__(str(problems[0]))
+        self.all = problems
+        self.exit_code = max(p.exit_code for p in problems)
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP (what `timeout`, `kill`, batch timeouts and process managers send), unwound like
     Ctrl-C so the run still writes its report and manifest."""

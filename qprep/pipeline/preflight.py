@@ -9,6 +9,7 @@ An input that lies inside the run directory is refused: `--force` would delete i
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from qprep.model import info as model_info
 from qprep.config import Config
 from qprep.data import SampleSet, load_samples
 from qprep.data.pitfalls import data_warnings
-from qprep.errors import ConfigError
+from qprep.errors import ConfigError, Problems, QprepError
 from qprep.model.prepare import fix_input_shapes, infer_shapes, name_nodes
 from qprep.model.io import load_model, load_model_and_data_files, sha256_file
 from qprep.progress import Progress
@@ -38,46 +39,89 @@ class Checked:
     warnings: list[str] = field(default_factory=list)
 
 
-def check(config: Config, progress: Progress | None = None) -> Checked:
-    """Load and check every input of `config`; raises a one-line QprepError on the first problem."""
+class _Collector:
+    """Runs checks: the first failure is raised (`run`), or every independent one is kept (`validate`)."""
+
+    def __init__(self, every: bool):
+        self.every, self.problems = every, []
+
+    @contextlib.contextmanager
+    def attempt(self):
+        try:
+            yield
+        except QprepError as exc:
+            if not self.every:
+                raise
+            self.problems.append(exc)
+
+    def raise_found(self) -> None:
+        if self.problems:
+            raise self.problems[0] if len(self.problems) == 1 else Problems(self.problems)
+
+
+def check(config: Config, progress: Progress | None = None, every_problem: bool = False) -> Checked:
+    """Load and check every input of `config`; raises a one-line QprepError on the first problem, or with
+    `every_problem` (qprep validate) one `Problems` naming each problem that does not follow from another."""
     progress = progress or Progress(enabled=False)
-    refuse_inputs_inside_run_dir(config)
+    found = _Collector(every_problem)
+    with found.attempt():
+        refuse_inputs_inside_run_dir(config)
     for name, options in config.stages:  # cheap, config-only checks before any file is read
         stage = registry()[name]
         if stage.check:
-            stage.check(options, config)
-    with progress.step("load model"):
-        model, record, warnings, data_files = _load_model(config)
-    refuse_inputs_inside_run_dir(config, data_files)  # the external data files are known once it is read
-    inputs = model_info.graph_inputs(model)
+            with found.attempt():
+                stage.check(options, config)
+    loaded = None
+    with found.attempt(), progress.step("load model"):
+        loaded = _load_model(config)
+    if loaded is None:  # the samples are checked against the model's inputs: nothing more to check
+        found.raise_found()
+    model, record, warnings, data_files = loaded
+    with found.attempt():
+        refuse_inputs_inside_run_dir(config, data_files)  # the external data files are known once it is read
     calibration = evaluation = heldout = reference = None
     if config["calibration"]:
-        with progress.step("load calibration data"):
-            calibration = load_samples(config["calibration"], inputs, role="calibration")
-        warnings += calibration.warnings
+        with found.attempt(), progress.step("load calibration data"):
+            calibration = load_samples(config["calibration"], model_info.graph_inputs(model), role="calibration")
+            warnings += calibration.warnings
     if config["evaluation"]:
-        cfg = config["evaluation"]
         with progress.step("load evaluation data"):
-            if cfg["reference_model"]:
-                reference = load_model(cfg["reference_model"])
-                name_nodes(reference.graph)  # ORT refuses duplicate node names; names do not change numbers
-            evaluation = load_samples(cfg, model_info.graph_inputs(reference or model), role="evaluation")
-            from qprep.evaluate import read_labels
-
-            if cfg["labels"]:
-                read_labels(Path(cfg["labels"]), cfg["label_names"], evaluation.files)
-            if cfg["heldout"]:
-                heldout = load_samples({**cfg, **cfg["heldout"]}, model_info.graph_inputs(reference or model),
-                                       role="evaluation.heldout")
-                if cfg["heldout"]["labels"]:
-                    read_labels(Path(cfg["heldout"]["labels"]), cfg["label_names"], heldout.files)
-                shared = set(heldout.files) & set(evaluation.files)
-                if shared:
-                    raise ConfigError(f"evaluation.heldout shares {len(shared)} samples with evaluation.source "
-                                      f"(e.g. {Path(sorted(shared)[0]).name}): held-out samples must be others")
+            evaluation, heldout, reference = _evaluation_data(config["evaluation"], model, found)
+    found.raise_found()
     warnings += data_warnings(model, calibration, evaluation, heldout)
     return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation, heldout=heldout,
                    reference=reference, warnings=warnings)
+
+
+def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector):
+    """(evaluation samples, held-out samples, reference model), each None where absent or failed."""
+    from qprep.evaluate import read_labels
+
+    evaluation = heldout = reference = None
+    if cfg["reference_model"]:
+        with found.attempt():
+            reference = load_model(cfg["reference_model"])
+            name_nodes(reference.graph)  # ORT refuses duplicate node names; names do not change numbers
+        if reference is None:
+            return None, None, None  # the samples are checked against the reference's inputs
+    inputs = model_info.graph_inputs(reference or model)
+    with found.attempt():
+        evaluation = load_samples(cfg, inputs, role="evaluation")
+    if evaluation is not None and cfg["labels"]:
+        with found.attempt():
+            read_labels(Path(cfg["labels"]), cfg["label_names"], evaluation.files)
+    if cfg["heldout"]:
+        with found.attempt():
+            heldout = load_samples({**cfg, **cfg["heldout"]}, inputs, role="evaluation.heldout")
+        if heldout is not None and cfg["heldout"]["labels"]:
+            with found.attempt():
+                read_labels(Path(cfg["heldout"]["labels"]), cfg["label_names"], heldout.files)
+        shared = set(heldout.files) & set(evaluation.files) if heldout and evaluation else set()
+        if shared:
+            with found.attempt():
+                raise ConfigError(f"evaluation.heldout shares {len(shared)} samples with evaluation.source "
+                                  f"(e.g. {Path(sorted(shared)[0]).name}): held-out samples must be others")
+    return evaluation, heldout, reference
 
 
 def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[Path]]:

@@ -119,6 +119,10 @@ def _remove_previous_run(path: Path) -> None:
             parent = parent.parent
 
 
+# Libraries whose INFO records (one line per pass over the graph) drowned the run log: warnings only.
+CHATTY_LIBRARIES = ("onnx_ir", "onnxscript")
+
+
 def attach_log(path: Path) -> logging.Handler:
     """Send the `qprep` logger (and toolkits we capture) to <run dir>/qprep.log."""
     handler = logging.FileHandler(path / LOG, encoding="utf-8")
@@ -139,6 +143,10 @@ def toolkit_logging_to_run_log():
     saved, level = root.handlers[:], root.level
     root.handlers = list(run_handlers)
     root.setLevel(logging.INFO)
+    quiet = [logging.getLogger(name) for name in CHATTY_LIBRARIES]
+    quiet_levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
     logging.captureWarnings(True)  # Python warnings (e.g. onnxconverter-common's) go the same way
     printed = _LogWriter(logging.getLogger("qprep.toolkit"))
     try:
@@ -147,6 +155,8 @@ def toolkit_logging_to_run_log():
     finally:
         logging.captureWarnings(False)
         root.handlers, root.level = saved, level
+        for logger, saved_level in zip(quiet, quiet_levels):
+            logger.setLevel(saved_level)
 
 
 @contextlib.contextmanager

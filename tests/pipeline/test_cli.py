@@ -180,3 +180,40 @@ def test_duplicate_node_names_in_the_input_do_not_break_the_evaluation(tmp_path,
     assert code == 0, err
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.99
+
+
+def test_run_log_keeps_toolkit_records_but_not_graph_library_chatter(tmp_path):
+    """onnx_ir/onnxscript log an INFO line per pass over the graph: 90% of a run's log; only their warnings
+    stay. The toolkits' own records (ORT's quantizer, rknn-toolkit2) still reach the log."""
+    import logging
+
+    from qprep.pipeline.run_dir import attach_log, detach_log, toolkit_logging_to_run_log
+
+    handler = attach_log(tmp_path)
+    try:
+        with toolkit_logging_to_run_log():
+            logging.getLogger("onnx_ir.passes.common").info("pass ran")
+            logging.getLogger("onnxscript.rewriter").warning("rule failed")
+            logging.getLogger("root.toolkit").info("calibrating")
+    finally:
+        detach_log(handler)
+    log = (tmp_path / "qprep.log").read_text()
+    assert "pass ran" not in log and "rule failed" in log and "calibrating" in log
+    assert logging.getLogger("onnx_ir").level == logging.NOTSET  # restored after the toolkit call
+
+
+def test_validate_lists_every_independent_problem_and_run_stops_at_the_first(tmp_path, cli):
+    import onnx
+
+    from graphs import tiny_conv_model
+
+    onnx.save(tiny_conv_model(batch=1), tmp_path / "m.onnx")
+    (tmp_path / "c.yaml").write_text(
+        "model: m.onnx\ncalibration: {source: nowhere/calib}\n"
+        "evaluation: {source: nowhere/eval, heldout: {source: nowhere/heldout}}\npipeline: [{quantize: {}}]\n")
+    code, _, err = cli("validate", str(tmp_path / "c.yaml"))
+    assert code == 2
+    assert [line.split(":")[2].strip() for line in err.splitlines()] == [
+        "calibration.source", "evaluation.source", "evaluation.heldout.source"]
+    code, _, err = cli("run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run"))
+    assert code == 2 and len(err.splitlines()) == 1 and "calibration.source" in err

@@ -1,0 +1,221 @@
+"""`qprep init MODEL`: a commented starter config written from what the model and the data folder say.
+
+Why: the first config is where new users go wrong — input names and dims, the image normalization the model
+was trained with, an evaluation set apart from calibration, a gate. The model answers the first questions
+(names, dtypes, layout, dynamic dims, whether it normalizes its own input, LayerNorms, output kinds); the data
+folder answers the rest (splits, image size); what neither can answer (mean/std when the model does not
+normalize itself) is written as a suggestion with a comment that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import onnx
+
+from qprep.data.images import IMAGE_SUFFIXES
+from qprep.data.pitfalls import normalizes_itself
+from qprep.errors import ConfigError
+from qprep.model import info as model_info
+from qprep.model.info import TensorSpec
+from qprep.model.io import load_model
+
+# Folder names `--data` may hold, per role (first match wins).
+SPLIT_NAMES = {"calibration": ("calib", "calibration", "train"), "evaluation": ("eval", "evaluation", "val"),
+               "heldout": ("heldout", "test", "holdout")}
+IMAGENET_MEAN, IMAGENET_STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
+BUDGET_S = {"ort": 600, "rknn": 1200}
+
+
+def starter_config(model_path: str, config_path: str, backend: str = "ort", data: str | None = None) -> str:
+    """The YAML text of a starter config for `model_path`, to be written at `config_path`."""
+    model = load_model(model_path)
+    base = Path(os.path.abspath(config_path)).parent
+    inputs = model_info.graph_inputs(model)
+    splits = find_splits(Path(data)) if data else {}
+    image = image_input(inputs)
+    fixed = fixed_dims(inputs, image, splits.get("calibration"), backend)
+    stem = Path(model_path).stem
+    lines = [f"# qprep starter config for {Path(model_path).name}, written by `qprep init`.",
+             "# Read every comment, adjust, then: qprep validate THIS_FILE && qprep run THIS_FILE",
+             f"model: {_rel(model_path, base)}", ""]
+    lines += _inputs_block(inputs, fixed, backend)
+    lines += ["calibration:"] + _source_lines("calibration", splits.get("calibration"), base, image, model,
+                                              "32-500 samples like the deployment inputs (images, .npy, .npz)")
+    lines += _evaluation_block(splits, base, image, model, _gate(model))
+    lines += [f"output_dir: {json.dumps(f'runs/{stem}')}   # next to this file", ""]
+    lines += _pipeline_block(model, backend, _gate(model))
+    return "\n".join(lines) + "\n"
+
+
+def find_splits(folder: Path) -> dict[str, Path]:
+    """role → folder inside `folder` (calib/eval/heldout and their synonyms); a folder without them is the
+    calibration data."""
+    if not folder.is_dir():
+        raise ConfigError(f"init --data: folder not found: {folder}")
+    children = {p.name.lower(): p for p in folder.iterdir() if p.is_dir()}
+    found = {}
+    for role, names in SPLIT_NAMES.items():
+        match = next((children[name] for name in names if name in children), None)
+        if match is not None:
+            found[role] = match
+    return found or {"calibration": folder}
+
+
+def image_input(inputs: list[TensorSpec]) -> dict | None:
+    """{name, layout, channels} when the model takes one 4-D float input with 1 or 3 channels."""
+    if len(inputs) != 1 or not inputs[0].shape or len(inputs[0].shape) != 4 or inputs[0].numpy_dtype.kind != "f":
+        return None
+    shape = inputs[0].shape
+    for layout, axis in (("nchw", 1), ("nhwc", 3)):
+        if shape[axis] in (1, 3):
+            return {"name": inputs[0].name, "layout": layout, "channels": shape[axis]}
+    return None
+
+
+def fixed_dims(inputs: list[TensorSpec], image: dict | None, calibration: Path | None, backend: str) -> dict:
+    """input → dims for `inputs:`, when some dim is dynamic and a value is known: batch 1, image height and
+    width from the first calibration image, other dims from the first .npy/.npz sample."""
+    fixed = {}
+    sample_shapes = _sample_shapes(calibration) if calibration else {}
+    for spec in inputs:
+        if spec.shape is None or all(isinstance(d, int) for d in spec.shape):
+            continue
+        known = sample_shapes.get(spec.name)
+        dims = list(spec.shape)
+        if image and spec.name == image["name"] and calibration is not None:
+            size = _first_image_size(calibration)
+            if size:
+                h_axis, w_axis = (2, 3) if image["layout"] == "nchw" else (1, 2)
+                dims[h_axis], dims[w_axis] = size
+        elif known and len(known) == len(dims):
+            dims = [d if isinstance(d, int) else k for d, k in zip(dims, known)]
+        if not isinstance(dims[0], int):
+            dims[0] = 1
+        if all(isinstance(d, int) for d in dims) or backend == "rknn":
+            fixed[spec.name] = dims
+    return fixed
+
+
+def _inputs_block(inputs: list[TensorSpec], fixed: dict, backend: str) -> list[str]:
+    lines = ["# The model's inputs (from the graph):"]
+    lines += [f"#   {s.name}: {s.dtype} {s.shape}" for s in inputs]
+    if not fixed:
+        lines += ["# Every dim is fixed or may stay dynamic for this backend; fix dims with `inputs:` if needed.", ""]
+        return lines
+    open_dims = [name for name, dims in fixed.items() if not all(isinstance(d, int) for d in dims)]
+    if open_dims:
+        lines.append(f"# FILL IN: the named dims of {', '.join(open_dims)} below; {backend} needs numbers "
+                     "(the deployment's input size)")
+    lines += ["inputs:   # dynamic dims fixed: batch 1, the others from the calibration data"]
+    lines += [f"  {json.dumps(name)}: {json.dumps(dims)}" for name, dims in fixed.items()]
+    return lines + [""]
+
+
+def _source_lines(role: str, folder: Path | None, base: Path, image: dict | None, model: onnx.ModelProto,
+                  what: str) -> list[str]:
+    """`source:` (the folder found, or a placeholder to fill in) and, for image inputs, `preprocess:`."""
+    if folder:
+        lines = [f"  source: {_rel(folder, base)}   # {what}"]
+    else:
+        lines = [f"  source: {json.dumps(f'data/{role}')}   # FILL IN: {what}"]
+    return lines + (_preprocess_lines(image, model, "  ") if image else [])
+
+
+def _preprocess_lines(image: dict, model: onnx.ModelProto, indent: str) -> list[str]:
+    if normalizes_itself(model, image["name"]):
+        return [f"{indent}preprocess: {{mean: [0], std: [1]}}   # the model normalizes its input itself: raw 0..255"]
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if image["channels"] == 3 else ([127.5], [127.5])
+    return [f"{indent}# The model does not normalize its input: mean/std MUST match its training (0..255 units):",
+            f"{indent}#   ImageNet-trained: the values below; inputs in [-1, 1]: mean [127.5], std [127.5];",
+            f"{indent}#   inputs in [0, 1]: mean [0], std [255]. channel_order bgr for OpenCV pipelines (PaddleOCR).",
+            f"{indent}preprocess: {{mean: {json.dumps(mean)}, std: {json.dumps(std)}, channel_order: rgb, "
+            f"layout: {image['layout']}}}"]
+
+
+def _evaluation_block(splits: dict, base: Path, image: dict | None, model: onnx.ModelProto, gate: dict) -> list[str]:
+    lines = ["", "evaluation:   # the result against the FP32 model, on samples apart from calibration"]
+    lines += _source_lines("evaluation", splits.get("evaluation"), base, image, model,
+                           "other samples than calibration (the fallback chooses on these)")
+    heldout = splits.get("heldout")
+    if heldout:
+        lines.append(f"  heldout: {{source: {_rel(heldout, base)}}}   # never seen by a decision; judges the gate")
+    else:
+        lines.append("  # heldout: {source: data/heldout}   # recommended: samples no decision sees judge the gate")
+    lines += [f"  gate: {_flow(gate)}   # a miss exits 1; see README 'metrics' for what values are good", ""]
+    return lines
+
+
+def _pipeline_block(model: onnx.ModelProto, backend: str, gate: dict) -> list[str]:
+    from qprep.optimize.passes.layernorm import count_decomposed_layernorms
+
+    layernorms = model_info.op_counts(model).get("LayerNormalization", 0) + count_decomposed_layernorms(model)
+    lines = ["pipeline:", "  - optimize: {}                # verified rewrites: folding, fusions, shape cleanup"]
+    if layernorms:
+        lines.append(f"  - keep_float: {{}}              # its {layernorms} LayerNorms stay float")
+    if backend == "fp16":
+        lines.append("  - quantize: {backend: fp16}")
+        return lines
+    lines.append("  - quantize:")
+    lines.append(f"      backend: {backend}")
+    if backend == "rknn":
+        lines.append("      rknn: {target_platform: rk3588}   # your SoC: rk3562, rk3566, rk3568, rk3576, rk3588, ...")
+    lines.append(f"      fallback: {{target: {_flow(gate)}, time_budget_s: {BUDGET_S[backend]}}}   "
+                 "# layers kept float until the target is met")
+    return lines
+
+
+def _gate(model: onnx.ModelProto) -> dict:
+    """cosine 0.99 on every output, and top-1 agreement 97% when the first output looks like class scores."""
+    outputs = model_info.graph_outputs(model)
+    gate = {"cosine_mean": 0.99}
+    shape = outputs[0].shape if outputs else None
+    classes = shape and len(shape) == 2 and isinstance(shape[-1], int) and shape[-1] >= 2
+    if classes and outputs[0].dtype.startswith("float"):
+        gate["top1_agreement"] = 0.97
+    return gate
+
+
+def _sample_shapes(folder: Path) -> dict[str, tuple]:
+    """input → shape of the first .npz sample in `folder` (what `inputs:` can be fixed to)."""
+    import numpy as np
+
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as arrays:
+                return {name: arrays[name].shape for name in arrays.files}
+    return {}
+
+
+def _first_image_size(folder: Path) -> tuple[int, int] | None:
+    from PIL import Image
+
+    for path in sorted(folder.iterdir()):
+        if path.suffix.lower() in IMAGE_SUFFIXES:
+            with Image.open(path) as img:
+                return img.height, img.width
+    return None
+
+
+def _rel(path, base: Path) -> str:
+    """A path (relative to the current directory) as the config holds it: relative to the config's folder
+    (how qprep resolves it) when it lies near it, else absolute."""
+    target = os.path.abspath(path)
+    relative = os.path.relpath(target, base)
+    return json.dumps(relative if not relative.startswith(os.pardir * 2) else target)
+
+
+def _flow(mapping: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
+
+
+def write_starter(model_path: str, config_path: str, backend: str, data: str | None, force: bool) -> Path:
+    out = Path(config_path)
+    if out.exists() and not force:
+        raise ConfigError(f"init: {out} exists; choose another --out or add --force to replace it")
+    text = starter_config(model_path, str(out), backend, data)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out

@@ -1,0 +1,67 @@
+"""`qprep init`: the starter config is valid as written and runs with no edits when the data is at hand."""
+
+import numpy as np
+import pytest
+import yaml
+
+from graphs import make_model, tiny_conv_model
+from onnx import helper
+from conftest import CALIBRATION, demo_model
+
+
+def write_npz_splits(root, shape, count=4):
+    rng = np.random.default_rng(0)
+    for split in ("calib", "eval", "heldout"):
+        (root / split).mkdir(parents=True)
+        for i in range(count):
+            np.savez(root / split / f"{i}.npz", x=rng.random(shape, dtype=np.float32))
+
+
+def test_init_reads_inputs_splits_and_layernorms_into_a_valid_config(tmp_path, cli):
+    import onnx
+
+    onnx.save(tiny_conv_model(batch="N"), tmp_path / "tiny.onnx")
+    write_npz_splits(tmp_path / "data", (1, 3, 8, 8))
+    code, _, err = cli("init", str(tmp_path / "tiny.onnx"), "--data", str(tmp_path / "data"),
+                       "--out", str(tmp_path / "cfg" / "tiny.yaml"))
+    assert code == 0, err
+    config = yaml.safe_load((tmp_path / "cfg" / "tiny.yaml").read_text())
+    assert config["inputs"] == {"x": [1, 3, 8, 8]}
+    assert config["calibration"]["source"] == "../data/calib"  # relative to the config's folder
+    assert config["evaluation"]["heldout"] == {"source": "../data/heldout"}
+    assert [next(iter(s)) for s in config["pipeline"]] == ["optimize", "quantize"]
+    assert cli("validate", str(tmp_path / "cfg" / "tiny.yaml"))[0] == 0
+    code, _, err = cli("init", str(tmp_path / "tiny.onnx"), "--out", str(tmp_path / "cfg" / "tiny.yaml"))
+    assert code == 2 and "--force" in err
+
+
+def test_init_keeps_layernorms_float_and_marks_what_the_user_must_fill_in(tmp_path, cli):
+    import onnx
+
+    x = ("x", ["batch", "seq", 4])
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)]
+    onnx.save(make_model(nodes, [x], [("y", ["batch", "seq", 4])], {"g": np.ones(4, np.float32),
+                                                                   "b": np.zeros(4, np.float32)}, opset=17),
+              tmp_path / "ln.onnx")
+    assert cli("init", str(tmp_path / "ln.onnx"), "--backend", "rknn", "--out", str(tmp_path / "ln.yaml"))[0] == 0
+    text = (tmp_path / "ln.yaml").read_text()
+    config = yaml.safe_load(text)
+    assert {"keep_float": {}} in config["pipeline"]
+    assert config["inputs"] == {"x": [1, "seq", 4]} and "FILL IN: the named dims of x" in text
+    assert config["calibration"]["source"] == "data/calibration" and "FILL IN" in text
+
+
+@pytest.mark.slow
+def test_init_then_run_works_with_no_edits(tmp_path, cli):
+    """A demo model with dynamic dims and image data in calib/eval/heldout folders: init, then run as written
+    (fewer samples only to keep the test short)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("calib", "eval", "heldout"):
+        (data / split).symlink_to(CALIBRATION / "ocr_cls" / split)
+    assert cli("init", str(demo_model("ppocr_cls.onnx")), "--data", str(data), "--out",
+               str(tmp_path / "cls.yaml"))[0] == 0
+    code, _, err = cli("run", str(tmp_path / "cls.yaml"), "--set", "evaluation.max_samples=16",
+                       "--set", "calibration.max_samples=16", "--set", "evaluation.latency.runs=2")
+    assert code in (0, 1), err  # ok, or a gate judged and missed; never an error
+    assert (tmp_path / "runs" / "ppocr_cls" / "report.json").exists()
