@@ -154,6 +154,8 @@ def cmd_run(args) -> int:
     if not args.quiet:
         print(f"qprep: {report['status']}: {report['result']['path']} in {report['run_dir']} "
               f"({report['model']['nodes']} → {report['result']['nodes']} nodes, {report['seconds']:.1f} s)")
+        if not report.get("evaluation"):
+            print("qprep: accuracy not measured: the config has no `evaluation:` section")
         warnings = report.get("warnings", [])
         for warning in warnings[:MAX_TERMINAL_WARNINGS]:
             print(f"qprep: warning: {warning}", file=sys.stderr)
@@ -166,8 +168,10 @@ def cmd_run(args) -> int:
     gate = (report.get("evaluation") or {}).get("gate")
     if gate and not gate["passed"]:
         missed = [f"{c['metric']} {_fmt(c['value'])} (needs {'<=' if c.get('kind') == 'maximum' else '>='} "
-                  f"{c['threshold']})" for c in gate["checks"] if not c["passed"]]
-        print(f"qprep: gate missed: {'; '.join(missed)} (report in {report['run_dir']})", file=sys.stderr)
+                  f"{c['threshold']:.4g})" for c in gate["checks"] if not c["passed"]]
+        what = "accuracy floor" if gate.get("source") == "floor" else "gate"
+        worst = f"; worst: {', '.join(gate['worst_tensors'][:4])}" if gate.get("worst_tensors") else ""
+        print(f"qprep: {what} missed: {'; '.join(missed)}{worst} (report in {report['run_dir']})", file=sys.stderr)
         return EXIT_GATE_MISSED
     return EXIT_OK
 

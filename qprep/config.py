@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from qprep.errors import ConfigError
-from qprep.evaluate.metrics import OUTPUT_METRICS
+from qprep.evaluate.metrics import KINDS, OUTPUT_METRICS
 from qprep.schema import Key, closest, section, validate
 from qprep.pipeline.stages import registry
 
@@ -45,13 +45,20 @@ def data_source(doc: str) -> Key:
     )
 
 
+DEFAULT_FLOOR = {"cosine_mean": 0.9}  # a collapse, not a target: INT8 results that work are far above it
+
+
 def evaluation_section() -> Key:
     key = data_source("evaluation after the last stage: the result against the FP32 reference")
     key.fields.update(
         max_samples=Key("int", default=128, minimum=1, doc="cap on evaluation samples"),
         reference_model=Key("path", doc="FP32 model to compare with (default: the input model; set it for QAT input)"),
-        tasks=Key("mapping", item=Key("str", choices=("classification", "sequence", "tensor")), default={},
-                  doc="per output: how to read it (default: guessed from its shape and producer)"),
+        tasks=Key("mapping", item=Key("str", choices=KINDS), default={},
+                  doc="per output: its kind (" + "|".join(KINDS) + "), which decides the metrics that judge it "
+                      "(default: read from the graph and the reference's values; the report says which and why)"),
+        decision_threshold=Key("float", default=0.5,
+                               doc="probability outputs: a decision is value >= this; decision_agreement counts "
+                                   "the decisions reference and result share"),
         layers=Key("bool", default=True, doc="per-layer error against the prepared float model"),
         layer_samples=Key("int", default=8, minimum=1, doc="samples used for the per-layer error"),
         latency=section("latency of reference and result with ONNX Runtime (batch 1)",
@@ -65,6 +72,9 @@ def evaluation_section() -> Key:
                                                      "(e.g. ['0', '180']); default: labels are class indices"),
         gate=Key("mapping", item=Key("float"), default={},
                  doc="metric → threshold, e.g. {cosine_mean: 0.99}; a miss exits 1 after the report"),
+        floor=Key("any", default=dict(DEFAULT_FLOOR),
+                  doc="used when no gate (and no fallback target) is set: thresholds in the gate's form that catch "
+                      "a collapsed result (exit 1, worst tensors named); `none` disables it"),
         heldout=section(
             "held-out samples (read like `source`: same format and preprocess) that no decision sees: the fallback "
             "and every other choice use `source`; the result is also measured here and the gate is judged here",
@@ -138,6 +148,23 @@ GATE_METRICS = tuple(OUTPUT_METRICS)
 
 def _check_gate_metrics(evaluation: dict | None) -> None:
     check_metric_names((evaluation or {}).get("gate", {}), "evaluation.gate")
+    if evaluation:
+        evaluation["floor"] = _floor(evaluation["floor"])
+
+
+def _floor(value: Any) -> dict[str, float]:
+    """evaluation.floor: `none` (or an empty mapping) disables it, else metric → threshold like the gate."""
+    if value in ("none", {}):
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"evaluation.floor: expected a mapping like {{cosine_mean: 0.9}} or none, got {value!r}")
+    floor = {}
+    for key, threshold in value.items():
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise ConfigError(f"evaluation.floor.{key}: expected a number, got {threshold!r}")
+        floor[str(key)] = float(threshold)
+    check_metric_names(floor, "evaluation.floor")
+    return floor
 
 
 def check_metric_names(thresholds: dict, where: str) -> None:

@@ -94,7 +94,7 @@ def measure(models: list[str], eval_samples: int = 128, budget: float = 1200.0,
                 record = stage.get("fallback")
                 held = next(iter(report["evaluation"]["heldout"]["outputs"].values()))
                 prefix = main_agreement(metrics)
-                row = {"model": name, "flow": variant, "cosine": metrics["cosine_mean"], "task": metrics["task"],
+                row = {"model": name, "flow": variant, "cosine": metrics["cosine_mean"], "task": metrics["kind"],
                        "agreement": metrics[f"{prefix}_agreement"] if prefix else None,
                        "heldout_cosine": held["cosine_mean"],
                        "heldout_agreement": held[f"{prefix}_agreement"] if prefix else None,

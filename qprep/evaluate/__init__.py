@@ -1,8 +1,9 @@
 """Evaluation after the last stage: the result against the FP32 reference on evaluation samples.
 
-Per output: cosine (mean/min), SQNR, max abs error, MSE, agreement where the output is class or per-step
-scores (with a 95% interval); per-layer accumulated error against the prepared float model; latency and
-size; the worst samples; and the gate. Everything lands in report.json under `evaluation`.
+Per output: its kind (kinds.py: scores, probability, state, integer, boxes, …) and the metrics that mean
+something for it (metrics.py), with a 95% interval on agreements; per-layer accumulated error against the
+prepared float model; latency and size; the worst samples; and the gate, or without one the accuracy floor
+that turns a collapse into `gate missed`. Everything lands in report.json under `evaluation`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from qprep.evaluate.gate import check_gate
 from qprep.evaluate.latency import interleaved, speedups
 from qprep.evaluate.layers import layer_errors
 from qprep.errors import DataError
-from qprep.evaluate.metrics import compare_output, is_integer, output_task, wilson_interval
+from qprep.evaluate.kinds import output_kinds
+from qprep.evaluate.metrics import compare_output, wilson_interval
 from qprep.verify import is_numeric
 from qprep.model.runtime import run_model
 
@@ -48,7 +50,8 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
 
     with ctx.progress.step(f"evaluation: {len(samples)} samples"):
         actual = result_on(samples)
-    outputs = measure(samples, expected, actual, cfg, cfg["labels"], reference, notes)
+    kinds = output_kinds(reference, expected, cfg["tasks"])  # decided once: the held-out set is judged the same way
+    outputs = measure(samples, expected, actual, kinds, cfg, cfg["labels"], notes)
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
     heldout = None
     if run.heldout is not None:
@@ -56,7 +59,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
         with ctx.progress.step(f"evaluation: {len(run.heldout)} held-out samples"):
             heldout_actual = result_on(run.heldout)
         heldout_notes: list[str] = []
-        heldout = measure(run.heldout, heldout_expected, heldout_actual, cfg, cfg["heldout"]["labels"], reference,
+        heldout = measure(run.heldout, heldout_expected, heldout_actual, kinds, cfg, cfg["heldout"]["labels"],
                           heldout_notes)
         result["heldout"] = {"samples": run.heldout.describe(), "outputs": heldout, "notes": heldout_notes}
     if cfg["layers"] and products.analyzer is not None:
@@ -79,48 +82,47 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,
                             "result": final_model.ByteSize()}
     gate = {**products.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too
-    if gate:
-        result["gate"] = {**check_gate(gate, heldout if heldout is not None else outputs),
+    if gate or cfg["floor"]:
+        judged = heldout if heldout is not None else outputs
+        result["gate"] = {**(check_gate(gate, judged) if gate else check_gate(cfg["floor"], judged, floor=True)),
                           "judged_on": "heldout" if heldout is not None else "evaluation"}
+        if not result["gate"]["passed"]:
+            result["gate"]["worst_tensors"] = worst_tensors(result["gate"], judged, result.get("layers"))
     if products.fallback_target and heldout is None:
         notes.append("quantize.fallback chose its float nodes on these evaluation samples: give "
                      "evaluation.heldout (samples no decision sees) for an unbiased figure")
     return result
 
 
-def measure(samples, expected: list[dict], actual: list[dict], cfg: dict, labels_path, reference: onnx.ModelProto,
-            notes: list[str]) -> dict:
+def measure(samples, expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]], cfg: dict,
+            labels_path, notes: list[str]) -> dict:
     """Per-output metrics of `actual` against `expected` on one sample set (evaluation or held-out), with the
     worst samples and, given labels, task accuracy; what a reader must know goes to `notes`."""
-    outputs = output_metrics(expected, actual, cfg["tasks"], reference)
+    outputs = output_metrics(expected, actual, kinds, cfg["decision_threshold"])
     notes.extend(output_notes(outputs))
     skipped = [name for name in expected[0] if name not in outputs]
     if skipped:
         notes.append(f"output {', '.join(skipped)}: not a numeric tensor (strings, sequences, maps), not compared")
-    for name, metrics in outputs.items():
-        per_sample = metrics.pop("per_sample_cosine")
-        metrics["worst_samples"] = sorted(
-            ({"sample": Path(f).name, "cosine": c} for f, c in zip(samples.files, per_sample)),
-            key=lambda row: row["cosine"])[:5]
+    for metrics in outputs.values():
+        metrics.update(worst_samples(metrics.pop("per_sample"), samples.files))
     if labels_path:
         labels = read_labels(Path(labels_path), cfg["label_names"], samples.files)
         for name, metrics in outputs.items():
-            if metrics["task"] == "classification":
+            if metrics["kind"] == "classification":
                 metrics.update(task_accuracy([e[name] for e in expected], [a[name] for a in actual], labels))
     return outputs
 
 
-def output_metrics(expected: list[dict], actual: list[dict], tasks: dict, reference: onnx.ModelProto) -> dict:
-    """Per output: compare_output over the samples, the task read from `tasks` or guessed from the output's
-    shape and the reference node that produces it."""
-    producers = {o: n.op_type for n in reference.graph.node for o in n.output}
+def output_metrics(expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]],
+                   threshold: float = 0.5) -> dict:
+    """Per output of `kinds` (kinds.output_kinds, decided once on all evaluation samples, so the fallback's
+    trials on fewer samples judge each output the same way): compare_output over the samples, and why."""
     outputs = {}
-    for name in expected[0]:
+    for name, (kind, why) in kinds.items():
         values = [e[name] for e in expected]
         if not all(is_numeric(v) for v in values):
             continue  # strings, sequences, maps: no accuracy figure (evaluate() notes which)
-        task = tasks.get(name) or output_task(name, expected[0][name].shape, producers.get(name), is_integer(values))
-        outputs[name] = compare_output(values, [a[name] for a in actual], task)
+        outputs[name] = {**compare_output(values, [a[name] for a in actual], kind, threshold), "why": why}
     return outputs
 
 
@@ -128,16 +130,44 @@ def output_notes(outputs: dict) -> list[str]:
     """What a reader must know before trusting an output's figures."""
     notes = []
     for name, m in outputs.items():
-        if m.get("shape_mismatch"):
-            notes.append(f"output '{name}': {m['shape_mismatch']} samples changed shape (data-dependent output); "
-                         f"its metrics cover the other {m['samples']} only")
+        if m.get("not_measured"):
+            notes.append(f"output '{name}': not measured: {m['not_measured']}")
+        elif m.get("not_comparable"):
+            notes.append(f"output '{name}': {m['not_comparable']} samples not comparable (the result's rank "
+                         f"differs); its figures cover the other {m['samples']}")
+        if m.get("shape_changed"):
+            notes.append(f"output '{name}': {m['shape_changed']} of {m['samples']} samples have another shape than "
+                         "the reference (the shape depends on the input): compared over their common prefix")
+        if m.get("count_changed"):
+            notes.append(f"output '{name}': the number of rows differs from the reference on {m['count_changed']} "
+                         "samples (rows chosen by NMS/TopK): matched as sets")
         if m.get("nonfinite_samples"):
             notes.append(f"output '{name}': {m['nonfinite_samples']} samples have NaN/Inf where the reference has "
-                         "none (counted as cosine 0): look for an overflow (float16, a huge mask constant)")
-        if "element_agreement" in m:
-            notes.append(f"output '{name}' holds integers: element_agreement ({m['element_agreement']:.4f}) is "
-                         "its meaningful figure; cosine over ids or labels says little")
+                         "none (counted as a total miss): look for an overflow (float16, a huge mask constant)")
     return notes
+
+
+def worst_samples(per_sample: dict, files: list[str]) -> dict:
+    """The five worst samples by the output's per-sample figure (`worst_by` names it)."""
+    higher = per_sample.get("higher_is_better", True)
+    rated = [(v, Path(f).name) for f, v in zip(files, per_sample["values"]) if v is not None]
+    rated.sort(key=lambda pair: (pair[0] if higher else -pair[0], pair[1]))
+    return {"worst_by": per_sample["metric"],
+            "worst_samples": [{"sample": name, "value": value} for value, name in rated[:5]]}
+
+
+def worst_tensors(gate: dict, outputs: dict, layers: list[dict] | None) -> list[str]:
+    """What a missed gate or floor points at: the outputs that missed, then the worst layer tensors."""
+    named = []
+    for check in gate["checks"]:
+        if not check["passed"] and check.get("worst_output"):
+            value = "not measured" if check["value"] is None else f"{check['value']:.4g}"
+            named.append(f"output '{check['worst_output']}' ({check['metric'].rsplit('.', 1)[-1]} {value})")
+    for row in (layers or [])[:3]:
+        figure = (f"SQNR {row['sqnr_db']:.1f} dB" if row.get("sqnr_db") is not None
+                  else f"cosine {row['cosine_mean']:.4f}")
+        named.append(f"tensor '{row['tensor']}' ({figure})")
+    return list(dict.fromkeys(named))
 
 
 def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[int]:

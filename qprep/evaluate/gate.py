@@ -1,31 +1,76 @@
 """The accuracy gate: report metric names → thresholds; a miss makes the run exit 1 (after the report).
 
-`cosine_mean: 0.99` applies to every output that has the metric (the worst one decides);
-`<output name>.cosine_mean: 0.99` to one output. Similarities are minimums, errors maximums.
+`cosine_mean: 0.99` applies to every output that is judged by cosine (the worst one decides); an output of
+another kind (metrics.JUDGED_BY) is held to its own main metric instead, at the threshold that cosine stands
+for: a relative error of √(2 (1 − 0.99)) = 0.141 for state and one-element outputs and sorted TopK/NMS values
+(the error that gives that cosine at equal norms), 0.99 of decisions, elements, boxes or ids for
+probabilities, integers, matched boxes and id sets. `cosine_min` likewise (a state's worst sample:
+`rel_error_max`). Any other metric applies to the outputs that report it; `<output>.<metric>` to one output.
+Similarities are minimums, errors maximums. A figure that could not be measured fails a gate; the floor
+(the gate used when none is configured, to catch a collapse) skips it and says so.
 """
 
 from __future__ import annotations
 
 import math
 
-from qprep.evaluate.metrics import higher_is_better
+from qprep.evaluate.metrics import higher_is_better, rel_error_for_cosine
+
+COSINE = ("cosine_mean", "cosine_min")
 
 
-def check_gate(gate: dict[str, float], outputs: dict[str, dict]) -> dict:
+def check_gate(gate: dict[str, float], outputs: dict[str, dict], floor: bool = False) -> dict:
     checks = []
     for key, threshold in gate.items():
         output, _, metric = key.rpartition(".")
-        targets = [output] if output else [name for name, m in outputs.items() if metric in m]
-        if not targets or any(t not in outputs or metric not in outputs[t] for t in targets):
-            checks.append({"metric": key, "threshold": threshold, "value": None, "passed": False,
-                           "reason": f"no output reports '{metric}'"})
+        names = [output] if output else list(outputs)
+        direct, replaced = [], []
+        for name in names:
+            m = outputs.get(name)
+            held = None if m is None else held_to(metric, threshold, m)
+            if held is None:
+                continue
+            (direct if held[0] == metric else replaced).append((name, *held))
+        if not direct and not replaced:
+            if not floor:
+                checks.append({"metric": key, "threshold": threshold, "value": None, "passed": False,
+                               "reason": f"no output reports '{metric}'"})
             continue
-        values = [outputs[t][metric] for t in targets]
-        minimum = higher_is_better(metric)
-        value = min(values) if minimum else max(values)
-        if any(math.isnan(v) for v in values):  # no sample to rate: min/max would skip a NaN, the gate must not
-            value = float("nan")
-        passed = value >= threshold if minimum else value <= threshold
-        checks.append({"metric": key, "threshold": threshold, "value": value, "passed": passed,
-                       "kind": "minimum" if minimum else "maximum"})
-    return {"passed": all(c["passed"] for c in checks), "checks": checks}
+        if direct:
+            checks.append(_check(key, threshold, [outputs[name][metric] for name, *_ in direct],
+                                 [name for name, *_ in direct], floor))
+        for name, used, limit in replaced:
+            check = _check(f"{name}.{used}", limit, [outputs[name][used]], [name], floor)
+            checks.append({**check, "stands_for": f"{metric} {threshold}"})
+    checks = [c for c in checks if c is not None]
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, **({"source": "floor"} if floor else {})}
+
+
+def held_to(metric: str, threshold: float, output: dict) -> tuple[str, float] | None:
+    """(metric, threshold) an output is held to for a gate key: a cosine key on an output not judged by cosine
+    becomes its main metric (see the module doc); None when the key does not apply to the output."""
+    judged = output.get("judged_by") or []
+    if metric in COSINE and judged and "cosine_mean" not in judged:
+        used = "rel_error_max" if metric == "cosine_min" and "rel_error_max" in judged else judged[0]
+        return used, (rel_error_for_cosine(threshold) if used.startswith("rel_error") else threshold)
+    return (metric, threshold) if metric in output else None
+
+
+def _check(key: str, threshold: float, values: list, names: list[str], floor: bool) -> dict | None:
+    minimum = higher_is_better(key)
+    measured = [(v, n) for v, n in zip(values, names) if v is not None]
+    if not measured:
+        if floor:
+            return None  # the floor catches collapses; an output with no comparable sample is noted elsewhere
+        return {"metric": key, "threshold": threshold, "value": None, "passed": False,
+                "kind": "minimum" if minimum else "maximum", "reason": "not measured (no comparable sample)"}
+    value, worst = (min if minimum else max)(measured, key=lambda pair: pair[0])
+    if any(isinstance(v, float) and math.isnan(v) for v, _ in measured):  # min/max would skip a NaN; the gate must not
+        value = float("nan")
+    passed = bool(value >= threshold if minimum else value <= threshold)
+    check = {"metric": key, "threshold": threshold, "value": value, "passed": passed,
+             "kind": "minimum" if minimum else "maximum", "worst_output": worst}
+    if len(measured) < len(values):
+        check["reason"] = f"not measured on {len(values) - len(measured)} output(s)"
+        check["passed"] = passed and floor
+    return check

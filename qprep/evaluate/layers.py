@@ -51,7 +51,7 @@ def layer_errors(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sampl
         rows.append({"tensor": tensor, "node": node, "op_type": op_type, "order": order,
                      "cosine_mean": m["cosine_mean"], "cosine_min": m["cosine_min"], "sqnr_db": m["sqnr_db"],
                      "quantized": twin != tensor})
-    return sorted(rows, key=lambda r: (r["sqnr_db"], r["order"]))
+    return sorted(rows, key=lambda r: (-float("inf") if r["sqnr_db"] is None else r["sqnr_db"], r["order"]))
 
 
 def _collect(model: onnx.ModelProto, names: list[str], samples: list[dict], threads: int) -> dict[str, list]:

@@ -1,7 +1,17 @@
 """Accuracy metrics of a result against its reference, per output, over evaluation samples.
 
-Similarities (cosine, SQNR, agreement) are "higher is better"; errors (max_abs, mse) "lower is better";
-`higher_is_better` is what the gate and `compare` use to read a threshold as a minimum or a maximum.
+Each output is rated by the metrics that mean something for its kind (kinds.py chooses the kind): cosine for
+scores, embeddings and maps; absolute error and decisions at a threshold for probabilities (a one-element
+cosine is always 1); relative error for state outputs; agreement for integers; matched boxes for detections
+whose rows NMS/TopK order. `judged_by` names the metrics that judge the output (the first one is its main
+figure); `score` is one smooth number per output, 1 when exact, that the fallback search climbs.
+
+A figure computed on no comparable pair is None ("not measured"), never inf or a perfect 1. Outputs whose
+shape depends on the input are compared sample by sample over their common prefix; a sample whose rank
+changed is counted as not comparable.
+
+Similarities (cosine, SQNR, agreement) are "higher is better"; errors (max_abs, mse, rel_error) "lower is
+better"; `higher_is_better` is what the gate and `compare` use to read a threshold as a minimum or a maximum.
 """
 
 from __future__ import annotations
@@ -10,22 +20,34 @@ import math
 
 import numpy as np
 
+from qprep.evaluate.rows import compare_rows
 from qprep.verify import cosine, same_nonfinite
 
 # The one list of per-output metrics the evaluation reports (name → higher is better): the gate and the
 # fallback target accept these names, `compare` shows them.
 OUTPUT_METRICS = {"cosine_mean": True, "cosine_min": True, "sqnr_db": True, "max_abs": False, "mse": False,
+                  "mean_abs_error": False, "rel_error": False, "rel_error_max": False,
                   "top1_agreement": True, "top5_agreement": True, "step_agreement": True, "element_agreement": True,
-                  "top1_accuracy": True}
+                  "decision_agreement": True, "set_agreement": True, "match_rate": True, "mean_iou": True,
+                  "score_abs_error": False, "top1_accuracy": True}
 # Run-level numbers `compare` shows beside them (batch summaries: agreement, speedup).
 RUN_METRICS = {"reference_top1_accuracy": True, "agreement": True, "speedup": True, "result_ms": False,
                "nodes": False}
 
+# kind → the metrics that judge it, main one first
+JUDGED_BY = {"classification": ("cosine_mean", "top1_agreement"), "sequence": ("cosine_mean", "step_agreement"),
+             "tensor": ("cosine_mean",), "state": ("rel_error", "rel_error_max"),
+             "probability": ("decision_agreement", "mean_abs_error"), "scalar": ("rel_error", "mean_abs_error"),
+             "integer": ("element_agreement",), "boxes": ("match_rate", "mean_iou", "score_abs_error"),
+             "ranked": ("rel_error",), "ranked_ids": ("set_agreement",)}
+KINDS = tuple(JUDGED_BY)
+
 
 def main_agreement(metrics: dict) -> str | None:
-    """The agreement figure an output reports ("top1", "step" or "element"; None for plain tensors): the one
-    reports and summaries show beside its cosine."""
-    return next((prefix for prefix in ("top1", "step", "element") if f"{prefix}_agreement" in metrics), None)
+    """The agreement figure an output reports ("top1", "step", "element", "decision"; None for plain tensors):
+    the one reports and summaries show beside its cosine."""
+    return next((prefix for prefix in ("top1", "step", "element", "decision")
+                 if f"{prefix}_agreement" in metrics), None)
 
 
 def higher_is_better(metric: str) -> bool:
@@ -34,9 +56,8 @@ def higher_is_better(metric: str) -> bool:
 
 
 def output_task(name: str, shape: tuple, producer_op: str | None, integer: bool = False) -> str:
-    """What an output looks like: class scores [N, C], per-step scores [N, T, C] (a Softmax/LogSoftmax over
-    the last axis), or anything else (compared numerically only). Integer outputs (ids, labels, counts) are
-    never scores: an argmax over them means nothing."""
+    """What a score output looks like: class scores [N, C], per-step scores [N, T, C] (a Softmax/LogSoftmax
+    over the last axis), or anything else (compared numerically only). Integer outputs are never scores."""
     if integer:
         return "tensor"
     if len(shape) == 2 and shape[-1] >= 2:
@@ -51,53 +72,155 @@ def is_integer(values: list) -> bool:
     return bool(values) and all(np.asarray(v).dtype.kind in "iub" for v in values)
 
 
-def compare_output(reference: list[np.ndarray], result: list[np.ndarray], task: str) -> dict:
-    """Metrics over the samples whose result has the reference's shape; outputs whose shape depends on the
-    data (NMS boxes, NonZero) can differ per sample, which is counted (`shape_mismatch`), not compared.
-    Non-finite values (-inf masks) must sit at the same places with the same values: there they compare as
-    equal; a sample whose result has NaN/Inf elsewhere is a total miss (cosine 0, errors infinite).
-    Integer outputs also report `element_agreement` (the share of equal elements), the one figure that means
-    something for ids and labels."""
-    integer = is_integer(reference)
-    pairs = [(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)) for a, b in zip(reference, result)]
-    matched = [(a, b) for a, b in pairs if a.shape == b.shape]
-    mismatched = len(pairs) - len(matched)
-    if not matched:
-        return {"samples": len(pairs), "shape_mismatch": mismatched, "cosine_mean": 0.0, "cosine_min": 0.0,
-                "sqnr_db": float("-inf"), "max_abs": float("inf"), "mse": float("inf"), "task": task,
-                "per_sample_cosine": [0.0] * len(pairs)}
-    broken = [not same_nonfinite(a, b) for a, b in matched]
-    ref = [np.where(np.isfinite(a), a, 0.0) for a, _ in matched]
-    res = [np.where(np.isfinite(a) & np.isfinite(b), b, 0.0) for a, b in matched]
-    cosines = [0.0 if bad else cosine(a, b) for a, b, bad in zip(ref, res, broken)]
+def compare_output(reference: list[np.ndarray], result: list[np.ndarray], kind: str, threshold: float = 0.5) -> dict:
+    """The metrics of `kind` over the samples, plus `samples` (pairs compared), `judged_by`, `score` and
+    `per_sample` ({metric, values}: one figure per sample, None where not comparable; the evaluation turns it
+    into the worst samples). Non-finite values (-inf masks) must sit at the same places with the same values:
+    there they compare as equal; a sample whose result has NaN/Inf elsewhere is a total miss."""
+    if kind in ("boxes", "ranked", "ranked_ids"):
+        metrics = compare_rows(reference, result, kind)
+        if kind == "ranked":
+            metrics["score"] = cosine_equivalent(metrics["rel_error"])
+    else:
+        pairs, changed = aligned(reference, result)
+        usable = [p for p in pairs if p is not None]
+        if not usable:
+            metrics = _not_measured(kind, len(pairs))
+        elif kind in ("probability", "scalar"):
+            metrics = _values_metrics(usable, kind, threshold)
+        elif kind == "integer":
+            metrics = _integer_metrics(usable)
+        else:
+            metrics = _cosine_metrics(usable, kind)
+        per_sample = iter(metrics.pop("per_sample_values", []))
+        metrics["per_sample"]["values"] = [None if p is None else next(per_sample, None) for p in pairs]
+        if changed:
+            metrics["shape_changed"] = changed
+        if len(usable) < len(pairs):
+            metrics["not_comparable"] = len(pairs) - len(usable)
+    metrics["kind"] = kind
+    metrics["judged_by"] = [m for m in JUDGED_BY[kind] if m in metrics]
+    return metrics
+
+
+def aligned(reference: list, result: list) -> tuple[list[tuple[np.ndarray, np.ndarray] | None], int]:
+    """Per sample (reference, result) as float64 arrays of one shape: as they are, or cut to their common
+    prefix along every axis when the shape depends on the input (a TTS length, a detection count); None when
+    the ranks differ. Also how many samples were cut."""
+    pairs, changed = [], 0
+    for a, b in zip(reference, result):
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape:
+            if a.ndim != b.ndim:
+                pairs.append(None)
+                continue
+            common = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))
+            a, b = a[common], b[common]
+            changed += 1
+        pairs.append((a, b))
+    return pairs, changed
+
+
+def _not_measured(kind: str, count: int) -> dict:
+    return {"samples": 0, **{metric: None for metric in JUDGED_BY[kind]}, "score": None,
+            "not_measured": f"none of the {count} samples could be compared (the result's rank differs)",
+            "per_sample": {"metric": JUDGED_BY[kind][0], "values": []}}
+
+
+def _finite_pairs(pairs: list) -> tuple[list, list, list[bool]]:
+    """References and results with matching non-finite entries zeroed, and which samples break (NaN/Inf in
+    the result where the reference has none)."""
+    broken = [not same_nonfinite(a, b) for a, b in pairs]
+    ref = [np.where(np.isfinite(a), a, 0.0) for a, _ in pairs]
+    res = [np.where(np.isfinite(a) & np.isfinite(b), b, 0.0) for a, b in pairs]
+    return ref, res, broken
+
+
+def _errors(ref: list, res: list, broken: list[bool]) -> dict:
     noise = sum(float(np.sum((a - b) ** 2)) for a, b in zip(ref, res))
     count = sum(a.size for a in ref)
-    metrics = {
-        "samples": len(ref),
-        **({"shape_mismatch": mismatched} if mismatched else {}),
-        **({"nonfinite_samples": sum(broken)} if any(broken) else {}),
-        "cosine_mean": float(np.mean(cosines)),
-        "cosine_min": float(np.min(cosines)),
-        "sqnr_db": float("-inf") if any(broken) else sqnr_db(ref, res),
-        "max_abs": float("inf") if any(broken) else max(
-            (float(np.max(np.abs(a - b))) for a, b in zip(ref, res) if a.size), default=0.0),
-        "mse": float("inf") if any(broken) else noise / max(count, 1),
-        "task": task,
-    }
-    scores = [(_ranked(a), _ranked(b)) for a, b in matched if a.size]  # argmax sees -inf masks, never NaN
-    if task == "classification" and scores:
+    return {"sqnr_db": float("-inf") if any(broken) else sqnr_db(ref, res),
+            "max_abs": float("inf") if any(broken) else max(
+                (float(np.max(np.abs(a - b))) for a, b in zip(ref, res) if a.size), default=0.0),
+            "mse": float("inf") if any(broken) else noise / max(count, 1),
+            **({"nonfinite_samples": sum(broken)} if any(broken) else {})}
+
+
+def _cosine_metrics(pairs: list, kind: str) -> dict:
+    """Scores, embeddings, maps and state: cosine per sample, SQNR, errors, agreement of the argmax where the
+    output is class or per-step scores; state outputs also their relative error (which judges them)."""
+    ref, res, broken = _finite_pairs(pairs)
+    cosines = [0.0 if bad else cosine(a, b) for a, b, bad in zip(ref, res, broken)]
+    metrics = {"samples": len(pairs), "cosine_mean": float(np.mean(cosines)), "cosine_min": float(np.min(cosines)),
+               **_errors(ref, res, broken), "score": float(np.mean(cosines))}
+    per_sample = {"metric": "cosine", "higher_is_better": True}
+    values = cosines
+    scores = [(_ranked(a), _ranked(b)) for a, b in pairs if a.size]  # argmax sees -inf masks, never NaN
+    if kind == "classification" and scores:
         metrics.update(_agreement("top1", _topk_hits(*zip(*scores), 1)))
         if scores[0][0].shape[-1] >= 10:
             metrics.update(_agreement("top5", _topk_hits(*zip(*scores), 5)))
-    elif task == "sequence" and scores:
-        hits = [(a.argmax(-1) == b.argmax(-1)).ravel() for a, b in scores]
-        metrics.update(_agreement("step", np.concatenate(hits)))
-    if integer:
-        metrics.update(_agreement("element", np.concatenate([(a == b).ravel() for a, b in matched])))
-    # per-sample cosines line up with the evaluation files; a mismatched sample counts as 0
-    per_sample = iter(cosines)
-    metrics["per_sample_cosine"] = [next(per_sample) if a.shape == b.shape else 0.0 for a, b in pairs]
-    return metrics
+    elif kind == "sequence" and scores:
+        metrics.update(_agreement("step", np.concatenate([(a.argmax(-1) == b.argmax(-1)).ravel() for a, b in scores])))
+    elif kind == "state":
+        values = [math.inf if bad else relative_error(a, b) for a, b, bad in zip(ref, res, broken)]
+        metrics.update(rel_error=float(np.mean(values)), rel_error_max=float(np.max(values)),
+                       score=cosine_equivalent(float(np.mean(values))))
+        per_sample = {"metric": "relative error", "higher_is_better": False}
+    return {**metrics, "per_sample": per_sample, "per_sample_values": values}
+
+
+def _values_metrics(pairs: list, kind: str, threshold: float) -> dict:
+    """A probability (values in [0, 1]) or a one-element output: absolute error, and for probabilities the
+    share of decisions (value ≥ threshold) that agree; a one-element output's relative error is taken over
+    the samples, where it means something (over its one element it would not)."""
+    ref, res, broken = _finite_pairs(pairs)
+    flat_ref, flat_res = np.concatenate([a.ravel() for a in ref]), np.concatenate([b.ravel() for b in res])
+    errors = np.abs(flat_ref - flat_res)
+    metrics = {"samples": len(pairs), "mean_abs_error": float("inf") if any(broken) else float(errors.mean()),
+               **_errors(ref, res, broken)}
+    per_sample = [math.inf if bad else float(np.max(np.abs(a - b), initial=0.0))
+                  for a, b, bad in zip(ref, res, broken)]
+    if kind == "probability":
+        hits = np.concatenate([((a >= threshold) == (b >= threshold)).ravel() & (not bad)
+                               for a, b, bad in zip(ref, res, broken)])
+        metrics.update(_agreement("decision", hits), decision_threshold=threshold,
+                       score=1.0 - min(1.0, metrics["mean_abs_error"]))
+    else:
+        metrics["rel_error"] = math.inf if any(broken) else relative_error(flat_ref, flat_res)
+        metrics["score"] = cosine_equivalent(metrics["rel_error"])
+    return {**metrics, "per_sample": {"metric": "max abs error", "higher_is_better": False},
+            "per_sample_values": per_sample}
+
+
+def _integer_metrics(pairs: list) -> dict:
+    """Ids, labels, counts: the share of equal elements (a cosine over ids says little)."""
+    hits = [(a == b).ravel() for a, b in pairs]
+    metrics = {"samples": len(pairs), **_agreement("element", np.concatenate(hits)),
+               "max_abs": max((float(np.max(np.abs(a - b))) for a, b in pairs if a.size), default=0.0)}
+    metrics["score"] = metrics["element_agreement"] if hits and np.concatenate(hits).size else None
+    return {**metrics, "per_sample": {"metric": "element agreement", "higher_is_better": True},
+            "per_sample_values": [float(h.mean()) if h.size else 1.0 for h in hits]}
+
+
+def relative_error(reference: np.ndarray, result: np.ndarray) -> float:
+    """‖result − reference‖ / ‖reference‖ (0 when both are zero, inf when only the reference is)."""
+    noise = float(np.linalg.norm(np.asarray(result, np.float64) - np.asarray(reference, np.float64)))
+    signal = float(np.linalg.norm(np.asarray(reference, np.float64)))
+    if noise == 0:
+        return 0.0
+    return noise / signal if signal > 0 else math.inf
+
+
+def cosine_equivalent(rel_error: float) -> float:
+    """The cosine a relative error stands for when both vectors have the same norm: 1 − e²/2. How a cosine
+    threshold and a relative error meet (a cosine of 0.99 allows a relative error of 0.141)."""
+    return 1.0 - rel_error * rel_error / 2.0 if math.isfinite(rel_error) else -math.inf
+
+
+def rel_error_for_cosine(cosine_threshold: float) -> float:
+    """The inverse of cosine_equivalent: the largest relative error a cosine threshold allows."""
+    return math.sqrt(2.0 * max(0.0, 1.0 - cosine_threshold))
 
 
 def _ranked(values: np.ndarray) -> np.ndarray:
@@ -105,8 +228,11 @@ def _ranked(values: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(values), -np.inf, values)
 
 
-def sqnr_db(reference: list[np.ndarray], result: list[np.ndarray]) -> float:
-    """Signal-to-quantization-noise ratio in dB over arrays of matching shapes: Σ reference² / Σ error²."""
+def sqnr_db(reference: list[np.ndarray], result: list[np.ndarray]) -> float | None:
+    """Signal-to-quantization-noise ratio in dB over arrays of matching shapes: Σ reference² / Σ error²;
+    None when there is nothing to compare (no arrays, or only empty ones): no evidence, not a perfect match."""
+    if sum(np.asarray(a).size for a in reference) == 0:
+        return None
     noise = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
                 for a, b in zip(reference, result))
     signal = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in reference)
@@ -128,15 +254,17 @@ def _topk_hits(ref: list[np.ndarray], res: list[np.ndarray], k: int) -> np.ndarr
 
 
 def _agreement(prefix: str, hits: np.ndarray) -> dict:
-    rate = float(hits.mean()) if hits.size else float("nan")
+    """The share of hits with its 95% interval and count; None (not measured) when there is no hit to count."""
+    rate = float(hits.mean()) if hits.size else None
     low, high = wilson_interval(int(hits.sum()), int(hits.size))
     return {f"{prefix}_agreement": rate, f"{prefix}_agreement_ci95": [low, high], f"{prefix}_count": int(hits.size)}
 
 
-def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval: honest at 100% agreement on few samples, unlike the normal approximation."""
+def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float | None, float | None]:
+    """95% Wilson score interval: honest at 100% agreement on few samples, unlike the normal approximation;
+    (None, None) with no samples."""
     if total == 0:
-        return float("nan"), float("nan")
+        return None, None
     p = successes / total
     denom = 1 + z * z / total
     centre = (p + z * z / (2 * total)) / denom

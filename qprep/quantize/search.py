@@ -76,10 +76,13 @@ class Outcome:
 
 
 def score_of(outputs: dict, target: dict) -> float:
-    """The smooth number the search climbs: the worst output's cosine_mean (agreement is too coarse to rank
-    single nodes on a few samples); the target itself is checked with the gate."""
+    """The smooth number the search climbs: the worst output's `score` (evaluate/metrics.py: its cosine_mean
+    where cosine judges it, the cosine its relative error stands for, 1 − absolute error for probabilities;
+    agreement is too coarse to rank single nodes on a few samples); the target itself is checked with the gate.
+    Outputs that could not be measured are left out; metrics without a score are read by their cosine_mean."""
     named = {key.rpartition(".")[0] for key in target} - {""}
-    values = [m["cosine_mean"] for name, m in outputs.items() if (not named or name in named) and "cosine_mean" in m]
+    scores = {name: m.get("score", m.get("cosine_mean")) for name, m in outputs.items()}
+    values = [v for name, v in scores.items() if (not named or name in named) and v is not None]
     return float("-inf") if not values or any(math.isnan(v) for v in values) else min(values)
 
 

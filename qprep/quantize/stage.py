@@ -131,12 +131,14 @@ def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> Non
     """The search measures every trial on the evaluation samples against the FP32 outputs; those are the run's
     shared ReferenceOutputs, computed here once (the final evaluation reuses them)."""
     from qprep.evaluate import output_metrics
+    from qprep.evaluate.kinds import output_kinds
 
     run = ctx.reference
     expected = run.expected
-    tasks = ctx.config["evaluation"]["tasks"]
+    evaluation = ctx.config["evaluation"]
+    kinds = output_kinds(run.model, expected, evaluation["tasks"])  # as the final evaluation judges them
 
     def measure(actual_outputs: list[dict]) -> dict:
-        return output_metrics(expected[: len(actual_outputs)], actual_outputs, tasks, run.model)
+        return output_metrics(expected[: len(actual_outputs)], actual_outputs, kinds, evaluation["decision_threshold"])
 
     job.fallback, job.evaluation_samples, job.measure = fallback, run.samples.samples, measure

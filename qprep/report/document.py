@@ -51,7 +51,7 @@ def build(report: dict) -> list:
     blocks: list = [Heading(1, f"qprep report: {model.get('path', '?')}"), Bullets([
         f"status: **{report.get('status')}**" + (f" — {report['error']}" if report.get("error") else ""),
         f"input model: {model.get('kind', '?')}, {model.get('nodes', '?')} nodes, opsets {model.get('opsets', {})}",
-        f"run time: {report.get('seconds', 0):.1f} s"])]
+        f"run time: {report.get('seconds', 0):.1f} s"] + _not_measured(report))]
     if report.get("warnings"):  # first: each one can make the figures below mean less than they seem to
         blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
     calibration = report.get("calibration")
@@ -65,6 +65,14 @@ def build(report: dict) -> list:
         blocks += [Heading(2, f"Kept float ({len(report['float_set'])} nodes)"),
                    Text(", ".join(f"`{n}`" for n in report["float_set"]))]
     return blocks
+
+
+def _not_measured(report: dict) -> list[str]:
+    """A finished run without an evaluation says so: `ok` there means it ran, not that it is accurate."""
+    if report.get("evaluation") or report.get("status") not in ("ok", "gate missed"):
+        return []
+    return ["accuracy: **not measured** — the config has no `evaluation:` section, so nothing compared the "
+            "result with the float model"]
 
 
 def _evaluation(evaluation: dict | None) -> list:
@@ -81,15 +89,19 @@ def _evaluation(evaluation: dict | None) -> list:
         blocks.append(Text(f"**Held-out samples** ({heldout['samples']['count']} from "
                            f"`{heldout['samples'].get('source', '?')}`; no decision of the run saw them):"))
         blocks += [Text(note, note=True) for note in heldout.get("notes", [])]
-        blocks += _outputs(heldout["outputs"])
+        blocks += _outputs(heldout["outputs"], why=False)
     gate = evaluation.get("gate")
     if gate:
+        kind = "Accuracy floor (no gate configured; it catches a collapse)" if gate.get("source") == "floor" else "Gate"
         judged = " (judged on the held-out samples)" if gate.get("judged_on") == "heldout" else ""
         blocks.append(Table(["metric", "value", "needs", "result"], [
-            [c["metric"], "n/a" if c["value"] is None else f"{c['value']:.4g}",
-             f"{'≤' if c.get('kind') == 'maximum' else '≥'} {c['threshold']}",
+            [c["metric"] + (f" (for {c['stands_for']})" if c.get("stands_for") else ""),
+             "not measured" if c["value"] is None else f"{c['value']:.4g}",
+             f"{'≤' if c.get('kind') == 'maximum' else '≥'} {c['threshold']:.4g}",
              "ok" if c["passed"] else "**missed**"] for c in gate["checks"]],
-            title=f"Gate {'passed' if gate['passed'] else '**missed**'}{judged}"))
+            title=f"{kind} {'passed' if gate['passed'] else '**missed**'}{judged}"))
+        if gate.get("worst_tensors"):
+            blocks.append(Text("Worst: " + "; ".join(gate["worst_tensors"]), note=True))
     latency = evaluation.get("latency")
     if latency and "speedup" in latency:
         blocks.append(Text(f"Latency (batch 1, {latency['settings']['threads']} threads, median of "
@@ -106,16 +118,21 @@ def _evaluation(evaluation: dict | None) -> list:
     for name, m in evaluation["outputs"].items():
         rows = m.get("worst_samples", [])
         if rows:
-            blocks.append(Text(f"Worst samples for {name} (cosine): "
-                               + ", ".join(f"{r['sample']} ({r['cosine']:.4f})" for r in rows)))
+            blocks.append(Text(f"Worst samples for {name} ({m.get('worst_by', 'cosine')}): "
+                               + ", ".join(f"{r['sample']} ({_value(r):.4g})" for r in rows)))
     return blocks
 
 
-def _outputs(outputs: dict) -> list:
-    """The per-output table of one sample set, and task accuracy where labels were given."""
-    blocks: list = [Table(["output", "cosine mean", "cosine min", "SQNR dB", "max abs", "agreement (95% CI)"],
-                          [[name, f"{m['cosine_mean']:.5f}", f"{m['cosine_min']:.5f}", f"{m['sqnr_db']:.1f}",
-                            f"{m['max_abs']:.3g}", agreement_text(m)] for name, m in outputs.items()])]
+def _outputs(outputs: dict, why: bool = True) -> list:
+    """The per-output table of one sample set (each output's kind and the figures that judge it), why each
+    kind was chosen, and task accuracy where labels were given."""
+    blocks: list = [Table(["output", "kind", "judged by", "cosine mean", "cosine min", "SQNR dB", "max abs"],
+                          [[name, m.get("kind", "tensor"), judged_text(m), _num(m.get("cosine_mean"), ".5f"),
+                            _num(m.get("cosine_min"), ".5f"), _num(m.get("sqnr_db"), ".1f"),
+                            _num(m.get("max_abs"), ".3g")] for name, m in outputs.items()])]
+    if why and any("why" in m for m in outputs.values()):
+        blocks.append(Bullets([f"`{name}` is judged as **{m['kind']}**: {m['why']}"
+                               for name, m in outputs.items() if "why" in m]))
     for name, m in outputs.items():
         if "top1_accuracy" in m:
             low, high = m["top1_accuracy_ci95"]
@@ -168,12 +185,36 @@ def _stages(stages: list[dict]) -> list:
             verdict, tables = view
             blocks += [Heading(3, f"{s['name']}: accuracy-driven fallback"), Text(verdict)]
             blocks += [Table(header, table_rows, title=title) for title, header, table_rows in tables]
+        blocks += _decisions(s)
         against = (s.get("effect") or {}).get("against_fp32")
         for output, values in (against or {}).get("outputs", {}).items():
             blocks.append(Text(f"{s['name']}: cosine of `{output}` against the FP32 model "
-                               f"{values['cosine_mean_before']:.4f} before → {values['cosine_mean_after']:.4f} after "
+                               f"{_num(values['cosine_mean_before'], '.4f', 'not measured')} before → "
+                               f"{_num(values['cosine_mean_after'], '.4f', 'not measured')} after "
                                f"({against['samples']} samples)."))
     return blocks
+
+
+def _decisions(stage: dict) -> list:
+    """The quantizer's measured choices (GPTQ rounding, bias correction), each with the figure that decided it."""
+    blocks = []
+    rounding = stage.get("weight_rounding") or {}
+    measured = rounding.get("calibration_sqnr_db")
+    if isinstance(measured, dict) and "nearest" in measured:
+        verdict = "kept" if rounding.get("kept") else rounding.get("reason", "not kept")
+        blocks.append(Text(f"{stage['name']}: GPTQ weight rounding on {rounding.get('layers', '?')} layers: "
+                           f"calibration output SQNR {_db(measured['nearest'])} → {_db(measured['gptq'])} — {verdict}."))
+    bias = stage.get("bias_correction") or {}
+    measured = bias.get("calibration_sqnr_db")
+    if isinstance(measured, dict):
+        verdict = "kept" if bias.get("kept") else bias.get("reason", "left out")
+        blocks.append(Text(f"{stage['name']}: bias correction: calibration output SQNR {_db(measured['before'])} → "
+                           f"{_db(measured['after'])} — {verdict}."))
+    return blocks
+
+
+def _db(value) -> str:
+    return "not measured" if value is None else f"{value:.2f} dB"
 
 
 def _passes(stage: dict) -> list:
@@ -215,14 +256,35 @@ def _result(result: dict | None, model: dict) -> list:
     return blocks
 
 
-def agreement_text(m: dict) -> str:
-    prefix = main_agreement(m)
+def agreement_text(m: dict, prefix: str | None = None) -> str:
+    prefix = prefix or main_agreement(m)
     if prefix is None:
         return "–"
+    if m.get(f"{prefix}_agreement") is None:
+        return f"{prefix} agreement not measured"
     low, high = m[f"{prefix}_agreement_ci95"]
     return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "
             f"n={m[f'{prefix}_count']})")
 
 
-def _num(value, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
+def judged_text(m: dict) -> str:
+    """The figures that judge an output (metrics.JUDGED_BY), agreements with their 95% interval."""
+    if m.get("not_measured"):
+        return "not measured"
+    parts = []
+    for metric in m.get("judged_by") or ["cosine_mean"]:
+        if metric.endswith("_agreement"):
+            parts.append(agreement_text(m, metric[: -len("_agreement")]))
+        else:
+            parts.append(f"{metric} " + _num(m.get(metric), ".5f" if metric.startswith("cosine") else ".4g",
+                                             "not measured"))
+    return "; ".join(parts)
+
+
+def _num(value, spec: str, missing: str = "–") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _value(row: dict) -> float:
+    """A worst-sample row's figure (reports before the kinds wrote it as `cosine`)."""
+    return row["value"] if "value" in row else row["cosine"]

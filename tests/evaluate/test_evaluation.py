@@ -127,7 +127,7 @@ def test_masks_match_overflow_is_a_miss_and_empty_outputs_compare():
     assert overflow["nonfinite_samples"] == 1 and overflow["cosine_min"] == 0.0 and overflow["cosine_mean"] == 0.5
     assert overflow["sqnr_db"] == float("-inf") and overflow["max_abs"] == float("inf")
     nan = compare_output([np.ones((1, 3))], [np.full((1, 3), np.nan)], "tensor")
-    assert nan["cosine_mean"] == 0.0 and nan["per_sample_cosine"] == [0.0]
+    assert nan["cosine_mean"] == 0.0 and nan["per_sample"]["values"] == [0.0]
     empty = compare_output([np.zeros((0, 4))], [np.zeros((0, 4))], "tensor")
     assert empty["max_abs"] == 0.0 and empty["cosine_mean"] == 1.0
 
@@ -136,15 +136,14 @@ def test_integer_outputs_are_rated_by_element_agreement_not_argmax():
     ids = [np.array([[5, 7, 7, 2]]), np.array([[1, 1, 3, 3]])]
     changed = [np.array([[5, 7, 8, 2]]), np.array([[1, 1, 3, 3]])]
     assert output_task("ids", (1, 4), "ArgMax", integer=True) == "tensor"
-    metrics = compare_output(ids, changed, "tensor")
-    assert metrics["element_agreement"] == 7 / 8 and "top1_agreement" not in metrics
+    metrics = compare_output(ids, changed, "integer")
+    assert metrics["element_agreement"] == 7 / 8 and "top1_agreement" not in metrics and "cosine_mean" not in metrics
+    assert metrics["judged_by"] == ["element_agreement"]
     from qprep.report.document import agreement_text
     assert agreement_text(metrics).startswith("element 87.5% (")
     assert check_gate({"element_agreement": 0.9}, {"ids": metrics})["passed"] is False
-    from qprep.evaluate import output_notes
-    assert output_notes({"ids": metrics}) == [
-        "output 'ids' holds integers: element_agreement (0.8750) is its meaningful figure; cosine over ids or "
-        "labels says little"]
+    cosine_gate = check_gate({"cosine_mean": 0.8}, {"ids": metrics})  # held to its agreement instead
+    assert [(c["metric"], c["value"], c["passed"]) for c in cosine_gate["checks"]] == [("ids.element_agreement", 7 / 8, True)]
 
 
 def test_gate_fails_a_metric_that_could_not_be_computed():
@@ -156,7 +155,7 @@ def test_gate_fails_a_metric_that_could_not_be_computed():
 def test_wilson_interval_is_honest_at_full_agreement():
     low, high = wilson_interval(20, 20)
     assert high == 1.0 and 0.8 < low < 0.85
-    assert all(math.isnan(v) for v in wilson_interval(0, 0))  # no samples, no interval
+    assert wilson_interval(0, 0) == (None, None)  # no samples, no interval
 
 
 @pytest.mark.slow
@@ -200,9 +199,9 @@ def test_labels_give_task_accuracy_of_reference_and_result(tmp_path):
 def test_outputs_whose_shape_depends_on_the_data_are_counted_not_crashed_on():
     ref = [np.ones((3, 4)), np.ones((2, 4))]
     res = [np.ones((3, 4)), np.ones((5, 4))]  # e.g. NMS kept more boxes on the second sample
-    metrics = compare_output(ref, res, "tensor")
-    assert metrics["shape_mismatch"] == 1 and metrics["samples"] == 1
-    assert metrics["cosine_mean"] == pytest.approx(1.0) and metrics["per_sample_cosine"] == [pytest.approx(1.0), 0.0]
+    metrics = compare_output(ref, res, "tensor")  # the second compared over its common prefix [2, 4]
+    assert metrics["shape_changed"] == 1 and metrics["samples"] == 2
+    assert metrics["cosine_mean"] == pytest.approx(1.0) and metrics["per_sample"]["values"] == [pytest.approx(1.0)] * 2
 
 
 def test_misspelt_gate_metric_is_a_config_error():

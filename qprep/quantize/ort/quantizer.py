@@ -26,7 +26,7 @@ from onnxruntime.quantization import CalibrationMethod, QuantType
 
 from qprep.errors import QprepError
 from qprep.third_party import ort_quantization
-from qprep.evaluate.metrics import sqnr_db
+from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
 from qprep.model.io import is_large, save_model
 from qprep.model.runtime import run_model
@@ -222,10 +222,11 @@ class OrtQuantizer:
         rounded, changed = gptq.apply(quantized, layers, self._moments, cache=self._integers)
         if "kept" not in self.rounding:
             nearest_db, rounded_db = self._calibration_sqnr(quantized, rounded)
+            kept, why = better(nearest_db, rounded_db, "nearest rounding kept")
             self.rounding.update(layers=changed, calibration_sqnr_db={"nearest": nearest_db, "gptq": rounded_db},
-                                 kept=bool(rounded_db > nearest_db))
-            log.info("ort: GPTQ weight rounding on %d layers: calibration SQNR %.2f → %.2f dB (%s)", changed,
-                     nearest_db, rounded_db, "kept" if self.rounding["kept"] else "not better, nearest kept")
+                                 kept=kept, **({"reason": why} if not kept else {}))
+            log.info("ort: GPTQ weight rounding on %d layers: calibration SQNR %s → %s dB (%s)", changed,
+                     db_text(nearest_db), db_text(rounded_db), "kept" if kept else why)
         return rounded if self.rounding["kept"] else quantized
 
     def _calibration_sqnr(self, *models: onnx.ModelProto) -> list[float]:
@@ -251,14 +252,19 @@ class OrtQuantizer:
             started = time.perf_counter()
             self._note(f"bias correction: {len(layers)} layers in {len(bias_correction.waves(layers))} waves over "
                        f"{len(self.samples)} calibration samples")
-            shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads)
-            before_db, after_db = self._calibration_sqnr(quantized, bias_correction.apply(quantized, layers, shifts))
-            kept = bool(after_db > before_db)
+            before_db, = self._calibration_sqnr(quantized)
+            if before_db is None:  # nothing to judge the correction by: not worth its minutes
+                shifts, after_db = {}, None
+            else:
+                shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads)
+                after_db, = self._calibration_sqnr(bias_correction.apply(quantized, layers, shifts))
+            kept, why = better(before_db, after_db, "no correction")
             self._bias[key] = {"shifts": shifts if kept else {}, "layers": len(shifts), "kept": kept,
-                               "calibration_sqnr_db": {"before": round(before_db, 2), "after": round(after_db, 2)},
+                               "calibration_sqnr_db": {"before": _rounded(before_db), "after": _rounded(after_db)},
+                               **({"reason": why} if not kept else {}),
                                "seconds": round(time.perf_counter() - started, 1)}
-            self._note(f"bias correction: calibration SQNR {before_db:.2f} → {after_db:.2f} dB, "
-                       f"{'kept' if kept else 'not better, left out'} ({self._bias[key]['seconds']:.0f} s)")
+            self._note(f"bias correction: calibration SQNR {db_text(before_db)} → {db_text(after_db)} dB, "
+                       f"{'kept' if kept else why} ({self._bias[key]['seconds']:.0f} s)")
         result = self._bias[key]
         self.bias = {"applied": result["kept"], **{k: v for k, v in result.items() if k != "shifts"}}
         return bias_correction.apply(quantized, layers, result["shifts"]) if result["shifts"] else quantized
@@ -283,8 +289,28 @@ def _tensors_data(ranges: dict[str, tuple[float, float]]):
                                                   for name, (low, high) in ranges.items()})
 
 
-def output_sqnr(expected: list[dict], actual: list[dict]) -> float:
-    """SQNR (dB) of all float outputs together, over the samples."""
-    pairs = [(e[name], a[name]) for e, a in zip(expected, actual) for name in e
-             if np.asarray(e[name]).dtype.kind == "f" and np.shape(e[name]) == np.shape(a[name])]
+def output_sqnr(expected: list[dict], actual: list[dict]) -> float | None:
+    """SQNR (dB) of all float outputs together, over the samples; an output whose shape depends on the input
+    is compared over its common prefix (evaluate.metrics.aligned). None when no pair could be compared."""
+    names = [name for name in expected[0] if np.asarray(expected[0][name]).dtype.kind == "f"] if expected else []
+    pairs = [p for name in names
+             for p in aligned([e[name] for e in expected], [a[name] for a in actual])[0] if p is not None]
     return sqnr_db([p[0] for p in pairs], [p[1] for p in pairs])
+
+
+def better(before_db: float | None, after_db: float | None, default: str) -> tuple[bool, str]:
+    """Is a change (GPTQ rounding, bias correction) kept: only on evidence that it lowers the output error;
+    (kept, why not)."""
+    if before_db is None or after_db is None:
+        return False, f"not measured (no calibration output could be compared with the float model's): {default}"
+    if after_db > before_db:
+        return True, ""
+    return False, f"not better: {default}"
+
+
+def db_text(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.2f}"
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)

@@ -1,0 +1,140 @@
+"""What each output is, read from the graph and the reference's values: it decides which metrics judge it.
+
+Why: one metric for every output misleads. A one-element output always has cosine 1 (a voice detector's
+probability read "cosine 1.00000" next to an SQNR of −3.9 dB); a state output fed back at the next call
+drifts step after step, which its relative error shows; rows that NMS or TopK chose reorder when a score
+moves. The rules, first match wins (an `evaluation.tasks` entry names the kind instead):
+
+1. rows chosen by NonMaxSuppression or TopK (reached going up through ops that only move, select or
+   rescale values): `boxes` when each row holds 4 to 7 numbers and is not TopK's own values, else
+   `ranked_ids` (integers) or `ranked` (rows.py compares them as sets);
+2. integer or boolean values → `integer`;
+3. `state`: a float output with the dtype and shape of a float graph input whose name pairs with it once
+   the words that mark a state's direction are dropped (state/stateN, h0/hn, h_in/h_out, cache/new_cache,
+   past_key_values.0.key/present.0.key);
+4. `probability`: values in [0, 1] on every sample, and one element per sample or a Sigmoid's output with at
+   most one axis longer than 1 (a multi-label vector, per-frame probabilities; a 2-D probability map keeps
+   its cosine, which means something over many pixels);
+5. `scalar`: one element per sample (any range);
+6. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx
+
+from qprep.errors import ConfigError
+from qprep.evaluate.metrics import is_integer, output_task
+from qprep.verify import is_numeric
+
+ROW_SELECTORS = {"NonMaxSuppression", "TopK"}
+# ops that only move or select values: going up through them keeps the same values (probability, TopK values)
+MOVES = {"Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose", "Slice", "Gather",
+         "GatherElements", "GatherND", "Concat", "Split", "Expand", "Tile"}
+# and ops that rescale or combine them elementwise: boxes decoded from rows NMS chose pass through these
+ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Clip", "Max", "Min", "Where", "Sigmoid", "Exp", "Sqrt", "Relu",
+               "Round", "Floor", "Ceil", "Abs", "Neg", "Not", "Greater", "Less", "Equal", "And", "Or"}
+DIRECTION_WORDS = {"in", "out", "input", "output", "inputs", "outputs", "new", "next", "prev", "previous", "old",
+                   "past", "present", "cur", "current", "updated", "n", "i", "o"}
+
+
+def output_kinds(model: onnx.ModelProto, expected: list[dict], tasks: dict) -> dict[str, tuple[str, str]]:
+    """{output: (kind, why)} for the numeric outputs of `expected` (the reference's outputs per sample)."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
+    kinds = {}
+    for name in expected[0]:
+        values = [e[name] for e in expected]
+        if not all(is_numeric(v) for v in values):
+            continue  # strings, sequences, maps: not compared
+        if name in tasks:
+            width = min(np.asarray(v).shape[-1] if np.ndim(v) >= 2 else 1 for v in values)
+            if tasks[name] == "boxes" and width < 4:
+                raise ConfigError(f"evaluation.tasks.{name}: boxes needs rows of at least 4 numbers (the box, then "
+                                  f"scores); this output's rows hold {width}: choose another kind")
+            kinds[name] = (tasks[name], "named in evaluation.tasks")
+        else:
+            kinds[name] = output_kind(name, values, producers, inputs)
+    return kinds
+
+
+def output_kind(name: str, values: list[np.ndarray], producers: dict, inputs: dict) -> tuple[str, str]:
+    """(kind, why) of one output by the rules of the module doc."""
+    integer = is_integer(values)
+    selector = _reaches(name, producers, ROW_SELECTORS, MOVES | ELEMENTWISE)
+    if selector is not None:
+        direct = _reaches(name, producers, ROW_SELECTORS, MOVES)
+        width = values[0].shape[-1] if values[0].ndim >= 2 else 1
+        if not integer and 4 <= width <= 7 and not (direct is not None and direct.op_type == "TopK"):
+            return "boxes", (f"rows chosen by {selector.op_type} '{selector.name}' with {width} columns (a box and "
+                             "its scores): rows matched by IoU, not compared element by element")
+        return ("ranked_ids" if integer else "ranked"), (
+            f"rows chosen by {selector.op_type} '{selector.name}': their order moves with the scores, so they are "
+            "compared as " + ("sets" if integer else "sorted values"))
+    if integer:
+        return "integer", "integer values (ids, labels, counts): rated by the share of equal elements"
+    partner = state_input(name, values, inputs)
+    if partner is not None:
+        return "state", (f"a state: same shape and dtype as the input '{partner}' it pairs with by name; rated by "
+                         "relative error, which grows call after call when the state is fed back")
+    in_unit = all(v.size and np.all((v >= 0) & (v <= 1)) for v in values)
+    one = all(v.size == 1 for v in values)
+    if in_unit and (one or (_reaches(name, producers, {"Sigmoid"}, MOVES) is not None
+                            and max(sum(d > 1 for d in v.shape) for v in values) <= 1)):
+        return "probability", ("one value in [0, 1] per sample" if one else "a Sigmoid's probabilities") + (
+            ": rated by absolute error and decision agreement at the threshold; a cosine says nothing here")
+    if one:
+        return "scalar", ("one value per sample: rated by absolute error and by relative error over the samples "
+                          "(the cosine of one element is always 1)")
+    producer = producers.get(name)
+    task = output_task(name, values[0].shape, producer.op_type if producer is not None else None)
+    return task, {"classification": "class scores [N, C]: cosine and top-1 agreement",
+                  "sequence": "per-step scores [N, T, C] from a Softmax: cosine and per-step agreement",
+                  "tensor": "a tensor of many values: cosine and SQNR"}[task]
+
+
+def state_input(output: str, values: list[np.ndarray], inputs: dict) -> str | None:
+    """The float graph input this output is the next value of: same dtype and shape (symbolic dims match any
+    size), and names equal once direction words and digits marking a step are dropped."""
+    key = state_key(output)
+    if not key or values[0].dtype.kind != "f":
+        return None
+    for name, info in inputs.items():
+        tensor = info.type.tensor_type
+        if tensor.elem_type != onnx.helper.np_dtype_to_tensor_dtype(values[0].dtype) or state_key(name) != key:
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if all(len(dims) == v.ndim and all(d is None or d == s for d, s in zip(dims, v.shape)) for v in values):
+            return name
+    return None
+
+
+def state_key(name: str) -> tuple[str, ...]:
+    """A name without the words that mark a state's direction: state/stateN → (state,), h0/hn/h_out → (h,),
+    past_key_values.0.key/present.0.key → (0, key). Empty for plain names (input/output never pair)."""
+    spaced = re.sub(r"([a-z])([A-Z])", r"\1 \2", name).lower().replace("past_key_values", "past")
+    tokens = re.findall(r"[a-z]+|\d+", spaced)
+    if tokens and tokens[-1] == "0":  # h0, state_0: the initial value
+        tokens = tokens[:-1]
+    tokens = [t[0] if len(t) == 2 and t[1] in "no" and t not in DIRECTION_WORDS else t for t in tokens]  # hn, co
+    return tuple(t for t in tokens if t not in DIRECTION_WORDS)
+
+
+def _reaches(tensor: str, producers: dict, targets: set[str], through: set[str]):
+    """The first node of an op type in `targets` found going up from `tensor` through `through` ops only."""
+    seen, stack = set(), [tensor]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type in targets:
+            return node
+        if node.op_type in through:
+            stack.extend(i for i in node.input if i)
+    return None
+
