@@ -168,12 +168,15 @@ def _pipeline_block(model: onnx.ModelProto, backend: str, gate: dict) -> list[st
 
 
 def _gate(model: onnx.ModelProto) -> dict:
-    """cosine 0.99 on every output, and top-1 agreement 97% when the first output looks like class scores."""
+    """cosine 0.99 (outputs judged otherwise — probabilities, states, ids — are held to their own metric at the
+    same level), and top-1 agreement 97% when the first output looks like single-label class scores ([N, C],
+    not a Sigmoid: multi-label outputs are judged as probabilities)."""
     outputs = model_info.graph_outputs(model)
     gate = {"cosine_mean": 0.99}
     shape = outputs[0].shape if outputs else None
     classes = shape and len(shape) == 2 and isinstance(shape[-1], int) and shape[-1] >= 2
-    if classes and outputs[0].dtype.startswith("float"):
+    producer = next((n.op_type for n in model.graph.node if outputs and outputs[0].name in n.output), None)
+    if classes and outputs[0].dtype.startswith("float") and producer != "Sigmoid":
         gate["top1_agreement"] = 0.97
     return gate
 
