@@ -254,6 +254,7 @@ def test_fp16_model_with_float16_inputs_is_evaluated_on_the_same_float32_samples
     assert report["evaluation"]["latency"]["result"]["runs"] == 2
 
 
+@pytest.mark.slow
 def test_heldout_samples_are_measured_apart_and_judge_the_gate(tmp_path):
     """evaluation.heldout: the result is measured on samples no decision saw, with their own labels, and the
     gate is judged there; a held-out set that shares samples with evaluation.source is refused."""
