@@ -15,65 +15,61 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
                                               transpose_transpose_rule, unsqueeze_unsqueeze_rule)
 
+from qprep.optimize.dim_origin import DimOrigins, shape_element
 from qprep.optimize.ir_utils import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
+from qprep.optimize.rules import names_in_use
 from qprep.third_party import MaterializeReshapeShape, materialized_dims
 
 
 class ReshapeKeepingOwnDims(RewriteRuleClassBase):
-    """Reshape(x, Concat(Unsqueeze(Gather(Shape(x), k)), c, ...)) → Reshape(x, [0 or c, ...]).
+    """Reshape(x, Concat(..., Unsqueeze(Gather(Shape(y), k)), ..., c)) → Reshape(x, [..., 0, ..., c]).
 
-    The `x.view(x.size(0), -1)` idiom: a piece that copies dim k (of x, or of a tensor whose dim k is provably
-    the same) into position k is what Reshape's 0 means (allowzero=0); every other piece must be a constant.
-    The shape subgraph then dies.
+    The `x.view(x.size(0), -1)` and attention-head idioms: a piece that reads a dim of some tensor y into
+    position i is what Reshape's 0 means (allowzero=0) when that dim provably equals x's dim i (the same
+    origin, qprep/optimize/dim_origin.py); every other piece must be a constant. The shape subgraph then dies.
     """
 
-    def pattern(self, op, x, shape):
-        return op.Reshape(x, shape)
+    def __init__(self, origins: DimOrigins):
+        super().__init__()
+        self._origins = origins
 
-    def check(self, context, x, shape, **_) -> MatchResult:
+    def pattern(self, op, x, shape):
+        return op.Reshape(x, shape, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, shape, y, **_) -> MatchResult:
         result = MatchResult()
-        self._dims = _dims_copying(x, shape)
-        return result if self._dims is not None else result.fail("shape is not built from x's dims and constants")
+        if constant_array(shape) is not None:
+            return result.fail("the shape is already a constant")
+        if y.producer().attributes.get_int("allowzero", 0) != 0:
+            return result.fail("allowzero=1: a 0 in the shape is a zero-size dim, not a copy")
+        self._dims = _dims_copying(x, shape, self._origins)
+        if self._dims is None:
+            return result.fail("shape is not built from x's dims and constants")
+        self._name = names_in_use(context.model).value(f"{shape.name}/constant")
+        return result
 
     def rewrite(self, op, x, shape, **_):
-        name = f"{shape.name}/constant"
+        name = self._name
         return op.Reshape(x, op.initializer(ir.tensor(np.array(self._dims, dtype=np.int64), name=name), name=name))
 
 
-def _dims_copying(x: ir.Value, shape: ir.Value) -> list[int] | None:
-    concat = shape.producer()
-    if concat is None or concat.op_type != "Concat" or concat.attributes.get_int("axis", 0) != 0:
+def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int] | None:
+    """The constant shape equivalent to `shape` for Reshape(x, shape), or None when one element is neither a
+    constant nor a provable copy of x's dim at its position."""
+    length = shape.shape[0] if shape.shape is not None and shape.shape.rank() == 1 else None
+    if not isinstance(length, int):
         return None
-    dims: list[int] = []
-    for piece in concat.inputs:
-        value = constant_array(piece)
-        if value is not None:
-            dims.extend(int(v) for v in value.reshape(-1))
-            continue
-        unsqueeze = piece.producer()
-        gather = unsqueeze.inputs[0].producer() if unsqueeze is not None and unsqueeze.op_type == "Unsqueeze" else None
-        source = gather.inputs[0].producer() if gather is not None and gather.op_type == "Gather" else None
-        index = constant_array(gather.inputs[1]) if source is not None else None
-        if (source is None or source.op_type != "Shape" or index is None or index.size != 1
-                or source.attributes.get_int("start", 0) != 0 or int(index) != len(dims)
-                or not _same_dim(source.inputs[0], x, len(dims))):
+    dims = []
+    for i in range(length):
+        element = shape_element(shape, i, origins)
+        if isinstance(element, (int, np.integer)):
+            dims.append(int(element))
+        elif element is not None and x.shape is not None and i < x.shape.rank() and origins.of(x, i) == element:
+            dims.append(0)
+        else:
             return None
-        dims.append(0)
     return dims if dims.count(-1) <= 1 else None
-
-
-def _same_dim(a: ir.Value, b: ir.Value, axis: int) -> bool:
-    """Dim `axis` of a and b is provably equal: same tensor, same static size, or the same named symbolic dim
-    (ONNX: one dim_param name means one size within a graph; inference's `unk__` names prove nothing)."""
-    if a is b:
-        return True
-    if a.shape is None or b.shape is None or axis >= min(len(a.shape), len(b.shape)):
-        return False
-    da, db = a.shape[axis], b.shape[axis]
-    if isinstance(da, int) or isinstance(db, int):
-        return da == db
-    return da.value is not None and da.value == db.value and not str(da.value).startswith("unk__")
 
 
 class ConstantReshapeShape(MaterializeReshapeShape):
@@ -92,13 +88,15 @@ class ConstantReshapeShape(MaterializeReshapeShape):
         return op.Reshape(data, op.initializer(ir.tensor(np.array(materialized_dims(self), np.int64), name=self._name)))
 
 
-RULES = RewriteRuleSet([ReshapeKeepingOwnDims.rule(), transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule,
-                        unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule, ConstantReshapeShape.rule()])
+def rules(origins: DimOrigins) -> RewriteRuleSet:
+    return RewriteRuleSet([ReshapeKeepingOwnDims.rule(origins), transpose_transpose_rule, no_op_transpose_rule,
+                           reshape_reshape_rule, unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule,
+                           ConstantReshapeShape.rule()])
 
 
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     infer_shapes(model)  # the rules check ranks/shapes
-    count = RULES.apply_to_model(model)
+    count = rules(DimOrigins()).apply_to_model(model)
     IdentityEliminationPass()(model)  # composed Transposes that cancel out become Identity first
     RemoveUnusedNodesPass()(model)
     return PassOutcome(matches=count, details={"rewrites": count})
