@@ -4,6 +4,7 @@ the dims are provably equal, and the numbers stay exact at several batch sizes a
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx import helper
 
@@ -23,7 +24,7 @@ def _dim(source: str, index: str, out: str) -> list:
             helper.make_node("Unsqueeze", [f"{out}_dim", "axes0"], [out])]
 
 
-def attention_heads(reshape_input: str = "q") -> "onnx.ModelProto":  # noqa: F821
+def attention_heads(reshape_input: str = "q") -> onnx.ModelProto:
     """x[B, S, 32] → q = Relu(x @ w) → Reshape(q, [B, S, 4, 8]) with B, S read from x's shape (each piece
     computed twice, as the TorchScript exporter writes it)."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["q"]),
