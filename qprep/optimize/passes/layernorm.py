@@ -569,15 +569,22 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     return PassOutcome(fused, {**log.details(), **details})
 
 
-def count_decomposed_layernorms(model: onnx.ModelProto) -> int:
-    """How many LayerNorms `fuse_layernorm` would fuse in `model`: the same rules, on a copy.
+def find_layernorms(model: onnx.ModelProto) -> dict:
+    """What `qprep inspect` shows: the decomposed LayerNorms `fuse_layernorm` would fuse, per spelling, and
+    the refused candidates by reason — the same rules, run on a copy.
 
     The proto is not changed. Its weights must be loaded (`onnx.load` does that): constants read from
     unresolved external data are unknown, and every check on them refuses.
     """
     copy = ir.from_proto(model)  # a new object graph; the proto is never written to
-    fused, _ = _typed_retry(copy, lambda log: _rule_set(log).apply_to_model(copy), {})
-    return fused
+    _, log = _typed_retry(copy, lambda log: _rule_set(log).apply_to_model(copy), {})
+    details = log.details()
+    return {"decomposed": details.get("forms", {}), **({"refused": details["refused"]} if "refused" in details else {})}
+
+
+def count_decomposed_layernorms(model: onnx.ModelProto) -> int:
+    """How many LayerNorms `fuse_layernorm` would fuse in `model` (find_layernorms, summed)."""
+    return sum(find_layernorms(model)["decomposed"].values())
 
 
 PASS = GraphPass(
