@@ -33,7 +33,7 @@ from collections.abc import Hashable
 import numpy as np
 import onnx_ir as ir
 
-from qprep.optimize.ir_utils import constant_array
+from qprep.optimize.ir_utils import SHAPE_KEEPING_CONTRIB_OPS, constant_array
 
 SHAPE_KEEPING = frozenset({
     "Abs", "Cast", "CastLike", "Ceil", "Clip", "Cos", "Dropout", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid",
@@ -78,6 +78,8 @@ class DimOrigins:
             name = getattr(dim, "value", None)
             return ("dim", name) if name and not str(name).startswith("unk__") else opaque
         node = value.producer()
+        if node is not None and (node.domain, node.op_type) in SHAPE_KEEPING_CONTRIB_OPS and depth <= MAX_DEPTH:
+            return self.of(node.inputs[0], axis, depth + 1)
         if node is None or depth > MAX_DEPTH or node.domain not in ("", "ai.onnx"):
             return opaque
         rank = _rank(value)
@@ -229,9 +231,32 @@ def shape_element(shape: ir.Value, index: int, origins: DimOrigins, depth: int =
             return None
         start = int(starts.reshape(-1)[0])
         return shape_element(node.inputs[0], start + index, origins, depth) if start >= 0 else None
-    if node.op_type == "Cast":
-        return shape_element(node.inputs[0], index, origins, depth)
+    if node.op_type == "Cast" or node.op_type == "Reshape" and _rank(node.inputs[0]) == 1:
+        return shape_element(node.inputs[0], index, origins, depth)  # a 1-D shape stays element for element
+    if node.op_type == "Where":
+        return _unless_negative(node, index, origins, depth)
     return None
+
+
+def _unless_negative(where: ir.Node, index: int, origins: DimOrigins, depth: int) -> Hashable | None:
+    """torch's `expand(-1)` idiom: Where(Equal(s, c), a, s) with c < 0 everywhere. An element of s that is a dim
+    (never negative) is what Where picks; a negative constant element equal to c picks a's element."""
+    condition, a, s = where.inputs
+    equal = condition.producer() if condition is not None else None
+    if equal is None or equal.op_type != "Equal" or s not in equal.inputs:
+        return None
+    c = constant_array(equal.inputs[0] if equal.inputs[1] is s else equal.inputs[1])
+    if c is None or c.size == 0 or not np.all(c < 0):
+        return None
+    element = shape_element(s, index, origins, depth)
+    if element is None:
+        return None
+    if not isinstance(element, (int, np.integer)) or element >= 0:
+        return element
+    flat = c.reshape(-1)
+    if c.ndim > 1 or (flat.size != 1 and index >= flat.size) or int(flat[0 if flat.size == 1 else index]) != element:
+        return None
+    return shape_element(a, index, origins, depth)
 
 
 def _common(origins: list) -> Hashable | None:

@@ -73,3 +73,52 @@ def test_origins_follow_matmul_transpose_unsqueeze_and_broadcasting():
     assert origins.same(values["u"], 2, model.graph.inputs[0], 0)  # B
     assert origins.same(values["a"], 1, values["m"], 1)  # a static-1 bias dim leaves S alone
     assert not origins.same(values["p"], 1, values["m"], 1)  # broadcast of S and T: unknown
+
+
+def test_reshape_to_its_own_shape_with_one_minus_one_is_removed_and_a_rank_change_is_kept():
+    nodes = [*_dim("x", "zero", "b"), *_dim("x", "two", "d"),
+             helper.make_node("Concat", ["b", "minus1", "d"], ["same"], axis=0),
+             helper.make_node("Reshape", ["x", "same"], ["y1"]),
+             helper.make_node("Concat", ["b", "minus1"], ["flat"], axis=0),
+             helper.make_node("Reshape", ["x", "flat"], ["y2"])]
+    model = make_model(nodes, [("x", ["B", "S", 32]), ("other", ["B", "T", 32])], [("y1", None), ("y2", None)],
+                       {**I64, "two": np.array(2, np.int64), "minus1": np.array([-1], np.int64)}, opset=14)
+    out, _ = apply_pass(simplify_shapes.PASS, model)
+    out, _ = apply_pass(cleanup.PASS, out)
+    assert ops(out)["Reshape"] == 1  # y1 is x itself now; y2 flattens, with a constant [0, -1]
+    for batch, seq in ((1, 3), (2, 11)):
+        assert max_diff(model, out, {"x": rand(batch, seq, 32), "other": rand(batch, 1, 32)}) == 0.0
+
+
+def test_torch_expand_minus_one_idiom_keeps_the_expanded_dims_provable():
+    """Expand(m, Where(Equal(s, -1), 1, s)) with s = [Shape(x)[0], -1, 32]: -1 keeps m's dim, the others are
+    x's dims, so the result's dims are x's."""
+    nodes = [helper.make_node("ReduceSum", ["x", "axes_last"], ["m"], keepdims=1),
+             *_dim("x", "zero", "b"),
+             helper.make_node("Concat", ["b", "minus1", "width32"], ["s"], axis=0),
+             helper.make_node("Equal", ["s", "minus1s"], ["is_minus1"]),
+             helper.make_node("Where", ["is_minus1", "ones", "s"], ["target"]),
+             helper.make_node("Expand", ["m", "target"], ["e"])]
+    proto = make_model(nodes, [("x", ["B", "S", 32]), ("other", ["B", "T", 32])], [("e", None)],
+                       {**I64, "axes_last": np.array([-1], np.int64), "minus1": np.array([-1], np.int64),
+                        "width32": np.array([32], np.int64), "minus1s": np.full(3, -1, np.int64),
+                        "ones": np.ones(3, np.int64)}, opset=14)
+    model = ir.from_proto(proto)
+    infer_shapes(model)
+    expanded = next(node for node in model.graph if node.op_type == "Expand").outputs[0]
+    origins = DimOrigins()
+    assert all(origins.same(expanded, axis, model.graph.inputs[0], axis) for axis in range(3))
+
+
+def test_shapes_are_inferred_through_a_fused_contrib_gelu():
+    nodes = [helper.make_node("Gelu", ["x"], ["g"], domain="com.microsoft"),
+             helper.make_node("MatMul", ["g", "w"], ["y"])]
+    proto = make_model(nodes, [("x", ["B", "S", 32]), ("other", ["B", "T", 32])], [("y", None)], I64, opset=14,
+                       infer_shapes=False)
+    proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    model = ir.from_proto(proto)
+    assert infer_shapes(model)
+    gelu, matmul = list(model.graph)
+    assert (gelu.domain, gelu.op_type) == ("com.microsoft", "Gelu")  # restored after inference
+    assert matmul.outputs[0].shape.rank() == 3
+    assert DimOrigins().same(matmul.outputs[0], 1, model.graph.inputs[0], 1)

@@ -54,6 +54,41 @@ class ReshapeKeepingOwnDims(RewriteRuleClassBase):
         return op.Reshape(x, op.initializer(ir.tensor(np.array(self._dims, dtype=np.int64), name=name), name=name))
 
 
+class ReshapeToOwnShape(RewriteRuleClassBase):
+    """Reshape(x, shape) → x when every element of the computed shape provably is x's own dim at its position
+    (a constant equal to a static dim, a dim read from a tensor with the same origin, or one -1 once all the
+    others are proved). Dynamic exports write such no-op Reshapes around attention (`view(b, -1, s, d)`)."""
+
+    def __init__(self, origins: DimOrigins):
+        super().__init__()
+        self._origins = origins
+
+    def pattern(self, op, x, shape):
+        return op.Reshape(x, shape, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, shape, y, **_) -> MatchResult:
+        result = MatchResult()
+        rank = x.shape.rank() if x.shape is not None else None
+        length = shape.shape[0] if shape.shape is not None and shape.shape.rank() == 1 else None
+        if rank is None or length != rank:
+            return result.fail("the target's length is not x's known rank")
+        allowzero = y.producer().attributes.get_int("allowzero", 0)
+        unproved = []
+        for i in range(rank):
+            element = shape_element(shape, i, self._origins)
+            own = self._origins.of(x, i)
+            if element == own or (element == 0 and not allowzero):
+                continue
+            if element == -1:
+                unproved.append(i)
+                continue
+            return result.fail(f"target element {i} is not x's dim {i}")
+        return result if len(unproved) <= 1 else result.fail("more than one -1")
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
+
+
 def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int] | None:
     """The constant shape equivalent to `shape` for Reshape(x, shape), or None when one element is neither a
     constant nor a provable copy of x's dim at its position."""
@@ -89,7 +124,7 @@ class ConstantReshapeShape(MaterializeReshapeShape):
 
 
 def rules(origins: DimOrigins) -> RewriteRuleSet:
-    return RewriteRuleSet([ReshapeKeepingOwnDims.rule(origins), transpose_transpose_rule, no_op_transpose_rule,
+    return RewriteRuleSet([ReshapeToOwnShape.rule(origins), ReshapeKeepingOwnDims.rule(origins), transpose_transpose_rule, no_op_transpose_rule,
                            reshape_reshape_rule, unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule,
                            ConstantReshapeShape.rule()])
 
