@@ -390,7 +390,8 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     if matches:
         RemoveUnusedNodesPass()(model)  # the replaced nodes and the Constant nodes that fed only them
-    details["fused"] = {form: sum(m.form == form for m in matches) for form in FORMS}
+    if matches:  # only then: the stage keeps a later round's value, and a round with nothing left must not hide it
+        details["fused"] = {form: sum(m.form == form for m in matches) for form in FORMS}
     if refused:
         details["refused"] = dict(sorted(refused.items()))
     return PassOutcome(len(matches), details)
