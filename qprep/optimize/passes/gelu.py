@@ -40,7 +40,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from qprep.optimize.ir_utils import constant_array, default_opset
+from qprep.optimize.ir_utils import constant_array, default_opset, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.optimize.rules import OpsetUpgrade, all_nodes, unique_node_name
 
@@ -198,8 +198,8 @@ def match_gelu(core: ir.Node) -> Match | str | None:
             inner, inner_problem = inner_reader.read(core.inputs[0]), None
         except NotPolynomial as exc:
             inner, inner_problem = {}, str(exc)
-        if inner and any(p[1] for p in inner) or form_name == "sigmoid" and inner == {X: 1.0}:
-            continue  # x * sigmoid(x) is SiLU
+        if form_name == "sigmoid" and _silu(core.inputs[0], x):
+            continue  # x * sigmoid(x) is SiLU, not a GELU candidate
         found = _outer(core.outputs[0], x, rank, form.outer, inner_reader.nodes | {core})
         if isinstance(found, str) or found is None:
             if found and not inner_problem and inner:
@@ -223,6 +223,14 @@ def match_gelu(core: ir.Node) -> Match | str | None:
         else:
             return Match(form_name, x, y, core, nodes, alpha=inner.get(X, 1.0))
     return reasons[0] if reasons else None
+
+
+def _silu(u: ir.Value, x: ir.Value) -> bool:
+    """u is x itself up to constants of any rank (x * sigmoid(x), Swish with beta 1)."""
+    try:
+        return _Reader({x: {X: 1.0}}, rank=64).read(u) == {X: 1.0}
+    except NotPolynomial:
+        return False
 
 
 def _variable_candidates(u: ir.Value) -> list[ir.Value]:
@@ -399,8 +407,11 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
 
 def count_gelus(proto: onnx.ModelProto) -> dict:
     """What `qprep inspect` shows: decomposed GELUs per form (the ones `optimize` fuses) and refused candidates
-    by reason, found by the same matcher on a copy (the proto is not changed)."""
-    matches, refused = find_gelus(ir.from_proto(proto))
+    by reason, found by the same matcher on a copy (the proto is not changed), after shape inference as in the
+    optimize stage (the check needs x's rank)."""
+    model = ir.from_proto(proto)
+    infer_shapes(model)
+    matches, refused = find_gelus(model)
     out: dict = {"decomposed": {form: sum(m.form == form for m in matches) for form in FORMS}}
     if refused:
         out["refused"] = dict(sorted(refused.items()))
