@@ -122,3 +122,14 @@ def test_shapes_are_inferred_through_a_fused_contrib_gelu():
     assert (gelu.domain, gelu.op_type) == ("com.microsoft", "Gelu")  # restored after inference
     assert matmul.outputs[0].shape.rank() == 3
     assert DimOrigins().same(matmul.outputs[0], 1, model.graph.inputs[0], 1)
+
+
+def test_transpose_moving_only_unit_dims_merges_into_the_reshape_before_it():
+    nodes = [helper.make_node("Reshape", ["x", "to3d"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1]),   # [12, 8, 1] → [12, 1, 8]
+             helper.make_node("Transpose", ["r"], ["u"], perm=[1, 0, 2])]   # [8, 12, 1]: reorders 12 and 8
+    model = make_model(nodes, [("x", [12, 8])], [("t", None), ("u", None)],
+                       {"to3d": np.array([12, 8, 1], np.int64)}, opset=14)
+    out, _ = apply_pass(simplify_shapes.PASS, model)
+    assert ops(out) == {"Reshape": 2, "Transpose": 1}  # t is one Reshape of x; u keeps its Transpose
+    assert max_diff(model, out, {"x": rand(12, 8)}) == 0.0

@@ -89,6 +89,44 @@ class ReshapeToOwnShape(RewriteRuleClassBase):
         return op.Identity(x)
 
 
+class TransposeMovingUnitDims(RewriteRuleClassBase):
+    """Transpose(x) that moves only size-1 dims (the other dims keep their order) next to a Reshape →
+    Reshape(x, its output shape), which then merges with that Reshape: the same elements in the same order.
+    jax2tf writes `Reshape → Transpose([0, 2, 1])` of [12, 128, 1] tensors in attention."""
+
+    def pattern(self, op, x):
+        return op.Transpose(x, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, y, **_) -> MatchResult:
+        result = MatchResult()
+        rank = x.shape.rank() if x.shape is not None else None
+        if rank is None:
+            return result.fail("unknown rank")
+        perm = list(y.producer().attributes.get_ints("perm", list(range(rank))[::-1]))
+        kept = [axis for axis in perm if x.shape[axis] != 1]
+        if kept != sorted(kept):
+            return result.fail("the transpose reorders dims longer than 1")
+        beside_reshape = (x.producer() is not None and x.producer().op_type == "Reshape") or any(
+            use.node.op_type == "Reshape" for use in y.uses())
+        if not beside_reshape:
+            return result.fail("no Reshape to merge with")
+        target = []
+        for position, axis in enumerate(perm):
+            dim = x.shape[axis]
+            if isinstance(dim, int) and dim > 0:
+                target.append(dim)
+            elif axis == position and not isinstance(dim, int):
+                target.append(0)  # a dynamic dim that stays in place: Reshape's copy
+            else:
+                return result.fail("a dynamic or empty dim moves")
+        self._target = target
+        self._name = names_in_use(context.model).value(f"{y.name}/shape")
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.Reshape(x, op.initializer(ir.tensor(np.array(self._target, np.int64), name=self._name)))
+
+
 def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int] | None:
     """The constant shape equivalent to `shape` for Reshape(x, shape), or None when one element is neither a
     constant nor a provable copy of x's dim at its position."""
@@ -124,7 +162,8 @@ class ConstantReshapeShape(MaterializeReshapeShape):
 
 
 def rules(origins: DimOrigins) -> RewriteRuleSet:
-    return RewriteRuleSet([ReshapeToOwnShape.rule(origins), ReshapeKeepingOwnDims.rule(origins), transpose_transpose_rule, no_op_transpose_rule,
+    return RewriteRuleSet([ReshapeToOwnShape.rule(origins), ReshapeKeepingOwnDims.rule(origins),
+                           transpose_transpose_rule, no_op_transpose_rule, TransposeMovingUnitDims.rule(),
                            reshape_reshape_rule, unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule,
                            ConstantReshapeShape.rule()])
 
