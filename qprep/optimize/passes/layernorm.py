@@ -366,10 +366,6 @@ class CenteredLayerNorm(_LayerNormRule):
 
     form = "centered"
 
-    def __init__(self, log: _FusionLog, *, scale: bool = True, bias: bool = True, swapped: bool = False,
-                 variant: str = "") -> None:
-        super().__init__(log, scale=scale, bias=bias, swapped=swapped, variant=variant)
-
     def pattern(self, op, x, eps, gamma, beta):
         stats = _Statistics(op, x, eps)
         d = stats.deviation
