@@ -133,3 +133,23 @@ def test_transpose_moving_only_unit_dims_merges_into_the_reshape_before_it():
     out, _ = apply_pass(simplify_shapes.PASS, model)
     assert ops(out) == {"Reshape": 2, "Transpose": 1}  # t is one Reshape of x; u keeps its Transpose
     assert max_diff(model, out, {"x": rand(12, 8)}) == 0.0
+
+
+def test_softmax_over_flattened_rows_becomes_one_softmax_on_the_last_axis():
+    """What onnx's version converter writes for a Softmax raised from opset 11 to 13; Flatten(axis=1) of a
+    rank-3 tensor normalizes over two axes and stays."""
+    def model(flatten_axis):
+        nodes = [helper.make_node("Flatten", ["x"], ["f"], axis=flatten_axis),
+                 helper.make_node("Softmax", ["f"], ["s"], axis=1),
+                 helper.make_node("Shape", ["x"], ["shape"]),
+                 helper.make_node("Reshape", ["s", "shape"], ["y"])]
+        return make_model(nodes, [("x", ["B", 3, 5])], [("y", None)], opset=13)
+
+    original = model(flatten_axis=2)
+    out, _ = apply_pass(simplify_shapes.PASS, original)
+    assert ops(out) == {"Softmax": 1}
+    assert helper.get_attribute_value(out.graph.node[0].attribute[0]) == 2
+    for batch in (1, 4):
+        assert max_diff(original, out, {"x": rand(batch, 3, 5)}) < 1e-6
+    out, _ = apply_pass(simplify_shapes.PASS, model(flatten_axis=1))
+    assert ops(out)["Flatten"] == 1

@@ -12,6 +12,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import pattern as orp
 from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
                                               transpose_transpose_rule, unsqueeze_unsqueeze_rule)
 
@@ -127,6 +128,39 @@ class TransposeMovingUnitDims(RewriteRuleClassBase):
         return op.Reshape(x, op.initializer(ir.tensor(np.array(self._target, np.int64), name=self._name)))
 
 
+class SoftmaxOfFlattenedRows(RewriteRuleClassBase):
+    """Reshape(Softmax(Flatten(x, axis=r-1)), Shape(x)) → Softmax(x, axis=r-1), also for LogSoftmax.
+
+    onnx's version converter writes this when it raises a Softmax below opset 13 (which coerced its input to
+    2-D) to 13 (one axis): flattening every dim but the last and normalizing along it is the same as
+    normalizing x along its last axis, so the Flatten, Shape and Reshape go.
+    """
+
+    def pattern(self, op, x):
+        flat = op.Flatten(x, _outputs=["flat"])
+        normalized = orp.OrValue([op.Softmax(flat, _outputs=["normalized"]),
+                                  op.LogSoftmax(flat, _outputs=["normalized"])])
+        return op.Reshape(normalized, op.Shape(x, _outputs=["shape"]), _allow_other_attributes=True)
+
+    def check(self, context, x, flat, normalized, shape, **_) -> MatchResult:
+        result = MatchResult()
+        rank = x.shape.rank() if x.shape is not None else None
+        if rank is None or rank < 2:
+            return result.fail("x's rank is unknown or below 2")
+        if flat.producer().attributes.get_int("axis", 1) % rank != rank - 1:
+            return result.fail("Flatten does not keep exactly the last axis apart")
+        if normalized.producer().attributes.get_int("axis", -1) not in (1, -1):
+            return result.fail("the normalization is not along the flattened rows")
+        shape_node = shape.producer()
+        if shape_node.attributes.get_int("start", 0) != 0 or "end" in shape_node.attributes:
+            return result.fail("Shape reads only part of x's shape")
+        self._op = normalized.producer().op_type
+        return result
+
+    def rewrite(self, op, x, **_):
+        return getattr(op, self._op)(x, axis=x.shape.rank() - 1)
+
+
 def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int] | None:
     """The constant shape equivalent to `shape` for Reshape(x, shape), or None when one element is neither a
     constant nor a provable copy of x's dim at its position."""
@@ -164,6 +198,7 @@ class ConstantReshapeShape(MaterializeReshapeShape):
 def rules(origins: DimOrigins) -> RewriteRuleSet:
     return RewriteRuleSet([ReshapeToOwnShape.rule(origins), ReshapeKeepingOwnDims.rule(origins),
                            transpose_transpose_rule, no_op_transpose_rule, TransposeMovingUnitDims.rule(),
+                           SoftmaxOfFlattenedRows.rule(),
                            reshape_reshape_rule, unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule,
                            ConstantReshapeShape.rule()])
 
