@@ -8,12 +8,31 @@ from qprep.model import info as model_info
 from qprep.model.io import load_model
 
 
+FUSED_GELU_OPS = ("Gelu", "FastGelu", "QuickGelu", "BiasGelu")
+
+
 def inspect_model(path: str) -> dict:
-    from qprep.optimize.passes.layernorm import count_decomposed_layernorms
+    """The model summary plus its LayerNorms and GELUs: fused (one op) and decomposed per spelling, found by
+    the matchers `optimize` fuses with, and the candidates they refuse with the reason."""
+    from qprep.optimize.passes.gelu import count_gelus
+    from qprep.optimize.passes.layernorm import find_layernorms
 
     model = load_model(path)
-    return {"path": str(path), "bytes": Path(path).stat().st_size, **model_info.summary(model),
-            "decomposed_layernorms": count_decomposed_layernorms(model)}
+    summary = model_info.summary(model)
+    layernorms = {"fused": summary["op_counts"].get("LayerNormalization", 0), **find_layernorms(model)}
+    gelus = {"fused": sum(summary["op_counts"].get(op, 0) for op in FUSED_GELU_OPS), **count_gelus(model)}
+    return {"path": str(path), "bytes": Path(path).stat().st_size, **summary, "layernorms": layernorms,
+            "gelus": gelus, "decomposed_layernorms": sum(layernorms["decomposed"].values())}
+
+
+def _found(name: str, found: dict) -> list[str]:
+    """'  LayerNorm: 0 fused, 13 decomposed (pytorch 13, fusable by `optimize`)' and one line per refusal."""
+    decomposed = {form: n for form, n in found["decomposed"].items() if n}
+    spellings = ", ".join(f"{form} {n}" for form, n in decomposed.items())
+    line = f"  {name}: {found['fused']} fused, {sum(decomposed.values())} decomposed"
+    lines = [line + (f" ({spellings}; fusable by `optimize`)" if decomposed else "")]
+    lines += [f"    refused {n}: {reason}" for reason, n in found.get("refused", {}).items()]
+    return lines
 
 
 def render_inspection(info: dict) -> str:
@@ -28,8 +47,7 @@ def render_inspection(info: dict) -> str:
     lines += [f"    {s['name']}: {s['dtype']} {shape(s)}" for s in info["inputs"]]
     lines.append("  outputs:")
     lines += [f"    {s['name']}: {s['dtype']} {shape(s)}" for s in info["outputs"]]
-    fused = info["op_counts"].get("LayerNormalization", 0)
-    lines.append(f"  LayerNorm: {fused} fused, {info['decomposed_layernorms']} decomposed (fusable by `optimize`)")
+    lines += _found("LayerNorm", info["layernorms"]) + _found("GELU", info["gelus"])
     lines.append(f"  nodes: {info['nodes']} ({len(info['op_counts'])} op types), initializers: {info['initializers']}")
     width = max((len(op) for op in info["op_counts"]), default=0)
     lines += [f"    {op:<{width}}  {count}" for op, count in info["op_counts"].items()]

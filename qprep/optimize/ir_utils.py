@@ -19,6 +19,13 @@ def default_opset(model: ir.Model) -> int:
     return model.opset_imports.get("", 0)
 
 
+# ONNX Runtime contrib ops the optimize passes write whose output has the input's shape and type. ONNX's shape
+# inference does not know them and would stop there (every shape after a fused GELU unknown), so during
+# inference they stand in as Identity.
+SHAPE_KEEPING_CONTRIB_OPS = frozenset({("com.microsoft", "Gelu"), ("com.microsoft", "FastGelu"),
+                                       ("com.microsoft", "QuickGelu")})
+
+
 def infer_shapes(model: ir.Model) -> bool:
     """Recompute shapes from the inputs after rewrites; never fatal. Returns success.
 
@@ -27,13 +34,22 @@ def infer_shapes(model: ir.Model) -> bool:
     """
     from onnx_ir.passes.common import ShapeInferencePass
 
+    stand_ins = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         for output in node.outputs:
             if not output.is_graph_output():
                 output.shape = None
+        if (node.domain, node.op_type) in SHAPE_KEEPING_CONTRIB_OPS and len(node.inputs) == 1:
+            stand_ins.append((node, node.domain, node.op_type, node.version, dict(node.attributes)))
+            node.domain, node.op_type, node.version = "", "Identity", None
+            node.attributes.clear()
     try:
         ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
         return True
     except Exception:  # noqa: BLE001 - inference failure only means fewer rules can prove their checks
         return False
+    finally:
+        for node, domain, op_type, version, attributes in stand_ins:
+            node.domain, node.op_type, node.version = domain, op_type, version
+            node.attributes.update(attributes)
 

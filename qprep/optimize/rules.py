@@ -55,7 +55,7 @@ class Names:
 def names_in_use(container: ir.Model | ir.Graph) -> Names:
     """Every node and value name of a model (its graph, subgraphs and functions) or of one graph (with its
     subgraphs): inputs, initializers, node outputs."""
-    graphs = _graphs(container)
+    graphs = all_graphs(container)
     names = Names()
     for graph in graphs:
         names.values.update(graph.initializers)
@@ -87,7 +87,7 @@ def all_nodes(container: ir.Model | ir.Graph) -> Iterator[ir.Node]:
         yield from ir.traversal.RecursiveGraphIterator(function)
 
 
-def _graphs(container: ir.Model | ir.Graph) -> list[ir.Graph]:
+def all_graphs(container: ir.Model | ir.Graph) -> list[ir.Graph]:
     """The graph and every subgraph (If/Loop/Scan bodies) under it."""
     graphs = [container if isinstance(container, ir.Graph) else container.graph]
     for node in all_nodes(container):

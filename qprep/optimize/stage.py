@@ -17,7 +17,8 @@ import onnx_ir as ir
 from qprep.model import info as model_info
 from qprep.errors import QprepError
 from qprep.optimize.passes import PassSettings, all_passes
-from qprep.verify import checker_problem
+from qprep.optimize.dynamic_samples import dynamic_variant, named_dynamic_dims
+from qprep.verify import Verifier, checker_problem
 from qprep.schema import Key
 from qprep.pipeline.context import RunContext, StageResult
 from qprep.pipeline.stages import stage
@@ -46,8 +47,7 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     rolled back (listed in `rolled_back`), so the model handed on computes what the input did."""
     passes = selected_passes(options)
     settings = _settings(options, ctx.config.stages)
-    verifier = ctx.verifier
-    verifier.set_reference(model)
+    verifier, dynamic = _verifier_with_dynamic_variant(ctx.verifier, model)
     records = {name: {"pass": name, "matches": 0, "accepted": 0, "nodes_removed": 0, "seconds": 0.0,
                       "verify_seconds": 0.0, "details": {}} for name in passes}
     rolled_back = []
@@ -112,10 +112,31 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
         "settings": {"max_opset": settings.max_opset, "gelu": settings.gelu, "backend": settings.backend,
                      "fold_max_elements": settings.fold_max_elements},
         "verified_on": verifier.source,
+        "dynamic_dims_verified": dynamic,
         "rewrite_seconds": round(sum(r["seconds"] for r in records.values()), 3),
         "verify_seconds": round(sum(r["verify_seconds"] for r in records.values()), 3),
         "opset": model_info.default_opset(model),
     })
+
+
+def _verifier_with_dynamic_variant(verifier: Verifier, model: onnx.ModelProto) -> tuple[Verifier, dict | str]:
+    """The run's verifier, plus (when the model has named dynamic dims) one sample at other sizes of them
+    (qprep/optimize/dynamic_samples.py), with its reference set. Returns it and what the record says:
+    {dim: [old, new]}, or why there is no such sample."""
+    variant, sizes = dynamic_variant(model, verifier.samples[0]) if verifier.samples else (None, {})
+    if variant is not None:
+        extended = Verifier([*verifier.samples, variant], verifier.tol, verifier.threads,
+                            source=f"{verifier.source} + 1 at other dynamic dims")
+        try:
+            extended.set_reference(model)
+            return extended, {name: list(pair) for name, pair in sizes.items()}
+        except QprepError as exc:
+            reason = f"not verified at other dynamic dims: the input model does not run there ({exc})"
+            log.info("optimize: %s", reason)
+            verifier.set_reference(model)
+            return verifier, reason
+    verifier.set_reference(model)
+    return verifier, "no named dynamic dims" if not named_dynamic_dims(model) else "samples disagree on a dim"
 
 
 def selected_passes(options: dict) -> list[str]:

@@ -2,8 +2,10 @@
 
 import json
 
+import numpy as np
 import onnx
 import pytest
+from onnx import helper
 
 from qprep.config import load_config
 from qprep.errors import ConfigError
@@ -13,7 +15,7 @@ from qprep.optimize.passes.layernorm import count_decomposed_layernorms
 from qprep.model.io import load_model
 from qprep.model import info as model_info
 from conftest import CALIBRATION, demo_model
-from graphs import tiny_conv_model
+from graphs import make_model, tiny_conv_model
 
 
 def perturb_weights(model, settings):
@@ -115,3 +117,61 @@ def test_dynamic_dims_stay_dynamic(optimized):
     assert dims == [["batch", "sequence"]] * 3
     _, model = optimized["efficientnet_lite0"]
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+
+
+# --- dynamic dims: rewrites are verified at another batch size / sequence length too ----------------------
+
+
+def _dynamic_flatten_model():
+    """x[B, S, 4] → Reshape(x, [Shape(x)[0], -1]) → y[B, S*4]: right at every B, S."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "zero"], ["b"], axis=0),
+             helper.make_node("Unsqueeze", ["b", "axes"], ["b1"]),
+             helper.make_node("Concat", ["b1", "minus1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    return make_model(nodes, [("x", ["B", "S", 4])], [("y", ["B", None])],
+                      {"zero": np.array(0, np.int64), "axes": np.array([0], np.int64),
+                       "minus1": np.array([-1], np.int64)}, opset=14)
+
+
+def hardcode_calibration_shape(model, settings):
+    """A wrong 'shape rewrite': the computed Reshape target replaced by the calibration sample's [1, 12]."""
+    import onnx_ir as ir
+
+    for node in model.graph:
+        if node.op_type == "Reshape" and node.inputs[1].const_value is None:
+            node.replace_input_with(1, model.graph.initializers.setdefault(
+                "fixed", ir.Value(name="fixed", const_value=ir.tensor(np.array([1, 12], np.int64)))))
+            return PassOutcome(1, {})
+    return PassOutcome(0)
+
+
+def test_a_rewrite_right_only_at_the_calibration_shape_is_rolled_back(tmp_path, save, cli, monkeypatch):
+    model = save(_dynamic_flatten_model())
+    data = tmp_path / "calib"
+    data.mkdir()
+    np.save(data / "0.npy", np.random.default_rng(0).standard_normal((1, 3, 4)).astype(np.float32))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {model}\ncalibration: {{source: {data}}}\noutput_dir: {tmp_path / 'run'}\n"
+                      "pipeline: [{optimize: {passes: [cleanup]}}]\n")
+    passes = {"hardcode": GraphPass("hardcode", hardcode_calibration_shape, "test"), **all_passes()}
+    monkeypatch.setattr(optimize_module, "all_passes", lambda: passes)
+    monkeypatch.setattr(optimize_module, "selected_passes", lambda options: ["hardcode"])
+    code, _, err = cli("run", config, "--quiet")
+    assert code == 0, err
+    stage = json.loads((tmp_path / "run" / "report.json").read_text())["stages"][0]
+    assert stage["dynamic_dims_verified"] == {"B": [1, 2], "S": [3, 6]}
+    assert stage["verified_on"].endswith("+ 1 at other dynamic dims")
+    assert [r["pass"] for r in stage["rolled_back"]] == ["hardcode"]
+
+
+def test_other_sizes_keep_strides_and_inputs_sharing_a_dim_change_together():
+    from qprep.optimize.dynamic_samples import dynamic_variant, other_size
+
+    assert [other_size(n) for n in (1, 2, 3, 128, 320, 48)] == [2, 4, 6, 96, 224, 32]
+    model = make_model([helper.make_node("Add", ["a", "b"], ["y"])], [("a", ["N", "T"]), ("b", ["N", "T"])],
+                       [("y", ["N", "T"])], opset=14)
+    sample = {"a": np.arange(12, dtype=np.float32).reshape(1, 12), "b": np.ones((1, 12), np.float32)}
+    variant, sizes = dynamic_variant(model, sample)
+    assert sizes == {"N": (1, 2), "T": (12, 8)}
+    assert variant["a"].shape == variant["b"].shape == (2, 8)
+    np.testing.assert_array_equal(variant["a"][1], np.arange(8))

@@ -1,5 +1,6 @@
 """Remove what computes nothing: Identity, inference Dropout, x*1, x+0, x-0, x/1, Cast to the same type,
-Expand/Transpose/Reshape that keep the shape, zero Pad; then dead nodes, unused and duplicate initializers.
+Expand/Transpose/Reshape that keep the shape, zero Pad; then duplicate nodes (the same op, attributes and
+inputs: dynamic exports compute `Shape(x)[0]` once per use), dead nodes, unused and duplicate initializers.
 
 Why first: every later pass matches fewer nodes, and quantizers do not insert Q/DQ around ops that are not
 there. Each rule is exact (the output equals the input bit for bit), which the stage still verifies.
@@ -17,6 +18,7 @@ from onnxscript.rewriter.rules.common import (dropout_inference_rule, dropout_ze
 
 from qprep.optimize.ir_utils import constant_array
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
+from qprep.optimize.rules import all_graphs
 
 
 class _NeutralOperand(RewriteRuleClassBase):
@@ -139,18 +141,66 @@ class _IdentityElimination(IdentityEliminationPass):
         return super()._try_eliminate_identity_node(node)
 
 
+# Never merged: ops whose two calls may differ, and Q/DQ (QDQ tooling expects one DequantizeLinear per consumer).
+NOT_MERGED = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial",
+                        "Dropout", "QuantizeLinear", "DequantizeLinear"})
+
+
+def _merge_key(node: ir.Node) -> tuple | None:
+    """What makes two nodes compute the same thing: op, attributes, the very same input values; None when the
+    node must not be merged (subgraphs, randomness, Q/DQ, or no outputs)."""
+    if node.op_type in NOT_MERGED or not node.outputs:
+        return None
+    attributes = []
+    for name, attr in sorted(node.attributes.items()):
+        if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            return None
+        value = attr.value
+        if attr.type == ir.AttributeType.TENSOR:
+            array = value.numpy()
+            value = (array.shape, str(array.dtype), array.tobytes())
+        elif isinstance(value, (list, tuple)):
+            value = tuple(value)
+        attributes.append((name, attr.type, value))
+    return (node.op_identifier(), len(node.outputs), tuple(id(v) for v in node.inputs), tuple(attributes))
+
+
+def merge_duplicate_nodes(model: ir.Model) -> int:
+    """Pattern: two nodes with the same merge key (graph order is topological, so the first one computes its
+    outputs before any use of the second's). Check: the second's outputs are not graph outputs (their names
+    are the model's interface). Replacement: every use of the second's outputs reads the first's."""
+    merged = 0
+    for graph in all_graphs(model):
+        first: dict[tuple, ir.Node] = {}
+        for node in list(graph):
+            key = _merge_key(node)
+            if key is None:
+                continue
+            if key not in first:
+                first[key] = node
+                continue
+            if any(out.is_graph_output() for out in node.outputs):
+                continue
+            ir.convenience.replace_all_uses_with(node.outputs, first[key].outputs)
+            graph.remove(node, safe=True)
+            merged += 1
+    return merged
+
+
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     nodes_before = _count_nodes(model)
     initializers_before = len(model.graph.initializers)
     no_ops = RULES.apply_to_model(model)
-    for cleanup in (_IdentityElimination(), RemoveUnusedNodesPass(), DeduplicateInitializersPass(),
-                    RemoveUnusedNodesPass(), RemoveUnusedOpsetsPass()):
+    for cleanup in (_IdentityElimination(), RemoveUnusedNodesPass(), DeduplicateInitializersPass()):
+        cleanup(model)
+    duplicates = merge_duplicate_nodes(model)
+    for cleanup in (RemoveUnusedNodesPass(), RemoveUnusedOpsetsPass()):
         cleanup(model)
     removed = nodes_before - _count_nodes(model)
     initializers_removed = initializers_before - len(model.graph.initializers)
     return PassOutcome(matches=removed + initializers_removed,
-                       details={"no_op_rewrites": no_ops, "nodes_removed": removed,
-                                "initializers_removed": initializers_removed})
+                       details={"no_op_rewrites": no_ops, "duplicate_nodes_merged": duplicates,
+                                "nodes_removed": removed, "initializers_removed": initializers_removed})
 
 
 def _count_nodes(model: ir.Model) -> int:

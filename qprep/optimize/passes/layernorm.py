@@ -8,21 +8,31 @@ Math, over the trailing k axes (k = number of reduced axes):
 
     y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta  ≡  LayerNormalization(x, gamma, beta, axis=-k, epsilon=eps)
 
-Forms (one rule class per family; `pattern`, `check`, `rewrite` kept separate):
+Forms: two families (`pattern`, `check`, `rewrite` kept separate), every part spelled any way an exporter does:
 
-    pytorch  Div(Sub(x, m), Sqrt(Add(ReduceMean(Pow(d, 2) | Mul(d, d)), eps))) or Mul(d, Reciprocal(std)),
-             then Mul(gamma), Add(beta), each optional. torch.onnx (TorchScript) and paddle2onnx write this.
-    tf       x * s + (beta - m * s)  with s = Reciprocal(Sqrt(var + eps)) [* gamma]; no beta: + Neg(m * s).
-             tf.nn.batch_normalization / Keras, via tf2onnx. var as in pytorch (SquaredDifference = Mul(d, d)).
-    jax      (x - m) * (Reciprocal(Sqrt(Max(E[x²] - m², 0) + eps)) [* gamma]) [+ beta], every mean written as
-             ReduceSum(t) * (1/N) or ReduceSum(t) / N. Flax via jax2tf + tf2onnx.
+    centered  d = x - mean;  d / sqrt(var + eps)  or  d * inverse_std  [* gamma] [+ beta],  or Flax's
+              d * (inverse_std * gamma) [+ beta]. torch.onnx (TorchScript), paddle2onnx, Flax via jax2tf.
+    folded    x * s + (beta - mean * s),  s = inverse_std [* gamma];  no beta: + Neg(mean * s).
+              tf.nn.batch_normalization / Keras via tf2onnx, and jax2tf's folded affine.
+  with
+    mean         ReduceMean(t), or ReduceSum(t) * (1/N) or / N (jax2tf)
+    var          E[(x - mean)²] (square as Pow(·, 2) or Mul(d, d): TF's SquaredDifference), or
+                 Max(E[x²] - mean², 0) (Flax)
+    inverse_std  Reciprocal(Sqrt(var + eps)) (TF's Rsqrt), Pow(var + eps, -0.5), Div(1, Sqrt(var + eps))
+    broadcast    a statistic may reach its use through Reshape/Unsqueeze [+ Expand] (keepdims=0 reductions
+                 restored by jax2tf's Reshape + BroadcastTo) or Expand
+The record names the spelling: pytorch (centered, E[(x-m)²]), jax (moments variance), tf (folded).
 
 Preconditions (any miss leaves the subgraph untouched; the reason goes to the record):
   - x is float16/bfloat16/float/double (types come from shape inference, run here if missing);
-  - every reduction keeps dims and reduces the same, trailing axes (positive axes need a known rank);
+  - every reduction reduces the same, trailing axes (positive axes need a known rank), all with the same
+    keepdims;
+  - a statistic reduced with keepdims=0 or reshaped/expanded meets x with x's rank and, dim by dim, x's
+    leading dims and 1 (or x's own) on the normalized ones — dims proved equal by their origin
+    (qprep/optimize/dim_origin.py), so a statistic broadcast along the wrong axis is refused;
   - ReduceSum-based means divide by exactly the number of reduced elements (static dims needed);
-  - eps is a positive scalar constant added to the variance under the square root; Pow exponents are 2;
-    the JAX variance guard is Max(·, 0);
+  - eps is a positive scalar constant added to the variance under the square root; Pow exponents are 2
+    (-0.5 for the inverse square root), a Div's numerator is 1, the variance guard is Max(·, 0);
   - gamma/beta are constants (initializer or Constant node, not graph inputs) of x's dtype that vary only
     along the normalized axes;
   - no intermediate value is used outside the subgraph (the rewriter itself refuses those).
@@ -42,6 +52,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
 
+from qprep.optimize.dim_origin import DimOrigins
 from qprep.optimize.ir_utils import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.optimize.rules import OpsetUpgrade, count_matches, names_in_use
@@ -82,6 +93,7 @@ class _Fusion:
     name: str  # of the new node; its new initializers are '<name>.scale' / '<name>.bias' (made unique)
     initializer_names: dict[str, str]
     root: ir.Node  # the matched node the new one replaces
+    restored: int = 0  # Reshape/Unsqueeze/Expand nodes between statistics and their uses (jax2tf)
 
 
 @dataclass
@@ -91,6 +103,7 @@ class _FusionLog:
     fused: list[_Fusion] = field(default_factory=list)
     refused: dict[ir.Node, str] = field(default_factory=dict)  # root node -> reason (last one wins)
     untyped: bool = False  # a candidate's input had no dtype: shape inference may let it through
+    origins: DimOrigins = field(default_factory=DimOrigins)  # proves restored statistics' dims
 
     def details(self) -> dict:
         """The record. Facts appear only when there are some: the optimize stage keeps a round's latest
@@ -102,6 +115,9 @@ class _FusionLog:
             out["forms"] = dict(sorted(Counter(f.form for f in self.fused).items()))
             out["epsilons"] = sorted({_readable(f.epsilon) for f in self.fused})
             out["axes"] = sorted({f.axis for f in self.fused})
+            restored = sum(1 for f in self.fused if f.restored)
+            if restored:
+                out["with_restored_broadcasts"] = restored
         if refused:
             out["refused"] = dict(sorted(refused.items()))
         return out
@@ -131,30 +147,65 @@ def _square(op, t, exponent: str):
     return orp.OrValue([op.Pow(t, orp.Var(exponent)), op.Mul(t, t)])
 
 
-def _mean_of_squared_deviation(op, x, mean):
-    """Var[x] = ReduceMean((x - mean)²), bound as `var`. TF's SquaredDifference exports as Mul(d, d)."""
-    return op.ReduceMean(_square(op, op.Sub(x, mean), "exponent"), _allow_other_inputs=True, _outputs=["var"])
-
-
-def _mean_by_sum(op, t, tag: str):
-    """jnp.mean through jax2tf: ReduceSum(t) * (1/N) or ReduceSum(t) / N; `check` proves N."""
+def _mean(op, t, tag: str):
+    """E[t] over the normalized axes: ReduceMean(t) (bound `{tag}_mean`), or jax2tf's ReduceSum(t) (bound
+    `{tag}_sum`) times 1/N or divided by N; `check` proves N."""
     total = op.ReduceSum(t, _allow_other_inputs=True, _outputs=[f"{tag}_sum"])
-    by_factor = _either(op.Mul, total, orp.Var(f"{tag}_factor"))
-    return orp.OrValue([by_factor, op.Div(total, orp.Var(f"{tag}_divisor"))])
+    return orp.OrValue([op.ReduceMean(t, _allow_other_inputs=True, _outputs=[f"{tag}_mean"]),
+                        _either(op.Mul, total, orp.Var(f"{tag}_factor")), op.Div(total, orp.Var(f"{tag}_divisor"))])
 
 
-def _rsqrt(op, var, eps):
-    """1 / sqrt(var + eps): TF's Rsqrt exports as Reciprocal(Sqrt)."""
-    return op.Reciprocal(op.Sqrt(_either(op.Add, var, eps)))
+def _restored(op, v, name: str):
+    """v where it meets the input: as it is, or brought back to the input's rank after a keepdims=0 reduction
+    (jax2tf): Reshape or Unsqueeze, each optionally followed by Expand (tf.broadcast_to), or Expand alone.
+    The value used is bound as `name`; `check` proves it has the statistic's shape [..., 1]."""
+    def lifted():
+        return orp.OrValue([op.Reshape(v, _allow_other_inputs=True), op.Unsqueeze(v, _allow_other_inputs=True)])
+    return orp.OrValue([v, lifted(), op.Expand(orp.OrValue([v, lifted()]), _allow_other_inputs=True)], name=name)
+
+
+def _variance(op, x, mean, deviation):
+    """Var[x]: E[(x - mean)²] (PyTorch, Paddle, TF's SquaredDifference) or Max(E[x²] - mean², 0) (Flax)."""
+    central = _mean(op, _square(op, deviation, "exponent"), "var")
+    moments = op.Sub(_mean(op, _square(op, x, "x_exponent"), "square"), _square(op, mean, "mean_exponent"))
+    return orp.OrValue([central, _either(op.Max, moments, orp.Var("zero"))])
+
+
+def _inverse_std(op, var_eps):
+    """1 / sqrt(var + eps): Reciprocal(Sqrt) (TF's Rsqrt), Pow(·, -0.5) or Div(1, Sqrt)."""
+    return orp.OrValue([op.Reciprocal(op.Sqrt(var_eps)), op.Pow(var_eps, orp.Var("inverse_exponent")),
+                        op.Div(orp.Var("numerator"), op.Sqrt(var_eps))])
+
+
+class _Statistics:
+    """The statistics subgraph every family shares, built once per pattern: mean, deviation, var + eps and
+    its inverse square root, each bound where it meets x-shaped data."""
+
+    def __init__(self, op, x, eps):
+        self.mean = _mean(op, x, "mean")
+        self.deviation = op.Sub(x, _restored(op, self.mean, "mean_used"))
+        variance = _variance(op, x, self.mean, self.deviation)
+        self.var_eps = _either(op.Add, _restored(op, variance, "var_used"), eps)
+        self.inverse_std = _restored(op, _inverse_std(op, self.var_eps), "inverse_used")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The shared check and rewrite
 # ---------------------------------------------------------------------------------------------------------
 
+# Bindings the check proves, by name: a constant that must equal a value (Pow exponents, the variance guard, …).
+EXPECTED_CONSTANTS = {"exponent": (2.0, "Pow exponent is not the constant 2"),
+                      "x_exponent": (2.0, "Pow exponent is not the constant 2"),
+                      "mean_exponent": (2.0, "Pow exponent is not the constant 2"),
+                      "zero": (0.0, "the variance guard is not Max(·, 0)"),
+                      "inverse_exponent": (-0.5, "the inverse square root's Pow exponent is not -0.5"),
+                      "numerator": (1.0, "the inverse square root's numerator is not 1")}
+USED_STATISTICS = ("mean_used", "var_used", "inverse_used", "mean_scaled")
+RESTORING_OPS = frozenset({"Reshape", "Unsqueeze", "Expand"})
+
 
 class _LayerNormRule(RewriteRuleClassBase):
-    """Base of the three families: they differ in `pattern` and in which bindings feed the shared check."""
+    """Base of the families: they differ in `pattern`; `check` reads every binding by name."""
 
     form = ""
 
@@ -163,7 +214,7 @@ class _LayerNormRule(RewriteRuleClassBase):
         affine = "+".join(p for p, on in (("scale", scale), ("bias", bias)) if on) or "plain"
         parts = ["fuse_layernorm", self.form, affine, variant, "swapped" if swapped else ""]
         super().__init__(name=".".join(p for p in parts if p))
-        self.scale, self.bias, self.swapped = scale, bias, swapped
+        self.scale, self.bias, self.swapped, self.variant = scale, bias, swapped, variant
         self._log = log
         self._found: _Fusion | None = None  # set by check, read by the rewrite of the same match
 
@@ -177,10 +228,9 @@ class _LayerNormRule(RewriteRuleClassBase):
         """The pattern's last node in this rule's operand order (the engine cannot root a pattern at a choice)."""
         return make(b, a) if self.swapped else make(a, b)
 
-    def _check_layernorm(self, context, x: ir.Value, means: list[_Mean], eps: ir.Value, gamma, beta,
-                         *, exponents: tuple = (), zero: ir.Value | None = None) -> MatchResult:
+    def check(self, context, x, eps, gamma=None, beta=None, **bindings) -> MatchResult:
         """Run the common preconditions; on success leave the fusion in `self._found`."""
-        result = self._verify(context, x, means, eps, gamma, beta, exponents, zero)
+        result = self._verify(context, x, eps, gamma, beta, bindings)
         if isinstance(result, _Fusion):
             self._found = result
             return MatchResult()
@@ -188,7 +238,13 @@ class _LayerNormRule(RewriteRuleClassBase):
             self._log.refused[context.root] = result.reason
         return result
 
-    def _verify(self, context, x, means, eps, gamma, beta, exponents, zero) -> _Fusion | MatchResult:
+    def _spelling(self, bindings) -> str:
+        """The record's name for what matched: tf (folded shift), jax (moments variance), pytorch."""
+        if self.form == "tf":
+            return "tf"
+        return "jax" if bindings.get("square_mean") or bindings.get("square_sum") else "pytorch"
+
+    def _verify(self, context, x, eps, gamma, beta, bindings) -> _Fusion | MatchResult:
         fail = MatchResult().fail
         follower = _affine_follower(context.output_values[0], self._steps_of_longer_forms())
         if follower is not None:  # first: a deferral is not a refusal, whatever else is wrong
@@ -199,22 +255,31 @@ class _LayerNormRule(RewriteRuleClassBase):
             return fail(f"input dtype {x.dtype} is not float (None: shape inference could not type it)", x)
         rank = x.shape.rank() if x.shape is not None else None
 
-        axes = set()
+        means = [_Mean(value.producer(), bindings.get(f"{tag}_factor"), bindings.get(f"{tag}_divisor"))
+                 for tag in ("mean", "var", "square")
+                 for value in (bindings.get(f"{tag}_mean"), bindings.get(f"{tag}_sum")) if value is not None]
+        axes, keepdims = set(), set()
         for mean in means:
             reduced = _reduced_axes(mean.node, rank)
             if isinstance(reduced, str):
                 return fail(reduced, mean.node)
             axes.add(reduced)
+            keepdims.add(mean.node.attributes.get_int("keepdims", 1))
         if len(axes) != 1:
             return fail(f"the mean and the variance reduce different axes {sorted(axes)}", means[0].node)
+        if len(keepdims) != 1:
+            return fail("the reductions differ in keepdims", means[0].node)
         (reduced,) = axes
         k = len(reduced)
         if reduced != tuple(range(-k, 0)):
             return fail(f"reduced axes {list(reduced)} are not the trailing axes of the input", means[0].node)
+        problem = self._broadcast_problem(context, x, k, keepdims.pop(), bindings)
+        if problem:
+            return fail(problem, x)
         norm_shape = _static_dims(x, k)
 
         for mean in means:
-            if mean.factor is None and mean.divisor is None:
+            if mean.node.op_type == "ReduceMean":
                 continue
             if norm_shape is None:
                 return fail("ReduceSum-based mean needs static normalized dims to prove its 1/N", mean.node)
@@ -227,11 +292,9 @@ class _LayerNormRule(RewriteRuleClassBase):
         epsilon = _scalar(eps, rank)
         if epsilon is None or not np.isfinite(epsilon) or epsilon <= 0:
             return fail("epsilon is not a positive scalar constant", eps)
-        for exponent in exponents:
-            if exponent is not None and _scalar(exponent, rank) != 2.0:
-                return fail("Pow exponent is not the constant 2", exponent)
-        if zero is not None and _scalar(zero, rank) != 0.0:
-            return fail("the variance guard is not Max(·, 0)", zero)
+        for name, (expected, reason) in EXPECTED_CONSTANTS.items():
+            if bindings.get(name) is not None and _scalar(bindings[name], rank) != expected:
+                return fail(reason, bindings[name])
 
         params = []
         for role, value, default in (("gamma", gamma, 1.0), ("beta", beta, 0.0)):
@@ -246,7 +309,36 @@ class _LayerNormRule(RewriteRuleClassBase):
         name = names.node(_scope_name(context.nodes, means[0].node))
         new_names = {role: names.value(f"{name}.{role}")
                      for role, p in zip(("scale", "bias"), params) if isinstance(p, np.ndarray)}
-        return _Fusion(self.form, -k, float(np.float32(epsilon)), *params, name, new_names, context.root)
+        return _Fusion(self._spelling(bindings), -k, float(np.float32(epsilon)), *params, name, new_names,
+                       context.root, sum(n.op_type in RESTORING_OPS for n in context.nodes))
+
+    def _broadcast_problem(self, context, x: ir.Value, k: int, keepdims: int, bindings) -> str | None:
+        """Why the statistics may not meet x as LayerNorm's per-row values, or None.
+
+        Reductions with keepdims=1 used as they are broadcast correctly whatever the shapes. Otherwise (a
+        keepdims=0 reduction, a Reshape/Unsqueeze/Expand between a statistic and its use) every statistic
+        where it meets x must provably have the shape of x with the normalized dims 1 (or x's own: Expand
+        may broadcast all the way), dims compared by their origin (qprep/optimize/dim_origin.py).
+        """
+        restoring = [n for n in context.nodes if n.op_type in RESTORING_OPS]
+        if keepdims == 1 and not restoring:
+            return None
+        rank = x.shape.rank() if x.shape is not None else None
+        if rank is None:
+            return "statistics reshaped or reduced with keepdims=0 need the input's rank to prove the broadcast"
+        origins = self._log.origins
+        for name in USED_STATISTICS:
+            used = bindings.get(name)
+            if used is None:
+                continue
+            if used.shape is None or used.shape.rank() != rank:
+                return (f"a statistic meets the input with rank {used.shape.rank() if used.shape else 'unknown'}, "
+                        f"not {rank} (keepdims=0 without a Reshape back)")
+            for axis in range(rank):
+                same = origins.same(used, axis, x, axis)
+                if not (same or (axis >= rank - k and origins.of(used, axis) == 1)):
+                    return f"a restored statistic has dim {axis} = {used.shape[axis]}, not the input's per-row shape"
+        return None
 
     def rewrite(self, op, x, **_):
         found = self._found
@@ -261,98 +353,65 @@ class _LayerNormRule(RewriteRuleClassBase):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The three families
+# The two families
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _ReduceMeanLayerNorm(_LayerNormRule):
-    """Families whose mean and variance are ReduceMean nodes bound as `mean` and `var`."""
+class CenteredLayerNorm(_LayerNormRule):
+    """(x - mean) normalized, then the affine: PyTorch (TorchScript exporter), Paddle, and Flax via jax2tf.
 
-    def check(self, context, x, mean, var, eps, gamma=None, beta=None, exponent=None, **_) -> MatchResult:
-        return self._check_layernorm(context, x, [_Mean(mean.producer()), _Mean(var.producer())], eps,
-                                     gamma, beta, exponents=(exponent,))
+        Div(d, Sqrt(var + eps)) | Mul(d, inverse_std)       then Mul(gamma), Add(beta), each optional
+        Mul(d, Mul(inverse_std, gamma))                     Flax: gamma folded into the multiplier
+    """
 
-
-class DecomposedLayerNorm(_ReduceMeanLayerNorm):
-    """PyTorch (TorchScript exporter) and Paddle: normalize (x - mean) by sqrt(var + eps), then the affine."""
-
-    form = "pytorch"
-
-    def __init__(self, log: _FusionLog, *, scale: bool = True, bias: bool = True, swapped: bool = False,
-                 normalize: str = "Div|Reciprocal") -> None:
-        plain = not (scale or bias)
-        super().__init__(log, scale=scale, bias=bias, swapped=swapped, variant=normalize if plain else "")
-        self.normalize = normalize  # without affine the root is this step, and a root cannot be a choice
+    form = "centered"
 
     def pattern(self, op, x, eps, gamma, beta):
-        mean = op.ReduceMean(x, _allow_other_inputs=True, _outputs=["mean"])
-        deviation = op.Sub(x, mean)
-        std = op.Sqrt(_either(op.Add, _mean_of_squared_deviation(op, x, mean), eps))
-        affine = [(op.Mul, gamma)] * self.scale + [(op.Add, beta)] * self.bias
-        if not affine:
-            if self.normalize == "Div":
-                return op.Div(deviation, std)
-            return self._root(op.Mul, deviation, op.Reciprocal(std))
-        y = orp.OrValue([op.Div(deviation, std), _either(op.Mul, deviation, op.Reciprocal(std))])
-        for make, param in affine[:-1]:
-            y = _either(make, y, param)
-        make, param = affine[-1]
-        return self._root(make, y, param)
+        stats = _Statistics(op, x, eps)
+        d = stats.deviation
+        if self.variant == "Div":  # plain
+            return op.Div(d, op.Sqrt(stats.var_eps))
+        if self.variant == "Mul":  # plain
+            return self._root(op.Mul, d, stats.inverse_std)
+        if self.variant == "gamma_inside" and not self.bias:
+            return self._root(op.Mul, d, _either(op.Mul, stats.inverse_std, gamma))
+        normalized = orp.OrValue([op.Div(d, op.Sqrt(stats.var_eps)), _either(op.Mul, d, stats.inverse_std)])
+        if not self.scale:
+            return self._root(op.Add, normalized, beta)
+        if not self.bias:
+            return self._root(op.Mul, normalized, gamma)
+        scaled = orp.OrValue([_either(op.Mul, normalized, gamma),
+                              _either(op.Mul, d, _either(op.Mul, stats.inverse_std, gamma))])
+        return self._root(op.Add, scaled, beta)
 
 
-class FoldedScaleLayerNorm(_ReduceMeanLayerNorm):
-    """TF/Keras (tf.nn.batch_normalization): s = gamma * rsqrt(var + eps) scales x; the mean moves into the shift."""
+class FoldedScaleLayerNorm(_LayerNormRule):
+    """TF/Keras (tf.nn.batch_normalization) and jax2tf's folded affine: s = gamma * inverse_std scales x and the
+    mean moves into the shift, x * s + (beta - mean * s); without beta (Keras center=False): + Neg(mean * s)."""
 
     form = "tf"
 
     def pattern(self, op, x, eps, gamma, beta):
-        mean = op.ReduceMean(x, _allow_other_inputs=True, _outputs=["mean"])
-        inv_std = _rsqrt(op, _mean_of_squared_deviation(op, x, mean), eps)
-        s = orp.OrValue([_either(op.Mul, inv_std, gamma), inv_std])
-        scaled_mean = _either(op.Mul, mean, s)
-        shift = orp.OrValue([op.Sub(beta, scaled_mean), op.Neg(scaled_mean)])  # Neg: Keras center=False
+        stats = _Statistics(op, x, eps)
+        s = orp.OrValue([_either(op.Mul, stats.inverse_std, gamma), stats.inverse_std])
+        scaled_mean = _either(op.Mul, _restored(op, stats.mean, "mean_scaled"), s)
+        shift = orp.OrValue([op.Sub(beta, scaled_mean), op.Neg(scaled_mean)])
         return self._root(op.Add, _either(op.Mul, x, s), shift)
-
-
-class MomentsLayerNorm(_LayerNormRule):
-    """Flax via jax2tf: variance as max(E[x²] - E[x]², 0), each mean a ReduceSum scaled by 1/N."""
-
-    form = "jax"
-
-    def pattern(self, op, x, eps, zero, gamma, beta):
-        mean = _mean_by_sum(op, x, "mean")
-        mean_of_square = _mean_by_sum(op, _square(op, x, "exponent"), "square_mean")
-        var = _either(op.Max, op.Sub(mean_of_square, _square(op, mean, "mean_exponent")), zero)
-        multiplier = orp.OrValue([_either(op.Mul, _rsqrt(op, var, eps), gamma), _rsqrt(op, var, eps)])
-        centered = op.Sub(x, mean)
-        if not self.bias:
-            return self._root(op.Mul, centered, multiplier)
-        return self._root(op.Add, _either(op.Mul, centered, multiplier), beta)
-
-    def check(self, context, x, eps, zero, mean_sum, square_mean_sum, gamma=None, beta=None, exponent=None,
-              mean_exponent=None, mean_factor=None, mean_divisor=None, square_mean_factor=None,
-              square_mean_divisor=None, **_) -> MatchResult:
-        means = [_Mean(mean_sum.producer(), mean_factor, mean_divisor),
-                 _Mean(square_mean_sum.producer(), square_mean_factor, square_mean_divisor)]
-        return self._check_layernorm(context, x, means, eps, gamma, beta,
-                                     exponents=(exponent, mean_exponent), zero=zero)
 
 
 def _rule_set(log: _FusionLog) -> RewriteRuleSet:
     """Every form, each root in both operand orders (a Div root has only one)."""
-    rules = [DecomposedLayerNorm.rule(log, scale=False, bias=False, normalize="Div")]
+    rules = [CenteredLayerNorm.rule(log, scale=False, bias=False, variant="Div")]
     for swapped in (False, True):
         rules += [
-            DecomposedLayerNorm.rule(log, scale=True, bias=True, swapped=swapped),
-            DecomposedLayerNorm.rule(log, scale=True, bias=False, swapped=swapped),
-            DecomposedLayerNorm.rule(log, scale=False, bias=True, swapped=swapped),
-            DecomposedLayerNorm.rule(log, scale=False, bias=False, normalize="Reciprocal", swapped=swapped),
+            CenteredLayerNorm.rule(log, scale=True, bias=True, swapped=swapped),
+            CenteredLayerNorm.rule(log, scale=True, bias=False, swapped=swapped),
+            CenteredLayerNorm.rule(log, scale=True, bias=False, variant="gamma_inside", swapped=swapped),
+            CenteredLayerNorm.rule(log, scale=False, bias=True, swapped=swapped),
+            CenteredLayerNorm.rule(log, scale=False, bias=False, variant="Mul", swapped=swapped),
             FoldedScaleLayerNorm.rule(log, swapped=swapped),
-            MomentsLayerNorm.rule(log, bias=True, swapped=swapped),
-            MomentsLayerNorm.rule(log, bias=False, swapped=swapped),
         ]
     return RewriteRuleSet(rules)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Graph reading helpers used by the check
@@ -372,8 +431,6 @@ def _reduced_axes(node: ir.Node, rank: int | None) -> tuple[int, ...] | str:
 
     Axes are an attribute before opset 18 (ReduceSum: 13) and an input after; absent axes mean all axes.
     """
-    if node.attributes.get_int("keepdims", 1) != 1:
-        return f"{node.op_type} drops the reduced dims (keepdims=0)"
     if len(node.inputs) > 1 and node.inputs[1] is not None:
         array = constant_array(node.inputs[1])
         if array is None:
@@ -508,15 +565,22 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     return PassOutcome(fused, {**log.details(), **details})
 
 
-def count_decomposed_layernorms(model: onnx.ModelProto) -> int:
-    """How many LayerNorms `fuse_layernorm` would fuse in `model`: the same rules, on a copy.
+def find_layernorms(model: onnx.ModelProto) -> dict:
+    """What `qprep inspect` shows: the decomposed LayerNorms `fuse_layernorm` would fuse, per spelling, and
+    the refused candidates by reason — the same rules, run on a copy.
 
     The proto is not changed. Its weights must be loaded (`onnx.load` does that): constants read from
     unresolved external data are unknown, and every check on them refuses.
     """
     copy = ir.from_proto(model)  # a new object graph; the proto is never written to
-    fused, _ = _typed_retry(copy, lambda log: _rule_set(log).apply_to_model(copy), {})
-    return fused
+    _, log = _typed_retry(copy, lambda log: _rule_set(log).apply_to_model(copy), {})
+    details = log.details()
+    return {"decomposed": details.get("forms", {}), **({"refused": details["refused"]} if "refused" in details else {})}
+
+
+def count_decomposed_layernorms(model: onnx.ModelProto) -> int:
+    """How many LayerNorms `fuse_layernorm` would fuse in `model` (find_layernorms, summed)."""
+    return sum(find_layernorms(model)["decomposed"].values())
 
 
 PASS = GraphPass(

@@ -12,68 +12,171 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import pattern as orp
 from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
                                               transpose_transpose_rule, unsqueeze_unsqueeze_rule)
 
+from qprep.optimize.dim_origin import DimOrigins, shape_element
 from qprep.optimize.ir_utils import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
+from qprep.optimize.rules import names_in_use
 from qprep.third_party import MaterializeReshapeShape, materialized_dims
 
 
 class ReshapeKeepingOwnDims(RewriteRuleClassBase):
-    """Reshape(x, Concat(Unsqueeze(Gather(Shape(x), k)), c, ...)) → Reshape(x, [0 or c, ...]).
+    """Reshape(x, Concat(..., Unsqueeze(Gather(Shape(y), k)), ..., c)) → Reshape(x, [..., 0, ..., c]).
 
-    The `x.view(x.size(0), -1)` idiom: a piece that copies dim k (of x, or of a tensor whose dim k is provably
-    the same) into position k is what Reshape's 0 means (allowzero=0); every other piece must be a constant.
-    The shape subgraph then dies.
+    The `x.view(x.size(0), -1)` and attention-head idioms: a piece that reads a dim of some tensor y into
+    position i is what Reshape's 0 means (allowzero=0) when that dim provably equals x's dim i (the same
+    origin, qprep/optimize/dim_origin.py); every other piece must be a constant. The shape subgraph then dies.
     """
 
-    def pattern(self, op, x, shape):
-        return op.Reshape(x, shape)
+    def __init__(self, origins: DimOrigins):
+        super().__init__()
+        self._origins = origins
 
-    def check(self, context, x, shape, **_) -> MatchResult:
+    def pattern(self, op, x, shape):
+        return op.Reshape(x, shape, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, shape, y, **_) -> MatchResult:
         result = MatchResult()
-        self._dims = _dims_copying(x, shape)
-        return result if self._dims is not None else result.fail("shape is not built from x's dims and constants")
+        if constant_array(shape) is not None:
+            return result.fail("the shape is already a constant")
+        if y.producer().attributes.get_int("allowzero", 0) != 0:
+            return result.fail("allowzero=1: a 0 in the shape is a zero-size dim, not a copy")
+        self._dims = _dims_copying(x, shape, self._origins)
+        if self._dims is None:
+            return result.fail("shape is not built from x's dims and constants")
+        self._name = names_in_use(context.model).value(f"{shape.name}/constant")
+        return result
 
     def rewrite(self, op, x, shape, **_):
-        name = f"{shape.name}/constant"
+        name = self._name
         return op.Reshape(x, op.initializer(ir.tensor(np.array(self._dims, dtype=np.int64), name=name), name=name))
 
 
-def _dims_copying(x: ir.Value, shape: ir.Value) -> list[int] | None:
-    concat = shape.producer()
-    if concat is None or concat.op_type != "Concat" or concat.attributes.get_int("axis", 0) != 0:
+class ReshapeToOwnShape(RewriteRuleClassBase):
+    """Reshape(x, shape) → x when every element of the computed shape provably is x's own dim at its position
+    (a constant equal to a static dim, a dim read from a tensor with the same origin, or one -1 once all the
+    others are proved). Dynamic exports write such no-op Reshapes around attention (`view(b, -1, s, d)`)."""
+
+    def __init__(self, origins: DimOrigins):
+        super().__init__()
+        self._origins = origins
+
+    def pattern(self, op, x, shape):
+        return op.Reshape(x, shape, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, shape, y, **_) -> MatchResult:
+        result = MatchResult()
+        rank = x.shape.rank() if x.shape is not None else None
+        length = shape.shape[0] if shape.shape is not None and shape.shape.rank() == 1 else None
+        if rank is None or length != rank:
+            return result.fail("the target's length is not x's known rank")
+        allowzero = y.producer().attributes.get_int("allowzero", 0)
+        unproved = []
+        for i in range(rank):
+            element = shape_element(shape, i, self._origins)
+            own = self._origins.of(x, i)
+            if element == own or (element == 0 and not allowzero):
+                continue
+            if element == -1:
+                unproved.append(i)
+                continue
+            return result.fail(f"target element {i} is not x's dim {i}")
+        return result if len(unproved) <= 1 else result.fail("more than one -1")
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
+
+
+class TransposeMovingUnitDims(RewriteRuleClassBase):
+    """Transpose(x) that moves only size-1 dims (the other dims keep their order) next to a Reshape →
+    Reshape(x, its output shape), which then merges with that Reshape: the same elements in the same order.
+    jax2tf writes `Reshape → Transpose([0, 2, 1])` of [12, 128, 1] tensors in attention."""
+
+    def pattern(self, op, x):
+        return op.Transpose(x, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, x, y, **_) -> MatchResult:
+        result = MatchResult()
+        rank = x.shape.rank() if x.shape is not None else None
+        if rank is None:
+            return result.fail("unknown rank")
+        perm = list(y.producer().attributes.get_ints("perm", list(range(rank))[::-1]))
+        kept = [axis for axis in perm if x.shape[axis] != 1]
+        if kept != sorted(kept):
+            return result.fail("the transpose reorders dims longer than 1")
+        beside_reshape = (x.producer() is not None and x.producer().op_type == "Reshape") or any(
+            use.node.op_type == "Reshape" for use in y.uses())
+        if not beside_reshape:
+            return result.fail("no Reshape to merge with")
+        target = []
+        for position, axis in enumerate(perm):
+            dim = x.shape[axis]
+            if isinstance(dim, int) and dim > 0:
+                target.append(dim)
+            elif axis == position and not isinstance(dim, int):
+                target.append(0)  # a dynamic dim that stays in place: Reshape's copy
+            else:
+                return result.fail("a dynamic or empty dim moves")
+        self._target = target
+        self._name = names_in_use(context.model).value(f"{y.name}/shape")
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.Reshape(x, op.initializer(ir.tensor(np.array(self._target, np.int64), name=self._name)))
+
+
+class SoftmaxOfFlattenedRows(RewriteRuleClassBase):
+    """Reshape(Softmax(Flatten(x, axis=r-1)), Shape(x)) → Softmax(x, axis=r-1), also for LogSoftmax.
+
+    onnx's version converter writes this when it raises a Softmax below opset 13 (which coerced its input to
+    2-D) to 13 (one axis): flattening every dim but the last and normalizing along it is the same as
+    normalizing x along its last axis, so the Flatten, Shape and Reshape go.
+    """
+
+    def pattern(self, op, x):
+        flat = op.Flatten(x, _outputs=["flat"])
+        normalized = orp.OrValue([op.Softmax(flat, _outputs=["normalized"]),
+                                  op.LogSoftmax(flat, _outputs=["normalized"])])
+        return op.Reshape(normalized, op.Shape(x, _outputs=["shape"]), _allow_other_attributes=True)
+
+    def check(self, context, x, flat, normalized, shape, **_) -> MatchResult:
+        result = MatchResult()
+        rank = x.shape.rank() if x.shape is not None else None
+        if rank is None or rank < 2:
+            return result.fail("x's rank is unknown or below 2")
+        if flat.producer().attributes.get_int("axis", 1) % rank != rank - 1:
+            return result.fail("Flatten does not keep exactly the last axis apart")
+        if normalized.producer().attributes.get_int("axis", -1) not in (1, -1):
+            return result.fail("the normalization is not along the flattened rows")
+        shape_node = shape.producer()
+        if shape_node.attributes.get_int("start", 0) != 0 or "end" in shape_node.attributes:
+            return result.fail("Shape reads only part of x's shape")
+        self._op = normalized.producer().op_type
+        return result
+
+    def rewrite(self, op, x, **_):
+        return getattr(op, self._op)(x, axis=x.shape.rank() - 1)
+
+
+def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int] | None:
+    """The constant shape equivalent to `shape` for Reshape(x, shape), or None when one element is neither a
+    constant nor a provable copy of x's dim at its position."""
+    length = shape.shape[0] if shape.shape is not None and shape.shape.rank() == 1 else None
+    if not isinstance(length, int):
         return None
-    dims: list[int] = []
-    for piece in concat.inputs:
-        value = constant_array(piece)
-        if value is not None:
-            dims.extend(int(v) for v in value.reshape(-1))
-            continue
-        unsqueeze = piece.producer()
-        gather = unsqueeze.inputs[0].producer() if unsqueeze is not None and unsqueeze.op_type == "Unsqueeze" else None
-        source = gather.inputs[0].producer() if gather is not None and gather.op_type == "Gather" else None
-        index = constant_array(gather.inputs[1]) if source is not None else None
-        if (source is None or source.op_type != "Shape" or index is None or index.size != 1
-                or source.attributes.get_int("start", 0) != 0 or int(index) != len(dims)
-                or not _same_dim(source.inputs[0], x, len(dims))):
+    dims = []
+    for i in range(length):
+        element = shape_element(shape, i, origins)
+        if isinstance(element, (int, np.integer)):
+            dims.append(int(element))
+        elif element is not None and x.shape is not None and i < x.shape.rank() and origins.of(x, i) == element:
+            dims.append(0)
+        else:
             return None
-        dims.append(0)
     return dims if dims.count(-1) <= 1 else None
-
-
-def _same_dim(a: ir.Value, b: ir.Value, axis: int) -> bool:
-    """Dim `axis` of a and b is provably equal: same tensor, same static size, or the same named symbolic dim
-    (ONNX: one dim_param name means one size within a graph; inference's `unk__` names prove nothing)."""
-    if a is b:
-        return True
-    if a.shape is None or b.shape is None or axis >= min(len(a.shape), len(b.shape)):
-        return False
-    da, db = a.shape[axis], b.shape[axis]
-    if isinstance(da, int) or isinstance(db, int):
-        return da == db
-    return da.value is not None and da.value == db.value and not str(da.value).startswith("unk__")
 
 
 class ConstantReshapeShape(MaterializeReshapeShape):
@@ -92,13 +195,17 @@ class ConstantReshapeShape(MaterializeReshapeShape):
         return op.Reshape(data, op.initializer(ir.tensor(np.array(materialized_dims(self), np.int64), name=self._name)))
 
 
-RULES = RewriteRuleSet([ReshapeKeepingOwnDims.rule(), transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule,
-                        unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule, ConstantReshapeShape.rule()])
+def rules(origins: DimOrigins) -> RewriteRuleSet:
+    return RewriteRuleSet([ReshapeToOwnShape.rule(origins), ReshapeKeepingOwnDims.rule(origins),
+                           transpose_transpose_rule, no_op_transpose_rule, TransposeMovingUnitDims.rule(),
+                           SoftmaxOfFlattenedRows.rule(),
+                           reshape_reshape_rule, unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule,
+                           ConstantReshapeShape.rule()])
 
 
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     infer_shapes(model)  # the rules check ranks/shapes
-    count = RULES.apply_to_model(model)
+    count = rules(DimOrigins()).apply_to_model(model)
     IdentityEliminationPass()(model)  # composed Transposes that cancel out become Identity first
     RemoveUnusedNodesPass()(model)
     return PassOutcome(matches=count, details={"rewrites": count})

@@ -344,6 +344,107 @@ def test_jax_form_dividing_by_n_without_affine(swap):
     assert_fused(g.model(jax_ln(g, g.input(), divide=True, gamma=None, beta=None)), epsilon=1e-6, form="jax")
 
 
+def jax2tf_ln(g: Graph, x: str, *, eps=1e-12, restore="Reshape+Expand", folded=False, mean_op="ReduceSum",
+              inverse="Reciprocal", target=None) -> str:
+    """Flax LayerNorm through jax2tf + tf2onnx as the zoo's export writes it (zoo_build/PATTERNS.md): keepdims=0
+    reductions, each statistic brought back by Reshape + Expand (BroadcastTo) before it meets x, Max(0, ·) with
+    the 0 first, gamma [1, 1, D] folded into the multiplier. `restore`: Reshape+Expand | Reshape | Unsqueeze |
+    none; `folded`: the affine as x * s + (beta - mean * s); `target`: the Reshape target (default [B, S, 1])."""
+    rows = SHAPE[:-1]
+    target = target if target is not None else rows + [1]
+
+    def mean(t):
+        if mean_op == "ReduceMean":
+            return g.op("ReduceMean", t, axes=[-1], keepdims=0)
+        return g.op("Mul", g.op("ReduceSum", t, g.init([-1], np.int64), keepdims=0), g.init(1.0 / SHAPE[-1]))
+
+    def back(stat):
+        if restore == "none":
+            return stat
+        if restore == "Unsqueeze":
+            return g.op("Unsqueeze", stat, g.init([-1], np.int64))
+        reshaped = g.op("Reshape", stat, g.init(target, np.int64))
+        return g.op("Expand", reshaped, g.init(target, np.int64)) if restore == "Reshape+Expand" else reshaped
+
+    m = mean(x)
+    var = g.op("Max", g.init(0.0), g.op("Sub", mean(g.op("Mul", x, x)), g.op("Mul", m, m)))
+    var_eps = g.op("Add", back(var), g.init(eps))
+    if inverse == "Reciprocal":
+        rstd = g.op("Reciprocal", g.op("Sqrt", var_eps))
+    elif inverse == "Pow":
+        rstd = g.op("Pow", var_eps, g.init(-0.5))
+    else:
+        rstd = g.op("Div", g.init(1.0), g.op("Sqrt", var_eps))
+    scale = g.op("Mul", rstd, g.init(GAMMA.reshape(1, 1, 16)))
+    if folded:
+        shift = g.op("Sub", g.init(BETA.reshape(1, 1, 16)), g.op("Mul", back(m), scale))
+        return g.op("Add", g.op("Mul", x, scale), shift)
+    return g.op("Add", g.op("Mul", g.op("Sub", x, back(m)), scale), g.init(BETA.reshape(1, 1, 16)))
+
+
+@pytest.mark.parametrize("restore", ["Reshape+Expand", "Reshape", "Unsqueeze"])
+def test_jax2tf_keepdims0_statistics_restored_by_reshape_expand_or_unsqueeze(restore):
+    g = Graph(opset=15)
+    fused = assert_fused(g.model(jax2tf_ln(g, g.input(), restore=restore)), epsilon=1e-12, form="jax")
+    assert not {"Reshape", "Expand", "Unsqueeze"} & set(ops(fused))
+
+
+@pytest.mark.parametrize("inverse", ["Pow", "Div"])
+def test_inverse_square_root_as_pow_minus_half_or_one_over_sqrt(inverse):
+    g = Graph(opset=15)
+    assert_fused(g.model(jax2tf_ln(g, g.input(), inverse=inverse)), epsilon=1e-12, form="jax")
+
+
+def test_jax2tf_folded_affine_with_moments_variance_and_restored_mean():
+    g = Graph(opset=15)
+    assert_fused(g.model(jax2tf_ln(g, g.input(), folded=True)), epsilon=1e-12, form="tf")
+
+
+def test_reduce_mean_with_keepdims0_and_unsqueeze():
+    g = Graph(opset=15)
+    assert_fused(g.model(jax2tf_ln(g, g.input(), mean_op="ReduceMean", restore="Unsqueeze")), epsilon=1e-12,
+                 form="jax")
+
+
+def test_restored_statistics_with_dynamic_batch_and_sequence():
+    """Reshape(var, Concat(Shape(x)[0], Shape(x)[1], 1)): dims proved equal to x's by their origin."""
+    g = Graph(opset=15)
+    x = g.input(shape=["B", "S", 16])
+    shape = g.op("Shape", x)
+    pieces = [g.op("Unsqueeze", g.op("Gather", shape, g.init(i, np.int64), axis=0), g.init([0], np.int64))
+              for i in (0, 1)]
+    target = g.op("Concat", *pieces, g.init([1], np.int64), axis=0)
+    proto = g.model(_with_target(g, x, target))
+    outcome, fused = fuse(proto)
+    assert outcome.matches == 1, outcome.details
+    for batch, seq in ((1, 3), (3, 8)):
+        feeds = {"x": (np.random.default_rng(seq).standard_normal((batch, seq, 16)) * 3 + 1).astype(np.float32)}
+        assert_same_outputs(proto, fused, feeds)
+
+
+def _with_target(g: Graph, x: str, target: str) -> str:
+    """jax2tf_ln's centered form with a computed Reshape target (no Expand)."""
+    m = g.op("ReduceMean", x, axes=[-1], keepdims=0)
+    var = g.op("Max", g.init(0.0), g.op("Sub", g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=0),
+                                        g.op("Mul", m, m)))
+    rstd = g.op("Reciprocal", g.op("Sqrt", g.op("Add", g.op("Reshape", var, target), g.init(1e-12))))
+    centered = g.op("Sub", x, g.op("Reshape", m, target))
+    return g.op("Add", g.op("Mul", centered, g.op("Mul", rstd, g.init(GAMMA))), g.init(BETA))
+
+
+def test_refuses_keepdims0_statistic_that_meets_x_without_restoring():
+    """x [8, 16, 16]: the mean over the last axis is [8, 16]; Sub(x, mean) runs but broadcasts it along the
+    last axis, which is not a LayerNorm."""
+    g = Graph(opset=15)
+    assert_refused(g.model(jax2tf_ln(g, g.input(shape=[8, 16, 16]), restore="none")), "rank 2, not 3")
+
+
+def test_refuses_statistic_reshaped_onto_the_wrong_axes():
+    g = Graph(opset=15)
+    proto = g.model(jax2tf_ln(g, g.input(shape=[8, 8, 16]), restore="Reshape", target=[1, 8, 8]))
+    assert_refused(proto, "not the input's per-row shape")
+
+
 # --- refusals ------------------------------------------------------------------------------------------------
 
 

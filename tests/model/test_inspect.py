@@ -1,0 +1,80 @@
+"""`qprep inspect` counts LayerNorms and GELUs the way `optimize` fuses them: fused ops, decomposed ones per
+spelling (the optimize matchers on a copy), and refused candidates with their reason."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from graphs import make_model
+from qprep.model.inspect import inspect_model, render_inspection
+
+D = 8
+
+
+def _model_with_one_of_each(tmp_path) -> str:
+    """x[2, 4, 8] → Flax-style LayerNorm (keepdims=0 + Reshape/Expand) → tanh GELU → a LayerNorm whose gamma is a
+    graph input (refused) → ONNX LayerNormalization (fused)."""
+    rows = np.array([2, 4, 1], np.int64)
+    nodes = [
+        helper.make_node("ReduceSum", ["x", "axes"], ["s1"], keepdims=0),
+        helper.make_node("Mul", ["s1", "inv_n"], ["mean"]),
+        helper.make_node("Mul", ["x", "x"], ["xx"]),
+        helper.make_node("ReduceSum", ["xx", "axes"], ["s2"], keepdims=0),
+        helper.make_node("Mul", ["s2", "inv_n"], ["m2"]),
+        helper.make_node("Mul", ["mean", "mean"], ["msq"]),
+        helper.make_node("Sub", ["m2", "msq"], ["d"]),
+        helper.make_node("Max", ["zero", "d"], ["var"]),
+        helper.make_node("Expand", ["var_r", "rows"], ["var_b"]),
+        helper.make_node("Reshape", ["var", "rows"], ["var_r"]),
+        helper.make_node("Add", ["var_b", "eps"], ["ve"]),
+        helper.make_node("Sqrt", ["ve"], ["sd"]),
+        helper.make_node("Reciprocal", ["sd"], ["rstd"]),
+        helper.make_node("Reshape", ["mean", "rows"], ["mean_r"]),
+        helper.make_node("Expand", ["mean_r", "rows"], ["mean_b"]),
+        helper.make_node("Sub", ["x", "mean_b"], ["centered"]),
+        helper.make_node("Mul", ["centered", "rstd"], ["ln1"]),
+        # tanh GELU of ln1: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
+        helper.make_node("Pow", ["ln1", "three"], ["cube"]),
+        helper.make_node("Mul", ["cube", "c"], ["cc"]),
+        helper.make_node("Add", ["ln1", "cc"], ["inner"]),
+        helper.make_node("Mul", ["inner", "k"], ["u"]),
+        helper.make_node("Tanh", ["u"], ["t"]),
+        helper.make_node("Add", ["t", "one"], ["tp"]),
+        helper.make_node("Mul", ["ln1", "tp"], ["xt"]),
+        helper.make_node("Mul", ["xt", "half"], ["g"]),
+        # a PyTorch-style LayerNorm whose gamma is a graph input: refused
+        helper.make_node("ReduceMean", ["g"], ["m"], axes=[-1]),
+        helper.make_node("Sub", ["g", "m"], ["dev"]),
+        helper.make_node("Mul", ["dev", "dev"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq"], ["v"], axes=[-1]),
+        helper.make_node("Add", ["v", "eps"], ["ve2"]),
+        helper.make_node("Sqrt", ["ve2"], ["sd2"]),
+        helper.make_node("Div", ["dev", "sd2"], ["n2"]),
+        helper.make_node("Mul", ["n2", "gamma"], ["ln2"]),
+        helper.make_node("LayerNormalization", ["ln2", "ones"], ["y"], axis=-1),
+    ]
+    nodes = [nodes[i] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 8, *range(10, len(nodes)))]  # topological order
+    f32 = lambda v: np.asarray(v, np.float32)  # noqa: E731
+    model = make_model(nodes, [("x", [2, 4, D]), ("gamma", [D])], [("y", [2, 4, D])],
+                       {"axes": np.array([-1], np.int64), "inv_n": f32(1 / D), "zero": f32(0), "eps": f32(1e-6),
+                        "rows": rows, "three": f32(3), "c": f32(0.044715), "k": f32(math.sqrt(2 / math.pi)),
+                        "one": f32(1), "half": f32(0.5), "ones": np.ones(D, np.float32)}, opset=17)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    return str(path)
+
+
+def test_inspect_counts_layernorms_and_gelus_fused_decomposed_and_refused(tmp_path):
+    info = inspect_model(_model_with_one_of_each(tmp_path))
+    assert info["layernorms"]["fused"] == 1
+    assert info["layernorms"]["decomposed"] == {"jax": 1}
+    assert info["layernorms"]["refused"] == {"gamma is not a constant (graph input or computed)": 1}
+    assert info["gelus"] == {"fused": 0, "decomposed": {"erf": 0, "tanh": 1, "sigmoid": 0}}
+    text = render_inspection(info)
+    assert "LayerNorm: 1 fused, 1 decomposed (jax 1; fusable by `optimize`)" in text
+    assert "refused 1: gamma is not a constant" in text
+    assert "GELU: 0 fused, 1 decomposed (tanh 1; fusable by `optimize`)" in text
