@@ -100,7 +100,7 @@ def test_the_backend_keeps_the_correction_only_when_it_helps(tmp_path, monkeypat
     assert "bias correction: 2 layers in 2 waves over 16 calibration samples" in lines.getvalue()
     assert ", kept (" in lines.getvalue()
 
-    def harmful(quantized, float_model, layers, samples, threads=2):
+    def harmful(quantized, float_model, layers, samples, threads=2, budget=None):
         return {layer.node: np.full(CHANNELS, 5.0) for layer in layers}
 
     monkeypatch.setattr(bias_correction, "corrections", harmful)

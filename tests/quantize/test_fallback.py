@@ -6,6 +6,7 @@ import pytest
 from onnx import helper
 
 from qprep.quantize import search
+from qprep.quantize.budget import Budget
 from qprep.errors import ConfigError
 from conftest import run_config
 from graphs import make_model
@@ -198,11 +199,11 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
                       lambda excluded, samples, settings: {"y": {"cosine_mean": scores[settings.float_op_types]}})
 
     chain = trials()
-    record = choose_float_op_types(quantizer, chain, set(), job)
+    record = choose_float_op_types(quantizer, chain, set(), job, Budget(600))
     assert record["chosen"] == ["Add", "Clip", "Mul"] and record["nodes"] == 3
     assert chain.settings.float_op_types == {"Add", "Clip", "Mul"}
     scores[frozenset({"Add", "Clip", "Mul"})] = 0.85  # worse together: nothing is left float
-    assert choose_float_op_types(quantizer, trials(), set(), job)["chosen"] == []
+    assert choose_float_op_types(quantizer, trials(), set(), job, Budget(600))["chosen"] == []
 
 
 def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():

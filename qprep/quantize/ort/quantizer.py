@@ -97,6 +97,7 @@ class OrtQuantizer:
         self._bias: dict = {}  # (float set, settings) → {shifts, layers, …, kept}
         self._last: tuple | None = None  # ((float set, settings), model) of the last build
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
+        self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
 
     @property
     def dynamic(self) -> bool:
@@ -111,6 +112,10 @@ class OrtQuantizer:
         if self.dynamic:  # ConvInteger is slower than float Conv on x86; Gather/Attention are not worth it
             return ["MatMul", "Gemm"]
         return sorted(set(ORT.QDQRegistry) | set(ORT.QLinearOpsRegistry))
+
+    def calibrated(self, method: str) -> bool:
+        """Whether ranges by `method` are known (a build with them is then seconds, not a calibration)."""
+        return self.dynamic or method in self._ranges
 
     def calibrate(self, method: str):
         """Activation ranges from the calibration samples (computed once per method; none when dynamic)."""
@@ -239,10 +244,12 @@ class OrtQuantizer:
             started = time.perf_counter()
             self._note(f"bias correction: {len(layers)} layers in {len(bias_correction.waves(layers))} waves over "
                        f"{len(self.samples)} calibration samples")
-            shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads)
+            shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads,
+                                                 budget=self.budget)
             before_db, after_db = self._calibration_sqnr(quantized, bias_correction.apply(quantized, layers, shifts))
             kept = bool(after_db > before_db)
             self._bias[key] = {"shifts": shifts if kept else {}, "layers": len(shifts), "kept": kept,
+                               **({"of_layers": len(layers)} if len(shifts) < len(layers) else {}),
                                "calibration_sqnr_db": {"before": round(before_db, 2), "after": round(after_db, 2)},
                                "seconds": round(time.perf_counter() - started, 1)}
             self._note(f"bias correction: calibration SQNR {before_db:.2f} → {after_db:.2f} dB, "
