@@ -147,6 +147,7 @@ class Search:
         self.gains: dict[str, float] = {}  # promoted candidate → its gain in the round that promoted it
         self.fast_from: int | None = None  # index of the first trial built the faster way
         self.ask_faster = True
+        self.ranking_cut = False  # the last ranking stopped for time, not for lack of candidates
         self.best = self.current = None
 
     def run(self) -> Outcome:
@@ -171,7 +172,7 @@ class Search:
             if not stop and capped:  # the cap is (nearly) full: another round would only rank
                 stop = f"max_float_nodes ({self.options['max_float_nodes']}) reached"
             elif not stop and (not promoted or not remaining):
-                stop = "no candidate left that helps"
+                stop = "time budget spent" if self.ranking_cut and not promoted else "no candidate left that helps"
             elif not stop and not self.budget.fits(self.budget.predict("trial")):
                 stop = "time budget spent"
         float_nodes = sorted(self.base_float | self.candidates.nodes(self.best.float_nodes, self.base_float))
@@ -193,6 +194,7 @@ class Search:
         candidates already float, because harm interacts: an edge between two quantized nodes is only float
         when both are."""
         rank_samples = self.samples[: self.options["rank_samples"]]
+        self.ranking_cut = False
         base = self.trial("rank", self.chosen, (), rank_samples)
         self.say(f"round {round_index}: ranking {len(pool)} candidates on {len(rank_samples)} samples")
         rows = []
@@ -201,6 +203,7 @@ class Search:
             if (self.elapsed() > self.budget.seconds * share
                     or not self.budget.fits(self.budget.predict("rank") + self.budget.predict("trial"))):
                 self.say(f"ranking stopped after {index} nodes (time budget)")
+                self.ranking_cut = True
                 break
             t = self.trial("rank", self.chosen, (name,), rank_samples)
             rows.append({"node": name, "gain": t.score - base.score})

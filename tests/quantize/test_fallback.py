@@ -283,3 +283,38 @@ def test_remembered_evaluates_each_build_once_per_setting_and_sample_count():
     setting["value"] = "mse"
     once({"a"}, samples)
     assert calls == [("minmax", frozenset({"a"}), 4), ("minmax", frozenset({"a"}), 2), ("mse", frozenset({"a"}), 4)]
+
+
+def test_budget_predicts_a_step_from_the_slowest_recent_run_and_keeps_the_reserve(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    budget = Budget(100)
+    assert budget.predict("trial") == 0.0 and budget.predict("trial", 7.0) == 7.0
+    for seconds in (50.0, 10.0, 12.0, 11.0):
+        budget.record("trial", seconds)
+    assert budget.predict("trial") == 12.0  # the first build's calibration no longer counts
+    budget.reserve_kind = "trial"
+    clock[0] = 70.0
+    assert budget.fits(18.0) and not budget.fits(19.0)  # 70 + 18 + 12 kept for the final build = 100
+    assert not budget.allows("ranking", 19.0) and budget.skipped == ["ranking (~19 s, 18 s left)"]
+
+
+def test_the_search_starts_no_trial_that_would_end_past_the_budget(monkeypatch):
+    """Trials of 30 s recorded by the backend, as ORT's and RKNN's do: with 200 s, ranking stops at half the
+    budget, and the promotions that cannot finish are not started; the search ends within the budget."""
+    clock = [0.0]
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    damage = {f"n{i}": 0.01 for i in range(6)}
+    scripted, _ = _scripted(damage)
+    budget = Budget(200)
+
+    class Timed(Scripted):
+        def evaluate(self, float_nodes, samples):
+            with budget.timed("trial" if len(samples) == 4 else "rank"):
+                clock[0] += 30.0
+                return scripted(float_nodes, samples)
+
+    outcome = search.Search(Timed(None), search.Candidates(list(damage)), set(), [{}] * 4,
+                            {**OPTIONS, "target": {"cosine_mean": 0.999}, "time_budget_s": 200}, budget=budget).run()
+    assert 170.0 < clock[0] <= 200.0 and outcome.record["stopped"] == "time budget spent"
+    assert outcome.record["best"]["score"] > outcome.record["base"]["score"]  # the best model found is kept
