@@ -235,6 +235,11 @@ def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():
     scores["minmax"] = 0.995  # the configured value meets the target: no alternative is built
     assert search.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)["chosen"] == "minmax"
     assert used == ["minmax"]
+    scores["minmax"] = 0.95  # missed, but an alternative that would not end within the budget is not built
+    used.clear()
+    record = search.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target,
+                                   affordable=lambda alternative: False)
+    assert record["chosen"] == "minmax" and record["scores"] == {"minmax": 0.95} and used == ["minmax"]
 
 
 @pytest.mark.slow
