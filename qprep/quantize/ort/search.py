@@ -57,7 +57,7 @@ class Trials(search.SearchBackend):
 
 def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> tuple[search.Outcome, OrtSettings]:
     """The float set and the settings the final build uses, with the search's record."""
-    budget = Budget(job.fallback["time_budget_s"])  # the op-type phase and bias correction count against it too
+    budget = Budget(job.fallback["time_budget_s"], job.started)  # from the stage's start: everything counts
     ops = {n.name: n.op_type for n in quantizer.model.graph.node}
     every = len(job.evaluation_samples)
 

@@ -56,7 +56,7 @@ class RknnTrials(search.SearchBackend):
 def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> search.Outcome:
     """Which layers become float16, and whether `mmse` replaces the `normal` range algorithm: the range
     algorithm is measured at the outputs first, then the search runs with RKNN trials."""
-    budget = Budget(job.fallback["time_budget_s"])
+    budget = Budget(job.fallback["time_budget_s"], job.started)
     trials = RknnTrials(builder, job, base_float, budget)
     # mmse searches weight and activation ranges in step2, so every later build pays it again (minutes, vs
     # seconds): measured once, kept only if it removes 15% of the error. All int8, 128 samples, against normal
