@@ -98,6 +98,10 @@ SCHEMA = section(
         atol=Key("float", default=1e-5, minimum=0, doc="absolute tolerance: |a-b| <= atol + rtol*|a|"),
         rtol=Key("float", default=1e-4, minimum=0, doc="relative tolerance"),
         min_cosine=Key("float", default=0.99999, minimum=-1, doc="minimum cosine per output and sample"),
+        noise_factor=Key("float", default=8.0, minimum=0,
+                         doc="an output may also move this many times as far as float32 rounding alone moves it "
+                             "(each weight one ulp away; at least this many ulps of the output's scale); "
+                             "0: atol/rtol/min_cosine only"),
         max_samples=Key("int", default=8, minimum=1, doc="samples used to verify each rewrite"),
     ),
     threads=Key("int", default=2, minimum=1, doc="ONNX Runtime intra-op threads for every session"),

@@ -9,12 +9,13 @@ deploys with.
 from __future__ import annotations
 
 import logging
+import re
 
 import onnx
 import onnx.version_converter
 
 from qprep.errors import ConfigError, ModelError
-from qprep.model.info import default_opset, graph_inputs
+from qprep.model.info import default_opset, graph_inputs, has_control_flow
 
 log = logging.getLogger("qprep")
 
@@ -69,6 +70,47 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> li
             dim.dim_value = int(size)
         changed.append(name)
     return changed
+
+
+def fix_input_dims_ort_accepts(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> tuple[list[str], list[str]]:
+    """fix_input_shapes, but only for the inputs whose fixed dims ONNX Runtime still loads the model with →
+    (inputs fixed, warnings). Why: in a model with If/Loop bodies, concrete dims let ORT infer the shapes of a
+    branch that never runs at these dims (torch exports `if state.shape[1] == 1: squeeze`); ORT then refuses
+    the model ("Graph attribute inferencing failed") or its optimizer folds that branch into a broken
+    subgraph initializer ("HasExternalDataInMemory was false"). Such an input keeps its symbolic dims, which
+    the samples still fill; every other input is fixed. Only models with control flow are checked."""
+    trial = onnx.ModelProto()
+    trial.CopyFrom(model)
+    changed = fix_input_shapes(trial, shapes)  # validates every entry first: a wrong name or rank is an error
+    if not changed or not has_control_flow(model) or _ort_refusal(trial) is None or _ort_refusal(model) is not None:
+        model.CopyFrom(trial)  # (a model ORT refuses anyway is not this fix's doing: later steps say why)
+        return changed, []
+    fixed, warnings = [], []
+    for name in changed:  # one input at a time: keep each fix ORT still accepts with the ones kept before
+        trial.CopyFrom(model)
+        fix_input_shapes(trial, {n: shapes[n] for n in [*fixed, name]})
+        problem = _ort_refusal(trial)
+        if problem is None:
+            fixed.append(name)
+        else:
+            warnings.append(f"inputs.{name}: not written into the model: with these dims ONNX Runtime refuses it "
+                            f"({problem}), as it infers shapes in If/Loop branches that do not run at these dims; "
+                            f"the input keeps its symbolic dims")
+            log.warning(warnings[-1])
+    fix_input_shapes(model, {n: shapes[n] for n in fixed})
+    return fixed, warnings
+
+
+def _ort_refusal(model: onnx.ModelProto) -> str | None:
+    """Why ONNX Runtime refuses to load the model as deployed (its default, fully optimized session), if it does."""
+    from qprep.model.runtime import ort_session
+
+    try:
+        ort_session(model, threads=1, optimize=True, log_severity=4)
+    except Exception as exc:  # ORT raises its own exception types; its C++ signatures say nothing to a user
+        text = re.sub(r"/onnxruntime_src/\S+ onnxruntime::.*?\) (?=\S)", "", " ".join(str(exc).split()))
+        return re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)[:200]
+    return None
 
 
 def infer_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:

@@ -47,11 +47,13 @@ def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], thre
         yield {n: np.asarray(sample[n]) if n in inputs else values[n] for n in wanted if n in inputs or n in values}
 
 
-def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False, extra_outputs=()):
+def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False, extra_outputs=(),
+                log_severity: int = 3):
     """An ONNX Runtime CPU session for an in-memory model (large models go through a temp file).
 
     `optimize=False` runs the graph exactly as written (ORT_DISABLE_ALL): verification compares what qprep
-    wrote, not what ORT would have fused. `extra_outputs` exposes intermediate tensors by name.
+    wrote, not what ORT would have fused. `extra_outputs` exposes intermediate tensors by name. `log_severity`
+    4 also hides ORT's error lines (for a probe whose failure is expected and reported by the caller).
     """
     import onnxruntime as ort
 
@@ -64,7 +66,7 @@ def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    options.log_severity_level = 3
+    options.log_severity_level = log_severity
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )

@@ -20,7 +20,7 @@ from qprep.config import Config
 from qprep.data import SampleSet, load_samples
 from qprep.data.pitfalls import data_warnings
 from qprep.errors import ConfigError, Problems, QprepError
-from qprep.model.prepare import fix_input_shapes, infer_shapes, name_nodes
+from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, name_nodes
 from qprep.model.io import load_model, load_model_and_data_files, sha256_file
 from qprep.progress import Progress
 from qprep.pipeline.stages import registry
@@ -137,11 +137,11 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
     record = {"model": {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
                         **model_info.summary(model)}}
     named = name_nodes(model.graph)
-    fixed = fix_input_shapes(model, config["inputs"] or {})
+    fixed, warnings = fix_input_dims_ort_accepts(model, config["inputs"] or {})
     model, warning = infer_shapes(model)
     record["load"] = {"nodes_named": named, "inputs_fixed": fixed,
                       "inputs": [s.as_dict() for s in model_info.graph_inputs(model)]}
-    return model, record, [warning] if warning else [], data_files
+    return model, record, warnings + ([warning] if warning else []), data_files
 
 
 def input_paths(config: Config, data_files=()) -> dict[str, Path]:

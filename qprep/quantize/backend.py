@@ -43,6 +43,7 @@ class BackendInput:
     fallback: dict | None = None  # quantize.fallback (target, budget, …) when the search is on
     measure: Callable[[list[dict]], dict] | None = None  # outputs on evaluation_samples[:n] → per-output metrics
     evaluation_samples: list[dict] = field(default_factory=list)  # what the fallback measures on
+    started: float | None = None  # perf_counter when the stage began: the fallback's time budget counts from it
     progress: object = None
     threads: int = 2
     extremes: Extremes = field(default_factory=Extremes)  # non-finite/huge tensors; their nodes are in float_set

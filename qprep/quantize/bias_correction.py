@@ -15,6 +15,7 @@ keeps the result only if the model's output error goes down.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -66,14 +67,22 @@ def find_layers(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto) -> lis
 
 
 def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers: list[BiasLayer],
-                samples: list[dict], threads: int = 2) -> dict[str, np.ndarray]:
+                samples: list[dict], threads: int = 2, budget=None) -> dict[str, np.ndarray]:
     """{node: bias shift in float units} that brings each layer's per-channel output mean on `samples` to the
-    float model's, with every upstream correction applied before a layer is measured."""
+    float model's, with every upstream correction applied before a layer is measured. With a `budget`
+    (quantize/budget.py), a wave is started only if it and the caller's check (two more runs) fit: the layers
+    corrected so far are a valid correction on their own (their upstream layers are all among them)."""
     expected = _channel_means(float_model, {layer.float_output: layer.axis for layer in layers}, samples, threads)
     shifts: dict[str, np.ndarray] = {}
-    for wave in waves(layers):
+    for index, wave in enumerate(waves(layers)):
+        if budget is not None and not budget.allows(f"bias correction waves {index + 1}+",
+                                                    3 * budget.predict("bias wave")):
+            break
+        start = time.perf_counter()
         measured = _channel_means(apply(qdq_model, layers, shifts), {layer.output: layer.axis for layer in wave},
                                   samples, threads)
+        if budget is not None:
+            budget.record("bias wave", time.perf_counter() - start)
         for layer in wave:
             if layer.output in measured and layer.float_output in expected:
                 shifts[layer.node] = expected[layer.float_output] - measured[layer.output]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from qprep.evaluate.gate import check_gate
+from qprep.quantize.budget import Budget
 from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")
@@ -37,7 +38,9 @@ OPTIONS = section(
     target=Key("mapping", item=Key("float"), required=True,
                doc="metric → threshold in the evaluation gate's form, e.g. {cosine_mean: 0.99, top1_agreement: 0.97}"),
     max_float_nodes=Key("int", default=32, minimum=1, doc="at most this many nodes made float by the fallback"),
-    time_budget_s=Key("float", default=600.0, minimum=1, doc="stop searching after this many seconds"),
+    time_budget_s=Key("float", default=600.0, minimum=1,
+                      doc="the fallback ends within this many seconds (best model kept): a step that would not "
+                          "finish in time, predicted from the steps measured so far, is not started"),
     rank_samples=Key("int", default=32, minimum=1, doc="evaluation samples used to rank nodes (all are used to accept)"),
     max_candidates=Key("int", default=96, minimum=1,
                        doc="rank at most this many nodes by trials (those whose outputs lose the most accuracy first)"),
@@ -87,7 +90,8 @@ def score_of(outputs: dict, target: dict) -> float:
 
 
 class SearchBackend:
-    """What the search asks a backend. `evaluate` is required. A backend whose builds take minutes ranks the
+    """What the search asks a backend. `evaluate` is required; it times each build it makes in the search's
+    budget (`Budget.record`, kind "trial" on all evaluation samples, "rank" on fewer), for the predictions. A backend whose builds take minutes ranks the
     candidates from its own per-layer analysis (`ranks_itself` and `rank`) instead of one trial per candidate;
     one that can build faster, approximately, says so in `faster`."""
 
@@ -132,20 +136,21 @@ class Candidates:
 
 class Search:
     """One search: rank the candidates, promote them most harmful first, re-rank each round, until the target
-    holds, the float-node cap or the time budget is reached, or nothing helps. `started`: when the backend's own
-    fallback work began (perf_counter), so the budget covers it too."""
+    holds, the float-node cap or the time budget is reached, or nothing helps. `budget`: the backend's, started
+    when its own fallback work began, so it covers that work too; no trial starts that would end past it."""
 
     def __init__(self, backend: SearchBackend, candidates: Candidates, base_float: set[str], samples: list[dict],
-                 options: dict, progress=None, started: float | None = None):
+                 options: dict, progress=None, budget: Budget | None = None):
         self.backend, self.candidates, self.base_float = backend, candidates, set(base_float)
         self.samples, self.options, self.progress = samples, options, progress
-        self.target, self.budget = options["target"], options["time_budget_s"]
-        self.started = time.perf_counter() if started is None else started
+        self.target = options["target"]
+        self.budget = budget or Budget(options["time_budget_s"])
         self.trials: list[Trial] = []
         self.chosen: tuple[str, ...] = ()  # candidates accepted so far
         self.gains: dict[str, float] = {}  # promoted candidate → its gain in the round that promoted it
         self.fast_from: int | None = None  # index of the first trial built the faster way
         self.ask_faster = True
+        self.ranking_cut = False  # the last ranking stopped for time, not for lack of candidates
         self.best = self.current = None
 
     def run(self) -> Outcome:
@@ -159,6 +164,8 @@ class Search:
         remaining = list(names if self.backend.ranks_itself else names[: self.options["max_candidates"]])
         ranking: list[dict] = []
         rounds = 0
+        if not stop and not self.budget.allows("ranking", self.budget.predict("trial")):
+            stop = "time budget spent"
         while not stop:
             rounds += 1
             ranked = self.ranked(remaining, rounds)
@@ -168,8 +175,8 @@ class Search:
             if not stop and capped:  # the cap is (nearly) full: another round would only rank
                 stop = f"max_float_nodes ({self.options['max_float_nodes']}) reached"
             elif not stop and (not promoted or not remaining):
-                stop = "no candidate left that helps"
-            elif not stop and self.elapsed() > self.budget:
+                stop = "time budget spent" if self.ranking_cut and not promoted else "no candidate left that helps"
+            elif not stop and not self.budget.fits(self.budget.predict("trial")):
                 stop = "time budget spent"
         float_nodes = sorted(self.base_float | self.candidates.nodes(self.best.float_nodes, self.base_float))
         return Outcome(float_nodes, self.best.passed, self.record(base, ranking, stop, rounds))
@@ -190,12 +197,16 @@ class Search:
         candidates already float, because harm interacts: an edge between two quantized nodes is only float
         when both are."""
         rank_samples = self.samples[: self.options["rank_samples"]]
+        self.ranking_cut = False
         base = self.trial("rank", self.chosen, (), rank_samples)
         self.say(f"round {round_index}: ranking {len(pool)} candidates on {len(rank_samples)} samples")
         rows = []
         for index, name in enumerate(pool):
-            if self.elapsed() > self.budget * (0.5 if round_index == 1 else 0.9):  # leave time to promote
+            share = 0.5 if round_index == 1 else 0.9  # of the budget: leave time to promote
+            if (self.elapsed() > self.budget.seconds * share
+                    or not self.budget.fits(self.budget.predict("rank") + self.budget.predict("trial"))):
                 self.say(f"ranking stopped after {index} nodes (time budget)")
+                self.ranking_cut = True
                 break
             t = self.trial("rank", self.chosen, (name,), rank_samples)
             rows.append({"node": name, "gain": t.score - base.score})
@@ -234,12 +245,12 @@ class Search:
         FAST_SHARE of the budget, the backend is asked once to build the faster way from then on."""
         slow = [t for t in self.trials[self.fast_from or 0:] if t.phase == "promote"]
         last = slow[-1].seconds if slow else 0.0
-        if self.ask_faster and self.fast_from is None and self.elapsed() + last > self.budget * (1 - FAST_SHARE):
+        if self.ask_faster and self.fast_from is None and self.elapsed() + last > self.budget.seconds * (1 - FAST_SHARE):
             self.ask_faster = False
             if self.backend.faster(self.base_float | self.candidates.nodes(self.chosen, self.base_float)):
                 self.fast_from, last = len(self.trials), 0.0
                 self.say("the last quarter of the budget: the trials left build the faster way")
-        return self.elapsed() + last > self.budget  # a trial that would end past the budget is not started
+        return not self.budget.fits(last)  # a trial that would end past the budget is not started
 
     def trial(self, phase: str, start: tuple[str, ...], added: tuple[str, ...], samples: list[dict]) -> Trial:
         t0 = time.perf_counter()
@@ -253,7 +264,7 @@ class Search:
         return result
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self.started
+        return self.budget.elapsed()
 
     def say(self, message: str) -> None:
         log.info("fallback: %s", message)
@@ -308,15 +319,19 @@ def remembered(evaluate: Callable[[set[str], list[dict]], dict], setting: Callab
 
 def choose_setting(setting: str, configured: str, alternatives: list[str], use: Callable[[str], None],
                    evaluate: Callable[[set[str], list[dict]], dict], base_float: set[str], samples: list[dict],
-                   target: dict, progress=None, min_gain: float = MIN_GAIN) -> dict:
+                   target: dict, progress=None, min_gain: float = MIN_GAIN,
+                   affordable: Callable[[str], bool] = lambda alternative: True) -> dict:
     """A backend setting (e.g. how activation ranges are chosen) measured at the outputs before any node is
     made float: the configured value first and, if the target is missed, each alternative. An alternative is
     kept if it meets the target, or if it removes at least `min_gain` of the configured value's error
-    (1 - score) and scores best; a backend whose alternative makes every later trial slower asks for more."""
+    (1 - score) and scores best; a backend whose alternative makes every later trial slower asks for more.
+    An alternative that is not `affordable` (its trial would not end within the time budget) is not tried."""
     outputs = evaluate(base_float, samples)
     scores, passed = {configured: score_of(outputs, target)}, check_gate(target, outputs)["passed"]
     chosen = configured
     for alternative in [] if passed else alternatives:
+        if not affordable(alternative):
+            continue
         if progress is not None:
             progress.note(f"fallback: trying {setting}: {alternative}")
         use(alternative)

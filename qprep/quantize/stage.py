@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import time
 
 import onnx
 
@@ -82,6 +83,7 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     if kind == model_info.QDQ:
         return StageResult(model=model, status="skipped",
                            reason="the model already holds Q/DQ nodes (QAT); use remove_redundant_qdq/fuse_conv_qdq")
+    started = time.perf_counter()  # the fallback's budget covers the FP32 reference outputs computed for it
     backend = options["backend"]
     if not model_info.computes_float(model):
         if backend == "rknn" and options["rknn"]["do_quantization"]:  # the toolkit aborts on it (SIGABRT)
@@ -93,7 +95,7 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
                                warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
-                       progress=ctx.progress, threads=ctx.config["threads"])
+                       progress=ctx.progress, threads=ctx.config["threads"], started=started)
     if backend in CALIBRATED and job.samples:
         job.extremes = _kept_out_of_calibration(job)
     if options["fallback"]:

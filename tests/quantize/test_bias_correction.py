@@ -100,7 +100,7 @@ def test_the_backend_keeps_the_correction_only_when_it_helps(tmp_path, monkeypat
     assert "bias correction: 2 layers in 2 waves over 16 calibration samples" in lines.getvalue()
     assert ", kept (" in lines.getvalue()
 
-    def harmful(quantized, float_model, layers, samples, threads=2):
+    def harmful(quantized, float_model, layers, samples, threads=2, budget=None):
         return {layer.node: np.full(CHANNELS, 5.0) for layer in layers}
 
     monkeypatch.setattr(bias_correction, "corrections", harmful)
@@ -152,3 +152,28 @@ def test_a_fallback_whose_target_bias_correction_meets_makes_nothing_float(tmp_p
     assert stage["fallback"]["passed"] and stage["fallback"]["float_nodes"] == []
     assert stage["fallback"]["bias_correction"]["kept"] is True and stage["bias_correction"]["applied"] is True
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] >= target["cosine_mean"]
+
+
+def test_a_wave_that_would_not_end_within_the_budget_is_not_started(tmp_path, monkeypatch):
+    """The first wave (about one run over the samples) takes 50 s on a fake clock; 100 s left: the second wave
+    (and the two check runs after it) cannot fit, so only the first layer is corrected."""
+    from qprep.quantize.budget import Budget
+
+    model = _chain()
+    quantized = _quantized(model, tmp_path, bias_correction=False).build(set())
+    layers = bias_correction.find_layers(quantized, model)
+    clock = [0.0]
+    monkeypatch.setattr(bias_correction.time, "perf_counter", lambda: clock[0])
+    measure = bias_correction._channel_means
+
+    def slow_means(*args):
+        clock[0] += 50.0
+        return measure(*args)
+
+    monkeypatch.setattr(bias_correction, "_channel_means", slow_means)
+    budget = Budget(200, started=-50.0)  # the float model's means (one run) ended at 50 s of the budget
+    shifts = bias_correction.corrections(quantized, model, layers, _samples(), budget=budget)
+    assert list(shifts) == [layers[0].node]
+    assert budget.durations["bias wave"] == [50.0] and budget.skipped[0].startswith("bias correction waves 2+")
+    full = bias_correction.corrections(quantized, model, layers, _samples(), budget=Budget(1000, started=clock[0]))
+    assert list(full) == [layer.node for layer in layers]

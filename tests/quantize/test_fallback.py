@@ -6,6 +6,7 @@ import pytest
 from onnx import helper
 
 from qprep.quantize import search
+from qprep.quantize.budget import Budget
 from qprep.errors import ConfigError
 from conftest import run_config
 from graphs import make_model
@@ -198,11 +199,11 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
                       lambda excluded, samples, settings: {"y": {"cosine_mean": scores[settings.float_op_types]}})
 
     chain = trials()
-    record = choose_float_op_types(quantizer, chain, set(), job)
+    record = choose_float_op_types(quantizer, chain, set(), job, Budget(600))
     assert record["chosen"] == ["Add", "Clip", "Mul"] and record["nodes"] == 3
     assert chain.settings.float_op_types == {"Add", "Clip", "Mul"}
     scores[frozenset({"Add", "Clip", "Mul"})] = 0.85  # worse together: nothing is left float
-    assert choose_float_op_types(quantizer, trials(), set(), job)["chosen"] == []
+    assert choose_float_op_types(quantizer, trials(), set(), job, Budget(600))["chosen"] == []
 
 
 def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():
@@ -234,6 +235,11 @@ def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():
     scores["minmax"] = 0.995  # the configured value meets the target: no alternative is built
     assert search.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target)["chosen"] == "minmax"
     assert used == ["minmax"]
+    scores["minmax"] = 0.95  # missed, but an alternative that would not end within the budget is not built
+    used.clear()
+    record = search.choose_setting("ranges", "minmax", ["mse"], use, evaluate, set(), [{}], target,
+                                   affordable=lambda alternative: False)
+    assert record["chosen"] == "minmax" and record["scores"] == {"minmax": 0.95} and used == ["minmax"]
 
 
 @pytest.mark.slow
@@ -282,3 +288,38 @@ def test_remembered_evaluates_each_build_once_per_setting_and_sample_count():
     setting["value"] = "mse"
     once({"a"}, samples)
     assert calls == [("minmax", frozenset({"a"}), 4), ("minmax", frozenset({"a"}), 2), ("mse", frozenset({"a"}), 4)]
+
+
+def test_budget_predicts_a_step_from_the_slowest_recent_run_and_keeps_the_reserve(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    budget = Budget(100)
+    assert budget.predict("trial") == 0.0 and budget.predict("trial", 7.0) == 7.0
+    for seconds in (50.0, 10.0, 12.0, 11.0):
+        budget.record("trial", seconds)
+    assert budget.predict("trial") == 12.0  # the first build's calibration no longer counts
+    budget.reserve_kind = "trial"
+    clock[0] = 70.0
+    assert budget.fits(18.0) and not budget.fits(19.0)  # 70 + 18 + 12 kept for the final build = 100
+    assert not budget.allows("ranking", 19.0) and budget.skipped == ["ranking (~19 s, 18 s left)"]
+
+
+def test_the_search_starts_no_trial_that_would_end_past_the_budget(monkeypatch):
+    """Trials of 30 s recorded by the backend, as ORT's and RKNN's do: with 200 s, ranking stops at half the
+    budget, and the promotions that cannot finish are not started; the search ends within the budget."""
+    clock = [0.0]
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    damage = {f"n{i}": 0.01 for i in range(6)}
+    scripted, _ = _scripted(damage)
+    budget = Budget(200)
+
+    class Timed(Scripted):
+        def evaluate(self, float_nodes, samples):
+            with budget.timed("trial" if len(samples) == 4 else "rank"):
+                clock[0] += 30.0
+                return scripted(float_nodes, samples)
+
+    outcome = search.Search(Timed(None), search.Candidates(list(damage)), set(), [{}] * 4,
+                            {**OPTIONS, "target": {"cosine_mean": 0.999}, "time_budget_s": 200}, budget=budget).run()
+    assert 170.0 < clock[0] <= 200.0 and outcome.record["stopped"] == "time budget spent"
+    assert outcome.record["best"]["score"] > outcome.record["base"]["score"]  # the best model found is kept

@@ -83,6 +83,8 @@ def quantize(job: BackendInput) -> Quantized:
                     "bias_correction": quantizer.bias,
                     "float_op_types": sorted(settings.float_op_types),
                     "qdq_simplified": quantizer.simplified})
+    if quantizer.unquantizable:  # ORT's quantizer failed on them: kept float, with its message
+        details["unquantizable"] = [{"node": node, "reason": reason} for node, reason in quantizer.unquantizable.items()]
     missing = sorted(float_set - quantizer.node_names)
     if missing:  # e.g. keep_float ran before optimize fused the decomposed LayerNorms it named
         details["float_set_unmatched"] = missing

@@ -39,6 +39,7 @@ log = logging.getLogger("qprep")
 
 # Per-channel DequantizeLinear (its `axis`) needs opset 13; ORT's quantizer would emit it anyway.
 MIN_OPSET = 13
+MAX_UNQUANTIZABLE = 16  # nodes ORT's quantizer fails on that are kept float before the failure is an error
 _TYPES = {"uint8": "QUInt8", "int8": "QInt8"}
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", "distribution": "Distribution"}
 
@@ -98,6 +99,8 @@ class OrtQuantizer:
         self._bias: dict = {}  # (float set, settings) → {shifts, layers, …, kept}
         self._last: tuple | None = None  # ((float set, settings), model) of the last build
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
+        self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
+        self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
 
     @property
     def dynamic(self) -> bool:
@@ -112,6 +115,10 @@ class OrtQuantizer:
         if self.dynamic:  # ConvInteger is slower than float Conv on x86; Gather/Attention are not worth it
             return ["MatMul", "Gemm"]
         return sorted(set(ORT.QDQRegistry) | set(ORT.QLinearOpsRegistry))
+
+    def calibrated(self, method: str) -> bool:
+        """Whether ranges by `method` are known (a build with them is then seconds, not a calibration)."""
+        return self.dynamic or method in self._ranges
 
     def calibrate(self, method: str):
         """Activation ranges from the calibration samples (computed once per method; none when dynamic)."""
@@ -169,8 +176,8 @@ class OrtQuantizer:
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         try:
-            quantized = self._quantize(self.calibrate(settings.calibrate_method), sorted(key[0]),
-                                       settings.float_op_types)
+            quantized = self._quantize_around_failures(self.calibrate(settings.calibrate_method), key[0],
+                                                       settings.float_op_types)
         except QprepError:
             raise
         except Exception as exc:  # ORT raises bare exceptions with the op/tensor in the text
@@ -190,6 +197,51 @@ class OrtQuantizer:
                                                                    verify=self._last is None)
         self._last = (key, quantized)
         return quantized
+
+    def _quantize_around_failures(self, ranges, excluded: frozenset[str],
+                                  float_op_types: frozenset[str]) -> onnx.ModelProto:
+        """ORT's quantizer, with the nodes it fails on kept float. Why: it raises bare errors on constructs it
+        does not expect (a Gemm bias of shape [1, N] with per-channel weights: "The truth value of an array with
+        more than one element is ambiguous") and the rest of the model quantizes fine without them. The failing
+        node is found by bisection over the nodes it would quantize (nodes_to_exclude), recorded in
+        `unquantizable` with ORT's message and left out of every later build too."""
+        while True:
+            skip = sorted(excluded | set(self.unquantizable))
+            try:
+                return self._quantize(ranges, skip, float_op_types)
+            except QprepError:
+                raise
+            except Exception as exc:  # ORT raises bare exceptions
+                if len(self.unquantizable) >= MAX_UNQUANTIZABLE:
+                    raise
+                culprit = self._failing_node(ranges, skip, float_op_types)
+                if culprit is None:
+                    raise
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                self.unquantizable[culprit] = reason
+                log.warning("ort: ONNX Runtime's quantizer fails on node %s (%s): kept float", culprit, reason)
+
+    def _failing_node(self, ranges, skip: list[str], float_op_types: frozenset[str]) -> str | None:
+        """The first node (graph order) whose quantization makes ORT's quantizer fail: with only the first k
+        candidates quantized it fails for k >= that node's place, so a bisection over k finds it. None when the
+        quantizer fails even with every candidate excluded (not a node's doing)."""
+        types = set(self.op_types) - float_op_types
+        candidates = [n.name for n in self.model.graph.node if n.op_type in types and n.name not in skip]
+
+        def fails(quantized: int) -> bool:
+            try:
+                self._quantize(ranges, skip + candidates[quantized:], float_op_types)
+                return False
+            except Exception:  # noqa: BLE001 - any failure counts
+                return True
+
+        if not candidates or fails(0):
+            return None
+        low, high = 0, len(candidates)  # fails(low) is False; fails(high) is the failure being contained
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fails(middle) else (middle, high)
+        return candidates[high - 1]
 
     def _quantize(self, ranges, excluded: list[str], float_op_types: frozenset[str]) -> onnx.ModelProto:
         model = ORT.save_and_reload_model_with_shape_infer(self.model)
@@ -256,10 +308,12 @@ class OrtQuantizer:
             if before_db is None:  # nothing to judge the correction by: not worth its minutes
                 shifts, after_db = {}, None
             else:
-                shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads)
+                shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads,
+                                                     budget=self.budget)
                 after_db, = self._calibration_sqnr(bias_correction.apply(quantized, layers, shifts))
             kept, why = better(before_db, after_db, "no correction")
             self._bias[key] = {"shifts": shifts if kept else {}, "layers": len(shifts), "kept": kept,
+                               **({"of_layers": len(layers)} if len(shifts) < len(layers) else {}),
                                "calibration_sqnr_db": {"before": _rounded(before_db), "after": _rounded(after_db)},
                                **({"reason": why} if not kept else {}),
                                "seconds": round(time.perf_counter() - started, 1)}

@@ -6,12 +6,15 @@ samples. Before any node is made float, three settings are measured at the outpu
 base float set, mse activation ranges, and op types left float as a whole. Candidates are then activation
 edges (`edges`; MatMul nodes with dynamic quantization), those losing most accuracy first, promoted by gain
 per multiply-add. Last, bias correction is measured again on the float set the search chose.
+
+Every step is bounded by the time budget (quantize/budget.py): builds are timed (the first one, which
+calibrates and runs GPTQ, apart from the later ones that reuse both), a step that would not end in time is not
+started, bias correction stops between its waves, and the time of one build is kept for the final build.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import Callable
 
@@ -23,6 +26,7 @@ from qprep.model.info import graph_inputs, multiply_adds
 from qprep.model.runtime import run_model
 from qprep.quantize import search
 from qprep.quantize.backend import BackendInput
+from qprep.quantize.budget import Budget
 from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
 
 log = logging.getLogger("qprep")
@@ -53,26 +57,38 @@ class Trials(search.SearchBackend):
 
 def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> tuple[search.Outcome, OrtSettings]:
     """The float set and the settings the final build uses, with the search's record."""
-    started = time.perf_counter()  # the op-type phase counts against the budget too
+    budget = Budget(job.fallback["time_budget_s"], job.started)  # from the stage's start: everything counts
     ops = {n.name: n.op_type for n in quantizer.model.graph.node}
+    every = len(job.evaluation_samples)
 
     def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
-        return job.measure(run_model(quantizer.build(float_nodes, settings), samples, job.threads, optimize=True))
+        kind = ("trial" if len(samples) == every else "rank") if quantizer.calibrated(settings.calibrate_method) \
+            else "first build"
+        with budget.timed(kind):
+            return job.measure(run_model(quantizer.build(float_nodes, settings), samples, job.threads,
+                                         optimize=True))
 
     trials = Trials(quantizer.settings, measure)
     wanted = trials.settings.bias_correction
+    trials.use(bias_correction=False)
+    trials.evaluate(excluded, job.evaluation_samples)  # the base: calibration and GPTQ, needed by every step
+    budget.reserve_kind = "trial"  # from now on, the time of one build is kept for the final one
+    quantizer.budget = budget
     # bias correction is measured per float set (a minute on large models), so not per trial: tried first on the
     # configured ranges (EfficientNet-Lite0 meets its target so, not with mse ranges), the search runs without it
-    corrected_base = _corrected_base(trials, excluded, job) if wanted else None
+    corrected_base = _corrected_base(trials, excluded, job, budget) if wanted else None
 
     configured = trials.settings.calibrate_method
     ranges = search.choose_setting(
         "calibrate_method", configured, ["mse"] if configured == "minmax" and not quantizer.dynamic else [],
         lambda method: trials.use(calibrate_method=method), trials.evaluate, excluded, job.evaluation_samples,
-        job.fallback["target"], job.progress)
-    op_types = choose_float_op_types(quantizer, trials, excluded, job)
-    candidates = _candidates(quantizer.model, quantizer.build(excluded, trials.settings),
-                             job.evaluation_samples[:8], excluded, job.threads)
+        job.fallback["target"], job.progress,  # new ranges: a build as long as the first (GPTQ on new scales)
+        affordable=lambda method: budget.allows(f"calibrate_method {method}", budget.predict("first build")))
+    op_types = choose_float_op_types(quantizer, trials, excluded, job, budget)
+    candidates = []
+    if budget.allows("ranking candidates by per-layer error", budget.predict("rank") + budget.predict("trial")):
+        candidates = _candidates(quantizer.model, quantizer.build(excluded, trials.settings),
+                                 job.evaluation_samples[:8], excluded, job.threads)
     groups = {} if quantizer.dynamic else edges(quantizer.model, candidates)
     if groups:
         candidates = list(groups)
@@ -80,36 +96,44 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     total = sum(macs.values()) or 1
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
     outcome = search.Search(trials, search.Candidates(candidates, groups, cost, ops), excluded,
-                            job.evaluation_samples, job.fallback, job.progress, started).run()
+                            job.evaluation_samples, job.fallback, job.progress, budget).run()
     outcome.record.update(float_op_types=op_types, ranges=ranges)
     if wanted:
-        outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, started)
+        outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, budget)
+    quantizer.budget = None  # the final build reuses what the fallback measured
+    outcome.record.update(seconds=round(budget.elapsed(), 1), budget=budget.record_dict())
     return outcome, trials.settings
 
 
-def _corrected_base(trials: Trials, excluded: set[str], job: BackendInput) -> dict:
+def _corrected_base(trials: Trials, excluded: set[str], job: BackendInput, budget: Budget) -> dict | None:
     """The base float set with bias correction: if that meets the target, the search ends at its base trial
-    with it (EfficientNet-Lite0: 0 float nodes); otherwise the search runs without it."""
-    started = time.perf_counter()
+    with it (EfficientNet-Lite0: 0 float nodes); otherwise the search runs without it. Not tried when not even
+    a build fits in the budget (its waves stop in time by themselves)."""
+    if not budget.allows("bias correction on the base", budget.predict("trial", budget.predict("first build"))):
+        return None
+    started = budget.elapsed()
     trials.use(bias_correction=True)
     outputs = trials.evaluate(excluded, job.evaluation_samples)
     passed = check_gate(job.fallback["target"], outputs)["passed"]
     trials.use(bias_correction=passed)
     score = search.score_of(outputs, job.fallback["target"])
     log.info("fallback: bias correction on the base: score %.5f%s", score, ", target met" if passed else "")
-    return {"score": score, "passed": passed, "float_set": set(excluded), "seconds": time.perf_counter() - started}
+    return {"score": score, "passed": passed, "float_set": set(excluded), "seconds": budget.elapsed() - started}
 
 
-def _correct_final(trials: Trials, outcome: search.Outcome, base: dict, job: BackendInput, started: float) -> dict:
+def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, job: BackendInput,
+                   budget: Budget) -> dict:
     """Bias correction on the float set the search chose (measured again unless that is the base's set, if the
-    budget has room for a measurement as long as the base's took) and kept if the score goes up."""
+    budget has room for its build, a few of its waves and the final build) and kept if the score goes up."""
     target, float_set = job.fallback["target"], set(outcome.float_nodes)
+    if base is None:
+        return {"kept": False, "why": "no time left in the budget to measure it"}
     record = {"base": {"score": base["score"], "passed": base["passed"]}}
     if base["passed"]:
         record["kept"] = True
         return record
-    late = time.perf_counter() - started + base["seconds"] > job.fallback["time_budget_s"]
-    if float_set != base["float_set"] and late:
+    cost = 2 * budget.predict("trial") + 3 * budget.predict("bias wave")  # its build + the final build + waves
+    if float_set != base["float_set"] and not budget.allows("bias correction on the chosen float set", cost):
         record.update(kept=False, why="no time left in the budget to measure it on the chosen float set")
         return record
     without = outcome.record["best"]["score"]
@@ -126,14 +150,14 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict, job: Bac
     if kept:
         outcome.passed = passed
         metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
-        outcome.record.update(passed=passed, best={"score": score, "metrics": metrics},
-                              seconds=round(time.perf_counter() - started, 1))
+        outcome.record.update(passed=passed, best={"score": score, "metrics": metrics})
         if passed:
             outcome.record.pop("why", None)
     return record
 
 
-def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput) -> dict:
+def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,
+                          budget: Budget) -> dict:
     """Leave an op type float when that measurably helps: on PP-OCRv4 rec, quantizing the hardswish chains
     (Add, Clip, Mul) re-rounds every activation three times. Greedy: rank each type on the ranking samples, keep
     each drop that helps on all samples; then try all these types at once (one of a chain's ops left float
@@ -149,6 +173,8 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
     base = search.score_of(trials.evaluate(excluded, rank_samples), target)
     gains = {}
     for op_type in types:
+        if not budget.allows(f"op type {op_type} ranked", budget.predict("rank") + budget.predict("trial")):
+            break
         trials.use(float_op_types=frozenset({op_type}))
         gains[op_type] = search.score_of(trials.evaluate(excluded, rank_samples), target) - base
     trials.use(float_op_types=frozenset())
@@ -157,6 +183,8 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
     def attempt(chosen: frozenset[str], label: str, rank_gain) -> None:
         """Leave `chosen` float if that beats the current score on all samples, else put the last set back."""
         nonlocal current
+        if not budget.allows(f"op types {label} tried", budget.predict("trial")):
+            return
         previous = trials.settings.float_op_types
         trials.use(float_op_types=chosen)
         score = search.score_of(trials.evaluate(excluded, job.evaluation_samples), target)

@@ -7,12 +7,12 @@ ranking (the toolkit's accuracy_analysis, runner.py).
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 from qprep.errors import QprepError, ToolkitError
 from qprep.quantize import search
 from qprep.quantize.backend import BackendInput
+from qprep.quantize.budget import Budget
 
 if TYPE_CHECKING:  # builder.py calls this module: a run-time import would be circular
     from qprep.quantize.rknn.builder import RknnBuilder
@@ -28,14 +28,15 @@ class RknnTrials(search.SearchBackend):
 
     ranks_itself = True
 
-    def __init__(self, builder: RknnBuilder, job: BackendInput, base_float: set[str]):
-        self.builder, self.job, self.base_float = builder, job, base_float
+    def __init__(self, builder: RknnBuilder, job: BackendInput, base_float: set[str], budget: Budget):
+        self.builder, self.job, self.base_float, self.budget = builder, job, base_float, budget
         self.analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
         self.best_score = float("-inf")  # on all evaluation samples, so far
         self.remembered = search.remembered(self.measure, lambda: builder.algorithm)
 
     def measure(self, float_nodes: set[str], samples: list[dict]) -> dict:
-        outputs = self.job.measure(self.builder.session(float_nodes)(samples))
+        with self.budget.timed("trial" if samples is self.job.evaluation_samples else "rank"):
+            outputs = self.job.measure(self.builder.session(float_nodes)(samples))
         score = search.score_of(outputs, self.job.fallback["target"])
         if samples is self.job.evaluation_samples and score > self.best_score:  # the build the search returns
             self.best_score = score
@@ -55,8 +56,8 @@ class RknnTrials(search.SearchBackend):
 def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> search.Outcome:
     """Which layers become float16, and whether `mmse` replaces the `normal` range algorithm: the range
     algorithm is measured at the outputs first, then the search runs with RKNN trials."""
-    started = time.perf_counter()
-    trials = RknnTrials(builder, job, base_float)
+    budget = Budget(job.fallback["time_budget_s"], job.started)
+    trials = RknnTrials(builder, job, base_float, budget)
     # mmse searches weight and activation ranges in step2, so every later build pays it again (minutes, vs
     # seconds): measured once, kept only if it removes 15% of the error. All int8, 128 samples, against normal
     # with GPTQ weights: EfficientNet-Lite0 0.9976 → 0.9984 (its target met with no float layer), PP-OCRv4 rec
@@ -69,12 +70,13 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
         "quantized_algorithm", builder.algorithm,
         ["mmse"] if builder.algorithm == "normal" and job.options["do_quantization"] else [],
         builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
-        job.progress, min_gain=0.15)
+        job.progress, min_gain=0.15,  # an mmse build is at least 3x a normal one (MiniLM), often minutes
+        affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}", 3 * budget.predict("trial")))
     ops = {n.name: n.op_type for n in job.model.graph.node}
     candidates = search.Candidates([n.name for n in job.model.graph.node if n.name not in base_float], ops=ops)
     outcome = search.Search(trials, candidates, base_float, job.evaluation_samples, job.fallback, job.progress,
-                            started).run()
-    outcome.record["ranges"] = ranges
+                            budget).run()
+    outcome.record.update(ranges=ranges, budget=budget.record_dict())
     return outcome
 
 

@@ -181,6 +181,38 @@ def test_matmul_add_becomes_gemm_only_for_2d():
     assert ops(out) == {"MatMul": 1, "Add": 1}
 
 
+def _matmul_add(bias, bias_is_input=False):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
+    inputs = [("x", [2, 3])] + ([("b", list(bias.shape))] if bias_is_input else [])
+    return make_model(nodes, inputs, [("y", [2, 4])], {"w": rand(3, 4), **({} if bias_is_input else {"b": bias})})
+
+
+def test_a_bias_broadcast_per_column_becomes_a_1d_gemm_bias_that_ort_quantizes_per_channel(tmp_path):
+    """jax2tf/tf2onnx write the bias as [1, N]: fused as is, ORT's per-channel quantizer failed ("The truth
+    value of an array with more than one element is ambiguous"); the Gemm gets it as [N]."""
+    from qprep.quantize import ort
+    from qprep.quantize.ort.quantizer import OrtQuantizer
+    from qprep.schema import validate
+
+    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    samples = [{"x": rand(2, 3, seed=s)} for s in range(4)]
+    for bias in (rand(1, 4, seed=1), np.float32(0.5).reshape(()), rand(1, seed=2)):
+        model = _matmul_add(bias)
+        out, outcome = apply_pass(fuse_gemm.PASS, model)
+        assert ops(out) == {"Gemm": 1} and outcome.matches == 1
+        gemm_bias = next(t for t in out.graph.initializer if t.name == out.graph.node[0].input[2])
+        assert list(gemm_bias.dims) == [4]
+        assert max_diff(model, out, {"x": rand(2, 3)}) < 1e-6
+        assert OrtQuantizer(out, samples, options, tmp_path).build(set()).graph.node
+
+
+def test_an_add_that_is_not_one_bias_per_column_stays_an_add():
+    for model in (_matmul_add(rand(2, 4, seed=1)), _matmul_add(rand(2, 1, seed=1)),
+                  _matmul_add(rand(4, seed=1), bias_is_input=True)):
+        out, outcome = apply_pass(fuse_gemm.PASS, model)
+        assert ops(out) == {"MatMul": 1, "Add": 1} and outcome.matches == 0
+
+
 def test_cleanup_keeps_a_tiny_epsilon_and_a_near_one_scale():
     """onnxscript's add_0/mul_by_1 accept |c| <= 1e-8 and 1 ± 1e-5; LayerNorm's 1e-12 epsilon must survive."""
     nodes = [helper.make_node("Add", ["x", "eps"], ["a"]), helper.make_node("Mul", ["a", "nearly_one"], ["y"])]

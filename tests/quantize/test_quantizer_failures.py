@@ -1,0 +1,41 @@
+"""ORT's quantizer failing on one node: the node is found, kept float with ORT's message, the rest quantized."""
+
+import numpy as np
+from onnx import helper
+
+from graphs import make_model, rand
+from qprep.model.prepare import name_nodes
+from qprep.model.runtime import run_model
+from qprep.quantize import ort
+from qprep.quantize.ort.quantizer import OrtQuantizer
+from qprep.schema import validate
+
+
+def _matmuls_and_a_gemm_ort_cannot_take():
+    """x → MatMul → Relu → Gemm(C [1, 6]) → MatMul → y. The Gemm is valid ONNX and runs; ORT's per-channel
+    quantizer fails on its 2-D bias (a tf2onnx/jax2tf export fused as is)."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["a"]), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Gemm", ["r", "w2", "c"], ["g"]), helper.make_node("MatMul", ["g", "w3"], ["y"])]
+    model = make_model(nodes, [("x", [4, 8])], [("y", [4, 5])],
+                       {"w1": rand(8, 8, seed=1), "w2": rand(8, 6, seed=2), "c": rand(1, 6, seed=3),
+                        "w3": rand(6, 5, seed=4)}, infer_shapes=False)
+    name_nodes(model.graph)
+    return model
+
+
+def test_the_node_the_quantizer_fails_on_is_kept_float_and_the_rest_quantized(tmp_path):
+    model = _matmuls_and_a_gemm_ort_cannot_take()
+    samples = [{"x": rand(4, 8, seed=s)} for s in range(8)]
+    quantizer = OrtQuantizer(model, samples, validate({}, ort.OPTIONS, "quantize.ort", tmp_path), tmp_path)
+    quantized = quantizer.build(set())
+    assert list(quantizer.unquantizable) == ["Gemm_0"]
+    assert "truth value of an array" in quantizer.unquantizable["Gemm_0"]
+    dequantized = {o for n in quantized.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    inputs = {n.name: list(n.input) for n in quantized.graph.node}
+    assert inputs["MatMul_0"][1] in dequantized and inputs["MatMul_1"][1] in dequantized  # int8 weights
+    assert inputs["Gemm_0"][1:] == ["w2", "c"]  # float weight and bias
+    expected, actual = run_model(model, samples), run_model(quantized, samples, optimize=True)
+    error = max(np.abs(e["y"] - a["y"]).max() / np.abs(e["y"]).max() for e, a in zip(expected, actual))
+    assert error < 0.05
+    quantizer.build({"MatMul_0"})  # later builds leave it out without searching again
+    assert list(quantizer.unquantizable) == ["Gemm_0"]
