@@ -135,4 +135,5 @@ def test_masked_attention_keeps_its_mask_chain_float16_on_rknn_with_the_mask_cli
     stage = report["stages"][0]
     assert set(stage["nonfinite"]["nodes"]) == {"mask_scale", "mask_rows", "mask_add", "softmax"}
     assert stage["nonfinite"]["float16_clip"]["clipped"] and "mask_scale" in stage["float16_layers"]["mapped"]
-    assert report["status"] == "ok" and report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.85
+    # above the unclipped 0.778; below the default accuracy floor (0.9), so the run says `gate missed`
+    assert report["status"] == "gate missed" and report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.85
