@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="run directory (overrides `output_dir:`)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. calibration.max_samples=16 or pipeline.quantize.backend=ort")
+    run.add_argument("--overlay", metavar="FILE", help="a YAML file merged over the config (paths relative to it), "
+                                                       "e.g. one model's input dims and samples")
     run.add_argument("--force", action="store_true", help="replace a previous run in a non-empty run directory")
     run.add_argument("--strict", action="store_true", help="exit 2 when any rewrite was rolled back")
     _common(run)
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a config (keys, types, files) without running it")
     validate.add_argument("config")
     validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    validate.add_argument("--overlay", metavar="FILE", help="a YAML file merged over the config")
     _common(validate)
 
     inspect = sub.add_parser("inspect", help="describe a model: kind, inputs/outputs, op histogram, opsets")
@@ -48,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     batch = sub.add_parser("batch", help="run one config over every .onnx model in a folder",
                            description="Each model runs in its own process and run directory under --out; "
-                                       "summary.json/csv/md/html list them worst first. Exit 2 if any model "
-                                       "failed, else 1 if any missed its gate.")
+                                       "summary.json/csv/md/html list them worst first. A NAME.qprep.yaml beside "
+                                       "NAME.onnx is merged over the config for that model (run --overlay). "
+                                       "Exit 2 if any model failed, else 1 if any missed its gate.")
     batch.add_argument("config")
     batch.add_argument("folder", help="folder of .onnx models")
     batch.add_argument("--out", required=True, help="batch directory (one run directory per model)")
@@ -134,7 +138,7 @@ def cmd_run(args) -> int:
     from qprep.config import load_config
     from qprep.pipeline.runner import execute
 
-    config = load_config(args.config, _overrides(args))
+    config = load_config(args.config, _overrides(args), overlay=args.overlay)
     report = execute(config, force=args.force, quiet=args.quiet)
     rolled_back = [s["name"] for s in report["stages"] if s.get("rolled_back")]
     if not args.quiet:
@@ -162,7 +166,7 @@ def cmd_validate(args) -> int:
     from qprep.config import load_config
     from qprep.pipeline.preflight import check
 
-    config = load_config(args.config, _overrides(args))
+    config = load_config(args.config, _overrides(args), overlay=args.overlay)
     check(config)
     stages = ", ".join(name for name, _ in config.stages) or "no stages"
     if not args.quiet:
