@@ -73,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--html", help="also write the table as HTML to this file")
     _common(compare)
 
+    evaluate = sub.add_parser("evaluate", help="measure a finished run's result again on other (held-out) samples",
+                              description="Re-runs the run's evaluation (its reference, input fixes, metrics, "
+                                          "tasks and gate, from manifest.json) on another sample folder; the run "
+                                          "directory is not touched. Exit 1 if the gate is missed on them.")
+    evaluate.add_argument("run_dir", help="run directory of a finished run (ONNX result)")
+    evaluate.add_argument("--samples", required=True, help="folder (or list file) of samples, as evaluation.source")
+    evaluate.add_argument("--labels", help="ground-truth labels for these samples (as evaluation.labels)")
+    evaluate.add_argument("--json", dest="json_out", metavar="FILE", help="also write the result as JSON")
+    evaluate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                          help="override an evaluation key, e.g. evaluation.max_samples=16")
+    _common(evaluate)
+
     config = sub.add_parser("config", help="show the config reference")
     config.add_argument("--schema", action="store_true", help="every key with its type, default and meaning")
     _common(config)
@@ -206,6 +218,33 @@ def cmd_batch(args) -> int:
     return exit_code(summary)
 
 
+def cmd_evaluate(args) -> int:
+    from qprep import jsonfile
+    from qprep.config import parse_set
+    from qprep.evaluate.rerun import reevaluate
+    from qprep.model.io import atomic_write_text
+
+    result = reevaluate(args.run_dir, args.samples, args.labels, dict(parse_set(s) for s in args.sets), args.quiet)
+    if args.json_out:
+        try:
+            atomic_write_text(args.json_out, jsonfile.dumps(result) + "\n")
+        except OSError as exc:
+            raise QprepError(f"--json {args.json_out}: cannot write it ({exc.strerror}); choose another path") from None
+    count = result["samples"]["count"]
+    for name, metrics in result["outputs"].items():
+        print(f"{name}: cosine_mean {_fmt(metrics.get('cosine_mean'))}"
+              + "".join(f", {key} {_fmt(metrics[key])}" for key in ("top1_agreement", "step_agreement",
+                                                                     "element_agreement") if key in metrics)
+              + f" ({count} samples)")
+    gate = result.get("gate")
+    if gate and not gate["passed"]:
+        missed = [f"{c['metric']} {_fmt(c['value'])} (needs {'<=' if c.get('kind') == 'maximum' else '>='} "
+                  f"{c['threshold']})" for c in gate["checks"] if not c["passed"]]
+        print(f"qprep: gate missed on {args.samples}: {'; '.join(missed)}", file=sys.stderr)
+        return EXIT_GATE_MISSED
+    return EXIT_OK
+
+
 def cmd_compare(args) -> int:
     from qprep.model.io import atomic_write_text
     from qprep.report.compare import compare, render_html, render_markdown, render_text
@@ -229,4 +268,4 @@ def cmd_compare(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "config": cmd_config,
-            "batch": cmd_batch, "compare": cmd_compare}
+            "batch": cmd_batch, "compare": cmd_compare, "evaluate": cmd_evaluate}
