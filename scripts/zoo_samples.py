@@ -559,7 +559,8 @@ def wakeword_input(rng, context) -> dict:
     (half the samples) or another sentence, under noise."""
     model, name = context
     phrase, frames = WAKE_PHRASES[model.stem]
-    features = oww_features(model, rng, rng.uniform(2.0, 3.5), phrase if rng.random() < 0.5 else None)
+    seconds = frames * 0.08 + 1.3 + rng.uniform(0, 1)  # 12.5 embeddings a second, after the first 76 mel frames
+    features = oww_features(model, rng, seconds, phrase if rng.random() < 0.5 else None)
     end = len(features) - int(rng.integers(0, 4))
     return {name: features[None, max(0, end - frames):end].astype(np.float32)}
 
