@@ -443,13 +443,16 @@ def noise(rng: np.random.Generator, length: int) -> np.ndarray:
 
 def speech_clip(rng: np.random.Generator, seconds: float, phrase: str | None = None) -> np.ndarray:
     """`seconds` of audio at 16 kHz: silence, speech (a docstring sentence, or `phrase`), silence, under noise at
-    0..30 dB SNR (some clips noise only), at a random level; float32 in -1..1."""
+    0..30 dB SNR (some clips noise only), at a random level; float32 in -1..1. A `phrase` ends 0.1..0.5 s before
+    the clip does, where a streaming wake-word detector looks for it."""
     length = int(seconds * SAMPLE_RATE)
     clip = np.zeros(length, dtype=np.float32)
     if phrase is not None or rng.random() < 0.85:
         text = phrase or sentences()[int(rng.integers(0, len(sentences())))]
         voice = speak(rng, text)[: int(length * 0.9)]
-        start = int(rng.integers(0, length - len(voice) + 1))
+        start = (length - len(voice) - int(rng.uniform(0.1, 0.5) * SAMPLE_RATE) if phrase
+                 else int(rng.integers(0, length - len(voice) + 1)))
+        start = max(0, start)
         clip[start:start + len(voice)] = voice * rng.uniform(0.3, 1.0)
     speech_rms = np.sqrt(np.mean(clip[clip != 0] ** 2)) if np.any(clip) else 0.05
     snr_db = rng.uniform(0, 30)
