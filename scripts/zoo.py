@@ -11,7 +11,7 @@ package that ships it preprocesses its input (scripts/zoo_samples.py).
     zoo.py run --backend ort|rknn [--fallback] [--models a,b] [--timeout S] [--resume]
                     `qprep batch` over zoo/models (each model's sidecar merged over the backend's base config)
                     into zoo/runs/LABEL/, then `qprep evaluate` of every finished run on its held-out split
-    zoo.py table LABEL [--out FILE]            the markdown zoo table of a run (for BENCHMARKS.md)
+    zoo.py table LABEL [LABEL...] [--out FILE] the markdown zoo table of a run (for BENCHMARKS.md)
 
 Downloads and builds are cached in ${QPREP_CACHE:-~/.cache/qprep}/zoo/ (wheels in the cache root, shared with
 scripts/fetch_models.py) and verified by sha256; every step is idempotent and writes atomically.
@@ -237,8 +237,8 @@ def label_of(backend: str, fallback: bool) -> str:
 
 
 def run(entries: list[Entry], backend: str, fallback: bool, timeout: float | None, jobs: int | None,
-        resume: bool = False) -> int:
-    label = label_of(backend, fallback)
+        resume: bool = False, label: str | None = None) -> int:
+    label = label or label_of(backend, fallback)
     out = ZOO / "runs" / label
     out.mkdir(parents=True, exist_ok=True)
     config = out / "base.yaml"
@@ -290,6 +290,7 @@ def heldout(entries: list[Entry], out: Path) -> None:
 # ---------------------------------------------------------------------------------------------- table
 
 
+NOTE_CHARS = 180  # a failure's one line, cut for the table (the run's report.json has it whole)
 COLUMNS = ("model", "exporter", "task", "status", "float set", "cosine eval", "task metric eval",
            "cosine held-out", "task metric held-out", "INT8 speed-up", "fallback s", "note")
 
@@ -309,24 +310,28 @@ def measured(outputs: dict) -> tuple[float | None, str]:
     return (min(cosines) if cosines else None), task
 
 
-def table_rows(entries: list[Entry], label: str) -> list[dict]:
-    out = ZOO / "runs" / label
-    try:
-        summary = {row["model"]: row for row in json.loads((out / "batch" / "summary.json").read_text())["models"]}
-    except (OSError, ValueError):
-        raise FetchError(f"{out}/batch/summary.json not found: run `zoo.py run` first") from None
+def table_rows(entries: list[Entry], labels: list[str]) -> list[dict]:
+    summaries = {}  # model file name → (its run folder, its summary row), first label first
+    for label in reversed(labels):
+        out = ZOO / "runs" / label
+        try:
+            rows = json.loads((out / "batch" / "summary.json").read_text())["models"]
+        except (OSError, ValueError):
+            raise FetchError(f"{out}/batch/summary.json not found: run `zoo.py run` first") from None
+        summaries.update({row["model"]: (out, row) for row in rows})
     rows = []
     for entry in entries:
-        row = summary.get(f"{entry.name}.onnx")
-        if row is None:
+        if f"{entry.name}.onnx" not in summaries:
             continue
+        out, row = summaries[f"{entry.name}.onnx"]
         report = read_json(out / "batch" / entry.name / "report.json")
         evaluation = report.get("evaluation") or {}
         quantize = next((s for s in report.get("stages", []) if s.get("name") == "quantize"), {})
         held = read_json(out / "heldout" / f"{entry.name}.json")
         cos_eval, task_eval = measured(evaluation.get("outputs") or {})
         cos_held, task_held = measured(held.get("outputs") or {})
-        note = row.get("error") or held.get("error") or ""
+        note = row.get("error") or (f"held-out: {held['error']}" if held.get("error") else "")
+        note = note if len(note) <= NOTE_CHARS else note[:NOTE_CHARS - 1] + "…"
         rows.append({"model": entry.name, "exporter": entry.exporter, "task": entry.task,
                      "status": row["status"], "float set": row.get("float_nodes"),
                      "cosine eval": cos_eval, "task metric eval": task_eval,
@@ -376,10 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", help="comma-separated zoo names (default: all)")
     p.add_argument("--timeout", type=float, help="seconds per model (qprep batch --timeout)")
     p.add_argument("--jobs", type=int, help="qprep batch --jobs")
+    p.add_argument("--label", help="run folder name under zoo/runs/ (default: backend[_fallback]); a second label "
+                                   "lets part of the zoo run beside another run")
     p.add_argument("--resume", action="store_true", help="qprep batch --resume: reuse finished runs of the same "
                                                         "model and config")
     p = sub.add_parser("table")
-    p.add_argument("label", help="a run label: ort, ort_fallback, rknn, rknn_fallback")
+    p.add_argument("labels", nargs="+", help="run labels (ort, ort_fallback, rknn, …); a model's row comes from the "
+                                             "first label that ran it")
     p.add_argument("--models", help="comma-separated zoo names (default: all)")
     p.add_argument("--out", type=Path, help="also write the table to this file")
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
@@ -391,9 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "samples":
             make_samples(entries, args.force)
         elif args.command == "run":
-            return run(entries, args.backend, args.fallback, args.timeout, args.jobs, args.resume)
+            return run(entries, args.backend, args.fallback, args.timeout, args.jobs, args.resume, args.label)
         else:
-            text = render_table(table_rows(entries, args.label), args.label)
+            text = render_table(table_rows(entries, args.labels), " + ".join(args.labels))
             print(text, end="")
             if args.out:
                 args.out.write_text(text, encoding="utf-8")
