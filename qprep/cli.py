@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="run directory (overrides `output_dir:`)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. calibration.max_samples=16 or pipeline.quantize.backend=ort")
+    run.add_argument("--overlay", metavar="FILE", help="a YAML file merged over the config (paths relative to it), "
+                                                       "e.g. one model's input dims and samples")
     run.add_argument("--force", action="store_true", help="replace a previous run in a non-empty run directory")
     run.add_argument("--strict", action="store_true", help="exit 2 when any rewrite was rolled back")
     _common(run)
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="YAML config file")
     validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                           help="override a config key, as in `run`")
+    validate.add_argument("--overlay", metavar="FILE", help="a YAML file merged over the config")
     _common(validate)
 
     inspect = sub.add_parser("inspect", help="describe a model: kind, inputs/outputs, op histogram, opsets")
@@ -61,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     batch = sub.add_parser("batch", help="run one config over every .onnx model in a folder",
                            description="Each model runs in its own process and run directory under --out; "
-                                       "summary.json/csv/md/html list them worst first. Exit 2 if any model "
-                                       "failed, else 1 if any missed its gate.")
+                                       "summary.json/csv/md/html list them worst first. A NAME.qprep.yaml beside "
+                                       "NAME.onnx is merged over the config for that model (run --overlay). "
+                                       "Exit 2 if any model failed, else 1 if any missed its gate.")
     batch.add_argument("config", help="YAML config applied to every model (its `model:` is replaced)")
     batch.add_argument("folder", help="folder of .onnx models")
     batch.add_argument("--out", required=True, help="batch directory (one run directory per model)")
@@ -82,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--markdown", help="also write the table as Markdown to this file")
     compare.add_argument("--html", help="also write the table as HTML to this file")
     _common(compare)
+
+    evaluate = sub.add_parser("evaluate", help="measure a finished run's result again on other (held-out) samples",
+                              description="Re-runs the run's evaluation (its reference, input fixes, metrics, "
+                                          "tasks and gate, from manifest.json) on another sample folder; the run "
+                                          "directory is not touched. Exit 1 if the gate is missed on them.")
+    evaluate.add_argument("run_dir", help="run directory of a finished run (ONNX result)")
+    evaluate.add_argument("--samples", required=True, help="folder (or list file) of samples, as evaluation.source")
+    evaluate.add_argument("--labels", help="ground-truth labels for these samples (as evaluation.labels)")
+    evaluate.add_argument("--json", dest="json_out", metavar="FILE", help="also write the result as JSON")
+    evaluate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                          help="override an evaluation key, e.g. evaluation.max_samples=16")
+    _common(evaluate)
 
     config = sub.add_parser("config", help="show the config reference")
     config.add_argument("--schema", action="store_true", help="every key with its type, default and meaning")
@@ -148,7 +164,7 @@ def cmd_run(args) -> int:
     from qprep.config import load_config
     from qprep.pipeline.runner import execute
 
-    config = load_config(args.config, _overrides(args))
+    config = load_config(args.config, _overrides(args), overlay=args.overlay)
     report = execute(config, force=args.force, quiet=args.quiet)
     rolled_back = [s["name"] for s in report["stages"] if s.get("rolled_back")]
     if not args.quiet:
@@ -185,7 +201,7 @@ def cmd_validate(args) -> int:
     from qprep.config import load_config
     from qprep.pipeline.preflight import check
 
-    config = load_config(args.config, _overrides(args))
+    config = load_config(args.config, _overrides(args), overlay=args.overlay)
     try:
         check(config, every_problem=True)
     except Problems as found:  # every problem, one line each; the dispatcher would show the first only
@@ -240,6 +256,33 @@ def cmd_batch(args) -> int:
     return exit_code(summary)
 
 
+def cmd_evaluate(args) -> int:
+    from qprep import jsonfile
+    from qprep.config import parse_set
+    from qprep.evaluate.rerun import reevaluate
+    from qprep.model.io import atomic_write_text
+
+    result = reevaluate(args.run_dir, args.samples, args.labels, dict(parse_set(s) for s in args.sets), args.quiet)
+    if args.json_out:
+        try:
+            atomic_write_text(args.json_out, jsonfile.dumps(result) + "\n")
+        except OSError as exc:
+            raise QprepError(f"--json {args.json_out}: cannot write it ({exc.strerror}); choose another path") from None
+    count = result["samples"]["count"]
+    for name, metrics in result["outputs"].items():
+        print(f"{name}: cosine_mean {_fmt(metrics.get('cosine_mean'))}"
+              + "".join(f", {key} {_fmt(metrics[key])}" for key in ("top1_agreement", "step_agreement",
+                                                                     "element_agreement") if key in metrics)
+              + f" ({count} samples)")
+    gate = result.get("gate")
+    if gate and not gate["passed"]:
+        missed = [f"{c['metric']} {_fmt(c['value'])} (needs {'<=' if c.get('kind') == 'maximum' else '>='} "
+                  f"{c['threshold']})" for c in gate["checks"] if not c["passed"]]
+        print(f"qprep: gate missed on {args.samples}: {'; '.join(missed)}", file=sys.stderr)
+        return EXIT_GATE_MISSED
+    return EXIT_OK
+
+
 def cmd_compare(args) -> int:
     from qprep.model.io import atomic_write_text
     from qprep.report.compare import compare, render_html, render_markdown, render_text
@@ -265,4 +308,4 @@ def cmd_compare(args) -> int:
 MAX_TERMINAL_WARNINGS = 5  # the rest are in report.md
 
 COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "init": cmd_init,
-            "config": cmd_config, "batch": cmd_batch, "compare": cmd_compare}
+            "config": cmd_config, "batch": cmd_batch, "compare": cmd_compare, "evaluate": cmd_evaluate}

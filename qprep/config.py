@@ -117,6 +117,7 @@ class Config:
     values: dict
     stages: list[tuple[str, dict]]
     path: Path | None
+    overlay: Path | None = None  # the file merged over the config (`run --overlay`, a batch model's sidecar)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -127,8 +128,9 @@ class Config:
 
 
 def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | None = None,
-                cwd: Path | None = None) -> Config:
-    """Read (YAML file or dict), apply overrides (`{"a.b": value}`), validate. Raises ConfigError."""
+                cwd: Path | None = None, overlay: str | os.PathLike | None = None) -> Config:
+    """Read (YAML file or dict), merge the overlay file over it, apply overrides (`{"a.b": value}`), validate.
+    Raises ConfigError."""
     if isinstance(source, dict):
         raw, path, base = copy.deepcopy(source), None, Path.cwd()
     else:
@@ -136,6 +138,8 @@ def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | No
         raw, base = _read_yaml(path), path.resolve().parent
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys (model:, pipeline:, …)")
+    if overlay:
+        merge_overlay(raw, Path(overlay))
     for key_path, value in (overrides or {}).items():
         set_key(raw, key_path, value, cwd=cwd or Path.cwd())
     values = validate(raw, SCHEMA, "", base)
@@ -144,7 +148,56 @@ def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | No
     for index, (name, options) in enumerate(stages):
         if isinstance(options, dict) and options.get("fallback"):
             check_metric_names(options["fallback"]["target"], f"pipeline[{index}].{name}.fallback.target")
-    return Config(values=values, stages=stages, path=path)
+    return Config(values=values, stages=stages, path=path, overlay=Path(overlay).resolve() if overlay else None)
+
+
+def merge_overlay(raw: dict, overlay_path: Path) -> None:
+    """Merge a second YAML file over the raw config: what one model needs on top of a shared config (its input
+    dims, its own samples), e.g. the `NAME.qprep.yaml` that `batch` finds beside `NAME.onnx`.
+
+    Mappings merge key by key, any other value replaces; a `pipeline:` list in the overlay merges each
+    `- stage: {options}` into the config's stage of that name. Relative paths resolve against the overlay's
+    folder (the config's own against its folder), so the overlay can live beside the model it describes."""
+    overlay = _read_yaml(overlay_path)
+    if not isinstance(overlay, dict):
+        raise ConfigError(f"{overlay_path}: an overlay must be a mapping of config keys (inputs:, calibration:, …)")
+    folder = overlay_path.resolve().parent
+    stages = overlay.pop("pipeline", None) or []
+    if not isinstance(stages, list):
+        raise ConfigError(f"{overlay_path}: pipeline: expected a list of `- <stage>: {{options}}` to merge")
+    _merge(raw, _absolute_paths(overlay, SCHEMA, folder))
+    for item in stages:
+        if not isinstance(item, dict) or len(item) != 1:
+            raise ConfigError(f"{overlay_path}: pipeline: each item is a one-key mapping `- <stage>: {{options}}`")
+        (name, options), = item.items()
+        items = raw.setdefault("pipeline", [])
+        hits = [i for i, stage in enumerate(items) if (isinstance(stage, dict) and name in stage) or stage == name]
+        if len(hits) != 1:
+            raise ConfigError(f"{overlay_path}: pipeline: the config has {len(hits)} '{name}' stages; an overlay "
+                              "merges options into exactly one stage of that name")
+        if not isinstance(items[hits[0]], dict) or not isinstance(items[hits[0]][name], dict):
+            items[hits[0]] = {name: {}}
+        stage = registry().get(name)
+        options = _absolute_paths(options or {}, stage.options, folder) if stage else options
+        _merge(items[hits[0]][name], options or {})
+
+
+def _merge(target: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def _absolute_paths(value: Any, key: Key, folder: Path) -> Any:
+    """`value` with every relative path its schema declares made absolute against `folder`."""
+    if key.kind == "path" and isinstance(value, str):
+        return str((folder / Path(value).expanduser()).resolve())
+    if key.kind == "section" and isinstance(value, dict):
+        return {name: _absolute_paths(sub, key.fields[name], folder) if name in key.fields else sub
+                for name, sub in value.items()}
+    return value
 
 
 GATE_METRICS = tuple(OUTPUT_METRICS)

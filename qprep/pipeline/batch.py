@@ -23,6 +23,13 @@ from qprep.report.summary import render_summary_csv, render_summary_html, render
 
 
 TERMINATE_GRACE_S = 30  # a timed-out model gets this long to write its report after SIGTERM, then SIGKILL
+SIDECAR_SUFFIX = ".qprep.yaml"  # NAME.qprep.yaml beside NAME.onnx: merged over the batch config for that model
+
+
+def sidecar(model: Path) -> Path | None:
+    """The model's own overlay (input dims, its samples), when there is one."""
+    path = model.with_name(model.name.removesuffix(".onnx") + SIDECAR_SUFFIX)
+    return path if path.is_file() else None
 
 
 def dir_name(name: str, used: set[str]) -> str:
@@ -85,7 +92,7 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
             continue
         twins[digest] = Path(name)
         run_dir = out_path / dir_name(name, used_dirs)
-        if resume and _complete(run_dir, digest, config_path, sets, model):
+        if resume and _complete(run_dir, digest, config_path, sets, model, sidecar(model)):
             rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
             continue
         tasks.append((name, model, run_dir))
@@ -132,6 +139,9 @@ def _unreadable_row(name: str, model: Path, exc: OSError) -> dict:
 def _run_one(config_path: str, model: Path, run_dir: Path, sets, timeout) -> tuple[str, float, str]:
     command = [sys.executable, "-m", "qprep", "run", str(config_path), "--model", str(model), "--out", str(run_dir),
                "--force", "--quiet"]
+    overlay = sidecar(model)
+    if overlay:
+        command += ["--overlay", str(overlay)]
     for assignment in sets:
         command += ["--set", assignment]
     start = time.perf_counter()
@@ -159,14 +169,15 @@ def _run_one(config_path: str, model: Path, run_dir: Path, sets, timeout) -> tup
     return "failed", seconds, error or f"exit code {done.returncode}"
 
 
-def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path) -> bool:
+def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, overlay: Path | None) -> bool:
     """A finished run of the same model bytes with the same resolved config."""
     try:
         manifest = json.loads((run_dir / "manifest.json").read_text())
         report = json.loads((run_dir / "report.json").read_text())
     except (OSError, ValueError):
         return False
-    wanted = json.loads(jsonfile.dumps(load_config(config_path, run_overrides(sets, model, run_dir)).resolved()))
+    wanted = json.loads(jsonfile.dumps(load_config(config_path, run_overrides(sets, model, run_dir),
+                                                   overlay=overlay).resolved()))
     return (report.get("status") in ("ok", "gate missed") and manifest.get("config") == wanted
             and report.get("model", {}).get("sha256") == digest)
 

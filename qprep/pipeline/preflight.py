@@ -152,6 +152,8 @@ def input_paths(config: Config, data_files=()) -> dict[str, Path]:
         paths[f"the input model's external data {location.name}"] = location
     if config.path:
         paths["the config"] = Path(config.path)
+    if config.overlay:
+        paths["the config overlay"] = config.overlay
     for role in ("calibration", "evaluation"):
         if config[role]:
             paths[f"the {role} data"] = Path(config[role]["source"])

@@ -238,6 +238,8 @@ def _write_record(run: Run) -> None:
         "inputs": {
             "config": {"path": str(config.path) if config.path else None,
                        "sha256": sha256_file(config.path) if config.path else None},
+            **({"overlay": {"path": str(config.overlay), "sha256": sha256_file(config.overlay)}}
+               if config.overlay else {}),
             "model": {"path": config["model"], "sha256": report.get("model", {}).get("sha256")},
             "calibration": report.get("calibration"),
         },

@@ -163,3 +163,29 @@ def test_compare_shows_every_metric_the_gate_accepts():
     assert {f"y.{m}" for m in GATE_METRICS} <= set(metrics_of("report", report))
     assert not higher_is_better("y.mse") and not higher_is_better("result.nodes")
     assert higher_is_better("y.top1_accuracy") and higher_is_better("m.speedup")
+
+
+def test_batch_merges_each_models_sidecar(tmp_path):
+    """NAME.qprep.yaml beside NAME.onnx is merged over the batch config for that model only; its paths are
+    relative to it, and a broken sidecar fails its own model with a one-line reason."""
+    models = tmp_path / "models"
+    (models / "a_samples").mkdir(parents=True)
+    onnx.save(tiny_conv_model(), str(models / "a.onnx"))
+    onnx.save(tiny_conv_model(batch=2), str(models / "b.onnx"))
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        np.save(models / "a_samples" / f"{i}.npy", rng.normal(size=(1, 3, 8, 8)).astype(np.float32))
+    (models / "a.qprep.yaml").write_text("inputs: {x: [1, 3, 8, 8]}\ncalibration: {source: a_samples}\n")
+    (models / "b.qprep.yaml").write_text("calibraton: {source: a_samples}\n")
+    config = tmp_path / "optimize.yaml"
+    config.write_text("model: unused.onnx\npipeline: [optimize]\n")
+    out = tmp_path / "out"
+    done = run_cli("batch", config, models, "--out", out, "--jobs", "1", "--quiet")
+    rows = {r["model"]: r for r in json.loads((out / "summary.json").read_text())["models"]}
+    assert rows["a.onnx"]["status"] == "ok", done.stderr
+    report = json.loads((out / "a" / "report.json").read_text())
+    assert report["load"]["inputs_fixed"] and report["calibration"]["count"] == 3
+    manifest = json.loads((out / "a" / "manifest.json").read_text())
+    assert manifest["inputs"]["overlay"]["path"] == str(models / "a.qprep.yaml")
+    assert rows["b.onnx"]["status"] == "failed"
+    assert rows["b.onnx"]["error"] == "calibraton: unknown key; did you mean 'calibration'?"

@@ -87,3 +87,38 @@ def test_set_errors(tmp_path, fake_stage):
         load_config(path, {"verify.atoll": 1})
     with pytest.raises(ConfigError, match="expected key.path=value"):
         parse_set("verify.atol")
+
+
+def test_overlay_merges_over_config_with_its_own_relative_paths(tmp_path, fake_stage):
+    base = write(tmp_path, "model: m.onnx\ncalibration: {source: shared, max_samples: 16}\n"
+                           "pipeline: [optimize, {quantize: {backend: rknn}}]\n")
+    models = tmp_path / "models"
+    models.mkdir()
+    overlay = models / "m.qprep.yaml"
+    overlay.write_text("inputs: {x: [1, 3, 8, 8]}\ncalibration: {source: m_samples/calib}\n"
+                       "evaluation: {source: m_samples/eval, tasks: {y: tensor}}\n"
+                       "pipeline: [{quantize: {algorithm: mmse}}]\n")
+    config = load_config(base, overlay=overlay)
+    assert config["inputs"] == {"x": [1, 3, 8, 8]}
+    assert config["calibration"]["source"] == str(models / "m_samples" / "calib")  # relative to the overlay
+    assert config["calibration"]["max_samples"] == 16  # kept from the config: mappings merge key by key
+    assert config["evaluation"]["source"] == str(models / "m_samples" / "eval")
+    assert config["model"] == str(tmp_path / "m.onnx")  # the config's own paths stay relative to it
+    assert config.stages[1] == ("quantize", {"backend": "rknn", "algorithm": "mmse"})
+    assert config.overlay == overlay.resolve()
+    # --set still wins over both
+    assert load_config(base, {"calibration.max_samples": 4}, overlay=overlay)["calibration"]["max_samples"] == 4
+
+
+def test_overlay_errors_name_the_file(tmp_path, fake_stage):
+    base = write(tmp_path, "model: m.onnx\npipeline: [optimize]\n")
+    overlay = tmp_path / "o.yaml"
+    overlay.write_text("pipeline: [{quantize: {algorithm: mmse}}]\n")
+    with pytest.raises(ConfigError, match=r"o.yaml: pipeline: the config has 0 'quantize' stages"):
+        load_config(base, overlay=overlay)
+    overlay.write_text("calibraton: {source: d}\n")
+    with pytest.raises(ConfigError, match=r"^calibraton: unknown key; did you mean 'calibration'\?$"):
+        load_config(base, overlay=overlay)
+    overlay.write_text("- a list\n")
+    with pytest.raises(ConfigError, match=r"o.yaml: an overlay must be a mapping"):
+        load_config(base, overlay=overlay)

