@@ -102,3 +102,18 @@ def test_the_export_check_refuses_a_disagreeing_export(zoo_exports, tmp_path):
         zoo_exports.require_close(model, {"x": x}, [np.maximum(x, 0) + 1e-3], "numpy")
     with pytest.raises(zoo_exports.ExportError, match="shape"):
         zoo_exports.require_close(model, {"x": x}, [np.maximum(x, 0).reshape(1, 12)], "numpy")
+
+
+def test_a_failed_export_venv_build_is_one_line(zoo_exports, tmp_path, monkeypatch):
+    """Called outside the export venv, a TensorFlow builder re-runs itself there; its failure comes back as the
+    child's own one-line message (a crash without one as its exit code)."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'TensorFlow noise' >&2\necho 'zoo_exports: tf2onnx: op X unsupported' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(zoo_exports, "export_python", lambda: fake)
+    with pytest.raises(zoo_exports.ExportError, match=r"^keras_fer_emotion \(export venv\): tf2onnx: op X unsupported$"):
+        zoo_exports.keras_fer_emotion(tmp_path / "out.onnx")
+    fake.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    with pytest.raises(zoo_exports.ExportError, match=r"exit code -11"):
+        zoo_exports.keras_fer_emotion(tmp_path / "out.onnx")
