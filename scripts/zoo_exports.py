@@ -18,7 +18,7 @@ two inputs (max abs error relative to the output's scale) before it writes `out`
 the project venv; the TensorFlow/JAX ones in a separate venv (${QPREP_CACHE:-~/.cache/qprep}/zoo-export-venv,
 pinned by scripts/zoo_export_constraints.txt), created on first use: TensorFlow, jax and tf2onnx need
 protobuf 3.20 / onnx 1.16, which the project's pins exclude. Called from the project venv, such a builder runs
-itself in that venv. Builds run once; scripts/zoo.py caches them (manifest: scripts/zoo_exports.yaml).
+itself in that venv. Builds run once; scripts/zoo.py caches them (manifest: scripts/zoo.yaml).
 
 Sample builders `samples_*(model, split, count, out_dir)` write real samples of each model's domain
 (calibration/evaluation/heldout splits are disjoint for any counts): sentences of Python docstrings tokenized
