@@ -23,13 +23,8 @@ from qprep.optimize.rules import names_in_use
 from qprep.third_party import MaterializeReshapeShape, materialized_dims
 
 
-class ReshapeKeepingOwnDims(RewriteRuleClassBase):
-    """Reshape(x, Concat(..., Unsqueeze(Gather(Shape(y), k)), ..., c)) → Reshape(x, [..., 0, ..., c]).
-
-    The `x.view(x.size(0), -1)` and attention-head idioms: a piece that reads a dim of some tensor y into
-    position i is what Reshape's 0 means (allowzero=0) when that dim provably equals x's dim i (the same
-    origin, qprep/optimize/dim_origin.py); every other piece must be a constant. The shape subgraph then dies.
-    """
+class _ReshapeRule(RewriteRuleClassBase):
+    """A Reshape, judged with the graph's dim origins (which dims provably have the same size)."""
 
     def __init__(self, origins: DimOrigins):
         super().__init__()
@@ -37,6 +32,15 @@ class ReshapeKeepingOwnDims(RewriteRuleClassBase):
 
     def pattern(self, op, x, shape):
         return op.Reshape(x, shape, _allow_other_attributes=True, _outputs=["y"])
+
+
+class ReshapeKeepingOwnDims(_ReshapeRule):
+    """Reshape(x, Concat(..., Unsqueeze(Gather(Shape(y), k)), ..., c)) → Reshape(x, [..., 0, ..., c]).
+
+    The `x.view(x.size(0), -1)` and attention-head idioms: a piece that reads a dim of some tensor y into
+    position i is what Reshape's 0 means (allowzero=0) when that dim provably equals x's dim i (the same
+    origin, qprep/optimize/dim_origin.py); every other piece must be a constant. The shape subgraph then dies.
+    """
 
     def check(self, context, x, shape, y, **_) -> MatchResult:
         result = MatchResult()
@@ -55,17 +59,10 @@ class ReshapeKeepingOwnDims(RewriteRuleClassBase):
         return op.Reshape(x, op.initializer(ir.tensor(np.array(self._dims, dtype=np.int64), name=name), name=name))
 
 
-class ReshapeToOwnShape(RewriteRuleClassBase):
+class ReshapeToOwnShape(_ReshapeRule):
     """Reshape(x, shape) → x when every element of the computed shape provably is x's own dim at its position
     (a constant equal to a static dim, a dim read from a tensor with the same origin, or one -1 once all the
     others are proved). Dynamic exports write such no-op Reshapes around attention (`view(b, -1, s, d)`)."""
-
-    def __init__(self, origins: DimOrigins):
-        super().__init__()
-        self._origins = origins
-
-    def pattern(self, op, x, shape):
-        return op.Reshape(x, shape, _allow_other_attributes=True, _outputs=["y"])
 
     def check(self, context, x, shape, y, **_) -> MatchResult:
         result = MatchResult()
