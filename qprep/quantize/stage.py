@@ -105,6 +105,10 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     if job.extremes.tensors:
         result.details["nonfinite"] = {**job.extremes.record(), **result.details.get("nonfinite", {})}
     warnings = []
+    if backend == "ort" and result.model is not None and model_info.model_kind(result.model) == model_info.FLOAT:
+        warnings.append("quantize: ONNX Runtime quantized nothing (no op it quantizes lies outside the float set and "
+                        "control-flow branches, which it never enters): the result runs in float, so its accuracy "
+                        "figures say nothing about INT8")
     if result.details.get("float_set_unmatched"):
         warnings.append(f"quantize: {len(result.details['float_set_unmatched'])} float-set nodes no longer exist "
                         "(keep_float ran before a stage that rewrote them?) and were quantized")

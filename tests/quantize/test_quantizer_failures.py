@@ -39,3 +39,20 @@ def test_the_node_the_quantizer_fails_on_is_kept_float_and_the_rest_quantized(tm
     assert error < 0.05
     quantizer.build({"MatMul_0"})  # later builds leave it out without searching again
     assert list(quantizer.unquantizable) == ["Gemm_0"]
+
+
+def test_a_model_ort_quantizes_nothing_in_says_so(tmp_path):
+    """Exp only (ORT quantizes no such op; the same holds for ops inside If/Loop branches, which its quantizer
+    never enters): the run is ok, and the report says the result is the float model."""
+    import onnx
+
+    import qprep
+
+    onnx.save(make_model([helper.make_node("Exp", ["x"], ["y"])], [("x", [1, 4])], [("y", [1, 4])]),
+              tmp_path / "m.onnx")
+    (tmp_path / "calib").mkdir()
+    for i in range(4):
+        np.save(tmp_path / "calib" / f"{i}.npy", np.random.default_rng(i).random((1, 4), dtype=np.float32))
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                        "pipeline": [{"quantize": {}}]}, output_dir=str(tmp_path / "out"))
+    assert any("ONNX Runtime quantized nothing" in w for w in report["warnings"])
