@@ -209,14 +209,21 @@ def make_samples(entries: list[Entry], force: bool) -> None:
         start = time.monotonic()
         for split, count in SPLIT_COUNTS.items():
             folder = ZOO / "samples" / entry.name / split
-            if not force and folder.is_dir() and len(list(folder.glob("*.npz"))) == count:
+            if not force and folder.is_dir() and sample_count(folder) == count:
                 continue
             with atomic_path(folder) as tmp:
                 function(entry.samples)(model, split, count, tmp)
-                made = len(list(tmp.glob("*.npz")))
+                made = sample_count(tmp)
                 if made != count:
                     raise FetchError(f"{entry.name}: {entry.samples} wrote {made} {split} samples, not {count}")
         print(f"zoo: {entry.name}: samples ready ({time.monotonic() - start:.1f} s)", flush=True)
+
+
+def sample_count(folder: Path) -> int:
+    """Samples in a folder as qprep reads them: .npz/.npy arrays or images (with the sidecar's preprocess)."""
+    from qprep.data.images import IMAGE_SUFFIXES
+
+    return sum(1 for p in folder.iterdir() if p.suffix.lower() in {".npz", ".npy"} | IMAGE_SUFFIXES)
 
 
 # ------------------------------------------------------------------------------------------------ run
