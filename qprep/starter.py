@@ -15,9 +15,9 @@ from pathlib import Path
 
 import onnx
 
-from qprep.data.images import IMAGE_SUFFIXES
+from qprep.data.images import IMAGE_SUFFIXES, guess_layout
 from qprep.data.pitfalls import normalizes_itself
-from qprep.errors import ConfigError
+from qprep.errors import ConfigError, DataError
 from qprep.model import info as model_info
 from qprep.model.info import TensorSpec
 from qprep.model.io import load_model
@@ -69,10 +69,11 @@ def image_input(inputs: list[TensorSpec]) -> dict | None:
     if len(inputs) != 1 or not inputs[0].shape or len(inputs[0].shape) != 4 or inputs[0].numpy_dtype.kind != "f":
         return None
     shape = inputs[0].shape
-    for layout, axis in (("nchw", 1), ("nhwc", 3)):
-        if shape[axis] in (1, 3):
-            return {"name": inputs[0].name, "layout": layout, "channels": shape[axis]}
-    return None
+    try:
+        layout = guess_layout(shape, "init")  # as the image reader will decide it
+    except DataError:
+        return None
+    return {"name": inputs[0].name, "layout": layout, "channels": shape[1 if layout == "nchw" else 3]}
 
 
 def fixed_dims(inputs: list[TensorSpec], image: dict | None, calibration: Path | None, backend: str) -> dict:

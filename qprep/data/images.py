@@ -36,7 +36,7 @@ class ImagePreprocess:
         spec = inputs[0]
         if not spec.shape or len(spec.shape) != 4:
             raise DataError(f"{role}: image samples need a 4-D image input, '{spec.name}' has shape {spec.shape}")
-        layout = cfg["layout"] if cfg["layout"] != "auto" else _guess_layout(spec.shape, role)
+        layout = cfg["layout"] if cfg["layout"] != "auto" else guess_layout(spec.shape, role)
         c_axis, h_axis, w_axis = (1, 2, 3) if layout == "nchw" else (3, 1, 2)
         channels = spec.shape[c_axis]
         if channels not in (1, 3):
@@ -112,7 +112,7 @@ class ImagePreprocess:
         return img if (img.height, img.width) == (h, w) else img.resize((w, h), Image.BILINEAR)
 
 
-def _guess_layout(shape: list, role: str) -> str:
+def guess_layout(shape: list, role: str) -> str:
     if shape[1] in (1, 3):
         return "nchw"
     if shape[3] in (1, 3):

@@ -44,6 +44,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
                      "with the QDQ input, not with an FP32 model")
     run = ctx.reference
     reference_path, reference, samples, expected = run.path, run.model, run.samples, run.expected
+
     def result_on(sample_set) -> list[dict]:
         return products.runner(sample_set.samples) if products.runner else run_model(
             final_model, model_info.cast_to_inputs(sample_set.samples, final_model), threads, optimize=True)

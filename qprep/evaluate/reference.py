@@ -30,6 +30,19 @@ class ReferenceOutputs:
     progress: Progress
     heldout: SampleSet | None = None  # evaluation.heldout: only the final evaluation reads it
 
+    @classmethod
+    def of_run(cls, config, checked, progress: Progress) -> "ReferenceOutputs | None":
+        """The FP32 reference of a run's evaluation (None without `evaluation:`): evaluation.reference_model,
+        else the input as preflight loaded and prepared it (names, fixed dims), before any stage."""
+        cfg = config["evaluation"]
+        if not cfg:
+            return None
+        if cfg["reference_model"]:
+            path, model = cfg["reference_model"], checked.reference
+        else:
+            path, model = config["model"], checked.model
+        return cls(path, model, checked.evaluation, config["threads"], progress, checked.heldout)
+
     @cached_property
     def expected(self) -> list[dict]:
         """The reference's outputs, one dict per sample (run on the first read, then kept)."""

@@ -41,10 +41,8 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     config = load_config(manifest["config"], {**overrides, **(sets or {})})
     progress = Progress(enabled=False if quiet else None)
     checked = preflight.check(config, progress)
-    reference = ReferenceOutputs(config["evaluation"]["reference_model"] or config["model"],
-                                 checked.reference or checked.model, checked.evaluation, config["threads"], progress)
     ctx = RunContext(config=config, run_dir=run_dir, calibration=checked.calibration, verifier=None,
-                     progress=progress, reference=reference)
+                     progress=progress, reference=ReferenceOutputs.of_run(config, checked, progress))
     result = evaluate(config, ctx, Products(), load_model(run_dir / "model.onnx"), report["model"]["kind"])
     gate = result.get("gate")
     return {"run_dir": str(run_dir), "status": "gate missed" if gate and not gate["passed"] else "ok", **result}

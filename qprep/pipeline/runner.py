@@ -120,20 +120,7 @@ def _context(config: Config, checked: preflight.Checked, directory: Path, progre
             report["warnings"] += fallback.warnings
     verifier = Verifier(samples, Tolerance.from_config(verify_cfg), threads=config["threads"], source=source)
     return RunContext(config=config, run_dir=directory, calibration=calibration, verifier=verifier,
-                      progress=progress, reference=_reference(config, checked, progress))
-
-
-def _reference(config: Config, checked: preflight.Checked, progress: Progress) -> ReferenceOutputs | None:
-    """The FP32 reference of the evaluation: evaluation.reference_model, else the input as loaded and prepared
-    (names, fixed dims), before any stage. Its outputs are computed when first read (fallback or evaluation)."""
-    cfg = config["evaluation"]
-    if not cfg:
-        return None
-    if cfg["reference_model"]:
-        path, model = cfg["reference_model"], checked.reference
-    else:
-        path, model = config["model"], checked.model
-    return ReferenceOutputs(path, model, checked.evaluation, config["threads"], progress, checked.heldout)
+                      progress=progress, reference=ReferenceOutputs.of_run(config, checked, progress))
 
 
 def _run_stages(run: Run, model: onnx.ModelProto) -> onnx.ModelProto:

@@ -23,11 +23,10 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.errors import EXIT_INTERNAL, QprepError
-from qprep.model.info import graph_inputs
+from qprep.model.info import FLOAT_TYPES, graph_inputs
 from qprep.model.runtime import intermediate_values
 
 LIMIT = float(np.finfo(np.float16).max)  # 65504: beyond it float16 overflows and no int8 grid keeps the rest
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
 
 
 class NonFiniteRange(QprepError):
@@ -127,12 +126,12 @@ def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float) -> 
 def _float_constant_protos(model: onnx.ModelProto):
     """(name, TensorProto) of every float initializer and Constant node value of the main graph."""
     for tensor in model.graph.initializer:
-        if tensor.data_type in _FLOAT_TYPES:
+        if tensor.data_type in FLOAT_TYPES:
             yield tensor.name, tensor
     for node in model.graph.node:
         if node.op_type == "Constant":
             for attribute in node.attribute:
-                if attribute.name == "value" and attribute.t.data_type in _FLOAT_TYPES:
+                if attribute.name == "value" and attribute.t.data_type in FLOAT_TYPES:
                     yield node.output[0], attribute.t
 
 
