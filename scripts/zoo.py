@@ -250,15 +250,17 @@ def run(entries: list[Entry], backend: str, fallback: bool, timeout: float | Non
     out.mkdir(parents=True, exist_ok=True)
     config = out / "base.yaml"
     config.write_text(yaml.safe_dump(base_config(backend, fallback), sort_keys=False), encoding="utf-8")
-    folder = out / "models"  # the selected models and their sidecars (symlinks into zoo/models)
+    folder = out / "models"  # the selected models (symlinks into zoo/models) and their run sidecars
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
     for entry in entries:
-        for suffix in (".onnx", ".qprep.yaml"):
-            source = ZOO / "models" / f"{entry.name}{suffix}"
-            if not source.exists():
-                raise FetchError(f"{entry.name}: {source} is missing; run `zoo.py fetch` and `zoo.py samples`")
-            (folder / source.name).symlink_to(source)
+        model = ZOO / "models" / f"{entry.name}.onnx"
+        if not model.exists() or not (ZOO / "samples" / entry.name / "heldout").is_dir():
+            raise FetchError(f"{entry.name}: {model} or its samples are missing; run `zoo.py fetch` and "
+                             "`zoo.py samples`")
+        (folder / model.name).symlink_to(model)
+        (folder / f"{entry.name}.qprep.yaml").write_text(
+            yaml.safe_dump(run_sidecar(entry), sort_keys=False, default_flow_style=None), encoding="utf-8")
     command = [sys.executable, "-m", "qprep", "batch", str(config), str(folder), "--out", str(out / "batch")]
     command += ["--timeout", str(timeout)] if timeout else []
     command += ["--jobs", str(jobs)] if jobs else []
@@ -269,9 +271,21 @@ def run(entries: list[Entry], backend: str, fallback: bool, timeout: float | Non
     return code
 
 
+def run_sidecar(entry: Entry) -> dict:
+    """The model's sidecar for a run: its sample folders as absolute paths, and its held-out split as
+    `evaluation.heldout`, so the run itself measures the held-out figures (and judges the floor on them). That
+    is the only way for RKNN, whose simulator runs a build only in the process that built it."""
+    config = sidecar(entry)
+    for split in ("calibration", "evaluation"):
+        config[split]["source"] = str((ZOO / "models" / config[split]["source"]).resolve())
+    config["evaluation"]["heldout"] = {"source": str(ZOO / "samples" / entry.name / "heldout")}
+    return config
+
+
 def heldout(entries: list[Entry], out: Path) -> None:
-    """`qprep evaluate` of every finished run on its model's held-out split → out/heldout/NAME.json (or the
-    one-line reason it could not be measured)."""
+    """Every finished run's held-out figures → out/heldout/NAME.json: taken from its report when the run
+    measured them (run_sidecar), else by `qprep evaluate` on the held-out split (runs made before), or the
+    one-line reason they could not be measured."""
     folder = out / "heldout"
     folder.mkdir(exist_ok=True)
     for entry in entries:
@@ -280,6 +294,10 @@ def heldout(entries: list[Entry], out: Path) -> None:
         target.unlink(missing_ok=True)
         report = read_json(run_dir / "report.json")
         if report.get("status") not in ("ok", "gate missed"):
+            continue
+        measured_in_run = (report.get("evaluation") or {}).get("heldout")
+        if measured_in_run:
+            target.write_text(json.dumps(measured_in_run) + "\n")
             continue
         if (report.get("result") or {}).get("deployable"):  # .rknn: the simulator runs it only in its build process
             print(f"zoo: {entry.name}: held-out not measured (an RKNN build runs on the simulator only in the "

@@ -84,3 +84,20 @@ def test_sidecar_merged_by_qprep_points_at_the_models_own_samples(tmp_path):
     assert config["evaluation"]["tasks"] == {"output": "tensor"} and config["inputs"] == {"input": [1, 16000]}
     assert [name for name, _ in config.stages] == ["optimize", "keep_float", "quantize"]
     assert config.stages[2][1]["fallback"]["target"] == zoo.FALLBACK_TARGET
+
+
+def test_a_run_sidecar_measures_the_held_out_split_in_the_run(tmp_path, monkeypatch):
+    """zoo.py run writes each model's sidecar into the run folder: sample paths absolute (the folder moved) and
+    the held-out split as evaluation.heldout, so RKNN runs, which cannot be re-evaluated later, measure it too."""
+    monkeypatch.setattr(zoo, "ZOO", tmp_path / "zoo")
+    entry = zoo.parse_entry(ENTRY, "t")
+    run_models = tmp_path / "zoo" / "runs" / "x" / "models"
+    run_models.mkdir(parents=True)
+    (run_models / "tiny_vad.qprep.yaml").write_text(yaml.safe_dump(zoo.run_sidecar(entry)))
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(zoo.base_config("rknn", fallback=False)))
+    config = load_config(base, {"model": str(run_models / "tiny_vad.onnx")}, overlay=run_models / "tiny_vad.qprep.yaml")
+    samples = (tmp_path / "zoo" / "samples" / "tiny_vad").resolve()
+    assert config["calibration"]["source"] == str(samples / "calibration")
+    assert config["evaluation"]["source"] == str(samples / "evaluation")
+    assert config["evaluation"]["heldout"]["source"] == str(tmp_path / "zoo" / "samples" / "tiny_vad" / "heldout")
