@@ -99,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
                           help="override an evaluation key, e.g. evaluation.max_samples=16")
     _common(evaluate)
 
+    setup = sub.add_parser("setup", help="install an optional backend's toolkit into this environment",
+                           description="rknn: rknn-toolkit2 2.5.0 with its pins (numpy 1.26.4, onnx 1.18.0, "
+                                       "protobuf 4.25.4, onnxruntime 1.26.0), its dependencies without torch's CUDA "
+                                       "build, and a CPU torch if none is installed (CPython 3.11/3.12).")
+    setup.add_argument("backend", choices=["rknn"], help="the backend to install (rknn)")
+    setup.add_argument("--torch", default="torch", metavar="SPEC",
+                       help="the torch requirement when none is installed (default: torch)")
+    setup.add_argument("--torch-index", default=None, metavar="URL",
+                       help="index to take torch from (default: PyTorch's CPU wheels, "
+                            "https://download.pytorch.org/whl/cpu; '' = pip's configured index)")
+    setup.add_argument("--dry-run", action="store_true", help="print the pip commands without running them")
+    _common(setup)
+
     config = sub.add_parser("config", help="show the config reference")
     config.add_argument("--schema", action="store_true", help="every key with its type, default and meaning")
     _common(config)
@@ -233,6 +246,15 @@ def cmd_init(args) -> int:
     return EXIT_OK
 
 
+def cmd_setup(args) -> int:
+    from qprep.quantize.rknn import install
+
+    index = install.TORCH_CPU_INDEX if args.torch_index is None else args.torch_index
+    install.install(torch=args.torch, torch_index=index, dry_run=args.dry_run,
+                    say=(lambda line: None) if args.quiet else print)
+    return EXIT_OK
+
+
 def cmd_config(args) -> int:
     from qprep.config import SCHEMA
     from qprep.schema import reference
@@ -308,4 +330,5 @@ def cmd_compare(args) -> int:
 MAX_TERMINAL_WARNINGS = 5  # the rest are in report.md
 
 COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "init": cmd_init,
-            "config": cmd_config, "batch": cmd_batch, "compare": cmd_compare, "evaluate": cmd_evaluate}
+            "config": cmd_config, "batch": cmd_batch, "compare": cmd_compare, "evaluate": cmd_evaluate,
+            "setup": cmd_setup}

@@ -22,7 +22,7 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 # This machine's pip config lists local index folders that may be absent: hide only that warning.
 quiet_pip() { "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
-stamp=$(cat pyproject.toml "$CONSTRAINTS" scripts/setup.sh | sha256sum | cut -c1-16)
+stamp=$(cat pyproject.toml "$CONSTRAINTS" qprep/quantize/rknn/constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.qprep-setup" 2>/dev/null)" != "$stamp" ]; then
   echo "qprep setup: installing packages (constraints: scripts/constraints.txt)"
   # Everything resolvable goes through one pip call so the resolver sees every pin at once.

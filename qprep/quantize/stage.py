@@ -48,9 +48,9 @@ def check(options: dict, config) -> None:
             raise QprepError("quantize.fallback: needs `evaluation:` data to measure the target on; add an "
                              "evaluation section (source: <folder>)")
     if backend == "rknn" and importlib.util.find_spec("rknn") is None:
-        raise QprepError("quantize: backend rknn needs rknn-toolkit2, which is not installed; run "
-                         "./scripts/setup.sh (it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 "
-                         "x86-64) or choose backend ort")
+        raise QprepError("quantize: backend rknn needs rknn-toolkit2, which is not installed; run `qprep setup "
+                         "rknn` (it installs rknn-toolkit2 2.5.0 with the pins it needs and a CPU torch into this "
+                         "environment) or choose backend ort")
 
 
 def check_model(options: dict, model: onnx.ModelProto) -> None:

@@ -124,7 +124,7 @@ def test_validate_refuses_rknn_when_the_toolkit_is_missing(tmp_path, cli, monkey
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rknn" else real(name, *a))
     code, _, err = cli("validate", config)
-    assert code == 2 and err.count("\n") == 1 and "rknn-toolkit2, which is not installed" in err
+    assert code == 2 and err.count("\n") == 1 and "rknn-toolkit2, which is not installed" in err and "`qprep setup rknn`" in err
 
 
 def test_force_refuses_a_folder_that_holds_no_qprep_run(tmp_path):

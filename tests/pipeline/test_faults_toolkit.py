@@ -49,7 +49,7 @@ def integer_project(root: Path, backend: str) -> tuple[Path, Path]:
 
 
 def rknn_project(tmp_path: Path):
-    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
+    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh or `qprep setup rknn` installs it)")
     tiny = project(tmp_path / "p")
     config = tiny.write_config(pipeline=[{"quantize": {"backend": "rknn"}}], inputs={"x": [1, 3, 8, 8]})
     return tiny, config
@@ -78,7 +78,7 @@ def alive(pid: int) -> bool:
 
 
 def test_integer_only_model_on_rknn_is_refused_before_the_toolkit(tmp_path):
-    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
+    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh or `qprep setup rknn` installs it)")
     config, model = integer_project(tmp_path, "rknn")
     before = digests(model, tmp_path / "calib", config)
     outcome = qprep("run", config, "--quiet", cwd=tmp_path)
@@ -125,7 +125,7 @@ def only_qprep_warnings(stderr: str) -> bool:
 def test_real_toolkit_abort_becomes_a_toolkit_error_naming_step_signal_and_its_error(tmp_path):
     """The crash itself, not refused first: rknn.quantize called directly on the integer-only model makes
     rknn-toolkit2 abort in build. The test process survives and gets one line."""
-    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
+    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh or `qprep setup rknn` installs it)")
     from qprep.quantize.backend import BackendInput
     from qprep.quantize import rknn
     from qprep.data import load_samples

@@ -23,7 +23,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STAMP = re.compile(r"^RKNN: \[[0-9:.]+\] ")  # the C++ logger's prefix: `E RKNN: [02:41:12.288] message`
 _LOG_LINE = re.compile(r"^[EWID] ")  # a new line of the toolkit's logger
 _NOISE = ("Unkown op target", "rknn-toolkit2 version")
-_SETUP = "run ./scripts/setup.sh (it installs rknn-toolkit2 2.5.0 with the pins it needs, CPython 3.11 x86-64)"
+_SETUP = "run `qprep setup rknn` (it installs rknn-toolkit2 2.5.0 with the pins it needs and a CPU torch)"
 
 
 class Toolkit:

@@ -12,7 +12,7 @@ from conftest import CALIBRATION, ROOT, demo_model, rknn_job
 
 pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
 
-pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
+pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh or `qprep setup rknn` installs it)")
 
 OCR = {"channel_order": "bgr", "mean": [127.5], "std": [127.5], "resize": "none"}
 

@@ -117,7 +117,7 @@ def test_a_table_that_matches_nothing_is_refused_and_the_file_left_alone(tmp_pat
 def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     """cls with mmse: the builder reuses the first build's table; the next build (a hybrid step2 with the
     `normal` algorithm) has the same ranges, gives the same outputs and runs no mmse search."""
-    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is installed by scripts/setup.sh (CPython 3.11 x86-64)")
+    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh or `qprep setup rknn` installs it)")
     from qprep.quantize import rknn
 
     builder = rknn.RknnBuilder(rknn_job(tmp_path, "ppocr_cls", quantized_algorithm="mmse", weight_rounding="gptq"))
