@@ -358,8 +358,11 @@ def table_rows(entries: list[Entry], labels: list[str]) -> list[dict]:
         cos_held, task_held = measured(held.get("outputs") or {})
         note = row.get("error") or (f"held-out: {held['error']}" if held.get("error") else "")
         note = note if len(note) <= NOTE_CHARS else note[:NOTE_CHARS - 1] + "…"
+        status = row["status"]
+        if status == "failed" and report.get("exit_code") == 2:  # a batch from before "refused" existed
+            status = "refused"
         rows.append({"model": entry.name, "exporter": entry.exporter, "task": entry.task,
-                     "status": row["status"], "float set": row.get("float_nodes"),
+                     "status": status, "float set": row.get("float_nodes"),
                      "cosine eval": cos_eval, "task metric eval": task_eval,
                      "cosine held-out": cos_held, "task metric held-out": task_held,
                      "INT8 speed-up": (evaluation.get("latency") or {}).get("speedup"),
@@ -383,9 +386,10 @@ def render_table(rows: list[dict], label: str) -> str:
             return f"{value:.4f}" if abs(value) <= 1.0 else f"{value:.2f}"
         return str(value)
 
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "gate missed", "failed")}
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "gate missed", "refused", "failed")}
     lines = [f"Zoo `{label}`: {len(rows)} models — {counts['ok']} ok, {counts['gate missed']} gate missed, "
-             f"{counts['failed']} failed. Held-out: {SPLIT_COUNTS['heldout']} samples per model, never seen by qprep.",
+             f"{counts['refused']} refused (one line naming what qprep does not take), {counts['failed']} failed. "
+             "Held-out: {SPLIT_COUNTS['heldout']} samples per model, never seen by qprep.",
              "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"

@@ -17,12 +17,13 @@ from pathlib import Path
 
 from qprep import jsonfile
 from qprep.config import load_config, run_overrides
-from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError
+from qprep.errors import EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError
 from qprep.model.io import atomic_write_text, sha256_file
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 
 
 TERMINATE_GRACE_S = 30  # a timed-out model gets this long to write its report after SIGTERM, then SIGKILL
+STATUSES = ("ok", "gate missed", "refused", "failed")  # refused: a one-line QprepError (exit 2) naming what is not taken
 SIDECAR_SUFFIX = ".qprep.yaml"  # NAME.qprep.yaml beside NAME.onnx: merged over the batch config for that model
 
 
@@ -132,7 +133,7 @@ def _make_batch_dir(path: Path) -> None:
 def _unreadable_row(name: str, model: Path, exc: OSError) -> dict:
     """The summary row of a folder entry that cannot be read as a file; it never gets a run directory."""
     what = "symlink" if model.is_symlink() else "entry"
-    return {"model": name, "status": "failed", "run_dir": "", "note": "", "seconds": None,
+    return {"model": name, "status": "refused", "run_dir": "", "note": "", "seconds": None,
             "error": f"cannot read this {what}: {exc.strerror}; fix it or move it out of the folder"}
 
 
@@ -166,6 +167,8 @@ def _run_one(config_path: str, model: Path, run_dir: Path, sets, timeout) -> tup
         return "gate missed", seconds, error.removeprefix("qprep: ")
     if done.returncode < 0:
         return "failed", seconds, f"worker died (signal {-done.returncode})"
+    if done.returncode == EXIT_USAGE and error:  # a one-line refusal: the model or its config asks for
+        return "refused", seconds, error          # something qprep does not take, and the line says what
     return "failed", seconds, error or f"exit code {done.returncode}"
 
 
@@ -190,7 +193,7 @@ def _write_summary(out: Path, rows: dict, twins: dict) -> dict:
             row["status"] = twin["status"]
     ordered = sorted(rows.values(), key=_worst_first)
     summary = {"models": ordered, "counts": {s: sum(r["status"] == s for r in ordered)
-                                             for s in ("ok", "gate missed", "failed")}}
+                                             for s in STATUSES}}
     atomic_write_text(out / "summary.json", jsonfile.dumps(summary) + "\n")
     atomic_write_text(out / "summary.csv", render_summary_csv(ordered))
     atomic_write_text(out / "summary.md", render_summary_md(ordered))
@@ -199,12 +202,15 @@ def _write_summary(out: Path, rows: dict, twins: dict) -> dict:
 
 
 def _worst_first(row: dict):
-    rank = {"failed": 0, "gate missed": 1}.get(row["status"], 2)
+    rank = {"failed": 0, "refused": 1, "gate missed": 2}.get(row["status"], 3)
     cosine = row.get("cosine_mean")
     return rank, cosine if cosine is not None else 2.0, row["model"]
 
 
 def exit_code(summary: dict) -> int:
+    """The worst outcome: 3 a model failed (internal error, crash, timeout), 2 one was refused, 1 a gate missed."""
     if summary["counts"]["failed"]:
+        return EXIT_INTERNAL
+    if summary["counts"]["refused"]:
         return EXIT_USAGE
     return EXIT_GATE_MISSED if summary["counts"]["gate missed"] else EXIT_OK

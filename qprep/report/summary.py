@@ -81,7 +81,7 @@ def render_summary_html(rows: list[dict]) -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS[:-1])
     body = []
     for row in rows:
-        style = {"failed": "#f8d7da", "gate missed": "#fff3cd"}.get(row["status"], "")
+        style = {"failed": "#f8d7da", "refused": "#f8d7da", "gate missed": "#fff3cd"}.get(row["status"], "")
         cells = "".join(f"<td>{escape(_cell(row.get(c)))}</td>" for c in COLUMNS[:-1])
         body.append(f"<tr style='background:{style}'>{cells}</tr>")
     return ("<!doctype html><html><head><meta charset='utf-8'><title>qprep batch</title><style>"

@@ -71,7 +71,7 @@ def test_batch_statuses_summary_and_resume(folder):
     rows = {r["model"]: r for r in summary["models"]}
     assert {name: r["status"] for name, r in rows.items()} == {
         "cls.onnx": "ok", "cls_copy.onnx": "ok", "effnet.onnx": "ok", "tiny.onnx": "ok", "with_if.onnx": "ok",
-        "truncated.onnx": "failed"}
+        "truncated.onnx": "refused"}
     assert summary["models"][0]["model"] == "truncated.onnx"  # worst first
     assert "truncated or corrupt" in rows["truncated.onnx"]["error"] and "\n" not in rows["truncated.onnx"]["error"]
     assert rows["cls_copy.onnx"]["note"] == "identical to cls.onnx"
@@ -86,7 +86,7 @@ def test_batch_statuses_summary_and_resume(folder):
         assert "cls.onnx" in (out / name).read_text()
     stamp = (out / "cls" / "report.json").stat().st_mtime
     again = run_cli("batch", config, models, "--out", out, "--resume", "--quiet")
-    assert again.returncode == 2  # the truncated model still fails
+    assert again.returncode == 2  # the truncated model is still refused
     resumed = {r["model"]: r for r in json.loads((out / "summary.json").read_text())["models"]}
     assert resumed["cls.onnx"]["note"] == "resumed: result reused"
     assert (out / "cls" / "report.json").stat().st_mtime == stamp  # no model work redone
@@ -119,7 +119,7 @@ def test_a_killed_worker_fails_only_its_model(tmp_path):
     time.sleep(2)  # let it get into the Loop
     victim.kill()
     batch.wait(timeout=300)
-    assert batch.returncode == 2
+    assert batch.returncode == 3  # a model failed (not refused: nothing the user could have changed)
     rows = {r["model"]: r for r in json.loads((tmp_path / "out" / "summary.json").read_text())["models"]}
     assert rows["hang.onnx"]["status"] == "failed" and "worker died" in rows["hang.onnx"]["error"]
     assert rows["a_tiny.onnx"]["status"] == "ok"
@@ -187,5 +187,5 @@ def test_batch_merges_each_models_sidecar(tmp_path):
     assert report["load"]["inputs_fixed"] and report["calibration"]["count"] == 3
     manifest = json.loads((out / "a" / "manifest.json").read_text())
     assert manifest["inputs"]["overlay"]["path"] == str(models / "a.qprep.yaml")
-    assert rows["b.onnx"]["status"] == "failed"
+    assert rows["b.onnx"]["status"] == "refused"
     assert rows["b.onnx"]["error"] == "calibraton: unknown key; did you mean 'calibration'?"

@@ -197,7 +197,7 @@ def test_an_exact_result_writes_standard_json_and_compares(exact_run):
 
 def test_unreadable_batch_entries_fail_alone(tmp_path):
     """A symlink loop, a dangling symlink and a folder named like a model each get a failed row with a one-line
-    reason; the real model still runs, and the batch exits 2 (a model failed)."""
+    reason; the real model still runs, and the batch exits 2 (a model refused)."""
     p = project(tmp_path / "project", pipeline=())
     models = tmp_path / "models"
     models.mkdir()
@@ -210,7 +210,7 @@ def test_unreadable_batch_entries_fail_alone(tmp_path):
     assert_one_line(outcome, 2)
     rows = {row["model"]: row for row in strict_json(tmp_path / "out" / "summary.json")["models"]}
     assert {name: row["status"] for name, row in rows.items()} == {
-        "real.onnx": "ok", "loop.onnx": "failed", "dangling.onnx": "failed", "folder.onnx": "failed"}
+        "real.onnx": "ok", "loop.onnx": "refused", "dangling.onnx": "refused", "folder.onnx": "refused"}
     for name in ("loop.onnx", "dangling.onnx", "folder.onnx"):
         assert rows[name]["error"] and "\n" not in rows[name]["error"], rows[name]
     assert "directory" in rows["folder.onnx"]["error"] and "symbolic link" in rows["loop.onnx"]["error"]
