@@ -20,9 +20,12 @@ from qprep.quantize.backend import BackendInput
 
 
 def normalization(job: BackendInput) -> dict | None:
-    """mean/std for RKNN.config when calibration comes from images (normalization then runs on the NPU)."""
+    """mean/std for RKNN.config when calibration comes from images (normalization then runs on the NPU).
+    Not for a channels-last input: the toolkit takes a 4-D ONNX input's dim 1 as its channels (an NHWC
+    [1,128,128,3] face detector: "The len of mean_values ([127.5, 127.5, 127.5]) for input 0 is wrong, expect
+    128!"), so such a model gets qprep's normalized samples and the board normalizes as the contract says."""
     reader = job.calibration.image_reader if job.calibration is not None else None
-    if reader is None:
+    if reader is None or reader.layout != "nchw":
         return None
     channels = reader.channels
     mean = reader.mean.tolist() if reader.mean is not None else [0.0] * channels

@@ -137,3 +137,17 @@ def test_masked_attention_keeps_its_mask_chain_float16_on_rknn_with_the_mask_cli
     assert stage["nonfinite"]["float16_clip"]["clipped"] and "mask_scale" in stage["float16_layers"]["mapped"]
     # above the unclipped 0.778; below the default accuracy floor (0.9), so the run says `gate missed`
     assert report["status"] == "gate missed" and report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.85
+
+
+@pytest.mark.parametrize("layout, on_npu", [("nchw", True), ("nhwc", False)])
+def test_the_npu_normalizes_only_channels_first_image_inputs(layout, on_npu):
+    """The toolkit reads a 4-D input's dim 1 as channels: mean/std for an NHWC input fail in load_onnx
+    ("The len of mean_values ... expect 128!"), so a channels-last model keeps qprep's normalized samples."""
+    from types import SimpleNamespace
+
+    from qprep.quantize.rknn.dataset import normalization
+
+    reader = SimpleNamespace(channels=3, mean=np.full(3, 127.5), std=np.full(3, 127.5), channel_order="rgb",
+                             layout=layout, input=SimpleNamespace(name="image"))
+    job = SimpleNamespace(calibration=SimpleNamespace(image_reader=reader))
+    assert (normalization(job) is not None) == on_npu
