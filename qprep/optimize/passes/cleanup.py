@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import (DeduplicateInitializersPass, IdentityEliminationPass, RemoveUnusedNodesPass,
-                                   RemoveUnusedOpsetsPass)
+from onnx_ir.passes.common import DeduplicateInitializersPass, RemoveUnusedNodesPass, RemoveUnusedOpsetsPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter.rules.common import (dropout_inference_rule, dropout_zero_rule, no_op_cast_rule,
                                               no_op_expand_rule, no_op_transpose_rule)
 
 from qprep.optimize.ir_utils import constant_array
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import all_graphs
+from qprep.optimize.rules import IdentityElimination, all_graphs
 
 
 class _NeutralOperand(RewriteRuleClassBase):
@@ -127,20 +126,6 @@ RULES = RewriteRuleSet([
 ])
 
 
-class _IdentityElimination(IdentityEliminationPass):
-    """onnx_ir's pass, except for a subgraph output that is Identity(value from an enclosing graph) (If
-    branches returning an outer tensor): eliminating it would rename the outer value, so it stays."""
-
-    def _try_eliminate_identity_node(self, node: ir.Node) -> bool:
-        graph = node.graph
-        if node.outputs and node.outputs[0].is_graph_output() and graph is not None and node.inputs:
-            source = node.inputs[0]
-            if source is not None and source.graph is not graph and (
-                    source.producer() is None or source.producer().graph is not graph):
-                return False
-        return super()._try_eliminate_identity_node(node)
-
-
 # Never merged: ops whose two calls may differ, and Q/DQ (QDQ tooling expects one DequantizeLinear per consumer).
 NOT_MERGED = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial",
                         "Dropout", "QuantizeLinear", "DequantizeLinear"})
@@ -191,7 +176,7 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     nodes_before = _count_nodes(model)
     initializers_before = len(model.graph.initializers)
     no_ops = RULES.apply_to_model(model)
-    for cleanup in (_IdentityElimination(), RemoveUnusedNodesPass(), DeduplicateInitializersPass()):
+    for cleanup in (IdentityElimination(), RemoveUnusedNodesPass(), DeduplicateInitializersPass()):
         cleanup(model)
     duplicates = merge_duplicate_nodes(model)
     for cleanup in (RemoveUnusedNodesPass(), RemoveUnusedOpsetsPass()):

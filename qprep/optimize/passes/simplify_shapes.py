@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
 from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
@@ -19,7 +19,7 @@ from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_resh
 from qprep.optimize.dim_origin import DimOrigins, shape_element
 from qprep.optimize.ir_utils import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import names_in_use
+from qprep.optimize.rules import IdentityElimination, names_in_use
 from qprep.third_party import MaterializeReshapeShape, materialized_dims
 
 
@@ -203,7 +203,8 @@ def rules(origins: DimOrigins) -> RewriteRuleSet:
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     infer_shapes(model)  # the rules check ranks/shapes
     count = rules(DimOrigins()).apply_to_model(model)
-    IdentityEliminationPass()(model)  # composed Transposes that cancel out become Identity first
+    IdentityElimination()(model)  # composed Transposes that cancel out become Identity first (not the If
+    # branch outputs that are an outer value: onnx_ir's pass renamed those, and the model no longer checked)
     RemoveUnusedNodesPass()(model)
     return PassOutcome(matches=count, details={"rewrites": count})
 

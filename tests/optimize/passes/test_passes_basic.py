@@ -245,6 +245,28 @@ def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity
         assert max_diff(model, out, {"x": sign * np.abs(rand(1, 3, 8, 8))}) == 0.0
 
 
+def test_simplify_shapes_keeps_an_if_branch_that_returns_an_outer_value():
+    """then-branch: Transpose(Transpose(a)) with `a` from the main graph composes to nothing; the branch must
+    still return `a` under its own output name (silero VAD: 'Graph output ... is not an output of any node')."""
+    then = make_graph([helper.make_node("Transpose", ["a"], ["ta"], perm=[0, 2, 1, 3]),
+                       helper.make_node("Transpose", ["ta"], ["t"], perm=[0, 2, 1, 3])],
+                      [], [("t", [1, 3, 8, 8])], name="then")
+    other = make_graph([helper.make_node("Neg", ["a"], ["e"])], [], [("e", [1, 3, 8, 8])], name="else")
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["i"], then_branch=then, else_branch=other),
+             helper.make_node("Add", ["i", "a"], ["y"])]
+    model = make_model(nodes, [X], [("y", [1, 3, 8, 8])], {"zero": np.float32(0)})
+    out, outcome = apply_pass(simplify_shapes.PASS, model)
+    assert outcome.matches > 0
+    branch = next(n for n in out.graph.node if n.op_type == "If")
+    assert [n.op_type for n in helper.get_node_attr_value(branch, "then_branch").node] == ["Identity"]
+    onnx.checker.check_model(out)
+    for sign in (1, -1):
+        assert max_diff(model, out, {"x": sign * np.abs(rand(1, 3, 8, 8))}) == 0.0
+
+
 def _conv_with(nodes_before, nodes_after, inits, conv_attrs=None, out_shape=(1, 4, 6, 6)):
     nodes = [*nodes_before, helper.make_node("Conv", ["ci", "w", "b"], ["c"], **(conv_attrs or {})), *nodes_after]
     base = {"w": rand(4, 3, 3, 3), "b": rand(4, seed=1)}
