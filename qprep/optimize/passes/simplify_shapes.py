@@ -158,6 +158,12 @@ class SoftmaxOfFlattenedRows(RewriteRuleClassBase):
         return getattr(op, self._op)(x, axis=x.shape.rank() - 1)
 
 
+def _same_element_count(shape, dims: list[int]) -> bool:
+    """Whether a tensor of static `shape` can be reshaped to `dims` (at most one -1)."""
+    total, known = int(np.prod(shape)), int(np.prod([d for d in dims if d != -1]))
+    return total == known if -1 not in dims else known > 0 and total % known == 0
+
+
 def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int] | None:
     """The constant shape equivalent to `shape` for Reshape(x, shape), or None when one element is neither a
     constant nor a provable copy of x's dim at its position."""
@@ -179,12 +185,26 @@ def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int
 class ConstantReshapeShape(MaterializeReshapeShape):
     """onnxscript's rule (the output shape is known: the computed shape becomes a constant) without its
     allowzero=1, an attribute that exists from opset 14 only: on an opset-13 model the checker refused it and
-    the whole pass was rolled back. A shape without a 0 does not need it, so shapes with a 0 are left alone."""
+    the whole pass was rolled back. A shape without a 0 does not need it, so shapes with a 0 are left alone.
+
+    The known shape must be evidence: not a graph output's (declared, never checked by ONNX Runtime), of the
+    computed shape's length, and holding x's element count when x is static."""
 
     def check(self, context, data, shape) -> MatchResult:
         result = super().check(context, data, shape)
-        if result and 0 in materialized_dims(self):
+        if not result:
+            return result
+        dims = materialized_dims(self)
+        if 0 in dims:
             return MatchResult().fail("a 0 dim would need allowzero (opset 14)")
+        length = shape.shape[0] if shape.shape is not None and shape.shape.rank() == 1 else None
+        if isinstance(length, int) and length != len(dims):
+            return MatchResult().fail(f"the computed shape has {length} elements, the output rank {len(dims)}")
+        if context.output_values[0].is_graph_output():
+            return MatchResult().fail("a graph output's shape is its declaration, not inferred: no proof (an "
+                                      "OCR model declares [1, seqlen] for a [24, 1, 8210] output)")
+        if data.shape is not None and data.shape.is_static() and not _same_element_count(data.shape.numpy(), dims):
+            return MatchResult().fail("the known output shape does not hold x's element count")
         self._name = f"{context.output_values[0].name}/shape"
         return result
 

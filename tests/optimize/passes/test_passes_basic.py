@@ -170,6 +170,21 @@ def test_computed_reshape_shape_becomes_constant_on_opset_13():
     assert max_diff(model, out, {"x": rand(2, 3, 8, 8)}) == 0.0
 
 
+def test_a_graph_outputs_declared_shape_is_no_proof_for_a_constant_reshape_shape():
+    """The model declares y as [1, seq] but computes [N, 3, 4]: a constant [1, -1] would flatten the output
+    (ddddocr's OCR model); and inside the graph, a known shape of another length than the computed one."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Slice", ["s", "zero", "one"], ["n"]),
+             helper.make_node("Max", ["n", "one"], ["m"]),  # N, though no rule can prove it
+             helper.make_node("Concat", ["m", "three", "four"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    model = make_model(nodes, [("x", ["N", 12])], [("y", [1, "seq"])],
+                       {"zero": np.array([0], np.int64), "one": np.array([1], np.int64),
+                        "three": np.array([3], np.int64), "four": np.array([4], np.int64)})
+    out, _ = apply_pass(simplify_shapes.PASS, model)
+    assert max_diff(model, out, {"x": rand(2, 12)}) == 0.0  # max_diff refuses outputs of another shape
+
+
 def test_matmul_add_becomes_gemm_only_for_2d():
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
     flat = make_model(nodes, [("x", [2, 3])], [("y", [2, 4])], {"w": rand(3, 4), "b": rand(4, seed=1)})
