@@ -63,8 +63,9 @@ def facts(model: onnx.ModelProto, original_outputs, samples) -> dict:
     ops = model_info.op_counts(model)
     layernorms, gelus = find_layernorms(model), count_gelus(model)
     result = run_model(model, samples)
-    error = max((float(np.abs(a[k].astype(np.float64) - b[k]).max(initial=0.0)) for a, b in zip(original_outputs, result)
-                 for k in a), default=0.0)
+    pairs = [(a[k], b[k]) for a, b in zip(original_outputs, result) for k in a]
+    error = (max((float(np.abs(a.astype(np.float64) - b).max(initial=0.0)) for a, b in pairs), default=0.0)
+             if all(a.shape == b.shape for a, b in pairs) else float("nan"))  # nan: an output changed its shape
     return {"nodes": model_info.node_count(model), "ops": ops, "ln_fused": ops.get("LayerNormalization", 0),
             "ln_left": sum(layernorms["decomposed"].values()), "ln_refused": layernorms.get("refused", {}),
             "gelu_fused": sum(ops.get(op, 0) for op in FUSED_GELU_OPS),

@@ -1,6 +1,7 @@
 """Remove what computes nothing: Identity, inference Dropout, x*1, x+0, x-0, x/1, Cast to the same type,
-Expand/Transpose/Reshape that keep the shape, zero Pad; then duplicate nodes (the same op, attributes and
-inputs: dynamic exports compute `Shape(x)[0]` once per use), dead nodes, unused and duplicate initializers.
+Expand/Transpose/Reshape that keep the shape, zero Pad, a Slice that keeps everything; then duplicate nodes
+(the same op, attributes and inputs: dynamic exports compute `Shape(x)[0]` once per use), dead nodes, unused
+and duplicate initializers.
 
 Why first: every later pass matches fewer nodes, and quantizers do not insert Q/DQ around ops that are not
 there. Each rule is exact (the output equals the input bit for bit), which the stage still verifies.
@@ -83,6 +84,37 @@ class ReshapeToSameShape(RewriteRuleClassBase):
         return op.Identity(x)
 
 
+class FullSlice(RewriteRuleClassBase):
+    """Slice(x, starts, ends[, axes[, steps]]) that keeps every element → x: on each sliced axis the start is
+    0, the step 1 and the end INT64_MAX or at least the axis' static length. torch.onnx writes `x[:, :65]` as
+    one Slice per dim, the untouched ones from 0 to INT64_MAX (silero VAD's STFT)."""
+
+    def pattern(self, op, x, starts, ends):
+        return op.Slice(x, starts, ends, _allow_other_inputs=True, _outputs=["y"])
+
+    def check(self, context, x, starts, ends, y, **_) -> MatchResult:
+        result = MatchResult()
+        optional = list(y.producer().inputs[3:]) + [None, None]
+        begin, end = constant_array(starts), constant_array(ends)
+        axes = np.arange(begin.size) if begin is not None and optional[0] is None else constant_array(optional[0])
+        steps = np.ones_like(begin) if begin is not None and optional[1] is None else constant_array(optional[1])
+        if any(v is None for v in (begin, end, axes, steps)):
+            return result.fail("starts, ends, axes or steps are not constants")
+        if np.any(begin != 0) or np.any(steps != 1):
+            return result.fail("a start is not 0 or a step not 1")
+        for axis, stop in zip(axes.reshape(-1), end.reshape(-1)):
+            if stop == np.iinfo(np.int64).max:
+                continue
+            rank = x.shape.rank() if x.shape is not None else None
+            length = x.shape[int(axis) % rank] if rank else None
+            if not isinstance(length, int) or stop < length:
+                return result.fail(f"the end {stop} on axis {axis} may cut the axis")
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
+
+
 class InferenceDropout(RewriteRuleClassBase):
     """Dropout without a true training_mode input (opset 12+: inference by default) and no mask used → x."""
 
@@ -122,7 +154,7 @@ class ZeroPad(RewriteRuleClassBase):
 
 RULES = RewriteRuleSet([
     *NEUTRAL_RULES, dropout_zero_rule, dropout_inference_rule, InferenceDropout.rule(), no_op_cast_rule, no_op_expand_rule, no_op_transpose_rule,
-    ReshapeToSameShape.rule(), ZeroPad.rule(),
+    ReshapeToSameShape.rule(), ZeroPad.rule(), FullSlice.rule(),
 ])
 
 

@@ -282,6 +282,37 @@ def test_simplify_shapes_keeps_an_if_branch_that_returns_an_outer_value():
         assert max_diff(model, out, {"x": sign * np.abs(rand(1, 3, 8, 8))}) == 0.0
 
 
+def _slice_model(starts, ends, axes=None, steps=None, x_shape=("N", 4, 6)):
+    """Slice of x whose parameters are Constant nodes (as torch.onnx writes them), then Relu."""
+    params = {"starts": starts, "ends": ends, "axes": axes, "steps": steps}
+    names = [n for n, v in params.items() if v is not None]
+    nodes = [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(np.array(params[n], np.int64)))
+             for n in names]
+    nodes += [helper.make_node("Slice", ["x", *names], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    return make_model(nodes, [("x", list(x_shape))], [("y", None)])
+
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def test_cleanup_removes_a_slice_that_keeps_everything():
+    for model in (_slice_model([0], [INT64_MAX], [0], [1]),  # x[:] on a dynamic dim
+                  _slice_model([0, 0], [INT64_MAX, 6], [0, -1]),  # up to the static length, negative axis
+                  _slice_model([0, 0, 0], [INT64_MAX, 9, 100])):  # no axes: the leading ones
+        out, outcome = apply_pass(cleanup.PASS, model)
+        assert ops(out) == {"Relu": 1} and outcome.matches > 0
+        assert max_diff(model, out, {"x": rand(2, 4, 6)}) == 0.0
+
+
+def test_cleanup_keeps_a_slice_that_cuts_reverses_or_may_cut():
+    for model in (_slice_model([0], [3], [1]),  # cuts a static dim
+                  _slice_model([1], [INT64_MAX], [1]),  # drops the first element
+                  _slice_model([0], [INT64_MAX], [1], [2]),  # every other element
+                  _slice_model([0], [100], [0])):  # a dynamic dim that may be longer than 100
+        out, _ = apply_pass(cleanup.PASS, model)
+        assert ops(out)["Slice"] == 1
+
+
 def _conv_with(nodes_before, nodes_after, inits, conv_attrs=None, out_shape=(1, 4, 6, 6)):
     nodes = [*nodes_before, helper.make_node("Conv", ["ci", "w", "b"], ["c"], **(conv_attrs or {})), *nodes_after]
     base = {"w": rand(4, 3, 3, 3), "b": rand(4, seed=1)}
