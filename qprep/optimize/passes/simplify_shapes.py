@@ -1,5 +1,5 @@
 """Transpose/Reshape cleanup: compose consecutive Transposes (dropped when the result is the identity), merge
-Reshape→Reshape and Unsqueeze→Unsqueeze chains, and replace a Reshape's computed shape by a constant when
+Reshape→Reshape, Unsqueeze→Unsqueeze and Slice→Slice (disjoint axes) chains, and replace a Reshape's computed shape by a constant when
 shape inference already knows the output (at most one dynamic dim, which becomes -1).
 
 Why: exporters write `x.view(x.size(0), -1)` as Shape→Gather→Unsqueeze→Concat→Reshape and attention heads as
@@ -125,6 +125,54 @@ class TransposeMovingUnitDims(RewriteRuleClassBase):
         return op.Reshape(x, op.initializer(ir.tensor(np.array(self._target, np.int64), name=self._name)))
 
 
+class SliceOfSlice(RewriteRuleClassBase):
+    """Slice(Slice(x, p), q) with constant parameters on disjoint axes → one Slice(x, p ∪ q).
+
+    Slicing different axes commutes, so the two compose into one Slice whose lists are the concatenation.
+    Only the outer Slice is matched: an inner Slice that feeds several (YOLO's Focus, `x[..., ::2, ::2]` four
+    times) is merged into each of them and then dies."""
+
+    def pattern(self, op, inner, starts, ends):
+        return op.Slice(inner, starts, ends, _allow_other_inputs=True, _outputs=["y"])
+
+    def check(self, context, inner, y, **_) -> MatchResult:
+        result = MatchResult()
+        first = inner.producer()
+        if first is None or first.op_type != "Slice" or first.domain not in ("", "ai.onnx"):
+            return result.fail("the input is not a Slice")
+        x = first.inputs[0]
+        rank = x.shape.rank() if x.shape is not None else None
+        lists = [_slice_parameters(node, rank) for node in (first, y.producer())]
+        if any(p is None for p in lists):
+            return result.fail("a Slice's starts, ends, axes or steps are not constants (or axes need a rank)")
+        if set(lists[0][2]) & set(lists[1][2]):
+            return result.fail("the Slices share an axis")
+        self._x = x
+        self._merged = [np.concatenate([a, b]) for a, b in zip(*lists)]
+        self._name = names_in_use(context.model).value(f"{y.name}/slice")
+        return result
+
+    def rewrite(self, op, **_):
+        params = [op.initializer(ir.tensor(v, name=f"{self._name}_{part}"))
+                  for v, part in zip(self._merged, ("starts", "ends", "axes", "steps"))]
+        return op.Slice(self._x, *params)
+
+
+def _slice_parameters(node: ir.Node, rank: int | None) -> list[np.ndarray] | None:
+    """[starts, ends, axes, steps] of a Slice as int64 arrays (defaults filled, axes made non-negative), or
+    None when one is not a constant or a negative axis meets an unknown rank."""
+    inputs = list(node.inputs[1:]) + [None] * 4
+    starts, ends = constant_array(inputs[0]), constant_array(inputs[1])
+    if starts is None or ends is None:
+        return None
+    axes = np.arange(starts.size) if inputs[2] is None else constant_array(inputs[2])
+    steps = np.ones(starts.size, np.int64) if inputs[3] is None else constant_array(inputs[3])
+    if axes is None or steps is None or (np.any(axes < 0) and rank is None):
+        return None
+    axes = np.where(axes < 0, axes + (rank or 0), axes)
+    return [np.asarray(v, np.int64).reshape(-1) for v in (starts, ends, axes, steps)]
+
+
 class SoftmaxOfFlattenedRows(RewriteRuleClassBase):
     """Reshape(Softmax(Flatten(x, axis=r-1)), Shape(x)) → Softmax(x, axis=r-1), also for LogSoftmax.
 
@@ -215,7 +263,7 @@ class ConstantReshapeShape(MaterializeReshapeShape):
 def rules(origins: DimOrigins) -> RewriteRuleSet:
     return RewriteRuleSet([ReshapeToOwnShape.rule(origins), ReshapeKeepingOwnDims.rule(origins),
                            transpose_transpose_rule, no_op_transpose_rule, TransposeMovingUnitDims.rule(),
-                           SoftmaxOfFlattenedRows.rule(),
+                           SoftmaxOfFlattenedRows.rule(), SliceOfSlice.rule(),
                            reshape_reshape_rule, unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule,
                            ConstantReshapeShape.rule()])
 

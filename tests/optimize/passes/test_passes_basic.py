@@ -313,6 +313,30 @@ def test_cleanup_keeps_a_slice_that_cuts_reverses_or_may_cut():
         assert ops(out)["Slice"] == 1
 
 
+def _focus_model(inner_axes=(2,), outer_axes=(3,)):
+    """YOLO's Focus: x[..., ::2, ::2] and x[..., 1::2, ::2] — one inner Slice feeding two outer ones."""
+    inits = {"zero": np.array([0], np.int64), "one": np.array([1], np.int64), "two": np.array([2], np.int64),
+             "end": np.array([INT64_MAX], np.int64), "inner_axes": np.array(inner_axes, np.int64),
+             "outer_axes": np.array(outer_axes, np.int64)}
+    nodes = [helper.make_node("Slice", ["x", "zero", "end", "inner_axes", "two"], ["rows"]),
+             helper.make_node("Slice", ["rows", "zero", "end", "outer_axes", "two"], ["a"]),
+             helper.make_node("Slice", ["rows", "one", "end", "outer_axes", "two"], ["b"]),
+             helper.make_node("Concat", ["a", "b"], ["y"], axis=1)]
+    return make_model(nodes, [X], [("y", None)], inits)
+
+
+def test_slices_of_a_slice_on_other_axes_become_one_slice_each():
+    for model in (_focus_model(), _focus_model(inner_axes=(-2,), outer_axes=(-1,))):
+        out, outcome = apply_pass(simplify_shapes.PASS, model)
+        assert ops(out)["Slice"] == 2 and outcome.matches == 2
+        assert max_diff(model, out, {"x": rand(1, 3, 8, 8)}) == 0.0
+
+
+def test_slices_of_a_slice_on_the_same_axis_stay():
+    out, _ = apply_pass(simplify_shapes.PASS, _focus_model(inner_axes=(3,), outer_axes=(-1,)))
+    assert ops(out)["Slice"] == 3
+
+
 def _conv_with(nodes_before, nodes_after, inits, conv_attrs=None, out_shape=(1, 4, 6, 6)):
     nodes = [*nodes_before, helper.make_node("Conv", ["ci", "w", "b"], ["c"], **(conv_attrs or {})), *nodes_after]
     base = {"w": rand(4, 3, 3, 3), "b": rand(4, seed=1)}
