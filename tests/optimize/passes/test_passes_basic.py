@@ -343,6 +343,28 @@ def _conv_with(nodes_before, nodes_after, inits, conv_attrs=None, out_shape=(1, 
     return make_model(nodes, [X], [("y", list(out_shape))], {**base, **inits}, opset=13)
 
 
+def _deconv_add(constant, group=1, bias=False):
+    """ConvTranspose (weights [4, 6/group... ] → 6 output channels for group 1) without/with bias, + constant."""
+    inputs = ["x4", "w"] + (["b"] if bias else [])
+    nodes = [helper.make_node("ConvTranspose", inputs, ["d"], strides=[2, 2], group=group),
+             helper.make_node("Add", ["d", "c"], ["y"])]
+    inits = {"w": rand(4, 6 // group, 2, 2), "c": constant, **({"b": rand(6, seed=2)} if bias else {})}
+    return make_model(nodes, [("x4", [1, 4, 5, 5])], [("y", None)], inits)
+
+
+def test_a_per_channel_add_folds_into_a_convtranspose_bias():
+    for model in (_deconv_add(rand(1, 6, 1, 1, seed=3)), _deconv_add(rand(6, 1, 1, seed=3), bias=True),
+                  _deconv_add(rand(1, 6, 1, 1, seed=3), group=2), _deconv_add(np.float32(0.5))):
+        out, outcome = apply_pass(fold_into_conv.PASS, model)
+        assert ops(out) == {"ConvTranspose": 1} and outcome.matches == 1
+        assert max_diff(model, out, {"x4": rand(1, 4, 5, 5)}) < 1e-6
+
+
+def test_an_add_that_varies_inside_a_channel_stays_after_a_convtranspose():
+    out, _ = apply_pass(fold_into_conv.PASS, _deconv_add(rand(1, 6, 10, 10, seed=3)))
+    assert ops(out) == {"ConvTranspose": 1, "Add": 1}
+
+
 def test_per_channel_mul_after_conv_folds_into_weights_and_bias():
     model = _conv_with([helper.make_node("Identity", ["x"], ["ci"])],
                        [helper.make_node("Mul", ["s", "c"], ["y"])], {"s": rand(1, 4, 1, 1, seed=3)})
