@@ -428,7 +428,7 @@ def layernorms_left(facts: dict, stage: dict) -> dict[str, int]:
         rollback = next((r["reason"] for r in stage.get("rolled_back", []) if r["pass"] == "fuse_layernorm"), None)
         record = next((p for p in stage.get("passes", []) if p["pass"] == "fuse_layernorm"), {})
         why = (f"fuse_layernorm rolled back: {rollback}" if rollback else record.get("details", {}).get("skipped")
-               or "NOT FUSED, NO REASON RECORDED")
+               or "not fused, and the stage recorded no reason")
         reasons[why] = reasons.get(why, 0) + facts["ln_left"]
     return reasons
 
