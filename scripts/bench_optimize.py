@@ -54,22 +54,38 @@ def load(name: str, samples: int):
 
 
 def facts(model: onnx.ModelProto, original_outputs, samples) -> dict:
-    from qprep.optimize.passes.layernorm import count_decomposed_layernorms
+    """What a tool left: nodes, LayerNorms fused / still decomposed / refused by reason, GELUs fused / left,
+    BatchNorms left, and the max abs error of every output against the original on the same samples."""
+    from qprep.model.inspect import FUSED_GELU_OPS
+    from qprep.optimize.passes.gelu import count_gelus
+    from qprep.optimize.passes.layernorm import find_layernorms
 
     ops = model_info.op_counts(model)
+    layernorms, gelus = find_layernorms(model), count_gelus(model)
     result = run_model(model, samples)
-    error = max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for a, b in zip(original_outputs, result) for k in a)
-    return {"nodes": model_info.node_count(model), "ln_fused": ops.get("LayerNormalization", 0),
-            "ln_left": count_decomposed_layernorms(model), "bn_left": ops.get("BatchNormalization", 0),
+    pairs = [(a[k], b[k]) for a, b in zip(original_outputs, result) for k in a]
+    error = (max((float(np.abs(a.astype(np.float64) - b).max(initial=0.0)) for a, b in pairs), default=0.0)
+             if all(a.shape == b.shape for a, b in pairs) else float("nan"))  # nan: an output changed its shape
+    return {"nodes": model_info.node_count(model), "ops": ops, "ln_fused": ops.get("LayerNormalization", 0),
+            "ln_left": sum(layernorms["decomposed"].values()), "ln_refused": layernorms.get("refused", {}),
+            "gelu_fused": sum(ops.get(op, 0) for op in FUSED_GELU_OPS),
+            "gelu_left": sum(gelus["decomposed"].values()), "bn_left": ops.get("BatchNormalization", 0),
             "max_abs_error": error}
 
 
-def run_qprep(name: str, samples: int):
+def optimize_with_qprep(config: dict) -> tuple[onnx.ModelProto, dict]:
+    """The real `optimize` stage on `config` (a validated-to-be dict: model, calibration, inputs, ...; its
+    pipeline is replaced by `optimize` alone): the model it writes and its stage record."""
     with tempfile.TemporaryDirectory() as out:
-        report = qprep.run({"model": str(ROOT / "models" / f"{name}.onnx"), "calibration": calibration(name, samples),
-                            "pipeline": [{"optimize": {}}]}, output_dir=out)
+        report = qprep.run({**config, "pipeline": [{"optimize": {}}]}, output_dir=out)
         stage = report["stages"][0]
         model = onnx.load(str(Path(out) / "model.onnx"))
+    return model, stage
+
+
+def run_qprep(name: str, samples: int):
+    model, stage = optimize_with_qprep({"model": str(ROOT / "models" / f"{name}.onnx"),
+                                        "calibration": calibration(name, samples)})
     return model, stage["rewrite_seconds"], stage["verify_seconds"]
 
 
@@ -94,8 +110,6 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     args = parser.parse_args(argv)
-    import onnxslim
-    import onnxsim
     from importlib.metadata import version
 
     rows = []

@@ -12,6 +12,9 @@ package that ships it preprocesses its input (scripts/zoo_samples.py).
                     `qprep batch` over zoo/models (each model's sidecar merged over the backend's base config)
                     into zoo/runs/LABEL/, then `qprep evaluate` of every finished run on its held-out split
     zoo.py table LABEL [LABEL...] [--out FILE] the markdown zoo table of a run (for BENCHMARKS.md)
+    zoo.py nodes [--models a,b] [--samples N] [--out FILE]
+                    nodes after qprep's `optimize` stage (verified on the model's own calibration samples) vs
+                    onnxslim, LayerNorms / GELUs fused and what is left (with the reason), max abs error
 
 Downloads and builds are cached in ${QPREP_CACHE:-~/.cache/qprep}/zoo/ (wheels in the cache root, shared with
 scripts/fetch_models.py) and verified by sha256; every step is idempotent and writes atomically.
@@ -395,6 +398,110 @@ def render_table(rows: list[dict], label: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------------------------- nodes
+
+
+NODE_COLUMNS = ("model", "nodes before", "qprep optimize", "onnxslim", "≤ onnxslim", "LayerNorm fused / left",
+                "GELU fused / left", "max abs error qprep / onnxslim", "rolled back", "LayerNorms left: why")
+
+
+def optimize_config(entry: Entry, samples: int) -> dict:
+    """The model's own run config for `optimize` alone: its sidecar (input dims, calibration samples and their
+    preprocessing, paths made absolute), without the evaluation (the measurement compares outputs itself)."""
+    from qprep.config import merge_overlay
+
+    config = {"model": str(ZOO / "models" / f"{entry.name}.onnx")}
+    merge_overlay(config, ZOO / "models" / f"{entry.name}.qprep.yaml")
+    config.pop("evaluation", None)
+    config["calibration"]["max_samples"] = samples
+    return config
+
+
+def node_row(entry: Entry, samples: int) -> dict:
+    """One model: the model the optimize stage receives (after load: dims fixed), its outputs on `samples`
+    calibration samples, then what qprep's optimize stage and onnxslim leave of it (bench_optimize.facts)."""
+    import onnxslim
+    from bench_optimize import facts, optimize_with_qprep
+    from qprep.config import load_config
+    from qprep.model import info as model_info
+    from qprep.model.runtime import run_model
+    from qprep.pipeline import preflight
+
+    config = optimize_config(entry, samples)
+    checked = preflight.check(load_config(config))
+    inputs = checked.calibration.samples
+    reference = run_model(checked.model, inputs)
+    optimized, stage = optimize_with_qprep(config)
+    qprep_facts = facts(optimized, reference, inputs)
+    try:
+        slim_facts = facts(onnxslim.slim(checked.model), reference, inputs)
+    except Exception as exc:  # a contender failing is a result too
+        slim_facts = {"error": str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__}
+    return {"model": entry.name, "before": model_info.node_count(checked.model), "qprep": qprep_facts,
+            "onnxslim": slim_facts, "rolled_back": sorted({r["pass"] for r in stage.get("rolled_back", [])}),
+            "layernorms_left": layernorms_left(qprep_facts, stage)}
+
+
+def layernorms_left(facts: dict, stage: dict) -> dict[str, int]:
+    """Why each LayerNorm the optimize stage left is still decomposed: the matcher's refusal, or for one it
+    would fuse, the stage's record (fuse_layernorm rolled back, or skipped: e.g. no opset upgrade allowed)."""
+    reasons = dict(facts["ln_refused"])
+    if facts["ln_left"]:
+        rollback = next((r["reason"] for r in stage.get("rolled_back", []) if r["pass"] == "fuse_layernorm"), None)
+        record = next((p for p in stage.get("passes", []) if p["pass"] == "fuse_layernorm"), {})
+        why = (f"fuse_layernorm rolled back: {rollback}" if rollback else record.get("details", {}).get("skipped")
+               or "not fused, and the stage recorded no reason")
+        reasons[why] = reasons.get(why, 0) + facts["ln_left"]
+    return reasons
+
+
+def render_nodes(rows: list[dict], samples: int) -> str:
+    """The markdown table, then per model that is not ≤ onnxslim the op types qprep leaves more of."""
+    import numpy as np
+
+    def count(facts: dict) -> str:
+        return str(facts["nodes"]) if "nodes" in facts else f"failed: {facts['error']}"
+
+    def error(facts: dict) -> str:
+        return "output shape changed" if np.isnan(facts["max_abs_error"]) else f"{facts['max_abs_error']:.2g}"
+
+    lines = [f"Node counts after `optimize` vs onnxslim: {len(rows)} models, errors on {samples} calibration "
+             "samples of each model.", "", "| " + " | ".join(NODE_COLUMNS) + " |", "|" + "---|" * len(NODE_COLUMNS)]
+    gaps = []
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['model']} | " + " | ".join(["–"] * (len(NODE_COLUMNS) - 2)) + f" | {row['error']} |")
+            continue
+        q, s = row["qprep"], row["onnxslim"]
+        ok = "nodes" not in s or q["nodes"] <= s["nodes"]
+        slim_wrong = "nodes" in s and np.isnan(s["max_abs_error"])  # its count is then no bar to meet
+        verdict = ("yes" if ok else "no") + (" (onnxslim changed an output's shape)" if slim_wrong else "")
+        why = "; ".join(f"{n}× {reason}" for reason, n in row["layernorms_left"].items()) or "–"
+        errors = f"{error(q)} / " + (error(s) if "nodes" in s else "–")
+        lines.append(f"| {row['model']} | {row['before']} | {q['nodes']} | {count(s)} | {verdict} | "
+                     f"{q['ln_fused']} / {q['ln_left'] + sum(q['ln_refused'].values())} | "
+                     f"{q['gelu_fused']} / {q['gelu_left']} | {errors} | {', '.join(row['rolled_back']) or '–'} | "
+                     f"{why.replace('|', '/')} |")
+        if not ok and not slim_wrong:
+            more = {op: (n, s["ops"].get(op, 0)) for op, n in q["ops"].items() if n > s["ops"].get(op, 0)}
+            gaps.append(f"- {row['model']}: " + ", ".join(f"{op} {a} vs {b}" for op, (a, b) in sorted(more.items())))
+    if gaps:
+        lines += ["", "Where qprep leaves more (op: qprep vs onnxslim):", *gaps]
+    return "\n".join(lines) + "\n"
+
+
+def nodes(entries: list[Entry], samples: int) -> list[dict]:
+    rows = []
+    for entry in entries:
+        start = time.monotonic()
+        try:
+            rows.append(node_row(entry, samples))
+        except Exception as exc:  # one model failing is a row, not the end of the measurement
+            rows.append({"model": entry.name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"})
+        print(f"zoo: {entry.name}: nodes measured ({time.monotonic() - start:.1f} s)", file=sys.stderr, flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------- main
 
 
@@ -420,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
                                              "first label that ran it")
     p.add_argument("--models", help="comma-separated zoo names (default: all)")
     p.add_argument("--out", type=Path, help="also write the table to this file")
+    p = sub.add_parser("nodes")
+    p.add_argument("--models", help="comma-separated zoo names (default: all)")
+    p.add_argument("--samples", type=int, default=4, help="calibration samples per model (verification + errors)")
+    p.add_argument("--out", type=Path, help="also write the table to this file")
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     args = parser.parse_args(argv)
     try:
@@ -430,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
             make_samples(entries, args.force)
         elif args.command == "run":
             return run(entries, args.backend, args.fallback, args.timeout, args.jobs, args.resume, args.label)
+        elif args.command == "nodes":
+            text = render_nodes(nodes(entries, args.samples), args.samples)
+            print(text, end="")
+            if args.out:
+                args.out.write_text(text, encoding="utf-8")
         else:
             text = render_table(table_rows(entries, args.labels), " + ".join(args.labels))
             print(text, end="")

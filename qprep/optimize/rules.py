@@ -4,6 +4,7 @@
                     `unique_value_name`)
     OpsetUpgrade    a rule whose replacement needs a newer opset: dry run first (`count_matches`), convert only
                     when something matches and max_opset allows it
+    IdentityElimination  onnx_ir's pass, safe for If/Loop branches returning an outer value
     per_channel     a constant on a Conv output as one value per output channel, or why it is not one
 
 How to write a rule: see the docstring of qprep/optimize/passes/__init__.py.
@@ -17,9 +18,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import IdentityEliminationPass
 from onnxscript.version_converter import ConvertVersionPass
 
 from qprep.optimize.ir_utils import default_opset
+
+
+class IdentityElimination(IdentityEliminationPass):
+    """onnx_ir's IdentityEliminationPass, except for a subgraph output that is Identity(value from an enclosing
+    graph) (If branches returning an outer tensor): eliminating it would rename the outer value, so it stays."""
+
+    def _try_eliminate_identity_node(self, node: ir.Node) -> bool:
+        graph = node.graph
+        if node.outputs and node.outputs[0].is_graph_output() and graph is not None and node.inputs:
+            source = node.inputs[0]
+            if source is not None and source.graph is not graph and (
+                    source.producer() is None or source.producer().graph is not graph):
+                return False
+        return super()._try_eliminate_identity_node(node)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Unique names

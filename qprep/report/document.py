@@ -236,6 +236,8 @@ def _passes(stage: dict) -> list:
                     rows)]
     blocks += [Text(f"Rolled back: **{r['pass']}** (round {r['round']}): {r['reason']}")
                for r in stage.get("rolled_back", []) if isinstance(r, dict) and "pass" in r]
+    blocks += [Text(f"Left unfused by **{p['pass']}**: " + "; ".join(f"{n}× {reason}" for reason, n in refused.items()))
+               for p in passes if (refused := (p.get("details") or {}).get("refused"))]
     return blocks
 
 

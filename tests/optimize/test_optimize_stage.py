@@ -53,6 +53,26 @@ def test_a_pass_that_changes_numbers_is_rolled_back_and_the_run_goes_on(tmp_path
     assert code == 2 and "rolled back in optimize" in err
 
 
+def test_a_layernorm_left_unfused_is_in_the_report_with_its_reason(tmp_path, save, cli):
+    """LayerNorm over a non-trailing axis (ONNX's op normalizes trailing axes only): refused, and the report
+    says so — never a silent leftover."""
+    shape = [2, 8, 16]
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[1]), helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["v"], axes=[1]),
+             helper.make_node("Add", ["v", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["s"]),
+             helper.make_node("Div", ["d", "s"], ["y"])]
+    model = save(make_model(nodes, [("x", shape)], [("y", shape)], {"eps": np.float32(1e-5)}, opset=17))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {model}\noutput_dir: {tmp_path / 'run'}\npipeline: [optimize]\n")
+    code, _, err = cli("run", config, "--quiet")
+    assert code == 0, err
+    stage = json.loads((tmp_path / "run" / "report.json").read_text())["stages"][0]
+    record = {p["pass"]: p for p in stage["passes"]}["fuse_layernorm"]
+    assert "not the trailing axes" in next(iter(record["details"]["refused"]))
+    text = (tmp_path / "run" / "report.md").read_text()
+    assert "Left unfused by **fuse_layernorm**: 1× reduced axes [-2] are not the trailing axes" in text
+
+
 def test_unknown_pass_name_is_a_config_error_with_a_suggestion(tmp_path):
     with pytest.raises(ConfigError, match=r"pipeline\[0\]\.optimize\.passes\[0\]: 'fold_constant' is not allowed; "
                                           r"did you mean 'fold_constants'\?"):

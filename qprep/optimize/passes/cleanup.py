@@ -1,6 +1,7 @@
 """Remove what computes nothing: Identity, inference Dropout, x*1, x+0, x-0, x/1, Cast to the same type,
-Expand/Transpose/Reshape that keep the shape, zero Pad; then duplicate nodes (the same op, attributes and
-inputs: dynamic exports compute `Shape(x)[0]` once per use), dead nodes, unused and duplicate initializers.
+Expand/Transpose/Reshape that keep the shape, zero Pad, a Slice that keeps everything; then duplicate nodes
+(the same op, attributes and inputs: dynamic exports compute `Shape(x)[0]` once per use), dead nodes, unused
+and duplicate initializers.
 
 Why first: every later pass matches fewer nodes, and quantizers do not insert Q/DQ around ops that are not
 there. Each rule is exact (the output equals the input bit for bit), which the stage still verifies.
@@ -10,15 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import (DeduplicateInitializersPass, IdentityEliminationPass, RemoveUnusedNodesPass,
-                                   RemoveUnusedOpsetsPass)
+from onnx_ir.passes.common import DeduplicateInitializersPass, RemoveUnusedNodesPass, RemoveUnusedOpsetsPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter.rules.common import (dropout_inference_rule, dropout_zero_rule, no_op_cast_rule,
                                               no_op_expand_rule, no_op_transpose_rule)
 
 from qprep.optimize.ir_utils import constant_array
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import all_graphs
+from qprep.optimize.rules import IdentityElimination, all_graphs
 
 
 class _NeutralOperand(RewriteRuleClassBase):
@@ -84,6 +84,37 @@ class ReshapeToSameShape(RewriteRuleClassBase):
         return op.Identity(x)
 
 
+class FullSlice(RewriteRuleClassBase):
+    """Slice(x, starts, ends[, axes[, steps]]) that keeps every element → x: on each sliced axis the start is
+    0, the step 1 and the end INT64_MAX or at least the axis' static length. torch.onnx writes `x[:, :65]` as
+    one Slice per dim, the untouched ones from 0 to INT64_MAX (silero VAD's STFT)."""
+
+    def pattern(self, op, x, starts, ends):
+        return op.Slice(x, starts, ends, _allow_other_inputs=True, _outputs=["y"])
+
+    def check(self, context, x, starts, ends, y, **_) -> MatchResult:
+        result = MatchResult()
+        optional = list(y.producer().inputs[3:]) + [None, None]
+        begin, end = constant_array(starts), constant_array(ends)
+        axes = np.arange(begin.size) if begin is not None and optional[0] is None else constant_array(optional[0])
+        steps = np.ones_like(begin) if begin is not None and optional[1] is None else constant_array(optional[1])
+        if any(v is None for v in (begin, end, axes, steps)):
+            return result.fail("starts, ends, axes or steps are not constants")
+        if np.any(begin != 0) or np.any(steps != 1):
+            return result.fail("a start is not 0 or a step not 1")
+        for axis, stop in zip(axes.reshape(-1), end.reshape(-1)):
+            if stop == np.iinfo(np.int64).max:
+                continue
+            rank = x.shape.rank() if x.shape is not None else None
+            length = x.shape[int(axis) % rank] if rank else None
+            if not isinstance(length, int) or stop < length:
+                return result.fail(f"the end {stop} on axis {axis} may cut the axis")
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
+
+
 class InferenceDropout(RewriteRuleClassBase):
     """Dropout without a true training_mode input (opset 12+: inference by default) and no mask used → x."""
 
@@ -123,22 +154,8 @@ class ZeroPad(RewriteRuleClassBase):
 
 RULES = RewriteRuleSet([
     *NEUTRAL_RULES, dropout_zero_rule, dropout_inference_rule, InferenceDropout.rule(), no_op_cast_rule, no_op_expand_rule, no_op_transpose_rule,
-    ReshapeToSameShape.rule(), ZeroPad.rule(),
+    ReshapeToSameShape.rule(), ZeroPad.rule(), FullSlice.rule(),
 ])
-
-
-class _IdentityElimination(IdentityEliminationPass):
-    """onnx_ir's pass, except for a subgraph output that is Identity(value from an enclosing graph) (If
-    branches returning an outer tensor): eliminating it would rename the outer value, so it stays."""
-
-    def _try_eliminate_identity_node(self, node: ir.Node) -> bool:
-        graph = node.graph
-        if node.outputs and node.outputs[0].is_graph_output() and graph is not None and node.inputs:
-            source = node.inputs[0]
-            if source is not None and source.graph is not graph and (
-                    source.producer() is None or source.producer().graph is not graph):
-                return False
-        return super()._try_eliminate_identity_node(node)
 
 
 # Never merged: ops whose two calls may differ, and Q/DQ (QDQ tooling expects one DequantizeLinear per consumer).
@@ -191,7 +208,7 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     nodes_before = _count_nodes(model)
     initializers_before = len(model.graph.initializers)
     no_ops = RULES.apply_to_model(model)
-    for cleanup in (_IdentityElimination(), RemoveUnusedNodesPass(), DeduplicateInitializersPass()):
+    for cleanup in (IdentityElimination(), RemoveUnusedNodesPass(), DeduplicateInitializersPass()):
         cleanup(model)
     duplicates = merge_duplicate_nodes(model)
     for cleanup in (RemoveUnusedNodesPass(), RemoveUnusedOpsetsPass()):

@@ -1,12 +1,13 @@
 """Absorb neighbours into Conv, so fewer ops run and fewer activations are re-rounded once quantized:
-BatchNormalization (also into ConvTranspose/Gemm), a constant per-channel Add or Mul on the output, HardSigmoid on
-the output, a constant scalar Add or Mul on the input of an unpadded Conv, and a constant zero-value Pad.
+BatchNormalization (also into ConvTranspose/Gemm), a constant per-channel Add (also on a ConvTranspose) or Mul on
+the output, HardSigmoid on the output, a constant scalar Add or Mul on the input of an unpadded Conv, and a
+constant zero-value Pad.
 
 Preconditions (checked by the rules): the constants and the Conv's weights are constants; the intermediate value
 feeds only the pattern (a second consumer would need the unfolded value), inference-mode BN.
 Math, per output channel c (W[c] spans the input channels and the kernel):
     BatchNormalization   s = gamma / sqrt(var + eps): W'[c] = W[c]·s, b'[c] = (b[c] - mean)·s + beta
-    Add(Conv, C)         b'[c] = b[c] + C[c]
+    Add(Conv, C)         b'[c] = b[c] + C[c]        (the same for ConvTranspose, c over W.shape[1]·group)
     Mul(Conv, C)         W'[c] = W[c]·C[c], b'[c] = b[c]·C[c]
     HardSigmoid(Conv)    = Clip(α·Conv + β, 0, 1): W' = α·W, b' = α·b + β, then Clip — which a quantizer
                          absorbs into the Conv's output range (PP-LCNet's squeeze-excitation gates)
@@ -113,6 +114,46 @@ class ConvScaleMul(_ConvOutputConstant):
         return weights * c.reshape((-1,) + (1,) * (weights.ndim - 1)), bias * c
 
 
+class ConvTransposeBiasAdd(RewriteRuleClassBase):
+    """ConvTranspose(x, W[, b]) + C → ConvTranspose(x, W, b + C), C one constant per output channel.
+
+    A ConvTranspose's output channels are W.shape[1] · group (its weights are [C_in, C_out/group, k...]);
+    paddle2onnx writes the bias of a `conv2d_transpose` as such an Add, and a BatchNormalization after it can
+    then fold too (PP-OCRv3 det's upsampling head)."""
+
+    def pattern(self, op, x, w, constant):
+        deconv = op.ConvTranspose(x, w, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["deconv"])
+        return op.Add(deconv, constant)
+
+    def check(self, context, x, w, constant, deconv, **_) -> MatchResult:
+        result = self._bias(deconv, constant)
+        return MatchResult().fail(result) if isinstance(result, str) else MatchResult()
+
+    @staticmethod
+    def _bias(deconv: ir.Value, constant: ir.Value) -> np.ndarray | str:
+        """The new bias b + C, or why there is none."""
+        node = deconv.producer()
+        weights = constant_array(node.inputs[1])
+        old = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] is not None else None
+        if weights is None or (old is not None and constant_array(old) is None):
+            return "weights or bias not constant"
+        channels = weights.shape[1] * node.attributes.get_int("group", 1)
+        extra = constant_array(constant)
+        if extra is not None and extra.dtype != weights.dtype:
+            return "dtype differs from the weights"
+        extra = per_channel(extra, channels, weights.ndim)
+        if isinstance(extra, str):
+            return extra
+        bias = constant_array(old) if old is not None else np.zeros(channels, weights.dtype)
+        return (bias.astype(np.float64) + extra).astype(weights.dtype)
+
+    def rewrite(self, op, x, w, constant, deconv, **_):
+        node = deconv.producer()
+        name = unique_value_name(node.graph, f"{node.name}/bias_add_folded")
+        bias = op.initializer(ir.tensor(self._bias(deconv, constant), name=name), name=name)
+        return op.ConvTranspose(x, w, bias, **dict(node.attributes), _name=node.name)
+
+
 class ConvHardSigmoid(RewriteRuleClassBase):
     """HardSigmoid(Conv(x, W[, b])) → Clip(Conv(x, α·W, α·b + β), 0, 1)."""
 
@@ -187,7 +228,7 @@ class ConvInputShift(_ConvInput):
 
 
 RULES = [fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_conv_transpose_rule, fuse_batchnorm_into_gemm_rule,
-         *ConvBiasAdd.rule().commute(), *ConvScaleMul.rule().commute(), *ConvInputScale.rule().commute(),
+         *ConvBiasAdd.rule().commute(), *ConvTransposeBiasAdd.rule().commute(), *ConvScaleMul.rule().commute(), *ConvInputScale.rule().commute(),
          *ConvInputShift.rule().commute(), normalize_pad_format_conv_rule, fuse_pad_into_conv_rule]
 
 

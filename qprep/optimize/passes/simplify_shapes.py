@@ -1,5 +1,5 @@
 """Transpose/Reshape cleanup: compose consecutive Transposes (dropped when the result is the identity), merge
-Reshape→Reshape and Unsqueeze→Unsqueeze chains, and replace a Reshape's computed shape by a constant when
+Reshape→Reshape, Unsqueeze→Unsqueeze and Slice→Slice (disjoint axes) chains, and replace a Reshape's computed shape by a constant when
 shape inference already knows the output (at most one dynamic dim, which becomes -1).
 
 Why: exporters write `x.view(x.size(0), -1)` as Shape→Gather→Unsqueeze→Concat→Reshape and attention heads as
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import IdentityEliminationPass, RemoveUnusedNodesPass
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
 from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
@@ -19,7 +19,7 @@ from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_resh
 from qprep.optimize.dim_origin import DimOrigins, shape_element
 from qprep.optimize.ir_utils import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import names_in_use
+from qprep.optimize.rules import IdentityElimination, names_in_use
 from qprep.third_party import MaterializeReshapeShape, materialized_dims
 
 
@@ -125,6 +125,54 @@ class TransposeMovingUnitDims(RewriteRuleClassBase):
         return op.Reshape(x, op.initializer(ir.tensor(np.array(self._target, np.int64), name=self._name)))
 
 
+class SliceOfSlice(RewriteRuleClassBase):
+    """Slice(Slice(x, p), q) with constant parameters on disjoint axes → one Slice(x, p ∪ q).
+
+    Slicing different axes commutes, so the two compose into one Slice whose lists are the concatenation.
+    Only the outer Slice is matched: an inner Slice that feeds several (YOLO's Focus, `x[..., ::2, ::2]` four
+    times) is merged into each of them and then dies."""
+
+    def pattern(self, op, inner, starts, ends):
+        return op.Slice(inner, starts, ends, _allow_other_inputs=True, _outputs=["y"])
+
+    def check(self, context, inner, y, **_) -> MatchResult:
+        result = MatchResult()
+        first = inner.producer()
+        if first is None or first.op_type != "Slice" or first.domain not in ("", "ai.onnx"):
+            return result.fail("the input is not a Slice")
+        x = first.inputs[0]
+        rank = x.shape.rank() if x.shape is not None else None
+        lists = [_slice_parameters(node, rank) for node in (first, y.producer())]
+        if any(p is None for p in lists):
+            return result.fail("a Slice's starts, ends, axes or steps are not constants (or axes need a rank)")
+        if set(lists[0][2]) & set(lists[1][2]):
+            return result.fail("the Slices share an axis")
+        self._x = x
+        self._merged = [np.concatenate([a, b]) for a, b in zip(*lists)]
+        self._name = names_in_use(context.model).value(f"{y.name}/slice")
+        return result
+
+    def rewrite(self, op, **_):
+        params = [op.initializer(ir.tensor(v, name=f"{self._name}_{part}"))
+                  for v, part in zip(self._merged, ("starts", "ends", "axes", "steps"))]
+        return op.Slice(self._x, *params)
+
+
+def _slice_parameters(node: ir.Node, rank: int | None) -> list[np.ndarray] | None:
+    """[starts, ends, axes, steps] of a Slice as int64 arrays (defaults filled, axes made non-negative), or
+    None when one is not a constant or a negative axis meets an unknown rank."""
+    inputs = list(node.inputs[1:]) + [None] * 4
+    starts, ends = constant_array(inputs[0]), constant_array(inputs[1])
+    if starts is None or ends is None:
+        return None
+    axes = np.arange(starts.size) if inputs[2] is None else constant_array(inputs[2])
+    steps = np.ones(starts.size, np.int64) if inputs[3] is None else constant_array(inputs[3])
+    if axes is None or steps is None or (np.any(axes < 0) and rank is None):
+        return None
+    axes = np.where(axes < 0, axes + (rank or 0), axes)
+    return [np.asarray(v, np.int64).reshape(-1) for v in (starts, ends, axes, steps)]
+
+
 class SoftmaxOfFlattenedRows(RewriteRuleClassBase):
     """Reshape(Softmax(Flatten(x, axis=r-1)), Shape(x)) → Softmax(x, axis=r-1), also for LogSoftmax.
 
@@ -158,6 +206,12 @@ class SoftmaxOfFlattenedRows(RewriteRuleClassBase):
         return getattr(op, self._op)(x, axis=x.shape.rank() - 1)
 
 
+def _same_element_count(shape, dims: list[int]) -> bool:
+    """Whether a tensor of static `shape` can be reshaped to `dims` (at most one -1)."""
+    total, known = int(np.prod(shape)), int(np.prod([d for d in dims if d != -1]))
+    return total == known if -1 not in dims else known > 0 and total % known == 0
+
+
 def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int] | None:
     """The constant shape equivalent to `shape` for Reshape(x, shape), or None when one element is neither a
     constant nor a provable copy of x's dim at its position."""
@@ -179,12 +233,26 @@ def _dims_copying(x: ir.Value, shape: ir.Value, origins: DimOrigins) -> list[int
 class ConstantReshapeShape(MaterializeReshapeShape):
     """onnxscript's rule (the output shape is known: the computed shape becomes a constant) without its
     allowzero=1, an attribute that exists from opset 14 only: on an opset-13 model the checker refused it and
-    the whole pass was rolled back. A shape without a 0 does not need it, so shapes with a 0 are left alone."""
+    the whole pass was rolled back. A shape without a 0 does not need it, so shapes with a 0 are left alone.
+
+    The known shape must be evidence: not a graph output's (declared, never checked by ONNX Runtime), of the
+    computed shape's length, and holding x's element count when x is static."""
 
     def check(self, context, data, shape) -> MatchResult:
         result = super().check(context, data, shape)
-        if result and 0 in materialized_dims(self):
+        if not result:
+            return result
+        dims = materialized_dims(self)
+        if 0 in dims:
             return MatchResult().fail("a 0 dim would need allowzero (opset 14)")
+        length = shape.shape[0] if shape.shape is not None and shape.shape.rank() == 1 else None
+        if isinstance(length, int) and length != len(dims):
+            return MatchResult().fail(f"the computed shape has {length} elements, the output rank {len(dims)}")
+        if context.output_values[0].is_graph_output():
+            return MatchResult().fail("a graph output's shape is its declaration, not inferred: no proof (an "
+                                      "OCR model declares [1, seqlen] for a [24, 1, 8210] output)")
+        if data.shape is not None and data.shape.is_static() and not _same_element_count(data.shape.numpy(), dims):
+            return MatchResult().fail("the known output shape does not hold x's element count")
         self._name = f"{context.output_values[0].name}/shape"
         return result
 
@@ -195,7 +263,7 @@ class ConstantReshapeShape(MaterializeReshapeShape):
 def rules(origins: DimOrigins) -> RewriteRuleSet:
     return RewriteRuleSet([ReshapeToOwnShape.rule(origins), ReshapeKeepingOwnDims.rule(origins),
                            transpose_transpose_rule, no_op_transpose_rule, TransposeMovingUnitDims.rule(),
-                           SoftmaxOfFlattenedRows.rule(),
+                           SoftmaxOfFlattenedRows.rule(), SliceOfSlice.rule(),
                            reshape_reshape_rule, unsqueeze_unsqueeze_rule, squeeze_reshape_1d_rule,
                            ConstantReshapeShape.rule()])
 
@@ -203,7 +271,8 @@ def rules(origins: DimOrigins) -> RewriteRuleSet:
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     infer_shapes(model)  # the rules check ranks/shapes
     count = rules(DimOrigins()).apply_to_model(model)
-    IdentityEliminationPass()(model)  # composed Transposes that cancel out become Identity first
+    IdentityElimination()(model)  # composed Transposes that cancel out become Identity first (not the If
+    # branch outputs that are an outer value: onnx_ir's pass renamed those, and the model no longer checked)
     RemoveUnusedNodesPass()(model)
     return PassOutcome(matches=count, details={"rewrites": count})
 

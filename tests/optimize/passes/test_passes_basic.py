@@ -170,6 +170,21 @@ def test_computed_reshape_shape_becomes_constant_on_opset_13():
     assert max_diff(model, out, {"x": rand(2, 3, 8, 8)}) == 0.0
 
 
+def test_a_graph_outputs_declared_shape_is_no_proof_for_a_constant_reshape_shape():
+    """The model declares y as [1, seq] but computes [N, 3, 4]: a constant [1, -1] would flatten the output
+    (ddddocr's OCR model); and inside the graph, a known shape of another length than the computed one."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Slice", ["s", "zero", "one"], ["n"]),
+             helper.make_node("Max", ["n", "one"], ["m"]),  # N, though no rule can prove it
+             helper.make_node("Concat", ["m", "three", "four"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    model = make_model(nodes, [("x", ["N", 12])], [("y", [1, "seq"])],
+                       {"zero": np.array([0], np.int64), "one": np.array([1], np.int64),
+                        "three": np.array([3], np.int64), "four": np.array([4], np.int64)})
+    out, _ = apply_pass(simplify_shapes.PASS, model)
+    assert max_diff(model, out, {"x": rand(2, 12)}) == 0.0  # max_diff refuses outputs of another shape
+
+
 def test_matmul_add_becomes_gemm_only_for_2d():
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
     flat = make_model(nodes, [("x", [2, 3])], [("y", [2, 4])], {"w": rand(3, 4), "b": rand(4, seed=1)})
@@ -245,10 +260,109 @@ def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity
         assert max_diff(model, out, {"x": sign * np.abs(rand(1, 3, 8, 8))}) == 0.0
 
 
+def test_simplify_shapes_keeps_an_if_branch_that_returns_an_outer_value():
+    """then-branch: Transpose(Transpose(a)) with `a` from the main graph composes to nothing; the branch must
+    still return `a` under its own output name (silero VAD: 'Graph output ... is not an output of any node')."""
+    then = make_graph([helper.make_node("Transpose", ["a"], ["ta"], perm=[0, 2, 1, 3]),
+                       helper.make_node("Transpose", ["ta"], ["t"], perm=[0, 2, 1, 3])],
+                      [], [("t", [1, 3, 8, 8])], name="then")
+    other = make_graph([helper.make_node("Neg", ["a"], ["e"])], [], [("e", [1, 3, 8, 8])], name="else")
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["i"], then_branch=then, else_branch=other),
+             helper.make_node("Add", ["i", "a"], ["y"])]
+    model = make_model(nodes, [X], [("y", [1, 3, 8, 8])], {"zero": np.float32(0)})
+    out, outcome = apply_pass(simplify_shapes.PASS, model)
+    assert outcome.matches > 0
+    branch = next(n for n in out.graph.node if n.op_type == "If")
+    assert [n.op_type for n in helper.get_node_attr_value(branch, "then_branch").node] == ["Identity"]
+    onnx.checker.check_model(out)
+    for sign in (1, -1):
+        assert max_diff(model, out, {"x": sign * np.abs(rand(1, 3, 8, 8))}) == 0.0
+
+
+def _slice_model(starts, ends, axes=None, steps=None, x_shape=("N", 4, 6)):
+    """Slice of x whose parameters are Constant nodes (as torch.onnx writes them), then Relu."""
+    params = {"starts": starts, "ends": ends, "axes": axes, "steps": steps}
+    names = [n for n, v in params.items() if v is not None]
+    nodes = [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(np.array(params[n], np.int64)))
+             for n in names]
+    nodes += [helper.make_node("Slice", ["x", *names], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    return make_model(nodes, [("x", list(x_shape))], [("y", None)])
+
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def test_cleanup_removes_a_slice_that_keeps_everything():
+    for model in (_slice_model([0], [INT64_MAX], [0], [1]),  # x[:] on a dynamic dim
+                  _slice_model([0, 0], [INT64_MAX, 6], [0, -1]),  # up to the static length, negative axis
+                  _slice_model([0, 0, 0], [INT64_MAX, 9, 100])):  # no axes: the leading ones
+        out, outcome = apply_pass(cleanup.PASS, model)
+        assert ops(out) == {"Relu": 1} and outcome.matches > 0
+        assert max_diff(model, out, {"x": rand(2, 4, 6)}) == 0.0
+
+
+def test_cleanup_keeps_a_slice_that_cuts_reverses_or_may_cut():
+    for model in (_slice_model([0], [3], [1]),  # cuts a static dim
+                  _slice_model([1], [INT64_MAX], [1]),  # drops the first element
+                  _slice_model([0], [INT64_MAX], [1], [2]),  # every other element
+                  _slice_model([0], [100], [0])):  # a dynamic dim that may be longer than 100
+        out, _ = apply_pass(cleanup.PASS, model)
+        assert ops(out)["Slice"] == 1
+
+
+def _focus_model(inner_axes=(2,), outer_axes=(3,)):
+    """YOLO's Focus: x[..., ::2, ::2] and x[..., 1::2, ::2] — one inner Slice feeding two outer ones."""
+    inits = {"zero": np.array([0], np.int64), "one": np.array([1], np.int64), "two": np.array([2], np.int64),
+             "end": np.array([INT64_MAX], np.int64), "inner_axes": np.array(inner_axes, np.int64),
+             "outer_axes": np.array(outer_axes, np.int64)}
+    nodes = [helper.make_node("Slice", ["x", "zero", "end", "inner_axes", "two"], ["rows"]),
+             helper.make_node("Slice", ["rows", "zero", "end", "outer_axes", "two"], ["a"]),
+             helper.make_node("Slice", ["rows", "one", "end", "outer_axes", "two"], ["b"]),
+             helper.make_node("Concat", ["a", "b"], ["y"], axis=1)]
+    return make_model(nodes, [X], [("y", None)], inits)
+
+
+def test_slices_of_a_slice_on_other_axes_become_one_slice_each():
+    for model in (_focus_model(), _focus_model(inner_axes=(-2,), outer_axes=(-1,))):
+        out, outcome = apply_pass(simplify_shapes.PASS, model)
+        assert ops(out)["Slice"] == 2 and outcome.matches == 2
+        assert max_diff(model, out, {"x": rand(1, 3, 8, 8)}) == 0.0
+
+
+def test_slices_of_a_slice_on_the_same_axis_stay():
+    out, _ = apply_pass(simplify_shapes.PASS, _focus_model(inner_axes=(3,), outer_axes=(-1,)))
+    assert ops(out)["Slice"] == 3
+
+
 def _conv_with(nodes_before, nodes_after, inits, conv_attrs=None, out_shape=(1, 4, 6, 6)):
     nodes = [*nodes_before, helper.make_node("Conv", ["ci", "w", "b"], ["c"], **(conv_attrs or {})), *nodes_after]
     base = {"w": rand(4, 3, 3, 3), "b": rand(4, seed=1)}
     return make_model(nodes, [X], [("y", list(out_shape))], {**base, **inits}, opset=13)
+
+
+def _deconv_add(constant, group=1, bias=False):
+    """ConvTranspose (weights [4, 6/group... ] → 6 output channels for group 1) without/with bias, + constant."""
+    inputs = ["x4", "w"] + (["b"] if bias else [])
+    nodes = [helper.make_node("ConvTranspose", inputs, ["d"], strides=[2, 2], group=group),
+             helper.make_node("Add", ["d", "c"], ["y"])]
+    inits = {"w": rand(4, 6 // group, 2, 2), "c": constant, **({"b": rand(6, seed=2)} if bias else {})}
+    return make_model(nodes, [("x4", [1, 4, 5, 5])], [("y", None)], inits)
+
+
+def test_a_per_channel_add_folds_into_a_convtranspose_bias():
+    for model in (_deconv_add(rand(1, 6, 1, 1, seed=3)), _deconv_add(rand(6, 1, 1, seed=3), bias=True),
+                  _deconv_add(rand(1, 6, 1, 1, seed=3), group=2), _deconv_add(np.float32(0.5))):
+        out, outcome = apply_pass(fold_into_conv.PASS, model)
+        assert ops(out) == {"ConvTranspose": 1} and outcome.matches == 1
+        assert max_diff(model, out, {"x4": rand(1, 4, 5, 5)}) < 1e-6
+
+
+def test_an_add_that_varies_inside_a_channel_stays_after_a_convtranspose():
+    out, _ = apply_pass(fold_into_conv.PASS, _deconv_add(rand(1, 6, 10, 10, seed=3)))
+    assert ops(out) == {"ConvTranspose": 1, "Add": 1}
 
 
 def test_per_channel_mul_after_conv_folds_into_weights_and_bias():
