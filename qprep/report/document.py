@@ -1,16 +1,17 @@
 """What a report says, once: report.json → a list of blocks that report.md and report.html both render.
 
-Order is what a person asks first: did it work, what did it cost in accuracy and speed (evaluation), what each
-stage changed, what came out. Inline markup in texts and cells is Markdown's `**bold**` and `` `code` ``; the
-HTML renderer translates it.
+Order is what a person asks first: is the result good enough (the verdict, verdict.py) and what that means for
+the task, what could make those figures mislead (warnings), then what it cost in accuracy and speed
+(evaluation), what each stage changed and decided, what came out. Inline markup in texts and cells is
+Markdown's `**bold**` and `` `code` ``; the HTML renderer translates it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qprep.evaluate.metrics import main_agreement
 from qprep.report.fallback import fallback_tables
+from qprep.report.verdict import INTERVAL_NOTE, agreement_text, num, task_lines, verdict
 
 
 @dataclass
@@ -48,12 +49,16 @@ class Chart:
 
 def build(report: dict) -> list:
     model = report.get("model", {})
-    blocks: list = [Heading(1, f"qprep report: {model.get('path', '?')}"), Bullets([
+    blocks: list = [Heading(1, f"qprep report: {model.get('path', '?')}"), verdict(report)]
+    tasks = task_lines(report.get("evaluation"))
+    if tasks:
+        blocks += [Bullets(tasks), Text(INTERVAL_NOTE)]
+    if report.get("warnings"):  # on the first screen: each one can make the figures mean less than they seem to
+        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
+    blocks.append(Bullets([
         f"status: **{report.get('status')}**" + (f" — {report['error']}" if report.get("error") else ""),
         f"input model: {model.get('kind', '?')}, {model.get('nodes', '?')} nodes, opsets {model.get('opsets', {})}",
-        f"run time: {report.get('seconds', 0):.1f} s"] + _not_measured(report))]
-    if report.get("warnings"):  # first: each one can make the figures below mean less than they seem to
-        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
+        f"run time: {report.get('seconds', 0):.1f} s"]))
     calibration = report.get("calibration")
     if calibration:
         blocks.append(Text(f"Calibration data: {calibration['count']} samples ({calibration['format']}) from "
@@ -65,14 +70,6 @@ def build(report: dict) -> list:
         blocks += [Heading(2, f"Kept float ({len(report['float_set'])} nodes)"),
                    Text(", ".join(f"`{n}`" for n in report["float_set"]))]
     return blocks
-
-
-def _not_measured(report: dict) -> list[str]:
-    """A finished run without an evaluation says so: `ok` there means it ran, not that it is accurate."""
-    if report.get("evaluation") or report.get("status") not in ("ok", "gate missed"):
-        return []
-    return ["accuracy: **not measured** — the config has no `evaluation:` section, so nothing compared the "
-            "result with the float model"]
 
 
 def _evaluation(evaluation: dict | None) -> list:
@@ -127,9 +124,9 @@ def _outputs(outputs: dict, why: bool = True) -> list:
     """The per-output table of one sample set (each output's kind and the figures that judge it), why each
     kind was chosen, and task accuracy where labels were given."""
     blocks: list = [Table(["output", "kind", "judged by", "cosine mean", "cosine min", "SQNR dB", "max abs"],
-                          [[name, m.get("kind", "tensor"), judged_text(m), _num(m.get("cosine_mean"), ".5f"),
-                            _num(m.get("cosine_min"), ".5f"), _num(m.get("sqnr_db"), ".1f"),
-                            _num(m.get("max_abs"), ".3g")] for name, m in outputs.items()])]
+                          [[name, m.get("kind", "tensor"), judged_text(m), num(m.get("cosine_mean"), ".5f"),
+                            num(m.get("cosine_min"), ".5f"), num(m.get("sqnr_db"), ".1f"),
+                            num(m.get("max_abs"), ".3g")] for name, m in outputs.items()])]
     if why and any("why" in m for m in outputs.values()):
         blocks.append(Bullets([f"`{name}` is judged as **{m['kind']}**: {m['why']}"
                                for name, m in outputs.items() if "why" in m]))
@@ -161,8 +158,8 @@ def _layers(layers: list[dict] | None) -> list:
                       [(r["tensor"], 100 * r["cosine_mean"]) for r in in_order])
     return [Heading(3, "Per-layer error"), chart, Table(
         ["tensor", "op", "cosine (accumulated)", "cosine (this layer alone)", "SQNR dB"],
-        [[f"`{r['tensor']}`", r["op_type"], f"{r['cosine_mean']:.5f}", _num(r.get("single_cosine"), ".5f"),
-          _num(r.get("sqnr_db"), ".1f")] for r in layers[:15]], title="Worst layers (accumulated error, worst first)")]
+        [[f"`{r['tensor']}`", r["op_type"], f"{r['cosine_mean']:.5f}", num(r.get("single_cosine"), ".5f"),
+          num(r.get("sqnr_db"), ".1f")] for r in layers[:15]], title="Worst layers (accumulated error, worst first)")]
 
 
 def _stages(stages: list[dict]) -> list:
@@ -189,8 +186,8 @@ def _stages(stages: list[dict]) -> list:
         against = (s.get("effect") or {}).get("against_fp32")
         for output, values in (against or {}).get("outputs", {}).items():
             blocks.append(Text(f"{s['name']}: cosine of `{output}` against the FP32 model "
-                               f"{_num(values['cosine_mean_before'], '.4f', 'not measured')} before → "
-                               f"{_num(values['cosine_mean_after'], '.4f', 'not measured')} after "
+                               f"{num(values['cosine_mean_before'], '.4f', 'not measured')} before → "
+                               f"{num(values['cosine_mean_after'], '.4f', 'not measured')} after "
                                f"({against['samples']} samples)."))
     return blocks
 
@@ -256,17 +253,6 @@ def _result(result: dict | None, model: dict) -> list:
     return blocks
 
 
-def agreement_text(m: dict, prefix: str | None = None) -> str:
-    prefix = prefix or main_agreement(m)
-    if prefix is None:
-        return "–"
-    if m.get(f"{prefix}_agreement") is None:
-        return f"{prefix} agreement not measured"
-    low, high = m[f"{prefix}_agreement_ci95"]
-    return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "
-            f"n={m[f'{prefix}_count']})")
-
-
 def judged_text(m: dict) -> str:
     """The figures that judge an output (metrics.JUDGED_BY), agreements with their 95% interval."""
     if m.get("not_measured"):
@@ -276,13 +262,9 @@ def judged_text(m: dict) -> str:
         if metric.endswith("_agreement"):
             parts.append(agreement_text(m, metric[: -len("_agreement")]))
         else:
-            parts.append(f"{metric} " + _num(m.get(metric), ".5f" if metric.startswith("cosine") else ".4g",
+            parts.append(f"{metric} " + num(m.get(metric), ".5f" if metric.startswith("cosine") else ".4g",
                                              "not measured"))
     return "; ".join(parts)
-
-
-def _num(value, spec: str, missing: str = "–") -> str:
-    return missing if value is None else format(value, spec)
 
 
 def _value(row: dict) -> float:

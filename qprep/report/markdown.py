@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from qprep.report.document import Bullets, Chart, Heading, Table, Text, build
+from qprep.report.verdict import Verdict
 
 
 def render_markdown(report: dict) -> str:
     lines: list[str] = []
     for block in build(report):
-        if isinstance(block, Heading):
+        if isinstance(block, Verdict):
+            lines += [f"**Verdict: {block.state}** — {block.text}", ""]
+        elif isinstance(block, Heading):
             lines += ["#" * block.level + " " + block.text, ""]
         elif isinstance(block, Text):
             lines += [("> " if block.note else "") + block.text, ""]

@@ -155,8 +155,8 @@ def test_integer_outputs_are_rated_by_element_agreement_not_argmax():
     metrics = compare_output(ids, changed, "integer")
     assert metrics["element_agreement"] == 7 / 8 and "top1_agreement" not in metrics and "cosine_mean" not in metrics
     assert metrics["judged_by"] == ["element_agreement"]
-    from qprep.report.document import agreement_text
-    assert agreement_text(metrics).startswith("element 87.5% (")
+    from qprep.report.verdict import agreement_text
+    assert agreement_text(metrics, "element").startswith("element agreement 87.5% (95% CI")
     assert check_gate({"element_agreement": 0.9}, {"ids": metrics})["passed"] is False
     cosine_gate = check_gate({"cosine_mean": 0.8}, {"ids": metrics})  # held to its agreement instead
     assert [(c["metric"], c["value"], c["passed"]) for c in cosine_gate["checks"]] == [("ids.element_agreement", 7 / 8, True)]

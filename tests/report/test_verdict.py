@@ -1,0 +1,76 @@
+"""The report opens with a verdict (met / missed / not measured) naming the figure that decided it and the
+samples it was judged on, then the task figures per output, then the warnings."""
+
+from __future__ import annotations
+
+from synthetic_report import report
+
+from qprep.evaluate.gate import check_gate
+from qprep.report.html import render_html
+from qprep.report.markdown import render_markdown
+from qprep.report.verdict import MET, MISSED, NOT_MEASURED, deciding_check, verdict
+
+
+def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
+    """A report whose gate is checked on the set it would be judged on, as evaluate() does."""
+    data = report(heldout=heldout)
+    evaluation = data["evaluation"]
+    outputs = (evaluation["heldout"] if heldout else evaluation)["outputs"]
+    evaluation["gate"] = {**check_gate(gate, outputs, floor=floor), "judged_on": "heldout" if heldout else "evaluation"}
+    return data
+
+
+def test_met_names_the_tightest_check_and_the_samples():
+    data = judged({"cosine_mean": 0.5, "top1_agreement": 0.9})
+    result = verdict(data)
+    assert result.state == MET
+    assert "`top1_agreement` of `logits` 0.9375 ≥ 0.9" in result.text  # 15 of 16: closer to its bar than cosine
+    assert "16 evaluation samples (`data/eval`)" in result.text
+
+
+def test_missed_names_the_missed_check_on_the_heldout_set():
+    data = judged({"cosine_mean": 0.5, "top1_agreement": 0.95}, heldout=True)
+    result = verdict(data)
+    assert result.state == MISSED
+    heldout = data["evaluation"]["heldout"]["outputs"]["logits"]["top1_agreement"]
+    assert heldout < data["evaluation"]["outputs"]["logits"]["top1_agreement"]  # the held-out figure decides
+    assert f"`top1_agreement` of `logits` {heldout:.4g} < 0.95" in result.text and "16 held-out" in result.text
+
+
+def test_floor_verdict_says_it_is_the_floor_and_how_to_set_a_gate():
+    result = verdict(judged({"cosine_mean": 0.5}, floor=True))
+    assert result.state == MET and result.text.startswith("accuracy floor (no gate set)")
+    assert "evaluation.gate" in result.text
+
+
+def test_unmeasured_cases_say_why():
+    no_evaluation = report()
+    del no_evaluation["evaluation"]
+    assert verdict(no_evaluation).state == NOT_MEASURED and "no `evaluation:`" in verdict(no_evaluation).text
+    assert "floor is off" in verdict(report()).text  # evaluation without gate or floor
+    failed = {**report(), "status": "failed", "error": "boom"}
+    assert verdict(failed) == verdict(failed) and verdict(failed).text == "the run failed: boom"
+    unmeasured = judged({"top5_agreement": 0.9})
+    unmeasured["evaluation"]["gate"]["checks"][0].update(value=None, passed=False)
+    unmeasured["evaluation"]["gate"]["passed"] = False
+    assert "not measured" in verdict(unmeasured).text
+
+
+def test_an_unmeasured_check_decides_before_a_narrow_miss():
+    checks = [{"metric": "a", "threshold": 0.9, "value": 0.89, "passed": False, "kind": "minimum"},
+              {"metric": "b", "threshold": 0.9, "value": None, "passed": False, "kind": "minimum"},
+              {"metric": "c", "threshold": 0.1, "value": 0.5, "passed": False, "kind": "maximum"}]
+    assert deciding_check(checks)["metric"] == "b"
+    assert deciding_check(checks[::2])["metric"] == "c"  # 5x its maximum beats 1% under a minimum
+
+
+def test_documents_open_with_verdict_then_task_figures_then_warnings():
+    data = judged({"top1_agreement": 0.9})
+    markdown = render_markdown(data)
+    lines = [line for line in markdown.splitlines() if line]
+    assert lines[1].startswith("**Verdict: met** — gate:")
+    assert lines[2].startswith("- `logits` (classification): top1 agreement 93.8% (95% CI") and "n=16)" in lines[2]
+    assert markdown.index("## Warnings") < markdown.index("## Accuracy against the reference")
+    html = render_html(data)
+    assert "<p id='verdict' class='verdict met'>" in html
+    assert html.index("id='verdict'") < html.index("Warnings") < html.index("Accuracy against the reference")
