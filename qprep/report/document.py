@@ -8,9 +8,10 @@ Markdown's `**bold**` and `` `code` ``; the HTML renderer translates it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from qprep.report.fallback import fallback_tables
+from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, worst_first
 from qprep.report.verdict import INTERVAL_NOTE, agreement_text, num, task_lines, verdict
 
 
@@ -39,12 +40,10 @@ class Table:
 
 
 @dataclass
-class Chart:
-    """Horizontal bars (HTML only; Markdown points at the table beside it)."""
+class LayerChart:
+    """Every tensor's error (layer_chart.py; HTML only, Markdown has the table of the worst beside it)."""
 
-    title: str
-    rows: list[tuple[str, float]] = field(default_factory=list)
-    unit: str = ""
+    layers: list[dict]
 
 
 def build(report: dict) -> list:
@@ -150,16 +149,15 @@ def _round_range(latency: dict) -> str:
 def _layers(layers: list[dict] | None) -> list:
     if not layers:
         return []
-    in_order = sorted(layers, key=lambda r: r["order"])[:80]
-    if all(r.get("sqnr_db") is not None for r in in_order):
-        chart = Chart("SQNR (dB) per tensor, in graph order", [(r["tensor"], r["sqnr_db"]) for r in in_order], " dB")
-    else:  # backends that report cosine only (RKNN accuracy_analysis): 100 × cosine, so 99.x reads easily
-        chart = Chart("accumulated cosine × 100 per tensor, in graph order",
-                      [(r["tensor"], 100 * r["cosine_mean"]) for r in in_order])
-    return [Heading(3, "Per-layer error"), chart, Table(
-        ["tensor", "op", "cosine (accumulated)", "cosine (this layer alone)", "SQNR dB"],
-        [[f"`{r['tensor']}`", r["op_type"], f"{r['cosine_mean']:.5f}", num(r.get("single_cosine"), ".5f"),
-          num(r.get("sqnr_db"), ".1f")] for r in layers[:15]], title="Worst layers (accumulated error, worst first)")]
+    counts = band_counts(layers)
+    worst = worst_first(layers)[:15]
+    return [Heading(3, "Per-layer error"), LayerChart(layers),
+            Text(f"{len(layers)} tensors: **{counts['red']} red**, {counts['amber']} amber, {counts['green']} green "
+                 f"({THRESHOLDS_NOTE})."),
+            Table(["tensor", "op", "1 − cosine", "cosine (accumulated)", "cosine (this layer alone)", "SQNR dB"],
+                  [[f"`{r['tensor']}`", r.get("op_type", "?"), f"{band(layer_error(r))} {layer_error(r):.2g}",
+                    num(r.get("cosine_mean"), ".5f"), num(r.get("single_cosine"), ".5f"), num(r.get("sqnr_db"), ".1f")]
+                   for r in worst], title=f"Worst {len(worst)} tensors (accumulated error, worst first)")]
 
 
 def _stages(stages: list[dict]) -> list:
