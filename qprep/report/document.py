@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qprep.report.decisions import decision_lines, files_lines
 from qprep.report.fallback import fallback_tables
 from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, worst_first
 from qprep.report.verdict import INTERVAL_NOTE, agreement_text, num, task_lines, verdict
@@ -63,6 +64,12 @@ def build(report: dict) -> list:
         blocks.append(Text(f"Calibration data: {calibration['count']} samples ({calibration['format']}) from "
                            f"`{calibration['source']}`"))
     blocks += _evaluation(report.get("evaluation"))
+    decisions = [line for stage in report.get("stages", []) for line in decision_lines(stage)]
+    if decisions:
+        blocks += [Heading(2, "Decisions"), Bullets(decisions)]
+    files = files_lines(report)
+    if files:
+        blocks += [Heading(2, "Files"), Bullets(files)]
     blocks += _stages(report.get("stages", []))
     blocks += _result(report.get("result"), model)
     if report.get("float_set"):
@@ -176,11 +183,9 @@ def _stages(stages: list[dict]) -> list:
     for s in stages:
         blocks += _passes(s)
         view = fallback_tables(s)
-        if view is not None:
-            verdict, tables = view
-            blocks += [Heading(3, f"{s['name']}: accuracy-driven fallback"), Text(verdict)]
-            blocks += [Table(header, table_rows, title=title) for title, header, table_rows in tables]
-        blocks += _decisions(s)
+        if view is not None:  # its verdict line is under Decisions
+            blocks.append(Heading(3, f"{s['name']}: accuracy-driven fallback"))
+            blocks += [Table(header, table_rows, title=title) for title, header, table_rows in view[1]]
         against = (s.get("effect") or {}).get("against_fp32")
         for output, values in (against or {}).get("outputs", {}).items():
             blocks.append(Text(f"{s['name']}: cosine of `{output}` against the FP32 model "
@@ -188,28 +193,6 @@ def _stages(stages: list[dict]) -> list:
                                f"{num(values['cosine_mean_after'], '.4f', 'not measured')} after "
                                f"({against['samples']} samples)."))
     return blocks
-
-
-def _decisions(stage: dict) -> list:
-    """The quantizer's measured choices (GPTQ rounding, bias correction), each with the figure that decided it."""
-    blocks = []
-    rounding = stage.get("weight_rounding") or {}
-    measured = rounding.get("calibration_sqnr_db")
-    if isinstance(measured, dict) and "nearest" in measured:
-        verdict = "kept" if rounding.get("kept") else rounding.get("reason", "not kept")
-        blocks.append(Text(f"{stage['name']}: GPTQ weight rounding on {rounding.get('layers', '?')} layers: "
-                           f"calibration output SQNR {_db(measured['nearest'])} → {_db(measured['gptq'])} — {verdict}."))
-    bias = stage.get("bias_correction") or {}
-    measured = bias.get("calibration_sqnr_db")
-    if isinstance(measured, dict):
-        verdict = "kept" if bias.get("kept") else bias.get("reason", "left out")
-        blocks.append(Text(f"{stage['name']}: bias correction: calibration output SQNR {_db(measured['before'])} → "
-                           f"{_db(measured['after'])} — {verdict}."))
-    return blocks
-
-
-def _db(value) -> str:
-    return "not measured" if value is None else f"{value:.2f} dB"
 
 
 def _passes(stage: dict) -> list:
