@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from qprep.evaluate import ctc
 from qprep.evaluate.rows import compare_rows
 from qprep.verify import cosine, same_nonfinite
 
@@ -28,6 +29,7 @@ from qprep.verify import cosine, same_nonfinite
 OUTPUT_METRICS = {"cosine_mean": True, "cosine_min": True, "sqnr_db": True, "max_abs": False, "mse": False,
                   "mean_abs_error": False, "rel_error": False, "rel_error_max": False,
                   "top1_agreement": True, "top5_agreement": True, "step_agreement": True, "element_agreement": True,
+                  "text_agreement": True, "char_error_rate": False,
                   "decision_agreement": True, "set_agreement": True, "match_rate": True, "mean_iou": True,
                   "score_abs_error": False, "top1_accuracy": True}
 # Run-level numbers `compare` shows beside them (batch summaries: agreement, speedup).
@@ -36,6 +38,7 @@ RUN_METRICS = {"reference_top1_accuracy": True, "agreement": True, "speedup": Tr
 
 # kind → the metrics that judge it, main one first
 JUDGED_BY = {"classification": ("cosine_mean", "top1_agreement"), "sequence": ("cosine_mean", "step_agreement"),
+             "ctc": ("cosine_mean", "text_agreement", "char_error_rate"),
              "tensor": ("cosine_mean",), "state": ("rel_error", "rel_error_max"),
              "probability": ("decision_agreement", "mean_abs_error"), "scalar": ("rel_error", "mean_abs_error"),
              "integer": ("element_agreement",), "boxes": ("match_rate", "mean_iou", "score_abs_error"),
@@ -44,9 +47,9 @@ KINDS = tuple(JUDGED_BY)
 
 
 def main_agreement(metrics: dict) -> str | None:
-    """The agreement figure an output reports ("top1", "step", "element", "decision"; None for plain tensors):
-    the one reports and summaries show beside its cosine."""
-    return next((prefix for prefix in ("top1", "step", "element", "decision")
+    """The agreement figure an output reports ("top1", "text", "step", "element", "decision"; None for plain
+    tensors): the one reports and summaries show beside its cosine."""
+    return next((prefix for prefix in ("top1", "text", "step", "element", "decision")
                  if f"{prefix}_agreement" in metrics), None)
 
 
@@ -94,6 +97,9 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], kind: 
             metrics = _cosine_metrics(usable, kind)
         per_sample = iter(metrics.pop("per_sample_values", []))
         metrics["per_sample"]["values"] = [None if p is None else next(per_sample, None) for p in pairs]
+        if "texts" in metrics["per_sample"]:  # ctc: the decoded texts, aligned with the samples the same way
+            texts = iter(metrics["per_sample"]["texts"])
+            metrics["per_sample"]["texts"] = [None if p is None else next(texts, None) for p in pairs]
         if changed:
             metrics["shape_changed"] = changed
         if len(usable) < len(pairs):
@@ -160,8 +166,13 @@ def _cosine_metrics(pairs: list, kind: str) -> dict:
         metrics.update(_agreement("top1", [_topk_hits(a, b, 1) for a, b in scores]))
         if scores[0][0].shape[-1] >= 10:
             metrics.update(_agreement("top5", [_topk_hits(a, b, 5) for a, b in scores]))
-    elif kind == "sequence" and scores:
+    elif kind in ("sequence", "ctc") and scores:
         metrics.update(_agreement("step", [(a.argmax(-1) == b.argmax(-1)).ravel() for a, b in scores]))
+        if kind == "ctc":  # ctc.py: the text each side reads
+            texts = ctc.text_metrics(*zip(*scores))
+            metrics.update(_agreement("text", texts["same"]), char_error_rate=texts["char_error_rate"])
+            per_sample = {"metric": "character error rate", "higher_is_better": False, "texts": texts["texts"]}
+            values = texts["per_sample_rates"]
     elif kind == "state":
         values = [math.inf if bad else relative_error(a, b) for a, b, bad in zip(ref, res, broken)]
         metrics.update(rel_error=float(np.mean(values)), rel_error_max=float(np.max(values)),

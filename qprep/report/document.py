@@ -120,10 +120,19 @@ def _evaluation(evaluation: dict | None) -> list:
     blocks += _layers(evaluation.get("layers"))
     for name, m in evaluation["outputs"].items():
         rows = m.get("worst_samples", [])
-        if rows:
+        if rows and "reference_text" in rows[0]:  # ctc: what each side reads
+            blocks.append(Table(["sample", m.get("worst_by", "?"), "FP32 reads", "result reads"],
+                                [[r["sample"], f"{_value(r):.3g}", _quoted(r["reference_text"]),
+                                  _quoted(r["result_text"])] for r in rows], title=f"Worst samples for {name}"))
+        elif rows:
             blocks.append(Text(f"Worst samples for {name} ({m.get('worst_by', 'cosine')}): "
                                + ", ".join(f"{r['sample']} ({_value(r):.4g})" for r in rows)))
     return blocks
+
+
+def _quoted(text: str) -> str:
+    """A decoded text as a cell, quoted so that spaces and an empty text stay visible."""
+    return f"“{text}”"
 
 
 def _outputs(outputs: dict, why: bool = True) -> list:

@@ -103,8 +103,10 @@ def task_text(m: dict) -> str:
     if m.get("not_measured"):
         return f"not measured ({m['not_measured']})"
     kind = m.get("kind", "tensor")
-    parts = [agreement_text(m, prefix) for prefix in ("top1", "top5", "step", "decision", "element")
+    parts = [agreement_text(m, prefix) for prefix in ("top1", "top5", "text", "step", "decision", "element")
              if f"{prefix}_agreement" in m]
+    if "char_error_rate" in m:
+        parts.insert(1, f"character error rate {_pct(m['char_error_rate'])}")
     if "top1_accuracy" in m:
         parts.append(f"accuracy against labels: FP32 {100 * m['reference_top1_accuracy']:.1f}% → result "
                      f"{100 * m['top1_accuracy']:.1f}% ({m['labelled_samples']} labelled)")

@@ -74,3 +74,17 @@ def test_documents_open_with_verdict_then_task_figures_then_warnings():
     html = render_html(data)
     assert "<p id='verdict' class='verdict met'>" in html
     assert html.index("id='verdict'") < html.index("Warnings") < html.index("Accuracy against the reference")
+
+
+def test_a_text_recognizer_leads_with_text_agreement_and_shows_what_each_side_reads():
+    data = report()
+    data["evaluation"]["outputs"] = {"probs": {
+        "kind": "ctc", "cosine_mean": 0.97, "cosine_min": 0.86, "text_agreement": 0.75,
+        "text_agreement_ci95": [0.6, 0.86], "text_count": 40, "char_error_rate": 0.031,
+        "step_agreement": 0.96, "step_agreement_ci95": [0.92, 0.98], "step_count": 40,
+        "worst_by": "character error rate",
+        "worst_samples": [{"sample": "line7.png", "value": 0.5, "reference_text": "总价", "result_text": "总"}]}}
+    markdown = render_markdown(data)
+    assert ("- `probs` (ctc): text agreement 75.0% (95% CI 60.0–86.0%, n=40); character error rate 3.1%; "
+            "step agreement") in markdown
+    assert "| line7.png | 0.5 | “总价” | “总” |" in markdown
