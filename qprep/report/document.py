@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from qprep.report.decisions import decision_lines, files_lines
 from qprep.report.fallback import fallback_tables
 from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, worst_first
-from qprep.report.verdict import INTERVAL_NOTE, agreement_text, num, task_lines, verdict
+from qprep.report.verdict import INTERVAL_NOTE, agreement_text, distinct, num, task_lines, verdict
 
 
 @dataclass
@@ -99,7 +99,7 @@ def _evaluation(evaluation: dict | None) -> list:
         judged = " (judged on the held-out samples)" if gate.get("judged_on") == "heldout" else ""
         blocks.append(Table(["metric", "value", "needs", "result"], [
             [c["metric"] + (f" (for {c['stands_for']})" if c.get("stands_for") else ""),
-             "not measured" if c["value"] is None else f"{c['value']:.4g}",
+             "not measured" if c["value"] is None else distinct(c["value"], c["threshold"]),
              f"{'≤' if c.get('kind') == 'maximum' else '≥'} {c['threshold']:.4g}",
              "ok" if c["passed"] else "**missed**"] for c in gate["checks"]],
             title=f"{kind} {'passed' if gate['passed'] else '**missed**'}{judged}"))

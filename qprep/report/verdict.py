@@ -26,14 +26,16 @@ class Verdict:
 def verdict(report: dict) -> Verdict:
     evaluation = report.get("evaluation") or {}
     status = report.get("status")
-    if status in ("failed", "interrupted", "running"):
+    if status == "running":  # report.json as a stage began: the run was killed, or still goes on
+        return Verdict(NOT_MEASURED, "the run did not finish (killed, or still running)")
+    if status in ("failed", "interrupted"):
         return Verdict(NOT_MEASURED, f"the run {status}" + (f": {report['error']}" if report.get("error") else ""))
     if not evaluation:
         return Verdict(NOT_MEASURED, "the config has no `evaluation:` section, so nothing compared the result with "
                                      "the float model; add one (evaluation samples and a gate) to get a verdict")
     gate = evaluation.get("gate")
     if not gate:
-        return Verdict(NOT_MEASURED, "no gate is set and the floor is off (`evaluation.floor: {}`): set "
+        return Verdict(NOT_MEASURED, "no gate is set and the floor is off (`evaluation.floor: none`): set "
                                      "`evaluation.gate` (e.g. `cosine_mean: 0.99`) to have the result judged")
     if not gate.get("checks"):
         return Verdict(NOT_MEASURED, f"no output reports a metric of the {_against(gate)} "
@@ -64,7 +66,7 @@ def check_text(check: dict) -> str:
     """'`metric` of `output` value ≥ threshold' (and the cosine key it stands for)."""
     output, _, metric = check["metric"].rpartition(".")
     output = output or check.get("worst_output")
-    value = "not measured" if check["value"] is None else f"{check['value']:.4g}"
+    value = "not measured" if check["value"] is None else distinct(check["value"], check["threshold"])
     sign = ("≤" if check.get("kind") == "maximum" else "≥") if check["passed"] else (
         ">" if check.get("kind") == "maximum" else "<")
     if check["value"] is None:
@@ -72,6 +74,15 @@ def check_text(check: dict) -> str:
     stands = f" (for {check['stands_for']})" if check.get("stands_for") else ""
     where = f" of `{output}`" if output else ""
     return f"`{metric}`{where} {value} {sign} {check['threshold']:.4g}{stands}"
+
+
+def distinct(value: float, threshold: float) -> str:
+    """`value` with enough digits that it does not read as the threshold (0.99996 against 1: not "1")."""
+    for digits in range(4, 10):
+        text = f"{value:.{digits}g}"
+        if value == threshold or text != f"{threshold:.{digits}g}":
+            return text
+    return text
 
 
 def _against(gate: dict) -> str:

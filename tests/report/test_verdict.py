@@ -8,7 +8,7 @@ from synthetic_report import report
 from qprep.evaluate.gate import check_gate
 from qprep.report.html import render_html
 from qprep.report.markdown import render_markdown
-from qprep.report.verdict import MET, MISSED, NOT_MEASURED, deciding_check, verdict
+from qprep.report.verdict import MET, MISSED, NOT_MEASURED, check_text, deciding_check, verdict
 
 
 def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
@@ -88,3 +88,10 @@ def test_a_text_recognizer_leads_with_text_agreement_and_shows_what_each_side_re
     assert ("- `probs` (ctc): text agreement 75.0% (95% CI 60.0–86.0%, n=40); character error rate 3.1%; "
             "step agreement") in markdown
     assert "| line7.png | 0.5 | “总价” | “总” |" in markdown
+
+
+def test_a_figure_just_under_its_threshold_does_not_read_as_the_threshold():
+    check = {"metric": "cosine_mean", "threshold": 1.0, "value": 0.99996, "passed": False, "kind": "minimum"}
+    assert check_text(check) == "`cosine_mean` 0.99996 < 1"
+    assert check_text({**check, "value": 1.0, "passed": True}) == "`cosine_mean` 1 ≥ 1"
+    assert verdict({**report(), "status": "running"}).text == "the run did not finish (killed, or still running)"
