@@ -40,6 +40,10 @@ def test_rknn_demo_config_runs_end_to_end_on_the_simulator(cli, tmp_path):
     assert quantize["backend"] == "rknn" and len(quantize["float16_layers"]["ir_tensors"]) == 5
     metrics = report["evaluation"]["outputs"]["softmax_11.tmp_0"]
     assert metrics["samples"] == 128 and metrics["step_agreement"] > 0.85  # measured 0.935
+    # the model's dictionary (metadata `character`) makes it a CTC text output: lines that read the same
+    assert metrics["kind"] == "ctc" and metrics["text_agreement"] > 0.6  # measured 0.742, CER 2.8%
+    assert {"reference_text", "result_text"} <= set(metrics["worst_samples"][0])
+    assert "**Verdict: met**" in (tmp_path / "run" / "report.md").read_text()
     assert report["evaluation"]["layers"]  # accuracy_analysis parsed
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from qprep.model import info as model_info
+from qprep.evaluate import ctc
 from qprep.evaluate.gate import check_gate
 from qprep.evaluate.latency import interleaved, speedups
 from qprep.evaluate.layers import layer_errors
@@ -53,6 +54,8 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
         actual = result_on(samples)
     kinds = output_kinds(reference, expected, cfg["tasks"])  # decided once: the held-out set is judged the same way
     outputs = measure(samples, expected, actual, kinds, cfg, cfg["labels"], notes)
+    symbols = ctc.dictionary(reference)
+    ctc.spell_worst(outputs, symbols)
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
     heldout = None
     if run.heldout is not None:
@@ -62,6 +65,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
         heldout_notes: list[str] = []
         heldout = measure(run.heldout, heldout_expected, heldout_actual, kinds, cfg, cfg["heldout"]["labels"],
                           heldout_notes)
+        ctc.spell_worst(heldout, symbols)
         result["heldout"] = {"samples": run.heldout.describe(), "outputs": heldout, "notes": heldout_notes}
     if cfg["layers"] and products.analyzer is not None:
         with ctx.progress.step("evaluation: per-layer error (backend analysis)"):
@@ -151,10 +155,13 @@ def output_notes(outputs: dict) -> list[str]:
 def worst_samples(per_sample: dict, files: list[str]) -> dict:
     """The five worst samples by the output's per-sample figure (`worst_by` names it)."""
     higher = per_sample.get("higher_is_better", True)
-    rated = [(v, Path(f).name) for f, v in zip(files, per_sample["values"]) if v is not None]
-    rated.sort(key=lambda pair: (pair[0] if higher else -pair[0], pair[1]))
+    texts = per_sample.get("texts") or [None] * len(files)  # ctc: (reference ids, result ids) per sample
+    rated = [(v, Path(f).name, t) for f, v, t in zip(files, per_sample["values"], texts) if v is not None]
+    rated.sort(key=lambda row: (row[0] if higher else -row[0], row[1]))
     return {"worst_by": per_sample["metric"],
-            "worst_samples": [{"sample": name, "value": value} for value, name in rated[:5]]}
+            "worst_samples": [{"sample": name, "value": value,
+                               **({"reference_ids": list(t[0]), "result_ids": list(t[1])} if t else {})}
+                              for value, name, t in rated[:5]]}
 
 
 def worst_tensors(gate: dict, outputs: dict, layers: list[dict] | None) -> list[str]:

@@ -16,7 +16,8 @@ moves. The rules, first match wins (an `evaluation.tasks` entry names the kind i
    most one axis longer than 1 (a multi-label vector, per-frame probabilities; a 2-D probability map keeps
    its cosine, which means something over many pixels);
 5. `scalar`: one element per sample (any range);
-6. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task).
+6. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task); a `sequence`
+   over the model's character dictionary plus a blank is `ctc` (ctc.py: decoded to text).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import onnx
 
 from qprep.errors import ConfigError
+from qprep.evaluate import ctc
 from qprep.evaluate.metrics import is_integer, output_task
 from qprep.verify import is_numeric
 
@@ -47,6 +49,7 @@ def output_kinds(model: onnx.ModelProto, expected: list[dict], tasks: dict) -> d
     initializers = {t.name for t in model.graph.initializer}
     inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
     kinds = {}
+    symbols = ctc.dictionary(model)
     for name in expected[0]:
         values = [e[name] for e in expected]
         if not all(is_numeric(v) for v in values):
@@ -59,6 +62,10 @@ def output_kinds(model: onnx.ModelProto, expected: list[dict], tasks: dict) -> d
             kinds[name] = (tasks[name], "named in evaluation.tasks")
         else:
             kinds[name] = output_kind(name, values, producers, inputs)
+            if kinds[name][0] == "sequence" and ctc.fits(symbols, values[0].shape[-1]):
+                kinds[name] = ("ctc", f"per-step scores over the model's {len(symbols)}-symbol character dictionary "
+                                      "(metadata `character`) and the CTC blank: decoded to text, rated by text "
+                                      "agreement and character error rate")
     return kinds
 
 

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from qprep.evaluate import ctc
 from qprep.evaluate.rows import compare_rows
 from qprep.verify import cosine, same_nonfinite
 
@@ -28,6 +29,7 @@ from qprep.verify import cosine, same_nonfinite
 OUTPUT_METRICS = {"cosine_mean": True, "cosine_min": True, "sqnr_db": True, "max_abs": False, "mse": False,
                   "mean_abs_error": False, "rel_error": False, "rel_error_max": False,
                   "top1_agreement": True, "top5_agreement": True, "step_agreement": True, "element_agreement": True,
+                  "text_agreement": True, "char_error_rate": False,
                   "decision_agreement": True, "set_agreement": True, "match_rate": True, "mean_iou": True,
                   "score_abs_error": False, "top1_accuracy": True}
 # Run-level numbers `compare` shows beside them (batch summaries: agreement, speedup).
@@ -36,6 +38,7 @@ RUN_METRICS = {"reference_top1_accuracy": True, "agreement": True, "speedup": Tr
 
 # kind → the metrics that judge it, main one first
 JUDGED_BY = {"classification": ("cosine_mean", "top1_agreement"), "sequence": ("cosine_mean", "step_agreement"),
+             "ctc": ("cosine_mean", "text_agreement", "char_error_rate"),
              "tensor": ("cosine_mean",), "state": ("rel_error", "rel_error_max"),
              "probability": ("decision_agreement", "mean_abs_error"), "scalar": ("rel_error", "mean_abs_error"),
              "integer": ("element_agreement",), "boxes": ("match_rate", "mean_iou", "score_abs_error"),
@@ -44,9 +47,9 @@ KINDS = tuple(JUDGED_BY)
 
 
 def main_agreement(metrics: dict) -> str | None:
-    """The agreement figure an output reports ("top1", "step", "element", "decision"; None for plain tensors):
-    the one reports and summaries show beside its cosine."""
-    return next((prefix for prefix in ("top1", "step", "element", "decision")
+    """The agreement figure an output reports ("top1", "text", "step", "element", "decision"; None for plain
+    tensors): the one reports and summaries show beside its cosine."""
+    return next((prefix for prefix in ("top1", "text", "step", "element", "decision")
                  if f"{prefix}_agreement" in metrics), None)
 
 
@@ -94,6 +97,9 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], kind: 
             metrics = _cosine_metrics(usable, kind)
         per_sample = iter(metrics.pop("per_sample_values", []))
         metrics["per_sample"]["values"] = [None if p is None else next(per_sample, None) for p in pairs]
+        if "texts" in metrics["per_sample"]:  # ctc: the decoded texts, aligned with the samples the same way
+            texts = iter(metrics["per_sample"]["texts"])
+            metrics["per_sample"]["texts"] = [None if p is None else next(texts, None) for p in pairs]
         if changed:
             metrics["shape_changed"] = changed
         if len(usable) < len(pairs):
@@ -157,11 +163,16 @@ def _cosine_metrics(pairs: list, kind: str) -> dict:
     values = cosines
     scores = [(_ranked(a), _ranked(b)) for a, b in pairs if a.size]  # argmax sees -inf masks, never NaN
     if kind == "classification" and scores:
-        metrics.update(_agreement("top1", _topk_hits(*zip(*scores), 1)))
+        metrics.update(_agreement("top1", [_topk_hits(a, b, 1) for a, b in scores]))
         if scores[0][0].shape[-1] >= 10:
-            metrics.update(_agreement("top5", _topk_hits(*zip(*scores), 5)))
-    elif kind == "sequence" and scores:
-        metrics.update(_agreement("step", np.concatenate([(a.argmax(-1) == b.argmax(-1)).ravel() for a, b in scores])))
+            metrics.update(_agreement("top5", [_topk_hits(a, b, 5) for a, b in scores]))
+    elif kind in ("sequence", "ctc") and scores:
+        metrics.update(_agreement("step", [(a.argmax(-1) == b.argmax(-1)).ravel() for a, b in scores]))
+        if kind == "ctc":  # ctc.py: the text each side reads
+            texts = ctc.text_metrics(*zip(*scores))
+            metrics.update(_agreement("text", texts["same"]), char_error_rate=texts["char_error_rate"])
+            per_sample = {"metric": "character error rate", "higher_is_better": False, "texts": texts["texts"]}
+            values = texts["per_sample_rates"]
     elif kind == "state":
         values = [math.inf if bad else relative_error(a, b) for a, b, bad in zip(ref, res, broken)]
         metrics.update(rel_error=float(np.mean(values)), rel_error_max=float(np.max(values)),
@@ -182,8 +193,7 @@ def _values_metrics(pairs: list, kind: str, threshold: float) -> dict:
     per_sample = [math.inf if bad else float(np.max(np.abs(a - b), initial=0.0))
                   for a, b, bad in zip(ref, res, broken)]
     if kind == "probability":
-        hits = np.concatenate([((a >= threshold) == (b >= threshold)).ravel() & (not bad)
-                               for a, b, bad in zip(ref, res, broken)])
+        hits = [((a >= threshold) == (b >= threshold)).ravel() & (not bad) for a, b, bad in zip(ref, res, broken)]
         metrics.update(_agreement("decision", hits), decision_threshold=threshold,
                        score=1.0 - min(1.0, metrics["mean_abs_error"]))
     else:
@@ -196,9 +206,9 @@ def _values_metrics(pairs: list, kind: str, threshold: float) -> dict:
 def _integer_metrics(pairs: list) -> dict:
     """Ids, labels, counts: the share of equal elements (a cosine over ids says little)."""
     hits = [(a == b).ravel() for a, b in pairs]
-    metrics = {"samples": len(pairs), **_agreement("element", np.concatenate(hits)),
+    metrics = {"samples": len(pairs), **_agreement("element", hits),
                "max_abs": max((float(np.max(np.abs(a - b))) for a, b in pairs if a.size), default=0.0)}
-    metrics["score"] = metrics["element_agreement"] if hits and np.concatenate(hits).size else None
+    metrics["score"] = metrics["element_agreement"]
     return {**metrics, "per_sample": {"metric": "element agreement", "higher_is_better": True},
             "per_sample_values": [float(h.mean()) if h.size else 1.0 for h in hits]}
 
@@ -243,26 +253,29 @@ def sqnr_db(reference: list[np.ndarray], result: list[np.ndarray]) -> float | No
     return 10 * math.log10(max(signal, 1e-300) / noise)
 
 
-def _topk_hits(ref: list[np.ndarray], res: list[np.ndarray], k: int) -> np.ndarray:
-    """Per row: is the reference's top-1 class among the result's top-k?"""
-    hits = []
-    for a, b in zip(ref, res):
-        a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-        top = np.argsort(-b2, axis=-1)[:, :k]
-        hits.extend((top == a2.argmax(-1)[:, None]).any(-1))
-    return np.asarray(hits)
+def _topk_hits(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    """Per row of one sample: is the reference's top-1 class among the result's top-k?"""
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    top = np.argsort(-b2, axis=-1)[:, :k]
+    return (top == a2.argmax(-1)[:, None]).any(-1)
 
 
-def _agreement(prefix: str, hits: np.ndarray) -> dict:
-    """The share of hits with its 95% interval and count; None (not measured) when there is no hit to count."""
-    rate = float(hits.mean()) if hits.size else None
-    low, high = wilson_interval(int(hits.sum()), int(hits.size))
-    return {f"{prefix}_agreement": rate, f"{prefix}_agreement_ci95": [low, high], f"{prefix}_count": int(hits.size)}
+def _agreement(prefix: str, hits: list[np.ndarray]) -> dict:
+    """The agreement of one sample set from each sample's hits (its rows, steps, pixels or elements).
+
+    The samples are the independent draws, not their steps: the 40 steps of one text line or the pixels of
+    one image err together. So the figure is the mean over samples of each sample's share of hits, and its
+    95% interval is the Wilson interval of that share with n = samples (each sample one observation; wider
+    than counting steps, and honest at 100%). None (not measured) when no sample has a hit to count."""
+    shares = [float(h.mean()) for h in hits if h.size]
+    rate = float(np.mean(shares)) if shares else None
+    low, high = wilson_interval(sum(shares), len(shares))
+    return {f"{prefix}_agreement": rate, f"{prefix}_agreement_ci95": [low, high], f"{prefix}_count": len(shares)}
 
 
-def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float | None, float | None]:
+def wilson_interval(successes: float, total: int, z: float = 1.96) -> tuple[float | None, float | None]:
     """95% Wilson score interval: honest at 100% agreement on few samples, unlike the normal approximation;
-    (None, None) with no samples."""
+    (None, None) with no samples. `successes` may be fractional (a sum of per-sample shares)."""
     if total == 0:
         return None, None
     p = successes / total

@@ -1,16 +1,19 @@
 """What a report says, once: report.json → a list of blocks that report.md and report.html both render.
 
-Order is what a person asks first: did it work, what did it cost in accuracy and speed (evaluation), what each
-stage changed, what came out. Inline markup in texts and cells is Markdown's `**bold**` and `` `code` ``; the
-HTML renderer translates it.
+Order is what a person asks first: is the result good enough (the verdict, verdict.py) and what that means for
+the task, what could make those figures mislead (warnings), then what it cost in accuracy and speed
+(evaluation), what each stage changed and decided, what came out. Inline markup in texts and cells is
+Markdown's `**bold**` and `` `code` ``; the HTML renderer translates it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from qprep.evaluate.metrics import main_agreement
+from qprep.report.decisions import decision_lines, files_lines
 from qprep.report.fallback import fallback_tables
+from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, worst_first
+from qprep.report.verdict import INTERVAL_NOTE, agreement_text, distinct, num, task_lines, verdict
 
 
 @dataclass
@@ -38,41 +41,41 @@ class Table:
 
 
 @dataclass
-class Chart:
-    """Horizontal bars (HTML only; Markdown points at the table beside it)."""
+class LayerChart:
+    """Every tensor's error (layer_chart.py; HTML only, Markdown has the table of the worst beside it)."""
 
-    title: str
-    rows: list[tuple[str, float]] = field(default_factory=list)
-    unit: str = ""
+    layers: list[dict]
 
 
 def build(report: dict) -> list:
     model = report.get("model", {})
-    blocks: list = [Heading(1, f"qprep report: {model.get('path', '?')}"), Bullets([
+    blocks: list = [Heading(1, f"qprep report: {model.get('path', '?')}"), verdict(report)]
+    tasks = task_lines(report.get("evaluation"))
+    if tasks:
+        blocks += [Bullets(tasks), Text(INTERVAL_NOTE)]
+    if report.get("warnings"):  # on the first screen: each one can make the figures mean less than they seem to
+        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
+    blocks.append(Bullets([
         f"status: **{report.get('status')}**" + (f" — {report['error']}" if report.get("error") else ""),
         f"input model: {model.get('kind', '?')}, {model.get('nodes', '?')} nodes, opsets {model.get('opsets', {})}",
-        f"run time: {report.get('seconds', 0):.1f} s"] + _not_measured(report))]
-    if report.get("warnings"):  # first: each one can make the figures below mean less than they seem to
-        blocks += [Heading(2, "Warnings"), Bullets(list(report["warnings"]))]
+        f"run time: {report.get('seconds', 0):.1f} s"]))
     calibration = report.get("calibration")
     if calibration:
         blocks.append(Text(f"Calibration data: {calibration['count']} samples ({calibration['format']}) from "
                            f"`{calibration['source']}`"))
     blocks += _evaluation(report.get("evaluation"))
+    decisions = [line for stage in report.get("stages", []) for line in decision_lines(stage)]
+    if decisions:
+        blocks += [Heading(2, "Decisions"), Bullets(decisions)]
+    files = files_lines(report)
+    if files:
+        blocks += [Heading(2, "Files"), Bullets(files)]
     blocks += _stages(report.get("stages", []))
     blocks += _result(report.get("result"), model)
     if report.get("float_set"):
         blocks += [Heading(2, f"Kept float ({len(report['float_set'])} nodes)"),
                    Text(", ".join(f"`{n}`" for n in report["float_set"]))]
     return blocks
-
-
-def _not_measured(report: dict) -> list[str]:
-    """A finished run without an evaluation says so: `ok` there means it ran, not that it is accurate."""
-    if report.get("evaluation") or report.get("status") not in ("ok", "gate missed"):
-        return []
-    return ["accuracy: **not measured** — the config has no `evaluation:` section, so nothing compared the "
-            "result with the float model"]
 
 
 def _evaluation(evaluation: dict | None) -> list:
@@ -96,7 +99,7 @@ def _evaluation(evaluation: dict | None) -> list:
         judged = " (judged on the held-out samples)" if gate.get("judged_on") == "heldout" else ""
         blocks.append(Table(["metric", "value", "needs", "result"], [
             [c["metric"] + (f" (for {c['stands_for']})" if c.get("stands_for") else ""),
-             "not measured" if c["value"] is None else f"{c['value']:.4g}",
+             "not measured" if c["value"] is None else distinct(c["value"], c["threshold"]),
              f"{'≤' if c.get('kind') == 'maximum' else '≥'} {c['threshold']:.4g}",
              "ok" if c["passed"] else "**missed**"] for c in gate["checks"]],
             title=f"{kind} {'passed' if gate['passed'] else '**missed**'}{judged}"))
@@ -117,19 +120,28 @@ def _evaluation(evaluation: dict | None) -> list:
     blocks += _layers(evaluation.get("layers"))
     for name, m in evaluation["outputs"].items():
         rows = m.get("worst_samples", [])
-        if rows:
+        if rows and "reference_text" in rows[0]:  # ctc: what each side reads
+            blocks.append(Table(["sample", m.get("worst_by", "?"), "FP32 reads", "result reads"],
+                                [[r["sample"], f"{_value(r):.3g}", _quoted(r["reference_text"]),
+                                  _quoted(r["result_text"])] for r in rows], title=f"Worst samples for {name}"))
+        elif rows:
             blocks.append(Text(f"Worst samples for {name} ({m.get('worst_by', 'cosine')}): "
                                + ", ".join(f"{r['sample']} ({_value(r):.4g})" for r in rows)))
     return blocks
+
+
+def _quoted(text: str) -> str:
+    """A decoded text as a cell, quoted so that spaces and an empty text stay visible."""
+    return f"“{text}”"
 
 
 def _outputs(outputs: dict, why: bool = True) -> list:
     """The per-output table of one sample set (each output's kind and the figures that judge it), why each
     kind was chosen, and task accuracy where labels were given."""
     blocks: list = [Table(["output", "kind", "judged by", "cosine mean", "cosine min", "SQNR dB", "max abs"],
-                          [[name, m.get("kind", "tensor"), judged_text(m), _num(m.get("cosine_mean"), ".5f"),
-                            _num(m.get("cosine_min"), ".5f"), _num(m.get("sqnr_db"), ".1f"),
-                            _num(m.get("max_abs"), ".3g")] for name, m in outputs.items()])]
+                          [[name, m.get("kind", "tensor"), judged_text(m), num(m.get("cosine_mean"), ".5f"),
+                            num(m.get("cosine_min"), ".5f"), num(m.get("sqnr_db"), ".1f"),
+                            num(m.get("max_abs"), ".3g")] for name, m in outputs.items()])]
     if why and any("why" in m for m in outputs.values()):
         blocks.append(Bullets([f"`{name}` is judged as **{m['kind']}**: {m['why']}"
                                for name, m in outputs.items() if "why" in m]))
@@ -153,16 +165,15 @@ def _round_range(latency: dict) -> str:
 def _layers(layers: list[dict] | None) -> list:
     if not layers:
         return []
-    in_order = sorted(layers, key=lambda r: r["order"])[:80]
-    if all(r.get("sqnr_db") is not None for r in in_order):
-        chart = Chart("SQNR (dB) per tensor, in graph order", [(r["tensor"], r["sqnr_db"]) for r in in_order], " dB")
-    else:  # backends that report cosine only (RKNN accuracy_analysis): 100 × cosine, so 99.x reads easily
-        chart = Chart("accumulated cosine × 100 per tensor, in graph order",
-                      [(r["tensor"], 100 * r["cosine_mean"]) for r in in_order])
-    return [Heading(3, "Per-layer error"), chart, Table(
-        ["tensor", "op", "cosine (accumulated)", "cosine (this layer alone)", "SQNR dB"],
-        [[f"`{r['tensor']}`", r["op_type"], f"{r['cosine_mean']:.5f}", _num(r.get("single_cosine"), ".5f"),
-          _num(r.get("sqnr_db"), ".1f")] for r in layers[:15]], title="Worst layers (accumulated error, worst first)")]
+    counts = band_counts(layers)
+    worst = worst_first(layers)[:15]
+    return [Heading(3, "Per-layer error"), LayerChart(layers),
+            Text(f"{len(layers)} tensors: **{counts['red']} red**, {counts['amber']} amber, {counts['green']} green "
+                 f"({THRESHOLDS_NOTE})."),
+            Table(["tensor", "op", "1 − cosine", "cosine (accumulated)", "cosine (this layer alone)", "SQNR dB"],
+                  [[f"`{r['tensor']}`", r.get("op_type", "?"), f"{band(layer_error(r))} {layer_error(r):.2g}",
+                    num(r.get("cosine_mean"), ".5f"), num(r.get("single_cosine"), ".5f"), num(r.get("sqnr_db"), ".1f")]
+                   for r in worst], title=f"Worst {len(worst)} tensors (accumulated error, worst first)")]
 
 
 def _stages(stages: list[dict]) -> list:
@@ -181,40 +192,16 @@ def _stages(stages: list[dict]) -> list:
     for s in stages:
         blocks += _passes(s)
         view = fallback_tables(s)
-        if view is not None:
-            verdict, tables = view
-            blocks += [Heading(3, f"{s['name']}: accuracy-driven fallback"), Text(verdict)]
-            blocks += [Table(header, table_rows, title=title) for title, header, table_rows in tables]
-        blocks += _decisions(s)
+        if view is not None:  # its verdict line is under Decisions
+            blocks.append(Heading(3, f"{s['name']}: accuracy-driven fallback"))
+            blocks += [Table(header, table_rows, title=title) for title, header, table_rows in view[1]]
         against = (s.get("effect") or {}).get("against_fp32")
         for output, values in (against or {}).get("outputs", {}).items():
             blocks.append(Text(f"{s['name']}: cosine of `{output}` against the FP32 model "
-                               f"{_num(values['cosine_mean_before'], '.4f', 'not measured')} before → "
-                               f"{_num(values['cosine_mean_after'], '.4f', 'not measured')} after "
+                               f"{num(values['cosine_mean_before'], '.4f', 'not measured')} before → "
+                               f"{num(values['cosine_mean_after'], '.4f', 'not measured')} after "
                                f"({against['samples']} samples)."))
     return blocks
-
-
-def _decisions(stage: dict) -> list:
-    """The quantizer's measured choices (GPTQ rounding, bias correction), each with the figure that decided it."""
-    blocks = []
-    rounding = stage.get("weight_rounding") or {}
-    measured = rounding.get("calibration_sqnr_db")
-    if isinstance(measured, dict) and "nearest" in measured:
-        verdict = "kept" if rounding.get("kept") else rounding.get("reason", "not kept")
-        blocks.append(Text(f"{stage['name']}: GPTQ weight rounding on {rounding.get('layers', '?')} layers: "
-                           f"calibration output SQNR {_db(measured['nearest'])} → {_db(measured['gptq'])} — {verdict}."))
-    bias = stage.get("bias_correction") or {}
-    measured = bias.get("calibration_sqnr_db")
-    if isinstance(measured, dict):
-        verdict = "kept" if bias.get("kept") else bias.get("reason", "left out")
-        blocks.append(Text(f"{stage['name']}: bias correction: calibration output SQNR {_db(measured['before'])} → "
-                           f"{_db(measured['after'])} — {verdict}."))
-    return blocks
-
-
-def _db(value) -> str:
-    return "not measured" if value is None else f"{value:.2f} dB"
 
 
 def _passes(stage: dict) -> list:
@@ -258,17 +245,6 @@ def _result(result: dict | None, model: dict) -> list:
     return blocks
 
 
-def agreement_text(m: dict, prefix: str | None = None) -> str:
-    prefix = prefix or main_agreement(m)
-    if prefix is None:
-        return "–"
-    if m.get(f"{prefix}_agreement") is None:
-        return f"{prefix} agreement not measured"
-    low, high = m[f"{prefix}_agreement_ci95"]
-    return (f"{prefix} {100 * m[f'{prefix}_agreement']:.1f}% ({100 * low:.1f}–{100 * high:.1f}%, "
-            f"n={m[f'{prefix}_count']})")
-
-
 def judged_text(m: dict) -> str:
     """The figures that judge an output (metrics.JUDGED_BY), agreements with their 95% interval."""
     if m.get("not_measured"):
@@ -278,13 +254,9 @@ def judged_text(m: dict) -> str:
         if metric.endswith("_agreement"):
             parts.append(agreement_text(m, metric[: -len("_agreement")]))
         else:
-            parts.append(f"{metric} " + _num(m.get(metric), ".5f" if metric.startswith("cosine") else ".4g",
+            parts.append(f"{metric} " + num(m.get(metric), ".5f" if metric.startswith("cosine") else ".4g",
                                              "not measured"))
     return "; ".join(parts)
-
-
-def _num(value, spec: str, missing: str = "–") -> str:
-    return missing if value is None else format(value, spec)
 
 
 def _value(row: dict) -> float:

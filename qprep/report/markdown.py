@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from qprep.report.document import Bullets, Chart, Heading, Table, Text, build
+from qprep.report.document import Bullets, Heading, LayerChart, Table, Text, build
+from qprep.report.verdict import Verdict
 
 
 def render_markdown(report: dict) -> str:
     lines: list[str] = []
     for block in build(report):
-        if isinstance(block, Heading):
+        if isinstance(block, Verdict):
+            lines += [f"**Verdict: {block.state}** — {block.text}", ""]
+        elif isinstance(block, Heading):
             lines += ["#" * block.level + " " + block.text, ""]
         elif isinstance(block, Text):
             lines += [("> " if block.note else "") + block.text, ""]
@@ -19,8 +22,8 @@ def render_markdown(report: dict) -> str:
                 lines += [f"{block.title}:", ""]
             lines += ["| " + " | ".join(block.header) + " |", "|" + "---|" * len(block.header)]
             lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in block.rows] + [""]
-        elif isinstance(block, Chart):
-            lines += [f"({block.title}: plotted in report.html)", ""]
+        elif isinstance(block, LayerChart):
+            lines += ["(every tensor is plotted in report.html)", ""]
     return "\n".join(lines)
 
 

@@ -99,7 +99,23 @@ def test_output_task_guess_and_sequence_agreement():
     ref = [np.array([[[0.9, 0.1], [0.2, 0.8]]])]
     res = [np.array([[[0.6, 0.4], [0.7, 0.3]]])]
     metrics = compare_output(ref, res, "sequence")
-    assert metrics["step_agreement"] == 0.5 and metrics["step_count"] == 2
+    assert metrics["step_agreement"] == 0.5 and metrics["step_count"] == 1  # one sample, two steps
+
+
+def test_agreement_interval_counts_samples_not_steps():
+    """40 steps of 128 text lines are 128 observations: the interval must be as wide as 128 samples give,
+    not as narrow as 5120 independent steps would (the demo's 95.9–96.9% was that mistake)."""
+    rng = np.random.default_rng(0)
+    ref = [rng.random((1, 40, 5)) for _ in range(128)]
+    res = [r.copy() for r in ref]
+    for r in res[:18]:  # 18 lines lose 10 of their 40 steps: 96.5% of the steps agree
+        r[0, :10] = -r[0, :10]
+    metrics = compare_output(ref, res, "sequence")
+    low, high = metrics["step_agreement_ci95"]
+    assert metrics["step_count"] == 128
+    assert metrics["step_agreement"] == pytest.approx(1 - 18 * 10 / (128 * 40))
+    assert low < metrics["step_agreement"] < high
+    assert high - low > 0.04  # 5120 independent steps would give ~0.01
 
 
 def test_speed_ratio_keeps_its_rounds_and_flags_a_machine_that_changed_speed():
@@ -139,8 +155,8 @@ def test_integer_outputs_are_rated_by_element_agreement_not_argmax():
     metrics = compare_output(ids, changed, "integer")
     assert metrics["element_agreement"] == 7 / 8 and "top1_agreement" not in metrics and "cosine_mean" not in metrics
     assert metrics["judged_by"] == ["element_agreement"]
-    from qprep.report.document import agreement_text
-    assert agreement_text(metrics).startswith("element 87.5% (")
+    from qprep.report.verdict import agreement_text
+    assert agreement_text(metrics, "element").startswith("element agreement 87.5% (95% CI")
     assert check_gate({"element_agreement": 0.9}, {"ids": metrics})["passed"] is False
     cosine_gate = check_gate({"cosine_mean": 0.8}, {"ids": metrics})  # held to its agreement instead
     assert [(c["metric"], c["value"], c["passed"]) for c in cosine_gate["checks"]] == [("ids.element_agreement", 7 / 8, True)]

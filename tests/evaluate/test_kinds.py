@@ -210,7 +210,7 @@ def test_a_run_without_evaluation_says_that_nothing_was_measured(tmp_path, cli):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({"model": "m.onnx", "output_dir": "out", "pipeline": []}))
     code, out, _ = cli("run", tmp_path / "c.yaml")
     assert code == 0 and "accuracy not measured" in out
-    assert "accuracy: **not measured**" in (tmp_path / "out" / "report.md").read_text()
+    assert "**Verdict: not measured** — the config has no `evaluation:`" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_floor_values_are_checked_like_gate_metrics():

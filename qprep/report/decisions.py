@@ -1,0 +1,137 @@
+"""What the quantize stage decided, one line per decision with the figure that decided it, and the files a run
+leaves for deployment with how to run them: both were only in report.json and the log.
+
+Decisions: the range method (and the one the fallback measured and kept), GPTQ weight rounding (calibration
+SQNR before → after, kept or not), bias correction, the accuracy-driven fallback (target, float nodes,
+seconds, steps the time budget skipped), the nodes kept float (asked for, NaN/Inf ranges, ORT failures) and
+what was done to fit the backend (opset conversion, float16 clipping of masks).
+"""
+
+from __future__ import annotations
+
+from qprep.report.fallback import fallback_tables
+
+
+def decision_lines(stage: dict) -> list[str]:
+    """The decisions of one quantize stage record (empty for other stages)."""
+    if stage.get("name") != "quantize" or stage.get("status") != "ok":
+        return []
+    return [line for line in (_ranges(stage), _rounding(stage), _bias(stage), _fallback(stage), _float_nodes(stage),
+                              *_fitting(stage)) if line]
+
+
+def _ranges(stage: dict) -> str:
+    config = stage.get("config") or {}
+    if stage.get("backend") == "rknn":
+        text = (f"ranges: RKNN `{config.get('quantized_algorithm', '?')}` algorithm, "
+                f"{config.get('quantized_dtype', '?')}, per-{config.get('quantized_method', '?')} weights")
+    elif stage.get("calibrate_method"):
+        text = f"ranges: `{stage['calibrate_method']}` calibration"
+    else:
+        return ""
+    text += f" on {stage['calibration_samples']} calibration samples" if stage.get("calibration_samples") else ""
+    measured = ((stage.get("fallback") or {}).get("ranges") or {})
+    if len(measured.get("scores", {})) > 1:  # the fallback's line gives the scores
+        text += f" (chosen by the fallback; configured: {measured.get('configured', '?')})"
+    return text
+
+
+def _rounding(stage: dict) -> str:
+    rounding = stage.get("weight_rounding") or {}
+    if not rounding:
+        return ""
+    if rounding.get("method") != "gptq":
+        return f"weight rounding: {rounding.get('method', '?')} (GPTQ off)"
+    layers = f" on {rounding['layers']} layers" if "layers" in rounding else ""
+    measured = rounding.get("calibration_sqnr_db")
+    if isinstance(measured, dict) and "nearest" in measured:
+        verdict = "**kept**" if rounding.get("kept") else f"**not kept** ({rounding.get('reason', 'no gain')})"
+        return (f"GPTQ weight rounding{layers}: calibration output SQNR {_db(measured['nearest'])} (nearest) → "
+                f"{_db(measured['gptq'])} (GPTQ) — {verdict}")
+    if rounding.get("kept") is False:
+        return f"GPTQ weight rounding: **not applied** ({rounding.get('reason', '?')})"
+    seconds = f", {rounding['seconds']:.1f} s" if "seconds" in rounding else ""
+    return f"GPTQ weight rounding{layers} (on the toolkit's weight grid{seconds}): applied"
+
+
+def _bias(stage: dict) -> str:
+    bias = stage.get("bias_correction") or {}
+    if not bias:
+        return ""
+    measured = bias.get("calibration_sqnr_db")
+    verdict = "**kept**" if bias.get("kept") else f"**left out** ({bias.get('reason', 'no gain')})"
+    if isinstance(measured, dict):
+        return (f"bias correction on {bias.get('layers', '?')} layers: calibration output SQNR "
+                f"{_db(measured['before'])} → {_db(measured['after'])} — {verdict}")
+    return f"bias correction: {verdict}"
+
+
+def _fallback(stage: dict) -> str:
+    view = fallback_tables(stage)
+    if view is None:
+        return ""
+    skipped = ((stage["fallback"].get("budget") or {}).get("skipped")) or []
+    budget = f" Skipped for lack of time (time_budget_s): {'; '.join(skipped)}." if skipped else ""
+    return f"accuracy-driven fallback: {view[0]}{budget} (trials: the Stages section)"
+
+
+def _float_nodes(stage: dict) -> str:
+    """How many nodes stayed float and why: asked for (keep_float, nodes_to_exclude, the fallback), NaN/Inf or
+    huge ranges no int8/float16 grid holds, nodes ORT's quantizer fails on."""
+    count = len(stage["excluded_nodes"]) if "excluded_nodes" in stage else stage.get("float_set_size")
+    parts = [f"{count} node(s) kept float"] if count else []
+    nodes = ((stage.get("nonfinite") or {}).get("nodes")) or {}
+    if nodes:
+        first = next(iter(nodes.items()))
+        parts.append(f"{len(nodes)} of them for NaN/Inf or out-of-range values (e.g. `{first[0]}`: {first[1]})")
+    failed = stage.get("unquantizable") or []
+    if failed:
+        parts.append(f"{len(failed)} that ONNX Runtime's quantizer fails on (e.g. `{failed[0]['node']}`: "
+                     f"{failed[0]['reason']})")
+    unmatched = stage.get("float_set_unmatched") or []
+    if unmatched:
+        parts.append(f"{len(unmatched)} asked-for node(s) no longer in the model (run keep_float after optimize)")
+    return "float nodes: " + "; ".join(parts) if parts else ""
+
+
+def _fitting(stage: dict) -> list[str]:
+    lines = []
+    converted = stage.get("opset_converted")
+    if converted:
+        lines.append(f"opset converted {converted['from']} → {converted['to']} for the backend (verified on "
+                     f"{converted.get('verified_on', '?')} samples)")
+    clip = ((stage.get("nonfinite") or {}).get("float16_clip")) or {}
+    if clip:
+        done = "clipped" if clip.get("clipped") else f"left as they are ({clip.get('reason', '?')})"
+        lines.append(f"{len(clip.get('constants', []))} constant(s) beyond float16 (masks) {done} to "
+                     f"±{clip.get('bound', '?'):g}")
+    return lines
+
+
+def _db(value) -> str:
+    return "not measured" if value is None else f"{value:.2f} dB"
+
+
+def files_lines(report: dict) -> list[str]:
+    """The deployable files of the run directory, what each is for, and the one command that runs them."""
+    result = report.get("result") or {}
+    if not result:
+        return []
+    artifacts = result.get("artifacts") or []
+    deployable = result.get("deployable")
+    lines = []
+    if "model.rknn" in artifacts or (deployable or {}).get("path") == "model.rknn":
+        lines += ["`model.rknn`: the NPU model to deploy (`model.onnx` beside it is the prepared float model it was "
+                  "built from)",
+                  "`input_contract.json`: what to feed — input names, shapes, channel order; the NPU applies the "
+                  "mean/std itself, so feed raw uint8 pixels (NHWC)" if "input_contract.json" in artifacts else "",
+                  "`run_on_board.py`: an example runner; on the board: `pip install rknn-toolkit-lite2`, copy the "
+                  "three files, then `python3 run_on_board.py image.png`" if "run_on_board.py" in artifacts else ""]
+    else:
+        path = result.get("path", "model.onnx")
+        lines.append(f"`{path}`: the {result.get('kind', '?')} model to deploy with ONNX Runtime "
+                     f"(`onnxruntime.InferenceSession('{path}')`); feed inputs preprocessed as the calibration data "
+                     f"was (`qprep inspect {path}` lists the inputs it takes)")
+    lines.append("`report.json` (every figure of this report), `manifest.json` (input hashes, resolved config, "
+                 "versions), `qprep.log`")
+    return [line for line in lines if line]

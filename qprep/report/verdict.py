@@ -1,0 +1,151 @@
+"""The line a report opens with: is the result good enough (met / missed / not measured), by which figure, on
+which samples; then the task figure a user reads per output (agreement, accuracy), before any table.
+
+Why: "status: ok" next to "cosine 0.97258" says the run finished, not whether the result is usable. The
+verdict holds the result to the gate (evaluation.gate and quantize.fallback's target) or, with no gate, to
+the accuracy floor (evaluation.floor, which only catches a collapse), on the set the gate judged: the
+held-out samples when evaluation.heldout is set. The figure named is the one that decided: the worst miss,
+or when every check passed the one closest to its threshold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MET, MISSED, NOT_MEASURED = "met", "missed", "not measured"
+INTERVAL_NOTE = ("95% intervals count samples, not steps or pixels: each sample's share of agreeing rows, steps "
+                 "or elements is one observation (Wilson interval, n = samples).")
+
+
+@dataclass
+class Verdict:
+    state: str  # MET, MISSED or NOT_MEASURED
+    text: str  # Markdown inline: what the result was held to, the deciding figure, the samples
+
+
+def verdict(report: dict) -> Verdict:
+    evaluation = report.get("evaluation") or {}
+    status = report.get("status")
+    if status == "running":  # report.json as a stage began: the run was killed, or still goes on
+        return Verdict(NOT_MEASURED, "the run did not finish (killed, or still running)")
+    if status in ("failed", "interrupted"):
+        return Verdict(NOT_MEASURED, f"the run {status}" + (f": {report['error']}" if report.get("error") else ""))
+    if not evaluation:
+        return Verdict(NOT_MEASURED, "the config has no `evaluation:` section, so nothing compared the result with "
+                                     "the float model; add one (evaluation samples and a gate) to get a verdict")
+    gate = evaluation.get("gate")
+    if not gate:
+        return Verdict(NOT_MEASURED, "no gate is set and the floor is off (`evaluation.floor: none`): set "
+                                     "`evaluation.gate` (e.g. `cosine_mean: 0.99`) to have the result judged")
+    if not gate.get("checks"):
+        return Verdict(NOT_MEASURED, f"no output reports a metric of the {_against(gate)} "
+                                     f"({sample_set(evaluation)})")
+    check = deciding_check(gate["checks"])
+    state = MET if gate["passed"] else MISSED
+    hint = ("; the floor only catches a collapse: set `evaluation.gate` to your own bar"
+            if gate.get("source") == "floor" and state == MET else "")
+    return Verdict(state, f"{_against(gate)}: {check_text(check)}, on {sample_set(evaluation)}{hint}")
+
+
+def deciding_check(checks: list[dict]) -> dict:
+    """The check that decided the verdict: the worst miss (an unmeasured figure first), else the passed check
+    with the smallest margin relative to its threshold."""
+    return min(checks, key=lambda c: (c["passed"], _margin(c)))
+
+
+def _margin(check: dict) -> float:
+    if check["value"] is None or check["value"] != check["value"]:  # not measured, NaN
+        return float("-inf")
+    over = check["value"] - check["threshold"]
+    if check.get("kind") == "maximum":
+        over = -over
+    return over / max(abs(check["threshold"]), 1e-12)
+
+
+def check_text(check: dict) -> str:
+    """'`metric` of `output` value ≥ threshold' (and the cosine key it stands for)."""
+    output, _, metric = check["metric"].rpartition(".")
+    output = output or check.get("worst_output")
+    value = "not measured" if check["value"] is None else distinct(check["value"], check["threshold"])
+    sign = ("≤" if check.get("kind") == "maximum" else "≥") if check["passed"] else (
+        ">" if check.get("kind") == "maximum" else "<")
+    if check["value"] is None:
+        sign = "needs ≤" if check.get("kind") == "maximum" else "needs ≥"
+    stands = f" (for {check['stands_for']})" if check.get("stands_for") else ""
+    where = f" of `{output}`" if output else ""
+    return f"`{metric}`{where} {value} {sign} {check['threshold']:.4g}{stands}"
+
+
+def distinct(value: float, threshold: float) -> str:
+    """`value` with enough digits that it does not read as the threshold (0.99996 against 1: not "1")."""
+    for digits in range(4, 10):
+        text = f"{value:.{digits}g}"
+        if value == threshold or text != f"{threshold:.{digits}g}":
+            return text
+    return text
+
+
+def _against(gate: dict) -> str:
+    return "accuracy floor (no gate set)" if gate.get("source") == "floor" else "gate"
+
+
+def sample_set(evaluation: dict) -> str:
+    """'128 held-out samples (`path`)': the set the gate judged."""
+    heldout = evaluation.get("gate", {}).get("judged_on") == "heldout" and evaluation.get("heldout")
+    samples = (evaluation["heldout"] if heldout else evaluation)["samples"]
+    return f"{samples['count']} {'held-out' if heldout else 'evaluation'} samples (`{samples.get('source', '?')}`)"
+
+
+def judged_outputs(evaluation: dict) -> dict:
+    """The outputs of the set the verdict speaks for: held-out when measured, else evaluation."""
+    return ((evaluation.get("heldout") or {}).get("outputs") or evaluation.get("outputs") or {})
+
+
+def task_lines(evaluation: dict | None) -> list[str]:
+    """Per output, the figure a user of the task reads: agreement of the decisions the output drives (top-1
+    and top-5 class, per-step symbol, decision at the threshold, ids, boxes), accuracy against labels, and
+    for plain tensors their similarity."""
+    if not evaluation:
+        return []
+    return [f"`{name}` ({m.get('kind', 'tensor')}): {task_text(m)}" for name, m in judged_outputs(evaluation).items()]
+
+
+def task_text(m: dict) -> str:
+    if m.get("not_measured"):
+        return f"not measured ({m['not_measured']})"
+    kind = m.get("kind", "tensor")
+    parts = [agreement_text(m, prefix) for prefix in ("top1", "top5", "text", "step", "decision", "element")
+             if f"{prefix}_agreement" in m]
+    if "char_error_rate" in m:
+        parts.insert(1, f"character error rate {_pct(m['char_error_rate'])}")
+    if "top1_accuracy" in m:
+        parts.append(f"accuracy against labels: FP32 {100 * m['reference_top1_accuracy']:.1f}% → result "
+                     f"{100 * m['top1_accuracy']:.1f}% ({m['labelled_samples']} labelled)")
+    if kind == "boxes":
+        parts.append(f"boxes matched {_pct(m.get('match_rate'))}, mean IoU {num(m.get('mean_iou'), '.3f')}")
+    elif kind == "ranked_ids":
+        parts.append(f"same ids {_pct(m.get('set_agreement'))}")
+    elif kind in ("state", "scalar", "ranked"):
+        parts.append(f"relative error {num(m.get('rel_error'), '.3g')}")
+    if kind in ("classification", "sequence", "tensor") or not parts:
+        parts.append(f"cosine {num(m.get('cosine_mean'), '.4f')} (worst sample {num(m.get('cosine_min'), '.4f')})"
+                     + (f", SQNR {m['sqnr_db']:.1f} dB" if m.get("sqnr_db") is not None else ""))
+    return "; ".join(parts)
+
+
+def agreement_text(m: dict, prefix: str) -> str:
+    """'top1 agreement 98.4% (95% CI 95.1–99.5%, n=128)'."""
+    if m.get(f"{prefix}_agreement") is None:
+        return f"{prefix} agreement not measured"
+    low, high = m[f"{prefix}_agreement_ci95"]
+    threshold = f" at {m['decision_threshold']:g}" if prefix == "decision" and "decision_threshold" in m else ""
+    return (f"{prefix} agreement{threshold} {100 * m[f'{prefix}_agreement']:.1f}% (95% CI {100 * low:.1f}–"
+            f"{100 * high:.1f}%, n={m[f'{prefix}_count']})")
+
+
+def num(value, spec: str, missing: str = "–") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"

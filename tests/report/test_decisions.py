@@ -1,0 +1,70 @@
+"""The quantize stage's decisions and the deployable files are in report.md and report.html, not only in JSON."""
+
+from __future__ import annotations
+
+from synthetic_report import report
+
+from qprep.report.decisions import decision_lines, files_lines
+from qprep.report.html import render_html
+from qprep.report.markdown import render_markdown
+
+
+def fallback_record(skipped: list[str]) -> dict:
+    base = {"score": 0.95, "metrics": {"cosine_mean": 0.95}}
+    return {"target": {"cosine_mean": 0.99}, "passed": True, "stopped": "target met", "seconds": 42.0,
+            "float_nodes": [{"node": "conv3", "what": "Conv", "gain": 0.03}], "base": base,
+            "best": {"score": 0.991, "metrics": {"cosine_mean": 0.991}}, "rounds": 1, "rank_trials": 4, "ranked": 4,
+            "candidates": 9, "trials": [], "ranking": [], "budget": {"seconds": 60, "skipped": skipped}}
+
+
+def _as_markdown(html: str) -> str:
+    """report.html's inline markup written back as Markdown, so one expected line checks both renderings."""
+    for tag, mark in (("b", "**"), ("code", "`")):
+        html = html.replace(f"<{tag}>", mark).replace(f"</{tag}>", mark)
+    return html
+
+
+def test_gptq_and_bias_correction_show_the_figure_that_decided_them_in_both_renderings():
+    data = report()
+    for text in (render_markdown(data), _as_markdown(render_html(data))):
+        assert ("GPTQ weight rounding on 3 layers: calibration output SQNR 30.10 dB (nearest) → 33.40 dB (GPTQ) — "
+                "**kept**") in text
+        assert "bias correction on 3 layers: calibration output SQNR 33.40 dB → 33.20 dB — **left out** (no gain)" in text
+        assert "ranges: `minmax` calibration on 8 calibration samples" in text
+
+
+def test_fallback_line_has_target_float_nodes_seconds_and_budget_skips():
+    stage = {**report()["stages"][0], "fallback": fallback_record(["bias wave (~30 s, 5 s left)"]),
+             "excluded_nodes": ["conv3"]}
+    lines = decision_lines(stage)
+    fallback = next(line for line in lines if line.startswith("accuracy-driven fallback"))
+    assert "cosine_mean ≥ 0.99: **met** with 1 float node(s)" in fallback and "42 s" in fallback
+    assert "Skipped for lack of time (time_budget_s): bias wave (~30 s, 5 s left)" in fallback
+    assert "float nodes: 1 node(s) kept float" in lines
+
+
+def test_float_nodes_name_nonfinite_and_unquantizable_reasons():
+    stage = {**report()["stages"][0], "excluded_nodes": ["mask_add", "odd"],
+             "nonfinite": {"nodes": {"mask_add": "reads 'mask' (constant, values [-inf, -inf])"}},
+             "unquantizable": [{"node": "odd", "reason": "KeyError: 'x'"}]}
+    line = next(line for line in decision_lines(stage) if line.startswith("float nodes"))
+    assert "2 node(s) kept float" in line and "1 of them for NaN/Inf" in line and "`mask_add`" in line
+    assert "1 that ONNX Runtime's quantizer fails on (e.g. `odd`: KeyError: 'x')" in line
+
+
+def test_files_explain_the_board_files_and_the_one_command():
+    data = report()
+    data["result"].update(artifacts=["input_contract.json", "model.rknn", "run_on_board.py"],
+                          deployable={"path": "model.rknn", "bytes": 1000, "note": "x"})
+    lines = files_lines(data)
+    assert lines[0].startswith("`model.rknn`: the NPU model")
+    assert any("`input_contract.json`" in line for line in lines)
+    assert any("`python3 run_on_board.py image.png`" in line for line in lines)
+    markdown = render_markdown(data)
+    assert markdown.index("## Decisions") < markdown.index("## Files") < markdown.index("## Stages")
+    assert "onnxruntime.InferenceSession('model.onnx')" in files_lines(report())[0]  # an ORT result
+
+
+def test_other_stages_and_failed_ones_decide_nothing():
+    assert decision_lines({"name": "optimize", "status": "ok"}) == []
+    assert decision_lines({**report()["stages"][0], "status": "failed"}) == []

@@ -1,0 +1,97 @@
+"""The report opens with a verdict (met / missed / not measured) naming the figure that decided it and the
+samples it was judged on, then the task figures per output, then the warnings."""
+
+from __future__ import annotations
+
+from synthetic_report import report
+
+from qprep.evaluate.gate import check_gate
+from qprep.report.html import render_html
+from qprep.report.markdown import render_markdown
+from qprep.report.verdict import MET, MISSED, NOT_MEASURED, check_text, deciding_check, verdict
+
+
+def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
+    """A report whose gate is checked on the set it would be judged on, as evaluate() does."""
+    data = report(heldout=heldout)
+    evaluation = data["evaluation"]
+    outputs = (evaluation["heldout"] if heldout else evaluation)["outputs"]
+    evaluation["gate"] = {**check_gate(gate, outputs, floor=floor), "judged_on": "heldout" if heldout else "evaluation"}
+    return data
+
+
+def test_met_names_the_tightest_check_and_the_samples():
+    data = judged({"cosine_mean": 0.5, "top1_agreement": 0.9})
+    result = verdict(data)
+    assert result.state == MET
+    assert "`top1_agreement` of `logits` 0.9375 ≥ 0.9" in result.text  # 15 of 16: closer to its bar than cosine
+    assert "16 evaluation samples (`data/eval`)" in result.text
+
+
+def test_missed_names_the_missed_check_on_the_heldout_set():
+    data = judged({"cosine_mean": 0.5, "top1_agreement": 0.95}, heldout=True)
+    result = verdict(data)
+    assert result.state == MISSED
+    heldout = data["evaluation"]["heldout"]["outputs"]["logits"]["top1_agreement"]
+    assert heldout < data["evaluation"]["outputs"]["logits"]["top1_agreement"]  # the held-out figure decides
+    assert f"`top1_agreement` of `logits` {heldout:.4g} < 0.95" in result.text and "16 held-out" in result.text
+
+
+def test_floor_verdict_says_it_is_the_floor_and_how_to_set_a_gate():
+    result = verdict(judged({"cosine_mean": 0.5}, floor=True))
+    assert result.state == MET and result.text.startswith("accuracy floor (no gate set)")
+    assert "evaluation.gate" in result.text
+
+
+def test_unmeasured_cases_say_why():
+    no_evaluation = report()
+    del no_evaluation["evaluation"]
+    assert verdict(no_evaluation).state == NOT_MEASURED and "no `evaluation:`" in verdict(no_evaluation).text
+    assert "floor is off" in verdict(report()).text  # evaluation without gate or floor
+    failed = {**report(), "status": "failed", "error": "boom"}
+    assert verdict(failed) == verdict(failed) and verdict(failed).text == "the run failed: boom"
+    unmeasured = judged({"top5_agreement": 0.9})
+    unmeasured["evaluation"]["gate"]["checks"][0].update(value=None, passed=False)
+    unmeasured["evaluation"]["gate"]["passed"] = False
+    assert "not measured" in verdict(unmeasured).text
+
+
+def test_an_unmeasured_check_decides_before_a_narrow_miss():
+    checks = [{"metric": "a", "threshold": 0.9, "value": 0.89, "passed": False, "kind": "minimum"},
+              {"metric": "b", "threshold": 0.9, "value": None, "passed": False, "kind": "minimum"},
+              {"metric": "c", "threshold": 0.1, "value": 0.5, "passed": False, "kind": "maximum"}]
+    assert deciding_check(checks)["metric"] == "b"
+    assert deciding_check(checks[::2])["metric"] == "c"  # 5x its maximum beats 1% under a minimum
+
+
+def test_documents_open_with_verdict_then_task_figures_then_warnings():
+    data = judged({"top1_agreement": 0.9})
+    markdown = render_markdown(data)
+    lines = [line for line in markdown.splitlines() if line]
+    assert lines[1].startswith("**Verdict: met** — gate:")
+    assert lines[2].startswith("- `logits` (classification): top1 agreement 93.8% (95% CI") and "n=16)" in lines[2]
+    assert markdown.index("## Warnings") < markdown.index("## Accuracy against the reference")
+    html = render_html(data)
+    assert "<p id='verdict' class='verdict met'>" in html
+    assert html.index("id='verdict'") < html.index("Warnings") < html.index("Accuracy against the reference")
+
+
+def test_a_text_recognizer_leads_with_text_agreement_and_shows_what_each_side_reads():
+    data = report()
+    data["evaluation"]["outputs"] = {"probs": {
+        "kind": "ctc", "cosine_mean": 0.97, "cosine_min": 0.86, "text_agreement": 0.75,
+        "text_agreement_ci95": [0.6, 0.86], "text_count": 40, "char_error_rate": 0.031,
+        "step_agreement": 0.96, "step_agreement_ci95": [0.92, 0.98], "step_count": 40,
+        "worst_by": "character error rate",
+        "worst_samples": [{"sample": "line7.png", "value": 0.5, "reference_text": "总价", "result_text": "总"}]}}
+    markdown = render_markdown(data)
+    assert ("- `probs` (ctc): text agreement 75.0% (95% CI 60.0–86.0%, n=40); character error rate 3.1%; "
+            "step agreement") in markdown
+    assert "| line7.png | 0.5 | “总价” | “总” |" in markdown
+
+
+def test_a_figure_just_under_its_threshold_does_not_read_as_the_threshold():
+    check = {"metric": "cosine_mean", "threshold": 1.0, "value": 0.99996, "passed": False, "kind": "minimum"}
+    assert check_text(check) == "`cosine_mean` 0.99996 < 1"
+    assert check_text({**check, "value": 1.0, "passed": True}) == "`cosine_mean` 1 ≥ 1"
+    assert verdict({**report(), "status": "running"}).text == "the run did not finish (killed, or still running)"
