@@ -22,8 +22,12 @@ from qprep.quantize.rknn.toolkit import Toolkit
 class Runner:
     """Runs evaluation samples on the simulator; undoes qprep's normalization where the NPU normalizes."""
 
-    def __init__(self, rknn: int, toolkit: Toolkit, model: onnx.ModelProto, normalization: dict | None):
+    def __init__(self, rknn: int, toolkit: Toolkit, model: onnx.ModelProto, normalization: dict | None,
+                 renames: dict[str, str] | None = None):
+        """`renames`: the graph input/output names the toolkit was given instead of the model's (io_names.py);
+        inputs and outputs go by position, analysis rows are named back."""
         self.rknn, self.toolkit, self.normalization = rknn, toolkit, normalization
+        self._original = {new: old for old, new in (renames or {}).items()}
         self.inputs = graph_inputs(model)
         self.outputs = graph_outputs(model)
 
@@ -72,6 +76,7 @@ class Runner:
             self.toolkit.call("accuracy_analysis", self.rknn, "accuracy_analysis", inputs=paths,
                               output_dir=str(out_dir))
             for row in parse_error_analysis((out_dir / "error_analysis.txt").read_text()):
+                row["tensor"] = self._original.get(row["tensor"], row["tensor"])
                 if row["tensor"] not in rows_by_tensor:
                     order.append(row["tensor"])
                 rows_by_tensor.setdefault(row["tensor"], []).append(row)

@@ -95,7 +95,8 @@ def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analy
                     "ranking stops", exc)
         return []
     ir = builder.ir_names()
-    single = {row["tensor"]: row.get("single_cosine", 1.0) for row in analysis}
+    # rows carry the user's names, the IR map the toolkit's (io_names.py)
+    single = {builder.renames.get(row["tensor"], row["tensor"]): row.get("single_cosine", 1.0) for row in analysis}
     rows, seen = [], set()
     for node in job.model.graph.node:
         if node.name in base_float or node.name in chosen:
