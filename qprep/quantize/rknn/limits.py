@@ -24,6 +24,7 @@ from qprep.verify import Tolerance, compare
 from qprep.model.runtime import run_model
 from qprep.quantize import nonfinite
 from qprep.quantize.nonfinite import Extremes
+from qprep.quantize.rknn import static_graph
 
 log = logging.getLogger("qprep")
 
@@ -34,13 +35,15 @@ MASK_BOUND = 10000.0
 
 
 def refuse_unsupported(model: onnx.ModelProto) -> None:
-    """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an opset
-    that cannot be converted down to RKNN_MAX_OPSET (named by the op that blocks it)."""
+    """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an If or a
+    run-time BatchNormalization static_graph.py cannot rewrite, an opset that cannot be converted down to
+    RKNN_MAX_OPSET (named by the op that blocks it)."""
     require_fixed_dims(model)
     for node in model.graph.node:
         if node.op_type in REFUSED_OPS and node.domain in ("", "ai.onnx"):
             raise ModelError(f"quantize.rknn: node '{node.name}' is {node.op_type}, and rknn-toolkit2 refuses random "
                              "ops; remove it from the export (e.g. export in eval mode, or feed the noise as an input)")
+    static_graph.rewritten(model)  # a dry run: what cannot be made static is refused now, not after optimize
     if default_opset(model) > RKNN_MAX_OPSET:
         try:
             convert_down(model, RKNN_MAX_OPSET)  # a dry run: the conversion used is verified in within_opset
