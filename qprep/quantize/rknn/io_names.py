@@ -18,6 +18,7 @@ import re
 import onnx
 
 from qprep.model.info import graph_inputs, graph_outputs
+from qprep.quantize.rknn.names import base_name
 
 MAX_LENGTH = 127
 _KEPT = re.compile(r"[A-Za-z0-9_.:/-]+")
@@ -47,6 +48,13 @@ def toolkit_names(model: onnx.ModelProto) -> dict[str, str]:
             taken.add(new)
             renames[spec.name] = new
     return renames
+
+
+def translated(tensor: str, renames: dict[str, str]) -> str:
+    """An IR tensor name with a renamed value's name replaced (the toolkit's suffixes kept: `<name>-rs__float16`);
+    `renames` either way round."""
+    base = base_name(tensor)
+    return renames[base] + tensor[len(base):] if base in renames else tensor
 
 
 def renamed(model: onnx.ModelProto, renames: dict[str, str]) -> onnx.ModelProto:

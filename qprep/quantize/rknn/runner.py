@@ -15,6 +15,7 @@ import onnx
 from qprep.model.info import graph_inputs, graph_outputs
 from qprep.quantize.rknn import ranges as rknn_ranges
 from qprep.quantize.rknn.dataset import file_safe, raw_pixels
+from qprep.quantize.rknn.io_names import translated
 from qprep.quantize.rknn.names import parse_error_analysis
 from qprep.quantize.rknn.toolkit import Toolkit
 
@@ -76,7 +77,7 @@ class Runner:
             self.toolkit.call("accuracy_analysis", self.rknn, "accuracy_analysis", inputs=paths,
                               output_dir=str(out_dir))
             for row in parse_error_analysis((out_dir / "error_analysis.txt").read_text()):
-                row["tensor"] = self._original.get(row["tensor"], row["tensor"])
+                row["tensor"] = translated(row["tensor"], self._original)
                 if row["tensor"] not in rows_by_tensor:
                     order.append(row["tensor"])
                 rows_by_tensor.setdefault(row["tensor"], []).append(row)

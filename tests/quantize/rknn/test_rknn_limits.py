@@ -10,7 +10,7 @@ from qprep.errors import ModelError
 from qprep.model.prepare import convert_down, ops_newer_than
 from qprep.quantize import nonfinite
 from qprep.quantize.rknn.limits import float16_safe, refuse_unsupported, within_opset
-from graphs import make_model, masked_attention_model, masked_attention_samples
+from graphs import gated_model, gated_samples, make_model, masked_attention_model, masked_attention_samples, runtime_batchnorm_model
 
 
 def _conv_model(opset: int, extra=()):
@@ -137,3 +137,41 @@ def test_masked_attention_keeps_its_mask_chain_float16_on_rknn_with_the_mask_cli
     assert stage["nonfinite"]["float16_clip"]["clipped"] and "mask_scale" in stage["float16_layers"]["mapped"]
     # above the unclipped 0.778; below the default accuracy floor (0.9), so the run says `gate missed`
     assert report["status"] == "gate missed" and report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.85
+
+
+@pytest.mark.slow
+def test_a_gated_if_and_a_139_character_output_name_build_and_keep_the_users_names(tmp_path):
+    """oww_hey_jarvis / oww_timer in small: a data-dependent If (the toolkit: "will cause the graph to be a dynamic
+    graph", and a Where over one element crashes it) and an output name of 128+ characters (KeyError in build)."""
+    pytest.importorskip("rknn.api")
+    import json
+
+    import qprep
+
+    long_name = '{"1": "1_minute_timer", "2": "5_minute_timer", "3": "10_minute_timer", "4": "20_minute_timer", ' \
+                '"5": "30_minute_timer", "6": "1_hour_timer"}'
+    model = gated_model()
+    model.graph.output[0].name = model.graph.node[-1].output[0] = long_name
+    config = _write(tmp_path, model, gated_samples(8))
+    config["pipeline"][0]["quantize"]["rknn"]["analysis_samples"] = 1
+    config["evaluation"]["layers"] = True
+    report = qprep.run(config, output_dir=str(tmp_path / "out"))
+    stage = report["stages"][0]
+    assert report["status"] in ("ok", "gate missed") and list(report["evaluation"]["outputs"]) == [long_name]
+    assert stage["static_graph"]["if_as_both_branches"] == ["if"] and long_name in stage["toolkit_io_names"]
+    contract = json.loads((tmp_path / "out" / "input_contract.json").read_text())
+    assert [i["name"] for i in contract["inputs"]] == ["x.1"]
+    rows = [row["tensor"] for row in report["evaluation"]["layers"]]
+    assert rows and not any(row.startswith(stage["toolkit_io_names"][long_name]) for row in rows)
+
+
+@pytest.mark.slow
+def test_batchnorm_over_runtime_statistics_builds_instead_of_crashing_the_toolkit(tmp_path):
+    """Before: SIGSEGV in the toolkit's build after "I rknn building ..." (magika's last LayerNorm)."""
+    pytest.importorskip("rknn.api")
+    import qprep
+
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 4, 8)).astype(np.float32)} for i in range(8)]
+    report = qprep.run(_write(tmp_path, runtime_batchnorm_model(), samples), output_dir=str(tmp_path / "out"))
+    assert report["stages"][0]["static_graph"]["batchnorm_as_arithmetic"] == ["bn"]
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.95

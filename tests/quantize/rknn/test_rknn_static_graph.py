@@ -12,38 +12,12 @@ from qprep.quantize.rknn import io_names
 from qprep.quantize.rknn.limits import refuse_unsupported
 from qprep.quantize.rknn.names import IRNames
 from qprep.quantize.rknn.static_graph import rewritten, static_graph
-from graphs import make_graph, make_model
-
-RNG = np.random.default_rng(0)
-
-
-def _gated_model(shape=(1, 1), x="x.1"):
-    """openWakeWord's verifier gate: p = Sigmoid(mean(x)); If p >= 0.5 then a second model reading the graph
-    input `x` from the outer scope (with a branch initializer), else p itself."""
-    size = int(np.prod(shape))
-    then = make_graph([helper.make_node("Flatten", [x], ["f"], name="flatten"),
-                       helper.make_node("MatMul", ["f", "w"], ["m"], name="matmul"),
-                       helper.make_node("Sigmoid", ["m"], ["p2"], name="sigmoid")],
-                      outputs=[("p2", list(shape))], initializers={"w": RNG.standard_normal((8, size)).astype(np.float32)})
-    other = make_graph([helper.make_node("Identity", ["p1"], ["p"], name="identity")], outputs=[("p", list(shape))])
-    nodes = [helper.make_node("ReduceMean", [x], ["mean"], axes=[2], keepdims=0, name="mean"),
-             helper.make_node("Flatten", ["mean"], ["flat"], name="flat"),
-             helper.make_node("MatMul", ["flat", "v"], ["logit"], name="head"),
-             helper.make_node("Sigmoid", ["logit"], ["p1"], name="p1"),
-             helper.make_node("ReduceMax", ["p1"], ["top"], keepdims=1, name="top"),
-             helper.make_node("GreaterOrEqual", ["top", "half"], ["gate"], name="gate"),
-             helper.make_node("If", ["gate"], ["y"], then_branch=then, else_branch=other, name="if")]
-    return make_model(nodes, [(x, [1, 2, 4])], [("y", list(shape))],
-                      {"v": RNG.standard_normal((2, size)).astype(np.float32), "half": np.float32(0.5)})
-
-
-def _samples(count=16, x="x.1"):
-    return [{x: np.random.default_rng(i).standard_normal((1, 2, 4)).astype(np.float32) * 3} for i in range(count)]
+from graphs import gated_model, gated_samples, make_model, runtime_batchnorm_model
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3)])
 def test_a_data_dependent_if_becomes_both_branches_and_a_selection(shape):
-    model, samples = _gated_model(shape), _samples()
+    model, samples = gated_model(shape), gated_samples()
     static, record = static_graph(model, samples)
     assert record == {"if_as_both_branches": ["if"], "verified_on": len(samples)}
     ops = [n.op_type for n in static.graph.node]
@@ -58,7 +32,7 @@ def test_a_data_dependent_if_becomes_both_branches_and_a_selection(shape):
 
 
 def test_branches_of_different_shapes_are_refused_before_any_work():
-    model = _gated_model((1, 2))
+    model = gated_model((1, 2))
     then = next(a.g for a in model.graph.node[-1].attribute if a.name == "then_branch")
     then.node.append(helper.make_node("Concat", ["p2", "p2"], ["p3"], axis=1, name="concat"))
     then.output[0].CopyFrom(helper.make_tensor_value_info("p3", onnx.TensorProto.FLOAT, [1, 4]))
@@ -67,23 +41,9 @@ def test_branches_of_different_shapes_are_refused_before_any_work():
         refuse_unsupported(model)
 
 
-def _runtime_batchnorm_model(rank=3):
-    """tf2onnx's Keras LayerNormalization: BatchNormalization over statistics computed from x."""
-    shape = [1, 4, 8][:rank] if rank == 3 else [2, 4]
-    axes = [0, 2] if rank == 3 else [0]
-    nodes = [helper.make_node("ReduceMean", ["x"], ["mean"], axes=axes, keepdims=0, name="mean"),
-             helper.make_node("ReduceMax", ["x"], ["top"], axes=axes, keepdims=0, name="top"),
-             helper.make_node("Abs", ["top"], ["var"], name="var"),
-             helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y"], epsilon=1e-3,
-                              name="bn")]
-    return make_model(nodes, [("x", shape)], [("y", shape)],
-                      {"scale": RNG.standard_normal(4).astype(np.float32),
-                       "bias": RNG.standard_normal(4).astype(np.float32)})
-
-
 @pytest.mark.parametrize("rank", [2, 3])
 def test_batchnorm_over_runtime_statistics_becomes_its_arithmetic(rank):
-    model = _runtime_batchnorm_model(rank)
+    model = runtime_batchnorm_model(rank)
     shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
     samples = [{"x": np.random.default_rng(i).standard_normal(shape).astype(np.float32)} for i in range(4)]
     static, record = static_graph(model, samples)
@@ -95,7 +55,7 @@ def test_batchnorm_over_runtime_statistics_becomes_its_arithmetic(rank):
 
 
 def test_batchnorm_with_constant_statistics_and_graphs_without_either_are_left_alone():
-    model = _runtime_batchnorm_model()
+    model = runtime_batchnorm_model()
     for name in ("mean", "var"):  # the statistics become initializers
         model.graph.initializer.append(onnx.numpy_helper.from_array(np.ones(4, np.float32), name))
     del model.graph.node[:3]
@@ -103,7 +63,7 @@ def test_batchnorm_with_constant_statistics_and_graphs_without_either_are_left_a
 
 
 def test_training_mode_batchnorm_is_refused_with_the_fix():
-    model = _runtime_batchnorm_model()
+    model = runtime_batchnorm_model()
     model.graph.node[-1].attribute.append(helper.make_attribute("training_mode", 1))
     with pytest.raises(ModelError, match=r"node 'bn' is a BatchNormalization over statistics computed at run time.*"
                                          r"export it in eval mode"):
@@ -115,7 +75,7 @@ JSON_NAME = '{"1": "1_minute_timer", "2": "5_minute_timer", "3": "10_minute_time
 
 
 def test_only_names_the_toolkit_may_not_take_are_renamed_uniquely_and_everywhere():
-    model = _gated_model(x="x y")  # an input the If branch reads too
+    model = gated_model(x="x y")  # an input the If branch reads too
     model.graph.output[0].name = model.graph.node[-1].output[0] = JSON_NAME
     model.graph.node.append(helper.make_node("Identity", ["p1"], ["x_y"], name="taken"))  # the new name's clash
     model.graph.output.extend([helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, 1])
@@ -124,12 +84,15 @@ def test_only_names_the_toolkit_may_not_take_are_renamed_uniquely_and_everywhere
     renames = io_names.toolkit_names(model)
     assert renames == {"x y": "x_y_2", JSON_NAME: "output_0_1_1_minute_timer_2_5_minute_timer_3_10_minute_ti"}
     assert io_names.needs_new_name("a" * 128) and not io_names.needs_new_name("a" * 127)
+    back = {new: old for old, new in renames.items()}  # analysis rows: the toolkit's suffixes kept, not prefixes
+    assert io_names.translated("x_y_2-rs__float16", back) == "x y-rs__float16"
+    assert io_names.translated("x_y_2x", back) == "x_y_2x"
     result = io_names.renamed(model, renames)
     onnx.checker.check_model(result, full_check=True)
     assert [i.name for i in result.graph.input] == ["x_y_2"]
     assert [o.name for o in result.graph.output] == [renames[JSON_NAME], "x_y", "onnx::Flatten_0"]
     assert not {"x y", JSON_NAME} & io_names.all_names(result)  # the If branch's outer read included
-    samples = _samples(4, x="x y")
+    samples = gated_samples(4, x="x y")
     renamed_samples = [{"x_y_2": s["x y"]} for s in samples]
     for a, b in zip(run_model(model, samples), run_model(result, renamed_samples)):
         assert [np.asarray(v).tolist() for v in a.values()] == [np.asarray(v).tolist() for v in b.values()]
