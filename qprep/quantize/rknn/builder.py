@@ -234,13 +234,16 @@ def quantize(job: BackendInput) -> Quantized:
     job.model, static = static_graph.static_graph(job.model, job.samples[:8], job.threads)
     job.float_set = static_graph.carried(set(job.float_set), job.model, static)
     job.model, clipped = limits.float16_safe(job.model, job.extremes, job.samples[:8], job.threads)
+    job.float_set, overflowing = limits.without_float16_overflow(job.model, set(job.float_set), job.extremes,
+                                                                 job.samples[:8], job.threads)
     builder = RknnBuilder(job)
     if converted:
         builder.details["opset_converted"] = converted
     if static:
         builder.details["static_graph"] = static
-    if clipped:
-        builder.details["nonfinite"] = {"float16_clip": clipped}
+    if clipped or overflowing:
+        builder.details["nonfinite"] = {**({"float16_clip": clipped} if clipped else {}),
+                                        **({"int8_not_float16": overflowing} if overflowing else {})}
     try:
         float_set = set(job.float_set)
         if job.fallback:

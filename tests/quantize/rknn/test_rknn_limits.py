@@ -9,7 +9,7 @@ from onnx import helper
 from qprep.errors import ModelError
 from qprep.model.prepare import convert_down, ops_newer_than
 from qprep.quantize import nonfinite
-from qprep.quantize.rknn.limits import float16_safe, refuse_unsupported, within_opset
+from qprep.quantize.rknn.limits import float16_safe, refuse_unsupported, within_opset, without_float16_overflow
 from graphs import gated_model, gated_samples, make_model, masked_attention_model, masked_attention_samples, runtime_batchnorm_model
 
 
@@ -175,3 +175,21 @@ def test_batchnorm_over_runtime_statistics_builds_instead_of_crashing_the_toolki
     report = qprep.run(_write(tmp_path, runtime_batchnorm_model(), samples), output_dir=str(tmp_path / "out"))
     assert report["stages"][0]["static_graph"]["batchnorm_as_arithmetic"] == ["bn"]
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.95
+
+
+def test_float_set_nodes_whose_values_overflow_float16_stay_int8_and_infinite_masks_stay_float16():
+    """magika: activations up to 3.7e6 kept float16 became inf (cosine 1.8e-19); int8 holds them (0.937)."""
+    nodes = [helper.make_node("Mul", ["x", "big"], ["huge"], name="scale_up"),
+             helper.make_node("Relu", ["huge"], ["r"], name="relu"),
+             helper.make_node("Add", ["r", "mask"], ["masked"], name="mask_add"),
+             helper.make_node("Softmax", ["masked"], ["y"], name="softmax")]
+    model = make_model(nodes, [("x", [1, 4])], [("y", [1, 4])],
+                       {"big": np.float32(1e6), "mask": np.array([0, 0, 0, -np.inf], np.float32)})
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 4)).astype(np.float32)} for i in range(4)]
+    extremes = nonfinite.find(model, samples)
+    float_set = set(extremes.nodes) | {"kept_by_config"}
+    assert {"scale_up", "relu", "mask_add", "softmax"} <= float_set
+    kept, dropped = without_float16_overflow(model, float_set, extremes, samples)
+    assert set(dropped) == {"scale_up", "relu", "mask_add"} and "'huge'" in dropped["scale_up"]
+    assert kept == {"softmax", "kept_by_config"}  # reads the -inf sum only: float16 holds inf
+    assert without_float16_overflow(model, float_set, nonfinite.Extremes(), samples) == (float_set, {})
