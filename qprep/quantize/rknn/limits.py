@@ -7,7 +7,9 @@ RandomNormalLike and RandomUniformLike); Rockchip recommends opset 19 and the to
 19 is converted down with onnx's version converter and verified with ONNX Runtime before the toolkit sees it;
 a model that uses an op opset 19 does not have (Gelu is 20) cannot be, and is refused at once. Constants
 float16 cannot hold (attention masks: finfo.min, -inf, -1e9) are clipped to ±10000 first, as the toolkit
-itself does for ±3e38 at optimization_level 3, so the float16 layers that carry a mask stay finite.
+itself does for ±3e38 at optimization_level 3, so the float16 layers that carry a mask stay finite; float-set
+nodes whose finite activations float16 cannot hold stay int8. An If or a BatchNormalization the toolkit cannot
+compile is rewritten by static_graph.py, and refused here (a dry run) when it cannot be.
 """
 
 from __future__ import annotations
