@@ -9,7 +9,7 @@ a model that uses an op opset 19 does not have (Gelu is 20) cannot be, and is re
 float16 cannot hold (attention masks: finfo.min, -inf, -1e9) are clipped to ±10000 first, as the toolkit
 itself does for ±3e38 at optimization_level 3, so the float16 layers that carry a mask stay finite; float-set
 nodes whose finite activations float16 cannot hold stay int8. An If or a BatchNormalization the toolkit cannot
-compile is rewritten by static_graph.py, and refused here (a dry run) when it cannot be.
+compile is rewritten by static_graph.py; an If it cannot rewrite is refused here.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ MASK_BOUND = 10000.0
 
 
 def refuse_unsupported(model: onnx.ModelProto) -> None:
-    """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an If or a
-    run-time BatchNormalization static_graph.py cannot rewrite, an opset that cannot be converted down to
-    RKNN_MAX_OPSET (named by the op that blocks it)."""
+    """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an If
+    static_graph.py cannot rewrite, an opset that cannot be converted down to RKNN_MAX_OPSET (named by the op
+    that blocks it)."""
     require_fixed_dims(model)
     for node in model.graph.node:
         if node.op_type in REFUSED_OPS and node.domain in ("", "ai.onnx"):
             raise ModelError(f"quantize.rknn: node '{node.name}' is {node.op_type}, and rknn-toolkit2 refuses random "
                              "ops; remove it from the export (e.g. export in eval mode, or feed the noise as an input)")
-    static_graph.rewritten(model)  # a dry run: what cannot be made static is refused now, not after optimize
+    static_graph.refuse_unrewritable(model)
     if default_opset(model) > RKNN_MAX_OPSET:
         try:
             convert_down(model, RKNN_MAX_OPSET)  # a dry run: the conversion used is verified in within_opset

@@ -27,10 +27,22 @@ from qprep.quantize.rknn.io_names import all_names, rename_values
 from qprep.verify import Tolerance, compare
 
 
+def refuse_unrewritable(model: onnx.ModelProto) -> None:
+    """ModelError for an If whose branches give outputs of different shapes: checked on the input model, before any
+    work (BatchNormalization is judged at quantize time: on the input model its statistics may still be computed
+    from constants that optimize folds)."""
+    ifs = [i for i, node in enumerate(model.graph.node) if _is_if(node)]
+    if ifs:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        for index in ifs:
+            branches = {a.name: a.g for a in inferred.graph.node[index].attribute}
+            _branch_outputs(model.graph.node[index], branches["then_branch"], branches["else_branch"])
+
+
 def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     """A copy of `model` with its If nodes and run-time BatchNormalization statistics rewritten → (model, record
-    {rewrite: [node names]}), unverified; ModelError for what cannot be (a dry run refuses before any work)."""
-    constants = {t.name for t in model.graph.initializer}
+    {rewrite: [node names]}), unverified; ModelError for what cannot be."""
+    constants = _constants(model.graph)
     if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
@@ -172,7 +184,7 @@ def _is_runtime_batchnorm(node: onnx.NodeProto, constants: set[str]) -> bool:
 
 def _batchnorms_as_arithmetic(model: onnx.ModelProto) -> list[str]:
     graph = model.graph
-    constants = {t.name for t in graph.initializer}
+    constants = _constants(graph)
     if not any(_is_runtime_batchnorm(n, constants) for n in graph.node):
         return []
     shapes = _value_shapes(onnx.shape_inference.infer_shapes(model))
@@ -240,6 +252,11 @@ def _value_shapes(inferred: onnx.ModelProto) -> dict[str, list | None]:
     for tensor in graph.initializer:
         shapes[tensor.name] = list(tensor.dims)
     return shapes
+
+
+def _constants(graph: onnx.GraphProto) -> set[str]:
+    """Initializers and Constant outputs: the values known before the graph runs."""
+    return {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
 
 
 def _unique(wanted: str, taken: set[str]) -> str:

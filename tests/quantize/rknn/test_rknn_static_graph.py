@@ -55,11 +55,14 @@ def test_batchnorm_over_runtime_statistics_becomes_its_arithmetic(rank):
 
 
 def test_batchnorm_with_constant_statistics_and_graphs_without_either_are_left_alone():
+    """Statistics in initializers or Constant nodes (paddle2onnx's, before optimize folds them) are constant."""
     model = runtime_batchnorm_model()
-    for name in ("mean", "var"):  # the statistics become initializers
-        model.graph.initializer.append(onnx.numpy_helper.from_array(np.ones(4, np.float32), name))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.ones(4, np.float32), "mean"))
     del model.graph.node[:3]
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["var"], name="var",
+                                                value=onnx.numpy_helper.from_array(np.ones(4, np.float32))))
     assert rewritten(model) == (model, {})
+    refuse_unsupported(model)  # and nothing to refuse
 
 
 def test_training_mode_batchnorm_is_refused_with_the_fix():
