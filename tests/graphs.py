@@ -144,3 +144,42 @@ def masked_attention_samples(count: int, seq: int = 6, dim: int = 8) -> list[dic
         mask[0, : 2 + i % (seq - 1)] = 1
         samples.append({"x": rng.standard_normal((1, seq, dim)).astype(np.float32), "mask": mask})
     return samples
+
+
+def gated_model(shape=(1, 1), x="x.1"):
+    """openWakeWord's verifier gate: p = Sigmoid(mean(x)); If p >= 0.5 then a second model reading the graph
+    input `x` from the outer scope (with a branch initializer), else p itself."""
+    size, rng = int(np.prod(shape)), np.random.default_rng(0)
+    then = make_graph([helper.make_node("Flatten", [x], ["f"], name="flatten"),
+                       helper.make_node("MatMul", ["f", "w"], ["m"], name="matmul"),
+                       helper.make_node("Sigmoid", ["m"], ["p2"], name="sigmoid")],
+                      outputs=[("p2", list(shape))], initializers={"w": rng.standard_normal((8, size)).astype(np.float32)})
+    other = make_graph([helper.make_node("Identity", ["p1"], ["p"], name="identity")], outputs=[("p", list(shape))])
+    nodes = [helper.make_node("ReduceMean", [x], ["mean"], axes=[2], keepdims=0, name="mean"),
+             helper.make_node("Flatten", ["mean"], ["flat"], name="flat"),
+             helper.make_node("MatMul", ["flat", "v"], ["logit"], name="head"),
+             helper.make_node("Sigmoid", ["logit"], ["p1"], name="p1"),
+             helper.make_node("ReduceMax", ["p1"], ["top"], keepdims=1, name="top"),
+             helper.make_node("GreaterOrEqual", ["top", "half"], ["gate"], name="gate"),
+             helper.make_node("If", ["gate"], ["y"], then_branch=then, else_branch=other, name="if")]
+    return make_model(nodes, [(x, [1, 2, 4])], [("y", list(shape))],
+                      {"v": rng.standard_normal((2, size)).astype(np.float32), "half": np.float32(0.5)})
+
+
+def gated_samples(count=16, x="x.1"):
+    """Samples that take both branches of gated_model."""
+    return [{x: np.random.default_rng(i).standard_normal((1, 2, 4)).astype(np.float32) * 3} for i in range(count)]
+
+
+def runtime_batchnorm_model(rank=3):
+    """tf2onnx's Keras LayerNormalization: BatchNormalization over statistics computed from x."""
+    shape, rng = ([1, 4, 8] if rank == 3 else [2, 4]), np.random.default_rng(0)
+    axes = [0, 2] if rank == 3 else [0]
+    nodes = [helper.make_node("ReduceMean", ["x"], ["mean"], axes=axes, keepdims=0, name="mean"),
+             helper.make_node("ReduceMax", ["x"], ["top"], axes=axes, keepdims=0, name="top"),
+             helper.make_node("Abs", ["top"], ["var"], name="var"),
+             helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y"], epsilon=1e-3,
+                              name="bn")]
+    return make_model(nodes, [("x", shape)], [("y", shape)],
+                      {"scale": rng.standard_normal(4).astype(np.float32),
+                       "bias": rng.standard_normal(4).astype(np.float32)})

@@ -20,7 +20,7 @@ import onnx
 
 from qprep.model.info import graph_inputs
 from qprep.quantize.backend import BackendInput, Quantized
-from qprep.quantize.rknn import dataset, limits
+from qprep.quantize.rknn import dataset, io_names, limits, static_graph
 from qprep.quantize.rknn import ranges as rknn_ranges
 from qprep.quantize.rknn.contract import write_board_files
 from qprep.quantize.rknn.names import IRNames, map_float_set, with_custom_layers
@@ -61,6 +61,7 @@ class RknnBuilder:
         self.toolkit = Toolkit(job.work_dir)
         self.inputs = graph_inputs(job.model)
         limits.require_fixed_dims(job.model)
+        self.renames = io_names.toolkit_names(job.model)  # only in the file the toolkit loads (io_names.py)
         self.model_path = job.work_dir / "model.onnx"
         self._on_grid: onnx.ModelProto | None = None  # the model with GPTQ weights, made once
         self._grid_record: dict = {}
@@ -74,6 +75,8 @@ class RknnBuilder:
             self.config.update(mean_values=[self.normalization["mean"]], std_values=[self.normalization["std"]])
         self.details = {"config": self.config, "dataset": str(self.dataset),
                         "calibration_samples": dataset.count_lines(self.dataset)}
+        if self.renames:
+            self.details["toolkit_io_names"] = self.renames
         self._step1: tuple[Path, str, IRNames] | None = None
         self._ranges: dict | None = None  # a build's quantization table later builds reuse (ranges.py)
         self.toolkit.start()  # its start-up (~2 s) overlaps the GPTQ weights
@@ -133,7 +136,8 @@ class RknnBuilder:
             log.info("rknn: GPTQ weights on the toolkit's grid for %d layers", layers)
         self.details["weight_rounding"] = (self._grid_record if rounding else
                                            {"method": self.algorithm if self.algorithm != "normal" else "nearest"})
-        onnx.save_model(self._on_grid if rounding else self.job.model, str(self.model_path))
+        model = self._on_grid if rounding else self.job.model
+        onnx.save_model(io_names.renamed(model, self.renames), str(self.model_path))
 
     def pin(self, float_set: set[str]) -> None:
         self._pinned = (self.algorithm, frozenset(float_set))
@@ -141,7 +145,8 @@ class RknnBuilder:
     def _loaded(self, algorithm: str | None = None):
         rknn = self.toolkit.new()
         self.toolkit.call("config", rknn, "config", **{**self.config, "quantized_algorithm": algorithm or self.algorithm})
-        self.toolkit.call("load_onnx", rknn, "load_onnx", model=str(self.model_path), inputs=[s.name for s in self.inputs],
+        self.toolkit.call("load_onnx", rknn, "load_onnx", model=str(self.model_path),
+                          inputs=[self.renames.get(s.name, s.name) for s in self.inputs],
                           input_size_list=[s.shape for s in self.inputs])
         return rknn
 
@@ -161,7 +166,7 @@ class RknnBuilder:
                     self._stop_reusing(exc)
                     return self.ir_names()
                 self.details["ranges_reused"].update(counts)
-            self._step1 = (stem, cfg_text, IRNames(f"{stem}.model", cfg_text))
+            self._step1 = (stem, cfg_text, IRNames(f"{stem}.model", cfg_text, self.renames))
         return self._step1[2]
 
     def build(self, float_set: set[str]):
@@ -199,7 +204,7 @@ class RknnBuilder:
                 self.toolkit.release(self._sessions.pop(old)[0])
             rknn = self.build(float_set)
             self.toolkit.call("init_runtime (simulator)", rknn, "init_runtime")
-            runner = Runner(rknn, self.toolkit, self.job.model, self.normalization)
+            runner = Runner(rknn, self.toolkit, self.job.model, self.normalization, self.renames)
             self._sessions[key] = (rknn, runner, self.details.get("float16_layers"))
         rknn, runner, layers = self._sessions[key]
         if layers is None:
@@ -226,12 +231,19 @@ def quantize(job: BackendInput) -> Quantized:
     until the result's `close` stops the toolkit worker (at once when this fails or is interrupted)."""
     limits.refuse_unsupported(job.model)
     job.model, converted = limits.within_opset(job.model, job.samples[:8], job.threads)
+    job.model, static = static_graph.static_graph(job.model, job.samples[:8], job.threads)
+    job.float_set = static_graph.carried(set(job.float_set), job.model, static)
     job.model, clipped = limits.float16_safe(job.model, job.extremes, job.samples[:8], job.threads)
+    job.float_set, overflowing = limits.without_float16_overflow(job.model, set(job.float_set), job.extremes,
+                                                                 job.samples[:8], job.threads)
     builder = RknnBuilder(job)
     if converted:
         builder.details["opset_converted"] = converted
-    if clipped:
-        builder.details["nonfinite"] = {"float16_clip": clipped}
+    if static:
+        builder.details["static_graph"] = static
+    if clipped or overflowing:
+        builder.details["nonfinite"] = {**({"float16_clip": clipped} if clipped else {}),
+                                        **({"int8_not_float16": overflowing} if overflowing else {})}
     try:
         float_set = set(job.float_set)
         if job.fallback:

@@ -7,13 +7,16 @@ RandomNormalLike and RandomUniformLike); Rockchip recommends opset 19 and the to
 19 is converted down with onnx's version converter and verified with ONNX Runtime before the toolkit sees it;
 a model that uses an op opset 19 does not have (Gelu is 20) cannot be, and is refused at once. Constants
 float16 cannot hold (attention masks: finfo.min, -inf, -1e9) are clipped to ±10000 first, as the toolkit
-itself does for ±3e38 at optimization_level 3, so the float16 layers that carry a mask stay finite.
+itself does for ±3e38 at optimization_level 3, so the float16 layers that carry a mask stay finite; float-set
+nodes whose finite activations float16 cannot hold stay int8. An If or a BatchNormalization the toolkit cannot
+compile is rewritten by static_graph.py; an If it cannot rewrite is refused here.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import onnx
 
 from qprep.errors import ModelError
@@ -24,6 +27,7 @@ from qprep.verify import Tolerance, compare
 from qprep.model.runtime import run_model
 from qprep.quantize import nonfinite
 from qprep.quantize.nonfinite import Extremes
+from qprep.quantize.rknn import static_graph
 
 log = logging.getLogger("qprep")
 
@@ -34,13 +38,15 @@ MASK_BOUND = 10000.0
 
 
 def refuse_unsupported(model: onnx.ModelProto) -> None:
-    """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an opset
-    that cannot be converted down to RKNN_MAX_OPSET (named by the op that blocks it)."""
+    """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an If
+    static_graph.py cannot rewrite, an opset that cannot be converted down to RKNN_MAX_OPSET (named by the op
+    that blocks it)."""
     require_fixed_dims(model)
     for node in model.graph.node:
         if node.op_type in REFUSED_OPS and node.domain in ("", "ai.onnx"):
             raise ModelError(f"quantize.rknn: node '{node.name}' is {node.op_type}, and rknn-toolkit2 refuses random "
                              "ops; remove it from the export (e.g. export in eval mode, or feed the noise as an input)")
+    static_graph.refuse_unrewritable(model)
     if default_opset(model) > RKNN_MAX_OPSET:
         try:
             convert_down(model, RKNN_MAX_OPSET)  # a dry run: the conversion used is verified in within_opset
@@ -89,3 +95,27 @@ def float16_safe(model: onnx.ModelProto, extremes: Extremes, samples: list[dict]
                         verdict.reason)
             return model, {**record, "clipped": False, "reason": verdict.reason}
     return clipped, {**record, "clipped": True}
+
+
+def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extremes: Extremes, samples: list[dict],
+                             threads: int = 2) -> tuple[set[str], dict]:
+    """`float_set` without the nodes that compute or read a finite activation beyond float16's range on `samples`
+    (in `model` as the toolkit gets it, masks clipped) → (float set, {node: why}). float16 turns such values into
+    inf, int8 holds them on a coarse grid: measured on magika (activations up to 3.7e6 before its last LayerNorm,
+    kept float by nonfinite.py and keep_float), cosine 1.8e-19 with them float16, 0.937 all int8. ±inf and NaN
+    (masks) stay float16, which holds them. Only measured again when nonfinite.py found something."""
+    if not extremes.tensors or not float_set:
+        return float_set, {}
+    found = nonfinite.find(model, samples, threads)
+    dropped: dict[str, str] = {}
+    for name, stats in found.tensors.items():
+        if stats["kind"] != "activation" or stats["nan"] or not np.isfinite([stats["min"], stats["max"]]).all():
+            continue
+        values = nonfinite.describe(stats)
+        for node in model.graph.node:
+            if node.name in float_set and node.name not in dropped and (name in node.output or name in node.input):
+                dropped[node.name] = f"{'computes' if name in node.output else 'reads'} '{name}' with values {values}"
+    if dropped:
+        log.warning("rknn: %d float-set nodes stay int8: their values overflow float16 (%s)", len(dropped),
+                    ", ".join(list(dropped)[:5]))
+    return float_set - set(dropped), dropped

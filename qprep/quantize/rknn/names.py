@@ -31,8 +31,10 @@ def cfg_tensor_names(cfg_text: str) -> set[str]:
 
 
 class IRNames:
-    def __init__(self, ir_model_path: str, cfg_text: str):
+    def __init__(self, ir_model_path: str, cfg_text: str, renames: dict[str, str] | None = None):
+        """`renames`: the graph input/output names the toolkit was given instead of the model's (io_names.py)."""
         ir = onnx.load(ir_model_path, load_external_data=False)
+        original = {new: old for old, new in (renames or {}).items()}
         self.listed = cfg_tensor_names(cfg_text)
         self.produced = {o for n in ir.graph.node for o in n.output}
         weights = {t.name for t in ir.graph.initializer}
@@ -42,7 +44,8 @@ class IRNames:
         for node in ir.graph.node:
             self.outputs_by_node_base.setdefault(base_name(node.name), []).extend(node.output)
             for out in node.output:
-                self.tensors_by_base.setdefault(base_name(out), []).append(out)
+                base = base_name(out)
+                self.tensors_by_base.setdefault(original.get(base, base), []).append(out)
             for name in node.input:
                 if name in weights:
                     self.outputs_by_weight.setdefault(name, []).extend(node.output)

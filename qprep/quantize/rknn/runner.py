@@ -15,6 +15,7 @@ import onnx
 from qprep.model.info import graph_inputs, graph_outputs
 from qprep.quantize.rknn import ranges as rknn_ranges
 from qprep.quantize.rknn.dataset import file_safe, raw_pixels
+from qprep.quantize.rknn.io_names import translated
 from qprep.quantize.rknn.names import parse_error_analysis
 from qprep.quantize.rknn.toolkit import Toolkit
 
@@ -22,8 +23,12 @@ from qprep.quantize.rknn.toolkit import Toolkit
 class Runner:
     """Runs evaluation samples on the simulator; undoes qprep's normalization where the NPU normalizes."""
 
-    def __init__(self, rknn: int, toolkit: Toolkit, model: onnx.ModelProto, normalization: dict | None):
+    def __init__(self, rknn: int, toolkit: Toolkit, model: onnx.ModelProto, normalization: dict | None,
+                 renames: dict[str, str] | None = None):
+        """`renames`: the graph input/output names the toolkit was given instead of the model's (io_names.py);
+        inputs and outputs go by position, analysis rows are named back."""
         self.rknn, self.toolkit, self.normalization = rknn, toolkit, normalization
+        self._original = {new: old for old, new in (renames or {}).items()}
         self.inputs = graph_inputs(model)
         self.outputs = graph_outputs(model)
 
@@ -72,6 +77,7 @@ class Runner:
             self.toolkit.call("accuracy_analysis", self.rknn, "accuracy_analysis", inputs=paths,
                               output_dir=str(out_dir))
             for row in parse_error_analysis((out_dir / "error_analysis.txt").read_text()):
+                row["tensor"] = translated(row["tensor"], self._original)
                 if row["tensor"] not in rows_by_tensor:
                     order.append(row["tensor"])
                 rows_by_tensor.setdefault(row["tensor"], []).append(row)

@@ -13,6 +13,7 @@ from qprep.errors import QprepError, ToolkitError
 from qprep.quantize import search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.budget import Budget
+from qprep.quantize.rknn.io_names import translated
 
 if TYPE_CHECKING:  # builder.py calls this module: a run-time import would be circular
     from qprep.quantize.rknn.builder import RknnBuilder
@@ -95,7 +96,8 @@ def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analy
                     "ranking stops", exc)
         return []
     ir = builder.ir_names()
-    single = {row["tensor"]: row.get("single_cosine", 1.0) for row in analysis}
+    # rows carry the user's names, the IR map the toolkit's (io_names.py)
+    single = {translated(row["tensor"], builder.renames): row.get("single_cosine", 1.0) for row in analysis}
     rows, seen = [], set()
     for node in job.model.graph.node:
         if node.name in base_float or node.name in chosen:

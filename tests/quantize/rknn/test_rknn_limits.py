@@ -9,8 +9,8 @@ from onnx import helper
 from qprep.errors import ModelError
 from qprep.model.prepare import convert_down, ops_newer_than
 from qprep.quantize import nonfinite
-from qprep.quantize.rknn.limits import float16_safe, refuse_unsupported, within_opset
-from graphs import make_model, masked_attention_model, masked_attention_samples
+from qprep.quantize.rknn.limits import float16_safe, refuse_unsupported, within_opset, without_float16_overflow
+from graphs import gated_model, gated_samples, make_model, masked_attention_model, masked_attention_samples, runtime_batchnorm_model
 
 
 def _conv_model(opset: int, extra=()):
@@ -151,3 +151,59 @@ def test_the_npu_normalizes_only_channels_first_image_inputs(layout, on_npu):
                              layout=layout, input=SimpleNamespace(name="image"))
     job = SimpleNamespace(calibration=SimpleNamespace(image_reader=reader))
     assert (normalization(job) is not None) == on_npu
+
+
+@pytest.mark.slow
+def test_a_gated_if_and_a_139_character_output_name_build_and_keep_the_users_names(tmp_path):
+    """oww_hey_jarvis / oww_timer in small: a data-dependent If (the toolkit: "will cause the graph to be a dynamic
+    graph", and a Where over one element crashes it) and an output name of 128+ characters (KeyError in build)."""
+    pytest.importorskip("rknn.api")
+    import json
+
+    import qprep
+
+    long_name = '{"1": "1_minute_timer", "2": "5_minute_timer", "3": "10_minute_timer", "4": "20_minute_timer", ' \
+                '"5": "30_minute_timer", "6": "1_hour_timer"}'
+    model = gated_model()
+    model.graph.output[0].name = model.graph.node[-1].output[0] = long_name
+    config = _write(tmp_path, model, gated_samples(8))
+    config["pipeline"][0]["quantize"]["rknn"]["analysis_samples"] = 1
+    config["evaluation"]["layers"] = True
+    report = qprep.run(config, output_dir=str(tmp_path / "out"))
+    stage = report["stages"][0]
+    assert report["status"] in ("ok", "gate missed") and list(report["evaluation"]["outputs"]) == [long_name]
+    assert stage["static_graph"]["if_as_both_branches"] == ["if"] and long_name in stage["toolkit_io_names"]
+    contract = json.loads((tmp_path / "out" / "input_contract.json").read_text())
+    assert [i["name"] for i in contract["inputs"]] == ["x.1"]
+    rows = [row["tensor"] for row in report["evaluation"]["layers"]]
+    assert rows and not any(row.startswith(stage["toolkit_io_names"][long_name]) for row in rows)
+
+
+@pytest.mark.slow
+def test_batchnorm_over_runtime_statistics_builds_instead_of_crashing_the_toolkit(tmp_path):
+    """Before: SIGSEGV in the toolkit's build after "I rknn building ..." (magika's last LayerNorm)."""
+    pytest.importorskip("rknn.api")
+    import qprep
+
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 4, 8)).astype(np.float32)} for i in range(8)]
+    report = qprep.run(_write(tmp_path, runtime_batchnorm_model(), samples), output_dir=str(tmp_path / "out"))
+    assert report["stages"][0]["static_graph"]["batchnorm_as_arithmetic"] == ["bn"]
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.95
+
+
+def test_float_set_nodes_whose_values_overflow_float16_stay_int8_and_infinite_masks_stay_float16():
+    """magika: activations up to 3.7e6 kept float16 became inf (cosine 1.8e-19); int8 holds them (0.937)."""
+    nodes = [helper.make_node("Mul", ["x", "big"], ["huge"], name="scale_up"),
+             helper.make_node("Relu", ["huge"], ["r"], name="relu"),
+             helper.make_node("Add", ["r", "mask"], ["masked"], name="mask_add"),
+             helper.make_node("Softmax", ["masked"], ["y"], name="softmax")]
+    model = make_model(nodes, [("x", [1, 4])], [("y", [1, 4])],
+                       {"big": np.float32(1e6), "mask": np.array([0, 0, 0, -np.inf], np.float32)})
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 4)).astype(np.float32)} for i in range(4)]
+    extremes = nonfinite.find(model, samples)
+    float_set = set(extremes.nodes) | {"kept_by_config"}
+    assert {"scale_up", "relu", "mask_add", "softmax"} <= float_set
+    kept, dropped = without_float16_overflow(model, float_set, extremes, samples)
+    assert set(dropped) == {"scale_up", "relu", "mask_add"} and "'huge'" in dropped["scale_up"]
+    assert kept == {"softmax", "kept_by_config"}  # reads the -inf sum only: float16 holds inf
+    assert without_float16_overflow(model, float_set, nonfinite.Extremes(), samples) == (float_set, {})

@@ -1,0 +1,268 @@
+"""Constructs rknn-toolkit2 cannot compile, rewritten into ones it compiles before it loads the model: exact in
+math, verified with ONNX Runtime on calibration samples; what cannot be rewritten is refused in one line.
+
+Facts (rknn-toolkit2 2.5.0, measured on tiny graphs and on the zoo models named):
+- BatchNormalization whose mean/variance are computed at run time (tf2onnx writes a Keras LayerNormalization as
+  FusedBatchNormV3 over statistics it computes: magika): the build dies with SIGSEGV after "I rknn building ..."
+  (at optimization_level 0 too, and without quantization); with constant statistics the same graph builds.
+  Rewritten as (x - mean) / sqrt(var + eps) * scale + bias, the per-channel inputs reshaped to [C, 1, ...].
+- If whose condition is computed from the inputs (openWakeWord's verifier gate): refused by the toolkit ("The If
+  will cause the graph to be a dynamic graph! Remove it manually"), and a branch reading a value of the outer graph
+  fails earlier in its If converter ("input 'x.1' of node Flatten_33 is not output of any previous nodes").
+  Rewritten as both branches inlined and Where(condition, then, else) (c·then + (1-c)·else for a one-element
+  output: Where over one element crashes the build too): the NPU computes both branches and keeps the one ONNX
+  Runtime would have run. Branches whose outputs differ in shape cannot be, and are refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qprep.errors import ModelError
+from qprep.model.info import iter_nodes
+from qprep.model.runtime import run_model
+from qprep.quantize.rknn.io_names import all_names, rename_values
+from qprep.verify import Tolerance, compare
+
+
+def refuse_unrewritable(model: onnx.ModelProto) -> None:
+    """ModelError for an If whose branches give outputs of different shapes: checked on the input model, before any
+    work (BatchNormalization is judged at quantize time: on the input model its statistics may still be computed
+    from constants that optimize folds)."""
+    ifs = [i for i, node in enumerate(model.graph.node) if _is_if(node)]
+    if ifs:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        for index in ifs:
+            branches = {a.name: a.g for a in inferred.graph.node[index].attribute}
+            _branch_outputs(model.graph.node[index], branches["then_branch"], branches["else_branch"])
+
+
+def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    """A copy of `model` with its If nodes and run-time BatchNormalization statistics rewritten → (model, record
+    {rewrite: [node names]}), unverified; ModelError for what cannot be."""
+    constants = _constants(model.graph)
+    if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) for n in model.graph.node):
+        return model, {}  # the common case, without copying the model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    record = {"if_as_both_branches": _ifs_as_both_branches(result), "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result)}
+    return result, {name: nodes for name, nodes in record.items() if nodes}
+
+
+def static_graph(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, dict]:
+    """`rewritten(model)`, verified on `samples` with ONNX Runtime: refused in one line when the outputs change."""
+    result, record = rewritten(model)
+    if not record:
+        return model, {}
+    if samples:
+        verdict = compare(run_model(model, samples, threads), run_model(result, samples, threads), Tolerance())
+        if not verdict.ok:
+            raise ModelError(f"quantize.rknn: rewriting {', '.join(record)} for rknn-toolkit2 changed the outputs "
+                             f"({verdict.reason}); export the model without them")
+    record["verified_on"] = len(samples)
+    return result, record
+
+
+def carried(float_set: set[str], model: onnx.ModelProto, record: dict) -> set[str]:
+    """`float_set` in the rewritten `model`: a rewritten node's replacement nodes (named under `<node>/`) stay
+    float where it was (keep_float puts a LayerNorm's BatchNormalization there: magika)."""
+    replaced = {name for key, names in record.items() if key != "verified_on" for name in names} & float_set
+    if not replaced:
+        return float_set
+    prefixes = tuple(f"{name}/" for name in replaced)
+    return (float_set - replaced) | {n.name for n in model.graph.node if n.name.startswith(prefixes)}
+
+
+# ------------------------------------------------------------------------- If → both branches + a selection
+
+
+def _ifs_as_both_branches(model: onnx.ModelProto) -> list[str]:
+    """Every If of the main graph (an inlined branch's own If included) → its branches' nodes + a selection."""
+    done = []
+    while True:
+        graph = model.graph
+        index = next((i for i, n in enumerate(graph.node) if _is_if(n)), None)
+        if index is None:
+            return done
+        node = graph.node[index]
+        inferred = onnx.shape_inference.infer_shapes(model)  # node order kept: the same If at `index`
+        branches = {a.name: a.g for a in node.attribute}
+        inferred_branches = {a.name: a.g for a in inferred.graph.node[index].attribute}
+        outputs = _branch_outputs(node, inferred_branches["then_branch"], inferred_branches["else_branch"])
+        taken = all_names(model) | {n.name for n in iter_nodes(graph)}
+        replacement, then_names = _inlined(branches["then_branch"], f"{node.name}/then/", taken, graph)
+        more, else_names = _inlined(branches["else_branch"], f"{node.name}/else/", taken, graph)
+        replacement += more
+        condition_shape = _value_shapes(inferred).get(node.input[0])
+        for position, output in enumerate(node.output):
+            if output:
+                shape, elem_type = outputs[position]
+                replacement += _selection(node, node.input[0], condition_shape, then_names[position],
+                                          else_names[position], output, shape, elem_type, taken, graph)
+        del graph.node[index]
+        for offset, new in enumerate(replacement):
+            graph.node.insert(index + offset, new)
+        done.append(node.name)
+
+
+def _branch_outputs(node: onnx.NodeProto, then: onnx.GraphProto, other: onnx.GraphProto) -> list[tuple[list, int]]:
+    """The branches' (output shape, element type), checked: both must give one fixed shape to select from."""
+    def outputs(branch):
+        return [([d.dim_value if d.HasField("dim_value") else None for d in o.type.tensor_type.shape.dim]
+                 if o.type.tensor_type.HasField("shape") else None, o.type.tensor_type.elem_type)
+                for o in branch.output]
+
+    then_outputs, else_outputs = outputs(then), outputs(other)
+    for position, ((a, _), (b, _)) in enumerate(zip(then_outputs, else_outputs)):
+        if a is None or b is None or a != b or None in a:
+            raise ModelError(f"quantize.rknn: node '{node.name}' is an If whose branches give output {position} "
+                             f"shapes {a} and {b}; rknn-toolkit2 compiles static graphs only, and qprep can run both "
+                             "branches only when they give one fixed shape: export the branch the device needs")
+    return then_outputs
+
+
+def _selection(node: onnx.NodeProto, condition: str, condition_shape: list | None, then: str, other: str,
+               output: str, shape: list[int], elem_type: int, taken: set[str],
+               graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """`output` = the `then` value where the one-element condition holds, else `other`: Where; for a one-element
+    output c·then + (1-c)·other instead (exact for 0/1 and finite values), since Where over one element crashes
+    the toolkit's build (SIGSEGV, measured on [1,1]; [1,8] builds). The condition is reshaped to the output's
+    rank when its own is higher or unknown, so broadcasting keeps the output's shape."""
+    def name(what: str) -> str:
+        return _unique(f"{node.name}/{what}", taken)
+
+    nodes = []
+    if condition_shape is None or len(condition_shape) > len(shape):
+        reshaped, target = name("condition"), name("condition_shape")
+        graph.initializer.append(numpy_helper.from_array(np.ones(len(shape), np.int64), target))
+        nodes.append(helper.make_node("Reshape", [condition, target], [reshaped], name=name("reshape_condition")))
+        condition = reshaped
+    if int(np.prod(shape)) != 1:
+        return nodes + [helper.make_node("Where", [condition, then, other], [output], name=name("where"))]
+    one, taken_then, taken_else = name("one"), name("then_weight"), name("else_weight")
+    chosen_then, chosen_else = name("then_selected"), name("else_selected")
+    graph.initializer.append(numpy_helper.from_array(
+        np.ones((), helper.tensor_dtype_to_np_dtype(elem_type)), one))
+    return nodes + [helper.make_node("Cast", [condition], [taken_then], to=elem_type, name=name("cast_condition")),
+                    helper.make_node("Sub", [one, taken_then], [taken_else], name=name("not_condition")),
+                    helper.make_node("Mul", [then, taken_then], [chosen_then], name=name("select_then")),
+                    helper.make_node("Mul", [other, taken_else], [chosen_else], name=name("select_else")),
+                    helper.make_node("Add", [chosen_then, chosen_else], [output], name=name("selected"))]
+
+
+def _inlined(branch: onnx.GraphProto, prefix: str, taken: set[str],
+             graph: onnx.GraphProto) -> tuple[list[onnx.NodeProto], list[str]]:
+    """The branch's nodes with its own values renamed under `prefix` (outer values keep their names), its
+    initializers moved into `graph` → (nodes, the branch's output names after renaming)."""
+    local = [t.name for t in branch.initializer] + [o for n in branch.node for o in n.output if o]
+    renames = {name: _unique(prefix + name, taken) for name in local}
+    copy = onnx.GraphProto()
+    copy.CopyFrom(branch)
+    rename_values(copy, renames)
+    graph.initializer.extend(copy.initializer)
+    nodes = []
+    for node in copy.node:
+        node.name = _unique(prefix + (node.name or node.op_type), taken)
+        nodes.append(node)
+    return nodes, [o.name for o in copy.output]
+
+
+# -------------------------------------------------------- BatchNormalization over run-time statistics
+
+
+def _is_if(node: onnx.NodeProto) -> bool:
+    return node.op_type == "If" and node.domain in ("", "ai.onnx")
+
+
+def _is_runtime_batchnorm(node: onnx.NodeProto, constants: set[str]) -> bool:
+    """A BatchNormalization with an input computed at run time (constant ones the toolkit folds)."""
+    return (node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx")
+            and not all(name in constants for name in node.input[1:5]))
+
+
+def _batchnorms_as_arithmetic(model: onnx.ModelProto) -> list[str]:
+    graph = model.graph
+    constants = _constants(graph)
+    if not any(_is_runtime_batchnorm(n, constants) for n in graph.node):
+        return []
+    shapes = _value_shapes(onnx.shape_inference.infer_shapes(model))
+    taken = all_names(model) | {n.name for n in iter_nodes(graph)}
+    done = []
+    for index in reversed(range(len(graph.node))):
+        node = graph.node[index]
+        if not _is_runtime_batchnorm(node, constants):
+            continue
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        rank = len(shapes[node.input[0]]) if shapes.get(node.input[0]) is not None else None
+        if attributes.get("training_mode", 0) or len([o for o in node.output if o]) > 1 or not rank or rank < 2:
+            raise ModelError(f"quantize.rknn: node '{node.name}' is a BatchNormalization over statistics computed "
+                             "at run time, which crashes rknn-toolkit2, and qprep cannot rewrite this one (training "
+                             "mode, running-statistics outputs or an input of unknown rank): export it in eval mode")
+        replacement = _arithmetic(node, rank, attributes.get("epsilon", 1e-5), taken, graph)
+        del graph.node[index]
+        for offset, new in enumerate(replacement):
+            graph.node.insert(index + offset, new)
+        done.append(node.name)
+    return done[::-1]
+
+
+def _arithmetic(node: onnx.NodeProto, rank: int, epsilon: float, taken: set[str],
+                graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """(x - mean) / sqrt(var + eps) * scale + bias, the [C] inputs reshaped to [C, 1, ...] against x's axis 1."""
+    x, scale, bias, mean, var = node.input[:5]
+
+    def name(what: str) -> str:
+        return _unique(f"{node.name}/{what}", taken)
+
+    nodes = []
+    if rank > 2:
+        shape = name("channel_shape")
+        graph.initializer.append(numpy_helper.from_array(np.array([-1] + [1] * (rank - 2), np.int64), shape))
+        channels = {}
+        for key, value in (("scale", scale), ("bias", bias), ("mean", mean), ("var", var)):
+            channels[key] = name(f"{key}_per_channel")
+            nodes.append(helper.make_node("Reshape", [value, shape], [channels[key]], name=name(f"reshape_{key}")))
+        scale, bias, mean, var = channels["scale"], channels["bias"], channels["mean"], channels["var"]
+    eps = name("epsilon")
+    graph.initializer.append(numpy_helper.from_array(np.array(epsilon, np.float32), eps))
+    centered, shifted, deviation, normalized, scaled = (name(w) for w in ("centered", "var_eps", "std", "normalized",
+                                                                          "scaled"))
+    nodes += [helper.make_node("Sub", [x, mean], [centered], name=name("sub_mean")),
+              helper.make_node("Add", [var, eps], [shifted], name=name("add_epsilon")),
+              helper.make_node("Sqrt", [shifted], [deviation], name=name("sqrt")),
+              helper.make_node("Div", [centered, deviation], [normalized], name=name("div_std")),
+              helper.make_node("Mul", [normalized, scale], [scaled], name=name("mul_scale")),
+              helper.make_node("Add", [scaled, bias], [node.output[0]], name=name("add_bias"))]
+    return nodes
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _value_shapes(inferred: onnx.ModelProto) -> dict[str, list | None]:
+    """Main-graph value → its shape in a model onnx's shape inference has run on (dims None where unknown)."""
+    graph = inferred.graph
+    shapes: dict[str, list | None] = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        tensor = value.type.tensor_type
+        shapes[value.name] = ([d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+                              if tensor.HasField("shape") else None)
+    for tensor in graph.initializer:
+        shapes[tensor.name] = list(tensor.dims)
+    return shapes
+
+
+def _constants(graph: onnx.GraphProto) -> set[str]:
+    """Initializers and Constant outputs: the values known before the graph runs."""
+    return {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+
+
+def _unique(wanted: str, taken: set[str]) -> str:
+    name, count = wanted, 1
+    while name in taken:
+        count += 1
+        name = f"{wanted}_{count}"
+    taken.add(name)
+    return name

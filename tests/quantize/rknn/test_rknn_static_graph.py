@@ -1,0 +1,113 @@
+"""What rknn-toolkit2 cannot compile, made static before it loads the model (static_graph.py), and the graph
+input/output names it is given (io_names.py): tiny graphs, checked with ONNX Runtime; no toolkit needed."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from qprep.errors import ModelError
+from qprep.model.runtime import run_model
+from qprep.quantize.rknn import io_names
+from qprep.quantize.rknn.limits import refuse_unsupported
+from qprep.quantize.rknn.names import IRNames
+from qprep.quantize.rknn.static_graph import rewritten, static_graph
+from graphs import gated_model, gated_samples, make_model, runtime_batchnorm_model
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3)])
+def test_a_data_dependent_if_becomes_both_branches_and_a_selection(shape):
+    model, samples = gated_model(shape), gated_samples()
+    static, record = static_graph(model, samples)
+    assert record == {"if_as_both_branches": ["if"], "verified_on": len(samples)}
+    ops = [n.op_type for n in static.graph.node]
+    assert "If" not in ops and ops.count("Sigmoid") == 2
+    # one element: c·then + (1-c)·else (Where over one element crashes the toolkit); more: Where
+    assert ("Where" in ops) == (shape != (1, 1))
+    onnx.checker.check_model(static, full_check=True)
+    gates = [run_model(model, [s])[0]["y"] for s in samples]
+    assert len({float(np.asarray(g).ravel()[0] >= 0.5) for g in gates}) == 2  # both branches taken on these samples
+    for sample in samples:
+        np.testing.assert_array_equal(run_model(static, [sample])[0]["y"], run_model(model, [sample])[0]["y"])
+
+
+def test_branches_of_different_shapes_are_refused_before_any_work():
+    model = gated_model((1, 2))
+    then = next(a.g for a in model.graph.node[-1].attribute if a.name == "then_branch")
+    then.node.append(helper.make_node("Concat", ["p2", "p2"], ["p3"], axis=1, name="concat"))
+    then.output[0].CopyFrom(helper.make_tensor_value_info("p3", onnx.TensorProto.FLOAT, [1, 4]))
+    with pytest.raises(ModelError, match=r"node 'if' is an If whose branches give output 0 shapes \[1, 4\] and "
+                                         r"\[1, 2\].*export the branch the device needs"):
+        refuse_unsupported(model)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_batchnorm_over_runtime_statistics_becomes_its_arithmetic(rank):
+    model = runtime_batchnorm_model(rank)
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    samples = [{"x": np.random.default_rng(i).standard_normal(shape).astype(np.float32)} for i in range(4)]
+    static, record = static_graph(model, samples)
+    assert record == {"batchnorm_as_arithmetic": ["bn"], "verified_on": 4}
+    ops = [n.op_type for n in static.graph.node]
+    assert "BatchNormalization" not in ops and ops.count("Reshape") == (4 if rank == 3 else 0)
+    for a, b in zip(run_model(model, samples), run_model(static, samples)):
+        np.testing.assert_allclose(a["y"], b["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_with_constant_statistics_and_graphs_without_either_are_left_alone():
+    """Statistics in initializers or Constant nodes (paddle2onnx's, before optimize folds them) are constant."""
+    model = runtime_batchnorm_model()
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.ones(4, np.float32), "mean"))
+    del model.graph.node[:3]
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["var"], name="var",
+                                                value=onnx.numpy_helper.from_array(np.ones(4, np.float32))))
+    assert rewritten(model) == (model, {})
+    refuse_unsupported(model)  # and nothing to refuse
+
+
+def test_training_mode_batchnorm_is_refused_with_the_fix():
+    model = runtime_batchnorm_model()
+    model.graph.node[-1].attribute.append(helper.make_attribute("training_mode", 1))
+    with pytest.raises(ModelError, match=r"node 'bn' is a BatchNormalization over statistics computed at run time.*"
+                                         r"export it in eval mode"):
+        rewritten(model)
+
+
+JSON_NAME = '{"1": "1_minute_timer", "2": "5_minute_timer", "3": "10_minute_timer", "4": "20_minute_timer", ' \
+            '"5": "30_minute_timer", "6": "1_hour_timer"}'
+
+
+def test_only_names_the_toolkit_may_not_take_are_renamed_uniquely_and_everywhere():
+    model = gated_model(x="x y")  # an input the If branch reads too
+    model.graph.output[0].name = model.graph.node[-1].output[0] = JSON_NAME
+    model.graph.node.append(helper.make_node("Identity", ["p1"], ["x_y"], name="taken"))  # the new name's clash
+    model.graph.output.extend([helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, 1])
+                               for name in ("x_y", "onnx::Flatten_0")])
+    model.graph.node.append(helper.make_node("Identity", ["p1"], ["onnx::Flatten_0"], name="kept"))
+    renames = io_names.toolkit_names(model)
+    assert renames == {"x y": "x_y_2", JSON_NAME: "output_0_1_1_minute_timer_2_5_minute_timer_3_10_minute_ti"}
+    assert io_names.needs_new_name("a" * 128) and not io_names.needs_new_name("a" * 127)
+    back = {new: old for old, new in renames.items()}  # analysis rows: the toolkit's suffixes kept, not prefixes
+    assert io_names.translated("x_y_2-rs__float16", back) == "x y-rs__float16"
+    assert io_names.translated("x_y_2x", back) == "x_y_2x"
+    result = io_names.renamed(model, renames)
+    onnx.checker.check_model(result, full_check=True)
+    assert [i.name for i in result.graph.input] == ["x_y_2"]
+    assert [o.name for o in result.graph.output] == [renames[JSON_NAME], "x_y", "onnx::Flatten_0"]
+    assert not {"x y", JSON_NAME} & io_names.all_names(result)  # the If branch's outer read included
+    samples = gated_samples(4, x="x y")
+    renamed_samples = [{"x_y_2": s["x y"]} for s in samples]
+    for a, b in zip(run_model(model, samples), run_model(result, renamed_samples)):
+        assert [np.asarray(v).tolist() for v in a.values()] == [np.asarray(v).tolist() for v in b.values()]
+    assert model.graph.input[0].name == "x y"  # the user's model is untouched
+
+
+def test_ir_names_map_a_renamed_output_back_to_the_users_node(tmp_path):
+    """The float-set map finds a graph output the toolkit knew under its new name by the user's output name."""
+    ir = make_model([helper.make_node("Relu", ["x"], ["y_new_rs"], name="renamed_by_toolkit")], [("x", [1, 4])],
+                    [("y_new_rs", [1, 4])])
+    onnx.save(ir, str(tmp_path / "m.model"))
+    cfg = "custom_quantize_layers: {}\nquantize_parameters:\n    y_new_rs:\n        dtype: asymmetric_affine\n"
+    names = IRNames(str(tmp_path / "m.model"), cfg, {"y/original": "y_new"})
+    user_node = helper.make_node("Relu", ["x"], ["y/original"], name="relu")
+    assert names.map_node(user_node) == (["y_new_rs"], "output name")
