@@ -16,8 +16,16 @@ def decision_lines(stage: dict) -> list[str]:
     """The decisions of one quantize stage record (empty for other stages)."""
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
-    return [line for line in (_ranges(stage), _rounding(stage), _bias(stage), _fallback(stage), _float_nodes(stage),
+    return [line for line in (_activations(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage), _float_nodes(stage),
                               *_fitting(stage)) if line]
+
+
+def _activations(stage: dict) -> str:
+    """ORT: static or dynamic activation ranges, and why when `auto` chose."""
+    activations = stage.get("activations") or {}
+    if "chosen" in activations:
+        return f"activations: **{activations['chosen']}** ({activations['why']})"
+    return f"activations: {activations['configured']} (configured)" if activations else ""
 
 
 def _ranges(stage: dict) -> str:

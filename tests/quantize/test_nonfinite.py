@@ -65,7 +65,8 @@ def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path, method
     report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
                         "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
                         "pipeline": [{"quantize": {"backend": "ort", "ort": {
-                            "weight_rounding": "nearest", "bias_correction": False, "calibrate_method": method}}}]},
+                            "activations": "static", "weight_rounding": "nearest", "bias_correction": False,
+                            "calibrate_method": method}}}]},
                        output_dir=str(tmp_path / "out"))
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.98
     assert MASK_CHAIN <= set(report["float_set"])

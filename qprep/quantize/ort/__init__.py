@@ -25,9 +25,11 @@ log = logging.getLogger("qprep")
 
 OPTIONS = section(
     "ONNX Runtime static quantization (backend: ort)",
-    activations=Key("str", default="static", choices=("static", "dynamic"),
+    activations=Key("str", default="auto", choices=("auto", "static", "dynamic"),
                     doc="static: calibrated activation ranges (CNNs); dynamic: ranges computed per inference for "
-                        "MatMul inputs (transformers, whose static ranges fail: MiniLM cosine 0.42 → 0.98)"),
+                        "MatMul inputs (transformers, whose static ranges fail: MiniLM cosine 0.42 → 0.98); auto: "
+                        "dynamic for a model with attention whose MatMul/Gemm layers carry most multiply-adds, "
+                        "else static (activations.py)"),
     format=Key("str", default="qdq", choices=("qdq", "qoperator"), doc="QDQ (recommended) or QOperator; "
                "dynamic activations are always QOperator (MatMulInteger)"),
     activation_type=Key("str", default="uint8", choices=("uint8", "int8"), doc="activation integer type"),
@@ -57,6 +59,7 @@ def quantize(job: BackendInput) -> Quantized:
     # and the config schema imports this package for OPTIONS on every run, whatever the backend
     import onnxruntime
 
+    from qprep.quantize.ort.activations import choose as choose_activations
     from qprep.quantize.ort.quantizer import OrtQuantizer
     from qprep.quantize.ort.search import fallback
 
@@ -65,6 +68,12 @@ def quantize(job: BackendInput) -> Quantized:
     # weight: the terminal shows qprep's lines only (qprep's own sessions set severity 3 in model/runtime.py)
     onnxruntime.set_default_logger_severity(3)
     options, float_set = job.options, job.float_set
+    activations = {"configured": options["activations"]}
+    if options["activations"] == "auto":
+        chosen, why = choose_activations(job.model)
+        options = job.options = {**options, "activations": chosen}
+        activations.update(chosen=chosen, why=why)
+        log.info("ort: activations %s (%s)", chosen, why)
     unknown = sorted(set(options["nodes_to_exclude"]) - {n.name for n in job.model.graph.node})
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
@@ -78,7 +87,8 @@ def quantize(job: BackendInput) -> Quantized:
     quantized = quantizer.build(excluded, settings)
     if not quantizer.dynamic:  # exact, for speed: ORT would run these MaxPools on uint8 with a slow kernel
         quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
-    details.update({"excluded_nodes": sorted(excluded), "calibration_samples": len(job.samples),
+    details.update({"activations": activations, "excluded_nodes": sorted(excluded),
+                    "calibration_samples": len(job.samples),
                     "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,
                     "bias_correction": quantizer.bias,
                     "float_op_types": sorted(settings.float_op_types),
