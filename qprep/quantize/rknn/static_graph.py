@@ -12,6 +12,9 @@ Facts (rknn-toolkit2 2.5.0, measured on tiny graphs and on the zoo models named)
   Rewritten as both branches inlined and Where(condition, then, else) (c·then + (1-c)·else for a one-element
   output: Where over one element crashes the build too): the NPU computes both branches and keeps the one ONNX
   Runtime would have run. Branches whose outputs differ in shape cannot be, and are refused.
+- Loop (SLANet's table decoder: a constant trip count with an early-exit condition): refused by the toolkit after
+  a minute of work ("The Loop('Loop.0') will cause the graph to be a dynamic graph! Remove it manually"); refused
+  here before any work, naming the node (unrolling a loop that may exit early would change the model).
 """
 
 from __future__ import annotations
@@ -28,9 +31,14 @@ from qprep.verify import Tolerance, compare
 
 
 def refuse_unrewritable(model: onnx.ModelProto) -> None:
-    """ModelError for an If whose branches give outputs of different shapes: checked on the input model, before any
-    work (BatchNormalization is judged at quantize time: on the input model its statistics may still be computed
-    from constants that optimize folds)."""
+    """ModelError for a Loop, or an If whose branches give outputs of different shapes: checked on the input model,
+    before any work (BatchNormalization is judged at quantize time: on the input model its statistics may still
+    be computed from constants that optimize folds)."""
+    loop = next((node for node in model.graph.node if node.op_type == "Loop" and node.domain in ("", "ai.onnx")), None)
+    if loop is not None:
+        raise ModelError(f"quantize.rknn: node '{loop.name}' is a Loop, and rknn-toolkit2 compiles static graphs only "
+                         "(\"will cause the graph to be a dynamic graph\"); export the model with the loop unrolled to "
+                         "a fixed length, or use backend ort")
     ifs = [i for i, node in enumerate(model.graph.node) if _is_if(node)]
     if ifs:
         inferred = onnx.shape_inference.infer_shapes(model)

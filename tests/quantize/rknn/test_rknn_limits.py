@@ -207,3 +207,17 @@ def test_float_set_nodes_whose_values_overflow_float16_stay_int8_and_infinite_ma
     assert set(dropped) == {"scale_up", "relu", "mask_add"} and "'huge'" in dropped["scale_up"]
     assert kept == {"softmax", "kept_by_config"}  # reads the -inf sum only: float16 holds inf
     assert without_float16_overflow(model, float_set, nonfinite.Extremes(), samples) == (float_set, {})
+
+
+def test_a_loop_is_refused_before_any_work_naming_the_node():
+    """SLANet's decoder Loop: the toolkit refused it after 90 s ("will cause the graph to be a dynamic graph")."""
+    from graphs import make_graph
+
+    body = make_graph([helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+                       helper.make_node("Add", ["v_in", "one"], ["v_out"])],
+                      [("i", [], np.int64), ("cond_in", [], np.bool_), ("v_in", [1])],
+                      [("cond_out", [], np.bool_), ("v_out", [1])], {"one": np.ones(1, np.float32)}, name="body")
+    model = make_model([helper.make_node("Loop", ["trips", "cond", "x"], ["y"], name="decoder", body=body)],
+                       [("x", [1])], [("y", [1])], {"trips": np.int64(4), "cond": np.bool_(True)}, infer_shapes=False)
+    with pytest.raises(ModelError, match="node 'decoder' is a Loop.*unrolled to a fixed length, or use backend ort"):
+        refuse_unsupported(model)
