@@ -21,7 +21,7 @@ def input_contract(inputs, normalization: dict | None, options: dict) -> dict:
         if normalization and spec.name == normalization["input"]:
             entry.update(feed="uint8 pixels, NHWC, in this channel order; the NPU applies (x - mean) / std",
                          channel_order=normalization["channel_order"], mean=normalization["mean"],
-                         std=normalization["std"])
+                         std=normalization["std"], resize=normalization.get("resize", "stretch"))
         else:
             entry["feed"] = f"{spec.dtype} array of this shape, as given to the ONNX model"
         contract["inputs"].append(entry)

@@ -31,7 +31,7 @@ def normalization(job: BackendInput) -> dict | None:
     mean = reader.mean.tolist() if reader.mean is not None else [0.0] * channels
     std = reader.std.tolist() if reader.std is not None else [1.0] * channels
     return {"input": reader.input.name, "mean": mean, "std": std, "channel_order": reader.channel_order,
-            "layout": reader.layout}
+            "layout": reader.layout, "resize": reader.resize}
 
 
 def write_dataset(job: BackendInput, work: Path, normalization: dict | None) -> Path:
