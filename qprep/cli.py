@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--dry-run", action="store_true", help="print the pip commands without running them")
     _common(setup)
 
+    completion = sub.add_parser("completion", help="print a shell completion script",
+                                description='bash (zsh with bashcompinit): eval "$(qprep completion bash)" in ~/.bashrc')
+    completion.add_argument("shell", choices=["bash"], help="the shell (bash; zsh through bashcompinit)")
+
     config = sub.add_parser("config", help="show the config reference")
     config.add_argument("--schema", action="store_true", help="every key with its type, default and meaning")
     _common(config)
@@ -255,6 +259,13 @@ def cmd_setup(args) -> int:
     return EXIT_OK
 
 
+def cmd_completion(args) -> int:
+    from qprep.completion import bash_script
+
+    print(bash_script(build_parser()), end="")
+    return EXIT_OK
+
+
 def cmd_config(args) -> int:
     from qprep.config import SCHEMA
     from qprep.schema import reference
@@ -331,4 +342,4 @@ MAX_TERMINAL_WARNINGS = 5  # the rest are in report.md
 
 COMMANDS = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "init": cmd_init,
             "config": cmd_config, "batch": cmd_batch, "compare": cmd_compare, "evaluate": cmd_evaluate,
-            "setup": cmd_setup}
+            "setup": cmd_setup, "completion": cmd_completion}
