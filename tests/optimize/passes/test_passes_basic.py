@@ -244,16 +244,21 @@ def test_cleanup_keeps_an_add_that_broadcasts_to_a_bigger_shape():
     assert ops(out) == {"Add": 1}
 
 
-def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity():
-    """then-branch: Identity(a) with `a` from the main graph; renaming `a` would break the main graph."""
-    then = make_graph([helper.make_node("Identity", ["a"], ["t"])], [], [("t", [1, 3, 8, 8])], name="then")
+def _if_reading_outer_value(then_nodes):
+    """x → a = Relu(x); If(sum(x) > 0): then_nodes (reading `a`, returning `t`) else Neg(a); y = If + a."""
+    then = make_graph(then_nodes, [], [("t", [1, 3, 8, 8])], name="then")
     other = make_graph([helper.make_node("Neg", ["a"], ["e"])], [], [("e", [1, 3, 8, 8])], name="else")
     nodes = [helper.make_node("Relu", ["x"], ["a"]),
              helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
              helper.make_node("Greater", ["s", "zero"], ["c"]),
              helper.make_node("If", ["c"], ["i"], then_branch=then, else_branch=other),
              helper.make_node("Add", ["i", "a"], ["y"])]
-    model = make_model(nodes, [X], [("y", [1, 3, 8, 8])], {"zero": np.float32(0)})
+    return make_model(nodes, [X], [("y", [1, 3, 8, 8])], {"zero": np.float32(0)})
+
+
+def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity():
+    """then-branch: Identity(a) with `a` from the main graph; renaming `a` would break the main graph."""
+    model = _if_reading_outer_value([helper.make_node("Identity", ["a"], ["t"])])
     out, _ = apply_pass(cleanup.PASS, model)
     onnx.checker.check_model(out)
     for sign in (1, -1):
@@ -263,16 +268,8 @@ def test_cleanup_keeps_an_if_branch_that_returns_an_outer_value_through_identity
 def test_simplify_shapes_keeps_an_if_branch_that_returns_an_outer_value():
     """then-branch: Transpose(Transpose(a)) with `a` from the main graph composes to nothing; the branch must
     still return `a` under its own output name (silero VAD: 'Graph output ... is not an output of any node')."""
-    then = make_graph([helper.make_node("Transpose", ["a"], ["ta"], perm=[0, 2, 1, 3]),
-                       helper.make_node("Transpose", ["ta"], ["t"], perm=[0, 2, 1, 3])],
-                      [], [("t", [1, 3, 8, 8])], name="then")
-    other = make_graph([helper.make_node("Neg", ["a"], ["e"])], [], [("e", [1, 3, 8, 8])], name="else")
-    nodes = [helper.make_node("Relu", ["x"], ["a"]),
-             helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
-             helper.make_node("Greater", ["s", "zero"], ["c"]),
-             helper.make_node("If", ["c"], ["i"], then_branch=then, else_branch=other),
-             helper.make_node("Add", ["i", "a"], ["y"])]
-    model = make_model(nodes, [X], [("y", [1, 3, 8, 8])], {"zero": np.float32(0)})
+    model = _if_reading_outer_value([helper.make_node("Transpose", ["a"], ["ta"], perm=[0, 2, 1, 3]),
+                                     helper.make_node("Transpose", ["ta"], ["t"], perm=[0, 2, 1, 3])])
     out, outcome = apply_pass(simplify_shapes.PASS, model)
     assert outcome.matches > 0
     branch = next(n for n in out.graph.node if n.op_type == "If")
