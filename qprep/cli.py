@@ -284,8 +284,8 @@ def cmd_batch(args) -> int:
     summary = run_batch(args.config, args.folder, args.out, jobs=args.jobs, recursive=args.recursive,
                         resume=args.resume, timeout=args.timeout, sets=args.sets, quiet=args.quiet)
     counts = summary["counts"]
-    print(f"qprep batch: {counts['ok']} ok, {counts['gate missed']} gate missed, {counts['failed']} failed "
-          f"— {Path(args.out) / 'summary.md'}")
+    print(f"qprep batch: {counts['ok']} ok, {counts['gate missed']} gate missed, {counts['refused']} refused, "
+          f"{counts['failed']} failed — {Path(args.out) / 'summary.md'}")
     return exit_code(summary)
 
 

@@ -77,13 +77,18 @@ def raise_interrupted(signum, frame):
 
 
 class ToolkitError(QprepError):
-    """A third-party toolkit (rknn-toolkit2) crashed: its process died from a signal (SIGABRT from a C++
-    assertion, SIGSEGV, SIGKILL from the OOM killer) instead of returning an error.
+    """A third-party toolkit (rknn-toolkit2) failed on a model qprep handed it: an error of its own (a
+    traceback, a non-zero return), or its process died from a signal (SIGABRT from a C++ assertion, SIGSEGV,
+    SIGKILL from the OOM killer).
 
-    Exit 3, not 2: qprep could not foresee the input that crashes the toolkit, so it cannot say what to
+    Exit 3, not 2: qprep could not foresee the input that breaks the toolkit, so it cannot say what to
     change; the line names the toolkit step, the signal and the toolkit's own last error, and the toolkit log
     holds the rest. Inputs qprep knows the toolkit cannot take are refused before it runs, with exit 2 and the
     fix (e.g. a model with no float tensor on backend rknn). It is still one line without a traceback: the
     run directory has the failed report and the manifest."""
 
     exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str, crashed: bool = False):
+        super().__init__(message)
+        self.crashed = crashed  # the worker died: every RKNN object it held is gone

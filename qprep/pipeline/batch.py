@@ -85,7 +85,7 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
         except OSError as exc:  # a symlink loop, a dangling symlink, a folder named *.onnx: this entry fails alone
             rows[name] = _unreadable_row(name, model, exc)
             if not quiet:
-                print(f"qprep batch: {name}: failed — {rows[name]['error']}", file=sys.stderr, flush=True)
+                print(f"qprep batch: {name}: refused — {rows[name]['error']}", file=sys.stderr, flush=True)
             continue
         if digest in twins:
             rows[name] = {"model": name, "status": "duplicate", "note": f"identical to {twins[digest]}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from qprep.errors import QprepError, ToolkitError
+from qprep.errors import QprepError
 from qprep.quantize import search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.budget import Budget
@@ -87,10 +87,8 @@ def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analy
     build with `chosen` as float16 layers, largest first; one node per group of tensors."""
     try:
         analysis = builder.session(base_float | set(chosen)).analyze(analysis_samples)
-    except ToolkitError:  # the worker crashed: every build is gone
-        raise
     except QprepError as exc:
-        if not chosen:
+        if not chosen or getattr(exc, "crashed", False):  # a crashed worker took every build with it
             raise
         log.warning("rknn fallback: accuracy_analysis of the build with float16 layers failed (%s); "
                     "ranking stops", exc)

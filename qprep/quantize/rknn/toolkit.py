@@ -64,11 +64,11 @@ class Toolkit:
         except Exception as exc:  # the toolkit raises bare ValueError/KeyError with its message last
             self._copy_to_run_log(start, step)
             lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-            raise QprepError(f"rknn-toolkit2 {step} failed: {self.error_line(start) or (lines[-1] if lines else type(exc).__name__)}"
+            raise ToolkitError(f"rknn-toolkit2 {step} failed: {self.error_line(start) or (lines[-1] if lines else type(exc).__name__)}"
                              f" (toolkit log: {self.log_path})") from None
         self._copy_to_run_log(start, step)
         if result is None or (isinstance(result, int) and result != 0):
-            raise QprepError(f"rknn-toolkit2 {step} failed: {self.error_line(start) or f'returned {result}'} "
+            raise ToolkitError(f"rknn-toolkit2 {step} failed: {self.error_line(start) or f'returned {result}'} "
                              f"(toolkit log: {self.log_path})")
         return result
 
@@ -97,7 +97,8 @@ class Toolkit:
             self.close()
             why = self.error_line(start) or ("no error in its log; killed from outside (out of memory?)"
                                               if exc.how == "SIGKILL" else "no error in its log")
-            raise ToolkitError(f"rknn-toolkit2 crashed ({exc.how}) in {step}: {why} (toolkit log: {self.log_path})") from None
+            raise ToolkitError(f"rknn-toolkit2 crashed ({exc.how}) in {step}: {why} (toolkit log: {self.log_path})",
+                               crashed=True) from None
 
     def _copy_to_run_log(self, start: int, step: str) -> None:
         """What the toolkit printed during one call, into qprep.log (colour codes stripped)."""
