@@ -148,7 +148,7 @@ def test_the_npu_normalizes_only_channels_first_image_inputs(layout, on_npu):
     from qprep.quantize.rknn.dataset import normalization
 
     reader = SimpleNamespace(channels=3, mean=np.full(3, 127.5), std=np.full(3, 127.5), channel_order="rgb",
-                             layout=layout, input=SimpleNamespace(name="image"))
+                             layout=layout, resize="stretch", input=SimpleNamespace(name="image"))
     job = SimpleNamespace(calibration=SimpleNamespace(image_reader=reader))
     assert (normalization(job) is not None) == on_npu
 
