@@ -392,7 +392,7 @@ def render_table(rows: list[dict], label: str) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "gate missed", "refused", "failed")}
     lines = [f"Zoo `{label}`: {len(rows)} models — {counts['ok']} ok, {counts['gate missed']} gate missed, "
              f"{counts['refused']} refused (one line naming what qprep does not take), {counts['failed']} failed. "
-             "Held-out: {SPLIT_COUNTS['heldout']} samples per model, never seen by qprep.",
+             f"Held-out: {SPLIT_COUNTS['heldout']} samples per model, never seen by qprep.",
              "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"
