@@ -137,12 +137,14 @@ def attach_log(path: Path) -> logging.Handler:
 @contextlib.contextmanager
 def toolkit_logging_to_run_log():
     """Toolkits (ORT's quantizer, rknn-toolkit2) log through the root logger and would print to the
-    terminal; while they run, their records go to the run log instead."""
+    terminal; while they run, their warnings go to the run log instead. Not their INFO records: ORT's quantizer
+    writes one per tensor ("Quantization parameters for tensor ... not specified", "Ignore MatMul due to non
+    constant B"), hundreds of lines on a transformer that said nothing qprep's own lines do not."""
     root = logging.getLogger()
     run_handlers = logging.getLogger("qprep").handlers
     saved, level = root.handlers[:], root.level
     root.handlers = list(run_handlers)
-    root.setLevel(logging.INFO)
+    root.setLevel(logging.WARNING)
     quiet = [logging.getLogger(name) for name in CHATTY_LIBRARIES]
     quiet_levels = [logger.level for logger in quiet]
     for logger in quiet:
