@@ -106,10 +106,12 @@ def check_scales(model: onnx.ModelProto) -> None:
                                  "please report it, and keep its producer float meanwhile (keep_float.nodes)")
 
 
-def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float) -> tuple[onnx.ModelProto, dict]:
-    """A copy of `model` whose extreme float constants are clipped to ±`bound` (NaN left alone) → (model,
-    {constant: "[before] → [after]"}). For a backend whose float is float16, where finfo(float32).min and -1e9
-    become -inf and HF's `(1 - mask) * fill` then gives 0 * -inf = NaN. The caller verifies the numbers."""
+def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float,
+                   nan: float | None = None) -> tuple[onnx.ModelProto, dict]:
+    """A copy of `model` whose extreme float constants are clipped to ±`bound` (NaN left alone, or replaced by
+    `nan`) → (model, {constant: "[before] → [after]"}). For a backend whose float is float16, where
+    finfo(float32).min and -1e9 become -inf and HF's `(1 - mask) * fill` then gives 0 * -inf = NaN. The caller
+    verifies the numbers."""
     clipped = onnx.ModelProto()
     clipped.CopyFrom(model)
     names = {name for name, stats in extremes.tensors.items() if stats["kind"] == "constant"}
@@ -118,6 +120,8 @@ def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float) -> 
         if name in names:
             array = numpy_helper.to_array(tensor)
             values = np.clip(array, -bound, bound).astype(array.dtype)
+            if nan is not None:
+                values = np.where(np.isnan(values), np.asarray(nan, values.dtype), values)
             tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
             changed[name] = f"{describe(_stats(array))} → {describe(_stats(values))}"
     return clipped, changed

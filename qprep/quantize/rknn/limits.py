@@ -80,11 +80,13 @@ def within_opset(model: onnx.ModelProto, samples: list[dict], threads: int = 2) 
 
 def float16_safe(model: onnx.ModelProto, extremes: Extremes, samples: list[dict],
                  threads: int = 2) -> tuple[onnx.ModelProto, dict]:
-    """`model` with its extreme constants (nonfinite.py) clipped to ±MASK_BOUND → (model, record), when that
-    leaves the float32 outputs on `samples` within the verification tolerance (exp(-10000) is 0 as exp(-inf)
-    is); else the model as it was and the reason. Measured on a masked attention with HF's `(1 - mask) * -1e9`:
-    the mask kept float16 unclipped, cosine 0.876 → 0.778."""
-    clipped, changed = nonfinite.clip_constants(model, extremes, MASK_BOUND)
+    """`model` with its extreme constants (nonfinite.py) clipped to ±MASK_BOUND and their NaN set to 0 → (model,
+    record), when that leaves the float32 outputs on `samples` within the verification tolerance (exp(-10000) is
+    0 as exp(-inf) is; a NaN fill is selected only for inputs the model rejects); else the model as it was and the
+    reason. Measured on a masked attention with HF's `(1 - mask) * -1e9`: the mask kept float16 unclipped, cosine
+    0.876 → 0.778. NaN: jax2tf's `jnp.take` writes a NaN-filled [1,128,384] constant for out-of-range ids into a
+    Where, and the toolkit's range of that Where input is NaN ("cannot convert float NaN to integer" in step1)."""
+    clipped, changed = nonfinite.clip_constants(model, extremes, MASK_BOUND, nan=0.0)
     if not changed:
         return model, {}
     record = {"bound": MASK_BOUND, "constants": changed, "verified_on": len(samples)}

@@ -66,6 +66,20 @@ def test_mask_constants_are_clipped_for_float16_only_when_the_outputs_stay():
     assert kept is offset and record["clipped"] is False and "max |a-b|" in record["reason"]
 
 
+def test_a_nan_fill_constant_becomes_zero_for_the_toolkit_when_no_sample_selects_it():
+    """jax2tf's jnp.take: Where(ids in range, gathered, NaN fill). The toolkit took a range over the NaN fill
+    (step1: "cannot convert float NaN to integer"); valid ids never select it, so 0 changes no output."""
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["ok"], name="check"),
+             helper.make_node("Where", ["ok", "x", "fill"], ["y"], name="select")]
+    model = make_model(nodes, [("x", [1, 4])], [("y", [1, 4])],
+                       {"zero": np.float32(0), "fill": np.full((1, 4), np.nan, np.float32)})
+    samples = [{"x": np.random.default_rng(i).uniform(0.1, 1, (1, 4)).astype(np.float32)} for i in range(3)]
+    safe, record = float16_safe(model, nonfinite.find(model, samples), samples)
+    assert record["clipped"] and "fill" in record["constants"]
+    fill = next(t for t in safe.graph.initializer if t.name == "fill")
+    assert (onnx.numpy_helper.to_array(fill) == 0).all()
+
+
 @pytest.mark.parametrize("op", ["RandomNormalLike", "RandomUniformLike"])
 def test_random_ops_are_refused_before_any_work(tmp_path, op):
     pytest.importorskip("rknn.api")  # without the toolkit the run is refused for that first
