@@ -18,6 +18,7 @@ from pathlib import Path
 
 import onnx
 
+from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.quantize.rknn import dataset, io_names, limits, static_graph
@@ -258,7 +259,7 @@ def quantize(job: BackendInput) -> Quantized:
     except BaseException:
         builder.close()
         raise
-    board = write_board_files(work, builder.inputs, builder.normalization, options)
+    board = write_board_files(work, builder.inputs, builder.normalization, options, ctc.dictionary(job.model))
     return Quantized(model=job.model, details=builder.details, runner=runner, deployable="model.rknn",
                      analyzer=(lambda samples: runner.analyze(samples[: options["analysis_samples"]]))
                      if options["analysis_samples"] else None,

@@ -28,9 +28,13 @@ def input_contract(inputs, normalization: dict | None, options: dict) -> dict:
     return contract
 
 
-def write_board_files(work: Path, inputs, normalization: dict | None, options: dict) -> dict[str, Path]:
-    """input_contract.json and run_on_board.py in `work` → artifact name → path."""
+def write_board_files(work: Path, inputs, normalization: dict | None, options: dict,
+                      characters: list[str] | None = None) -> dict[str, Path]:
+    """input_contract.json and run_on_board.py in `work` → artifact name → path. `characters`: an OCR model's
+    CTC dictionary (its metadata, evaluate/ctc.py), so the board runner prints text, not class ids."""
     contract = input_contract(inputs, normalization, options)
+    if characters:
+        contract["ctc_characters"] = characters
     (work / "input_contract.json").write_text(json.dumps(contract, indent=2) + "\n")
     script = resources.files(__package__).joinpath("run_on_board.py").read_text()
     (work / "run_on_board.py").write_text(script)

@@ -5,7 +5,9 @@
 
 Images are resized the way the calibration images were (input_contract.json: stretch, center_crop, or none:
 the image must already have the model's size). Each output is printed for what it looks like: top-5 classes of a
-[1, classes] output, the arg-max per step of a [1, steps, classes] sequence, otherwise shape and value range.
+[1, classes] output, the arg-max per step of a [1, steps, classes] sequence (read as text by greedy CTC decoding
+when input_contract.json carries the model's character list: blank 0, repeats collapsed), otherwise shape and
+value range.
 """
 import json
 import sys
@@ -35,12 +37,20 @@ def image_input(spec, path):
     return np.ascontiguousarray(pixels[None])  # NHWC uint8; the NPU normalizes
 
 
-def describe(index, out):
+def ctc_text(steps, characters):
+    """Greedy CTC: repeats collapsed, blank (class 0) dropped; class i is characters[i - 1], the next a space."""
+    kept = [int(s) for i, s in enumerate(steps) if s != 0 and (i == 0 or s != steps[i - 1])]
+    return "".join(characters[s - 1] if s <= len(characters) else " " for s in kept)
+
+
+def describe(index, out, characters=None):
     if out.ndim == 2 and out.shape[0] == 1 and out.shape[1] > 1:
         top = np.argsort(out[0])[::-1][:5]
         return f"output {index}: top-5 " + ", ".join(f"{int(k)} ({float(out[0, k]):.4g})" for k in top)
     if out.ndim == 3 and out.shape[0] == 1 and out.shape[2] > 1:
         steps = np.argmax(out[0], axis=-1)
+        if characters and out.shape[2] in (len(characters) + 1, len(characters) + 2):
+            return f"output {index}: text {ctc_text(steps.tolist(), characters)!r}"
         return f"output {index}: arg-max per step ({len(steps)} steps) {steps.tolist()}"
     return (f"output {index}: shape {list(out.shape)}, min {float(out.min()):.4g}, max {float(out.max()):.4g}, "
             f"mean {float(out.mean()):.4g}")
@@ -58,5 +68,5 @@ rknn = RKNNLite()
 assert rknn.load_rknn("model.rknn") == 0, "load_rknn failed"
 assert rknn.init_runtime() == 0, "init_runtime failed"
 for i, out in enumerate(rknn.inference(inputs=feeds)):
-    print(describe(i, np.asarray(out)))
+    print(describe(i, np.asarray(out), contract.get("ctc_characters")))
 rknn.release()

@@ -22,11 +22,12 @@ class RKNNLite:
 '''
 
 
-def _board(tmp_path, inputs):
+def _board(tmp_path, inputs, **contract):
     (tmp_path / "rknnlite").mkdir()
     (tmp_path / "rknnlite" / "__init__.py").write_text("")
     (tmp_path / "rknnlite" / "api.py").write_text(FAKE_LITE)
-    (tmp_path / "input_contract.json").write_text(json.dumps({"target_platform": "rk3588", "inputs": inputs}))
+    (tmp_path / "input_contract.json").write_text(json.dumps({"target_platform": "rk3588", "inputs": inputs,
+                                                              **contract}))
     script = resources.files("qprep.quantize.rknn").joinpath("run_on_board.py").read_text()
     (tmp_path / "run_on_board.py").write_text(script)
 
@@ -58,3 +59,11 @@ def test_a_model_of_other_inputs_is_fed_from_an_npz_by_input_name(tmp_path):
     np.savez(tmp_path / "s.npz", mask=np.ones((1, 4), np.int64), ids=np.full((1, 4), 7, np.int64))
     _, fed = _run(tmp_path, tmp_path / "s.npz")
     assert fed == [[[1, 4], "int64", 7.0], [[1, 4], "int64", 1.0]]
+
+
+def test_a_recognizer_output_is_read_as_text_with_the_models_character_list(tmp_path):
+    """Steps [2, 0, 3] over 4 classes (blank + 3 symbols): "b", blank, "c" → "bc"."""
+    _board(tmp_path, [{"name": "ids", "shape": [1, 4], "dtype": "int64"}], ctc_characters=["a", "b", "c"])
+    np.savez(tmp_path / "s.npz", ids=np.zeros((1, 4), np.int64))
+    out, _ = _run(tmp_path, tmp_path / "s.npz")
+    assert out.splitlines()[1] == "output 1: text 'bc'"
