@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qprep import jsonfile
 from qprep.config import load_config, run_overrides
-from qprep.errors import EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, QprepError
+from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError
 from qprep.model.io import atomic_write_text, sha256_file
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 
@@ -208,9 +208,8 @@ def _worst_first(row: dict):
 
 
 def exit_code(summary: dict) -> int:
-    """The worst outcome: 3 a model failed (internal error, crash, timeout), 2 one was refused, 1 a gate missed."""
-    if summary["counts"]["failed"]:
-        return EXIT_INTERNAL
-    if summary["counts"]["refused"]:
+    """2 when any model failed or was refused (DESIGN.md: scripts rely on it; the summary says which), else 1
+    when any gate was missed, else 0."""
+    if summary["counts"]["failed"] or summary["counts"]["refused"]:
         return EXIT_USAGE
     return EXIT_GATE_MISSED if summary["counts"]["gate missed"] else EXIT_OK
