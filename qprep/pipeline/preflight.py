@@ -79,11 +79,6 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     model, record, warnings, data_files = loaded
     with found.attempt():
         refuse_inputs_inside_run_dir(config, data_files)  # the external data files are known once it is read
-    for name, options in config.stages:  # what a stage cannot take from this model (e.g. an op its toolkit refuses)
-        stage = registry()[name]
-        if stage.check_model:
-            with found.attempt():
-                stage.check_model(options, model)
     calibration = evaluation = heldout = reference = None
     if config["calibration"]:
         with found.attempt(), progress.step("load calibration data"):
@@ -92,10 +87,48 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     if config["evaluation"]:
         with progress.step("load evaluation data"):
             evaluation, heldout, reference = _evaluation_data(config["evaluation"], model, found)
+    if _needs_fixed_dims(config):
+        model, fixed_warnings = _dims_from_samples(model, record, (calibration, evaluation, heldout))
+        warnings += fixed_warnings
+    for name, options in config.stages:  # what a stage cannot take from this model (e.g. an op its toolkit refuses)
+        stage = registry()[name]
+        if stage.check_model:
+            with found.attempt():
+                stage.check_model(options, model)
     found.raise_found()
     warnings += data_warnings(model, calibration, evaluation, heldout)
     return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation, heldout=heldout,
                    reference=reference, warnings=warnings)
+
+
+def _needs_fixed_dims(config: Config) -> bool:
+    """A backend that compiles for one input size (rknn)."""
+    return any(name == "quantize" and options.get("backend") == "rknn" for name, options in config.stages)
+
+
+def _dims_from_samples(model: onnx.ModelProto, record: dict, sets) -> tuple[onnx.ModelProto, list[str]]:
+    """Dynamic input dims that `inputs:` left open, fixed to the shape every calibration and evaluation sample
+    has: for a backend that compiles one size, the samples' size is the deployment's (the run says so; set
+    `inputs:` for another). Inputs whose samples differ in shape stay open, and the backend refuses them."""
+    shapes = {}
+    for spec in model_info.graph_inputs(model):
+        if spec.shape is not None and all(isinstance(d, int) for d in spec.shape):
+            continue
+        seen = {tuple(sample[spec.name].shape) for samples in sets if samples is not None
+                for sample in samples.samples if spec.name in sample}
+        if len(seen) == 1:
+            shapes[spec.name] = list(seen.pop())
+    if not shapes:
+        return model, []
+    fixed, warnings = fix_input_dims_ort_accepts(model, shapes)
+    if not fixed:
+        return model, warnings
+    model, warning = infer_shapes(model)
+    record["load"]["inputs_fixed_from_samples"] = {name: shapes[name] for name in fixed}
+    record["load"]["inputs"] = [s.as_dict() for s in model_info.graph_inputs(model)]
+    said = ", ".join(f"{name} {shapes[name]}" for name in fixed)
+    return model, warnings + ([warning] if warning else []) + [
+        f"inputs: {said} fixed from the samples (RKNN compiles one input size; set `inputs:` to choose another)"]
 
 
 def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector):

@@ -155,3 +155,22 @@ def test_dynamic_input_dims_are_refused_by_validate_before_any_work(tmp_path, cl
     code, _, err = cli("validate", str(tmp_path / "c.yaml"))
     assert code == 2 and "input 'x' has dynamic dims ['N', 3, 8, 8]" in err.splitlines()[-1]
     assert "calibration data is required" in err.splitlines()[0]  # validate names every problem
+
+
+def test_dynamic_dims_are_fixed_from_samples_that_all_share_one_shape(tmp_path, cli):
+    """keras/torch exports leave the batch dim (or the sequence) open; RKNN compiles one size, and when every
+    sample has the same shape that is the deployment's: fixed from them, said in a warning. Samples of two
+    shapes leave the dim open, and the refusal with its fix stands."""
+    from graphs import tiny_conv_model
+
+    onnx.save(tiny_conv_model(batch="N"), tmp_path / "m.onnx")
+    for folder, batches in (("same", (1, 1, 1)), ("mixed", (1, 2, 1))):
+        (tmp_path / folder).mkdir()
+        for i, batch in enumerate(batches):
+            np.save(tmp_path / folder / f"{i}.npy", np.ones((batch, 3, 8, 8), np.float32))
+    for folder, expected in (("same", 0), ("mixed", 2)):
+        (tmp_path / f"{folder}.yaml").write_text(f"model: m.onnx\ncalibration: {{source: {folder}}}\n"
+                                                 "pipeline: [{quantize: {backend: rknn}}]\n")
+        code, out, err = cli("validate", str(tmp_path / f"{folder}.yaml"))
+        assert code == expected, err
+    assert "input 'x' has dynamic dims ['N', 3, 8, 8]" in err
