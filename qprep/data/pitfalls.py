@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 from qprep.data.samples import SampleSet
+from qprep.model.info import constant_names
 
 # Ops that normalize an input when one operand is a constant: a model starting with them takes raw pixels.
 NORMALIZING_OPS = {"Sub", "Add", "Mul", "Div", "BatchNormalization"}
@@ -64,8 +65,7 @@ def raw_pixels(model: onnx.ModelProto, samples: SampleSet, role: str) -> str | N
 
 def normalizes_itself(model: onnx.ModelProto, input_name: str) -> bool:
     """True when every consumer of the input is an elementwise op with a constant operand (x/255, x - mean)."""
-    constants = {i.name for i in model.graph.initializer}
-    constants |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    constants = constant_names(model.graph)
     consumers = [n for n in model.graph.node if input_name in n.input]
     return bool(consumers) and all(
         n.op_type in NORMALIZING_OPS and any(i in constants for i in n.input if i != input_name) for n in consumers)

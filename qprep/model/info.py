@@ -82,6 +82,11 @@ def graph_outputs(model: onnx.ModelProto) -> list[TensorSpec]:
     return [tensor_spec(v) for v in model.graph.output]
 
 
+def constant_names(graph: onnx.GraphProto) -> set[str]:
+    """Initializers and Constant outputs of `graph`: the values known before it runs."""
+    return {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+
+
 def iter_nodes(graph: onnx.GraphProto):
     """Every node, including those inside If/Loop/Scan bodies."""
     for node in graph.node:

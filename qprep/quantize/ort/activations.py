@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import onnx
 
-from qprep.model.info import multiply_adds
+from qprep.model.info import constant_names, multiply_adds
 
 
 def attention_matmuls(model: onnx.ModelProto) -> int:
     """MatMul nodes whose two inputs are both computed (Q·Kᵀ, attention·V), not a weight."""
-    constants = {t.name for t in model.graph.initializer}
-    constants |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    constants = constant_names(model.graph)
     return sum(1 for n in model.graph.node if n.op_type == "MatMul" and len(n.input) == 2
                and not (set(n.input) & constants))
 

@@ -24,7 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.info import iter_nodes
+from qprep.model.info import constant_names, iter_nodes
 from qprep.model.runtime import run_model
 from qprep.quantize.rknn.io_names import all_names, rename_values
 from qprep.verify import Tolerance, compare
@@ -50,7 +50,7 @@ def refuse_unrewritable(model: onnx.ModelProto) -> None:
 def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     """A copy of `model` with its If nodes and run-time BatchNormalization statistics rewritten → (model, record
     {rewrite: [node names]}), unverified; ModelError for what cannot be."""
-    constants = _constants(model.graph)
+    constants = constant_names(model.graph)
     if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
@@ -192,7 +192,7 @@ def _is_runtime_batchnorm(node: onnx.NodeProto, constants: set[str]) -> bool:
 
 def _batchnorms_as_arithmetic(model: onnx.ModelProto) -> list[str]:
     graph = model.graph
-    constants = _constants(graph)
+    constants = constant_names(graph)
     if not any(_is_runtime_batchnorm(n, constants) for n in graph.node):
         return []
     shapes = _value_shapes(onnx.shape_inference.infer_shapes(model))
@@ -260,11 +260,6 @@ def _value_shapes(inferred: onnx.ModelProto) -> dict[str, list | None]:
     for tensor in graph.initializer:
         shapes[tensor.name] = list(tensor.dims)
     return shapes
-
-
-def _constants(graph: onnx.GraphProto) -> set[str]:
-    """Initializers and Constant outputs: the values known before the graph runs."""
-    return {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
 
 
 def _unique(wanted: str, taken: set[str]) -> str:
