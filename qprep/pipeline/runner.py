@@ -23,7 +23,7 @@ from qprep.pipeline import preflight
 from qprep.pipeline import run_dir
 from qprep.config import Config
 from qprep.data import random_samples
-from qprep.errors import EXIT_INTERNAL, ConfigError, QprepError
+from qprep.errors import ConfigError, QprepError
 from qprep.evaluate import evaluate
 from qprep.evaluate.reference import ReferenceOutputs
 from qprep.verify import Tolerance, Verifier
@@ -79,11 +79,10 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         report["status"] = "gate missed" if gate and not gate["passed"] else "ok"
         return report
     except QprepError as exc:
-        report["status"], report["error"], report["exit_code"] = "failed", str(exc), exc.exit_code
+        report["status"], report["error"] = "failed", str(exc)
         raise
     except Exception as exc:  # internal error: still leave a report that says where it happened
         report["status"], report["error"] = "failed", f"internal error: {type(exc).__name__}: {exc}"
-        report["exit_code"] = EXIT_INTERNAL
         raise
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (errors.Interrupted)
         report["status"], report["error"] = "interrupted", f"interrupted by {getattr(exc, 'cause', 'SIGINT (Ctrl-C)')}"
