@@ -102,8 +102,8 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
 
 
 def _needs_fixed_dims(config: Config) -> bool:
-    """A backend that compiles for one input size (rknn)."""
-    return any(name == "quantize" and options.get("backend") == "rknn" for name, options in config.stages)
+    """A stage that compiles for one input size (quantize with backend rknn)."""
+    return any(registry()[name].fixed_dims and registry()[name].fixed_dims(options) for name, options in config.stages)
 
 
 def _dims_from_samples(model: onnx.ModelProto, record: dict, sets) -> tuple[onnx.ModelProto, list[str]]:

@@ -66,6 +66,7 @@ def check_model(options: dict, model: onnx.ModelProto) -> None:
     "quantize",
     check=check,
     check_model=check_model,
+    fixed_dims=lambda options: options["backend"] == "rknn",  # the NPU model is compiled for one input size
     summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
     backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
     max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),
