@@ -49,7 +49,7 @@ def plan(python: str = sys.executable, torch: str = "torch", torch_index: str = 
     notes = ["numpy, onnx, onnxruntime and protobuf are set to the toolkit's pins in this environment "
              f"({constraints_path()}); use a separate venv if other packages here need numpy 2"]
     if have_torch is None:
-        have_torch = _importable(python, "torch")
+        have_torch = _importable(python, "import torch")
     if have_torch:
         notes.append("torch is already installed: kept")
     else:
@@ -73,12 +73,12 @@ def install(python: str = sys.executable, torch: str = "torch", torch_index: str
             raise QprepError(f"setup rknn: pip failed (exit {done.returncode}) on `{' '.join(command[3:])}`; its "
                              "message is above")
     if not dry_run:
-        if not _importable(python, "rknn.api"):
+        if not _importable(python, "from rknn.api import RKNN"):
             raise QprepError("setup rknn: rknn-toolkit2 is installed but `from rknn.api import RKNN` fails; run "
                              f"`{python} -c 'from rknn.api import RKNN'` to see why")
         say("qprep: rknn-toolkit2 ready: `backend: rknn` works in this environment")
 
 
-def _importable(python: str, module: str) -> bool:
-    statement = "from rknn.api import RKNN" if module == "rknn.api" else f"import {module}"
+def _importable(python: str, statement: str) -> bool:
+    """Does `statement` (an import) run in a fresh `python`: the environment as installed, not this process's."""
     return subprocess.run([python, "-c", statement], capture_output=True).returncode == 0
