@@ -25,6 +25,7 @@ class Budget:
         self.reserve_kind: str | None = None  # the kind of step kept time for (the final build)
         self.durations: dict[str, list[float]] = {}
         self.skipped: list[str] = []  # steps not started for lack of time, for the record
+        self.stand_ins: dict[str, str] = {}  # kind → the kind predicting it until one of its own has run
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -51,8 +52,11 @@ class Budget:
             self.record(kind, time.perf_counter() - start)
 
     def predict(self, kind: str, default: float = 0.0) -> float:
-        """How long the next step of `kind` will take: the slowest of its last runs, `default` if none ran."""
+        """How long the next step of `kind` will take: the slowest of its last runs; if none ran, what its
+        stand-in kind predicts, else `default`."""
         runs = self.durations.get(kind)
+        if not runs and kind in self.stand_ins:
+            return self.predict(self.stand_ins[kind], default)
         return max(runs[-self.RECENT:]) if runs else default
 
     def fits(self, seconds: float) -> bool:

@@ -16,7 +16,8 @@ def decision_lines(stage: dict) -> list[str]:
     """The decisions of one quantize stage record (empty for other stages)."""
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
-    return [line for line in (_activations(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage), _float_nodes(stage),
+    return [line for line in (_activations(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage), _spread(stage),
+                              _float_nodes(stage),
                               *_fitting(stage)) if line]
 
 
@@ -81,6 +82,19 @@ def _fallback(stage: dict) -> str:
     skipped = ((stage["fallback"].get("budget") or {}).get("skipped")) or []
     budget = f" Skipped for lack of time (time_budget_s): {'; '.join(skipped)}." if skipped else ""
     return f"accuracy-driven fallback: {view[0]}{budget} (trials: the Stages section)"
+
+
+def _spread(stage: dict) -> str:
+    """ORT: activations kept out of int8 because their channels spread too far for one int8 scale."""
+    record = (stage.get("fallback") or {}).get("spread_tensors") or {}
+    tensors = record.get("tensors") or []
+    if not tensors:
+        return ""
+    worst = ", ".join(f"`{t['tensor']}` {t['levels']:g}" for t in tensors[:3])
+    kept = (f"kept float with their producers and consumers ({record.get('nodes', '?')} nodes)"
+            if record.get("as") == "float" else "quantized to 16 bits (ONNX Runtime's CPU runs their neighbours in float)")
+    return (f"{len(tensors)} tensor(s) whose channels spread too far for one int8 scale {kept}; int8 levels of the "
+            f"median channel: {worst}{', …' if len(tensors) > 3 else ''}")
 
 
 def _float_nodes(stage: dict) -> str:

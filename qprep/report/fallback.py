@@ -18,6 +18,11 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
                f"float node(s) — {best} (all quantized: {base}); {record['stopped']}, {record.get('rounds', 1)} round(s), "
                f"{record['rank_trials']} ranking trials on {record['ranked']} of {record['candidates']} candidates, "
                f"{record['seconds']:.0f} s.")
+    spread = record.get("spread_tensors") or {}
+    if len(spread.get("scores", {})) > 1:
+        verdict += (f" Tensors whose channels spread too far for one int8 scale, kept "
+                    f"{'float' if spread.get('as') == 'float' else 'at 16 bits'} first: {spread['chosen']} kept ("
+                    + ", ".join(f"{a} {v:.5f}" for a, v in spread["scores"].items()) + ").")
     op_types = record.get("float_op_types") or {}
     if op_types.get("chosen"):
         verdict += (f" Op types left float first (re-rounding without compute): {', '.join(op_types['chosen'])} "

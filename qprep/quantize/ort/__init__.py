@@ -46,6 +46,11 @@ OPTIONS = section(
     weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest"),
                         doc="gptq: integer weights rounded to minimise each layer's output error on the calibration "
                             "data (kept only if the model's output error goes down); nearest: ORT's rounding"),
+    spread_tensors=Key("str", default="float", choices=("float", "int16", "off"),
+                       doc="what the fallback may do with activations whose channels spread too far for one int8 "
+                           "scale (BatchNorm folded into depthwise convolutions; channel_spread.py): float — their "
+                           "producer and consumers left float; int16 — 16-bit QDQ, for NPU execution providers "
+                           "that run it (ONNX Runtime's CPU runs it in float, slower than float); off"),
     bias_correction=Key("bool", default=True,
                         doc="move each layer's integer bias by the drift of its output channels' means measured on "
                             "the calibration data (static QDQ; kept only if the model's output error goes down)"),
@@ -92,6 +97,8 @@ def quantize(job: BackendInput) -> Quantized:
                     "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,
                     "bias_correction": quantizer.bias,
                     "float_op_types": sorted(settings.float_op_types),
+                    "spread_tensors": {"as": options["spread_tensors"], "tensors": sorted(settings.spread_tensors),
+                                       "float_nodes": sorted(quantizer.spread_nodes(settings))},
                     "qdq_simplified": quantizer.simplified})
     if quantizer.unquantizable:  # ORT's quantizer failed on them: kept float, with its message
         details["unquantizable"] = [{"node": node, "reason": reason} for node, reason in quantizer.unquantizable.items()]

@@ -58,6 +58,9 @@ class OrtSettings:
     calibrate_method: str  # how activation ranges are chosen (ORT's calibrators, or qprep's "mse")
     bias_correction: bool  # correct the integer biases (static QDQ only)
     float_op_types: frozenset[str] = field(default_factory=frozenset)  # op types not quantized at all
+    # activations whose channels spread too far for one int8 scale (channel_spread.py): their producer and
+    # consumers left float, or (option spread_tensors: int16) the tensors quantized to 16 bits
+    spread_tensors: frozenset[str] = field(default_factory=frozenset)
 
 
 class _Reader:
@@ -101,6 +104,7 @@ class OrtQuantizer:
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
         self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
         self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
+        self._said = _OncePerMessage()  # ORT's quantizer repeats its warnings on every build
 
     @property
     def dynamic(self) -> bool:
@@ -176,8 +180,7 @@ class OrtQuantizer:
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         try:
-            quantized = self._quantize_around_failures(self.calibrate(settings.calibrate_method), key[0],
-                                                       settings.float_op_types)
+            quantized = self._quantize_around_failures(self.calibrate(settings.calibrate_method), key[0], settings)
         except QprepError:
             raise
         except Exception as exc:  # ORT raises bare exceptions with the op/tensor in the text
@@ -198,8 +201,7 @@ class OrtQuantizer:
         self._last = (key, quantized)
         return quantized
 
-    def _quantize_around_failures(self, ranges, excluded: frozenset[str],
-                                  float_op_types: frozenset[str]) -> onnx.ModelProto:
+    def _quantize_around_failures(self, ranges, excluded: frozenset[str], settings: OrtSettings) -> onnx.ModelProto:
         """ORT's quantizer, with the nodes it fails on kept float. Why: it raises bare errors on constructs it
         does not expect (a Gemm bias of shape [1, N] with per-channel weights: "The truth value of an array with
         more than one element is ambiguous") and the rest of the model quantizes fine without them. The failing
@@ -208,29 +210,29 @@ class OrtQuantizer:
         while True:
             skip = sorted(excluded | set(self.unquantizable))
             try:
-                return self._quantize(ranges, skip, float_op_types)
+                return self._quantize(ranges, skip, settings)
             except QprepError:
                 raise
             except Exception as exc:  # ORT raises bare exceptions
                 if len(self.unquantizable) >= MAX_UNQUANTIZABLE:
                     raise
-                culprit = self._failing_node(ranges, skip, float_op_types)
+                culprit = self._failing_node(ranges, skip, settings)
                 if culprit is None:
                     raise
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 self.unquantizable[culprit] = reason
                 log.warning("ort: ONNX Runtime's quantizer fails on node %s (%s): kept float", culprit, reason)
 
-    def _failing_node(self, ranges, skip: list[str], float_op_types: frozenset[str]) -> str | None:
+    def _failing_node(self, ranges, skip: list[str], settings: OrtSettings) -> str | None:
         """The first node (graph order) whose quantization makes ORT's quantizer fail: with only the first k
         candidates quantized it fails for k >= that node's place, so a bisection over k finds it. None when the
         quantizer fails even with every candidate excluded (not a node's doing)."""
-        types = set(self.op_types) - float_op_types
+        types = set(self.op_types) - settings.float_op_types
         candidates = [n.name for n in self.model.graph.node if n.op_type in types and n.name not in skip]
 
         def fails(quantized: int) -> bool:
             try:
-                self._quantize(ranges, skip + candidates[quantized:], float_op_types)
+                self._quantize(ranges, skip + candidates[quantized:], settings)
                 return False
             except Exception:  # noqa: BLE001 - any failure counts
                 return True
@@ -243,14 +245,19 @@ class OrtQuantizer:
             low, high = (low, middle) if fails(middle) else (middle, high)
         return candidates[high - 1]
 
-    def _quantize(self, ranges, excluded: list[str], float_op_types: frozenset[str]) -> onnx.ModelProto:
+    def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
         model = ORT.save_and_reload_model_with_shape_infer(self.model)
         common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
                       weight_qType=getattr(QuantType, _TYPES[self.options["weight_type"]]),
                       activation_qType=getattr(QuantType, _TYPES[self.options["activation_type"]]),
                       tensors_range=ranges, nodes_to_quantize=[], nodes_to_exclude=excluded,
-                      op_types_to_quantize=[t for t in self.op_types if t not in float_op_types],
+                      op_types_to_quantize=[t for t in self.op_types if t not in settings.float_op_types],
                       extra_options=dict(self.options["extra_options"]))
+        sixteen_bit = settings.spread_tensors if self.options["spread_tensors"] == "int16" else frozenset()
+        if sixteen_bit:
+            common["extra_options"] = _with_16_bit(common["extra_options"], sixteen_bit, self.options["activation_type"])
+        else:
+            common["nodes_to_exclude"] = sorted(set(excluded) | self.spread_nodes(settings))
         if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
             extra = {"MatMulConstBOnly": True, **common.pop("extra_options")}
             common.update(activation_qType=QuantType.QUInt8, tensors_range=None, extra_options=extra)
@@ -259,9 +266,26 @@ class OrtQuantizer:
             quantizer = ORT.QDQQuantizer(model, **common)
         else:
             quantizer = ORT.ONNXQuantizer(model, mode=ORT.QuantizationMode.QLinearOps, static=True, **common)
-        quantizer.quantize_model()
+        root = logging.getLogger()
+        root.addFilter(self._said)
+        try:
+            quantizer.quantize_model()
+        finally:
+            root.removeFilter(self._said)
         quantizer.model.topological_sort()  # what ORT's save_model_to_file does: new Q/DQ nodes are appended
+        if sixteen_bit:
+            _eight_bit_in_default_domain(quantizer.model.model)
         return quantizer.model.model
+
+    def spread_nodes(self, settings: OrtSettings) -> set[str]:
+        """The nodes left float for `settings.spread_tensors` (option spread_tensors: float): each tensor's
+        producer and consumers, so it is neither rounded to int8 nor wrapped in Q/DQ (ONNX Runtime's CPU runs a
+        16-bit tensor's neighbours in float anyway, and slower: PP-OCRv3 rec 33 ms 16-bit, 11.5 ms float, 16 ms
+        all float)."""
+        if self.options["spread_tensors"] != "float" or not settings.spread_tensors:
+            return set()
+        return {node.name for node in self.model.graph.node
+                if settings.spread_tensors & (set(node.input) | set(node.output))}
 
     def _round_weights(self, quantized: onnx.ModelProto) -> onnx.ModelProto:
         """GPTQ integers; on the first build the result is compared with nearest rounding on the calibration
@@ -322,6 +346,47 @@ class OrtQuantizer:
         result = self._bias[key]
         self.bias = {"applied": result["kept"], **{k: v for k, v in result.items() if k != "shifts"}}
         return bias_correction.apply(quantized, layers, result["shifts"]) if result["shifts"] else quantized
+
+
+class _OncePerMessage(logging.Filter):
+    """Lets each distinct message through once (ORT's "16-bit Q/DQ need opset 21" warning, on every build)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+def _eight_bit_in_default_domain(model: onnx.ModelProto) -> None:
+    """With one 16-bit tensor, ORT writes every Q/DQ node in the com.microsoft domain; the 8-bit ones go back to
+    ONNX's (the same operator for 8-bit types), so the exact Q/DQ rewrites (qdq/) and tools that read only ONNX's
+    Q/DQ still see them."""
+    types = {i.name: i.data_type for i in model.graph.initializer}
+    wide = {onnx.TensorProto.UINT16, onnx.TensorProto.INT16, onnx.TensorProto.UINT4, onnx.TensorProto.INT4}
+    for node in model.graph.node:
+        if (node.domain == "com.microsoft" and node.op_type in ("QuantizeLinear", "DequantizeLinear")
+                and not any(types.get(name) in wide for name in list(node.input)[::2])):  # x and zero point
+            node.domain = ""
+
+
+def _with_16_bit(extra_options: dict, wide: frozenset[str], activation_type: str) -> dict:
+    """ORT's extra_options with `wide` activations quantized to 16 bits (TensorQuantOverrides; ORT writes their
+    Q/DQ in the com.microsoft domain below opset 21). Overrides the config already gives a tensor are kept."""
+    extra = dict(extra_options)
+    if not wide:
+        return extra
+    wide_type = QuantType.QUInt16 if activation_type == "uint8" else QuantType.QInt16
+    overrides = dict(extra.get("TensorQuantOverrides") or {})
+    for name in sorted(wide):
+        overrides.setdefault(name, [{"quant_type": wide_type}])
+    extra["TensorQuantOverrides"] = overrides
+    return extra
 
 
 def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:

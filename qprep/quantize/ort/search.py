@@ -2,8 +2,9 @@
 only ORT's second-long builds can afford.
 
 A trial is a re-quantization (ranges and GPTQ cached by the quantizer) and an ORT run on the evaluation
-samples. Before any node is made float, three settings are measured at the outputs: bias correction on the
-base float set, mse activation ranges, and op types left float as a whole. Candidates are then activation
+samples. Before any node is made float, four settings are measured at the outputs: bias correction on the
+base float set, mse activation ranges, the tensors whose channels spread too far for one int8 scale
+(channel_spread.py) kept float, and op types left float as a whole. Candidates are then activation
 edges (`edges`; MatMul nodes with dynamic quantization), those losing most accuracy first, promoted by gain
 per multiply-add. Last, bias correction is measured again on the float set the search chose.
 
@@ -24,7 +25,7 @@ from qprep.evaluate.gate import check_gate
 from qprep.evaluate.layers import layer_errors
 from qprep.model.info import graph_inputs, multiply_adds
 from qprep.model.runtime import run_model
-from qprep.quantize import search
+from qprep.quantize import channel_spread, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.budget import Budget
 from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
@@ -34,6 +35,9 @@ log = logging.getLogger("qprep")
 # Ops without weights whose int8 version only re-rounds an activation (elementwise, data movement, softmax).
 # Conv/MatMul/Gemm are where INT8 pays; these are judged as whole op types before nodes are ranked.
 _COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
+# the tensors whose median channel spans fewer int8 levels than each of these, in turn, are kept out of int8
+SPREAD_LEVELS = (4, 8, 16, 32, 64)
+SPREAD_SAMPLES = 4  # calibration samples the channel ranges are measured on
 
 
 class Trials(search.SearchBackend):
@@ -58,12 +62,18 @@ class Trials(search.SearchBackend):
 def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> tuple[search.Outcome, OrtSettings]:
     """The float set and the settings the final build uses, with the search's record."""
     budget = Budget(job.fallback["time_budget_s"], job.started)  # from the stage's start: everything counts
+    # until a plain trial has run, the first build (calibration, GPTQ and a run) stands for one: an over-estimate
+    budget.stand_ins.update({"trial": "first build", "rank": "trial"})
     ops = {n.name: n.op_type for n in quantizer.model.graph.node}
     every = len(job.evaluation_samples)
 
     def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
-        kind = ("trial" if len(samples) == every else "rank") if quantizer.calibrated(settings.calibrate_method) \
-            else "first build"
+        if not quantizer.calibrated(settings.calibrate_method):
+            kind = "first build"
+        elif settings.bias_correction:  # its waves take minutes on a large model: no prediction for plain trials
+            kind = "bias trial"
+        else:
+            kind = "trial" if len(samples) == every else "rank"
         with budget.timed(kind):
             return job.measure(run_model(quantizer.build(float_nodes, settings), samples, job.threads,
                                          optimize=True))
@@ -84,6 +94,7 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
         lambda method: trials.use(calibrate_method=method), trials.evaluate, excluded, job.evaluation_samples,
         job.fallback["target"], job.progress,  # new ranges: a build as long as the first (GPTQ on new scales)
         affordable=lambda method: budget.allows(f"calibrate_method {method}", budget.predict("first build")))
+    spread = choose_spread_tensors(quantizer, trials, excluded, job, budget)
     op_types = choose_float_op_types(quantizer, trials, excluded, job, budget)
     candidates = []
     if budget.allows("ranking candidates by per-layer error", budget.predict("rank") + budget.predict("trial")):
@@ -97,7 +108,7 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
     outcome = search.Search(trials, search.Candidates(candidates, groups, cost, ops), excluded,
                             job.evaluation_samples, job.fallback, job.progress, budget).run()
-    outcome.record.update(float_op_types=op_types, ranges=ranges)
+    outcome.record.update(float_op_types=op_types, ranges=ranges, spread_tensors=spread)
     if wanted:
         outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, budget)
     quantizer.budget = None  # the final build reuses what the fallback measured
@@ -154,6 +165,44 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
         if passed:
             outcome.record.pop("why", None)
     return record
+
+
+def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,
+                          budget: Budget) -> dict:
+    """The tensors whose channels one int8 scale cannot share, kept out of int8 before any node is made float
+    (their edges float, or 16-bit: option spread_tensors): on PP-OCRv3 rec the 44 worst took cosine 0.88 → 0.989.
+    The sets below each of SPREAD_LEVELS are tried from the worst-spread tensors up (search.choose_setting): the
+    first that meets the target is kept, else the best if it removes enough of the error. Like the op-type phase,
+    a setting of the model, not the search's float nodes (max_float_nodes)."""
+    if quantizer.dynamic or quantizer.options["format"] != "qdq" or quantizer.options["spread_tensors"] == "off":
+        return {}
+    if check_gate(job.fallback["target"], trials.evaluate(excluded, job.evaluation_samples))["passed"]:
+        return {}
+    if not budget.allows("channel spread measured", budget.predict("trial")):
+        return {}
+    float_outputs = {o for n in quantizer.model.graph.node if n.name in excluded for o in n.output}
+    tensors = [name for name in quantizer.calibrate(trials.settings.calibrate_method) if name not in float_outputs]
+    with budget.timed("spread"):
+        levels = channel_spread.median_channel_levels(quantizer.model, tensors, quantizer.samples[:SPREAD_SAMPLES],
+                                                      job.threads)
+    sets: dict[str, frozenset[str]] = {"none": frozenset()}
+    for threshold in SPREAD_LEVELS:
+        chosen = channel_spread.below(levels, threshold)
+        if chosen and chosen not in sets.values():
+            sets[f"{len(chosen)} tensors under {threshold} levels"] = chosen
+    how = quantizer.options["spread_tensors"]
+    if len(sets) == 1:
+        return {"as": how, "measured": len(levels), "chosen": "none", "tensors": []}
+    result = search.choose_setting(
+        "spread tensors " + ("float" if how == "float" else "16-bit"), "none", [label for label in sets if label != "none"],
+        lambda label: trials.use(spread_tensors=sets[label]), trials.evaluate, excluded, job.evaluation_samples,
+        job.fallback["target"], job.progress,
+        affordable=lambda label: budget.allows(f"spread tensors: {label}", budget.predict("trial")))
+    chosen = sets[result["chosen"]]
+    return {**result, "as": how, "measured": len(levels),
+            "nodes": len(quantizer.spread_nodes(trials.settings)),
+            "tensors": [{"tensor": name, "levels": round(levels[name], 2)}
+                        for name in sorted(chosen, key=lambda name: levels[name])]}
 
 
 def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,

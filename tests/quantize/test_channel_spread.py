@@ -1,0 +1,113 @@
+"""Channel spread: the tensors one int8 scale cannot share are found from the float model; ORT keeps their edges
+float (or quantizes them to 16 bits), and the fallback meets its target so before its node search."""
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from conftest import run_config
+from graphs import make_model
+from qprep.evaluate.metrics import compare_output
+from qprep.model.runtime import run_model
+from qprep.quantize import channel_spread, ort
+from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings, _with_16_bit
+from qprep.schema import validate
+
+
+def _spread_model(factor: float = 200.0):
+    """x[1,4,6,6] → Conv 1×1 → h → depthwise Conv 1×1 scaling channel 0 by `factor` (a folded BatchNorm, exact
+    with per-channel weights) → m → depthwise Conv 1×1 scaling it back: every channel of y matters alike."""
+    rng = np.random.default_rng(0)
+    scale = np.ones((4, 1, 1, 1), np.float32)
+    scale[0] = factor
+    return make_model([helper.make_node("Conv", ["x", "w1"], ["h"], name="first"),
+                       helper.make_node("Conv", ["h", "s"], ["m"], name="spread", group=4),
+                       helper.make_node("Conv", ["m", "w2"], ["y"], name="second", group=4)],
+                      [("x", [1, 4, 6, 6])], [("y", [1, 4, 6, 6])],
+                      {"w1": rng.standard_normal((4, 4, 1, 1)).astype(np.float32), "s": scale, "w2": 1 / scale})
+
+
+def _samples(count: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, 4, 6, 6)).astype(np.float32)} for _ in range(count)]
+
+
+def test_the_spread_tensor_is_the_one_whose_median_channel_gets_few_levels():
+    levels = channel_spread.median_channel_levels(_spread_model(), ["x", "h", "m", "y"], _samples(4))
+    assert levels["m"] < 8 < 100 < levels["h"]  # the same values before the channel was scaled
+    assert channel_spread.below(levels, 16) == {"m"}
+    assert channel_spread.channel_axis(4) == 1 and channel_spread.channel_axis(3) == 2
+
+
+def test_dead_channels_do_not_count_as_spread():
+    """A ReLU's channels that never fire are held exactly by any grid: the median is over the live ones."""
+    gate = np.array([1, 0, 0, 1], np.float32).reshape(1, 4, 1, 1)
+    model = make_model([helper.make_node("Mul", ["x", "k"], ["z"], name="dead")], [("x", [1, 4, 6, 6])],
+                       [("z", [1, 4, 6, 6])], {"k": gate})
+    levels = channel_spread.median_channel_levels(model, ["z"], _samples(2))
+    assert levels["z"] > 128
+
+
+def test_a_spread_tensor_quantized_to_16_bits_brings_the_output_back(tmp_path):
+    model, samples = _spread_model(), _samples(16)
+    options = validate({"weight_rounding": "nearest", "bias_correction": False, "spread_tensors": "int16"},
+                       ort.OPTIONS, "quantize.ort", tmp_path)
+    quantizer = OrtQuantizer(model, samples, options, tmp_path)
+    reference = [out["y"] for out in run_model(model, samples)]
+
+    def cosine(settings):
+        quantized = quantizer.build(set(), settings)
+        return quantized, compare_output(reference, [o["y"] for o in run_model(quantized, samples)],
+                                         "tensor")["cosine_mean"]
+
+    narrow, narrow_cosine = cosine(OrtSettings("minmax", bias_correction=False))
+    wide, wide_cosine = cosine(OrtSettings("minmax", bias_correction=False, spread_tensors=frozenset({"m"})))
+    assert narrow_cosine < 0.99 < wide_cosine
+    quantizers = {n.input[0]: n for n in wide.graph.node if n.op_type == "QuantizeLinear"}
+    zero_points = {i.name: i for i in wide.graph.initializer}
+    assert quantizers["m"].domain == "com.microsoft"  # 16-bit Q/DQ below opset 21
+    assert zero_points[quantizers["m"].input[2]].data_type == 4  # uint16
+    assert zero_points[quantizers["h"].input[2]].data_type == 2 and quantizers["h"].domain == ""  # uint8
+
+
+def test_configured_overrides_of_a_tensor_win_over_the_fallbacks():
+    from onnxruntime.quantization import QuantType
+
+    mine = {"m": [{"quant_type": QuantType.QUInt8}]}
+    extra = _with_16_bit({"TensorQuantOverrides": mine, "ActivationSymmetric": False},
+                               frozenset({"m", "h"}), "uint8")
+    assert extra["TensorQuantOverrides"]["m"] == mine["m"] and extra["ActivationSymmetric"] is False
+    assert extra["TensorQuantOverrides"]["h"] == [{"quant_type": QuantType.QUInt16}]
+    assert _with_16_bit({}, frozenset({"m"}), "int8")["TensorQuantOverrides"]["m"] == [
+        {"quant_type": QuantType.QInt16}]
+    assert _with_16_bit({"a": 1}, frozenset(), "uint8") == {"a": 1}
+
+
+@pytest.fixture
+def spread_config(tmp_path):
+    import onnx
+
+    onnx.save(_spread_model(), str(tmp_path / "m.onnx"))
+    for split, count, seed in (("calib", 16, 1), ("eval", 24, 2)):
+        (tmp_path / split).mkdir()
+        for i, sample in enumerate(_samples(count, seed)):
+            np.save(tmp_path / split / f"{i}.npy", sample["x"])
+    config = {"model": "m.onnx", "calibration": {"source": "calib"}, "output_dir": "out",
+              "evaluation": {"source": "eval", "latency": {"runs": 0}},
+              "pipeline": [{"quantize": {"backend": "ort", "ort": {"bias_correction": False},
+                                         "fallback": {"target": {"cosine_mean": 0.99}}}}]}
+    return tmp_path, config
+
+
+@pytest.mark.slow
+def test_the_fallback_meets_its_target_with_the_spread_tensor_float_before_its_node_search(spread_config):
+    tmp_path, config = spread_config
+    done, report = run_config(tmp_path, config)
+    stage = report["stages"][-1]
+    record = stage["fallback"]
+    assert done.returncode == 0, done.stderr
+    assert record["passed"] and record["float_nodes"] == [] and stage["excluded_nodes"] == []
+    assert record["spread_tensors"]["tensors"][0]["tensor"] == "m" and record["spread_tensors"]["scores"]["none"] < 0.99
+    assert stage["spread_tensors"] == {"as": "float", "tensors": ["m"], "float_nodes": ["second", "spread"]}
+    assert "1 tensor(s) whose channels spread too far for one int8 scale kept float with their producers and " \
+           "consumers (2 nodes)" in (tmp_path / "out" / "report.md").read_text()
