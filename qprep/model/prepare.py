@@ -72,20 +72,21 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> li
     return changed
 
 
-def fix_input_dims_ort_accepts(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> tuple[list[str], list[str]]:
+def fix_input_dims_ort_accepts(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> tuple[list[str], dict[str, str]]:
     """fix_input_shapes, but only for the inputs whose fixed dims ONNX Runtime still loads the model with →
-    (inputs fixed, warnings). Why: in a model with If/Loop bodies, concrete dims let ORT infer the shapes of a
-    branch that never runs at these dims (torch exports `if state.shape[1] == 1: squeeze`); ORT then refuses
-    the model ("Graph attribute inferencing failed") or its optimizer folds that branch into a broken
-    subgraph initializer ("HasExternalDataInMemory was false"). Such an input keeps its symbolic dims, which
-    the samples still fill; every other input is fixed. Only models with control flow are checked."""
+    (inputs fixed, {input left symbolic: ORT's reason}). Why: in a model with If/Loop bodies, concrete dims let
+    ORT infer the shapes of a branch that never runs at these dims (torch exports `if state.shape[1] == 1:
+    squeeze`); ORT then refuses the model ("Graph attribute inferencing failed") or its optimizer folds that
+    branch into a broken subgraph initializer ("HasExternalDataInMemory was false"). Such an input keeps its
+    symbolic dims, which the samples still fill; every other input is fixed. Only models with control flow are
+    checked."""
     trial = onnx.ModelProto()
     trial.CopyFrom(model)
     changed = fix_input_shapes(trial, shapes)  # validates every entry first: a wrong name or rank is an error
     if not changed or not has_control_flow(model) or _ort_refusal(trial) is None or _ort_refusal(model) is not None:
         model.CopyFrom(trial)  # (a model ORT refuses anyway is not this fix's doing: later steps say why)
-        return changed, []
-    fixed, warnings = [], []
+        return changed, {}
+    fixed, refused = [], {}
     for name in changed:  # one input at a time: keep each fix ORT still accepts with the ones kept before
         trial.CopyFrom(model)
         fix_input_shapes(trial, {n: shapes[n] for n in [*fixed, name]})
@@ -93,12 +94,15 @@ def fix_input_dims_ort_accepts(model: onnx.ModelProto, shapes: dict[str, list[in
         if problem is None:
             fixed.append(name)
         else:
-            warnings.append(f"inputs.{name}: not written into the model: with these dims ONNX Runtime refuses it "
-                            f"({problem}), as it infers shapes in If/Loop branches that do not run at these dims; "
-                            f"the input keeps its symbolic dims")
-            log.warning(warnings[-1])
+            refused[name] = problem
+            log.warning(left_symbolic_warning(name, problem))
     fix_input_shapes(model, {n: shapes[n] for n in fixed})
-    return fixed, warnings
+    return fixed, refused
+
+
+def left_symbolic_warning(name: str, problem: str) -> str:
+    return (f"inputs.{name}: not written into the model: with these dims ONNX Runtime refuses it ({problem}), as "
+            f"it infers shapes in If/Loop branches that do not run at these dims; the input keeps its symbolic dims")
 
 
 def _ort_refusal(model: onnx.ModelProto) -> str | None:

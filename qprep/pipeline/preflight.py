@@ -19,8 +19,8 @@ from qprep.model import info as model_info
 from qprep.config import Config
 from qprep.data import SampleSet, load_samples
 from qprep.data.pitfalls import data_warnings
-from qprep.errors import ConfigError, Problems, QprepError
-from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, name_nodes
+from qprep.errors import ConfigError, ModelError, Problems, QprepError
+from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, left_symbolic_warning, name_nodes
 from qprep.model.io import load_model, load_model_and_data_files, sha256_file
 from qprep.progress import Progress
 from qprep.pipeline.stages import registry
@@ -90,8 +90,14 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     if _needs_fixed_dims(config):
         model, fixed_warnings = _dims_from_samples(model, record, (calibration, evaluation, heldout))
         warnings += fixed_warnings
+    unfixable = _dims_ort_cannot_fix(model, record, config) if _needs_fixed_dims(config) else None
+    if unfixable:
+        with found.attempt():
+            raise ModelError(unfixable)
     for name, options in config.stages:  # what a stage cannot take from this model (e.g. an op its toolkit refuses)
         stage = registry()[name]
+        if unfixable and stage.fixed_dims and stage.fixed_dims(options):
+            continue  # its own refusal would say "add `inputs:`", which the config already does
         if stage.check_model:
             with found.attempt():
                 stage.check_model(options, model)
@@ -104,6 +110,21 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
 def _needs_fixed_dims(config: Config) -> bool:
     """A stage that compiles for one input size (quantize with backend rknn)."""
     return any(registry()[name].fixed_dims and registry()[name].fixed_dims(options) for name, options in config.stages)
+
+
+def _dims_ort_cannot_fix(model: onnx.ModelProto, record: dict, config: Config) -> str | None:
+    """For a stage that compiles one input size: the refusal of an input whose fixed dims ONNX Runtime refuses
+    (If/Loop branches inferred at those dims), if one is left symbolic — saying so, where the stage's own
+    refusal would advise `inputs:`, which would not help."""
+    refused = record["load"].get("inputs_left_symbolic") or {}
+    for spec in model_info.graph_inputs(model):
+        if spec.name in refused and not all(isinstance(d, int) for d in spec.shape or [None]):
+            stage = next(f"{name}.{options.get('backend', '')}".rstrip(".") for name, options in config.stages
+                         if registry()[name].fixed_dims and registry()[name].fixed_dims(options))
+            return (f"{stage}: input '{spec.name}' must have fixed dims, and with them ONNX Runtime refuses the "
+                    f"model ({refused[spec.name][:120]}): it infers the shapes of If/Loop branches that do not run "
+                    "at these dims; export the model without that control flow (e.g. traced at the deployment size)")
+    return None
 
 
 def _dims_from_samples(model: onnx.ModelProto, record: dict, sets) -> tuple[onnx.ModelProto, list[str]]:
@@ -120,7 +141,9 @@ def _dims_from_samples(model: onnx.ModelProto, record: dict, sets) -> tuple[onnx
             shapes[spec.name] = list(seen.pop())
     if not shapes:
         return model, []
-    fixed, warnings = fix_input_dims_ort_accepts(model, shapes)
+    fixed, refused = fix_input_dims_ort_accepts(model, shapes)
+    record["load"].setdefault("inputs_left_symbolic", {}).update(refused)
+    warnings = [left_symbolic_warning(name, problem) for name, problem in refused.items()]
     if not fixed:
         return model, warnings
     model, warning = infer_shapes(model)
@@ -170,10 +193,12 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
     record = {"model": {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
                         **model_info.summary(model)}}
     named = name_nodes(model.graph)
-    fixed, warnings = fix_input_dims_ort_accepts(model, config["inputs"] or {})
+    fixed, refused = fix_input_dims_ort_accepts(model, config["inputs"] or {})
+    warnings = [left_symbolic_warning(name, problem) for name, problem in refused.items()]
     model, warning = infer_shapes(model)
     record["load"] = {"nodes_named": named, "inputs_fixed": fixed,
-                      "inputs": [s.as_dict() for s in model_info.graph_inputs(model)]}
+                      "inputs": [s.as_dict() for s in model_info.graph_inputs(model)],
+                      **({"inputs_left_symbolic": refused} if refused else {})}
     return model, record, warnings + ([warning] if warning else []), data_files
 
 

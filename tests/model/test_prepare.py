@@ -50,22 +50,24 @@ def if_model_with_state() -> onnx.ModelProto:
     torch exports: with N fixed to 2 the squeeze branch never runs, but ORT infers its shapes and refuses it."""
     one = np.array([1], np.int64)
     squeeze = make_graph([helper.make_node("Squeeze", ["state", "one"], ["s_sq"]),
-                          helper.make_node("Unsqueeze", ["s_sq", "one"], ["s_out"])], [], ["s_out"], {"one": one})
-    keep = make_graph([helper.make_node("Identity", ["state"], ["s_id"])], [], ["s_id"])
+                          helper.make_node("Unsqueeze", ["s_sq", "one"], ["s_out"])], [], [("s_out", [2, "N", 8])],
+                         {"one": one})
+    keep = make_graph([helper.make_node("Identity", ["state"], ["s_id"])], [], [("s_id", [2, "N", 8])])
     rate_16k = make_graph([helper.make_node("Shape", ["state"], ["shape"]),
                            helper.make_node("Gather", ["shape", "index"], ["batch"], axis=0),
                            helper.make_node("Equal", ["batch", "single"], ["is_one"]),
                            helper.make_node("If", ["is_one"], ["s"], then_branch=squeeze, else_branch=keep),
                            helper.make_node("Mul", ["s", "two"], ["state_out"]),
                            helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)],
-                          [], ["y", "state_out"],
+                          [], [("y", ["N", 1]), ("state_out", [2, "N", 8])],
                           {"index": np.array(1, np.int64), "single": np.array(1, np.int64),
                            "two": np.array(2, np.float32), "axes": one})
     other = make_graph([helper.make_node("Identity", ["x"], ["y2"]), helper.make_node("Identity", ["state"], ["st2"])],
-                       [], ["y2", "st2"])
+                       [], [("y2", ["N", None]), ("st2", [2, "N", 8])])
     return make_model([helper.make_node("Equal", ["sr", "sr16k"], ["c"]),
                        helper.make_node("If", ["c"], ["y", "stateN"], then_branch=rate_16k, else_branch=other)],
-                      [("x", ["N", 4]), ("state", [2, "N", 8]), ("sr", [], np.int64)], ["y", "stateN"],
+                      [("x", ["N", 4]), ("state", [2, "N", 8]), ("sr", [], np.int64)],
+                      [("y", ["N", None]), ("stateN", [2, "N", 8])],
                       {"sr16k": np.array(16000, np.int64)}, infer_shapes=False)
 
 
@@ -76,8 +78,8 @@ def test_dims_that_make_ort_refuse_a_model_with_if_branches_are_left_symbolic_an
     with pytest.raises(Exception, match="inferencing failed"):  # what main wrote into the model
         ort_session(refused)
     model = if_model_with_state()
-    fixed, warnings = fix_input_dims_ort_accepts(model, shapes)
-    assert fixed == ["x"] and len(warnings) == 1 and warnings[0].startswith("inputs.state: not written")
+    fixed, refused = fix_input_dims_ort_accepts(model, shapes)
+    assert fixed == ["x"] and list(refused) == ["state"] and "inferencing failed" in refused["state"]
     assert [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim] == [2, 4]
     feeds = {"x": np.ones((2, 4), np.float32), "state": np.ones((2, 2, 8), np.float32), "sr": np.array(16000)}
     y, state = run_model(model, [feeds], optimize=True)[0].values()
@@ -86,4 +88,4 @@ def test_dims_that_make_ort_refuse_a_model_with_if_branches_are_left_symbolic_an
 
 def test_models_without_control_flow_get_every_dim_fixed_without_an_ort_check():
     model = tiny_conv_model()
-    assert fix_input_dims_ort_accepts(model, {"x": [1, 3, 8, 8]}) == (["x"], [])
+    assert fix_input_dims_ort_accepts(model, {"x": [1, 3, 8, 8]}) == (["x"], {})

@@ -174,3 +174,17 @@ def test_dynamic_dims_are_fixed_from_samples_that_all_share_one_shape(tmp_path, 
         code, out, err = cli("validate", str(tmp_path / f"{folder}.yaml"))
         assert code == expected, err
     assert "input 'x' has dynamic dims ['N', 3, 8, 8]" in err
+
+
+def test_dims_ort_refuses_fixed_are_refused_with_that_reason_not_with_add_inputs(tmp_path, cli):
+    """silero-vad: `inputs:` fixes the state input, ONNX Runtime then refuses the model (it infers a branch
+    that does not run at these dims), the input stays symbolic: RKNN's refusal says why, not "add inputs:"."""
+    from model.test_prepare import if_model_with_state
+
+    onnx.save(if_model_with_state(), tmp_path / "m.onnx")
+    (tmp_path / "c.yaml").write_text("model: m.onnx\ninputs: {x: [2, 4], state: [2, 2, 8]}\n"
+                                     "pipeline: [{quantize: {backend: rknn}}]\n")
+    code, _, err = cli("validate", str(tmp_path / "c.yaml"))
+    last = err.splitlines()[-1]
+    assert code == 2 and "input 'state' must have fixed dims, and with them ONNX Runtime refuses the model" in last
+    assert "inferencing failed" in last and "add `inputs:" not in err
