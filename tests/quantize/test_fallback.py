@@ -338,3 +338,12 @@ def test_the_search_starts_no_trial_that_would_end_past_the_budget(monkeypatch):
                             {**OPTIONS, "target": {"cosine_mean": 0.999}, "time_budget_s": 200}, budget=budget).run()
     assert 170.0 < clock[0] <= 200.0 and outcome.record["stopped"] == "time budget spent"
     assert outcome.record["best"]["score"] > outcome.record["base"]["score"]  # the best model found is kept
+
+
+def test_bias_correction_is_tried_on_the_base_only_near_the_target():
+    from qprep.quantize.ort.search import _near_target
+
+    target = {"cosine_mean": 0.998}
+    assert _near_target({"y": {"cosine_mean": 0.9973}}, target)  # EfficientNet-Lite0: its minutes pay
+    assert not _near_target({"y": {"cosine_mean": 0.56}}, target)  # PP-PicoDet: the search needs them
+    assert _near_target({"y": {"top1_agreement": 0.5}}, {"top1_agreement": 0.97})  # no cosine to judge by
