@@ -20,6 +20,9 @@ import onnx
 from qprep.model.runtime import intermediate_values
 
 LEVELS = 255  # steps of an 8-bit grid
+# the tensors whose median channel spans fewer int8 levels than each of these, in turn, are tried out of int8
+THRESHOLDS = (4, 8, 16, 32, 64)
+SAMPLES = 4  # calibration samples the channel ranges are measured on
 
 
 def channel_axis(rank: int) -> int:
@@ -65,3 +68,24 @@ def median_channel_levels(model: onnx.ModelProto, tensors: list[str], samples: l
 def below(levels: dict[str, float], threshold: float) -> frozenset[str]:
     """The tensors whose median channel spans fewer than `threshold` levels."""
     return frozenset(name for name, value in levels.items() if value < threshold)
+
+
+def nested_sets(levels: dict[str, float], thresholds=THRESHOLDS) -> dict[str, frozenset[str]]:
+    """label → tensors, from none to those under the largest threshold (each set once), for a search that
+    tries them in turn: {"none": ∅, "5 tensors under 4 levels": …, …}."""
+    sets: dict[str, frozenset[str]] = {"none": frozenset()}
+    for threshold in thresholds:
+        chosen = below(levels, threshold)
+        if chosen and chosen not in sets.values():
+            sets[f"{len(chosen)} tensors under {threshold} levels"] = chosen
+    return sets
+
+
+def nodes_around(model: onnx.ModelProto, tensors: frozenset[str]) -> set[str]:
+    """The producers and consumers of `tensors`: what must stay float (or float16) for them to stay float."""
+    return {node.name for node in model.graph.node if tensors & (set(node.input) | set(node.output))}
+
+
+def records(levels: dict[str, float], tensors: frozenset[str]) -> list[dict]:
+    """[{tensor, levels}] worst first, for the report."""
+    return [{"tensor": name, "levels": round(levels[name], 2)} for name in sorted(tensors, key=lambda n: levels[n])]

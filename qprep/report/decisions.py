@@ -16,8 +16,8 @@ def decision_lines(stage: dict) -> list[str]:
     """The decisions of one quantize stage record (empty for other stages)."""
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
-    return [line for line in (_activations(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage), _spread(stage),
-                              _float_nodes(stage),
+    return [line for line in (_activations(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
+                              _spread(stage), _float_nodes(stage),
                               *_fitting(stage)) if line]
 
 
@@ -91,8 +91,9 @@ def _spread(stage: dict) -> str:
     if not tensors:
         return ""
     worst = ", ".join(f"`{t['tensor']}` {t['levels']:g}" for t in tensors[:3])
-    kept = (f"kept float with their producers and consumers ({record.get('nodes', '?')} nodes)"
-            if record.get("as") == "float" else "quantized to 16 bits (ONNX Runtime's CPU runs their neighbours in float)")
+    kept = ("quantized to 16 bits (ONNX Runtime's CPU runs their neighbours in float)" if record.get("as") == "int16"
+            else f"kept {record.get('as', 'float')} with their producers and consumers "
+                 f"({record.get('nodes', '?')} nodes)")
     return (f"{len(tensors)} tensor(s) whose channels spread too far for one int8 scale {kept}; int8 levels of the "
             f"median channel: {worst}{', …' if len(tensors) > 3 else ''}")
 

@@ -6,6 +6,9 @@ One table model (header + rows of plain text) rendered by report.md and report.h
 from __future__ import annotations
 
 
+_KEPT = {"float": "float", "int16": "at 16 bits", "float16": "float16"}  # what the spread phase did (spread_tensors.as)
+
+
 def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[list[str]]]]] | None:
     """(verdict line, [(title, header, rows)]) for a stage that ran the fallback, else None."""
     record = stage.get("fallback")
@@ -21,7 +24,7 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
     spread = record.get("spread_tensors") or {}
     if len(spread.get("scores", {})) > 1:
         verdict += (f" Tensors whose channels spread too far for one int8 scale, kept "
-                    f"{'float' if spread.get('as') == 'float' else 'at 16 bits'} first: {spread['chosen']} kept ("
+                    f"{_KEPT.get(spread.get('as'), 'out of int8')} first: {spread['chosen']} kept ("
                     + ", ".join(f"{a} {v:.5f}" for a, v in spread["scores"].items()) + ").")
     op_types = record.get("float_op_types") or {}
     if op_types.get("chosen"):

@@ -111,3 +111,24 @@ def test_the_fallback_meets_its_target_with_the_spread_tensor_float_before_its_n
     assert stage["spread_tensors"] == {"as": "float", "tensors": ["m"], "float_nodes": ["second", "spread"]}
     assert "1 tensor(s) whose channels spread too far for one int8 scale kept float with their producers and " \
            "consumers (2 nodes)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_before_the_search():
+    """RKNN's trial is a toolkit build (minutes): scripted here by which layers are float16."""
+    from types import SimpleNamespace
+
+    from qprep.quantize.budget import Budget
+    from qprep.quantize.rknn.search import _spread_layers
+
+    builds = []
+
+    def evaluate(float_nodes, samples):
+        builds.append(set(float_nodes))
+        return {"y": {"cosine_mean": 0.999 if {"spread", "second"} <= float_nodes else 0.8}}
+
+    job = SimpleNamespace(model=_spread_model(), samples=_samples(4), threads=1, options={"do_quantization": True},
+                          fallback={"target": {"cosine_mean": 0.99}}, evaluation_samples=_samples(2, 5), progress=None)
+    record, base_float = _spread_layers(SimpleNamespace(evaluate=evaluate), job, {"kept"}, Budget(600))
+    assert base_float == {"kept", "spread", "second"} and record["as"] == "float16" and record["nodes"] == 2
+    assert record["tensors"][0]["tensor"] == "m" and record["scores"]["none"] == 0.8
+    assert builds[0] == {"kept"} and builds[-1] == {"kept", "spread", "second"}

@@ -31,7 +31,7 @@ from qprep.model.info import default_opset, graph_inputs
 from qprep.model.io import is_large, save_model
 from qprep.model.runtime import run_model
 from qprep.qdq import remove_redundant
-from qprep.quantize import bias_correction, gptq, nonfinite
+from qprep.quantize import bias_correction, channel_spread, gptq, nonfinite
 from qprep.quantize import ranges as activation_ranges
 
 ORT = ort_quantization()
@@ -255,7 +255,8 @@ class OrtQuantizer:
                       extra_options=dict(self.options["extra_options"]))
         sixteen_bit = settings.spread_tensors if self.options["spread_tensors"] == "int16" else frozenset()
         if sixteen_bit:
-            common["extra_options"] = _with_16_bit(common["extra_options"], sixteen_bit, self.options["activation_type"])
+            common["extra_options"] = _with_16_bit(common["extra_options"], sixteen_bit,
+                                                   self.options["activation_type"])
         else:
             common["nodes_to_exclude"] = sorted(set(excluded) | self.spread_nodes(settings))
         if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
@@ -284,8 +285,7 @@ class OrtQuantizer:
         all float)."""
         if self.options["spread_tensors"] != "float" or not settings.spread_tensors:
             return set()
-        return {node.name for node in self.model.graph.node
-                if settings.spread_tensors & (set(node.input) | set(node.output))}
+        return channel_spread.nodes_around(self.model, settings.spread_tensors)
 
     def _round_weights(self, quantized: onnx.ModelProto) -> onnx.ModelProto:
         """GPTQ integers; on the first build the result is compared with nearest rounding on the calibration

@@ -35,9 +35,6 @@ log = logging.getLogger("qprep")
 # Ops without weights whose int8 version only re-rounds an activation (elementwise, data movement, softmax).
 # Conv/MatMul/Gemm are where INT8 pays; these are judged as whole op types before nodes are ranked.
 _COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
-# the tensors whose median channel spans fewer int8 levels than each of these, in turn, are kept out of int8
-SPREAD_LEVELS = (4, 8, 16, 32, 64)
-SPREAD_SAMPLES = 4  # calibration samples the channel ranges are measured on
 
 
 class Trials(search.SearchBackend):
@@ -188,9 +185,9 @@ def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set
                           budget: Budget) -> dict:
     """The tensors whose channels one int8 scale cannot share, kept out of int8 before any node is made float
     (their edges float, or 16-bit: option spread_tensors): on PP-OCRv3 rec the 44 worst took cosine 0.88 → 0.989.
-    The sets below each of SPREAD_LEVELS are tried from the worst-spread tensors up (search.choose_setting): the
-    first that meets the target is kept, else the best if it removes enough of the error. Like the op-type phase,
-    a setting of the model, not the search's float nodes (max_float_nodes)."""
+    The sets below each of channel_spread.THRESHOLDS are tried from the worst-spread tensors up
+    (search.choose_setting): the first that meets the target is kept, else the best if it removes enough of the
+    error. Like the op-type phase, a setting of the model, not the search's float nodes (max_float_nodes)."""
     if quantizer.dynamic or quantizer.options["format"] != "qdq" or quantizer.options["spread_tensors"] == "off":
         return {}
     if check_gate(job.fallback["target"], trials.evaluate(excluded, job.evaluation_samples))["passed"]:
@@ -200,26 +197,22 @@ def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set
     float_outputs = {o for n in quantizer.model.graph.node if n.name in excluded for o in n.output}
     tensors = [name for name in quantizer.calibrate(trials.settings.calibrate_method) if name not in float_outputs]
     with budget.timed("spread"):
-        levels = channel_spread.median_channel_levels(quantizer.model, tensors, quantizer.samples[:SPREAD_SAMPLES],
-                                                      job.threads)
-    sets: dict[str, frozenset[str]] = {"none": frozenset()}
-    for threshold in SPREAD_LEVELS:
-        chosen = channel_spread.below(levels, threshold)
-        if chosen and chosen not in sets.values():
-            sets[f"{len(chosen)} tensors under {threshold} levels"] = chosen
+        levels = channel_spread.median_channel_levels(quantizer.model, tensors,
+                                                      quantizer.samples[:channel_spread.SAMPLES], job.threads)
+    sets = channel_spread.nested_sets(levels)
     how = quantizer.options["spread_tensors"]
     if len(sets) == 1:
         return {"as": how, "measured": len(levels), "chosen": "none", "tensors": []}
     result = search.choose_setting(
-        "spread tensors " + ("float" if how == "float" else "16-bit"), "none", [label for label in sets if label != "none"],
+        "spread tensors " + ("float" if how == "float" else "16-bit"), "none",
+        [label for label in sets if label != "none"],
         lambda label: trials.use(spread_tensors=sets[label]), trials.evaluate, excluded, job.evaluation_samples,
         job.fallback["target"], job.progress,
         affordable=lambda label: budget.allows(f"spread tensors: {label}", budget.predict("trial")))
     chosen = sets[result["chosen"]]
     return {**result, "as": how, "measured": len(levels),
             "nodes": len(quantizer.spread_nodes(trials.settings)),
-            "tensors": [{"tensor": name, "levels": round(levels[name], 2)}
-                        for name in sorted(chosen, key=lambda name: levels[name])]}
+            "tensors": channel_spread.records(levels, chosen)}
 
 
 def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,

@@ -1,5 +1,6 @@
 """The accuracy-driven fallback with RKNN builds: which layers become float16 (and whether `mmse` replaces
-the `normal` range algorithm) until the target is met or the budget spent. The search itself is
+the `normal` range algorithm; which layers around tensors whose channels spread too far for int8 go float16
+first) until the target is met or the budget spent. The search itself is
 qprep/quantize/search.py; this module gives it RKNN's trial (a build on the simulator, builder.py) and RKNN's
 ranking (the toolkit's accuracy_analysis, runner.py).
 """
@@ -10,7 +11,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from qprep.errors import QprepError
-from qprep.quantize import search
+from qprep.evaluate.gate import check_gate
+from qprep.quantize import channel_spread, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.budget import Budget
 from qprep.quantize.rknn.io_names import translated
@@ -73,12 +75,41 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
         builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
         job.progress, min_gain=0.15,  # an mmse build is at least 3x a normal one (MiniLM), often minutes
         affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}", 3 * budget.predict("trial")))
+    spread, base_float = _spread_layers(trials, job, base_float, budget)
     ops = {n.name: n.op_type for n in job.model.graph.node}
     candidates = search.Candidates([n.name for n in job.model.graph.node if n.name not in base_float], ops=ops)
     outcome = search.Search(trials, candidates, base_float, job.evaluation_samples, job.fallback, job.progress,
                             budget).run()
-    outcome.record.update(ranges=ranges, budget=budget.record_dict())
+    outcome.record.update(ranges=ranges, spread_tensors=spread, budget=budget.record_dict())
     return outcome
+
+
+def _spread_layers(trials: RknnTrials, job: BackendInput, base_float: set[str],
+                   budget: Budget) -> tuple[dict, set[str]]:
+    """Float16 layers around the tensors whose channels one int8 scale cannot share (channel_spread.py), before
+    the search: the sets under each threshold tried in turn, one build each, from the worst-spread tensors up;
+    the first that meets the target (else the best, if it removes enough of the error) joins the base float
+    set → (record, base float set). Not counted in max_float_nodes, as with ORT."""
+    target = job.fallback["target"]
+    if (not job.options["do_quantization"]
+            or check_gate(target, trials.evaluate(base_float, job.evaluation_samples))["passed"]):
+        return {}, base_float
+    tensors = [o for n in job.model.graph.node if n.op_type != "Constant" for o in n.output]
+    levels = channel_spread.median_channel_levels(job.model, tensors, job.samples[:channel_spread.SAMPLES],
+                                                  job.threads)
+    sets = channel_spread.nested_sets(levels)
+    layers = {label: channel_spread.nodes_around(job.model, chosen) - base_float for label, chosen in sets.items()}
+    if len(sets) == 1:
+        return {"as": "float16", "measured": len(levels), "chosen": "none", "tensors": []}, base_float
+    chosen = ["none"]
+    result = search.choose_setting(
+        "spread tensors float16", "none", [label for label in sets if label != "none"], chosen.append,
+        lambda float_nodes, samples: trials.evaluate(float_nodes | layers[chosen[-1]], samples), base_float,
+        job.evaluation_samples, target, job.progress,
+        affordable=lambda label: budget.allows(f"spread tensors float16: {label}", budget.predict("trial")))
+    kept = result["chosen"]
+    return ({**result, "as": "float16", "measured": len(levels), "nodes": len(layers[kept]),
+             "tensors": channel_spread.records(levels, sets[kept])}, base_float | layers[kept])
 
 
 def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analysis_samples: list[dict],
