@@ -287,7 +287,7 @@ def run_sidecar(entry: Entry) -> dict:
 
 
 NOTE_CHARS = 180  # a failure's one line, cut for the table (the run's report.json has it whole)
-COLUMNS = ("model", "exporter", "task", "status", "float set", "cosine eval", "task metric eval",
+COLUMNS = ("model", "exporter", "task", "status", "float set", "int8 MACs", "cosine eval", "task metric eval",
            "cosine held-out", "task metric held-out", "INT8 speed-up", "fallback s", "note")
 
 
@@ -331,6 +331,7 @@ def table_rows(entries: list[Entry], labels: list[str]) -> list[dict]:
         note = note if len(note) <= NOTE_CHARS else note[:NOTE_CHARS - 1] + "…"
         rows.append({"model": entry.name, "exporter": entry.exporter, "task": entry.task,
                      "status": row["status"], "float set": row.get("float_nodes"),
+                     "int8 MACs": (report.get("result") or {}).get("integer_share"),
                      "cosine eval": cos_eval, "task metric eval": task_eval,
                      "cosine held-out": cos_held, "task metric held-out": task_held,
                      "INT8 speed-up": (evaluation.get("latency") or {}).get("speedup"),

@@ -197,6 +197,23 @@ def multiply_adds(model: onnx.ModelProto) -> dict[str, int]:
     return counts
 
 
+def integer_share(float_model: onnx.ModelProto, result: onnx.ModelProto) -> float | None:
+    """The share of `float_model`'s multiply-adds (Conv/MatMul/Gemm) that `result` runs on integers: a node whose
+    input and weight both come from DequantizeLinear (QDQ: ONNX Runtime fuses it into an integer kernel; a node
+    kept float reads a dequantized input with its float weight) or replaced by an integer op
+    (QOperator, MatMulInteger). What the float set, the fallback, spread tensors and op types left float cost,
+    in one number; None when the model has no multiply-adds of known shape."""
+    macs = multiply_adds(float_model)
+    total = sum(macs.values())
+    if not total:
+        return None
+    dequantized = {o for n in result.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    nodes = {n.name: n for n in result.graph.node}
+    integer = sum(count for name, count in macs.items()
+                  if name not in nodes or set(nodes[name].input[:2]) <= dequantized)
+    return integer / total
+
+
 def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:
     """{tensor: (element type, dims with None where unknown)} from ONNX shape inference and the initializers;
     {} for the inferred part when inference fails (never fatal: callers only use what is known)."""

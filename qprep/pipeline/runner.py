@@ -184,6 +184,9 @@ def _save_result(run: Run, model: onnx.ModelProto) -> None:
         run.written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
     report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
                         "artifacts": sorted(products.artifacts), **model_info.summary(model)}
+    quantized = products.prepared_model is not None and model_info.model_kind(model) != model_info.FLOAT
+    if quantized and not products.deployable:  # (RKNN's model.onnx is the float model it was built from)
+        report["result"]["integer_share"] = model_info.integer_share(products.prepared_model, model)
     if products.deployable:  # e.g. the .rknn; model.onnx is then the float model it was built from
         report["result"]["deployable"] = {
             "path": products.deployable, "bytes": (directory / products.deployable).stat().st_size,

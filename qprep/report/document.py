@@ -236,8 +236,11 @@ def _result(result: dict | None, model: dict) -> list:
     if deployable:
         blocks.append(Text(f"Deployable: `{deployable['path']}` ({deployable['bytes'] / 1e6:.2f} MB); "
                            f"{deployable['note']}."))
+    share = result.get("integer_share")
     blocks.append(Text(f"`{result['path']}`: {result['kind']}, {result['nodes']} nodes, "
-                       f"{result['bytes'] / 1e6:.2f} MB"))
+                       f"{result['bytes'] / 1e6:.2f} MB"
+                       + (f"; {share:.0%} of the multiply-adds (Conv, MatMul, Gemm) run on integers"
+                          if share is not None else "")))
     before, after = model.get("op_counts", {}), result.get("op_counts", {})
     ordered = sorted(set(before) | set(after), key=lambda o: (-after.get(o, 0), -before.get(o, 0), o))
     blocks.append(Table(["op", "input model", "result"], [[op, str(before.get(op, 0)), str(after.get(op, 0))]

@@ -13,7 +13,7 @@ from qprep.jsonfile import number
 
 COLUMNS = ["model", "status", "cosine_mean", "agreement", "heldout_cosine", "heldout_agreement", "speedup",
            "nodes_before", "nodes_after",
-           "layernorms_fused", "float_nodes", "seconds", "error", "run_dir"]
+           "layernorms_fused", "float_nodes", "int8_macs", "seconds", "error", "run_dir"]
 
 
 def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = "", status: str | None = None,
@@ -30,7 +30,7 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     before, after = model.get("op_counts", {}), result.get("op_counts", {})
     row.update(nodes_before=model.get("nodes"), nodes_after=result.get("nodes"),
                layernorms_fused=after.get("LayerNormalization", 0) - before.get("LayerNormalization", 0),
-               float_nodes=len(report.get("float_set", [])))
+               float_nodes=len(report.get("float_set", [])), int8_macs=number(result.get("integer_share")))
     if seconds is None:
         row["seconds"] = report.get("seconds")
     evaluation = report.get("evaluation") or {}

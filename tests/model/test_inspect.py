@@ -78,3 +78,28 @@ def test_inspect_counts_layernorms_and_gelus_fused_decomposed_and_refused(tmp_pa
     assert "LayerNorm: 1 fused, 1 decomposed (jax 1; fusable by `optimize`)" in text
     assert "refused 1: gamma is not a constant" in text
     assert "GELU: 0 fused, 1 decomposed (tanh 1; fusable by `optimize`)" in text
+
+
+def test_integer_share_counts_the_multiply_adds_fed_by_dequantize_or_replaced_by_integer_ops():
+    import numpy as np
+    from onnx import helper
+
+    from graphs import make_model
+    from qprep.model.info import integer_share
+
+    weights = {"w": np.ones((4, 4, 1, 1), np.float32), "v": np.ones((4, 4, 3, 3), np.float32)}
+    float_model = make_model([helper.make_node("Conv", ["x", "w"], ["a"], name="small"),
+                              helper.make_node("Conv", ["a", "v"], ["y"], name="big", pads=[1, 1, 1, 1])],
+                             [("x", [1, 4, 8, 8])], [("y", [1, 4, 8, 8])], weights)
+    small, big = 4 * 4 * 64, 4 * 4 * 9 * 64
+    qdq = make_model([helper.make_node("DequantizeLinear", ["xq", "s"], ["xd"], name="dq"),
+                      helper.make_node("DequantizeLinear", ["wq", "s"], ["wd"], name="dqw"),
+                      helper.make_node("Conv", ["xd", "wd"], ["a"], name="small"),
+                      helper.make_node("Conv", ["a", "v"], ["y"], name="big", pads=[1, 1, 1, 1])],
+                     [("xq", [1, 4, 8, 8], np.uint8)], [("y", [1, 4, 8, 8])],
+                     {**weights, "s": np.float32(0.1), "wq": np.ones((4, 4, 1, 1), np.int8)},
+                     infer_shapes=False)
+    assert integer_share(float_model, qdq) == small / (small + big)  # "big" reads a float weight: float
+    replaced = make_model([helper.make_node("Conv", ["x", "w"], ["a"], name="small")], [("x", [1, 4, 8, 8])],
+                          [("a", [1, 4, 8, 8])], weights, infer_shapes=False)
+    assert integer_share(float_model, replaced) == big / (small + big)  # "big" became an integer op

@@ -109,6 +109,7 @@ def test_the_fallback_meets_its_target_with_the_spread_tensor_float_before_its_n
     assert record["passed"] and record["float_nodes"] == [] and stage["excluded_nodes"] == []
     assert record["spread_tensors"]["tensors"][0]["tensor"] == "m" and record["spread_tensors"]["scores"]["none"] < 0.99
     assert stage["spread_tensors"] == {"as": "float", "tensors": ["m"], "float_nodes": ["second", "spread"]}
+    assert report["result"]["integer_share"] == pytest.approx(576 / (576 + 144 + 144))  # "first" alone: int8
     assert "1 tensor(s) whose channels spread too far for one int8 scale kept float with their producers and " \
            "consumers (2 nodes)" in (tmp_path / "out" / "report.md").read_text()
 
