@@ -87,13 +87,14 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     if config["evaluation"]:
         with progress.step("load evaluation data"):
             evaluation, heldout, reference = _evaluation_data(config["evaluation"], model, found)
-    if _needs_fixed_dims(config):
+    compiled_by, unfixable = _fixed_dims_stage(config), None
+    if compiled_by:
         model, fixed_warnings = _dims_from_samples(model, record, (calibration, evaluation, heldout))
         warnings += fixed_warnings
-    unfixable = _dims_ort_cannot_fix(model, record, config) if _needs_fixed_dims(config) else None
-    if unfixable:
-        with found.attempt():
-            raise ModelError(unfixable)
+        unfixable = _dims_ort_cannot_fix(model, record, compiled_by)
+        if unfixable:
+            with found.attempt():
+                raise ModelError(unfixable)
     for name, options in config.stages:  # what a stage cannot take from this model (e.g. an op its toolkit refuses)
         stage = registry()[name]
         if unfixable and stage.fixed_dims and stage.fixed_dims(options):
@@ -107,20 +108,21 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
                    reference=reference, warnings=warnings)
 
 
-def _needs_fixed_dims(config: Config) -> bool:
-    """A stage that compiles for one input size (quantize with backend rknn)."""
-    return any(registry()[name].fixed_dims and registry()[name].fixed_dims(options) for name, options in config.stages)
+def _fixed_dims_stage(config: Config) -> str | None:
+    """The stage that compiles for one input size (e.g. "quantize.rknn"), if the pipeline has one."""
+    for name, options in config.stages:
+        if registry()[name].fixed_dims and registry()[name].fixed_dims(options):
+            return f"{name}.{options['backend']}" if "backend" in options else name
+    return None
 
 
-def _dims_ort_cannot_fix(model: onnx.ModelProto, record: dict, config: Config) -> str | None:
-    """For a stage that compiles one input size: the refusal of an input whose fixed dims ONNX Runtime refuses
+def _dims_ort_cannot_fix(model: onnx.ModelProto, record: dict, stage: str) -> str | None:
+    """For `stage`, which compiles one input size: the refusal of an input whose fixed dims ONNX Runtime refuses
     (If/Loop branches inferred at those dims), if one is left symbolic — saying so, where the stage's own
     refusal would advise `inputs:`, which would not help."""
     refused = record["load"].get("inputs_left_symbolic") or {}
     for spec in model_info.graph_inputs(model):
         if spec.name in refused and not all(isinstance(d, int) for d in spec.shape or [None]):
-            stage = next(f"{name}.{options.get('backend', '')}".rstrip(".") for name, options in config.stages
-                         if registry()[name].fixed_dims and registry()[name].fixed_dims(options))
             return (f"{stage}: input '{spec.name}' must have fixed dims, and with them ONNX Runtime refuses the "
                     f"model ({refused[spec.name][:120]}): it infers the shapes of If/Loop branches that do not run "
                     "at these dims; export the model without that control flow (e.g. traced at the deployment size)")
@@ -142,8 +144,7 @@ def _dims_from_samples(model: onnx.ModelProto, record: dict, sets) -> tuple[onnx
     if not shapes:
         return model, []
     fixed, refused = fix_input_dims_ort_accepts(model, shapes)
-    record["load"].setdefault("inputs_left_symbolic", {}).update(refused)
-    warnings = [left_symbolic_warning(name, problem) for name, problem in refused.items()]
+    warnings = _left_symbolic(record, refused)
     if not fixed:
         return model, warnings
     model, warning = infer_shapes(model)
@@ -194,12 +195,18 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
                         **model_info.summary(model)}}
     named = name_nodes(model.graph)
     fixed, refused = fix_input_dims_ort_accepts(model, config["inputs"] or {})
-    warnings = [left_symbolic_warning(name, problem) for name, problem in refused.items()]
     model, warning = infer_shapes(model)
     record["load"] = {"nodes_named": named, "inputs_fixed": fixed,
-                      "inputs": [s.as_dict() for s in model_info.graph_inputs(model)],
-                      **({"inputs_left_symbolic": refused} if refused else {})}
-    return model, record, warnings + ([warning] if warning else []), data_files
+                      "inputs": [s.as_dict() for s in model_info.graph_inputs(model)]}
+    return model, record, _left_symbolic(record, refused) + ([warning] if warning else []), data_files
+
+
+def _left_symbolic(record: dict, refused: dict[str, str]) -> list[str]:
+    """Inputs whose fixed dims ONNX Runtime refused (fix_input_dims_ort_accepts): recorded for the stage that
+    needs them fixed (_dims_ort_cannot_fix) → the run's warnings."""
+    if refused:
+        record["load"].setdefault("inputs_left_symbolic", {}).update(refused)
+    return [left_symbolic_warning(name, problem) for name, problem in refused.items()]
 
 
 def input_paths(config: Config, data_files=()) -> dict[str, Path]:
