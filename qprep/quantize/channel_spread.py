@@ -14,10 +14,15 @@ float.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import onnx
 
+from qprep.evaluate.gate import check_gate
 from qprep.model.runtime import intermediate_values
+from qprep.quantize import search
+from qprep.quantize.budget import Budget
 
 LEVELS = 255  # steps of an 8-bit grid
 # the tensors whose median channel spans fewer int8 levels than each of these, in turn, are tried out of int8
@@ -89,3 +94,31 @@ def nodes_around(model: onnx.ModelProto, tensors: frozenset[str]) -> set[str]:
 def records(levels: dict[str, float], tensors: frozenset[str]) -> list[dict]:
     """[{tensor, levels}] worst first, for the report."""
     return [{"tensor": name, "levels": round(levels[name], 2)} for name in sorted(tensors, key=lambda n: levels[n])]
+
+
+def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Callable[[frozenset[str]], None],
+           evaluate: Callable[[set[str], list[dict]], dict], base_float: set[str], budget: Budget,
+           nodes: Callable[[frozenset[str]], int]) -> tuple[dict, frozenset[str]]:
+    """A fallback's spread phase, for any backend (`job`: its BackendInput), before its node search: unless the
+    target already holds, the levels of `model`'s `tensors` are measured on the calibration samples and the sets
+    under each of THRESHOLDS tried in turn with `use(tensors)` then `evaluate(base_float, evaluation samples)`
+    (search.choose_setting: the first that meets the target is kept, else the best if it removes enough of the
+    error) → (record, the tensors kept out of int8). `how` says how the backend keeps them (float, int16,
+    float16); `nodes(tensors)` how many nodes that takes out of int8, for the record."""
+    target = job.fallback["target"]
+    if (check_gate(target, evaluate(base_float, job.evaluation_samples))["passed"]
+            or not budget.allows("channel spread measured", budget.predict("trial"))):
+        return {}, frozenset()
+    with budget.timed("spread"):
+        levels = median_channel_levels(model, tensors, job.samples[:SAMPLES], job.threads)
+    sets = nested_sets(levels)
+    if len(sets) == 1:
+        return {"as": how, "measured": len(levels), "chosen": "none", "tensors": []}, frozenset()
+    setting = f"spread tensors {how}"
+    result = search.choose_setting(
+        setting, "none", [label for label in sets if label != "none"], lambda label: use(sets[label]), evaluate,
+        base_float, job.evaluation_samples, target, job.progress,
+        affordable=lambda label: budget.allows(f"{setting}: {label}", budget.predict("trial")))
+    chosen = sets[result["chosen"]]
+    return ({**result, "as": how, "measured": len(levels), "nodes": nodes(chosen),
+             "tensors": records(levels, chosen)}, chosen)

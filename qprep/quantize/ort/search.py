@@ -184,35 +184,20 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
 def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,
                           budget: Budget) -> dict:
     """The tensors whose channels one int8 scale cannot share, kept out of int8 before any node is made float
-    (their edges float, or 16-bit: option spread_tensors): on PP-OCRv3 rec the 44 worst took cosine 0.88 → 0.989.
-    The sets below each of channel_spread.THRESHOLDS are tried from the worst-spread tensors up
-    (search.choose_setting): the first that meets the target is kept, else the best if it removes enough of the
-    error. Like the op-type phase, a setting of the model, not the search's float nodes (max_float_nodes)."""
-    if quantizer.dynamic or quantizer.options["format"] != "qdq" or quantizer.options["spread_tensors"] == "off":
-        return {}
-    if check_gate(job.fallback["target"], trials.evaluate(excluded, job.evaluation_samples))["passed"]:
-        return {}
-    if not budget.allows("channel spread measured", budget.predict("trial")):
+    (their edges float, or 16-bit: option spread_tensors; channel_spread.choose): on PP-OCRv3 rec the 44 worst
+    took cosine 0.88 → 0.996 with their edges float. Like the op-type phase, a setting of the model, not the
+    search's float nodes (max_float_nodes)."""
+    how = quantizer.options["spread_tensors"]
+    if quantizer.dynamic or quantizer.options["format"] != "qdq" or how == "off":
         return {}
     float_outputs = {o for n in quantizer.model.graph.node if n.name in excluded for o in n.output}
-    tensors = [name for name in quantizer.calibrate(trials.settings.calibrate_method) if name not in float_outputs]
-    with budget.timed("spread"):
-        levels = channel_spread.median_channel_levels(quantizer.model, tensors,
-                                                      quantizer.samples[:channel_spread.SAMPLES], job.threads)
-    sets = channel_spread.nested_sets(levels)
-    how = quantizer.options["spread_tensors"]
-    if len(sets) == 1:
-        return {"as": how, "measured": len(levels), "chosen": "none", "tensors": []}
-    result = search.choose_setting(
-        "spread tensors " + ("float" if how == "float" else "16-bit"), "none",
-        [label for label in sets if label != "none"],
-        lambda label: trials.use(spread_tensors=sets[label]), trials.evaluate, excluded, job.evaluation_samples,
-        job.fallback["target"], job.progress,
-        affordable=lambda label: budget.allows(f"spread tensors: {label}", budget.predict("trial")))
-    chosen = sets[result["chosen"]]
-    return {**result, "as": how, "measured": len(levels),
-            "nodes": len(quantizer.spread_nodes(trials.settings)),
-            "tensors": channel_spread.records(levels, chosen)}
+    calibrated = [name for name in quantizer.calibrate(trials.settings.calibrate_method) if name not in float_outputs]
+    # quantizer.model: the model at the opset ORT's quantizer needs
+    record, _ = channel_spread.choose(
+        job, quantizer.model, calibrated, how, lambda tensors: trials.use(spread_tensors=tensors), trials.evaluate,
+        excluded, budget,
+        lambda tensors: len(channel_spread.nodes_around(quantizer.model, tensors)) if how == "float" else 0)
+    return record
 
 
 def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,

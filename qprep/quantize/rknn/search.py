@@ -11,7 +11,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from qprep.errors import QprepError
-from qprep.evaluate.gate import check_gate
 from qprep.quantize import channel_spread, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.budget import Budget
@@ -86,30 +85,24 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
 
 def _spread_layers(trials: RknnTrials, job: BackendInput, base_float: set[str],
                    budget: Budget) -> tuple[dict, set[str]]:
-    """Float16 layers around the tensors whose channels one int8 scale cannot share (channel_spread.py), before
-    the search: the sets under each threshold tried in turn, one build each, from the worst-spread tensors up;
-    the first that meets the target (else the best, if it removes enough of the error) joins the base float
-    set → (record, base float set). Not counted in max_float_nodes, as with ORT."""
-    target = job.fallback["target"]
-    if (not job.options["do_quantization"]
-            or check_gate(target, trials.evaluate(base_float, job.evaluation_samples))["passed"]):
+    """Float16 layers around the tensors whose channels one int8 scale cannot share, one build per set tried
+    (channel_spread.choose), before the search; the kept set joins the base float set → (record, base float
+    set). Not counted in max_float_nodes, as with ORT."""
+    if not job.options["do_quantization"]:
         return {}, base_float
-    tensors = [o for n in job.model.graph.node if n.op_type != "Constant" for o in n.output]
-    levels = channel_spread.median_channel_levels(job.model, tensors, job.samples[:channel_spread.SAMPLES],
-                                                  job.threads)
-    sets = channel_spread.nested_sets(levels)
-    layers = {label: channel_spread.nodes_around(job.model, chosen) - base_float for label, chosen in sets.items()}
-    if len(sets) == 1:
-        return {"as": "float16", "measured": len(levels), "chosen": "none", "tensors": []}, base_float
-    chosen = ["none"]
-    result = search.choose_setting(
-        "spread tensors float16", "none", [label for label in sets if label != "none"], chosen.append,
-        lambda float_nodes, samples: trials.evaluate(float_nodes | layers[chosen[-1]], samples), base_float,
-        job.evaluation_samples, target, job.progress,
-        affordable=lambda label: budget.allows(f"spread tensors float16: {label}", budget.predict("trial")))
-    kept = result["chosen"]
-    return ({**result, "as": "float16", "measured": len(levels), "nodes": len(layers[kept]),
-             "tensors": channel_spread.records(levels, sets[kept])}, base_float | layers[kept])
+    around = {}  # tensors → the layers that keep them float16
+
+    def layers(tensors: frozenset[str]) -> set[str]:
+        if tensors not in around:
+            around[tensors] = channel_spread.nodes_around(job.model, tensors) - base_float
+        return around[tensors]
+
+    trying = [frozenset()]
+    record, kept = channel_spread.choose(
+        job, job.model, [o for n in job.model.graph.node if n.op_type != "Constant" for o in n.output], "float16",
+        trying.append, lambda float_nodes, samples: trials.evaluate(float_nodes | layers(trying[-1]), samples),
+        base_float, budget, lambda tensors: len(layers(tensors)))
+    return record, base_float | layers(kept)
 
 
 def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analysis_samples: list[dict],
