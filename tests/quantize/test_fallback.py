@@ -306,16 +306,26 @@ def test_budget_predicts_a_step_from_the_slowest_recent_run_and_keeps_the_reserv
     assert not budget.allows("ranking", 19.0) and budget.skipped == ["ranking (~19 s, 18 s left)"]
 
 
-def test_a_kind_not_run_yet_is_predicted_by_its_stand_in_and_bias_trials_do_not_count_as_trials():
+def test_a_kind_not_run_yet_is_predicted_by_its_stand_in_and_bias_trials_are_their_own_kind():
     """PP-OCRv3 det: a 200 s bias-corrected build timed as a trial made every later trial look 227 s long, and
     the search never started (0 rounds within a 600 s budget)."""
+    from types import SimpleNamespace
+
+    from qprep.quantize.ort.quantizer import OrtSettings
+    from qprep.quantize.ort.search import build_kind
+
+    quantizer = SimpleNamespace(calibrated=lambda method: method == "minmax")
+    plain, corrected = OrtSettings("minmax", bias_correction=False), OrtSettings("minmax", bias_correction=True)
+    assert build_kind(quantizer, OrtSettings("mse", bias_correction=False), True) == "first build"
+    assert build_kind(quantizer, corrected, True) == "bias trial"
+    assert build_kind(quantizer, plain, True) == "trial" and build_kind(quantizer, plain, False) == "rank"
     budget = Budget(600)
     budget.stand_ins.update({"trial": "first build", "rank": "trial"})
     assert budget.predict("trial") == 0.0
     budget.record("first build", 40.0)
     assert budget.predict("trial") == 40.0 and budget.predict("rank") == 40.0  # an over-estimate until measured
-    budget.record("bias trial", 200.0)
-    budget.record("trial", 5.0)
+    budget.record(build_kind(quantizer, corrected, True), 200.0)
+    budget.record(build_kind(quantizer, plain, True), 5.0)
     assert budget.predict("trial") == 5.0 and budget.predict("rank") == 5.0
 
 

@@ -65,13 +65,7 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     every = len(job.evaluation_samples)
 
     def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
-        if not quantizer.calibrated(settings.calibrate_method):
-            kind = "first build"
-        elif settings.bias_correction:  # its waves take minutes on a large model: no prediction for plain trials
-            kind = "bias trial"
-        else:
-            kind = "trial" if len(samples) == every else "rank"
-        with budget.timed(kind):
+        with budget.timed(build_kind(quantizer, settings, len(samples) == every)):
             return job.measure(run_model(quantizer.build(float_nodes, settings), samples, job.threads,
                                          optimize=True))
 
@@ -117,6 +111,18 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     return outcome, trials.settings
 
 
+def build_kind(quantizer: OrtQuantizer, settings: OrtSettings, all_samples: bool) -> str:
+    """The budget's kind of a build with `settings`: the first with a range method (calibration and GPTQ), a
+    bias-corrected one (its waves take minutes on a large model: timed as a trial, it made PP-OCRv3 det's every
+    later step look 230 s long and the search never started), a trial on all evaluation samples, or a ranking
+    trial on fewer."""
+    if not quantizer.calibrated(settings.calibrate_method):
+        return "first build"
+    if settings.bias_correction:
+        return "bias trial"
+    return "trial" if all_samples else "rank"
+
+
 NEAR = 2.0  # bias correction is tried on the base when its error is at most this many times the target's
 
 
@@ -124,8 +130,7 @@ def _near_target(outputs: dict, target: dict) -> bool:
     """Whether the base's error (1 − score) is within NEAR times the target's: bias correction moves the
     score by a fraction of a percent (EfficientNet-Lite0 0.9973 → 0.9981), and on a model far from the target
     its minutes (PP-PicoDet: 67 waves, most of a 600 s budget) are better spent on the search."""
-    thresholds = [v for k, v in target.items() if k.rpartition(".")[2] in ("cosine_mean", "cosine_min") or
-                  k in ("cosine_mean", "cosine_min")]
+    thresholds = [v for k, v in target.items() if k.rpartition(".")[2] in ("cosine_mean", "cosine_min")]
     if not thresholds:
         return True
     return 1.0 - search.score_of(outputs, target) <= NEAR * (1.0 - min(thresholds))
@@ -135,7 +140,7 @@ def _corrected_base(trials: Trials, excluded: set[str], job: BackendInput, budge
     """The base float set with bias correction: if that meets the target, the search ends at its base trial
     with it (EfficientNet-Lite0: 0 float nodes); otherwise the search runs without it. Not tried when not even
     a build fits in the budget (its waves stop in time by themselves)."""
-    if not budget.allows("bias correction on the base", budget.predict("trial", budget.predict("first build"))):
+    if not budget.allows("bias correction on the base", budget.predict("trial")):  # (its stand-in: the first build)
         return None
     started = budget.elapsed()
     trials.use(bias_correction=True)
