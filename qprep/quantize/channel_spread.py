@@ -3,11 +3,12 @@
 Why: a per-tensor activation range gives every channel of a tensor the same step. Where BatchNorm was folded
 into a convolution, each output channel is scaled by its own γ/σ, and in the depthwise blocks of mobile CNNs one
 channel's range can be 35× the median one's: the median channel then spans a handful of the 256 int8 levels.
-Measured with ONNX Runtime alone on 8 held-out samples, PP-PicoDet (paddle2onnx) falls to cosine 0.56 and
+Measured with ONNX Runtime alone on 8 evaluation samples, PP-PicoDet (paddle2onnx) falls to cosine 0.56 and
 PP-OCRv3 rec to 0.71 when everything is int8, and to 0.9999 / 0.999 with 16-bit activations everywhere; 16 bits
 on the 20 rec tensors whose median channel spans under 16 levels alone bring it to 0.979, on 56 (under 48
-levels) to 0.994, and keeping their edges float instead to 0.990 at 1.4× the float model's speed (16-bit QDQ
-runs in float on ONNX Runtime's CPU, slower than float). So the spread is measured once from the float model (one
+levels) to 0.994 (a first count that still took dead channels into the median), and keeping the edges of the 44
+the fallback chose float instead to 0.990 at 1.4× the float model's speed, one thread (16-bit QDQ runs in float
+on ONNX Runtime's CPU, slower than float). So the spread is measured once from the float model (one
 run over a few samples, no quantized trial) and ranks the tensors to keep out of int8 before any node is made
 float.
 """

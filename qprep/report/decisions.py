@@ -85,7 +85,8 @@ def _fallback(stage: dict) -> str:
 
 
 def _spread(stage: dict) -> str:
-    """ORT: activations kept out of int8 because their channels spread too far for one int8 scale."""
+    """Activations kept out of int8 (ORT: float or 16-bit; RKNN: float16) because their channels spread too far
+    for one int8 scale."""
     record = (stage.get("fallback") or {}).get("spread_tensors") or {}
     tensors = record.get("tensors") or []
     if not tensors:
