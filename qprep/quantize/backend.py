@@ -41,8 +41,9 @@ class BackendInput:
     options: dict
     work_dir: Path
     fallback: dict | None = None  # quantize.fallback (target, budget, …) when the search is on
-    measure: Callable[[list[dict]], dict] | None = None  # outputs on evaluation_samples[:n] → per-output metrics
-    evaluation_samples: list[dict] = field(default_factory=list)  # what the fallback measures on
+    measure: Callable[[list[dict], list[dict]], dict] | None = None  # (samples, their outputs) → per-output metrics
+    evaluation_samples: list[dict] = field(default_factory=list)  # what the fallback chooses on
+    acceptance_samples: list[dict] = field(default_factory=list)  # kept apart: what accepts its choice
     started: float | None = None  # perf_counter when the stage began: the fallback's time budget counts from it
     progress: object = None
     threads: int = 2

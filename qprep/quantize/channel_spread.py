@@ -20,7 +20,6 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from qprep.evaluate.gate import check_gate
 from qprep.model.runtime import intermediate_values
 from qprep.quantize import search
 from qprep.quantize.budget import Budget
@@ -107,7 +106,8 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
     error) → (record, the tensors kept out of int8). `how` says how the backend keeps them (float, int16,
     float16); `nodes(tensors)` how many nodes that takes out of int8, for the record."""
     target = job.fallback["target"]
-    if (check_gate(target, evaluate(base_float, job.evaluation_samples))["passed"]
+    if (search.judge(target, evaluate(base_float, job.evaluation_samples), base_float, evaluate,
+                     job.acceptance_samples)["passed"]
             or not budget.allows("channel spread measured", budget.predict("trial"))):
         return {}, frozenset()
     with budget.timed("spread"):
@@ -119,7 +119,8 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
     result = search.choose_setting(
         setting, "none", [label for label in sets if label != "none"], lambda label: use(sets[label]), evaluate,
         base_float, job.evaluation_samples, target, job.progress,
-        affordable=lambda label: budget.allows(f"{setting}: {label}", budget.predict("trial")))
+        affordable=lambda label: budget.allows(f"{setting}: {label}", budget.predict("trial")),
+        acceptance=job.acceptance_samples)
     chosen = sets[result["chosen"]]
     return ({**result, "as": how, "measured": len(levels), "nodes": nodes(chosen),
              "tensors": records(levels, chosen)}, chosen)

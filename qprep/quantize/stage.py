@@ -15,7 +15,7 @@ import time
 import onnx
 
 from qprep.model import info as model_info
-from qprep.quantize import nonfinite
+from qprep.quantize import nonfinite, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
@@ -136,7 +136,8 @@ def _kept_out_of_calibration(job: BackendInput) -> nonfinite.Extremes:
 
 def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> None:
     """The search measures every trial on the evaluation samples against the FP32 outputs; those are the run's
-    shared ReferenceOutputs, computed here once (the final evaluation reuses them)."""
+    shared ReferenceOutputs, computed here once (the final evaluation reuses them). The samples are split into
+    those the search chooses on and those kept apart to accept its choice (search.split_samples)."""
     from qprep.evaluate import output_metrics
     from qprep.evaluate.kinds import output_kinds
 
@@ -145,7 +146,11 @@ def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> Non
     evaluation = ctx.config["evaluation"]
     kinds = output_kinds(run.model, expected, evaluation["tasks"])  # as the final evaluation judges them
 
-    def measure(actual_outputs: list[dict]) -> dict:
-        return output_metrics(expected[: len(actual_outputs)], actual_outputs, kinds, evaluation["decision_threshold"])
+    position = {id(sample): i for i, sample in enumerate(run.samples.samples)}
 
-    job.fallback, job.evaluation_samples, job.measure = fallback, run.samples.samples, measure
+    def measure(samples: list[dict], actual_outputs: list[dict]) -> dict:
+        return output_metrics([expected[position[id(s)]] for s in samples], actual_outputs, kinds,
+                              evaluation["decision_threshold"])
+
+    job.evaluation_samples, job.acceptance_samples = search.split_samples(run.samples.samples, fallback["accept_share"])
+    job.fallback, job.measure = fallback, measure

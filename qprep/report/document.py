@@ -101,7 +101,8 @@ def _evaluation(evaluation: dict | None) -> list:
             [c["metric"] + (f" (for {c['stands_for']})" if c.get("stands_for") else ""),
              "not measured" if c["value"] is None else distinct(c["value"], c["threshold"]),
              f"{'≤' if c.get('kind') == 'maximum' else '≥'} {c['threshold']:.4g}",
-             "ok" if c["passed"] else "**missed**"] for c in gate["checks"]],
+             ("ok" if c["passed"] else "**missed**") + (f" (too few to decide: {c['undecided']})"
+                                                         if c.get("undecided") else "")] for c in gate["checks"]],
             title=f"{kind} {'passed' if gate['passed'] else '**missed**'}{judged}"))
         if gate.get("worst_tensors"):
             blocks.append(Text("Worst: " + "; ".join(gate["worst_tensors"]), note=True))

@@ -15,12 +15,17 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
     if not record:
         return None
     target = ", ".join(f"{k} ≥ {v}" for k, v in record["target"].items())
-    best = ", ".join(f"{k} {v:.4f}" for k, v in record["best"]["metrics"].items() if isinstance(v, (int, float)))
-    base = ", ".join(f"{k} {v:.4f}" for k, v in record["base"]["metrics"].items() if isinstance(v, (int, float)))
+    best, base = _numbers(record["best"]["metrics"]), _numbers(record["base"]["metrics"])
     verdict = (f"Target {target}: **{'met' if record['passed'] else 'missed'}** with {len(record['float_nodes'])} "
                f"float node(s) — {best} (all quantized: {base}); {record['stopped']}, {record.get('rounds', 1)} round(s), "
                f"{record['rank_trials']} ranking trials on {record['ranked']} of {record['candidates']} candidates, "
                f"{record['seconds']:.0f} s.")
+    split = record.get("samples") or {}
+    unseen = record["best"].get("unseen")
+    if split.get("kept_apart"):
+        verdict += (f" Chosen on {split['chosen_on']} evaluation samples, accepted on {split['kept_apart']} others"
+                    + (f" ({_numbers(unseen['metrics'])}: {'held' if unseen['passed'] else 'missed'})." if unseen
+                       else " (never reached: the target was not met on the first)."))
     spread = record.get("spread_tensors") or {}
     if len(spread.get("scores", {})) > 1:
         verdict += (f" Tensors whose channels spread too far for one int8 scale, kept "
@@ -43,13 +48,17 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
                          n.get("via") or "itself"] for n in record["float_nodes"]]))
     trials = [t for t in record["trials"] if t["phase"] == "promote"]
     if trials:
-        tables.append(("Promotion trials (all evaluation samples)",
+        tables.append(("Promotion trials (on the samples the search chooses on)",
                        ["added", "float nodes", "score", "metrics", "kept", "s"],
                        [[", ".join(t.get("added") or []), str(t["float_nodes"]), f"{t['score']:.5f}",
-                         ", ".join(f"{k} {v:.4f}" for k, v in t["metrics"].items() if isinstance(v, (int, float))),
+                         _numbers(t["metrics"]),
                          "yes" if t["accepted"] else "no", f"{t['seconds']:.1f}"] for t in trials]))
     ranking = record.get("ranking", [])[:15]
     if ranking:
         tables.append(("Most harmful nodes or edges (gain when kept float alone, first round)", ["candidate", "op", "gain"],
                        [[r["node"], r["what"], f"{r['gain']:+.5f}"] for r in ranking]))
     return verdict, tables
+
+
+def _numbers(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)))

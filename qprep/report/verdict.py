@@ -73,7 +73,8 @@ def check_text(check: dict) -> str:
         sign = "needs ≤" if check.get("kind") == "maximum" else "needs ≥"
     stands = f" (for {check['stands_for']})" if check.get("stands_for") else ""
     where = f" of `{output}`" if output else ""
-    return f"`{metric}`{where} {value} {sign} {check['threshold']:.4g}{stands}"
+    undecided = f" (too few to decide: {check['undecided']})" if check.get("undecided") else ""
+    return f"`{metric}`{where} {value} {sign} {check['threshold']:.4g}{stands}{undecided}"
 
 
 def distinct(value: float, threshold: float) -> str:

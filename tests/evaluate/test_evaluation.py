@@ -300,3 +300,20 @@ def test_heldout_samples_are_measured_apart_and_judge_the_gate(tmp_path):
     config["evaluation"]["heldout"] = {"source": str(sets / "eval")}
     with pytest.raises(ConfigError, match="shares 16 samples"):
         qprep.run(config, output_dir=str(tmp_path / "again"))
+
+
+def test_an_agreement_target_inside_the_figures_interval_is_undecided_and_passes_only_where_asked():
+    """47 of 48 top-1 agreeing (97.9%): a 97% target lies in its 95% interval; 40 of 48 (83%) is clearly below."""
+    from qprep.evaluate.metrics import wilson_interval
+
+    def outputs(hits):
+        return {"y": {"top1_agreement": hits / 48, "top1_agreement_ci95": list(wilson_interval(hits, 48)),
+                      "top1_count": 48, "cosine_mean": 0.999}}
+
+    met = check_gate({"top1_agreement": 0.97}, outputs(47))
+    assert met["passed"] and "48 samples" in met["checks"][0]["undecided"]
+    near = check_gate({"top1_agreement": 0.98}, outputs(46))  # 95.8%: missed, but not clearly
+    assert not near["passed"] and near["checks"][0]["undecided"]
+    assert check_gate({"top1_agreement": 0.98}, outputs(46), undecided_passes=True)["passed"]
+    assert not check_gate({"top1_agreement": 0.97}, outputs(40), undecided_passes=True)["passed"]
+    assert "undecided" not in check_gate({"cosine_mean": 0.99}, outputs(47))["checks"][0]

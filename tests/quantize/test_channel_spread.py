@@ -128,7 +128,8 @@ def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_bef
         return {"y": {"cosine_mean": 0.999 if {"spread", "second"} <= float_nodes else 0.8}}
 
     job = SimpleNamespace(model=_spread_model(), samples=_samples(4), threads=1, options={"do_quantization": True},
-                          fallback={"target": {"cosine_mean": 0.99}}, evaluation_samples=_samples(2, 5), progress=None)
+                          fallback={"target": {"cosine_mean": 0.99}}, evaluation_samples=_samples(2, 5), acceptance_samples=[],
+                          progress=None)
     record, base_float = _spread_layers(SimpleNamespace(evaluate=evaluate), job, {"kept"}, Budget(600))
     assert base_float == {"kept", "spread", "second"} and record["as"] == "float16" and record["nodes"] == 2
     assert record["tensors"][0]["tensor"] == "m" and record["scores"]["none"] == 0.8

@@ -129,7 +129,7 @@ def outlier_config(tmp_path):
     import onnx
 
     onnx.save(_outlier_model(), str(tmp_path / "m.onnx"))
-    for split, count in (("calib", 16), ("eval", 24)):
+    for split, count in (("calib", 16), ("eval", 32)):
         (tmp_path / split).mkdir()
         rng = np.random.default_rng(len(split))
         for i in range(count):
@@ -155,6 +155,9 @@ def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config
     # the outlier tensor m is float only when its producer and its consumer are: one candidate, one round
     # (as single nodes, "outlier" helped only once "second" was float, found by re-ranking in round 2)
     assert record["rounds"] == 1
+    assert record["samples"] == {"chosen_on": 24, "kept_apart": 8}  # a quarter kept apart to accept the choice
+    assert record["best"]["unseen"]["passed"]
+    assert "Chosen on 24 evaluation samples, accepted on 8 others (cosine_mean" in (tmp_path / "out" / "report.md").read_text()
     assert {n["node"] for n in record["float_nodes"]} == {"outlier", "second"}
     assert all(n["via"].startswith("m (") and n["gain"] > 0.5 for n in record["float_nodes"])
 
@@ -193,7 +196,7 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
     nodes = [SimpleNamespace(name=f"n{i}", op_type=t) for i, t in enumerate(["Conv", "Add", "Clip", "Mul", "Conv"])]
     quantizer = SimpleNamespace(model=SimpleNamespace(graph=SimpleNamespace(node=nodes)),
                                 op_types=["Add", "Clip", "Conv", "Mul"])
-    job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4,
+    job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4, acceptance_samples=[],
                           progress=None)
 
     def trials():
@@ -287,9 +290,46 @@ def test_remembered_evaluates_each_build_once_per_setting_and_sample_count():
     for _ in range(3):
         once({"a"}, samples)
     once({"a"}, samples[:2])
+    once({"a"}, [{}, {}])  # as many samples as the prefix, but others (the ones kept apart)
     setting["value"] = "mse"
     once({"a"}, samples)
-    assert calls == [("minmax", frozenset({"a"}), 4), ("minmax", frozenset({"a"}), 2), ("mse", frozenset({"a"}), 4)]
+    assert calls == [("minmax", frozenset({"a"}), 4), ("minmax", frozenset({"a"}), 2), ("minmax", frozenset({"a"}), 2),
+                     ("mse", frozenset({"a"}), 4)]
+
+
+def test_split_keeps_an_even_spread_of_samples_apart_and_none_from_a_small_set():
+    samples = [{"i": i} for i in range(128)]
+    chosen, apart = search.split_samples(samples, 0.25)
+    assert len(chosen) == 96 and len(apart) == 32
+    assert {s["i"] for s in chosen} | {s["i"] for s in apart} == set(range(128))
+    assert max(s["i"] for s in apart[:8]) < 40 and min(s["i"] for s in apart[-8:]) > 88  # spread, not a block
+    assert search.split_samples(samples[:24], 0.25) == (samples[:24], [])  # 6 kept apart would decide nothing
+    assert search.split_samples(samples, 0) == (samples, [])
+    assert len(search.split_samples(samples, 0.9)[1]) == 64  # at most half
+
+
+def test_a_float_set_that_meets_the_target_only_on_the_samples_it_was_chosen_on_is_not_accepted():
+    """"b" fixes the samples the search chooses on; only "b" and "c" together fix those kept apart (as PP-OCR
+    cls: target met on the evaluation samples, 0.9931 on others)."""
+    chosen_on, kept_apart = [{}] * 8, [{}] * 8
+
+    def evaluate(float_nodes, samples):
+        if samples is kept_apart:
+            return {"y": {"cosine_mean": 0.999 if {"b", "c"} <= float_nodes else 0.95}}
+        error = sum(d for n, d in {"a": 0.0003, "b": 0.02, "c": 0.0004}.items() if n not in float_nodes)
+        return {"y": {"cosine_mean": 1.0 - error}}
+
+    options = {**OPTIONS, "target": {"cosine_mean": 0.998}, "rank_samples": 8}
+    outcome = search.Search(Scripted(evaluate), search.Candidates(["a", "b", "c"]), set(), chosen_on, options,
+                            acceptance=kept_apart).run()
+    assert outcome.passed and set(outcome.float_nodes) == {"b", "c"}
+    first, second = [t for t in outcome.record["trials"] if t["phase"] == "promote"]
+    assert first["added"] == ["b"] and not first["passed"] and first["unseen"]["metrics"]["cosine_mean"] == 0.95
+    assert second["passed"] and outcome.record["best"]["unseen"]["passed"]
+    assert outcome.record["samples"] == {"chosen_on": 8, "kept_apart": 8}
+    # without samples kept apart, "b" alone is accepted
+    alone = search.Search(Scripted(evaluate), search.Candidates(["a", "b", "c"]), set(), chosen_on, options).run()
+    assert alone.passed and alone.float_nodes == ["b"]
 
 
 def test_budget_predicts_a_step_from_the_slowest_recent_run_and_keeps_the_reserve(monkeypatch):

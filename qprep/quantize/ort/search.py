@@ -21,7 +21,6 @@ from typing import Callable
 
 import onnx
 
-from qprep.evaluate.gate import check_gate
 from qprep.evaluate.layers import layer_errors
 from qprep.model.info import graph_inputs, multiply_adds
 from qprep.model.runtime import run_model
@@ -66,8 +65,8 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
 
     def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
         with budget.timed(build_kind(quantizer, settings, len(samples) == every)):
-            return job.measure(run_model(quantizer.build(float_nodes, settings), samples, job.threads,
-                                         optimize=True))
+            return job.measure(samples, run_model(quantizer.build(float_nodes, settings), samples, job.threads,
+                                                  optimize=True))
 
     trials = Trials(quantizer.settings, measure)
     wanted = trials.settings.bias_correction
@@ -86,7 +85,8 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
         "calibrate_method", configured, ["mse"] if configured == "minmax" and not quantizer.dynamic else [],
         lambda method: trials.use(calibrate_method=method), trials.evaluate, excluded, job.evaluation_samples,
         job.fallback["target"], job.progress,  # new ranges: a build as long as the first (GPTQ on new scales)
-        affordable=lambda method: budget.allows(f"calibrate_method {method}", budget.predict("first build")))
+        affordable=lambda method: budget.allows(f"calibrate_method {method}", budget.predict("first build")),
+        acceptance=job.acceptance_samples)
     spread = choose_spread_tensors(quantizer, trials, excluded, job, budget)
     op_types = choose_float_op_types(quantizer, trials, excluded, job, budget)
     candidates = []
@@ -100,7 +100,7 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     total = sum(macs.values()) or 1
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
     outcome = search.Search(trials, search.Candidates(candidates, groups, cost, ops), excluded,
-                            job.evaluation_samples, job.fallback, job.progress, budget).run()
+                            job.evaluation_samples, job.fallback, job.progress, budget, job.acceptance_samples).run()
     outcome.record.update(float_op_types=op_types, ranges=ranges, spread_tensors=spread)
     if wanted:
         outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, budget)
@@ -145,7 +145,7 @@ def _corrected_base(trials: Trials, excluded: set[str], job: BackendInput, budge
     started = budget.elapsed()
     trials.use(bias_correction=True)
     outputs = trials.evaluate(excluded, job.evaluation_samples)
-    passed = check_gate(job.fallback["target"], outputs)["passed"]
+    passed = search.judge(job.fallback["target"], outputs, excluded, trials.evaluate, job.acceptance_samples)["passed"]
     trials.use(bias_correction=passed)
     score = search.score_of(outputs, job.fallback["target"])
     log.info("fallback: bias correction on the base: score %.5f%s", score, ", target met" if passed else "")
@@ -169,7 +169,7 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
     without = outcome.record["best"]["score"]
     trials.use(bias_correction=True)
     outputs = trials.evaluate(float_set, job.evaluation_samples)
-    gate = check_gate(target, outputs)
+    gate = search.judge(target, outputs, float_set, trials.evaluate, job.acceptance_samples)
     score, passed = search.score_of(outputs, target), gate["passed"]
     kept = score > without and (passed or not outcome.passed)
     trials.use(bias_correction=kept)
@@ -179,8 +179,8 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
              "kept" if kept else "left out")
     if kept:
         outcome.passed = passed
-        metrics = {c["metric"]: c["value"] for c in gate.get("checks", [])}
-        outcome.record.update(passed=passed, best={"score": score, "metrics": metrics})
+        outcome.record.update(passed=passed, best={"score": score, "metrics": search.gate_metrics(gate),
+                                                    **({"unseen": gate["unseen"]} if gate.get("unseen") else {})})
         if passed:
             outcome.record.pop("why", None)
     return record
@@ -213,7 +213,7 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
     alone only adds Q/DQ pairs), kept if better still. The chosen types stay in `trials.settings`."""
     target = job.fallback["target"]
     outputs = trials.evaluate(excluded, job.evaluation_samples)
-    if check_gate(target, outputs)["passed"]:
+    if search.judge(target, outputs, excluded, trials.evaluate, job.acceptance_samples)["passed"]:
         return {"chosen": [], "trials": [], "nodes": 0}
     current = search.score_of(outputs, target)
     present = {n.op_type for n in quantizer.model.graph.node if n.name not in excluded}

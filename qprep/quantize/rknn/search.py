@@ -33,12 +33,12 @@ class RknnTrials(search.SearchBackend):
     def __init__(self, builder: RknnBuilder, job: BackendInput, base_float: set[str], budget: Budget):
         self.builder, self.job, self.base_float, self.budget = builder, job, base_float, budget
         self.analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
-        self.best_score = float("-inf")  # on all evaluation samples, so far
+        self.best_score = float("-inf")  # on the evaluation samples the search chooses on, so far
         self.remembered = search.remembered(self.measure, lambda: builder.algorithm)
 
     def measure(self, float_nodes: set[str], samples: list[dict]) -> dict:
         with self.budget.timed("trial" if samples is self.job.evaluation_samples else "rank"):
-            outputs = self.job.measure(self.builder.session(float_nodes)(samples))
+            outputs = self.job.measure(samples, self.builder.session(float_nodes)(samples))
         score = search.score_of(outputs, self.job.fallback["target"])
         if samples is self.job.evaluation_samples and score > self.best_score:  # the build the search returns
             self.best_score = score
@@ -73,12 +73,13 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
         ["mmse"] if builder.algorithm == "normal" and job.options["do_quantization"] else [],
         builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
         job.progress, min_gain=0.15,  # an mmse build is at least 3x a normal one (MiniLM), often minutes
-        affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}", 3 * budget.predict("trial")))
+        affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}", 3 * budget.predict("trial")),
+        acceptance=job.acceptance_samples)
     spread, base_float = _spread_layers(trials, job, base_float, budget)
     ops = {n.name: n.op_type for n in job.model.graph.node}
     candidates = search.Candidates([n.name for n in job.model.graph.node if n.name not in base_float], ops=ops)
     outcome = search.Search(trials, candidates, base_float, job.evaluation_samples, job.fallback, job.progress,
-                            budget).run()
+                            budget, job.acceptance_samples).run()
     outcome.record.update(ranges=ranges, spread_tensors=spread, budget=budget.record_dict())
     return outcome
 
