@@ -12,6 +12,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from qprep.model.io import inferred_shapes
+
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 INTEGER_OPS = {
     "QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul", "QLinearSigmoid", "QLinearLeakyRelu",
@@ -127,8 +129,8 @@ def computes_float(model: onnx.ModelProto) -> bool:
     A model that computes none (e.g. an index or token graph, all int64) has nothing to quantize whatever
     its kind says: model_kind() calls it "float" because it holds no Q/DQ or QLinear ops."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - e.g. models over 2 GB: unknown types count as float
+        inferred = inferred_shapes(model, weights=False)
+    except Exception:  # noqa: BLE001 - an inference failure: unknown types count as float
         inferred = model
     types = {v.name: v.type.tensor_type.elem_type
              for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
@@ -218,8 +220,8 @@ def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | Non
     """{tensor: (element type, dims with None where unknown)} from ONNX shape inference and the initializers;
     {} for the inferred part when inference fails (never fatal: callers only use what is known)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - e.g. models over 2 GB; the initializers are still known
+        inferred = inferred_shapes(model, weights=False)
+    except Exception:  # noqa: BLE001 - an inference failure; the initializers are still known
         inferred = model
     shapes = {}
     for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:

@@ -127,6 +127,48 @@ def is_large(model: onnx.ModelProto) -> bool:
     return model.ByteSize() > PROTOBUF_LIMIT
 
 
+def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, weights: bool = True) -> onnx.ModelProto:
+    """ONNX shape inference at any size (raises what onnx raises). Why not onnx's alone: over 2 GB it returns
+    an *empty* model without a word (no inputs, no nodes: the run then refused its own samples). A large model
+    is inferred on a skeleton whose big initializers carry only their name, type and dims; with `weights` the
+    result's nodes, value_info and outputs are moved into `model` itself (changed and returned: no 2 GB copy),
+    without, the inferred skeleton is returned (for a caller that only reads shapes)."""
+    if not is_large(model):
+        return onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+    skeleton = onnx.ModelProto()
+    _copy_fields(model, skeleton, skip="graph")
+    _copy_fields(model.graph, skeleton.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        if tensor.ByteSize() <= SMALL_TENSOR:  # shapes and constants data propagation reads
+            skeleton.graph.initializer.append(tensor)
+        else:
+            skeleton.graph.initializer.append(onnx.TensorProto(name=tensor.name, data_type=tensor.data_type,
+                                                               dims=tensor.dims))
+    done = onnx.shape_inference.infer_shapes(skeleton, data_prop=data_prop)
+    if not weights:
+        return done
+    for name in ("node", "value_info", "output"):
+        model.graph.ClearField(name)
+        getattr(model.graph, name).extend(getattr(done.graph, name))
+    return model
+
+
+def _copy_fields(source, target, skip: str) -> None:
+    """Every set field of protobuf message `source` but `skip` into `target`."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if field.label == field.LABEL_REPEATED:
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
+
+
+SMALL_TENSOR = 1 << 16  # bytes: initializers kept whole in the shape-inference skeleton of a large model
+
+
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write a model atomically; models over 2 GB go to `<name>.data` beside it."""
     path = Path(path)

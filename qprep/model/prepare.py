@@ -16,6 +16,7 @@ import onnx.version_converter
 
 from qprep.errors import ConfigError, ModelError
 from qprep.model.info import default_opset, graph_inputs, has_control_flow
+from qprep.model.io import inferred_shapes
 
 log = logging.getLogger("qprep")
 
@@ -120,7 +121,7 @@ def _ort_refusal(model: onnx.ModelProto) -> str | None:
 def infer_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     """ONNX shape inference with data propagation; never fatal. Returns (model, warning or None)."""
     try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True), None
+        return inferred_shapes(model, data_prop=True), None
     except Exception as exc:  # noqa: BLE001 - inference failures must not stop a run
         message = f"shape inference failed ({str(exc).splitlines()[0][:200]}); continuing without inferred shapes"
         log.warning(message)

@@ -86,3 +86,28 @@ def test_intermediate_values_leave_out_names_the_graph_does_not_compute():
     sample = {spec.name: np.ones([d if isinstance(d, int) else 1 for d in spec.shape], np.float32)}
     values = next(runtime.intermediate_values(model, [name, "not_in_graph", spec.name], [sample], threads=1))
     assert set(values) == {name, spec.name}
+
+
+def test_shapes_of_a_model_over_2gb_are_inferred_on_a_skeleton_and_its_weights_stay(monkeypatch):
+    """onnx's shape inference returns an empty model over 2 GB: a large model (here: made to count as large)
+    is inferred without its big weights, and the shapes land in the model itself."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    from qprep.model import io
+
+    weight = np.arange(64 * 512, dtype=np.float32).reshape(64, 512)  # 128 KB: above the skeleton's cut
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    monkeypatch.setattr(io, "is_large", lambda m: True)
+    shapes_only = io.inferred_shapes(model, weights=False)
+    assert shapes_only.graph.initializer[0].ByteSize() < 100 and not model.graph.value_info  # model untouched
+    same = io.inferred_shapes(model)
+    assert same is model
+    assert [d.dim_value for d in model.graph.value_info[0].type.tensor_type.shape.dim] == [2, 512]
+    assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim] == [2, 512]
+    assert np.array_equal(numpy_helper.to_array(model.graph.initializer[0]), weight)
+    assert len(model.graph.node) == 2 and model.opset_import[0].version == 17

@@ -25,6 +25,7 @@ from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
 from qprep.model.info import constant_names, iter_nodes
+from qprep.model.io import inferred_shapes
 from qprep.model.runtime import run_model
 from qprep.quantize.rknn.io_names import all_names, rename_values
 from qprep.verify import Tolerance, compare
@@ -41,7 +42,7 @@ def refuse_unrewritable(model: onnx.ModelProto) -> None:
                          "a fixed length, or use backend ort")
     ifs = [i for i, node in enumerate(model.graph.node) if _is_if(node)]
     if ifs:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = inferred_shapes(model, weights=False)
         for index in ifs:
             branches = {a.name: a.g for a in inferred.graph.node[index].attribute}
             _branch_outputs(model.graph.node[index], branches["then_branch"], branches["else_branch"])
@@ -195,7 +196,7 @@ def _batchnorms_as_arithmetic(model: onnx.ModelProto) -> list[str]:
     constants = constant_names(graph)
     if not any(_is_runtime_batchnorm(n, constants) for n in graph.node):
         return []
-    shapes = _value_shapes(onnx.shape_inference.infer_shapes(model))
+    shapes = _value_shapes(inferred_shapes(model, weights=False))
     taken = all_names(model) | {n.name for n in iter_nodes(graph)}
     done = []
     for index in reversed(range(len(graph.node))):
