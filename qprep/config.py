@@ -62,8 +62,10 @@ def evaluation_section() -> Key:
         layers=Key("bool", default=True, doc="per-layer error against the prepared float model"),
         layer_samples=Key("int", default=8, minimum=1, doc="samples used for the per-layer error"),
         latency=section("latency of reference and result with ONNX Runtime (batch 1)",
-                        runs=Key("int", default=50, minimum=0, doc="timed runs (median reported); 0 disables"),
-                        warmup=Key("int", default=10, minimum=0, doc="untimed runs first"),
+                        runs=Key("int", default=50, minimum=0,
+                                 doc="timed runs per round at most (median reported; a round ends sooner once "
+                                     "its median is known within ±2%); 0 disables"),
+                        warmup=Key("int", default=10, minimum=0, doc="untimed runs first (at most ~2 s of them)"),
                         rounds=Key("int", default=3, minimum=1,
                                    doc="reference and result timed in turn this many times (median of rounds)")),
         labels=Key("path", doc="ground truth: a text file of `<sample file name> <label>` lines, for task "

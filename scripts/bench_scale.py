@@ -63,10 +63,19 @@ def export(layers: int, hidden: int, folder: Path) -> Path:
     torch.manual_seed(0)
     config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
                         intermediate_size=4 * hidden)
-    model = BertModel(config).eval()
+
+    class Encoder(torch.nn.Module):  # keyword arguments: BertModel's positional order changed across versions
+        def __init__(self):
+            super().__init__()
+            self.bert = BertModel(config).eval()
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            out = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return out.last_hidden_state, out.pooler_output
+
     ids = torch.zeros(1, SEQUENCE, dtype=torch.int64)
     with torch.no_grad():
-        torch.onnx.export(model, (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(path), dynamo=False,
+        torch.onnx.export(Encoder().eval(), (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(path), dynamo=False,
                           opset_version=17, input_names=["input_ids", "attention_mask", "token_type_ids"],
                           output_names=["last_hidden_state", "pooler_output"])
     return path

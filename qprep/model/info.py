@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qprep.model.io import inferred_shapes
+from qprep.model.io import inferred_shapes, tensor_bytes
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 INTEGER_OPS = {
@@ -153,7 +153,7 @@ def has_control_flow(model: onnx.ModelProto) -> bool:
 def summary(model: onnx.ModelProto) -> dict:
     """The facts a report or `qprep inspect` shows about a model."""
     constants = [a.t for n in iter_nodes(model.graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
-    parameter_bytes = sum(_tensor_nbytes(t) for t in [*model.graph.initializer, *constants])
+    parameter_bytes = sum(tensor_bytes(t) for t in [*model.graph.initializer, *constants])
     return {
         "kind": model_kind(model),
         "opsets": opsets(model),
@@ -166,17 +166,6 @@ def summary(model: onnx.ModelProto) -> dict:
         "parameter_bytes": parameter_bytes,
         "control_flow": has_control_flow(model),
     }
-
-
-def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
-    if tensor.HasField("raw_data"):
-        return len(tensor.raw_data)
-    count = int(np.prod(tensor.dims)) if tensor.dims else 1
-    try:
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-    except (KeyError, TypeError):
-        itemsize = 1
-    return count * itemsize
 
 
 def multiply_adds(model: onnx.ModelProto) -> dict[str, int]:

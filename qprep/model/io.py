@@ -100,7 +100,7 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
                 "export it with an older opset"
             )
     try:
-        if model.ByteSize() > PROTOBUF_LIMIT:
+        if is_large(model):
             onnx.checker.check_model(str(path))
         else:
             onnx.checker.check_model(model)
@@ -124,7 +124,45 @@ def _first_line(exc: BaseException) -> str:
 
 
 def is_large(model: onnx.ModelProto) -> bool:
+    """Over protobuf's limit? Decided from the tensors' dims where that is clear: ByteSize() walks the whole
+    message (3 s on a 2.2 GB model, and qprep asks before every ONNX Runtime session)."""
+    payload = sum(tensor_bytes(t) for t in _tensors(model.graph))
+    if payload > PROTOBUF_LIMIT:
+        return True
+    if payload + 1024 * len(model.graph.node) < PROTOBUF_LIMIT // 2:
+        return False
     return model.ByteSize() > PROTOBUF_LIMIT
+
+
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """The bytes a tensor's values take in the proto (0 for values still in an external file), from its dims and
+    element type: reading `raw_data` to measure it would copy it."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return 0
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return tensor.ByteSize()
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        itemsize = 1
+    return count * itemsize
+
+
+def _tensors(graph: onnx.GraphProto):
+    """Initializers and Constant values of `graph` and its subgraphs."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                yield attribute.t
+            elif attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _tensors(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for subgraph in attribute.graphs:
+                    yield from _tensors(subgraph)
 
 
 def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, weights: bool = True) -> onnx.ModelProto:
@@ -135,22 +173,33 @@ def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, weights: bo
     without, the inferred skeleton is returned (for a caller that only reads shapes)."""
     if not is_large(model):
         return onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
-    skeleton = onnx.ModelProto()
-    _copy_fields(model, skeleton, skip="graph")
-    _copy_fields(model.graph, skeleton.graph, skip="initializer")
-    for tensor in model.graph.initializer:
-        if tensor.ByteSize() <= SMALL_TENSOR:  # shapes and constants data propagation reads
-            skeleton.graph.initializer.append(tensor)
-        else:
-            skeleton.graph.initializer.append(onnx.TensorProto(name=tensor.name, data_type=tensor.data_type,
-                                                               dims=tensor.dims))
-    done = onnx.shape_inference.infer_shapes(skeleton, data_prop=data_prop)
+    done = onnx.shape_inference.infer_shapes(weightless(model)[0], data_prop=data_prop)
     if not weights:
         return done
     for name in ("node", "value_info", "output"):
         model.graph.ClearField(name)
         getattr(model.graph, name).extend(getattr(done.graph, name))
     return model
+
+
+def weightless(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """(a copy of `model` whose initializers over SMALL_TENSOR carry only name, type, dims and a placeholder
+    external-data entry, those initializers): what shape inference and an ONNX Runtime session can take from
+    a model over 2 GB without serializing its weights. Small ones stay whole (data propagation reads shapes)."""
+    skeleton, big = onnx.ModelProto(), []
+    _copy_fields(model, skeleton, skip="graph")
+    _copy_fields(model.graph, skeleton.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        if tensor_bytes(tensor) <= SMALL_TENSOR:
+            skeleton.graph.initializer.append(tensor)
+            continue
+        big.append(tensor)
+        stub = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                                data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", "qprep-in-memory"), ("offset", "0"), ("length", str(tensor_bytes(tensor)))):
+            stub.external_data.add(key=key, value=value)
+        skeleton.graph.initializer.append(stub)
+    return skeleton, big
 
 
 def _copy_fields(source, target, skip: str) -> None:
@@ -166,7 +215,7 @@ def _copy_fields(source, target, skip: str) -> None:
             setattr(target, field.name, value)
 
 
-SMALL_TENSOR = 1 << 16  # bytes: initializers kept whole in the shape-inference skeleton of a large model
+SMALL_TENSOR = 1 << 16  # bytes: initializers kept whole in the weightless skeleton of a large model
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:

@@ -109,7 +109,7 @@ def _evaluation(evaluation: dict | None) -> list:
     latency = evaluation.get("latency")
     if latency and "speedup" in latency:
         blocks.append(Text(f"Latency (batch 1, {latency['settings']['threads']} threads, median of "
-                           f"{latency['result']['runs']} runs): reference {latency['reference']['median_ms']:.2f} ms, "
+                           f"{_runs_text(latency)}): reference {latency['reference']['median_ms']:.2f} ms, "
                            f"result {latency['result']['median_ms']:.2f} ms — **{latency['speedup']:.2f}×**"
                            f"{_round_range(latency)}."))
     elif latency:
@@ -266,3 +266,11 @@ def judged_text(m: dict) -> str:
 def _value(row: dict) -> float:
     """A worst-sample row's figure (reports before the kinds wrote it as `cosine`)."""
     return row["value"] if "value" in row else row["cosine"]
+
+
+def _runs_text(latency: dict) -> str:
+    """'50 runs', or for timings that stopped once their median was known: '12–50 runs per round'."""
+    counts = latency["reference"].get("round_runs", []) + latency["result"].get("round_runs", [])
+    if counts and min(counts) != max(counts):
+        return f"{min(counts)}–{max(counts)} runs per round, each until its median was known within ±2%"
+    return f"{latency['result']['runs']} runs"

@@ -317,3 +317,29 @@ def test_an_agreement_target_inside_the_figures_interval_is_undecided_and_passes
     assert check_gate({"top1_agreement": 0.98}, outputs(46), undecided_passes=True)["passed"]
     assert not check_gate({"top1_agreement": 0.97}, outputs(40), undecided_passes=True)["passed"]
     assert "undecided" not in check_gate({"cosine_mean": 0.99}, outputs(47))["checks"][0]
+
+
+def test_a_timing_round_stops_once_its_median_is_known_and_a_noisy_one_runs_to_the_limit(monkeypatch):
+    """A fake clock: the steady model takes 1.00 ms every run, the noisy one 1 or 3 ms in turn."""
+    import itertools
+    from types import SimpleNamespace
+
+    from qprep.evaluate import latency
+
+    clock = {"now": 0.0}
+    steps = {"steady": itertools.repeat(0.001), "noisy": itertools.cycle([0.001, 0.003])}
+
+    def session_of(model, **_):
+        def run(_, feeds):
+            clock["now"] += next(steps[model])
+        return SimpleNamespace(get_inputs=lambda: [], run=run)
+
+    monkeypatch.setattr(latency, "ort_session", session_of)
+    monkeypatch.setattr(latency.time, "perf_counter", lambda: clock["now"])
+    timed = latency.interleaved({"steady": ("steady", {}), "noisy": ("noisy", {})}, 1, runs=50, warmup=2,
+                                rounds=3, tight=0.02)
+    assert timed["steady"]["round_runs"] == [latency.MIN_RUNS] * 3
+    assert timed["steady"]["median_ms"] == pytest.approx(1.0)
+    assert timed["noisy"]["round_runs"] == [50] * 3
+    fixed = latency.interleaved({"steady": ("steady", {})}, 1, runs=20, warmup=0, rounds=1)  # benchmarks: no early stop
+    assert fixed["steady"]["round_runs"] == [20]

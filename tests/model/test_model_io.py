@@ -111,3 +111,25 @@ def test_shapes_of_a_model_over_2gb_are_inferred_on_a_skeleton_and_its_weights_s
     assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim] == [2, 512]
     assert np.array_equal(numpy_helper.to_array(model.graph.initializer[0]), weight)
     assert len(model.graph.node) == 2 and model.opset_import[0].version == 17
+
+
+def test_a_session_of_a_model_over_2gb_takes_its_weights_from_memory(monkeypatch):
+    """Over 2 GB a session is built from the weightless graph with the big initializers handed to ONNX Runtime
+    as arrays (no temp file); same outputs as the plain session."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 512)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 512])],
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.ones(512, np.float32), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    samples = [{"x": rng.standard_normal((2, 64)).astype(np.float32)}]
+    plain = runtime.run_model(model, samples)
+    monkeypatch.setattr(runtime, "is_large", lambda m: True)
+    session = runtime.ort_session(model)
+    assert len(session.qprep_weights) == 1  # w (128 KB) from memory; b (2 KB) stays in the graph
+    np.testing.assert_allclose(runtime.run_model(model, samples)[0]["y"], plain[0]["y"], rtol=1e-6)
