@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qprep.model.io import is_large
+from qprep.model.io import is_heavy, is_large, weightless
 from qprep.model.runtime import run_model
 
 
@@ -70,8 +70,8 @@ class Verification:
 def checker_problem(model: onnx.ModelProto) -> str | None:
     """onnx.checker's complaint, if any: ORT happily runs some invalid graphs (e.g. an op newer than the
     opset import), so numeric verification alone would not catch them."""
-    if is_large(model):
-        return None  # the checker cannot take a >2 GB proto in memory; ORT verification still runs
+    if is_heavy(model):  # the checker serializes the proto (over 2 GB it cannot): it checks the graph only
+        model = weightless(model, placeholder="element")[0]
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from qprep.evaluate.metrics import compare_output
+from qprep.evaluate.metrics import sqnr_of
 from qprep.model.runtime import intermediate_values
+from qprep.verify import cosine, same_nonfinite
 
 QDQ_SUFFIX = "_DequantizeLinear_Output"
 
@@ -36,27 +37,54 @@ def matched_tensors(float_model: onnx.ModelProto, quantized: onnx.ModelProto) ->
 
 def layer_errors(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[dict],
                  threads: int = 2) -> list[dict]:
-    """Cosine and SQNR per matched float tensor, worst (lowest SQNR) first."""
+    """Cosine and SQNR per matched float tensor, worst (lowest SQNR) first. Both models run side by side one
+    sample at a time and each tensor's error is accumulated (`Drift`): holding every intermediate tensor of
+    every sample took 11 GB on BERT-large (24 layers, 8 samples, both models)."""
     pairs = matched_tensors(float_model, quantized)
     if not pairs:
         return []
-    ref = _collect(float_model, [p[0] for p in pairs], samples, threads)
-    res = _collect(quantized, [p[1] for p in pairs], samples, threads)
+    drifts = {tensor: Drift() for tensor, *_ in pairs}
+    for ref, res in zip(intermediate_values(float_model, [p[0] for p in pairs], samples, threads),
+                        intermediate_values(quantized, [p[1] for p in pairs], samples, threads)):
+        for tensor, twin, *_ in pairs:
+            drifts[tensor].add(ref.get(tensor), res.get(twin))
     rows = []
     for order, (tensor, twin, op_type, node) in enumerate(pairs):
-        a, b = ref.get(tensor), res.get(twin)
-        if a is None or b is None or a[0].dtype.kind != "f" or any(x.shape != y.shape for x, y in zip(a, b)):
-            continue
-        m = compare_output(a, b, "tensor")
-        rows.append({"tensor": tensor, "node": node, "op_type": op_type, "order": order,
-                     "cosine_mean": m["cosine_mean"], "cosine_min": m["cosine_min"], "sqnr_db": m["sqnr_db"],
-                     "quantized": twin != tensor})
+        if drifts[tensor].comparable:
+            rows.append({"tensor": tensor, "node": node, "op_type": op_type, "order": order,
+                         **drifts[tensor].figures(), "quantized": twin != tensor})
     return sorted(rows, key=lambda r: (-float("inf") if r["sqnr_db"] is None else r["sqnr_db"], r["order"]))
 
 
-def _collect(model: onnx.ModelProto, names: list[str], samples: list[dict], threads: int) -> dict[str, list]:
-    collected: dict[str, list[np.ndarray]] = {}
-    for values in intermediate_values(model, names, samples, threads):
-        for name, value in values.items():
-            collected.setdefault(name, []).append(value)
-    return collected
+class Drift:
+    """One tensor's error over the samples, one sample at a time: per-sample cosine, and the sums SQNR is made
+    of (as compare_output's "tensor" kind: non-finite entries that match compare as equal, a new NaN/Inf is a
+    total miss). A tensor missing, not float, or changing shape in any sample is not comparable."""
+
+    def __init__(self):
+        self.cosines: list[float] = []
+        self.signal = self.noise = 0.0
+        self.size, self.broken, self.refused = 0, False, False
+
+    @property
+    def comparable(self) -> bool:
+        return bool(self.cosines) and not self.refused
+
+    def add(self, a: np.ndarray | None, b: np.ndarray | None) -> None:
+        if a is None or b is None or a.dtype.kind != "f" or a.shape != b.shape:
+            self.refused = True
+        if self.refused:
+            return
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        broken = not same_nonfinite(a, b)
+        a, b = np.where(np.isfinite(a), a, 0.0), np.where(np.isfinite(a) & np.isfinite(b), b, 0.0)
+        self.cosines.append(0.0 if broken else cosine(a, b))
+        self.signal += float(np.sum(a * a))
+        self.noise += float(np.sum((a - b) ** 2))
+        self.size += a.size
+        self.broken |= broken
+
+    def figures(self) -> dict:
+        sqnr = None if not self.size else float("-inf") if self.broken else sqnr_of(self.signal, self.noise)
+        return {"cosine_mean": float(np.mean(self.cosines)), "cosine_min": float(np.min(self.cosines)),
+                "sqnr_db": sqnr}

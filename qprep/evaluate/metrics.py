@@ -246,6 +246,11 @@ def sqnr_db(reference: list[np.ndarray], result: list[np.ndarray]) -> float | No
     noise = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
                 for a, b in zip(reference, result))
     signal = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in reference)
+    return sqnr_of(signal, noise)
+
+
+def sqnr_of(signal: float, noise: float) -> float:
+    """Σ reference² and Σ error² → SQNR in dB (sqnr_db; also for sums accumulated one sample at a time)."""
     if noise == 0:
         return float("inf")
     if not math.isfinite(noise):  # NaN/Inf in the error: no signal outweighs it

@@ -125,13 +125,29 @@ def _first_line(exc: BaseException) -> str:
 
 def is_large(model: onnx.ModelProto) -> bool:
     """Over protobuf's limit? Decided from the tensors' dims where that is clear: ByteSize() walks the whole
-    message (3 s on a 2.2 GB model, and qprep asks before every ONNX Runtime session)."""
-    payload = sum(tensor_bytes(t) for t in _tensors(model.graph))
+    message (4 s on a 1.3 GB model, and qprep asks before every ONNX Runtime session)."""
+    payload = weights_bytes(model)
     if payload > PROTOBUF_LIMIT:
         return True
-    if payload + 1024 * len(model.graph.node) < PROTOBUF_LIMIT // 2:
+    # what else a model holds (nodes, names, shapes) is a few hundred bytes per entry
+    entries = len(model.graph.node) + len(model.graph.initializer) + len(model.graph.value_info)
+    if payload + 1024 * entries + (16 << 20) < PROTOBUF_LIMIT:
         return False
     return model.ByteSize() > PROTOBUF_LIMIT
+
+
+def weights_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of every initializer and Constant value held in the proto (subgraphs included)."""
+    return sum(tensor_bytes(t) for t in _tensors(model.graph))
+
+
+def is_heavy(model: onnx.ModelProto) -> bool:
+    """Weights enough that serializing them costs seconds (2 s per copy of BERT-large): shape inference, the
+    checker and ONNX Runtime sessions then work on the weightless skeleton (weightless())."""
+    return weights_bytes(model) > HEAVY_BYTES
+
+
+HEAVY_BYTES = 256 << 20
 
 
 def tensor_bytes(tensor: onnx.TensorProto) -> int:
@@ -167,11 +183,11 @@ def _tensors(graph: onnx.GraphProto):
 
 def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, weights: bool = True) -> onnx.ModelProto:
     """ONNX shape inference at any size (raises what onnx raises). Why not onnx's alone: over 2 GB it returns
-    an *empty* model without a word (no inputs, no nodes: the run then refused its own samples). A large model
-    is inferred on a skeleton whose big initializers carry only their name, type and dims; with `weights` the
-    result's nodes, value_info and outputs are moved into `model` itself (changed and returned: no 2 GB copy),
-    without, the inferred skeleton is returned (for a caller that only reads shapes)."""
-    if not is_large(model):
+    an *empty* model without a word (no inputs, no nodes: the run then refused its own samples), and below it
+    serializes every weight (9 s on BERT-large). A heavy model is inferred on its weightless skeleton; with
+    `weights` the result's nodes, value_info and outputs are moved into `model` itself (changed and returned:
+    no copy of the weights), without, the inferred skeleton is returned (for a caller that only reads shapes)."""
+    if not is_heavy(model):
         return onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
     done = onnx.shape_inference.infer_shapes(weightless(model)[0], data_prop=data_prop)
     if not weights:
@@ -182,10 +198,12 @@ def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, weights: bo
     return model
 
 
-def weightless(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
-    """(a copy of `model` whose initializers over SMALL_TENSOR carry only name, type, dims and a placeholder
-    external-data entry, those initializers): what shape inference and an ONNX Runtime session can take from
-    a model over 2 GB without serializing its weights. Small ones stay whole (data propagation reads shapes)."""
+def weightless(model: onnx.ModelProto, placeholder: str = "external") -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """(a copy of `model` whose initializers over SMALL_TENSOR carry only name, type, dims and a placeholder,
+    those initializers): what shape inference, the checker and an ONNX Runtime session can take from a heavy
+    model without serializing its weights. Small ones stay whole (data propagation reads shapes). Placeholder
+    "external": an external-data entry (ORT takes the values from memory); "element": one zero element (the
+    checker looks for external files, not at sizes)."""
     skeleton, big = onnx.ModelProto(), []
     _copy_fields(model, skeleton, skip="graph")
     _copy_fields(model.graph, skeleton.graph, skip="initializer")
@@ -194,10 +212,14 @@ def weightless(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[onnx.Tenso
             skeleton.graph.initializer.append(tensor)
             continue
         big.append(tensor)
-        stub = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
-                                data_location=onnx.TensorProto.EXTERNAL)
-        for key, value in (("location", "qprep-in-memory"), ("offset", "0"), ("length", str(tensor_bytes(tensor)))):
-            stub.external_data.add(key=key, value=value)
+        stub = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        if placeholder == "element":
+            stub.raw_data = bytes(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize)
+        else:
+            stub.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", "qprep-in-memory"), ("offset", "0"),
+                               ("length", str(tensor_bytes(tensor)))):
+                stub.external_data.add(key=key, value=value)
         skeleton.graph.initializer.append(stub)
     return skeleton, big
 

@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.io import is_large, weightless
+from qprep.model.io import is_heavy, weightless
 
 
 def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
@@ -70,10 +70,10 @@ def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
     providers = ["CPUExecutionProvider"]
-    if not is_large(model):
+    if not is_heavy(model):
         return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-    # over 2 GB: the graph without its big weights, which ORT takes from memory (writing them to a temp file
-    # for every session took 12 s per session on a 2.2 GB model)
+    # the graph without its big weights, which ORT takes from memory: over 2 GB the proto cannot be serialized
+    # (a temp file per session took 12 s on a 2.2 GB model), below it serializing costs 2 s per BERT-large
     skeleton, weights = weightless(model)
     values = [ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(t)) for t in weights]
     options.add_external_initializers([t.name for t in weights], values)

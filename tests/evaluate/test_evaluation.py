@@ -343,3 +343,27 @@ def test_a_timing_round_stops_once_its_median_is_known_and_a_noisy_one_runs_to_t
     assert timed["noisy"]["round_runs"] == [50] * 3
     fixed = latency.interleaved({"steady": ("steady", {})}, 1, runs=20, warmup=0, rounds=1)  # benchmarks: no early stop
     assert fixed["steady"]["round_runs"] == [20]
+
+
+def test_a_tensors_drift_accumulated_sample_by_sample_equals_the_figures_over_all_samples():
+    """layer_errors streams samples (Drift); its figures are compare_output's on the whole list."""
+    from qprep.evaluate.layers import Drift
+    from qprep.evaluate.metrics import compare_output
+
+    rng = np.random.default_rng(0)
+    ref = [rng.standard_normal((4, 16)).astype(np.float32) for _ in range(3)]
+    res = [a + 0.05 * rng.standard_normal(a.shape).astype(np.float32) for a in ref]
+    ref[1][0, :4] = res[1][0, :4] = -np.inf  # an additive mask, reproduced: compares as equal
+    drift = Drift()
+    for a, b in zip(ref, res):
+        drift.add(a, b)
+    whole = compare_output(ref, res, "tensor")
+    assert drift.figures() == pytest.approx({k: whole[k] for k in ("cosine_mean", "cosine_min", "sqnr_db")})
+    res[2][0, 0] = np.nan  # a new NaN: a total miss
+    broken = Drift()
+    for a, b in zip(ref, res):
+        broken.add(a, b)
+    assert broken.figures()["sqnr_db"] == float("-inf") and broken.figures()["cosine_min"] == 0.0
+    shape_changed = Drift()
+    shape_changed.add(ref[0], ref[0][:2])
+    assert not shape_changed.comparable and not Drift().comparable

@@ -88,9 +88,10 @@ def test_intermediate_values_leave_out_names_the_graph_does_not_compute():
     assert set(values) == {name, spec.name}
 
 
-def test_shapes_of_a_model_over_2gb_are_inferred_on_a_skeleton_and_its_weights_stay(monkeypatch):
-    """onnx's shape inference returns an empty model over 2 GB: a large model (here: made to count as large)
-    is inferred without its big weights, and the shapes land in the model itself."""
+def test_shapes_of_a_heavy_model_are_inferred_on_a_skeleton_and_its_weights_stay(monkeypatch):
+    """onnx's shape inference returns an empty model over 2 GB (and serializes every weight below): a heavy
+    model (here: made to count as one) is inferred without its big weights, and the shapes land in the model
+    itself. The checker takes the same skeleton."""
     import numpy as np
     from onnx import helper, numpy_helper
 
@@ -102,7 +103,7 @@ def test_shapes_of_a_model_over_2gb_are_inferred_on_a_skeleton_and_its_weights_s
         [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [numpy_helper.from_array(weight, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    monkeypatch.setattr(io, "is_large", lambda m: True)
+    monkeypatch.setattr(io, "HEAVY_BYTES", 1 << 10)  # the 128 KB weight counts as heavy
     shapes_only = io.inferred_shapes(model, weights=False)
     assert shapes_only.graph.initializer[0].ByteSize() < 100 and not model.graph.value_info  # model untouched
     same = io.inferred_shapes(model)
@@ -111,11 +112,16 @@ def test_shapes_of_a_model_over_2gb_are_inferred_on_a_skeleton_and_its_weights_s
     assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim] == [2, 512]
     assert np.array_equal(numpy_helper.to_array(model.graph.initializer[0]), weight)
     assert len(model.graph.node) == 2 and model.opset_import[0].version == 17
+    from qprep.verify import checker_problem
+
+    assert checker_problem(model) is None
+    model.graph.node[0].op_type = "NoSuchOp"
+    assert "NoSuchOp" in checker_problem(model)
 
 
-def test_a_session_of_a_model_over_2gb_takes_its_weights_from_memory(monkeypatch):
-    """Over 2 GB a session is built from the weightless graph with the big initializers handed to ONNX Runtime
-    as arrays (no temp file); same outputs as the plain session."""
+def test_a_session_of_a_heavy_model_takes_its_weights_from_memory(monkeypatch):
+    """A heavy model's session is built from the weightless graph with the big initializers handed to ONNX
+    Runtime as arrays (over 2 GB there is no other way but a temp file); same outputs as the plain session."""
     import numpy as np
     from onnx import helper, numpy_helper
 
@@ -129,7 +135,7 @@ def test_a_session_of_a_model_over_2gb_takes_its_weights_from_memory(monkeypatch
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     samples = [{"x": rng.standard_normal((2, 64)).astype(np.float32)}]
     plain = runtime.run_model(model, samples)
-    monkeypatch.setattr(runtime, "is_large", lambda m: True)
+    monkeypatch.setattr("qprep.model.io.HEAVY_BYTES", 1 << 10)  # the 128 KB weight counts as heavy
     session = runtime.ort_session(model)
     assert len(session.qprep_weights) == 1  # w (128 KB) from memory; b (2 KB) stays in the graph
     np.testing.assert_allclose(runtime.run_model(model, samples)[0]["y"], plain[0]["y"], rtol=1e-6)
