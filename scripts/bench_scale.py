@@ -135,6 +135,8 @@ def measure(label: str, work: Path) -> dict:
                              if m.get("cosine_mean") is not None), default=None)
         row["status"] = data.get("status")
     print(f"bench_scale: {label}: ORT quantize_static", file=sys.stderr, flush=True)
+    for old in folder.glob("ort.int8.onnx*"):  # its external-data writer refuses to overwrite a previous run's
+        old.unlink()
     row["ort"] = timed([PYTHON, "-c", ORT_ALONE, str(model), str(calib), str(folder / "ort.int8.onnx"),
                         "1" if row["size_gb"] > 2 else "0"], folder, folder / "ort.log")
     return row

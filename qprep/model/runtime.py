@@ -48,20 +48,24 @@ def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], thre
 
 def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False, extra_outputs=(),
                 log_severity: int = 3):
-    """An ONNX Runtime CPU session for an in-memory model (large models go through a temp file).
+    """An ONNX Runtime CPU session for an in-memory model.
 
     `optimize=False` runs the graph exactly as written (ORT_DISABLE_ALL): verification compares what qprep
     wrote, not what ORT would have fused. `extra_outputs` exposes intermediate tensors by name. `log_severity`
     4 also hides ORT's error lines (for a probe whose failure is expected and reported by the caller).
+    A heavy model (io.is_heavy) goes in without its big weights, which ORT takes from memory: over 2 GB the
+    proto cannot be serialized (a temp file per session took 12 s on a 2.2 GB model), below it serializing
+    costs 2 s per BERT-large, and exposing intermediate tensors copied every weight once more.
     """
     import onnxruntime as ort
 
+    graph, weights = weightless(model) if is_heavy(model) else (model, [])
     if extra_outputs:
-        model = copy.deepcopy(model)
-        present = {o.name for o in model.graph.output}
+        graph = copy.deepcopy(graph) if graph is model else graph
+        present = {o.name for o in graph.graph.output}
         for name in extra_outputs:
             if name not in present:
-                model.graph.output.append(onnx.ValueInfoProto(name=name))
+                graph.graph.output.append(onnx.ValueInfoProto(name=name))
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -69,14 +73,10 @@ def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
-    providers = ["CPUExecutionProvider"]
-    if not is_heavy(model):
-        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-    # the graph without its big weights, which ORT takes from memory: over 2 GB the proto cannot be serialized
-    # (a temp file per session took 12 s on a 2.2 GB model), below it serializing costs 2 s per BERT-large
-    skeleton, weights = weightless(model)
     values = [ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(t)) for t in weights]
-    options.add_external_initializers([t.name for t in weights], values)
-    session = ort.InferenceSession(skeleton.SerializeToString(), options, providers=providers)
-    session.qprep_weights = values  # ORT reads them in place: they must live as long as the session
+    if weights:
+        options.add_external_initializers([t.name for t in weights], values)
+    session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    if values:
+        session.qprep_weights = values  # ORT reads them in place: they must live as long as the session
     return session

@@ -139,3 +139,6 @@ def test_a_session_of_a_heavy_model_takes_its_weights_from_memory(monkeypatch):
     session = runtime.ort_session(model)
     assert len(session.qprep_weights) == 1  # w (128 KB) from memory; b (2 KB) stays in the graph
     np.testing.assert_allclose(runtime.run_model(model, samples)[0]["y"], plain[0]["y"], rtol=1e-6)
+    inside = next(runtime.intermediate_values(model, ["h"], samples))["h"]  # an intermediate tensor, same way
+    np.testing.assert_allclose(inside, samples[0]["x"] @ weight, rtol=1e-5)
+    assert not any(o.name == "h" for o in model.graph.output)  # the caller's model is not changed
