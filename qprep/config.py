@@ -64,7 +64,10 @@ def evaluation_section() -> Key:
         latency=section("latency of reference and result with ONNX Runtime (batch 1)",
                         runs=Key("int", default=50, minimum=0,
                                  doc="timed runs per round at most (median reported; a round ends sooner once "
-                                     "its median is known within ±2%); 0 disables"),
+                                     "its median is known within `within`); 0 disables"),
+                        within=Key("float", default=0.02, minimum=0,
+                                   doc="a round ends once its median's 95% interval is within ± this share of it "
+                                       "(at least 8 runs); 0: every round times all `runs`"),
                         warmup=Key("int", default=10, minimum=0, doc="untimed runs first (at most ~2 s of them)"),
                         rounds=Key("int", default=3, minimum=1,
                                    doc="reference and result timed in turn this many times (median of rounds)")),

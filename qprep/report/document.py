@@ -272,5 +272,7 @@ def _runs_text(latency: dict) -> str:
     """'50 runs', or for timings that stopped once their median was known: '12–50 runs per round'."""
     counts = latency["reference"].get("round_runs", []) + latency["result"].get("round_runs", [])
     if counts and min(counts) != max(counts):
-        return f"{min(counts)}–{max(counts)} runs per round, each until its median was known within ±2%"
+        within = latency["result"].get("tight")
+        return (f"{min(counts)}–{max(counts)} runs per round"
+                + (f", each until its median was known within ±{100 * within:g}%" if within else ""))
     return f"{latency['result']['runs']} runs"
