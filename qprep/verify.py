@@ -71,7 +71,7 @@ def checker_problem(model: onnx.ModelProto) -> str | None:
     """onnx.checker's complaint, if any: ORT happily runs some invalid graphs (e.g. an op newer than the
     opset import), so numeric verification alone would not catch them."""
     if is_heavy(model):  # the checker serializes the proto (over 2 GB it cannot): it checks the graph only
-        model = weightless(model, placeholder="element")[0]
+        model = weightless(model, placeholder="empty")[0]
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:

@@ -202,8 +202,8 @@ def weightless(model: onnx.ModelProto, placeholder: str = "external") -> tuple[o
     """(a copy of `model` whose initializers over SMALL_TENSOR carry only name, type, dims and a placeholder,
     those initializers): what shape inference, the checker and an ONNX Runtime session can take from a heavy
     model without serializing its weights. Small ones stay whole (data propagation reads shapes). Placeholder
-    "external": an external-data entry (ORT takes the values from memory); "element": one zero element (the
-    checker looks for external files, not at sizes)."""
+    "external": an external-data entry (ORT takes the values from memory); "empty": the same rank with a first
+    dim of 0 (the checker looks for the external file, and newer onnx checks raw_data against the dims)."""
     skeleton, big = onnx.ModelProto(), []
     _copy_fields(model, skeleton, skip="graph")
     _copy_fields(model.graph, skeleton.graph, skip="initializer")
@@ -213,8 +213,8 @@ def weightless(model: onnx.ModelProto, placeholder: str = "external") -> tuple[o
             continue
         big.append(tensor)
         stub = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
-        if placeholder == "element":
-            stub.raw_data = bytes(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize)
+        if placeholder == "empty":
+            stub.dims[0] = 0
         else:
             stub.data_location = onnx.TensorProto.EXTERNAL
             for key, value in (("location", "qprep-in-memory"), ("offset", "0"),
@@ -225,19 +225,20 @@ def weightless(model: onnx.ModelProto, placeholder: str = "external") -> tuple[o
 
 
 def _copy_fields(source, target, skip: str) -> None:
-    """Every set field of protobuf message `source` but `skip` into `target`."""
+    """Every set field of protobuf message `source` but `skip` into `target`. Told apart by the value, not the
+    descriptor: `FieldDescriptor.label` is gone from newer protobuf releases."""
     for field, value in source.ListFields():
         if field.name == skip:
             continue
-        if field.label == field.LABEL_REPEATED:
+        if hasattr(value, "extend"):  # a repeated field
             getattr(target, field.name).extend(value)
-        elif field.message_type is not None:
+        elif hasattr(value, "CopyFrom"):  # a message
             getattr(target, field.name).CopyFrom(value)
         else:
             setattr(target, field.name, value)
 
 
-SMALL_TENSOR = 1 << 16  # bytes: initializers kept whole in the weightless skeleton of a large model
+SMALL_TENSOR = 1 << 16  # bytes: initializers kept whole in the weightless skeleton of a heavy model
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
