@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qprep.model.io import inferred_shapes, tensor_bytes
+from qprep.model.io import inferred_shapes, weights_bytes
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 INTEGER_OPS = {
@@ -129,7 +129,7 @@ def computes_float(model: onnx.ModelProto) -> bool:
     A model that computes none (e.g. an index or token graph, all int64) has nothing to quantize whatever
     its kind says: model_kind() calls it "float" because it holds no Q/DQ or QLinear ops."""
     try:
-        inferred = inferred_shapes(model, weights=False)
+        inferred = inferred_shapes(model, shapes_only=True)
     except Exception:  # noqa: BLE001 - an inference failure: unknown types count as float
         inferred = model
     types = {v.name: v.type.tensor_type.elem_type
@@ -152,8 +152,6 @@ def has_control_flow(model: onnx.ModelProto) -> bool:
 
 def summary(model: onnx.ModelProto) -> dict:
     """The facts a report or `qprep inspect` shows about a model."""
-    constants = [a.t for n in iter_nodes(model.graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
-    parameter_bytes = sum(tensor_bytes(t) for t in [*model.graph.initializer, *constants])
     return {
         "kind": model_kind(model),
         "opsets": opsets(model),
@@ -163,7 +161,7 @@ def summary(model: onnx.ModelProto) -> dict:
         "nodes": node_count(model),
         "op_counts": op_counts(model),
         "initializers": len(model.graph.initializer),
-        "parameter_bytes": parameter_bytes,
+        "parameter_bytes": weights_bytes(model),
         "control_flow": has_control_flow(model),
     }
 
@@ -209,7 +207,7 @@ def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | Non
     """{tensor: (element type, dims with None where unknown)} from ONNX shape inference and the initializers;
     {} for the inferred part when inference fails (never fatal: callers only use what is known)."""
     try:
-        inferred = inferred_shapes(model, weights=False)
+        inferred = inferred_shapes(model, shapes_only=True)
     except Exception:  # noqa: BLE001 - an inference failure; the initializers are still known
         inferred = model
     shapes = {}

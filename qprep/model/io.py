@@ -142,9 +142,10 @@ def weights_bytes(model: onnx.ModelProto) -> int:
 
 
 def is_heavy(model: onnx.ModelProto) -> bool:
-    """Weights enough that serializing them costs seconds (2 s per copy of BERT-large): shape inference, the
-    checker and ONNX Runtime sessions then work on the weightless skeleton (weightless())."""
-    return weights_bytes(model) > HEAVY_BYTES
+    """Initializers heavy enough that serializing them costs seconds (2 s per copy of BERT-large): shape
+    inference, the checker and ONNX Runtime sessions then work on the weightless skeleton. Counted as
+    weightless() strips them (the main graph's initializers), so a heavy model's skeleton is light."""
+    return sum(tensor_bytes(t) for t in model.graph.initializer) > HEAVY_BYTES
 
 
 HEAVY_BYTES = 256 << 20
@@ -181,16 +182,16 @@ def _tensors(graph: onnx.GraphProto):
                     yield from _tensors(subgraph)
 
 
-def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, weights: bool = True) -> onnx.ModelProto:
+def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, shapes_only: bool = False) -> onnx.ModelProto:
     """ONNX shape inference at any size (raises what onnx raises). Why not onnx's alone: over 2 GB it returns
     an *empty* model without a word (no inputs, no nodes: the run then refused its own samples), and below it
-    serializes every weight (9 s on BERT-large). A heavy model is inferred on its weightless skeleton; with
-    `weights` the result's nodes, value_info and outputs are moved into `model` itself (changed and returned:
-    no copy of the weights), without, the inferred skeleton is returned (for a caller that only reads shapes)."""
+    serializes every weight (9 s on BERT-large). A heavy model is inferred on its weightless skeleton, and the
+    result's nodes, value_info and outputs are moved into `model` itself (changed and returned: no copy of the
+    weights); with `shapes_only` the inferred skeleton is returned instead (for a caller that only reads shapes)."""
     if not is_heavy(model):
         return onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
     done = onnx.shape_inference.infer_shapes(weightless(model)[0], data_prop=data_prop)
-    if not weights:
+    if shapes_only:
         return done
     for name in ("node", "value_info", "output"):
         model.graph.ClearField(name)

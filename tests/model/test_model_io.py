@@ -103,8 +103,14 @@ def test_shapes_of_a_heavy_model_are_inferred_on_a_skeleton_and_its_weights_stay
         [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [numpy_helper.from_array(weight, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    constant = helper.make_model(helper.make_graph(
+        [helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(weight, "w")),
+         helper.make_node("MatMul", ["x", "w"], ["y"])], "c", graph.input, graph.output),
+        opset_imports=[helper.make_opsetid("", 17)])
     monkeypatch.setattr(io, "HEAVY_BYTES", 1 << 10)  # the 128 KB weight counts as heavy
-    shapes_only = io.inferred_shapes(model, weights=False)
+    assert io.is_heavy(model) and not io.is_heavy(constant)  # heavy: what the skeleton can strip (initializers)
+    assert io.weights_bytes(constant) == weight.nbytes
+    shapes_only = io.inferred_shapes(model, shapes_only=True)
     assert shapes_only.graph.initializer[0].ByteSize() < 100 and not model.graph.value_info  # model untouched
     same = io.inferred_shapes(model)
     assert same is model

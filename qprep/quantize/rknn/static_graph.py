@@ -42,7 +42,7 @@ def refuse_unrewritable(model: onnx.ModelProto) -> None:
                          "a fixed length, or use backend ort")
     ifs = [i for i, node in enumerate(model.graph.node) if _is_if(node)]
     if ifs:
-        inferred = inferred_shapes(model, weights=False)
+        inferred = inferred_shapes(model, shapes_only=True)
         for index in ifs:
             branches = {a.name: a.g for a in inferred.graph.node[index].attribute}
             _branch_outputs(model.graph.node[index], branches["then_branch"], branches["else_branch"])
@@ -196,7 +196,7 @@ def _batchnorms_as_arithmetic(model: onnx.ModelProto) -> list[str]:
     constants = constant_names(graph)
     if not any(_is_runtime_batchnorm(n, constants) for n in graph.node):
         return []
-    shapes = _value_shapes(inferred_shapes(model, weights=False))
+    shapes = _value_shapes(inferred_shapes(model, shapes_only=True))
     taken = all_names(model) | {n.name for n in iter_nodes(graph)}
     done = []
     for index in reversed(range(len(graph.node))):
