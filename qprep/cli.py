@@ -70,7 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("config", help="YAML config applied to every model (its `model:` is replaced)")
     batch.add_argument("folder", help="folder of .onnx models")
     batch.add_argument("--out", required=True, help="batch directory (one run directory per model)")
-    batch.add_argument("--jobs", type=int, help="worker processes (default: from cores, threads and memory)")
+    batch.add_argument("--jobs", type=int, help="local executor: worker processes (default: from cores, threads "
+                                                "and memory)")
+    batch.add_argument("--executor", choices=("local", "ray"), default="local",
+                       help="local: processes on this machine (default); ray: one Ray task per model on a Ray "
+                            "cluster (pip install 'qprep[ray]')")
+    batch.add_argument("--address", help="ray executor: the cluster to join (`auto` for the one `ray start` "
+                                         "began here, ray://HOST:10001 for a remote head); default: start a Ray "
+                                         "instance on this machine for the batch")
     batch.add_argument("--recursive", action="store_true", help="also models in sub-folders")
     batch.add_argument("--resume", action="store_true", help="skip models whose run directory holds a complete "
                                                              "result for the same model and config")
@@ -128,6 +135,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qprep.pipeline.batch_worker import die_with_parent
+
+    die_with_parent()  # a batch worker ends with the process that started it
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
@@ -282,7 +292,8 @@ def cmd_batch(args) -> int:
     from qprep.pipeline.batch import exit_code, run_batch
 
     summary = run_batch(args.config, args.folder, args.out, jobs=args.jobs, recursive=args.recursive,
-                        resume=args.resume, timeout=args.timeout, sets=args.sets, quiet=args.quiet)
+                        resume=args.resume, timeout=args.timeout, sets=args.sets, quiet=args.quiet,
+                        executor=args.executor, address=args.address)
     counts = summary["counts"]
     print(f"qprep batch: {counts['ok']} ok, {counts['gate missed']} gate missed, {counts['refused']} refused, "
           f"{counts['failed']} failed — {Path(args.out) / 'summary.md'}")

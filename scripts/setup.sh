@@ -26,7 +26,7 @@ stamp=$(cat pyproject.toml "$CONSTRAINTS" qprep/quantize/rknn/constraints.txt sc
 if [ "$(cat "$VENV/.qprep-setup" 2>/dev/null)" != "$stamp" ]; then
   echo "qprep setup: installing packages (constraints: scripts/constraints.txt)"
   # Everything resolvable goes through one pip call so the resolver sees every pin at once.
-  quiet_pip install -c "$CONSTRAINTS" -e ".[demo,dev]" \
+  quiet_pip install -c "$CONSTRAINTS" -e ".[demo,dev,ray]" \
       setuptools typing_extensions filelock jinja2 networkx fsspec sympy \
       psutil ruamel.yaml fast-histogram tqdm opencv-python-headless scipy
   # Packages whose metadata would drag in a CUDA torch, opencv-python or numpy 2: installed without

@@ -1,16 +1,14 @@
 """`qprep batch CONFIG DIR`: one config over a folder of models, each in its own process and run directory.
 
-Why a subprocess per model (`python -m qprep run ...`) rather than a pool: a toolkit that segfaults, hangs or
-leaks takes down only its own model, which is recorded with its one-line error; every finished model's run
-directory is complete on disk, so a killed batch loses nothing and `--resume` picks up where it stopped.
+Each model runs isolated (batch_worker.py) on an executor: the local pool (batch_local.py, the default) or a Ray
+cluster (batch_ray.py). Every finished model's run directory is complete on disk, so a killed batch loses
+nothing and `--resume` picks up where it stopped, whichever executor ran it.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,18 +17,12 @@ from qprep import jsonfile
 from qprep.config import load_config, run_overrides
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError
 from qprep.model.io import atomic_write_text, sha256_file
+from qprep.pipeline.batch_worker import RunSpec, Task, sidecar
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 
 
-TERMINATE_GRACE_S = 30  # a timed-out model gets this long to write its report after SIGTERM, then SIGKILL
 STATUSES = ("ok", "gate missed", "refused", "failed")  # refused: a one-line QprepError (exit 2) naming what is not taken
-SIDECAR_SUFFIX = ".qprep.yaml"  # NAME.qprep.yaml beside NAME.onnx: merged over the batch config for that model
-
-
-def sidecar(model: Path) -> Path | None:
-    """The model's own overlay (input dims, its samples), when there is one."""
-    path = model.with_name(model.name.removesuffix(".onnx") + SIDECAR_SUFFIX)
-    return path if path.is_file() else None
+CANCELLED = "cancelled: the batch was interrupted before this model finished; rerun with --resume"
 
 
 def dir_name(name: str, used: set[str]) -> str:
@@ -66,15 +58,18 @@ def default_jobs(threads: int) -> int:
 
 
 def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, recursive: bool = False,
-              resume: bool = False, timeout: float | None = None, sets: list[str] = (), quiet: bool = False) -> dict:
+              resume: bool = False, timeout: float | None = None, sets: list[str] = (), quiet: bool = False,
+              executor: str = "local", address: str | None = None) -> dict:
     if jobs is not None and jobs < 1:
         raise QprepError(f"batch --jobs {jobs}: needs at least 1 worker; omit --jobs for a default from cores "
                          "and memory")
+    if address and executor != "ray":
+        raise QprepError("batch --address: only the Ray executor joins a cluster; add --executor ray")
     folder_path, out_path = Path(folder).resolve(), Path(out).resolve()
     models = find_models(folder_path, recursive)
-    base = load_config(config_path, {"model": str(models[0]), "output_dir": str(out_path / "_check")})
-    jobs = jobs or default_jobs(base["threads"])
+    base = load_config(config_path, run_overrides(sets, models[0], out_path / "_check"))  # threads, backend
     _make_batch_dir(out_path)
+    spec = RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd())
     twins: dict[str, Path] = {}
     tasks, rows = [], {}
     used_dirs: set[str] = set()
@@ -96,26 +91,76 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
         if resume and _complete(run_dir, digest, config_path, sets, model, sidecar(model)):
             rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
             continue
-        tasks.append((name, model, run_dir))
-    started = time.perf_counter()
-    done = len(rows)
-    total = len(models)
+        tasks.append(Task(name, model, run_dir))
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(_run_one, config_path, model, run_dir, sets, timeout): (name, run_dir)
-                   for name, model, run_dir in tasks}
-        for future in concurrent.futures.as_completed(futures):  # report each model as it finishes
-            name, run_dir = futures[future]
-            row_status, seconds, error = future.result()
-            rows[name] = summary_row(name, run_dir, seconds=seconds, error=error, status=row_status)
-            done += 1
-            if not quiet:
-                print(f"qprep batch: [{done}/{total}] {name}: {rows[name]['status']} ({seconds:.1f} s)"
-                      + (f" — {error}" if error else ""), file=sys.stderr, flush=True)
-            _write_summary(out_path, rows, twins)
-    summary = _write_summary(out_path, rows, twins)
+    # nothing left to run (all resumed): no cluster is started for it
+    pool = _executor(executor if tasks else "local", jobs or default_jobs(base["threads"]), address, base, out_path,
+                     quiet)
+    if not quiet:
+        print(f"qprep batch: {len(tasks)} model{'s' if len(tasks) != 1 else ''} to run on {pool.where}",
+              file=sys.stderr, flush=True)
+    progress = _Progress(len(models), len(rows), len(tasks), pool.slots, quiet)
+    started = time.perf_counter()
+    try:
+        for task, outcome in pool.results(spec, tasks):
+            rows[task.name] = summary_row(task.name, task.run_dir, seconds=outcome.seconds, error=outcome.error,
+                                          status=outcome.status, note=outcome.note)
+            progress.finished(task.name, rows[task.name])
+            _write_summary(out_path, rows, twins, pool)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop what runs, keep what finished, say what did not
+        pool.cancel()
+        for task in tasks:
+            rows.setdefault(task.name, summary_row(task.name, task.run_dir, seconds=None, error=CANCELLED,
+                                                   status="failed"))
+        _write_summary(out_path, rows, twins, pool)
+        raise
+    finally:
+        pool.close()
+    summary = _write_summary(out_path, rows, twins, pool)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     return summary
+
+
+def _executor(kind: str, jobs: int, address: str | None, base, out: Path, quiet: bool):
+    if kind == "ray":
+        from qprep.pipeline.batch_ray import RayCluster
+
+        return RayCluster(address, base, out, quiet)
+    from qprep.pipeline.batch_local import LocalPool
+
+    return LocalPool(jobs)
+
+
+class _Progress:
+    """`[3/10] name: ok (12.3 s) | 1 failed, 2 running, 4 queued, ETA 3 min` as each model finishes; the ETA
+    from this batch's throughput so far (models finished per second with every slot busy)."""
+
+    def __init__(self, total: int, done: int, to_run: int, slots: int, quiet: bool):
+        self.total, self.done, self.left, self.slots, self.quiet = total, done, to_run, slots, quiet
+        self.ran = 0
+        self.problems = {"failed": 0, "refused": 0}
+        self.start = time.perf_counter()
+
+    def finished(self, name: str, row: dict) -> None:
+        self.done, self.left, self.ran = self.done + 1, self.left - 1, self.ran + 1
+        if row["status"] in self.problems:
+            self.problems[row["status"]] += 1
+        if self.quiet:
+            return
+        running = min(self.left, self.slots)
+        parts = [f"{count} {status}" for status, count in self.problems.items() if count]
+        parts += [f"{running} running" if running else "",
+                 f"{self.left - running} queued" if self.left > running else ""]
+        if self.left:
+            parts.append(f"ETA {_duration((time.perf_counter() - self.start) / self.ran * self.left)}")
+        extra = ", ".join(p for p in parts if p)
+        error = f" — {row['error']}" if row.get("error") else ""
+        print(f"qprep batch: [{self.done}/{self.total}] {name}: {row['status']} ({row['seconds'] or 0:.1f} s)"
+              f"{error}{f' | {extra}' if extra else ''}", file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def _make_batch_dir(path: Path) -> None:
@@ -137,41 +182,6 @@ def _unreadable_row(name: str, model: Path, exc: OSError) -> dict:
             "error": f"cannot read this {what}: {exc.strerror}; fix it or move it out of the folder"}
 
 
-def _run_one(config_path: str, model: Path, run_dir: Path, sets, timeout) -> tuple[str, float, str]:
-    command = [sys.executable, "-m", "qprep", "run", str(config_path), "--model", str(model), "--out", str(run_dir),
-               "--force", "--quiet"]
-    overlay = sidecar(model)
-    if overlay:
-        command += ["--overlay", str(overlay)]
-    for assignment in sets:
-        command += ["--set", assignment]
-    start = time.perf_counter()
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as worker:
-        try:
-            _, stderr = worker.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            worker.terminate()  # SIGTERM first: the run writes its report ("interrupted") and manifest
-            try:
-                worker.communicate(timeout=TERMINATE_GRACE_S)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.communicate()
-            return "failed", time.perf_counter() - start, f"timed out after {timeout:g} s"
-    done = subprocess.CompletedProcess(command, worker.returncode, "", stderr)
-    seconds = time.perf_counter() - start
-    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-    error = lines[-1].removeprefix("qprep: error: ") if lines and done.returncode != EXIT_OK else ""
-    if done.returncode == EXIT_OK:
-        return "ok", seconds, ""
-    if done.returncode == EXIT_GATE_MISSED:
-        return "gate missed", seconds, error.removeprefix("qprep: ")
-    if done.returncode < 0:
-        return "failed", seconds, f"worker died (signal {-done.returncode})"
-    if done.returncode == EXIT_USAGE and error:  # a one-line refusal: the model or its config asks for
-        return "refused", seconds, error          # something qprep does not take, and the line says what
-    return "failed", seconds, error or f"exit code {done.returncode}"
-
-
 def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, overlay: Path | None) -> bool:
     """A finished run of the same model bytes with the same resolved config."""
     try:
@@ -181,19 +191,21 @@ def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, o
         return False
     wanted = json.loads(jsonfile.dumps(load_config(config_path, run_overrides(sets, model, run_dir),
                                                    overlay=overlay).resolved()))
-    return (report.get("status") in ("ok", "gate missed") and manifest.get("config") == wanted
+    ran = dict(manifest.get("config") or {})
+    ran["output_dir"] = wanted.get("output_dir")  # a Ray node without shared storage ran it in a folder of its own
+    return (report.get("status") in ("ok", "gate missed") and ran == wanted
             and report.get("model", {}).get("sha256") == digest)
 
 
-def _write_summary(out: Path, rows: dict, twins: dict) -> dict:
+def _write_summary(out: Path, rows: dict, twins: dict, pool) -> dict:
     for row in rows.values():  # a duplicate shows its twin's outcome
         if row["status"] == "duplicate" and row["twin"] in rows and rows[row["twin"]]["status"] != "duplicate":
             twin = rows[row["twin"]]
             row.update({k: v for k, v in twin.items() if k not in ("model", "note", "twin", "status", "run_dir")})
             row["status"] = twin["status"]
     ordered = sorted(rows.values(), key=_worst_first)
-    summary = {"models": ordered, "counts": {s: sum(r["status"] == s for r in ordered)
-                                             for s in STATUSES}}
+    summary = {"models": ordered, "counts": {s: sum(r["status"] == s for r in ordered) for s in STATUSES},
+               "executor": {"name": pool.name, "where": pool.where}}
     atomic_write_text(out / "summary.json", jsonfile.dumps(summary) + "\n")
     atomic_write_text(out / "summary.csv", render_summary_csv(ordered))
     atomic_write_text(out / "summary.md", render_summary_md(ordered))

@@ -1,0 +1,136 @@
+"""One model of a batch in its own process (`python -m qprep run ...`): the isolation every executor shares.
+
+Why a subprocess per model rather than a call: a toolkit that segfaults, hangs or leaks takes down only its own
+model, which is recorded with its one-line error. The local pool runs it on a thread of `qprep batch`; Ray runs
+it inside a task on whichever node the task lands.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE
+
+TERMINATE_GRACE_S = 30  # a stopped model gets this long to write its report after SIGTERM, then SIGKILL
+SIDECAR_SUFFIX = ".qprep.yaml"  # NAME.qprep.yaml beside NAME.onnx: merged over the batch config for that model
+_PR_SET_PDEATHSIG = 1
+PARENT_ENV = "QPREP_BATCH_PARENT"  # set for a batch worker: the pid whose death must end it
+
+_live: set[subprocess.Popen] = set()  # workers running now, so an interrupted batch can stop them
+_live_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every model of the batch is run with (plain data: Ray ships it to the nodes)."""
+    config_path: str
+    sets: tuple[str, ...] = ()
+    timeout: float | None = None
+    cwd: str | None = None  # the batch's working directory: `--set key=relative/path` resolves against it
+
+
+@dataclass(frozen=True)
+class Task:
+    """One model of the batch and the run directory it gets under --out."""
+    name: str
+    model: Path
+    run_dir: Path
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str
+    seconds: float
+    error: str = ""
+    note: str = ""  # where it ran and how its results came back, when that is worth saying (Ray)
+
+
+def sidecar(model: Path) -> Path | None:
+    """The model's own overlay (input dims, its samples), when there is one."""
+    path = model.with_name(model.name.removesuffix(".onnx") + SIDECAR_SUFFIX)
+    return path if path.is_file() else None
+
+
+def run_one(spec: RunSpec, model: Path, run_dir: Path) -> tuple[str, float, str]:
+    """(status, seconds, one-line error) of `qprep run` on one model into `run_dir`."""
+    command = [sys.executable, "-m", "qprep", "run", spec.config_path, "--model", str(model), "--out", str(run_dir),
+               "--force", "--quiet"]
+    overlay = sidecar(Path(model))
+    if overlay:
+        command += ["--overlay", str(overlay)]
+    for assignment in spec.sets:
+        command += ["--set", assignment]
+    start = time.perf_counter()
+    cwd = spec.cwd if spec.cwd and Path(spec.cwd).is_dir() else None
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                          env=env) as worker:
+        with _live_lock:
+            _live.add(worker)
+        try:
+            _, stderr = worker.communicate(timeout=spec.timeout)
+        except subprocess.TimeoutExpired:
+            _stop(worker)
+            return "failed", time.perf_counter() - start, f"timed out after {spec.timeout:g} s"
+        except KeyboardInterrupt:  # Ray's cancel of this task: the model still writes its report ("interrupted")
+            _stop(worker)
+            raise
+        finally:
+            with _live_lock:
+                _live.discard(worker)
+    status, error = _outcome(worker.returncode, stderr)
+    return status, time.perf_counter() - start, error
+
+
+def _outcome(returncode: int, stderr: str) -> tuple[str, str]:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    error = lines[-1].removeprefix("qprep: error: ") if lines and returncode != EXIT_OK else ""
+    if returncode == EXIT_OK:
+        return "ok", ""
+    if returncode == EXIT_GATE_MISSED:
+        return "gate missed", error.removeprefix("qprep: ")
+    if returncode < 0:
+        return "failed", f"worker died (signal {-returncode})"
+    if returncode == EXIT_USAGE and error:  # a one-line refusal: the model or its config asks for
+        return "refused", error              # something qprep does not take, and the line says what
+    return "failed", error or f"exit code {returncode}"
+
+
+def stop_all() -> None:
+    """Stop every running worker (an interrupted batch): SIGTERM, so each writes its report, then SIGKILL."""
+    with _live_lock:
+        workers = list(_live)
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+
+
+def _stop(worker: subprocess.Popen) -> None:
+    worker.terminate()  # SIGTERM first: the run writes its report ("interrupted") and manifest
+    try:
+        worker.communicate(timeout=TERMINATE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.communicate()
+
+
+def die_with_parent() -> None:
+    """Called first thing by a batch worker (cli.main). Linux: the worker gets SIGKILL when the process that
+    started it dies (a Ray worker lost mid-task), so a retried model never has an orphan still writing into its
+    run directory. Set in the child, not with preexec_fn, which can deadlock in a threaded parent."""
+    parent = os.environ.pop(PARENT_ENV, None)  # popped: the worker's own subprocesses are not batch workers
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os._exit(128 + signal.SIGKILL)
