@@ -108,7 +108,9 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
             progress.finished(task.name, rows[task.name])
             _write_summary(out_path, rows, twins, pool)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop what runs, keep what finished, say what did not
-        pool.cancel()
+        for task, outcome in pool.cancel():
+            rows.setdefault(task.name, summary_row(task.name, task.run_dir, seconds=outcome.seconds,
+                                                   error=outcome.error, status=outcome.status, note=outcome.note))
         for task in tasks:
             rows.setdefault(task.name, summary_row(task.name, task.run_dir, seconds=None, error=CANCELLED,
                                                    status="failed"))

@@ -18,14 +18,16 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from qprep.errors import QprepError
+from qprep.errors import Interrupted, QprepError, raise_interrupted
 from qprep.model.io import atomic_write_bytes
 from qprep.pipeline.batch_worker import TERMINATE_GRACE_S, Outcome, RunSpec, Task, run_one
 
@@ -87,6 +89,7 @@ class RayCluster:
         (out / PROBE).write_text(self._token)
         needs_rknn = any(name == "quantize" and options.get("backend") == "rknn" for name, options in base.stages)
         options = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             if address:
                 context = ray.init(address=address, **options)
@@ -97,6 +100,8 @@ class RayCluster:
             raise QprepError(f"batch --executor ray: cannot reach the Ray cluster at {address or 'this machine'} "
                              f"({str(exc).splitlines()[0]}); start one with `ray start --head` or check "
                              "--address") from None
+        finally:  # ray.init installs its own SIGTERM handler (exit without a summary): qprep's stays in charge
+            self._keep_handlers(saved)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         biggest_cpus = max(n["Resources"].get("CPU", 0) for n in nodes)
         self._memory_cap = max(n["Resources"].get("memory", 0) for n in nodes)
@@ -136,21 +141,53 @@ class RayCluster:
             ref = remote.options(**options).remote(spec, str(task.model), str(task.run_dir), probe, self._token)
             self._pending[ref] = task
         while self._pending:
-            [ref], _ = ray.wait(list(self._pending), num_returns=1)
+            try:
+                [ref], _ = ray.wait(list(self._pending), num_returns=1)
+            except KeyboardInterrupt:  # Ray turns a SIGTERM raised inside its wait into a plain Ctrl-C
+                if self._signal:
+                    raise Interrupted(self._signal) from None
+                raise
             task = self._pending.pop(ref)
             yield task, self._outcome(ref, task)
 
-    def cancel(self) -> None:
+    def cancel(self) -> list[tuple[Task, Outcome]]:
         """Interrupted: queued tasks are dropped; running ones get KeyboardInterrupt, so their model is stopped
-        with SIGTERM and writes its report (on shared storage) before the task ends."""
+        with SIGTERM and writes its report (on shared storage) before the task ends. Returns the outcomes of the
+        tasks that finished meanwhile."""
+        ray = self._ray
         for ref in self._pending:
-            self._ray.cancel(ref)
-        if self._pending:
-            self._ray.wait(list(self._pending), num_returns=len(self._pending), timeout=TERMINATE_GRACE_S + 5)
+            ray.cancel(ref)
+        if not self._pending:
+            return []
+        ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=TERMINATE_GRACE_S + 5)
+        ended = []
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.TaskCancelledError:
+                continue
+            except ray.exceptions.RayError:
+                pass
+            ended.append((self._pending[ref], self._outcome(ref, self._pending[ref])))
+        return ended
 
     def close(self) -> None:
         self._ray.shutdown()
         (self._out / PROBE).unlink(missing_ok=True)
+
+    def _keep_handlers(self, saved: dict) -> None:
+        """qprep's handlers back after ray.init, SIGTERM/SIGHUP remembered so the exit code can name them."""
+        self._signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def remember(signum, frame):
+            self._signal = signum
+            raise Interrupted(signum)
+
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, remember if handler is raise_interrupted else handler)
 
     def _outcome(self, ref, task: Task) -> Outcome:
         ray = self._ray

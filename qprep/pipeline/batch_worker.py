@@ -19,6 +19,7 @@ from pathlib import Path
 
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE
 
+POLL_S = 1.0  # how soon a cancelled task notices
 TERMINATE_GRACE_S = 30  # a stopped model gets this long to write its report after SIGTERM, then SIGKILL
 SIDECAR_SUFFIX = ".qprep.yaml"  # NAME.qprep.yaml beside NAME.onnx: merged over the batch config for that model
 _PR_SET_PDEATHSIG = 1
@@ -76,18 +77,32 @@ def run_one(spec: RunSpec, model: Path, run_dir: Path) -> tuple[str, float, str]
         with _live_lock:
             _live.add(worker)
         try:
-            _, stderr = worker.communicate(timeout=spec.timeout)
-        except subprocess.TimeoutExpired:
-            _stop(worker)
-            return "failed", time.perf_counter() - start, f"timed out after {spec.timeout:g} s"
+            stderr = _wait(worker, start, spec.timeout)
+            if stderr is None:  # timed out
+                _stop(worker)
         except KeyboardInterrupt:  # Ray's cancel of this task: the model still writes its report ("interrupted")
             _stop(worker)
             raise
         finally:
             with _live_lock:
                 _live.discard(worker)
+    if stderr is None:
+        return "failed", time.perf_counter() - start, f"timed out after {spec.timeout:g} s"
     status, error = _outcome(worker.returncode, stderr)
     return status, time.perf_counter() - start, error
+
+
+def _wait(worker: subprocess.Popen, start: float, timeout: float | None) -> str | None:
+    """The worker's stderr once it exits, or None at the timeout. Waits in short slices: Ray cancels a task by
+    raising KeyboardInterrupt in it, which Python delivers only between slices, not inside one blocking wait."""
+    while True:
+        left = None if timeout is None else timeout - (time.perf_counter() - start)
+        if left is not None and left <= 0:
+            return None
+        try:
+            return worker.communicate(timeout=POLL_S if left is None else min(POLL_S, left))[1]
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _outcome(returncode: int, stderr: str) -> tuple[str, str]:

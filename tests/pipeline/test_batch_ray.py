@@ -13,6 +13,7 @@ import pytest
 
 from conftest import CALIBRATION, demo_model
 from graphs import tiny_conv_model
+from test_batch_compare import endless_loop_model
 from qprep.errors import QprepError
 from qprep.pipeline.batch import run_batch
 from qprep.pipeline.batch_ray import NOT_RETURNED, run_on_node, write_returned
@@ -111,6 +112,35 @@ def test_ray_matches_local_retries_a_lost_worker_and_isolates_a_poisoned_model(f
     refused = batch(rknn, models, "--out", root / "rknn", "--executor", "ray", "--address", cluster.address)
     _, stderr = refused.communicate(timeout=120)
     assert refused.returncode == 2 and "no node of the cluster declares the `rknn` resource" in stderr, stderr
+
+
+@pytest.mark.slow
+def test_sigterm_cancels_the_ray_tasks_and_still_writes_the_summary(tmp_path, cluster):
+    import psutil
+
+    models = tmp_path / "models"
+    models.mkdir()
+    onnx.save(tiny_conv_model(), str(models / "a_tiny.onnx"))
+    onnx.save(endless_loop_model(), str(models / "hang.onnx"))
+    config = tmp_path / "c.yaml"
+    config.write_text("model: unused.onnx\nthreads: 1\npipeline: [optimize]\n")
+    out = tmp_path / "out"
+    distributed = batch(config, models, "--out", out, "--executor", "ray", "--address", cluster.address)
+    deadline, hang = time.time() + 120, None
+    while hang is None and time.time() < deadline:
+        hang = next((p for p in psutil.process_iter(["cmdline"]) if str(models / "hang.onnx") in (p.info["cmdline"] or [])),
+                    None)
+        time.sleep(0.5)
+    assert hang is not None
+    while not (out / "summary.json").exists() and time.time() < deadline:  # a_tiny.onnx has finished
+        time.sleep(0.5)
+    distributed.terminate()
+    _, stderr = distributed.communicate(timeout=120)
+    assert distributed.returncode == 143, stderr
+    rows = rows_of(out)
+    assert rows["a_tiny.onnx"]["status"] == "ok"
+    assert rows["hang.onnx"]["status"] == "failed" and rows["hang.onnx"]["error"].startswith("cancelled")
+    hang.wait(timeout=30)  # its run was stopped (SIGTERM; stuck inside ONNX Runtime's Loop, SIGKILL after the grace)
 
 
 @pytest.mark.slow
