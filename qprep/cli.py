@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(init)
 
     batch = sub.add_parser("batch", help="run one config over every .onnx model in a folder",
-                           description="Each model runs in its own process and run directory under --out; "
+                           description="Each model runs in its own process and run directory under --out, on "
+                                       "this machine or as a Ray task (--executor ray); "
                                        "summary.json/csv/md/html list them worst first. A NAME.qprep.yaml beside "
                                        "NAME.onnx is merged over the config for that model (run --overlay). "
                                        "Exit 2 if any model failed, else 1 if any missed its gate.")

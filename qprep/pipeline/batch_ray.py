@@ -82,18 +82,40 @@ class RayCluster:
     name = "ray"
 
     def __init__(self, address: str | None, base, out: Path, quiet: bool):
-        ray = _import_ray()
-        self._ray = ray
-        self._out, self._pending = out, {}
-        self._token = secrets.token_hex(8)
-        (out / PROBE).write_text(self._token)
-        needs_rknn = any(name == "quantize" and options.get("backend") == "rknn" for name, options in base.stages)
-        options = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
+        self._ray = _import_ray()
+        self._out, self._pending, self._token = out, {}, secrets.token_hex(8)
+        self._storage = {"shared": 0, "returned": 0}
+        dashboard = self._connect(address)
+        nodes = [n["Resources"] for n in self._ray.nodes() if n.get("Alive")]
+        if any(n == "quantize" and o.get("backend") == "rknn" for n, o in base.stages):
+            if not any(node.get("rknn") for node in nodes):
+                self._ray.shutdown()
+                raise QprepError("batch --executor ray: the config converts for RKNN but no node of the cluster "
+                                 "declares the `rknn` resource; start nodes that have rknn-toolkit2 with "
+                                 "`ray start ... --resources='{\"rknn\": 4}'`")
+            self._resources = {"rknn": 1}
+        else:
+            self._resources = {}
+        # a model asking for more CPUs or memory than any one node has would wait forever: capped at the largest
+        self._cpus = max(1, min(base["threads"], int(max(node.get("CPU", 0) for node in nodes))))
+        self._memory_cap = max(node.get("memory", 0) for node in nodes)
+        total_cpus = int(sum(node.get("CPU", 0) for node in nodes))
+        self.slots = max(1, total_cpus // self._cpus)
+        self._cluster = (f"Ray cluster {address or '(started here)'}: {len(nodes)} node{'s' if len(nodes) > 1 else ''}"
+                         f", {total_cpus} CPUs, {self._cpus} per model")
+        if dashboard and not quiet:
+            print(f"qprep batch: Ray dashboard http://{dashboard}", file=sys.stderr, flush=True)
+
+    def _connect(self, address: str | None) -> str:
+        """Join the cluster at `address`, or start a Ray instance of our own on this machine (with the `rknn`
+        resource when the toolkit is installed here); returns the dashboard's address, if any."""
+        ray = self._ray
+        options = {"logging_level": "ERROR", "log_to_driver": False}
         saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             if address:
                 context = ray.init(address=address, **options)
-            else:  # a Ray instance of our own on this machine, with the toolkit's resource when it is installed
+            else:
                 context = ray.init(address="local", resources={"rknn": os.cpu_count() or 1} if _has_rknn() else {},
                                    **options)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -102,24 +124,7 @@ class RayCluster:
                              "--address") from None
         finally:  # ray.init installs its own SIGTERM handler (exit without a summary): qprep's stays in charge
             self._keep_handlers(saved)
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        biggest_cpus = max(n["Resources"].get("CPU", 0) for n in nodes)
-        self._memory_cap = max(n["Resources"].get("memory", 0) for n in nodes)
-        if needs_rknn and not any(n["Resources"].get("rknn") for n in nodes):
-            ray.shutdown()
-            raise QprepError("batch --executor ray: the config converts for RKNN but no node of the cluster declares "
-                             "the `rknn` resource; start nodes that have rknn-toolkit2 with "
-                             "`ray start ... --resources='{\"rknn\": 4}'`")
-        self._cpus = max(1, min(base["threads"], int(biggest_cpus)))
-        self._resources = {"rknn": 1} if needs_rknn else {}
-        total_cpus = int(sum(n["Resources"].get("CPU", 0) for n in nodes))
-        self.slots = max(1, total_cpus // self._cpus)
-        dashboard = getattr(context, "dashboard_url", "") or ""
-        self._cluster = f"Ray cluster {address or '(started here)'}: {len(nodes)} node{'s' if len(nodes) > 1 else ''}, "\
-                        f"{total_cpus} CPUs, {self._cpus} per model"
-        self._storage = {"shared": 0, "returned": 0}
-        if dashboard and not quiet:
-            print(f"qprep batch: Ray dashboard http://{dashboard}", file=sys.stderr, flush=True)
+        return getattr(context, "dashboard_url", "") or ""
 
     @property
     def where(self) -> str:
@@ -131,14 +136,16 @@ class RayCluster:
     def results(self, spec: RunSpec, tasks: Iterable[Task]) -> Iterator[tuple[Task, Outcome]]:
         ray = self._ray
         remote = ray.remote(run_on_node)
-        probe = str(self._out / PROBE)
+        probe = self._out / PROBE
+        probe.write_text(self._token)
         for task in tasks:
             options = {"num_cpus": self._cpus, "max_retries": RETRIES, "retry_exceptions": False,
                        "resources": self._resources, "name": f"qprep {task.name}"}
             memory = self._memory(task.model)
             if memory:
                 options["memory"] = memory
-            ref = remote.options(**options).remote(spec, str(task.model), str(task.run_dir), probe, self._token)
+            ref = remote.options(**options).remote(spec, str(task.model), str(task.run_dir), str(probe),
+                                                   self._token)
             self._pending[ref] = task
         while self._pending:
             try:

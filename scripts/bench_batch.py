@@ -1,0 +1,94 @@
+"""`qprep batch` through the local executor and through Ray on the same folder of demo models: wall time,
+per-model time, the overhead Ray adds per model, and whether the figures agree.
+
+    .venv/bin/python scripts/bench_batch.py [--work /tmp/qprep-bench-batch] [--markdown F]
+
+Each demo model gets a sidecar with its own inputs and samples (taken from the shipped configs); the batch config
+is optimize → quantize(ort) with `threads: 1`, two models at a time on both executors (this machine's 2 cores:
+`--jobs 2` locally, a Ray instance started here with 2 CPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+OCR = {"channel_order": "bgr", "mean": [127.5], "std": [127.5], "resize": "none"}
+IMAGENET = {"mean": [127.0, 127.0, 127.0], "std": [128.0, 128.0, 128.0]}
+MODELS = {  # model → (calibration_data folder, preprocess, inputs)
+    "efficientnet_lite0": ("imagenet", IMAGENET, None),
+    "minilm_l6_v2": ("minilm", None, None),
+    "ppocr_cls": ("ocr_cls", OCR, {"x": [1, 3, 48, 192]}),
+    "ppocrv4_rec": ("ocr_rec", OCR, {"x": [1, 3, 48, 320]}),
+}
+
+
+def build_folder(work: Path) -> tuple[Path, Path]:
+    models = work / "models"
+    if models.exists():
+        shutil.rmtree(models)
+    models.mkdir(parents=True)
+    for name, (data, preprocess, inputs) in MODELS.items():
+        shutil.copy(ROOT / "models" / f"{name}.onnx", models / f"{name}.onnx")
+        sets = ROOT / "calibration_data" / data
+        side = {"calibration": {"source": str(sets / "calib"), "max_samples": 32},
+                "evaluation": {"source": str(sets / "eval"), "max_samples": 64, "latency": {"runs": 0}}}
+        if preprocess:
+            side["calibration"]["preprocess"] = side["evaluation"]["preprocess"] = preprocess
+        if inputs:
+            side["inputs"] = inputs
+        (models / f"{name}.qprep.yaml").write_text(yaml.safe_dump(side, sort_keys=False))
+    config = work / "int8.yaml"
+    config.write_text("model: unused.onnx\nthreads: 1\npipeline: [optimize, {quantize: {backend: ort}}]\n")
+    return models, config
+
+
+def run(config: Path, models: Path, out: Path, executor: str) -> tuple[float, dict]:
+    if out.exists():
+        shutil.rmtree(out)
+    command = [str(ROOT / ".venv/bin/qprep"), "batch", str(config), str(models), "--out", str(out), "--quiet",
+               "--executor", executor] + (["--jobs", "2"] if executor == "local" else [])
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode not in (0, 1):
+        sys.exit(f"bench_batch: {executor} batch failed ({done.returncode}): {done.stderr.strip()[-400:]}")
+    return wall, json.loads((out / "summary.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="/tmp/qprep-bench-batch")
+    parser.add_argument("--markdown", help="also write the tables to this file")
+    args = parser.parse_args()
+    work = Path(args.work)
+    models, config = build_folder(work)
+    results = {executor: run(config, models, work / f"out_{executor}", executor) for executor in ("local", "ray")}
+    rows = {e: {r["model"]: r for r in s["models"]} for e, (_, s) in results.items()}
+    lines = ["| model | local: status, s | Ray: status, s | cosine local / Ray |", "|---|---|---|---|"]
+    for name in sorted(rows["local"]):
+        a, b = rows["local"][name], rows["ray"][name]
+        lines.append(f"| {name} | {a['status']}, {a['seconds']:.1f} | {b['status']}, {b['seconds']:.1f} | "
+                     f"{a.get('cosine_mean') or 0:.5f} / {b.get('cosine_mean') or 0:.5f} |")
+    count = len(rows["local"])
+    (local_wall, _), (ray_wall, summary) = results["local"], results["ray"]
+    overhead = (ray_wall - local_wall) / count
+    lines += ["", f"Wall time for {count} models, 2 at a time: local {local_wall:.1f} s, Ray {ray_wall:.1f} s "
+              f"(Ray instance started by the batch, included) → {overhead:+.1f} s per model. "
+              f"Ray: {summary['executor']['where']}."]
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
