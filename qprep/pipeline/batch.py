@@ -69,7 +69,7 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     models = find_models(folder_path, recursive)
     base = load_config(config_path, run_overrides(sets, models[0], out_path / "_check"))  # threads, backend
     _make_batch_dir(out_path)
-    spec = RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd())
+    spec = RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd(), base["threads"])
     twins: dict[str, Path] = {}
     tasks, rows = [], {}
     used_dirs: set[str] = set()

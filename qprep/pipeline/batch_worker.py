@@ -23,6 +23,7 @@ POLL_S = 1.0  # how soon a cancelled task notices
 TERMINATE_GRACE_S = 30  # a stopped model gets this long to write its report after SIGTERM, then SIGKILL
 SIDECAR_SUFFIX = ".qprep.yaml"  # NAME.qprep.yaml beside NAME.onnx: merged over the batch config for that model
 _PR_SET_PDEATHSIG = 1
+BLAS_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 PARENT_ENV = "QPREP_BATCH_PARENT"  # set for a batch worker: the pid whose death must end it
 
 _live: set[subprocess.Popen] = set()  # workers running now, so an interrupted batch can stop them
@@ -36,6 +37,7 @@ class RunSpec:
     sets: tuple[str, ...] = ()
     timeout: float | None = None
     cwd: str | None = None  # the batch's working directory: `--set key=relative/path` resolves against it
+    threads: int | None = None  # the config's `threads`: also the worker's BLAS/OpenMP threads (see run_one)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ def run_one(spec: RunSpec, model: Path, run_dir: Path) -> tuple[str, float, str]
     start = time.perf_counter()
     cwd = spec.cwd if spec.cwd and Path(spec.cwd).is_dir() else None
     env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    if spec.threads:  # numpy's BLAS would otherwise start one thread per core in every worker (what Ray does too)
+        for name in BLAS_THREADS:
+            env.setdefault(name, str(spec.threads))
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                           env=env) as worker:
         with _live_lock:
