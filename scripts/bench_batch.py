@@ -1,11 +1,12 @@
 """`qprep batch` through the local executor and through Ray on the same folder of demo models: wall time,
 per-model time, the overhead Ray adds per model, and whether the figures agree.
 
-    .venv/bin/python scripts/bench_batch.py [--work /tmp/qprep-bench-batch] [--markdown F]
+    .venv/bin/python scripts/bench_batch.py [--work /tmp/qprep-bench-batch] [--rounds 2] [--markdown F]
 
-Each demo model gets a sidecar with its own inputs and samples (taken from the shipped configs); the batch config
+Each demo model gets a sidecar with its inputs and its calibration_data samples; the batch config
 is optimize → quantize(ort) with `threads: 1`, two models at a time on both executors (this machine's 2 cores:
-`--jobs 2` locally, a Ray instance started here with 2 CPUs).
+`--jobs 2` locally, a Ray instance started here with 2 CPUs); then `--copies` small models through both, for
+the cost each executor adds per model. Compare on an idle machine: Ray's workers run at nice 15.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -64,26 +66,59 @@ def run(config: Path, models: Path, out: Path, executor: str) -> tuple[float, di
     return wall, json.loads((out / "summary.json").read_text())
 
 
+def build_copies(work: Path, count: int) -> tuple[Path, Path]:
+    """`count` distinct copies of the PP-OCR classifier (their producer names differ, so none is a duplicate)
+    and an optimize-only config: each model is ~1 s of work, so the executor's own cost shows."""
+    import onnx
+
+    models = work / "copies"
+    if models.exists():
+        shutil.rmtree(models)
+    models.mkdir(parents=True)
+    model = onnx.load(str(ROOT / "models" / "ppocr_cls.onnx"))
+    for index in range(count):
+        model.producer_name = f"copy-{index}"
+        onnx.save(model, str(models / f"cls_{index:02d}.onnx"))
+    config = work / "optimize.yaml"
+    config.write_text("model: unused.onnx\nthreads: 1\ninputs: {x: [1, 3, 48, 192]}\npipeline: [optimize]\n")
+    return models, config
+
+
+def compare(config: Path, models: Path, work: Path, rounds: int) -> dict:
+    """Median wall time per executor over `rounds` alternating runs, and the last summary of each."""
+    walls: dict[str, list[float]] = {"local": [], "ray": []}
+    summaries = {}
+    for round_ in range(rounds):  # alternating order, so a change in machine load hits both alike
+        for executor in ("local", "ray") if round_ % 2 == 0 else ("ray", "local"):
+            wall, summaries[executor] = run(config, models, work / f"out_{models.name}_{executor}", executor)
+            walls[executor].append(wall)
+    return {e: (statistics.median(walls[e]), summaries[e]) for e in walls}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/qprep-bench-batch")
     parser.add_argument("--markdown", help="also write the tables to this file")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each executor, alternating (median wall)")
+    parser.add_argument("--copies", type=int, default=20, help="small models for the per-model overhead")
     args = parser.parse_args()
     work = Path(args.work)
-    models, config = build_folder(work)
-    results = {executor: run(config, models, work / f"out_{executor}", executor) for executor in ("local", "ray")}
+    results = compare(*build_folder(work), work, args.rounds)
     rows = {e: {r["model"]: r for r in s["models"]} for e, (_, s) in results.items()}
     lines = ["| model | local: status, s | Ray: status, s | cosine local / Ray |", "|---|---|---|---|"]
     for name in sorted(rows["local"]):
         a, b = rows["local"][name], rows["ray"][name]
         lines.append(f"| {name} | {a['status']}, {a['seconds']:.1f} | {b['status']}, {b['seconds']:.1f} | "
                      f"{a.get('cosine_mean') or 0:.5f} / {b.get('cosine_mean') or 0:.5f} |")
-    count = len(rows["local"])
     (local_wall, _), (ray_wall, summary) = results["local"], results["ray"]
-    overhead = (ray_wall - local_wall) / count
-    lines += ["", f"Wall time for {count} models, 2 at a time: local {local_wall:.1f} s, Ray {ray_wall:.1f} s "
-              f"(Ray instance started by the batch, included) → {overhead:+.1f} s per model. "
-              f"Ray: {summary['executor']['where']}."]
+    lines += ["", f"Demo models (optimize → quantize(ort), evaluation on 64 samples), median of {args.rounds} "
+              f"rounds, 2 models at a time: local {local_wall:.1f} s, Ray {ray_wall:.1f} s "
+              f"({summary['executor']['where']})."]
+    small = compare(*build_copies(work, args.copies), work, args.rounds)
+    (local_wall, _), (ray_wall, _) = small["local"], small["ray"]
+    lines += ["", f"{args.copies} small models (the classifier, optimize only), median of {args.rounds} rounds: "
+              f"local {local_wall:.1f} s, Ray {ray_wall:.1f} s (Ray's start included) → "
+              f"{(ray_wall - local_wall) / args.copies:+.2f} s per model."]
     text = "\n".join(lines)
     print(text)
     if args.markdown:
