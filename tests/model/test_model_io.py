@@ -128,6 +128,8 @@ def test_shapes_of_a_heavy_model_are_inferred_on_a_skeleton_and_its_weights_stay
 def test_a_session_of_a_heavy_model_takes_its_weights_from_memory(monkeypatch):
     """A heavy model's session is built from the weightless graph with the big initializers handed to ONNX
     Runtime as arrays (over 2 GB there is no other way but a temp file); same outputs as the plain session."""
+    import gc
+
     import numpy as np
     from onnx import helper, numpy_helper
 
@@ -142,8 +144,15 @@ def test_a_session_of_a_heavy_model_takes_its_weights_from_memory(monkeypatch):
     samples = [{"x": rng.standard_normal((2, 64)).astype(np.float32)}]
     plain = runtime.run_model(model, samples)
     monkeypatch.setattr("qprep.model.io.HEAVY_BYTES", 1 << 10)  # the 128 KB weight counts as heavy
+    handed, to_array = [], numpy_helper.to_array
+    monkeypatch.setattr(runtime.numpy_helper, "to_array", lambda t: handed.append(t.name) or to_array(t))
     session = runtime.ort_session(model)
-    assert len(session.qprep_weights) == 1  # w (128 KB) from memory; b (2 KB) stays in the graph
+    assert handed == ["w"]  # w (128 KB) from memory; b (2 KB) stays in the graph
+    gc.collect()  # the arrays handed over are gone: the session runs on ORT's copy
+    scribble = [np.full(weight.size, np.nan, np.float32) for _ in range(8)]
+    feeds = {"x": samples[0]["x"]}
+    np.testing.assert_allclose(session.run(None, feeds)[0], plain[0]["y"], rtol=1e-6)
+    del scribble
     np.testing.assert_allclose(runtime.run_model(model, samples)[0]["y"], plain[0]["y"], rtol=1e-6)
     inside = next(runtime.intermediate_values(model, ["h"], samples))["h"]  # an intermediate tensor, same way
     np.testing.assert_allclose(inside, samples[0]["x"] @ weight, rtol=1e-5)
