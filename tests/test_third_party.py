@@ -110,3 +110,24 @@ def test_onnxruntime_copies_the_initializers_handed_to_a_session(dtype):
         np.testing.assert_array_equal(session.run(None, feeds)[0], expected,
                                       err_msg=f"ORT reads add_external_initializers' arrays in place ({level}): "
                                               "model/runtime.ort_session must keep them alive with the session")
+
+
+def test_onnxscript_matchers_forget_the_graph_of_their_last_match():
+    """onnxscript's module-level rules keep the graph they last matched on, and through its tensors the proto the
+    IR was read from (the input model, freed by the run before the per-layer error): after
+    forget_rewrite_matches nothing of that proto is left."""
+    import gc
+
+    from onnxscript.rewriter.rules.common import no_op_transpose_rule
+
+    weight = np.ones((4, 4), np.float32)
+    model = make_model([helper.make_node("Transpose", ["x"], ["t"], perm=[0, 1]),
+                        helper.make_node("MatMul", ["t", "qprep_forgotten_w"], ["y"])],
+                       [("x", [4, 4])], [("y", [4, 4])], {"qprep_forgotten_w": weight})
+    ir_model = ir.from_proto(model)
+    assert RewriteRuleSet([no_op_transpose_rule]).apply_to_model(ir_model) == 1
+    del model, ir_model
+    third_party.forget_rewrite_matches()
+    gc.collect()
+    left = [o for o in gc.get_objects() if isinstance(o, onnx.TensorProto) and o.name == "qprep_forgotten_w"]
+    assert not left, "a rewrite rule still holds the graph of its last match (and the proto it was read from)"
