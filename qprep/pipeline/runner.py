@@ -72,7 +72,8 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
         run.ctx = _context(config, checked, directory, progress, report)
-        model = _run_stages(run, checked.model)
+        model, checked = checked.model, None  # from here the reference (ctx.reference) alone holds the input
+        model = _run_stages(run, model)
         _save_result(run, model)
         if config["evaluation"]:
             _evaluate(run, model)
