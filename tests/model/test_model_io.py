@@ -178,3 +178,23 @@ def test_a_compacted_model_lets_go_of_the_bytes_of_removed_weights():
     del model
     gc.collect()
     assert before - resident_mb() > 48 and not kept.graph.initializer
+
+
+def test_a_heavy_model_is_checked_at_load_without_serializing_its_weights(tmp_path, monkeypatch):
+    """onnx.checker serializes the proto it is given (BERT-large's load peaked at 5× its size): a heavy model's
+    checker takes the weightless skeleton, and still refuses a broken graph."""
+    from qprep.model import io
+
+    path = tmp_path / "m.onnx"
+    model = tiny_conv_model(batch=1)
+    save_model(model, path)
+    monkeypatch.setattr(io, "HEAVY_BYTES", 1 << 6)  # the 432-byte Conv weight counts as heavy
+    monkeypatch.setattr(io, "SMALL_TENSOR", 1 << 6)
+    checked, check_model = [], onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_model", lambda m, *a, **k: checked.append(m) or check_model(m, *a, **k))
+    load_model(path)
+    assert checked and io.weights_bytes(checked[0]) < 64  # the weight is a stub
+    model.graph.node[0].op_type = "NoSuchOp"
+    save_model(model, path)
+    with pytest.raises(ModelError, match="NoSuchOp"):
+        load_model(path)
