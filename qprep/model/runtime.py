@@ -78,5 +78,5 @@ def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False
     if weights:  # ORT reads them while it builds the session and keeps a copy (tests/test_third_party.py)
         options.add_external_initializers([t.name for t in weights], values)
     session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    del values  # only now: the options hold no reference to them
+    del values  # only now that ORT has its copy: the options keep no reference to them
     return session

@@ -72,7 +72,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
         run.ctx = _context(config, checked, directory, progress, report)
-        model, checked = checked.model, None  # from here the reference (ctx.reference) alone holds the input
+        model, checked = checked.model, None  # the input is the reference's to release after its last run
         model = _run_stages(run, model)
         _save_result(run, model)
         if config["evaluation"]:
