@@ -220,9 +220,10 @@ def float32_noise(model: onnx.ModelProto, reference: list[dict], samples: list[d
 def weights_one_ulp_away(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
     """A copy whose constant Conv/MatMul/Gemm operands (initializers or Constant nodes, float types) are each
     moved one ulp up or down at random (seeded): one more rounding of every weight, the model otherwise equal.
-    Only multiply-accumulate operands: an exponent, a Resize scale or a -inf mask must keep its exact value."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    Only multiply-accumulate operands: an exponent, a Resize scale or a -inf mask must keep its exact value.
+    Built from the weightless skeleton: a full copy whose weights were then replaced kept both in memory
+    (protobuf frees a message's memory only with the whole message)."""
+    copy = weightless(model)[0]
     weights = {name for node in copy.graph.node if node.op_type in MULTIPLY_ACCUMULATE
                for name in node.input[:2]}
     rng = np.random.default_rng(seed)
@@ -235,9 +236,9 @@ def weights_one_ulp_away(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelPro
         return numpy_helper.from_array(np.where(np.isfinite(array), np.nextafter(array, toward), array),
                                        tensor.name)
 
-    for tensor in copy.graph.initializer:
-        if tensor.name in weights and (new := moved(tensor)) is not None:
-            tensor.CopyFrom(new)
+    for stub, tensor in zip(copy.graph.initializer, model.graph.initializer):
+        new = moved(tensor) if tensor.name in weights else None
+        stub.CopyFrom(tensor if new is None else new)
     for node in copy.graph.node:
         if node.op_type == "Constant" and node.output[0] in weights:
             for attr in node.attribute:

@@ -6,6 +6,7 @@ only it), or pin the dependency.
 
 import numpy as np
 import onnx
+import pytest
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 from onnxscript.rewriter import RewriteRuleSet
@@ -70,3 +71,63 @@ def test_onnxruntime_quantization_internals_are_where_the_ort_backend_takes_them
     data = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
                            {"x": (np.array(-1.0, np.float32), np.array(1.0, np.float32))})
     assert "x" in data, "onnxruntime.quantization.calibrate.TensorsData no longer maps tensor names to ranges"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int8])
+def test_onnxruntime_copies_the_initializers_handed_to_a_session(dtype):
+    """model/runtime.py frees the arrays it hands to `add_external_initializers` once the session is built (kept,
+    a heavy model's session held its weights twice): ORT must have copied them by then. Zeroing them afterwards
+    must not change the outputs."""
+    import onnxruntime as ort
+
+    from qprep.model.io import weightless
+
+    rng = np.random.default_rng(0)
+    weight = rng.integers(-100, 100, (256, 512)).astype(dtype)  # 128 KB as int8: over io.SMALL_TENSOR
+    nodes = [helper.make_node("MatMul", ["x", "wf"], ["y"])]
+    if dtype == np.int8:
+        nodes.insert(0, helper.make_node("DequantizeLinear", ["w", "s"], ["wf"]))
+    else:
+        nodes.insert(0, helper.make_node("Identity", ["w"], ["wf"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 256])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 512])],
+                              [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.float32(0.5), "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    skeleton, big = weightless(model)
+    assert [t.name for t in big] == ["w"]
+    feeds = {"x": rng.standard_normal((2, 256)).astype(np.float32)}
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level
+        expected = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feeds)[0]
+        array = numpy_helper.to_array(big[0]).copy()
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        assert value.data_ptr() == array.ctypes.data  # the OrtValue wraps the array: zeroing it is a real test
+        options.add_external_initializers(["w"], [value])
+        session = ort.InferenceSession(skeleton.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        array[...] = 0  # before the first run too
+        np.testing.assert_array_equal(session.run(None, feeds)[0], expected,
+                                      err_msg=f"ORT reads add_external_initializers' arrays in place ({level}): "
+                                              "model/runtime.ort_session must keep them alive with the session")
+
+
+def test_onnxscript_matchers_forget_the_graph_of_their_last_match():
+    """onnxscript's module-level rules keep the graph they last matched on, and through its tensors the proto the
+    IR was read from (the input model, freed by the run before the per-layer error): after
+    forget_rewrite_matches nothing of that proto is left."""
+    import gc
+
+    from onnxscript.rewriter.rules.common import no_op_transpose_rule
+
+    weight = np.ones((4, 4), np.float32)
+    model = make_model([helper.make_node("Transpose", ["x"], ["t"], perm=[0, 1]),
+                        helper.make_node("MatMul", ["t", "qprep_forgotten_w"], ["y"])],
+                       [("x", [4, 4])], [("y", [4, 4])], {"qprep_forgotten_w": weight})
+    ir_model = ir.from_proto(model)
+    assert RewriteRuleSet([no_op_transpose_rule]).apply_to_model(ir_model) == 1
+    del model, ir_model
+    third_party.forget_rewrite_matches()
+    gc.collect()
+    left = [o for o in gc.get_objects() if isinstance(o, onnx.TensorProto) and o.name == "qprep_forgotten_w"]
+    assert not left, "a rewrite rule still holds the graph of its last match (and the proto it was read from)"

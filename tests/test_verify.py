@@ -1,5 +1,8 @@
+import os
+
 import numpy as np
 import onnx
+import pytest
 from onnx import helper, numpy_helper
 
 from qprep.optimize.passes import fold_into_conv, layernorm
@@ -185,3 +188,25 @@ def test_noise_factor_zero_is_the_configured_tolerance_alone():
     assert not compare(ref, got, Tolerance(noise_factor=0), noise).ok
     assert compare(ref, got, Tolerance(noise_factor=8), noise).ok  # 8 × 1e-05 allowed
     assert not compare(ref, got, Tolerance(noise_factor=8)).ok  # no measured noise: configured tolerance
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident size from /proc")
+def test_weights_one_ulp_away_holds_each_weight_once():
+    """A copy whose weights are replaced in place keeps the replaced bytes as well (protobuf frees a message's
+    memory only with the whole message): BERT-large's float32-noise copy took twice its weights."""
+    import gc
+
+    def resident_mb():
+        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) >> 10
+
+    weight = np.ones((4096, 4096), np.float32)  # 64 MB
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [1, 4096])], [("y", [1, 4096])],
+                       {"w": weight}, infer_shapes=False)
+    del weight
+    gc.collect()
+    before = resident_mb()
+    moved = weights_one_ulp_away(model)
+    gc.collect()
+    assert resident_mb() - before < 96  # one 64 MB copy, not two
+    steps = np.abs(numpy_helper.to_array(moved.graph.initializer[0]).view(np.int32) - 0x3F800000)
+    assert steps.min() == 1 and steps.max() == 1

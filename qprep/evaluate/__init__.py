@@ -44,7 +44,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
         notes.append("the input model is QDQ and no evaluation.reference_model is set: the result is compared "
                      "with the QDQ input, not with an FP32 model")
     run = ctx.reference
-    reference_path, reference, samples, expected = run.path, run.model, run.samples, run.expected
+    reference_path, samples, expected = run.path, run.samples, run.expected
 
     def result_on(sample_set) -> list[dict]:
         return products.runner(sample_set.samples) if products.runner else run_model(
@@ -52,9 +52,9 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
 
     with ctx.progress.step(f"evaluation: {len(samples)} samples"):
         actual = result_on(samples)
-    kinds = output_kinds(reference, expected, cfg["tasks"])  # decided once: the held-out set is judged the same way
+    kinds = output_kinds(run.model, expected, cfg["tasks"])  # decided once: the held-out set is judged the same way
     outputs = measure(samples, expected, actual, kinds, cfg, cfg["labels"], notes)
-    symbols = ctc.dictionary(reference)
+    symbols = ctc.dictionary(run.model)
     ctc.spell_worst(outputs, symbols)
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
     heldout = None
@@ -67,6 +67,18 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
                           heldout_notes)
         ctc.spell_worst(heldout, symbols)
         result["heldout"] = {"samples": run.heldout.describe(), "outputs": heldout, "notes": heldout_notes}
+    latency = None
+    if products.runner is not None:
+        latency = {"status": "not measured (no device): the result runs on the toolkit's simulator"}
+    elif cfg["latency"]["runs"] > 0:
+        with ctx.progress.step("evaluation: latency"):
+            latency = _latency(run.model, final_model, samples.samples[0], threads, cfg["latency"])
+        if latency["speedup"] < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
+            notes.append(f"the result runs {latency['speedup']:.2f}× the reference's speed on this CPU "
+                         "(slower): check it on the deployment CPU before shipping it for speed")
+        if "unstable" in latency:
+            notes.append(latency["unstable"])
+    run.release()  # the last run of the reference is done: per-layer error runs without its weights in memory
     if cfg["layers"] and products.analyzer is not None:
         with ctx.progress.step("evaluation: per-layer error (backend analysis)"):
             result["layers"] = products.analyzer(samples.samples[: cfg["layer_samples"]])
@@ -74,16 +86,8 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
         with ctx.progress.step("evaluation: per-layer error"):
             result["layers"] = layer_errors(products.prepared_model, final_model,
                                             samples.samples[: cfg["layer_samples"]], threads)
-    if products.runner is not None:
-        result["latency"] = {"status": "not measured (no device): the result runs on the toolkit's simulator"}
-    elif cfg["latency"]["runs"] > 0:
-        with ctx.progress.step("evaluation: latency"):
-            result["latency"] = _latency(reference, final_model, samples.samples[0], threads, cfg["latency"])
-        if result["latency"]["speedup"] < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
-            notes.append(f"the result runs {result['latency']['speedup']:.2f}× the reference's speed on this CPU "
-                         "(slower): check it on the deployment CPU before shipping it for speed")
-        if "unstable" in result["latency"]:
-            notes.append(result["latency"]["unstable"])
+    if latency is not None:
+        result["latency"] = latency
     result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,
                             "result": final_model.ByteSize()}
     gate = {**products.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too

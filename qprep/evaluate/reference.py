@@ -24,7 +24,7 @@ class ReferenceOutputs:
     float16) and, computed on first use, its outputs on them."""
 
     path: str  # where the reference came from (evaluation.reference_model, or the input model)
-    model: onnx.ModelProto
+    model: onnx.ModelProto | None  # None once released
     samples: SampleSet
     threads: int
     progress: Progress
@@ -53,3 +53,9 @@ class ReferenceOutputs:
     def heldout_expected(self) -> list[dict]:
         with self.progress.step("evaluation: FP32 reference outputs on the held-out samples"):
             return run_model(self.model, self.heldout.samples, self.threads, optimize=True)
+
+    def release(self) -> None:
+        """Drop the model once the evaluation has run it for the last time (outputs computed, latency timed): a
+        big model's weights would otherwise stay in memory beside the per-layer error's two sessions (the
+        24x1600 BERT was killed there at 23 GB)."""
+        self.model = None

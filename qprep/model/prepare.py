@@ -16,7 +16,7 @@ import onnx.version_converter
 
 from qprep.errors import ConfigError, ModelError
 from qprep.model.info import default_opset, graph_inputs, has_control_flow
-from qprep.model.io import inferred_shapes
+from qprep.model.io import inferred_shapes, weightless
 
 log = logging.getLogger("qprep")
 
@@ -80,11 +80,17 @@ def fix_input_dims_ort_accepts(model: onnx.ModelProto, shapes: dict[str, list[in
     squeeze`); ORT then refuses the model ("Graph attribute inferencing failed") or its optimizer folds that
     branch into a broken subgraph initializer ("HasExternalDataInMemory was false"). Such an input keeps its
     symbolic dims, which the samples still fill; every other input is fixed. Only models with control flow are
-    checked."""
+    checked (on a copy); the others are fixed in place: a proto copied back keeps the old copy in its memory
+    (protobuf frees a message's memory only with the whole message), and BERT-large was held twice from load on."""
+    if not shapes:
+        return [], {}
+    if not has_control_flow(model):
+        fix_input_shapes(weightless(model)[0], shapes)  # every entry validated before the model is touched
+        return fix_input_shapes(model, shapes), {}
     trial = onnx.ModelProto()
     trial.CopyFrom(model)
     changed = fix_input_shapes(trial, shapes)  # validates every entry first: a wrong name or rank is an error
-    if not changed or not has_control_flow(model) or _ort_refusal(trial) is None or _ort_refusal(model) is not None:
+    if _ort_refusal(trial) is None or _ort_refusal(model) is not None:
         model.CopyFrom(trial)  # (a model ORT refuses anyway is not this fix's doing: later steps say why)
         return changed, {}
     fixed, refused = [], {}

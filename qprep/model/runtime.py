@@ -55,7 +55,8 @@ def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False
     4 also hides ORT's error lines (for a probe whose failure is expected and reported by the caller).
     A heavy model (io.is_heavy) goes in without its big weights, which ORT takes from memory: over 2 GB the
     proto cannot be serialized (a temp file per session took 12 s on a 2.2 GB model), below it serializing
-    costs 2 s per BERT-large, and exposing intermediate tensors copied every weight once more.
+    costs 2 s per BERT-large, and exposing intermediate tensors copied every weight once more. ORT copies the
+    arrays, so they are freed once the session exists: kept, they held every weight twice per session.
     """
     import onnxruntime as ort
 
@@ -74,9 +75,8 @@ def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
     values = [ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(t)) for t in weights]
-    if weights:
+    if weights:  # ORT reads them while it builds the session and keeps a copy (tests/test_third_party.py)
         options.add_external_initializers([t.name for t in weights], values)
     session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    if values:
-        session.qprep_weights = values  # ORT reads them in place: they must live as long as the session
+    del values  # only now that ORT has its copy: the options keep no reference to them
     return session

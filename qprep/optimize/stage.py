@@ -20,6 +20,7 @@ from qprep.optimize.passes import PassSettings, all_passes
 from qprep.optimize.dynamic_samples import dynamic_variant, named_dynamic_dims
 from qprep.verify import Verifier, checker_problem
 from qprep.schema import Key
+from qprep.third_party import forget_rewrite_matches
 from qprep.pipeline.context import RunContext, StageResult
 from qprep.pipeline.stages import stage
 
@@ -100,6 +101,7 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
             changed = True
         if not changed:
             break
+    forget_rewrite_matches()  # else the rules keep the IR, and through it the input model, after this stage
     failed = {r["pass"] for r in rolled_back}
     for record in records.values():
         record["seconds"] = round(record["seconds"], 3)

@@ -27,6 +27,7 @@ from qprep.errors import ConfigError, QprepError
 from qprep.evaluate import evaluate
 from qprep.evaluate.reference import ReferenceOutputs
 from qprep.verify import Tolerance, Verifier
+from qprep.memory import return_freed_memory
 from qprep.model.io import save_model, sha256_file
 from qprep.progress import Progress
 from qprep.report import write_report, write_report_json
@@ -60,6 +61,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     if not out:
         raise ConfigError("output_dir: no run directory; set output_dir in the config or pass --out DIR")
     progress = progress or Progress(enabled=False if quiet else None)
+    return_freed_memory()  # before the model is loaded: its copies, once freed, must not stay resident
     started = time.time()
     checked = preflight.check(config, progress)  # before the run directory is claimed
     load_seconds = time.time() - started
@@ -70,7 +72,8 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
         run.ctx = _context(config, checked, directory, progress, report)
-        model = _run_stages(run, checked.model)
+        model, checked = checked.model, None  # the input is the reference's to release after its last run
+        model = _run_stages(run, model)
         _save_result(run, model)
         if config["evaluation"]:
             _evaluate(run, model)

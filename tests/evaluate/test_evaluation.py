@@ -367,3 +367,29 @@ def test_a_tensors_drift_accumulated_sample_by_sample_equals_the_figures_over_al
     shape_changed = Drift()
     shape_changed.add(ref[0], ref[0][:2])
     assert not shape_changed.comparable and not Drift().comparable
+
+
+def test_the_reference_model_is_released_after_latency_and_before_the_per_layer_error(tmp_path, monkeypatch):
+    """The per-layer error runs two sessions of its own: the reference model (a big model's whole weights) must
+    be gone by then, so latency, its last use, is timed first; the report keeps its order."""
+    import onnx
+
+    import qprep
+    from graphs import tiny_conv_model
+    from qprep import evaluate as evaluation
+    from qprep.evaluate.reference import ReferenceOutputs
+
+    onnx.save(tiny_conv_model(batch=1), str(tmp_path / "m.onnx"))
+    (tmp_path / "eval").mkdir()
+    for i in range(4):
+        np.save(tmp_path / "eval" / f"{i}.npy", np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32))
+    calls = []
+    for module, name in ((evaluation, "_latency"), (evaluation, "layer_errors"), (ReferenceOutputs, "release")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "eval")},
+                        "evaluation": {"source": str(tmp_path / "eval"), "latency": {"runs": 2, "warmup": 1}},
+                        "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
+    assert calls == ["_latency", "release", "layer_errors"]
+    keys = list(report["evaluation"])
+    assert keys.index("layers") < keys.index("latency")

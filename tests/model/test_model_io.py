@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import onnx
 import pytest
@@ -5,7 +7,7 @@ from onnx import numpy_helper
 
 from qprep.errors import ModelError
 from qprep.model import runtime
-from qprep.model.io import load_model, save_model, sha256_file
+from qprep.model.io import compacted, load_model, save_model, sha256_file
 from qprep.model import info as model_info
 from graphs import make_graph, make_model, tiny_conv_model
 
@@ -128,6 +130,8 @@ def test_shapes_of_a_heavy_model_are_inferred_on_a_skeleton_and_its_weights_stay
 def test_a_session_of_a_heavy_model_takes_its_weights_from_memory(monkeypatch):
     """A heavy model's session is built from the weightless graph with the big initializers handed to ONNX
     Runtime as arrays (over 2 GB there is no other way but a temp file); same outputs as the plain session."""
+    import gc
+
     import numpy as np
     from onnx import helper, numpy_helper
 
@@ -142,9 +146,55 @@ def test_a_session_of_a_heavy_model_takes_its_weights_from_memory(monkeypatch):
     samples = [{"x": rng.standard_normal((2, 64)).astype(np.float32)}]
     plain = runtime.run_model(model, samples)
     monkeypatch.setattr("qprep.model.io.HEAVY_BYTES", 1 << 10)  # the 128 KB weight counts as heavy
+    handed, to_array = [], numpy_helper.to_array
+    monkeypatch.setattr(runtime.numpy_helper, "to_array", lambda t: handed.append(t.name) or to_array(t))
     session = runtime.ort_session(model)
-    assert len(session.qprep_weights) == 1  # w (128 KB) from memory; b (2 KB) stays in the graph
+    assert handed == ["w"]  # w (128 KB) from memory; b (2 KB) stays in the graph
+    gc.collect()  # the arrays handed over are gone: the session runs on ORT's copy
+    scribble = [np.full(weight.size, np.nan, np.float32) for _ in range(8)]
+    feeds = {"x": samples[0]["x"]}
+    np.testing.assert_allclose(session.run(None, feeds)[0], plain[0]["y"], rtol=1e-6)
+    del scribble
     np.testing.assert_allclose(runtime.run_model(model, samples)[0]["y"], plain[0]["y"], rtol=1e-6)
     inside = next(runtime.intermediate_values(model, ["h"], samples))["h"]  # an intermediate tensor, same way
     np.testing.assert_allclose(inside, samples[0]["x"] @ weight, rtol=1e-5)
     assert not any(o.name == "h" for o in model.graph.output)  # the caller's model is not changed
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident size from /proc")
+def test_a_compacted_model_lets_go_of_the_bytes_of_removed_weights():
+    """ORT's quantizer removes float weights from the proto it edits, which keeps their bytes until it is freed
+    whole: the quantize stage hands on io.compacted's copy instead."""
+    import gc
+
+    def resident_mb():
+        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) >> 10
+
+    model = onnx.ModelProto()
+    model.graph.initializer.append(numpy_helper.from_array(np.ones(16 << 20, np.float32), "w"))  # 64 MB
+    model.graph.ClearField("initializer")  # removed, as the quantizer removes a weight it quantized
+    before = resident_mb()
+    kept = compacted(model)
+    del model
+    gc.collect()
+    assert before - resident_mb() > 48 and not kept.graph.initializer
+
+
+def test_a_heavy_model_is_checked_at_load_without_serializing_its_weights(tmp_path, monkeypatch):
+    """onnx.checker serializes the proto it is given (BERT-large's load peaked at 5× its size): a heavy model's
+    checker takes the weightless skeleton, and still refuses a broken graph."""
+    from qprep.model import io
+
+    path = tmp_path / "m.onnx"
+    model = tiny_conv_model(batch=1)
+    save_model(model, path)
+    monkeypatch.setattr(io, "HEAVY_BYTES", 1 << 6)  # the 432-byte Conv weight counts as heavy
+    monkeypatch.setattr(io, "SMALL_TENSOR", 1 << 6)
+    checked, check_model = [], onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_model", lambda m, *a, **k: checked.append(m) or check_model(m, *a, **k))
+    load_model(path)
+    assert checked and io.weights_bytes(checked[0]) < 64  # the weight is a stub
+    model.graph.node[0].op_type = "NoSuchOp"
+    save_model(model, path)
+    with pytest.raises(ModelError, match="NoSuchOp"):
+        load_model(path)

@@ -89,3 +89,21 @@ def test_dims_that_make_ort_refuse_a_model_with_if_branches_are_left_symbolic_an
 def test_models_without_control_flow_get_every_dim_fixed_without_an_ort_check():
     model = tiny_conv_model()
     assert fix_input_dims_ort_accepts(model, {"x": [1, 3, 8, 8]}) == (["x"], {})
+
+
+def test_input_dims_are_fixed_in_place_without_copying_the_model():
+    """A copied-back proto keeps the old copy in its memory (protobuf frees a message's memory only with the whole
+    message): a big model held twice from load on. In place, a part of the model read before sees the new dims;
+    with no dims to fix nothing is touched; a bad entry is refused before any dim changes."""
+    model = tiny_conv_model()
+    dim = model.graph.input[0].type.tensor_type.shape.dim[0]
+    weight = model.graph.initializer[0]
+    assert fix_input_dims_ort_accepts(model, {}) == ([], {})
+    assert fix_input_dims_ort_accepts(model, {"x": [1, 3, 8, 8]}) == (["x"], {})
+    assert dim.dim_value == 1 and weight.name == "w"
+    with pytest.raises(ConfigError, match="rank"):
+        fix_input_dims_ort_accepts(tiny_conv_model(), {"x": [1, 3, 8]})
+    model = tiny_conv_model()
+    with pytest.raises(ConfigError):
+        fix_input_dims_ort_accepts(model, {"x": [2, 3, 8, 8], "nope": [1]})
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"  # not half-fixed

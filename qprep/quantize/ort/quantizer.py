@@ -28,7 +28,7 @@ from qprep.errors import QprepError
 from qprep.third_party import ort_quantization
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
-from qprep.model.io import is_large, save_model
+from qprep.model.io import compacted, is_large, save_model
 from qprep.model.runtime import run_model
 from qprep.qdq import remove_redundant
 from qprep.quantize import bias_correction, channel_spread, gptq, nonfinite
@@ -276,7 +276,7 @@ class OrtQuantizer:
         quantizer.model.topological_sort()  # what ORT's save_model_to_file does: new Q/DQ nodes are appended
         if sixteen_bit:
             _eight_bit_in_default_domain(quantizer.model.model)
-        return quantizer.model.model
+        return compacted(quantizer.model.model)  # without the float weights ORT removed
 
     def spread_nodes(self, settings: OrtSettings) -> set[str]:
         """The nodes left float for `settings.spread_tensors` (option spread_tensors: float): each tensor's
