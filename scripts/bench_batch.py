@@ -84,7 +84,7 @@ def build_copies(work: Path, count: int) -> tuple[Path, Path]:
     return models, config
 
 
-def compare(config: Path, models: Path, work: Path, rounds: int) -> dict:
+def compare(models: Path, config: Path, work: Path, rounds: int) -> dict:
     """Median wall time per executor over `rounds` alternating runs, and the last summary of each."""
     walls: dict[str, list[float]] = {"local": [], "ray": []}
     summaries = {}

@@ -210,8 +210,8 @@ def _write_summary(out: Path, rows: dict, twins: dict, pool) -> dict:
                "executor": {"name": pool.name, "where": pool.where}}
     atomic_write_text(out / "summary.json", jsonfile.dumps(summary) + "\n")
     atomic_write_text(out / "summary.csv", render_summary_csv(ordered))
-    atomic_write_text(out / "summary.md", render_summary_md(ordered))
-    atomic_write_text(out / "summary.html", render_summary_html(ordered))
+    atomic_write_text(out / "summary.md", render_summary_md(ordered, pool.where))
+    atomic_write_text(out / "summary.html", render_summary_html(ordered, pool.where))
     return summary
 
 

@@ -59,8 +59,8 @@ def _cell(value) -> str:
     return str(value)
 
 
-def render_summary_md(rows: list[dict]) -> str:
-    lines = ["# qprep batch summary", "", "| " + " | ".join(COLUMNS[:-1]) + " |", "|" + "---|" * (len(COLUMNS) - 1)]
+def render_summary_md(rows: list[dict], ran_on: str = "") -> str:
+    lines = ["# qprep batch summary", ""] + ([f"Ran on {ran_on}.", ""] if ran_on else []) + ["| " + " | ".join(COLUMNS[:-1]) + " |", "|" + "---|" * (len(COLUMNS) - 1)]
     for row in rows:
         cells = [_cell(row.get(c)) for c in COLUMNS[:-1]]
         if row.get("note"):
@@ -77,7 +77,7 @@ def render_summary_csv(rows: list[dict]) -> str:
     return buffer.getvalue()
 
 
-def render_summary_html(rows: list[dict]) -> str:
+def render_summary_html(rows: list[dict], ran_on: str = "") -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS[:-1])
     body = []
     for row in rows:
@@ -86,5 +86,6 @@ def render_summary_html(rows: list[dict]) -> str:
         body.append(f"<tr style='background:{style}'>{cells}</tr>")
     return ("<!doctype html><html><head><meta charset='utf-8'><title>qprep batch</title><style>"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font:13px system-ui}"
-            "</style></head><body><h1>qprep batch summary</h1><table><tr>" + head + "</tr>" + "".join(body)
+            "</style></head><body><h1>qprep batch summary</h1>"
+            + (f"<p>Ran on {escape(ran_on)}.</p>" if ran_on else "") + "<table><tr>" + head + "</tr>" + "".join(body)
             + "</table></body></html>\n")

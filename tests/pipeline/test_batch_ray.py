@@ -105,6 +105,7 @@ def test_ray_matches_local_retries_a_lost_worker_and_isolates_a_poisoned_model(f
     summary = json.loads((root / "ray" / "summary.json").read_text())
     assert summary["executor"]["name"] == "ray" and "2 nodes" in summary["executor"]["where"]
     assert "written by the nodes on shared storage" in summary["executor"]["where"]
+    assert f"Ran on {summary['executor']['where']}." in (root / "ray" / "summary.md").read_text()
     assert "[3/3]" in stderr and "ETA" in stderr
 
     rknn = root / "rknn.yaml"  # no node of this cluster was started with the `rknn` resource
