@@ -1,15 +1,18 @@
 """The `optimize` stage: run the graph passes in order, prove each one kept the numbers, roll back any that
 did not, and repeat while a round still changes the graph (one pass's result is often the next one's match).
 
-Passes work on one onnx_ir model; after each pass that changed something its proto is verified (onnx.checker +
-the run's Verifier: ONNX Runtime on calibration samples) and becomes the last accepted model. A rollback
-rebuilds the IR from that proto. Passes must report every change as a match: an unmatched pass is not verified.
+Passes work on one onnx_ir model. A round runs every pass, then verifies the result once (onnx.checker + the
+run's Verifier: ONNX Runtime on calibration samples); it becomes the last accepted model. Only when that check
+fails (or a pass raises) is the round replayed from its start with a check after each pass that changed
+something, so the culprit is rolled back alone and the rest kept. A rollback rebuilds the IR from the last
+accepted proto. Passes must report every change as a match: an unmatched pass is not verified.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import onnx
 import onnx_ir as ir
@@ -51,56 +54,24 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     verifier, dynamic = _verifier_with_dynamic_variant(ctx.verifier, model)
     records = {name: {"pass": name, "matches": 0, "accepted": 0, "nodes_removed": 0, "seconds": 0.0,
                       "verify_seconds": 0.0, "details": {}} for name in passes}
-    rolled_back = []
+    rolled_back: list[dict] = []
+    checks = {"rounds_checked_at_once": 0, "rounds_replayed": 0, "verify_seconds": 0.0}
     rounds_run = 0
     current = ir.from_proto(model)  # the IR of the last accepted model; rebuilt only after a rollback
     for round_index in range(options["rounds"]):
         rounds_run += 1
-        changed = False
-        for name in passes:
-            if any(r["pass"] == name for r in rolled_back):
-                continue  # the same input would fail the same way again
-            record = records[name]
-            start = time.perf_counter()
-            try:
-                outcome = all_passes()[name].apply(current, settings)
-                candidate = ir.to_proto(current) if outcome.matches else None
-            except Exception as exc:  # a pass that breaks on an unusual graph must not end the run
-                reason = f"the pass raised {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                log.warning("optimize: pass %s rolled back (round %d): %s", name, round_index + 1, reason)
-                rolled_back.append({"pass": name, "round": round_index + 1, "reason": reason, "outputs": {}})
-                current = ir.from_proto(model)
-                continue
-            record["details"] = _merge(record["details"], outcome.details)
-            if outcome.matches == 0:  # passes report every change, so an unmatched pass left the model as it was
-                record["seconds"] += time.perf_counter() - start
-                continue
-            record["seconds"] += time.perf_counter() - start
-            start = time.perf_counter()
-            problem = checker_problem(candidate)
-            verdict = None
-            if not problem:
-                try:
-                    verdict = verifier.check(candidate)
-                except QprepError as exc:  # ORT refuses or cannot run the candidate
-                    problem = str(exc)
-            record["verify_seconds"] += time.perf_counter() - start
-            record["matches"] += outcome.matches
-            if problem or not verdict.ok:
-                reason = problem or verdict.reason
-                log.warning("optimize: pass %s rolled back (round %d): %s", name, round_index + 1, reason)
-                rolled_back.append({"pass": name, "round": round_index + 1, "reason": reason,
-                                    "outputs": verdict.outputs if verdict else {}})
-                current = ir.from_proto(model)
-                continue
-            record["accepted"] += outcome.matches
-            record["nodes_removed"] += model_info.node_count(model) - model_info.node_count(candidate)
-            record["op_delta"] = _merge(record.get("op_delta", {}), _op_delta(model, candidate))
-            record["verification"] = verdict.as_dict()
-            model = candidate
-            changed = True
-        if not changed:
-            break
+        # a rolled-back pass would fail the same way on the same input again
+        active = [name for name in passes if all(r["pass"] != name for r in rolled_back)]
+        outcome, candidate = _round_at_once(active, current, settings, verifier, records, checks)
+        if outcome == "replay":  # a pass raised, or the round's passes together changed the numbers
+            checks["rounds_replayed"] += 1
+            current = ir.from_proto(model)
+            candidate, current = _round_pass_by_pass(active, current, model, settings, verifier, records,
+                                                     rolled_back, round_index, checks)
+            outcome = "unchanged" if candidate is model else "accepted"
+        if outcome == "unchanged":
+            break  # the next round would match nothing either
+        model = candidate
     forget_rewrite_matches()  # else the rules keep the IR, and through it the input model, after this stage
     failed = {r["pass"] for r in rolled_back}
     for record in records.values():
@@ -116,9 +87,116 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
         "verified_on": verifier.source,
         "dynamic_dims_verified": dynamic,
         "rewrite_seconds": round(sum(r["seconds"] for r in records.values()), 3),
-        "verify_seconds": round(sum(r["verify_seconds"] for r in records.values()), 3),
+        "verify_seconds": round(checks["verify_seconds"], 3),
+        "checks": {"rounds_checked_at_once": checks["rounds_checked_at_once"],
+                   "rounds_replayed": checks["rounds_replayed"]},
         "opset": model_info.default_opset(model),
     })
+
+
+def _round_at_once(active: list[str], current: ir.Model, settings: PassSettings, verifier: Verifier,
+                   records: dict, checks: dict) -> tuple[str, onnx.ModelProto | None]:
+    """Run one round's passes on `current` and verify their joint result once: ("accepted", model),
+    ("unchanged", None) when nothing matched, or ("replay", None) when a pass raised or the check failed (the
+    caller then replays the round pass by pass to find the culprit). Why: a check builds an ORT session and
+    runs every sample; one per accepted pass was most of optimize's time on big models (BERT-large: ~10 checks
+    of several seconds), while a failing round is rare. Records change only when the round is accepted."""
+    pending = []  # (name, outcome, op counts before, op counts after)
+    counts = _ir_op_counts(current)
+    for name in active:
+        start = time.perf_counter()
+        try:
+            outcome = all_passes()[name].apply(current, settings)
+        except Exception:  # noqa: BLE001 - the replay rolls the pass back with its reason
+            return "replay", None
+        finally:
+            records[name]["seconds"] += time.perf_counter() - start
+        after = _ir_op_counts(current) if outcome.matches else counts
+        pending.append((name, outcome, counts, after))
+        counts = after
+    changed = [name for name, outcome, _, _ in pending if outcome.matches]
+    candidate = ir.to_proto(current) if changed else None
+    if changed:
+        problem, verdict = _check(candidate, verifier, checks)
+        if problem or not verdict.ok:
+            return "replay", None
+        checks["rounds_checked_at_once"] += 1
+    for name, outcome, before, after in pending:
+        record = records[name]
+        record["details"] = _merge(record["details"], outcome.details)
+        if outcome.matches:
+            record["matches"] += outcome.matches
+            record["accepted"] += outcome.matches
+            record["nodes_removed"] += sum(before.values()) - sum(after.values())
+            record["op_delta"] = _merge(record.get("op_delta", {}), _count_delta(before, after))
+            record["verification"] = {**verdict.as_dict(), "checked_with": changed}
+    return ("accepted", candidate) if changed else ("unchanged", None)
+
+
+def _round_pass_by_pass(active: list[str], current: ir.Model, model: onnx.ModelProto, settings: PassSettings,
+                        verifier: Verifier, records: dict, rolled_back: list[dict], round_index: int,
+                        checks: dict) -> tuple[onnx.ModelProto, ir.Model]:
+    """One round with a check after every pass that changed something; a pass that raises or changes the
+    numbers is rolled back (appended to `rolled_back`). Returns the last accepted model (`model` itself when
+    nothing was accepted) and its IR."""
+    for name in active:
+        record = records[name]
+        start = time.perf_counter()
+        try:
+            outcome = all_passes()[name].apply(current, settings)
+            candidate = ir.to_proto(current) if outcome.matches else None
+        except Exception as exc:  # a pass that breaks on an unusual graph must not end the run
+            record["seconds"] += time.perf_counter() - start
+            reason = f"the pass raised {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            _roll_back(name, round_index, reason, {}, rolled_back)
+            current = ir.from_proto(model)
+            continue
+        record["seconds"] += time.perf_counter() - start
+        record["details"] = _merge(record["details"], outcome.details)
+        if outcome.matches == 0:  # passes report every change, so an unmatched pass left the model as it was
+            continue
+        start = time.perf_counter()
+        problem, verdict = _check(candidate, verifier, checks)
+        record["verify_seconds"] += time.perf_counter() - start
+        record["matches"] += outcome.matches
+        if problem or not verdict.ok:
+            _roll_back(name, round_index, problem or verdict.reason, verdict.outputs if verdict else {}, rolled_back)
+            current = ir.from_proto(model)
+            continue
+        record["accepted"] += outcome.matches
+        record["nodes_removed"] += model_info.node_count(model) - model_info.node_count(candidate)
+        record["op_delta"] = _merge(record.get("op_delta", {}), _op_delta(model, candidate))
+        record["verification"] = verdict.as_dict()
+        model = candidate
+    return model, current
+
+
+def _check(candidate: onnx.ModelProto, verifier: Verifier, checks: dict):
+    """(problem, verdict): the checker's or ORT's refusal as a problem, else the verifier's verdict."""
+    start = time.perf_counter()
+    problem, verdict = checker_problem(candidate), None
+    if not problem:
+        try:
+            verdict = verifier.check(candidate)
+        except QprepError as exc:  # ORT refuses or cannot run the candidate
+            problem = str(exc)
+    checks["verify_seconds"] += time.perf_counter() - start
+    return problem, verdict
+
+
+def _roll_back(name: str, round_index: int, reason: str, outputs: dict, rolled_back: list[dict]) -> None:
+    log.warning("optimize: pass %s rolled back (round %d): %s", name, round_index + 1, reason)
+    rolled_back.append({"pass": name, "round": round_index + 1, "reason": reason, "outputs": outputs})
+
+
+def _ir_op_counts(model: ir.Model) -> Counter:
+    """Op types over the IR model, subgraphs included (as model_info.op_counts counts the proto)."""
+    return Counter(node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def _count_delta(old: Counter, new: Counter) -> dict[str, int]:
+    return {op: new.get(op, 0) - old.get(op, 0) for op in sorted(set(old) | set(new))
+            if new.get(op, 0) != old.get(op, 0)}
 
 
 def _verifier_with_dynamic_variant(verifier: Verifier, model: onnx.ModelProto) -> tuple[Verifier, dict | str]:
@@ -158,9 +236,7 @@ def _settings(options: dict, stages: list[tuple[str, dict]]) -> PassSettings:
 
 def _op_delta(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[str, int]:
     """Op types whose count changed, e.g. {"LayerNormalization": 13, "ReduceMean": -26}."""
-    old, new = model_info.op_counts(before), model_info.op_counts(after)
-    return {op: new.get(op, 0) - old.get(op, 0) for op in sorted(set(old) | set(new))
-            if new.get(op, 0) != old.get(op, 0)}
+    return _count_delta(Counter(model_info.op_counts(before)), Counter(model_info.op_counts(after)))
 
 
 def _merge(old: dict, new: dict) -> dict:

@@ -205,6 +205,16 @@ def _stages(stages: list[dict]) -> list:
     return blocks
 
 
+def _checks_text(checks: dict | None) -> str:
+    """How the rounds were verified: once per round, or pass by pass after a failed round check."""
+    if not checks:
+        return ""
+    text = f"; {checks['rounds_checked_at_once']} round(s) verified as a whole"
+    if checks["rounds_replayed"]:
+        text += f", {checks['rounds_replayed']} replayed pass by pass to find the pass that changed the numbers"
+    return text
+
+
 def _passes(stage: dict) -> list:
     """Per-pass detail of a stage that runs passes (optimize): what matched, what was kept, how it verified."""
     passes = stage.get("passes")
@@ -219,7 +229,8 @@ def _passes(stage: dict) -> list:
                      "–" if worst is None else f"{worst:.2g}", f"{p['seconds'] + p['verify_seconds']:.2f}"])
     blocks = [Heading(3, f"{stage['name']}: passes"),
               Text(f"Verified on {stage.get('verified_on', '?')}; rewriting {stage.get('rewrite_seconds', 0):.2f} s, "
-                   f"verification {stage.get('verify_seconds', 0):.2f} s, {stage.get('rounds', 1)} round(s)."),
+                   f"verification {stage.get('verify_seconds', 0):.2f} s, {stage.get('rounds', 1)} round(s)"
+                   f"{_checks_text(stage.get('checks'))}."),
               Table(["pass", "status", "rewrites", "nodes removed", "ops changed", "worst max abs error", "seconds"],
                     rows)]
     blocks += [Text(f"Rolled back: **{r['pass']}** (round {r['round']}): {r['reason']}")

@@ -5,6 +5,8 @@ import json
 import numpy as np
 import onnx
 import pytest
+
+import qprep
 from onnx import helper
 
 from qprep.config import load_config
@@ -51,6 +53,68 @@ def test_a_pass_that_changes_numbers_is_rolled_back_and_the_run_goes_on(tmp_path
     assert {t.name: t for t in saved.graph.initializer}["w"].raw_data == original["w"].raw_data
     code, _, err = cli("run", config, "--quiet", "--force", "--strict")
     assert code == 2 and "rolled back in optimize" in err
+
+
+def conv_bn_identity_model():
+    """Conv → BatchNorm (fold_into_conv) → Identity (cleanup) → Mul by Add(2 constants) (fold_constants): three
+    passes match in the first round."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["n"]),
+             helper.make_node("Identity", ["n"], ["i"]),
+             helper.make_node("Add", ["k1", "k2"], ["k"]),
+             helper.make_node("Mul", ["i", "k"], ["y"])]
+    return make_model(nodes, [("x", [1, 3, 8, 8])], [("y", [1, 4, 8, 8])],
+                      {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+                       "s": rng.uniform(0.5, 1.5, 4).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
+                       "m": rng.standard_normal(4).astype(np.float32), "v": rng.uniform(0.5, 1.5, 4).astype(np.float32),
+                       "k1": np.float32([1.5]), "k2": np.float32([0.25])})
+
+
+def count_checks(monkeypatch):
+    from qprep.verify import Verifier
+
+    calls = []
+    check = Verifier.check
+    monkeypatch.setattr(Verifier, "check", lambda self, model: calls.append(1) or check(self, model))
+    return calls
+
+
+def test_a_round_is_verified_once_when_its_passes_keep_the_numbers(tmp_path, save, monkeypatch):
+    """One ORT check per round, not one per pass (optimize's main cost on big models); every pass still has the
+    verdict that accepted it."""
+    calls = count_checks(monkeypatch)
+    report = qprep.run({"model": str(save(conv_bn_identity_model())), "pipeline": [{"optimize": {}}]},
+                       output_dir=str(tmp_path / "run"), force=True)
+    stage = report["stages"][0]
+    applied = [p for p in stage["passes"] if p["status"] == "applied"]
+    assert len(applied) >= 3, [p["pass"] for p in applied]
+    assert stage["checks"] == {"rounds_checked_at_once": 1, "rounds_replayed": 0} and len(calls) == 1
+    assert all(p["verification"]["ok"] and p["pass"] in p["verification"]["checked_with"] for p in applied)
+    assert stage["nodes_after"] == 1  # Conv with the BatchNorm and the constant factor folded in
+    assert sum(p["nodes_removed"] for p in applied) == 4
+
+
+def test_a_failing_round_is_replayed_pass_by_pass_and_only_the_culprit_rolled_back(tmp_path, save, monkeypatch):
+    passes = {"broken": GraphPass("broken", perturb_weights, "test"), **all_passes()}
+    monkeypatch.setattr(optimize_module, "all_passes", lambda: passes)
+    monkeypatch.setattr(optimize_module, "selected_passes",
+                        lambda options: ["fold_into_conv", "broken", "cleanup", "fold_constants"])
+    calls = count_checks(monkeypatch)
+    model = conv_bn_identity_model()
+    model.graph.initializer[0].name = "w"  # perturb_weights changes the initializer named w
+    report = qprep.run({"model": str(save(model)), "pipeline": [{"optimize": {}}]},
+                       output_dir=str(tmp_path / "run"), force=True)
+    stage = report["stages"][0]
+    assert [r["pass"] for r in stage["rolled_back"]] == ["broken"]
+    assert stage["checks"]["rounds_replayed"] == 1
+    assert {p["pass"]: p["status"] for p in stage["passes"]} == {
+        "fold_into_conv": "applied", "broken": "rolled back", "cleanup": "applied", "fold_constants": "applied"}
+    # round 1: the joint check fails, then one check per changing pass (4, the broken one included); round 2
+    # (fold_into_conv takes the now-constant factor into the Conv) is checked as a whole, round 3 changes nothing
+    assert stage["checks"] == {"rounds_checked_at_once": 1, "rounds_replayed": 1} and stage["rounds"] == 3
+    assert len(calls) == 1 + 4 + 1
+    assert stage["nodes_after"] == 1
 
 
 def test_a_layernorm_left_unfused_is_in_the_report_with_its_reason(tmp_path, save, cli):
