@@ -3,8 +3,11 @@ model's input/output types unchanged, so callers feed and read the same dtypes a
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
+from qprep.model import io
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.schema import Key, section
 
@@ -21,12 +24,34 @@ def quantize(job: BackendInput) -> Quantized:
 
     model, float_set, options = job.model, job.float_set, job.options
     blocked_ops = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(options["op_block_list"]))
+    # onnxconverter-common converts in place what its shape inference returns: a copy, and over 2 GB an empty
+    # model. A heavy model is converted as its weightless skeleton, its weights filled in after.
+    skeleton, weights = io.weightless(model) if io.is_heavy(model) else (model, [])
     converted = float16.convert_float_to_float16(
-        model, keep_io_types=options["keep_io_types"], op_block_list=blocked_ops,
-        node_block_list=sorted(float_set), disable_shape_infer=False)
+        io.inferred_shapes(skeleton), keep_io_types=options["keep_io_types"], op_block_list=blocked_ops,
+        node_block_list=sorted(float_set), disable_shape_infer=True)
+    _fill_weights(converted, weights)
     restored = _restore_output_types(model, converted) if options["keep_io_types"] else []
     return Quantized(model=converted, details={"kept_float32_ops": blocked_ops, "kept_float32_nodes": sorted(float_set),
                                                "outputs_cast_back": restored})
+
+
+def _fill_weights(converted: onnx.ModelProto, weights: list[onnx.TensorProto]) -> None:
+    """Put the heavy model's weights into its converted skeleton: float16 (as onnxconverter-common rounds and
+    clips them) where the converter turned the stub to float16, the original otherwise. One tensor at a time,
+    so the float32 model is never copied whole."""
+    from onnxconverter_common import float16
+
+    originals = {tensor.name: tensor for tensor in weights}
+    for stub in converted.graph.initializer:
+        original = originals.get(stub.name)
+        if original is None:
+            continue
+        if stub.data_type == onnx.TensorProto.FLOAT16 and original.data_type == onnx.TensorProto.FLOAT:
+            values = float16.convert_np_to_float16(numpy_helper.to_array(original), 1e-7, 1e4)
+            stub.CopyFrom(numpy_helper.from_array(values.astype(np.float16), stub.name))
+        else:
+            stub.CopyFrom(original)
 
 
 def _restore_output_types(original: onnx.ModelProto, converted: onnx.ModelProto) -> list[str]:

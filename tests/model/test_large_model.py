@@ -1,5 +1,5 @@
 """Opt-in (QPREP_LARGE_TESTS=1, ~16 GB RAM, ~5 minutes): a model over protobuf's 2 GB limit loads from
-external data, goes through the optimize stage (verified) and ONNX Runtime quantization, is evaluated, and the
+external data, goes through the optimize stage (verified), ONNX Runtime quantization and FP16, is evaluated, and the
 optimized model is saved with external data again. (ONNX's shape inference returned an empty model for it: the
 run refused its own samples, "this one has 0" inputs.)"""
 
@@ -57,3 +57,9 @@ def test_model_over_2gb_runs_end_to_end(tmp_path):
                           output_dir=str(tmp_path / "quantized"))
     assert quantized["result"]["op_counts"].get("QuantizeLinear", 0) > 0
     assert quantized["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.999
+    half = qprep.run({"model": str(source), "calibration": {"source": str(data)},
+                      "evaluation": {"source": str(data)},
+                      "pipeline": [{"optimize": {}}, {"quantize": {"backend": "fp16"}}]},
+                     output_dir=str(tmp_path / "fp16"))
+    assert 1_000_000_000 < (tmp_path / "fp16" / "model.onnx").stat().st_size < 1_300_000_000  # the table in float16
+    assert half["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.999

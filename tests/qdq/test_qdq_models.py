@@ -12,6 +12,7 @@ import pytest
 import qprep
 from conftest import ROOT, demo_model
 from qprep.model import info as model_info
+from qprep.quantize.ort.saturation import u8s8_saturates
 from qprep.config import data_source
 from qprep.data import load_samples
 from qprep.verify import cosine
@@ -101,8 +102,13 @@ def test_every_conv_of_qdq_efficientnet_becomes_qlinearconv_within_one_step(effn
     # end to end the rounding differences of 49 integer kernels add up (as in ONNX Runtime's own fusion) ...
     logits = stage["verification"]["outputs"]["logits"]
     assert logits["cosine_min"] >= 0.99 and logits["step_from"] == "DequantizeLinear logits_DequantizeLinear"
-    # ... and as deployed, the fused model is ONNX Runtime's session-time fusion of the QDQ model, bit for bit
-    assert stage["verification"]["deployed"] == {"logits": 0.0}
+    # ... and as deployed, the fused model is ONNX Runtime's session-time fusion of the QDQ model, bit for bit,
+    # except on a CPU whose u8s8 kernels saturate: there ORT's own fusion is off, and the stage says so
+    if u8s8_saturates():
+        assert stage["verification"]["deployed"]["logits"] > 0 and "saturate" in stage["verification"]["deployed_note"]
+        assert all("uint8 (int8 weights + 128" in t for t in stage["types"])
+    else:
+        assert stage["verification"]["deployed"] == {"logits": 0.0} and "deployed_note" not in stage["verification"]
     source = onnx.load(str(qdq_fixtures / "efficientnet_lite0.qdq.onnx"))
     held_out = eval_samples(source, IMAGENET, 32)
     expected, got = run_model(source, held_out), run_model(model, held_out)

@@ -20,6 +20,7 @@ from qprep.model.runtime import run_model
 from qprep.qdq import params as qdq_params
 from qprep.qdq.fuse_conv import operands as fuse_conv_operands
 from qprep.qdq.params import QParams, quantize_array
+from qprep.quantize.ort.saturation import u8s8_saturates
 from qprep.schema import validate
 from qprep.pipeline.stages import registry
 
@@ -258,9 +259,33 @@ def test_per_channel_conv_with_int32_bias_becomes_qlinearconv_and_relu_is_absorb
     assert node["activation"].startswith("absorbed Relu") and node["probe_max_error"] <= 1
     stored = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
     conv = next(n for n in result.model.graph.node if n.op_type == "QLinearConv")
-    assert np.array_equal(stored[conv.input[3]], weights)
+    # the QDQ model's weights, or on a CPU whose u8s8 kernels saturate the same weights as uint8 (both + 128)
+    shift = 128 if u8s8_saturates() else 0
+    assert stored[conv.input[3]].dtype == (np.uint8 if shift else np.int8)
+    assert np.array_equal(stored[conv.input[3]].astype(np.int16) - shift, weights)
+    assert np.all(stored[conv.input[5]].astype(np.int16) == shift)
     within_one_step(model, result)
-    assert max(result.details["verification"]["deployed"].values()) <= 0.05  # ORT's own fusion: the same kernel
+    if not shift:
+        assert max(result.details["verification"]["deployed"].values()) <= 0.05  # ORT's own fusion: the same kernel
+
+
+def test_int8_weights_go_in_as_uint8_where_the_cpus_u8s8_kernels_saturate(monkeypatch):
+    """Weights of 127 against inputs of 255 overflow VPMADDUBSW's int16 pair sums on x86 without VNNI: as uint8
+    (w + 128, zero point 128) the fused op computes the QDQ model's numbers on every CPU."""
+    from qprep.qdq.fuse_conv import operands
+
+    monkeypatch.setattr(operands, "u8s8_saturates", lambda: True, raising=False)
+    model, weights, _, _ = conv_model(activation="Relu", y_zero=0)
+    for tensor in model.graph.initializer:  # the worst case for int16 pair sums
+        if numpy_helper.to_array(tensor).dtype == np.int8 and tensor.dims == list(weights.shape):
+            tensor.CopyFrom(numpy_helper.from_array(np.full(weights.shape, 127, np.int8), tensor.name))
+    result = fused(model)
+    node = result.details["nodes"][0]
+    assert node["to"] == "QLinearConv" and node["types"].startswith("uint8/uint8 (int8 weights + 128")
+    conv = next(n for n in result.model.graph.node if n.op_type == "QLinearConv")
+    stored = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    assert np.all(stored[conv.input[3]] == 255) and stored[conv.input[3]].dtype == np.uint8
+    within_one_step(model, result)
 
 
 def test_float_bias_is_quantized_exactly_as_onnxruntime_quantization_does():

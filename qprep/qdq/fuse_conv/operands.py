@@ -13,6 +13,7 @@ from qprep.optimize.ir_utils import constant_array
 from qprep.optimize.rules import unique_value_name
 from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array, quantize_bias)
 from qprep.qdq.verified import Probe
+from qprep.quantize.ort.saturation import u8s8_saturates
 
 
 
@@ -180,9 +181,14 @@ def clip_limits(node: ir.Node) -> tuple:
     return tuple(limits)
 
 
-def weight_inputs(op, graph: ir.Graph, weight: WeightOperand, base: str) -> tuple[ir.Value, ir.Value, ir.Value]:
+def weight_inputs(op, graph: ir.Graph, weight: WeightOperand, base: str,
+                  x_dtype: ir.DataType) -> tuple[ir.Value, ir.Value, ir.Value]:
     """Integer weight, scale and zero point values: the DQ's own when they are stored as needed."""
     dq = weight.dq
+    if widens(weight, x_dtype):
+        array, zero = widened(weight)
+        return (add_constant(op, graph, array, f"{base}/weight_quantized_u8"), dq.inputs[1],
+                add_constant(op, graph, zero, f"{base}/w_zero_point_u8"))
     if weight.how == "integer constant" and dq.inputs[0].is_initializer():
         zero = dq.inputs[2] if len(dq.inputs) > 2 and dq.inputs[2] is not None else \
             add_constant(op, graph, weight.params.zero_point, f"{base}/w_zero_point")
@@ -190,6 +196,26 @@ def weight_inputs(op, graph: ir.Graph, weight: WeightOperand, base: str) -> tupl
     return (add_constant(op, graph, weight.array, f"{base}/weight_quantized"),
             add_constant(op, graph, weight.params.scale, f"{base}/weight_scale"),
             add_constant(op, graph, weight.params.zero_point, f"{base}/w_zero_point"))
+
+
+def widens(weight: WeightOperand, x_dtype: ir.DataType) -> bool:
+    """Do int8 weights beside uint8 inputs go in as uint8? Where this CPU's U8S8 kernels saturate
+    (quantize/ort/saturation.py): the fused op would not compute what the QDQ graph does, while the same
+    values as uint8 run ORT's widening U8U8 kernel, exact on every CPU."""
+    return weight.params.dtype == ir.DataType.INT8 and x_dtype == ir.DataType.UINT8 and u8s8_saturates()
+
+
+def weight_types(x_dtype: ir.DataType, weight: WeightOperand) -> str:
+    """The integer types of a fused op as its record says them, e.g. "uint8/int8"."""
+    shown = "uint8 (int8 weights + 128: this CPU's u8s8 kernels saturate)" if widens(weight, x_dtype) \
+        else weight.params.dtype.name.lower()
+    return f"{x_dtype.name.lower()}/{shown}"
+
+
+def widened(weight: WeightOperand) -> tuple[np.ndarray, np.ndarray]:
+    """int8 weights and zero points as uint8, both moved by 128: w - zero_point is unchanged."""
+    shift = lambda a: (np.asarray(a).astype(np.int16) + 128).astype(np.uint8)
+    return shift(weight.array), shift(weight.params.zero_point)
 
 
 def matmul_operands(node: ir.Node) -> dict | str:
@@ -209,10 +235,10 @@ def matmul_operands(node: ir.Node) -> dict | str:
     return {"a": a, "b": b}
 
 
-def b_inputs(op, graph, b, base):
+def b_inputs(op, graph, b, base, a_dtype: ir.DataType):
     if isinstance(b, ActivationOperand):
         return b.quantized, b.dq.inputs[1], add_zero_point(op, graph, b.dq, b.params, f"{base}/b_zero_point")
-    return weight_inputs(op, graph, b, base)
+    return weight_inputs(op, graph, b, base, a_dtype)
 
 
 def probe_inputs(a: ActivationOperand, b) -> list[str]:

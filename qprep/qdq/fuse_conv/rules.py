@@ -15,7 +15,7 @@ from qprep.optimize.rules import per_channel, unique_node_name
 from qprep.qdq.params import consumers, qparams
 from qprep.qdq.verified import Probe, Rewrite, RewriteLog
 
-from qprep.qdq.fuse_conv.operands import activation_operand, weight_operand, bias_operand, bias_int32, channel_vector, requantization, add_constant, add_zero_point, activation_bounds, weight_inputs, matmul_operands, b_inputs, probe_inputs, float_probe, granularity
+from qprep.qdq.fuse_conv.operands import activation_operand, weight_operand, bias_operand, bias_int32, channel_vector, requantization, add_constant, add_zero_point, activation_bounds, weight_inputs, weight_types, widens, widened, matmul_operands, b_inputs, probe_inputs, float_probe, granularity
 
 
 class ConvRule(RewriteRuleClassBase):
@@ -183,7 +183,7 @@ class ConvToQLinear(ConvRule):
         node, found = conv.producer(), self._found
         graph, x, weight, y, q = node.graph, found["x"], found["weight"], found["y"], found["q"]
         channels, base = found["channels"], node.name
-        w_value, w_scale, w_zero = weight_inputs(op, graph, weight, base)
+        w_value, w_scale, w_zero = weight_inputs(op, graph, weight, base, x.params.dtype)
         accumulator_scale = x.params.scale.astype(np.float32) * weight.params.scale.astype(np.float32)
         bias, bias_how = bias_int32(found["bias"], accumulator_scale, channels)
         inputs = [x.quantized, x.dq.inputs[1], add_zero_point(op, graph, x.dq, x.params, f"{base}/x_zero_point"),
@@ -201,8 +201,7 @@ class ConvToQLinear(ConvRule):
         self.log.orphans += [x.dq, weight.dq, *(v.producer() for v in node.inputs[2:] if v is not None)]
         self.log.applied.append(Rewrite(base, "qlinear", {
             "to": "QLinearConv", "weights": granularity(weight.params), "weights_from": weight.how,
-            "bias": bias_how, "activation": kind, "types": f"{x.params.dtype.name.lower()}/"
-            f"{weight.params.dtype.name.lower()}"},
+            "bias": bias_how, "activation": kind, "types": weight_types(x.params.dtype, weight)},
             Probe([x.quantized.name], quantized.name, atol=1.0,
                   unit=f"1 step of the {y.dtype.name.lower()} output, scale {float(y.scale):.4g}")))
         return result
@@ -246,12 +245,13 @@ class ConvToInteger(ConvRule):
         channels, base, rank = found["channels"], node.name, weight.array.ndim
         accumulator_scale = x.params.scale.astype(np.float32) * weight.params.scale.astype(np.float32)
         bias, bias_how = bias_int32(found["bias"], accumulator_scale, channels)
-        w_zero = np.asarray(weight.params.zero_point.reshape(-1)[0])
-        weights = weight.dq.inputs[0] if weight.how == "integer constant" and weight.dq.inputs[0].is_initializer() \
-            else add_constant(op, graph, weight.array, f"{base}/weight_quantized")
+        as_uint8 = widens(weight, x.params.dtype)
+        array, zeros = widened(weight) if as_uint8 else (weight.array, weight.params.zero_point)
+        weights = weight.dq.inputs[0] if not as_uint8 and weight.how == "integer constant" \
+            and weight.dq.inputs[0].is_initializer() else add_constant(op, graph, array, f"{base}/weight_quantized")
         result = op.ConvInteger(x.quantized, weights,
                                 add_zero_point(op, graph, x.dq, x.params, f"{base}/x_zero_point"),
-                                add_constant(op, graph, w_zero, f"{base}/w_zero_point"),
+                                add_constant(op, graph, np.asarray(zeros.reshape(-1)[0]), f"{base}/w_zero_point"),
                                 **dict(node.attributes.items()), _name=base)
         channel_shape = (channels,) + (1,) * (rank - 2)
         if bias is not None:
@@ -265,7 +265,7 @@ class ConvToInteger(ConvRule):
         self.log.orphans += [x.dq, weight.dq, *(v.producer() for v in node.inputs[2:] if v is not None)]
         self.log.applied.append(Rewrite(base, "integer", {
             "to": "ConvInteger", "weights": granularity(weight.params), "weights_from": weight.how,
-            "bias": bias_how, "types": f"{x.params.dtype.name.lower()}/{weight.params.dtype.name.lower()}",
+            "bias": bias_how, "types": weight_types(x.params.dtype, weight),
             **({"why_not_qlinear": found["why_not_qlinear"]} if found["why_not_qlinear"] else {})},
             float_probe(x, found["requantized"], conv.name, float(np.max(accumulator_scale)))))
         return result
@@ -302,7 +302,7 @@ class MatMulToQLinear(RewriteRuleClassBase):
         node, found = product.producer(), self._found
         graph, a, b, y, q = node.graph, found["a"], found["b"], found["y"], found["q"]
         base = node.name
-        b_value, b_scale, b_zero = b_inputs(op, graph, b, base)
+        b_value, b_scale, b_zero = b_inputs(op, graph, b, base, a.params.dtype)
         a_zero = add_zero_point(op, graph, a.dq, a.params, f"{base}/a_zero_point")
         result = op.QLinearMatMul(a.quantized, a.dq.inputs[1], a_zero,
                                   b_value, b_scale, b_zero, q.inputs[1],
@@ -344,7 +344,7 @@ class MatMulToInteger(RewriteRuleClassBase):
         node, found = product.producer(), self._found
         graph, a, b = node.graph, found["a"], found["b"]
         base = node.name
-        b_value, _, b_zero = b_inputs(op, graph, b, base)
+        b_value, _, b_zero = b_inputs(op, graph, b, base, a.params.dtype)
         result = op.MatMulInteger(a.quantized, b_value, add_zero_point(op, graph, a.dq, a.params, f"{base}/a_zero_point"),
                                   b_zero, _name=base)
         result = op.Cast(result, to=ir.DataType.FLOAT, _name=unique_node_name(graph, f"{base}/cast"))

@@ -13,6 +13,7 @@ from qprep.model import info as model_info
 from qprep.model.runtime import run_model
 from qprep.qdq.params import producer, qparams
 from qprep.qdq.verified import ProbeCheck, Rewrite, RewriteLog, apply_verified
+from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.schema import Key
 from qprep.pipeline.context import RunContext, StageResult
 from qprep.pipeline.stages import stage
@@ -107,6 +108,7 @@ def fuse_conv_qdq(model: onnx.ModelProto, ctx: RunContext, options: dict) -> Sta
         "activations": dict(Counter(r.facts["activation"].split(" [")[0] for r in converted
                                     if "activation" in r.facts)),
         "bias": dict(Counter(r.facts["bias"] for r in converted if "bias" in r.facts)),
+        "types": dict(Counter(r.facts["types"] for r in converted if "types" in r.facts)),
         "weights": dict(Counter(f"{r.facts['weights']}, {r.facts.get('weights_from', 'integer constant')}"
                                 for r in converted)),
         "nodes": [{"node": r.anchor, **r.facts, **_probe_fact(check, r.anchor)} for r in converted],
@@ -117,7 +119,7 @@ def fuse_conv_qdq(model: onnx.ModelProto, ctx: RunContext, options: dict) -> Sta
                          "probes": _probe_summary(check, converted),
                          "end_to_end": f"every output's cosine against the stage input >= {options['min_cosine']}",
                          **outcome.verification,
-                         **({"deployed": _deployed(model, outcome.model, verifier)} if converted else {})},
+                         **({"deployed": _deployed(model, outcome.model, verifier), **_deployed_note()} if converted else {})},
         "verified_on": verifier.source,
         "checks": outcome.checks,
         "rewrite_seconds": outcome.rewrite_seconds,
@@ -156,11 +158,21 @@ def _probe_summary(check: ProbeCheck, converted: list[Rewrite]) -> dict:
 
 def _deployed(reference: onnx.ModelProto, result: onnx.ModelProto, verifier) -> dict:
     """Both models as ONNX Runtime deploys them (ORT_ENABLE_ALL fuses the QDQ model itself at session
-    creation): how far apart the outputs are. 0 means this stage did what ORT does, ahead of time."""
+    creation): how far apart the outputs are. 0 means this stage did what ORT does, ahead of time; on a CPU
+    whose u8s8 kernels saturate, ORT's own fusion is the one that is off (the stage's ops take int8 weights as
+    uint8 there), and `deployed_note` says so."""
     expected = run_model(reference, verifier.samples, verifier.threads, optimize=True)
     actual = run_model(result, verifier.samples, verifier.threads, optimize=True)
     return {name: max(float(np.abs(e[name].astype(np.float64) - a[name]).max()) for e, a in zip(expected, actual))
             for name in expected[0]}
+
+
+def _deployed_note() -> dict:
+    if not u8s8_saturates():
+        return {}
+    return {"deployed_note": f"{this_cpu()}: ONNX Runtime's own session-time fusion of the QDQ input "
+                             "differs from it by the `deployed` figures; this stage's integer ops take int8 weights "
+                             "as uint8 (+128) and keep the QDQ numbers (the per-rewrite probes)"}
 
 
 def _apply(model: ir.Model, log: RewriteLog, options: dict) -> None:

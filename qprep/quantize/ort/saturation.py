@@ -1,0 +1,107 @@
+"""Does this machine's ONNX Runtime saturate in its uint8 × int8 (U8S8) kernels? Measured, not assumed.
+
+Why: on x86-64 CPUs with AVX2 (or AVX-512) but without VNNI, ONNX Runtime's U8S8 integer GEMM multiplies with
+VPMADDUBSW, which adds two uint8 × int8 products into an int16 and clips it at ±32767: 255 × 127 × 2 = 64770 does
+not fit. The QDQ model is right (run unfused it matches), but the integer operators ORT fuses it into at session
+time are not. Measured on such a CPU (AMD EPYC, AVX2, no VNNI): EfficientNet-Lite0 U8S8 cosine 0.903 against
+0.998 for the same QDQ model run unfused; the VNNI machine this project was first measured on never showed it.
+Weights that cannot overflow the pair sum — uint8 (U8U8 runs a widening kernel) or 7-bit (reduce_range) — avoid
+it on every CPU.
+
+The probe: a QDQ MatMul and a QDQ 1×1 Conv whose quantized inputs are all 255 and weights all 127, run with ORT's
+fusions (ORT_ENABLE_ALL) and without; if the results differ, the fused U8S8 kernels saturate here. ~50 ms, once
+per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+DEPTH = 64  # products summed per output: an even count, so every VPMADDUBSW pair is 255 × 127 + 255 × 127
+
+
+@functools.lru_cache(maxsize=1)
+def u8s8_saturates() -> bool:
+    """True when ONNX Runtime's fused U8S8 kernels compute a different result than its QDQ reference here."""
+    import onnxruntime as ort
+
+    for model, feeds in (_probe_matmul(), _probe_conv()):
+        results = []
+        for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+            options = ort.SessionOptions()
+            options.graph_optimization_level = level
+            options.intra_op_num_threads = 1
+            options.log_severity_level = 3
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            results.append(session.run(None, feeds)[0])
+        if not np.allclose(results[0], results[1], rtol=1e-3, atol=0):
+            return True
+    return False
+
+
+def this_cpu() -> str:
+    """One line for the report: what this CPU does with U8S8, and why."""
+    cpu = _cpu_name()
+    if u8s8_saturates():
+        return (f"this CPU ({cpu}) saturates ONNX Runtime's uint8 × int8 kernels (AVX2/AVX-512 without VNNI: "
+                "int16 pair sums clip): measured by the probe in quantize/ort/saturation.py")
+    return f"this CPU ({cpu}) computes ONNX Runtime's uint8 × int8 kernels exactly (probe: no saturation)"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _qdq(name: str, scale: float, zero_point: int, dtype) -> list[TensorProto]:
+    return [numpy_helper.from_array(np.array(scale, np.float32), f"{name}_scale"),
+            numpy_helper.from_array(np.array(zero_point, dtype), f"{name}_zero_point")]
+
+
+def _probe_matmul() -> tuple[onnx.ModelProto, dict]:
+    """x[1, DEPTH] → Q(uint8, 255 everywhere) → DQ → MatMul with DQ(int8 weights of 127) → Q → DQ."""
+    weights = numpy_helper.from_array(np.full((DEPTH, 8), 127, np.int8), "w_q")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero_point"], ["x_q"]),
+             helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero_point"], ["x_dq"]),
+             helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero_point"], ["w_dq"]),
+             helper.make_node("MatMul", ["x_dq", "w_dq"], ["y"]),
+             helper.make_node("QuantizeLinear", ["y", "y_scale", "y_zero_point"], ["y_q"]),
+             helper.make_node("DequantizeLinear", ["y_q", "y_scale", "y_zero_point"], ["out"])]
+    exact = 255 * 127 * DEPTH * (1 / 255) * (1 / 127)  # = DEPTH: the output scale puts it mid-range
+    initializers = [weights, *_qdq("x", 1 / 255, 0, np.uint8), *_qdq("w", 1 / 127, 0, np.int8),
+                    *_qdq("y", 2 * exact / 255, 0, np.uint8)]
+    graph = helper.make_graph(nodes, "u8s8_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, DEPTH])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 8])], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 7
+    return model, {"x": np.ones((1, DEPTH), np.float32)}
+
+
+def _probe_conv() -> tuple[onnx.ModelProto, dict]:
+    """The same sums as a 1×1 Conv (ORT's QLinearConv, another kernel path)."""
+    weights = numpy_helper.from_array(np.full((8, DEPTH, 1, 1), 127, np.int8), "w_q")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero_point"], ["x_q"]),
+             helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero_point"], ["x_dq"]),
+             helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero_point"], ["w_dq"]),
+             helper.make_node("Conv", ["x_dq", "w_dq"], ["y"]),
+             helper.make_node("QuantizeLinear", ["y", "y_scale", "y_zero_point"], ["y_q"]),
+             helper.make_node("DequantizeLinear", ["y_q", "y_scale", "y_zero_point"], ["out"])]
+    initializers = [weights, *_qdq("x", 1 / 255, 0, np.uint8), *_qdq("w", 1 / 127, 0, np.int8),
+                    *_qdq("y", 2 * DEPTH / 255, 0, np.uint8)]
+    graph = helper.make_graph(nodes, "u8s8_probe_conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, DEPTH, 4, 4])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 8, 4, 4])], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 7
+    return model, {"x": np.ones((1, DEPTH, 4, 4), np.float32)}

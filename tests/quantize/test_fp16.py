@@ -1,0 +1,48 @@
+"""FP16 conversion of a heavy model (weights over HEAVY_BYTES): converted as its weightless skeleton with the
+weights filled in after, so a multi-GB model is never copied whole nor shape-inferred over 2 GB (onnx returns an
+empty model there). The result must equal the plain conversion's."""
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+import qprep
+from qprep.model import io
+from graphs import make_model
+
+
+def layernorm_mlp():
+    """MatMul → LayerNormalization (kept float32 by default) → MatMul with a bias of values float16 clips."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["n"], axis=-1),
+             helper.make_node("MatMul", ["n", "w2"], ["m"]),
+             helper.make_node("Add", ["m", "bias"], ["y"])]
+    return make_model(nodes, [("x", [2, 64])], [("y", [2, 32])],
+                      {"w1": rng.standard_normal((64, 128)).astype(np.float32),
+                       "gamma": rng.uniform(0.5, 1.5, 128).astype(np.float32),
+                       "beta": rng.standard_normal(128).astype(np.float32),
+                       "w2": rng.standard_normal((128, 32)).astype(np.float32) * 1e-8,  # under float16's range
+                       "bias": np.full(32, 1e5, np.float32)},  # over it: clipped to 1e4 as the converter does
+                      opset=17)
+
+
+def converted(tmp_path, save, name):
+    qprep.run({"model": str(save(layernorm_mlp())), "pipeline": [{"quantize": {"backend": "fp16"}}]},
+              output_dir=str(tmp_path / name), force=True)
+    return onnx.load(str(tmp_path / name / "model.onnx"))
+
+
+def test_a_heavy_model_converts_to_the_same_float16_model(tmp_path, save, monkeypatch):
+    plain = converted(tmp_path, save, "plain")
+    monkeypatch.setattr(io, "HEAVY_BYTES", 1024)
+    monkeypatch.setattr(io, "SMALL_TENSOR", 256)
+    heavy = converted(tmp_path, save, "heavy")
+    arrays = lambda model: {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    plain_arrays, heavy_arrays = arrays(plain), arrays(heavy)
+    assert plain_arrays.keys() == heavy_arrays.keys()
+    for name, array in plain_arrays.items():
+        assert heavy_arrays[name].dtype == array.dtype and np.array_equal(heavy_arrays[name], array), name
+    assert heavy_arrays["w1"].dtype == np.float16 and heavy_arrays["gamma"].dtype == np.float32
+    assert heavy_arrays["bias"].max() == np.float16(1e4)
+    assert [n.op_type for n in heavy.graph.node] == [n.op_type for n in plain.graph.node]
