@@ -16,7 +16,7 @@ def decision_lines(stage: dict) -> list[str]:
     """The decisions of one quantize stage record (empty for other stages)."""
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
-    return [line for line in (_activations(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
+    return [line for line in (_activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
                               _spread(stage), _float_nodes(stage),
                               *_fitting(stage)) if line]
 
@@ -27,6 +27,15 @@ def _activations(stage: dict) -> str:
     if "chosen" in activations:
         return f"activations: **{activations['chosen']}** ({activations['why']})"
     return f"activations: {activations['configured']} (configured)" if activations else ""
+
+
+def _weights(stage: dict) -> str:
+    """ORT: 8-bit or 7-bit int8 weights, and why (this CPU's u8s8 kernels, when reduce_range was auto)."""
+    weights = stage.get("weights") or {}
+    if not weights:
+        return ""
+    bits = "**7-bit** (reduce_range)" if weights.get("reduce_range") else "8-bit"
+    return f"weights: {bits} — {weights.get('why', '?')}"
 
 
 def _ranges(stage: dict) -> str:

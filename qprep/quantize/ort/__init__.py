@@ -2,7 +2,8 @@
 
 Why these defaults (measured on this machine, see BENCHMARKS.md): QDQ format, uint8 activations with int8
 weights (U8S8: ORT's fast VNNI path; S8S8 QDQ is converted at session time and is often slower), per-channel
-weights (per-tensor loses badly on depthwise convolutions), no reduce_range (only for CPUs without VNNI).
+weights (per-tensor loses badly on depthwise convolutions), 7-bit weights (reduce_range) only where this CPU's
+u8s8 kernels saturate (saturation.py).
 Nodes in the float set get no Q/DQ at all (nodes_to_exclude), so they and their edges compute in float32.
 Weights are then re-rounded by GPTQ (gptq.py), which takes EfficientNet-Lite0 from cosine 0.989 to
 0.997, and biases corrected for the drift of channel means (bias_correction.py: calibration SQNR 22.8 → 26.0 dB
@@ -19,6 +20,7 @@ import logging
 from qprep.errors import QprepError
 from qprep.qdq import float_maxpool
 from qprep.quantize.backend import BackendInput, Quantized
+from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")
@@ -35,7 +37,9 @@ OPTIONS = section(
     activation_type=Key("str", default="uint8", choices=("uint8", "int8"), doc="activation integer type"),
     weight_type=Key("str", default="int8", choices=("int8", "uint8"), doc="weight integer type"),
     per_channel=Key("bool", default=True, doc="per-output-channel weight scales"),
-    reduce_range=Key("bool", default=False, doc="7-bit weights, only for CPUs without VNNI"),
+    reduce_range=Key("any", default="auto", choices=("auto", True, False),
+                     doc="7-bit int8 weights; auto: where this CPU's ONNX Runtime u8s8 kernels saturate (x86 without "
+                         "VNNI, measured by a probe: quantize/ort/saturation.py), else full 8-bit"),
     calibrate_method=Key("str", default="minmax", choices=("minmax", "mse", "entropy", "percentile", "distribution"),
                          doc="how activation ranges are chosen from the calibration data (mse: qprep's per-tensor "
                              "least-squared-error range; the fallback tries it when minmax misses the target)"),
@@ -79,6 +83,8 @@ def quantize(job: BackendInput) -> Quantized:
         options = job.options = {**options, "activations": chosen}
         activations.update(chosen=chosen, why=why)
         log.info("ort: activations %s (%s)", chosen, why)
+    options, weights = _weight_range(options)
+    job.options = options
     unknown = sorted(set(options["nodes_to_exclude"]) - {n.name for n in job.model.graph.node})
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
@@ -92,7 +98,7 @@ def quantize(job: BackendInput) -> Quantized:
     quantized = quantizer.build(excluded, settings)
     if not quantizer.dynamic:  # exact, for speed: ORT would run these MaxPools on uint8 with a slow kernel
         quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
-    details.update({"activations": activations, "excluded_nodes": sorted(excluded),
+    details.update({"activations": activations, "weights": weights, "excluded_nodes": sorted(excluded),
                     "calibration_samples": len(job.samples),
                     "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,
                     "bias_correction": quantizer.bias,
@@ -110,3 +116,17 @@ def quantize(job: BackendInput) -> Quantized:
     if quantizer.upgraded_from is not None:
         details["opset_upgraded_from"] = quantizer.upgraded_from
     return Quantized(model=quantized, details=details)
+
+
+def _weight_range(options: dict) -> tuple[dict, dict]:
+    """Resolve reduce_range "auto": 7-bit int8 weights where this CPU's u8s8 kernels saturate, so that the
+    model evaluated here (and run on any CPU) computes what its QDQ graph says. Measured on an AMD EPYC (AVX2, no
+    VNNI), EfficientNet-Lite0: full-range weights cosine 0.901 / top-1 72.7%, 7-bit 0.995 / 94.5%."""
+    configured = options["reduce_range"]
+    if configured != "auto":
+        return options, {"reduce_range": configured, "why": "configured"}
+    saturates = options["weight_type"] == "int8" and u8s8_saturates()
+    why = this_cpu() if options["weight_type"] == "int8" else "uint8 weights do not saturate"
+    if saturates:
+        log.info("ort: 7-bit weights (reduce_range): %s", why)
+    return {**options, "reduce_range": saturates}, {"reduce_range": saturates, "why": why}
