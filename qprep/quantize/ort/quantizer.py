@@ -247,7 +247,8 @@ class OrtQuantizer:
 
     def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
         model = ORT.save_and_reload_model_with_shape_infer(self.model)
-        common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
+        # reduce_range "auto" is resolved by quantize() (ort/__init__.py); a direct caller gets 8-bit weights
+        common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"] is True,
                       weight_qType=getattr(QuantType, _TYPES[self.options["weight_type"]]),
                       activation_qType=getattr(QuantType, _TYPES[self.options["activation_type"]]),
                       tensors_range=ranges, nodes_to_quantize=[], nodes_to_exclude=excluded,
