@@ -68,6 +68,10 @@ def evaluation_section() -> Key:
                         within=Key("float", default=0.02, minimum=0,
                                    doc="a round ends once its median's 95% interval is within ± this share of it "
                                        "(at least 8 runs); 0: every round times all `runs`"),
+                        seconds=Key("float", default=30.0, minimum=0,
+                                    doc="time budget of the timed runs (both models, every round): a round also "
+                                        "ends once it used its share (at least 5 runs); the report gives the "
+                                        "interval reached. 0: no budget"),
                         warmup=Key("int", default=10, minimum=0, doc="untimed runs first (at most ~2 s of them)"),
                         rounds=Key("int", default=3, minimum=1,
                                    doc="reference and result timed in turn this many times (median of rounds)")),

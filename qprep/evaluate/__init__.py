@@ -225,7 +225,8 @@ def _top1_hits(outputs: list, labels: list[int]) -> np.ndarray:
 def _latency(reference, final_model, sample, threads: int, cfg: dict) -> dict:
     timed = interleaved({"reference": (reference, sample),
                          "result": (final_model, model_info.cast_to_inputs([sample], final_model)[0])},
-                        threads, cfg["runs"], cfg["warmup"], cfg["rounds"], tight=cfg["within"] or None)
+                        threads, cfg["runs"], cfg["warmup"], cfg["rounds"], tight=cfg["within"] or None,
+                        seconds=cfg["seconds"] or None)
     ref, res = timed["reference"], timed["result"]
     return {"reference": ref, "result": res, **speedups(ref, res),
             "settings": {"batch": 1, "threads": threads, "provider": "CPUExecutionProvider",

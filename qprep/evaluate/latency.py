@@ -17,16 +17,20 @@ from qprep.model.runtime import ort_session
 
 UNSTABLE = 1.15  # rounds whose speed ratios differ by more than this factor make the figure unreliable
 MIN_RUNS = 8  # a round stops early (`tight`) only after this many runs
+MIN_BUDGET_RUNS = 5  # ... and (`seconds` spent) after this many
 WARMUP_SECONDS = 2.0  # warm-up runs beyond the first stop once they took this long
 
 
 def interleaved(models: dict[str, tuple[onnx.ModelProto, dict]], threads: int, runs: int, warmup: int,
-                rounds: int = 3, tight: float | None = None) -> dict[str, dict]:
+                rounds: int = 3, tight: float | None = None, seconds: float | None = None) -> dict[str, dict]:
     """label → timing, for label → (model, sample fed to it); one session per model, built once. Each round
     times `runs` runs per model; with `tight`, a round stops as soon as its median's 95% interval is within
     ±tight of it (at least MIN_RUNS). Why: 50 fixed runs × 3 rounds of BERT-base (FP32 and INT8) took 27 s of
     a 86 s run; with ±2% its rounds end after 8–12 runs, BERT-large's after 8–15, EfficientNet-Lite0's after
-    20–28, and the 1.5 ms PP-OCR classifier's run all 50: the interval says when the figure is known."""
+    20–28, and the 1.5 ms PP-OCR classifier's run all 50: the interval says when the figure is known.
+    With `seconds`, a round also ends once it has used its share of that budget (at least MIN_BUDGET_RUNS runs),
+    and each timing reports the interval it reached: on a noisy 2-core VM BERT-large's rounds never got within
+    ±2% and 3 × 50 runs of both models took 178 s of a 373 s run, twice ORT's whole quantization."""
     sessions = {}
     for label, (model, sample) in models.items():
         session = ort_session(model, threads=threads, optimize=True)
@@ -40,27 +44,45 @@ def interleaved(models: dict[str, tuple[onnx.ModelProto, dict]], threads: int, r
     medians: dict[str, list[float]] = {label: [] for label in models}
     p90s: dict[str, list[float]] = {label: [] for label in models}
     counts: dict[str, list[int]] = {label: [] for label in models}
+    intervals: dict[str, list[float]] = {label: [] for label in models}
+    share = seconds / (rounds * len(models)) * 1000 if seconds else None  # ms per round and model
     for _ in range(rounds):
         for label, (session, feeds) in sessions.items():
             times = []
-            while len(times) < runs and not (tight and len(times) >= MIN_RUNS and median_known(times, tight)):
+            while len(times) < runs and not (tight and len(times) >= MIN_RUNS and median_known(times, tight)) \
+                    and not (share and len(times) >= MIN_BUDGET_RUNS and sum(times) >= share):
                 start = time.perf_counter()
                 session.run(None, feeds)
                 times.append((time.perf_counter() - start) * 1000)
             medians[label].append(statistics.median(times))
             p90s[label].append(sorted(times)[int(0.9 * (len(times) - 1))])
             counts[label].append(len(times))
+            intervals[label].append(interval(times))
     return {label: {"median_ms": statistics.median(medians[label]), "p90_ms": statistics.median(p90s[label]),
                     "round_ms": medians[label], "runs": int(statistics.median(counts[label])),
                     "round_runs": counts[label], "warmup": warmup, "rounds": rounds, "threads": threads,
-                    **({"tight": tight} if tight else {})} for label in models}
+                    "interval": _finite(max(intervals[label])),
+                    **({"tight": tight} if tight else {}), **({"seconds": seconds} if seconds else {})}
+            for label in models}
 
 
 def median_known(times: list[float], tight: float) -> bool:
-    """Is the median's 95% interval within ±tight of it? The interval of a box plot's notch (median ±
-    1.58 IQR / √n, McGill et al. 1978): robust to the odd slow run that a mean's interval is not."""
+    """Is the median's 95% interval within ±tight of it?"""
+    return interval(times) <= tight
+
+
+def interval(times: list[float]) -> float:
+    """Half-width of the median's 95% interval as a share of the median: a box plot's notch (median ±
+    1.58 IQR / √n, McGill et al. 1978), robust to the odd slow run that a mean's interval is not."""
+    if len(times) < 2:
+        return float("inf")
     quartiles = statistics.quantiles(times, n=4)
-    return 1.58 * (quartiles[2] - quartiles[0]) / len(times) ** 0.5 <= tight * statistics.median(times)
+    return 1.58 * (quartiles[2] - quartiles[0]) / len(times) ** 0.5 / statistics.median(times)
+
+
+def _finite(share: float) -> float | None:
+    """JSON has no infinity: an interval that could not be computed (one run) is None."""
+    return round(share, 4) if share != float("inf") else None
 
 
 def speedups(reference: dict, result: dict) -> dict:

@@ -282,8 +282,15 @@ def _value(row: dict) -> float:
 def _runs_text(latency: dict) -> str:
     """'50 runs', or for timings that stopped once their median was known: '12–50 runs per round'."""
     counts = latency["reference"].get("round_runs", []) + latency["result"].get("round_runs", [])
+    reached = max(latency["reference"].get("interval") or 0, latency["result"].get("interval") or 0)
+    budget = latency["result"].get("seconds")
     if counts and min(counts) != max(counts):
         within = latency["result"].get("tight")
-        return (f"{min(counts)}–{max(counts)} runs per round"
-                + (f", each until its median was known within ±{100 * within:g}%" if within else ""))
-    return f"{latency['result']['runs']} runs"
+        text = (f"{min(counts)}–{max(counts)} runs per round"
+                + (f", each until its median was known within ±{100 * within:g}%" if within else "")
+                + (f" or its share of {budget:g} s was spent" if budget else ""))
+    else:
+        text = f"{latency['result']['runs']} runs"
+    if reached:
+        text += f" (medians known within ±{100 * reached:.1f}%)"
+    return text
