@@ -9,7 +9,8 @@ padded lengths, so the additive attention mask is in play). Each tool runs in it
     qprep:  optimize → quantize(ort) with `evaluation:` (the default pipeline, as a user would run it)
     ORT:    quantize_static alone (QDQ, per-channel, U8S8, MinMax, same calibration samples)
 
-    .venv/bin/python scripts/bench_scale.py [--sizes 6x384 12x768 24x1024 24x1600] [--work DIR] [--markdown F]
+    .venv/bin/python scripts/bench_scale.py [--sizes 6x384 12x768 24x1024 24x1600] [--backend ort|fp16]
+                                            [--work DIR] [--markdown F]
 
 Exports and samples are kept in --work (default /tmp/qprep-scale) and reused. Needs torch and transformers
 (`pip install torch==2.13.0 transformers`); 24x1600 (2.9 GB) needs ~20 GB of RAM.
@@ -114,21 +115,22 @@ def size_gb(model: Path) -> float:
                and not f.name.startswith("qprep")) / 1e9
 
 
-def measure(label: str, work: Path) -> dict:
+def measure(label: str, work: Path, backend: str = "ort") -> dict:
     layers, hidden = (int(v) for v in label.split("x"))
     folder = work / label
     model = export(layers, hidden, folder / "export")
     calib, evaluation = samples(folder, "calib", 16, 0), samples(folder, "eval", 8, 1)
-    config = folder / "qprep.yaml"
+    suffix = "" if backend == "ort" else f"_{backend}"
+    config = folder / f"qprep{suffix}.yaml"
     config.write_text(json.dumps({  # JSON is YAML
         "model": str(model), "calibration": {"source": str(calib)}, "evaluation": {"source": str(evaluation)},
-        "output_dir": str(folder / "qprep_run"),
-        "pipeline": [{"optimize": {}}, {"quantize": {"backend": "ort"}}]}, indent=1))
-    row = {"model": label, "size_gb": size_gb(model)}
+        "output_dir": str(folder / f"qprep_run{suffix}"),
+        "pipeline": [{"optimize": {}}, {"quantize": {"backend": backend}}]}, indent=1))
+    row = {"model": label if backend == "ort" else f"{label} ({backend})", "size_gb": size_gb(model)}
     print(f"bench_scale: {label} ({row['size_gb']:.2f} GB): qprep", file=sys.stderr, flush=True)
     row["qprep"] = timed([PYTHON, "-m", "qprep", "run", str(config), "--force", "--quiet"], folder,
-                         folder / "qprep.log")
-    report = folder / "qprep_run" / "report.json"
+                         folder / f"qprep{suffix}.log")
+    report = folder / f"qprep_run{suffix}" / "report.json"
     if report.exists():
         data = json.loads(report.read_text())
         row["cosine"] = min((m.get("cosine_mean") for m in data.get("evaluation", {}).get("outputs", {}).values()
@@ -166,10 +168,12 @@ def main() -> int:
                         help="layers x hidden (24x1600 is the 2.9 GB external-data model)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/qprep-scale"))
     parser.add_argument("--markdown", type=Path, help="also write the table here")
+    parser.add_argument("--backend", default="ort", choices=("ort", "fp16"),
+                        help="qprep's quantize backend (ORT alone is always quantize_static INT8)")
     args = parser.parse_args()
     rows = []
     for label in args.sizes:
-        rows.append(measure(label, args.work))
+        rows.append(measure(label, args.work, args.backend))
         print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     text = table(rows)
     print(text)
