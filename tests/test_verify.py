@@ -210,3 +210,28 @@ def test_weights_one_ulp_away_holds_each_weight_once():
     assert resident_mb() - before < 96  # one 64 MB copy, not two
     steps = np.abs(numpy_helper.to_array(moved.graph.initializer[0]).view(np.int32) - 0x3F800000)
     assert steps.min() == 1 and steps.max() == 1
+
+
+def test_a_kernel_that_refuses_its_values_gets_no_input_dims_advice():
+    """QLinearConv with per-channel weight zero points that differ: ORT refuses at run time, and the message
+    must not send the user to `inputs:` (it did: "fix the input dims with `inputs:`")."""
+    import numpy as np
+    import pytest
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qprep.errors import ModelError
+    from qprep.model.runtime import run_model
+
+    c = lambda name, value, dtype: numpy_helper.from_array(np.asarray(value, dtype), name)
+    inits = [c("xs", 0.1, np.float32), c("xz", 0, np.uint8), c("w", np.ones((2, 1, 1, 1)), np.uint8),
+             c("ws", [0.1, 0.1], np.float32), c("wz", [0, 128], np.uint8), c("ys", 0.1, np.float32),
+             c("yz", 0, np.uint8)]
+    node = helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 1, 2, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 7
+    with pytest.raises(ModelError) as raised:
+        run_model(model, [{"x": np.ones((1, 1, 2, 2), np.uint8)}])
+    assert "zero point" in str(raised.value) and "inputs:" not in str(raised.value)
+    assert "keep that node float" in str(raised.value)

@@ -23,9 +23,27 @@ def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
         outputs = [o.name for o in session.get_outputs()]
         return [dict(zip(outputs, session.run(outputs, {n: s[n] for n in names}))) for s in samples]
     except Exception as exc:  # ORT raises its own exception types
-        raise ModelError(f"ONNX Runtime cannot run the model on the verification samples "
-                         f"({str(exc).splitlines()[0][:200]}); fix the input dims with `inputs:` or give "
-                         "calibration data") from None
+        message = _short(str(exc).splitlines()[0])
+        raise ModelError(f"ONNX Runtime cannot run the model on the verification samples ({message}); "
+                         f"{_advice(message)}") from None
+
+
+def _short(message: str) -> str:
+    """ORT's kernel errors put a source path and a C++ signature between the node's name and the sentence that
+    explains: keep the start (node name) and the end (the explanation)."""
+    return message if len(message) <= 300 else f"{message[:130]} … {message[-160:]}"
+
+
+SHAPE_WORDS = ("dimension", "shape", "rank", "broadcast", "index", "reshape", "size")
+
+
+def _advice(message: str) -> str:
+    """What to do: shape trouble comes from the samples or the input dims; a kernel that refuses the values it
+    was given (e.g. "QLinearConv : zero point of per-channel filter must be same") does not."""
+    if any(word in message.lower() for word in SHAPE_WORDS):
+        return "fix the input dims with `inputs:` or give calibration data"
+    return ("an operator's kernel refused the model (see the node named above): keep that node float "
+            "(keep_float, or quantize.ort.nodes_to_exclude) or change the setting that produced it")
 
 
 def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], threads: int = 2):
