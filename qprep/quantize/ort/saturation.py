@@ -73,36 +73,27 @@ def _qdq(name: str, scale: float, zero_point: int, dtype) -> list[TensorProto]:
 def _probe_matmul() -> tuple[onnx.ModelProto, dict]:
     """x[1, DEPTH] → Q(uint8, 255 everywhere) → DQ → MatMul with DQ(int8 weights of 127) → Q → DQ: the exact
     result is DEPTH (255 · 127 · DEPTH times scales 1/255 · 1/127); saturated pair sums give about half."""
-    weights = numpy_helper.from_array(np.full((DEPTH, 8), 127, np.int8), "w_q")
-    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero_point"], ["x_q"]),
-             helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero_point"], ["x_dq"]),
-             helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero_point"], ["w_dq"]),
-             helper.make_node("MatMul", ["x_dq", "w_dq"], ["y"]),
-             helper.make_node("QuantizeLinear", ["y", "y_scale", "y_zero_point"], ["y_q"]),
-             helper.make_node("DequantizeLinear", ["y_q", "y_scale", "y_zero_point"], ["out"])]
-    initializers = [weights, *_qdq("x", 1 / 255, 0, np.uint8), *_qdq("w", 1 / 127, 0, np.int8),
-                    *_qdq("y", OUTPUT_STEP, 0, np.uint8)]
-    graph = helper.make_graph(nodes, "u8s8_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, DEPTH])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 8])], initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 7
-    return model, {"x": np.ones((1, DEPTH), np.float32)}
+    return _probe("MatMul", [1, DEPTH], (DEPTH, 8), [1, 8])
 
 
 def _probe_conv() -> tuple[onnx.ModelProto, dict]:
     """The same sums as a 1×1 Conv (ORT's QLinearConv, another kernel path)."""
-    weights = numpy_helper.from_array(np.full((8, DEPTH, 1, 1), 127, np.int8), "w_q")
+    return _probe("Conv", [1, DEPTH, 4, 4], (8, DEPTH, 1, 1), [1, 8, 4, 4])
+
+
+def _probe(op_type: str, x_shape: list[int], w_shape: tuple, y_shape: list[int]) -> tuple[onnx.ModelProto, dict]:
     nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero_point"], ["x_q"]),
              helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero_point"], ["x_dq"]),
              helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero_point"], ["w_dq"]),
-             helper.make_node("Conv", ["x_dq", "w_dq"], ["y"]),
+             helper.make_node(op_type, ["x_dq", "w_dq"], ["y"]),
              helper.make_node("QuantizeLinear", ["y", "y_scale", "y_zero_point"], ["y_q"]),
              helper.make_node("DequantizeLinear", ["y_q", "y_scale", "y_zero_point"], ["out"])]
-    initializers = [weights, *_qdq("x", 1 / 255, 0, np.uint8), *_qdq("w", 1 / 127, 0, np.int8),
+    initializers = [numpy_helper.from_array(np.full(w_shape, 127, np.int8), "w_q"),
+                    *_qdq("x", 1 / 255, 0, np.uint8), *_qdq("w", 1 / 127, 0, np.int8),
                     *_qdq("y", OUTPUT_STEP, 0, np.uint8)]
-    graph = helper.make_graph(nodes, "u8s8_probe_conv",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, DEPTH, 4, 4])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 8, 4, 4])], initializers)
+    graph = helper.make_graph(nodes, f"u8s8_probe_{op_type}",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, y_shape)], initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 7
-    return model, {"x": np.ones((1, DEPTH, 4, 4), np.float32)}
+    return model, {"x": np.ones(x_shape, np.float32)}
