@@ -31,7 +31,11 @@ def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
 def _short(message: str) -> str:
     """ORT's kernel errors put a source path and a C++ signature between the node's name and the sentence that
     explains: keep the start (node name) and the end (the explanation)."""
-    return message if len(message) <= 300 else f"{message[:130]} … {message[-160:]}"
+    if len(message) <= 300:
+        return message
+    named = message.find(" Status Message:")  # ORT: "... while running <Op> node. Name:'<node>' Status Message: ..."
+    head = message[:named] if 0 < named <= 200 else message[:130]
+    return f"{head} … {message[-160:]}"
 
 
 SHAPE_WORDS = ("dimension", "shape", "rank", "broadcast", "index", "reshape", "size")
