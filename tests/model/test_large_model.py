@@ -1,5 +1,5 @@
-"""Opt-in (QPREP_LARGE_TESTS=1, ~16 GB RAM, ~5 minutes): a model over protobuf's 2 GB limit loads from
-external data, goes through the optimize stage (verified), ONNX Runtime quantization and FP16, is evaluated, and the
+"""Opt-in (QPREP_LARGE_TESTS=1, ~16 GB RAM, ~7 minutes, peak 13.2 GB): a model over protobuf's 2 GB limit
+loads from external data, goes through the optimize stage (verified), ONNX Runtime quantization and FP16, is evaluated, and the
 optimized model is saved with external data again. (ONNX's shape inference returned an empty model for it: the
 run refused its own samples, "this one has 0" inputs.)"""
 
