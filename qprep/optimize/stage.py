@@ -65,9 +65,8 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
         outcome, candidate = _round_at_once(active, current, settings, verifier, records, checks)
         if outcome == "replay":  # a pass raised, or the round's passes together changed the numbers
             checks["rounds_replayed"] += 1
-            current = ir.from_proto(model)
-            candidate, current = _round_pass_by_pass(active, current, model, settings, verifier, records,
-                                                     rolled_back, round_index, checks)
+            candidate, current = _round_pass_by_pass(active, model, settings, verifier, records, rolled_back,
+                                                     round_index, checks)
             outcome = "unchanged" if candidate is model else "accepted"
         if outcome == "unchanged":
             break  # the next round would match nothing either
@@ -122,25 +121,23 @@ def _round_at_once(active: list[str], current: ir.Model, settings: PassSettings,
             return "replay", None
         checks["rounds_checked_at_once"] += 1
     for name, outcome, before, after in pending:
-        record = records[name]
-        record["details"] = _merge(record["details"], outcome.details)
+        records[name]["details"] = _merge(records[name]["details"], outcome.details)
         if outcome.matches:
-            record["matches"] += outcome.matches
-            record["accepted"] += outcome.matches
-            record["nodes_removed"] += sum(before.values()) - sum(after.values())
-            record["op_delta"] = _merge(record.get("op_delta", {}), _count_delta(before, after))
-            record["verification"] = {**verdict.as_dict(), "checked_with": changed}
+            records[name]["matches"] += outcome.matches
+            _accept(records[name], outcome, before, after, {**verdict.as_dict(), "checked_with": changed})
     return ("accepted", candidate) if changed else ("unchanged", None)
 
 
-def _round_pass_by_pass(active: list[str], current: ir.Model, model: onnx.ModelProto, settings: PassSettings,
-                        verifier: Verifier, records: dict, rolled_back: list[dict], round_index: int,
+def _round_pass_by_pass(active: list[str], model: onnx.ModelProto, settings: PassSettings, verifier: Verifier,
+                        records: dict, rolled_back: list[dict], round_index: int,
                         checks: dict) -> tuple[onnx.ModelProto, ir.Model]:
-    """One round with a check after every pass that changed something; a pass that raises or changes the
-    numbers is rolled back (appended to `rolled_back`). Returns the last accepted model (`model` itself when
-    nothing was accepted) and its IR."""
+    """One round from `model` with a check after every pass that changed something; a pass that raises or
+    changes the numbers is rolled back (appended to `rolled_back`). Returns the last accepted model (`model`
+    itself when nothing was accepted) and its IR."""
+    current = ir.from_proto(model)
     for name in active:
         record = records[name]
+        before = _ir_op_counts(current)
         start = time.perf_counter()
         try:
             outcome = all_passes()[name].apply(current, settings)
@@ -163,12 +160,17 @@ def _round_pass_by_pass(active: list[str], current: ir.Model, model: onnx.ModelP
             _roll_back(name, round_index, problem or verdict.reason, verdict.outputs if verdict else {}, rolled_back)
             current = ir.from_proto(model)
             continue
-        record["accepted"] += outcome.matches
-        record["nodes_removed"] += model_info.node_count(model) - model_info.node_count(candidate)
-        record["op_delta"] = _merge(record.get("op_delta", {}), _op_delta(model, candidate))
-        record["verification"] = verdict.as_dict()
+        _accept(record, outcome, before, _ir_op_counts(current), verdict.as_dict())
         model = candidate
     return model, current
+
+
+def _accept(record: dict, outcome, before: Counter, after: Counter, verification: dict) -> None:
+    """A pass's changes kept: what it rewrote, the nodes and op types it changed, the check that accepted it."""
+    record["accepted"] += outcome.matches
+    record["nodes_removed"] += sum(before.values()) - sum(after.values())
+    record["op_delta"] = _merge(record.get("op_delta", {}), _count_delta(before, after))
+    record["verification"] = verification
 
 
 def _check(candidate: onnx.ModelProto, verifier: Verifier, checks: dict):
@@ -232,11 +234,6 @@ def _settings(options: dict, stages: list[tuple[str, dict]]) -> PassSettings:
     max_opset = options["max_opset"] or (RKNN_MAX_OPSET if backend == "rknn" else 21)
     return PassSettings(fold_max_elements=options["fold_max_elements"], max_opset=max_opset,
                         gelu=options["gelu"], backend=backend)
-
-
-def _op_delta(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[str, int]:
-    """Op types whose count changed, e.g. {"LayerNormalization": 13, "ReduceMean": -26}."""
-    return _count_delta(Counter(model_info.op_counts(before)), Counter(model_info.op_counts(after)))
 
 
 def _merge(old: dict, new: dict) -> dict:
