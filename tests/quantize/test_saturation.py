@@ -36,9 +36,9 @@ def test_the_probes_reference_is_exact_and_uint8_weights_never_saturate(probe):
 
 @pytest.mark.parametrize("saturates", [True, False])
 def test_reduce_range_auto_follows_the_probe_and_the_report_says_why(tmp_path, save, monkeypatch, saturates):
-    from qprep.quantize import ort as ort_backend
+    from qprep.quantize.ort import quantizer
 
-    monkeypatch.setattr(ort_backend, "u8s8_saturates", lambda: saturates)
+    monkeypatch.setattr(quantizer, "u8s8_saturates", lambda: saturates)
     data = tmp_path / "data"
     data.mkdir()
     for i in range(4):

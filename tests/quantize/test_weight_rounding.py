@@ -63,7 +63,8 @@ def test_gptq_lowers_the_output_error_and_stays_in_the_quantizers_range(case, tm
     kind, w_shape, x_shape, attrs = CASES[case]
     weight = np.random.default_rng(1).standard_normal(w_shape)
     model = _model(kind, weight, x_shape, **attrs)
-    options = validate({"weight_rounding": "nearest"}, ort.OPTIONS, "quantize.ort", tmp_path)
+    # GPTQ on the full 8-bit grid (reduce_range auto would take 7 bits on a CPU whose u8s8 kernels saturate)
+    options = validate({"weight_rounding": "nearest", "reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)
     samples = _samples(x_shape)
     nearest = OrtQuantizer(model, samples, options, tmp_path).build(set())
     layers = gptq.find_layers(nearest, model)
@@ -112,7 +113,7 @@ def test_exactly_representable_weights_keep_their_integers(tmp_path):
     integers = np.random.default_rng(3).integers(-127, 128, (6, 3, 3, 3))
     integers[:, 0, 0, 0] = 127  # every channel reaches the top of the range, so ORT's scale is `scale`
     model = _model("Conv", integers * scale, [1, 3, 8, 8], pads=[1, 1, 1, 1])
-    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = validate({"reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)  # the 8-bit grid
     quantizer = OrtQuantizer(model, _samples([1, 3, 8, 8]), options, tmp_path)
     quantized = quantizer.build(set())
     stored = next(t for t in quantized.graph.initializer if t.name.endswith("_quantized") and t.dims[0] == 6)

@@ -20,7 +20,6 @@ import logging
 from qprep.errors import QprepError
 from qprep.qdq import float_maxpool
 from qprep.quantize.backend import BackendInput, Quantized
-from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")
@@ -83,8 +82,6 @@ def quantize(job: BackendInput) -> Quantized:
         options = job.options = {**options, "activations": chosen}
         activations.update(chosen=chosen, why=why)
         log.info("ort: activations %s (%s)", chosen, why)
-    options, weights = _weight_range(options)
-    job.options = options
     unknown = sorted(set(options["nodes_to_exclude"]) - {n.name for n in job.model.graph.node})
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
@@ -98,7 +95,7 @@ def quantize(job: BackendInput) -> Quantized:
     quantized = quantizer.build(excluded, settings)
     if not quantizer.dynamic:  # exact, for speed: ORT would run these MaxPools on uint8 with a slow kernel
         quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
-    details.update({"activations": activations, "weights": weights, "excluded_nodes": sorted(excluded),
+    details.update({"activations": activations, "weights": quantizer.weights, "excluded_nodes": sorted(excluded),
                     "calibration_samples": len(job.samples),
                     "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,
                     "bias_correction": quantizer.bias,
@@ -117,23 +114,3 @@ def quantize(job: BackendInput) -> Quantized:
         details["opset_upgraded_from"] = quantizer.upgraded_from
     return Quantized(model=quantized, details=details)
 
-
-def _weight_range(options: dict) -> tuple[dict, dict]:
-    """Resolve reduce_range "auto": 7-bit int8 weights for static activations where this CPU's u8s8 kernels
-    saturate, so that the model evaluated here (and run on any CPU) computes what its QDQ graph says. Measured on
-    an AMD EPYC (AVX2, no VNNI): EfficientNet-Lite0 (static) full-range weights cosine 0.901 / top-1 72.7%, 7-bit
-    0.995 / 94.5%; MiniLM (dynamic: activations quantized per inference around their own zero point, which keeps
-    the pair sums mostly in range) full-range 0.977, 7-bit 0.848 — so dynamic keeps 8-bit weights."""
-    configured = options["reduce_range"]
-    if configured != "auto":
-        return options, {"reduce_range": configured, "why": "configured"}
-    if options["weight_type"] != "int8":
-        return {**options, "reduce_range": False}, {"reduce_range": False, "why": "uint8 weights do not saturate"}
-    saturates = u8s8_saturates()
-    why = this_cpu()
-    if saturates and options["activations"] == "dynamic":
-        why += "; dynamic activations keep 8-bit weights (measured: MiniLM cosine 0.977 with them, 0.848 with 7-bit)"
-        saturates = False
-    elif saturates:
-        log.info("ort: 7-bit weights (reduce_range): %s", why)
-    return {**options, "reduce_range": saturates}, {"reduce_range": saturates, "why": why}
