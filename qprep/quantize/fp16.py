@@ -11,6 +11,9 @@ from qprep.model import io
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.schema import Key, section
 
+# onnxconverter-common's defaults, passed to it and used when filling a heavy model's weights, so both agree
+MIN_POSITIVE, MAX_FINITE = 1e-7, 1e4
+
 OPTIONS = section(
     "float16 conversion (backend: fp16)",
     keep_io_types=Key("bool", default=True, doc="keep float32 inputs/outputs (casts inserted inside)"),
@@ -29,7 +32,8 @@ def quantize(job: BackendInput) -> Quantized:
     skeleton, weights = io.weightless(model) if io.is_heavy(model) else (model, [])
     converted = float16.convert_float_to_float16(
         io.inferred_shapes(skeleton), keep_io_types=options["keep_io_types"], op_block_list=blocked_ops,
-        node_block_list=sorted(float_set), disable_shape_infer=True)
+        node_block_list=sorted(float_set), disable_shape_infer=True, min_positive_val=MIN_POSITIVE,
+        max_finite_val=MAX_FINITE)
     _fill_weights(converted, weights)
     restored = _restore_output_types(model, converted) if options["keep_io_types"] else []
     return Quantized(model=converted, details={"kept_float32_ops": blocked_ops, "kept_float32_nodes": sorted(float_set),
@@ -48,7 +52,7 @@ def _fill_weights(converted: onnx.ModelProto, weights: list[onnx.TensorProto]) -
         if original is None:
             continue
         if stub.data_type == onnx.TensorProto.FLOAT16 and original.data_type == onnx.TensorProto.FLOAT:
-            values = float16.convert_np_to_float16(numpy_helper.to_array(original), 1e-7, 1e4)
+            values = float16.convert_np_to_float16(numpy_helper.to_array(original), MIN_POSITIVE, MAX_FINITE)
             stub.CopyFrom(numpy_helper.from_array(values.astype(np.float16), stub.name))
         else:
             stub.CopyFrom(original)
