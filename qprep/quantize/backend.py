@@ -27,6 +27,7 @@ class Quantized:
     runner: Callable[[list[dict]], list[dict]] | None = None  # None: evaluate the ONNX model with ORT
     analyzer: Callable[[list[dict]], list[dict]] | None = None  # per-layer rows from the backend's own tool
     close: Callable[[], None] | None = None  # frees what runner/analyzer hold (RKNN: the toolkit worker)
+    warnings: list[str] = field(default_factory=list)  # → report["warnings"]
 
 
 @dataclass

@@ -3,6 +3,8 @@ model's input/output types unchanged, so callers feed and read the same dtypes a
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -30,14 +32,38 @@ def quantize(job: BackendInput) -> Quantized:
     # onnxconverter-common converts in place what its shape inference returns: a copy, and over 2 GB an empty
     # model. A heavy model is converted as its weightless skeleton, its weights filled in after.
     skeleton, weights = io.weightless(model) if io.is_heavy(model) else (model, [])
-    converted = float16.convert_float_to_float16(
-        io.inferred_shapes(skeleton), keep_io_types=options["keep_io_types"], op_block_list=blocked_ops,
-        node_block_list=sorted(float_set), disable_shape_infer=True, min_positive_val=MIN_POSITIVE,
-        max_finite_val=MAX_FINITE)
-    _fill_weights(converted, weights)
+    with warnings.catch_warnings():  # one per tensor it clips (hundreds in the run log): _clipped names them
+        warnings.filterwarnings("ignore", message="the float32 number .* will be truncated")
+        converted = float16.convert_float_to_float16(
+            io.inferred_shapes(skeleton), keep_io_types=options["keep_io_types"], op_block_list=blocked_ops,
+            node_block_list=sorted(float_set), disable_shape_infer=True, min_positive_val=MIN_POSITIVE,
+            max_finite_val=MAX_FINITE)
+        _fill_weights(converted, weights)
+    clipped = _clipped(weights or model.graph.initializer, converted)
     restored = _restore_output_types(model, converted) if options["keep_io_types"] else []
-    return Quantized(model=converted, details={"kept_float32_ops": blocked_ops, "kept_float32_nodes": sorted(float_set),
-                                               "outputs_cast_back": restored})
+    details = {"kept_float32_ops": blocked_ops, "kept_float32_nodes": sorted(float_set),
+               "outputs_cast_back": restored, "clipped_to_float16_range": clipped}
+    notes = []
+    if clipped:
+        largest = max(clipped.values())
+        names = ", ".join(sorted(clipped)[:3]) + (", …" if len(clipped) > 3 else "")
+        notes.append(f"quantize: float16 clipped {len(clipped)} weight tensor(s) to ±{MAX_FINITE:g}: {names} "
+                     f"(|value| up to {largest:.3g}); if the accuracy suffers, keep the nodes that read them "
+                     "float32 (keep_float)")
+    return Quantized(model=converted, details=details, warnings=notes)
+
+
+def _clipped(originals, converted: onnx.ModelProto) -> dict[str, float]:
+    """Float32 weights the conversion clipped to ±MAX_FINITE: name → largest |value|. onnxconverter-common only
+    warns, without the tensor's name; values under MIN_POSITIVE it raises to it change nothing measurable."""
+    halves = {t.name for t in converted.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16}
+    clipped = {}
+    for tensor in originals:
+        if tensor.name in halves and tensor.data_type == onnx.TensorProto.FLOAT:
+            largest = float(np.abs(numpy_helper.to_array(tensor)).max(initial=0.0))
+            if largest > MAX_FINITE:
+                clipped[tensor.name] = largest
+    return clipped
 
 
 def _fill_weights(converted: onnx.ModelProto, weights: list[onnx.TensorProto]) -> None:

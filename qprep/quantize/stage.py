@@ -105,7 +105,7 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
         result = _backend(backend).quantize(job)
     if job.extremes.tensors:
         result.details["nonfinite"] = {**job.extremes.record(), **result.details.get("nonfinite", {})}
-    warnings = []
+    warnings = list(result.warnings)
     if backend == "ort" and result.model is not None and model_info.model_kind(result.model) == model_info.FLOAT:
         warnings.append("quantize: ONNX Runtime quantized nothing (no op it quantizes lies outside the float set and "
                         "control-flow branches, which it never enters): the result runs in float, so its accuracy "

@@ -46,3 +46,14 @@ def test_a_heavy_model_converts_to_the_same_float16_model(tmp_path, save, monkey
     assert heavy_arrays["w1"].dtype == np.float16 and heavy_arrays["gamma"].dtype == np.float32
     assert heavy_arrays["bias"].max() == np.float16(1e4)
     assert [n.op_type for n in heavy.graph.node] == [n.op_type for n in plain.graph.node]
+
+
+def test_clipped_weights_are_named_once_in_the_report_not_per_warning_in_the_log(tmp_path, save):
+    """The 1e5 bias is clipped to 1e4 (a warning that names it); w2's 1e-8 values are raised to 1e-7 (no warning);
+    onnxconverter-common's own per-tensor warnings stay out of the run log."""
+    report = qprep.run({"model": str(save(layernorm_mlp())), "pipeline": [{"quantize": {"backend": "fp16"}}]},
+                       output_dir=str(tmp_path / "run"), force=True)
+    clipped = [w for w in report["warnings"] if "float16 clipped" in w]
+    assert len(clipped) == 1 and "1 weight tensor(s) to ±10000: bias " in clipped[0] and "1e+05" in clipped[0]
+    assert report["stages"][-1]["clipped_to_float16_range"] == {"bias": 1e5}
+    assert "will be truncated" not in (tmp_path / "run" / "qprep.log").read_text()
