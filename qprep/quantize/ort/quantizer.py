@@ -28,6 +28,7 @@ from qprep.errors import QprepError
 from qprep.third_party import ort_quantization
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
+from qprep.quantize.ort import uint8_weights
 from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.model.io import compacted, is_large, save_model
 from qprep.model.runtime import run_model
@@ -255,6 +256,8 @@ class OrtQuantizer:
                       tensors_range=ranges, nodes_to_quantize=[], nodes_to_exclude=excluded,
                       op_types_to_quantize=[t for t in self.op_types if t not in settings.float_op_types],
                       extra_options=dict(self.options["extra_options"]))
+        if self.options["weight_type"] == "uint8":
+            common["extra_options"] = uint8_weights.quantizer_options(common["extra_options"])
         sixteen_bit = settings.spread_tensors if self.options["spread_tensors"] == "int16" else frozenset()
         if sixteen_bit:
             common["extra_options"] = _with_16_bit(common["extra_options"], sixteen_bit,
@@ -278,6 +281,8 @@ class OrtQuantizer:
         quantizer.model.topological_sort()  # what ORT's save_model_to_file does: new Q/DQ nodes are appended
         if sixteen_bit:
             _eight_bit_in_default_domain(quantizer.model.model)
+        if self.options["weight_type"] == "uint8":
+            uint8_weights.equal_zero_points(quantizer.model.model)
         return compacted(quantizer.model.model)  # without the float weights ORT removed
 
     def spread_nodes(self, settings: OrtSettings) -> set[str]:
