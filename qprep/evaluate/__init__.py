@@ -19,7 +19,7 @@ from qprep.model import info as model_info
 from qprep.evaluate import ctc
 from qprep.evaluate.gate import check_gate
 from qprep.evaluate.latency import interleaved, speedups
-from qprep.evaluate.layers import layer_errors
+from qprep.evaluate.layers import LayerComparison
 from qprep.errors import DataError
 from qprep.evaluate.kinds import output_kinds
 from qprep.evaluate.metrics import compare_output, wilson_interval
@@ -84,8 +84,8 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
             result["layers"] = products.analyzer(samples.samples[: cfg["layer_samples"]])
     elif cfg["layers"] and products.prepared_model is not None and products.runner is None:
         with ctx.progress.step("evaluation: per-layer error"):
-            result["layers"] = layer_errors(products.prepared_model, final_model,
-                                            samples.samples[: cfg["layer_samples"]], threads)
+            comparison = LayerComparison(products.take_prepared_model(), final_model, threads)  # its last user
+            result["layers"] = comparison.errors(samples.samples[: cfg["layer_samples"]])
     if latency is not None:
         result["latency"] = latency
     result["size_bytes"] = {"reference": Path(reference_path).stat().st_size,

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from qprep.evaluate.metrics import sqnr_of
-from qprep.model.runtime import intermediate_values
+from qprep.model.runtime import Intermediates
 from qprep.verify import cosine, same_nonfinite
 
 QDQ_SUFFIX = "_DequantizeLinear_Output"
@@ -37,23 +37,38 @@ def matched_tensors(float_model: onnx.ModelProto, quantized: onnx.ModelProto) ->
 
 def layer_errors(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[dict],
                  threads: int = 2) -> list[dict]:
-    """Cosine and SQNR per matched float tensor, worst (lowest SQNR) first. Both models run side by side one
-    sample at a time and each tensor's error is accumulated (`Drift`): holding every intermediate tensor of
-    every sample of both models made this step the run's peak (BERT-large, 8 samples: 16.5 GB, now 12.0)."""
-    pairs = matched_tensors(float_model, quantized)
-    if not pairs:
-        return []
-    drifts = {tensor: Drift() for tensor, *_ in pairs}
-    for ref, res in zip(intermediate_values(float_model, [p[0] for p in pairs], samples, threads),
-                        intermediate_values(quantized, [p[1] for p in pairs], samples, threads)):
-        for tensor, twin, *_ in pairs:
-            drifts[tensor].add(ref.get(tensor), res.get(twin))
-    rows = []
-    for order, (tensor, twin, op_type, node) in enumerate(pairs):
-        if drifts[tensor].comparable:
-            rows.append({"tensor": tensor, "node": node, "op_type": op_type, "order": order,
-                         **drifts[tensor].figures(), "quantized": twin != tensor})
-    return sorted(rows, key=lambda r: (-float("inf") if r["sqnr_db"] is None else r["sqnr_db"], r["order"]))
+    """Cosine and SQNR per matched float tensor, worst (lowest SQNR) first (see LayerComparison)."""
+    return LayerComparison(float_model, quantized, threads).errors(samples)
+
+
+class LayerComparison:
+    """Both models' sessions with their matched tensors exposed, built once. It holds neither proto, so the
+    caller can free them before the samples run (the 3.16 GB BERT's FP32 proto, beside both sessions, made the
+    per-layer error the run's peak)."""
+
+    def __init__(self, float_model: onnx.ModelProto, quantized: onnx.ModelProto, threads: int = 2):
+        self.pairs = matched_tensors(float_model, quantized)
+        self.reference = Intermediates(float_model, [p[0] for p in self.pairs], threads) if self.pairs else None
+        self.result = Intermediates(quantized, [p[1] for p in self.pairs], threads) if self.pairs else None
+
+    def errors(self, samples: list[dict]) -> list[dict]:
+        """Both models run side by side one sample at a time, each tensor's error accumulated (`Drift`): holding
+        every intermediate tensor of every sample of both models made this step the run's peak (BERT-large,
+        8 samples: 16.5 GB, now 12.0); one sample's tensors of each model are alive at a time."""
+        if not self.pairs:
+            return []
+        drifts = {tensor: Drift() for tensor, *_ in self.pairs}
+        for sample in samples:
+            ref, res = self.reference.values(sample), self.result.values(sample)
+            for tensor, twin, *_ in self.pairs:
+                drifts[tensor].add(ref.get(tensor), res.get(twin))
+            del ref, res  # before the next sample is computed
+        rows = []
+        for order, (tensor, twin, op_type, node) in enumerate(self.pairs):
+            if drifts[tensor].comparable:
+                rows.append({"tensor": tensor, "node": node, "op_type": op_type, "order": order,
+                             **drifts[tensor].figures(), "quantized": twin != tensor})
+        return sorted(rows, key=lambda r: (-float("inf") if r["sqnr_db"] is None else r["sqnr_db"], r["order"]))
 
 
 class Drift:

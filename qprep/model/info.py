@@ -64,14 +64,24 @@ def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
 def cast_to_inputs(samples: list[dict], model: onnx.ModelProto) -> list[dict]:
     """Samples cast to the model's input element types (an FP16 model with keep_io_types: false takes
     float16): the same values another model saw, in the form this one accepts."""
+    types = input_types(model)
+    return [cast_to(sample, types) for sample in samples]
+
+
+def input_types(model: onnx.ModelProto) -> dict[str, np.dtype]:
+    """Input name → numpy dtype (inputs of an element type numpy has no name for, bfloat16 …, left out)."""
     types = {}
     for spec in graph_inputs(model):
         try:
             types[spec.name] = spec.numpy_dtype
-        except TypeError:  # an element type numpy has no name for (bfloat16, …): leave the sample as it is
+        except TypeError:  # left as the sample has it
             pass
-    return [{name: value.astype(types[name]) if name in types and value.dtype != types[name] else value
-             for name, value in sample.items()} for sample in samples]
+    return types
+
+
+def cast_to(sample: dict, types: dict) -> dict:
+    return {name: value.astype(types[name]) if name in types and value.dtype != types[name] else value
+            for name, value in sample.items()}
 
 
 def graph_inputs(model: onnx.ModelProto) -> list[TensorSpec]:

@@ -54,18 +54,37 @@ def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], thre
     """Per sample, {name: value} of the tensors `names` — graph inputs from the sample, the rest from one ORT
     session running the graph as written; names the model does not compute are left out. A generator, so a
     caller that reduces (GPTQ's input moments) never holds every sample's values at once."""
-    from qprep.model.info import cast_to_inputs, graph_inputs
+    tap = Intermediates(model, names, threads)
+    for sample in samples:
+        yield tap.values(sample)
 
-    wanted = list(dict.fromkeys(names))
-    inputs = {spec.name for spec in graph_inputs(model)}  # initializers listed as inputs: not in samples
-    produced = {o for node in model.graph.node for o in node.output}
-    computed = [n for n in wanted if n not in inputs and n in produced]
-    session = ort_session(model, threads=threads, extra_outputs=computed)
-    feeds = [i.name for i in session.get_inputs()]
-    available = [n for n in computed if n in {o.name for o in session.get_outputs()}]
-    for sample in cast_to_inputs(samples, model):
-        values = dict(zip(available, session.run(available, {n: sample[n] for n in feeds}) if available else []))
-        yield {n: np.asarray(sample[n]) if n in inputs else values[n] for n in wanted if n in inputs or n in values}
+
+class Intermediates:
+    """One ORT session that exposes the tensors `names` of a model (see intermediate_values). It keeps no
+    reference to the model: a caller may free the proto once this exists (a 3 GB BERT's FP32 proto stayed
+    beside the per-layer error's two sessions)."""
+
+    def __init__(self, model: onnx.ModelProto, names, threads: int = 2):
+        from qprep.model.info import graph_inputs, input_types
+
+        self.wanted = list(dict.fromkeys(names))
+        self.inputs = {spec.name for spec in graph_inputs(model)}  # initializers listed as inputs: not in samples
+        self.types = input_types(model)
+        produced = {o for node in model.graph.node for o in node.output}
+        computed = [n for n in self.wanted if n not in self.inputs and n in produced]
+        self.session = ort_session(model, threads=threads, extra_outputs=computed)
+        self.feeds = [i.name for i in self.session.get_inputs()]
+        self.available = [n for n in computed if n in {o.name for o in self.session.get_outputs()}]
+
+    def values(self, sample: dict) -> dict:
+        """One sample's tensors (each call returns fresh arrays: hold only what you need)."""
+        from qprep.model.info import cast_to
+
+        sample = cast_to(sample, self.types)
+        values = dict(zip(self.available, self.session.run(self.available, {n: sample[n] for n in self.feeds})
+                          if self.available else []))
+        return {n: np.asarray(sample[n]) if n in self.inputs else values[n] for n in self.wanted
+                if n in self.inputs or n in values}
 
 
 def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False, extra_outputs=(),

@@ -85,6 +85,12 @@ class Products:
     deployable: str | None = None
     fallback_target: dict = field(default_factory=dict)
 
+    def take_prepared_model(self) -> onnx.ModelProto | None:
+        """The prepared float model for its last user (the per-layer error), which lets it go once its session
+        holds the weights: kept here, a multi-GB proto stays beside that session."""
+        model, self.prepared_model = self.prepared_model, None
+        return model
+
     def add(self, result: StageResult) -> None:
         self.warnings += result.warnings
         self.artifacts.update(result.artifacts)

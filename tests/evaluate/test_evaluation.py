@@ -371,26 +371,48 @@ def test_a_tensors_drift_accumulated_sample_by_sample_equals_the_figures_over_al
 
 def test_the_reference_model_is_released_after_latency_and_before_the_per_layer_error(tmp_path, monkeypatch):
     """The per-layer error runs two sessions of its own: the reference model (a big model's whole weights) must
-    be gone by then, so latency, its last use, is timed first; the report keeps its order."""
+    be gone by then, so latency, its last use, is timed first; the report keeps its order. The prepared model is
+    handed to the per-layer comparison, which keeps no proto once its sessions exist."""
     import onnx
+    from onnx import helper
 
     import qprep
-    from graphs import tiny_conv_model
+    from graphs import make_model
     from qprep import evaluate as evaluation
     from qprep.evaluate.reference import ReferenceOutputs
 
-    onnx.save(tiny_conv_model(batch=1), str(tmp_path / "m.onnx"))
+    rng = np.random.default_rng(0)
+    two_convs = make_model([helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+                            helper.make_node("Sigmoid", ["c1"], ["s"]),
+                            helper.make_node("Conv", ["s", "w2"], ["y"], pads=[1, 1, 1, 1])],
+                           [("x", [1, 3, 8, 8])], [("y", [1, 4, 8, 8])],
+                           {"w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+                            "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32)}, opset=13)
+    onnx.save(two_convs, str(tmp_path / "m.onnx"))
     (tmp_path / "eval").mkdir()
     for i in range(4):
         np.save(tmp_path / "eval" / f"{i}.npy", np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32))
     calls = []
-    for module, name in ((evaluation, "_latency"), (evaluation, "layer_errors"), (ReferenceOutputs, "release")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    built = []
+
+    def spy(real, name):
+        def called(*args, **kwargs):
+            calls.append(name)
+            built.append(real(*args, **kwargs))
+            return built[-1]
+        return called
+
+    for module, name in ((evaluation, "_latency"), (evaluation, "LayerComparison"), (ReferenceOutputs, "release")):
+        monkeypatch.setattr(module, name, spy(getattr(module, name), name))
     report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "eval")},
                         "evaluation": {"source": str(tmp_path / "eval"), "latency": {"runs": 2, "warmup": 1}},
                         "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
-    assert calls == ["_latency", "release", "layer_errors"]
+    assert calls == ["_latency", "release", "LayerComparison"]
+    # the prepared model was handed over and the comparison keeps no proto: nothing holds its weights any more
+    comparison = built[-1]
+    assert comparison.pairs and report["evaluation"]["layers"]
+    held = [vars(comparison), vars(comparison.reference), vars(comparison.result)]
+    assert not [v for attributes in held for v in attributes.values() if isinstance(v, onnx.ModelProto)]
     keys = list(report["evaluation"])
     assert keys.index("layers") < keys.index("latency")
 

@@ -34,7 +34,9 @@ OPTIONS = section(
     format=Key("str", default="qdq", choices=("qdq", "qoperator"), doc="QDQ (recommended) or QOperator; "
                "dynamic activations are always QOperator (MatMulInteger)"),
     activation_type=Key("str", default="uint8", choices=("uint8", "int8"), doc="activation integer type"),
-    weight_type=Key("str", default="int8", choices=("int8", "uint8"), doc="weight integer type"),
+    weight_type=Key("str", default="int8", choices=("int8", "uint8"),
+                    doc="weight integer type; uint8 weights are symmetric around 128 (ORT's integer Conv needs one "
+                        "zero point per weight: quantize/ort/uint8_weights.py)"),
     per_channel=Key("bool", default=True, doc="per-output-channel weight scales"),
     reduce_range=Key("any", default="auto", choices=("auto", True, False),
                      doc="7-bit int8 weights; auto: where this CPU's ONNX Runtime u8s8 kernels saturate (x86 without "
