@@ -71,8 +71,8 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     if products.runner is not None:
         latency = {"status": "not measured (no device): the result runs on the toolkit's simulator"}
     elif cfg["latency"]["runs"] > 0:
-        with ctx.progress.step("evaluation: latency"):
-            latency = _latency(run.model, final_model, samples.samples[0], threads, cfg["latency"])
+        with ctx.progress.step("evaluation: latency"):  # the reference's session, built for its outputs, reused
+            latency = _latency(run.session(), final_model, samples.samples[0], threads, cfg["latency"])
         if latency["speedup"] < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
             notes.append(f"the result runs {latency['speedup']:.2f}× the reference's speed on this CPU "
                          "(slower): check it on the deployment CPU before shipping it for speed")

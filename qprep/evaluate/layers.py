@@ -42,9 +42,9 @@ def layer_errors(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sampl
 
 
 class LayerComparison:
-    """Both models' sessions with their matched tensors exposed, built once. It holds neither proto, so the
-    caller can free them before the samples run (the 3.16 GB BERT's FP32 proto, beside both sessions, made the
-    per-layer error the run's peak)."""
+    """Both models' sessions with their matched tensors exposed (Intermediates: built on first use from what
+    ORT needs, holding neither proto). A caller that hands over its last reference to a model frees it before
+    the sessions are built (the 3.16 GB BERT's FP32 proto, beside both sessions, made this step the run's peak)."""
 
     def __init__(self, float_model: onnx.ModelProto, quantized: onnx.ModelProto, threads: int = 2):
         self.pairs = matched_tensors(float_model, quantized)

@@ -18,14 +18,23 @@ def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
     """Outputs of `model` for every sample (only the inputs the model declares are fed). `optimize=True` runs
     it as deployed (ORT_ENABLE_ALL: QDQ fused into integer kernels); False runs the graph exactly as written."""
     try:
-        session = ort_session(model, threads=threads, optimize=optimize)
-        names = [i.name for i in session.get_inputs()]
-        outputs = [o.name for o in session.get_outputs()]
-        return [dict(zip(outputs, session.run(outputs, {n: s[n] for n in names}))) for s in samples]
+        return session_outputs(ort_session(model, threads=threads, optimize=optimize), samples)
     except Exception as exc:  # ORT raises its own exception types
-        message = _short(str(exc).splitlines()[0])
-        raise ModelError(f"ONNX Runtime cannot run the model on the verification samples ({message}); "
-                         f"{_advice(message)}") from None
+        raise model_error(exc) from None
+
+
+def model_error(exc: Exception) -> ModelError:
+    """ORT's failure to build or run a model, in one line with what to do."""
+    message = _short(str(exc).splitlines()[0])
+    return ModelError(f"ONNX Runtime cannot run the model on the verification samples ({message}); "
+                      f"{_advice(message)}")
+
+
+def session_outputs(session, samples: list[dict]) -> list[dict[str, np.ndarray]]:
+    """Every output of a built session for every sample (only the inputs it declares are fed)."""
+    names = [i.name for i in session.get_inputs()]
+    outputs = [o.name for o in session.get_outputs()]
+    return [dict(zip(outputs, session.run(outputs, {n: s[n] for n in names}))) for s in samples]
 
 
 def _short(message: str) -> str:
@@ -60,9 +69,10 @@ def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], thre
 
 
 class Intermediates:
-    """One ORT session that exposes the tensors `names` of a model (see intermediate_values). It keeps no
-    reference to the model: a caller may free the proto once this exists (a 3 GB BERT's FP32 proto stayed
-    beside the per-layer error's two sessions)."""
+    """One ORT session that exposes the tensors `names` of a model (see intermediate_values), built on first use
+    from a SessionRecipe. It keeps no reference to the model: a caller may free the proto once this exists, and
+    the session is then built without it (a 3 GB BERT's FP32 proto stayed beside the per-layer error's two
+    sessions)."""
 
     def __init__(self, model: onnx.ModelProto, names, threads: int = 2):
         from qprep.model.info import graph_inputs, input_types
@@ -71,43 +81,45 @@ class Intermediates:
         self.inputs = {spec.name for spec in graph_inputs(model)}  # initializers listed as inputs: not in samples
         self.types = input_types(model)
         produced = {o for node in model.graph.node for o in node.output}
-        computed = [n for n in self.wanted if n not in self.inputs and n in produced]
-        self.session = ort_session(model, threads=threads, extra_outputs=computed)
-        self.feeds = [i.name for i in self.session.get_inputs()]
-        self.available = [n for n in computed if n in {o.name for o in self.session.get_outputs()}]
+        self.computed = [n for n in self.wanted if n not in self.inputs and n in produced]
+        self.threads = threads
+        self._recipe: SessionRecipe | None = SessionRecipe(model, self.computed)
+        self._session = None
+
+    @property
+    def session(self):
+        if self._session is None:
+            self._session, self._recipe = ort_session(self._recipe, threads=self.threads), None
+        return self._session
 
     def values(self, sample: dict) -> dict:
         """One sample's tensors (each call returns fresh arrays: hold only what you need)."""
         from qprep.model.info import cast_to
 
+        session = self.session
+        feeds = [i.name for i in session.get_inputs()]
+        outputs = {o.name for o in session.get_outputs()}
+        available = [n for n in self.computed if n in outputs]
         sample = cast_to(sample, self.types)
-        values = dict(zip(self.available, self.session.run(self.available, {n: sample[n] for n in self.feeds})
-                          if self.available else []))
+        values = dict(zip(available, session.run(available, {n: sample[n] for n in feeds}) if available else []))
         return {n: np.asarray(sample[n]) if n in self.inputs else values[n] for n in self.wanted
                 if n in self.inputs or n in values}
 
 
-def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False, extra_outputs=(),
+def ort_session(model: "onnx.ModelProto | SessionRecipe", threads: int = 2, optimize: bool = False, extra_outputs=(),
                 log_severity: int = 3):
-    """An ONNX Runtime CPU session for an in-memory model.
+    """An ONNX Runtime CPU session for an in-memory model (or a SessionRecipe made from one; a session passed in
+    is returned as it is).
 
     `optimize=False` runs the graph exactly as written (ORT_DISABLE_ALL): verification compares what qprep
     wrote, not what ORT would have fused. `extra_outputs` exposes intermediate tensors by name. `log_severity`
     4 also hides ORT's error lines (for a probe whose failure is expected and reported by the caller).
-    A heavy model (io.is_heavy) goes in without its big weights, which ORT takes from memory: over 2 GB the
-    proto cannot be serialized (a temp file per session took 12 s on a 2.2 GB model), below it serializing
-    costs 2 s per BERT-large, and exposing intermediate tensors copied every weight once more. ORT copies the
-    arrays, so they are freed once the session exists: kept, they held every weight twice per session.
     """
     import onnxruntime as ort
 
-    graph, weights = weightless(model) if is_heavy(model) else (model, [])
-    if extra_outputs:
-        graph = copy.deepcopy(graph) if graph is model else graph
-        present = {o.name for o in graph.graph.output}
-        for name in extra_outputs:
-            if name not in present:
-                graph.graph.output.append(onnx.ValueInfoProto(name=name))
+    if isinstance(model, ort.InferenceSession):  # built already (the reference's, reused to time it)
+        return model
+    recipe = model if isinstance(model, SessionRecipe) else SessionRecipe(model, extra_outputs)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -115,9 +127,43 @@ def ort_session(model: onnx.ModelProto, threads: int = 2, optimize: bool = False
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
-    values = [ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(t)) for t in weights]
-    if weights:  # ORT reads them while it builds the session and keeps a copy (tests/test_third_party.py)
-        options.add_external_initializers([t.name for t in weights], values)
-    session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names, values = recipe.take_weights()
+    if names:  # ORT reads them while it builds the session and keeps a copy (tests/test_third_party.py)
+        options.add_external_initializers(names, values)
+    session = ort.InferenceSession(recipe.graph, options, providers=["CPUExecutionProvider"])
     del values  # only now that ORT has its copy: the options keep no reference to them
     return session
+
+
+class SessionRecipe:
+    """What ORT needs to build one session of a model, without the model: the serialized graph and, for a heavy
+    model (io.is_heavy), its big weights as arrays that ORT takes from memory. Over 2 GB the proto cannot be
+    serialized (a temp file per session took 12 s on a 2.2 GB model), below it serializing costs 2 s per
+    BERT-large, and exposing intermediate tensors copied every weight once more.
+
+    Made before a proto's last use, it lets the proto go before the session is built: the weights then exist
+    twice while ORT copies them, not three times (the 3.16 GB BERT's latency step peaked at 18.6 GB)."""
+
+    def __init__(self, model: onnx.ModelProto, extra_outputs=()):
+        graph, weights = weightless(model) if is_heavy(model) else (model, [])
+        if extra_outputs:
+            graph = copy.deepcopy(graph) if graph is model else graph
+            present = {o.name for o in graph.graph.output}
+            for name in extra_outputs:
+                if name not in present:
+                    graph.graph.output.append(onnx.ValueInfoProto(name=name))
+        self.graph = graph.SerializeToString()
+        self._weights: tuple[list[str], list] | None = ([t.name for t in weights], [_ort_value(t) for t in weights])
+
+    def take_weights(self) -> tuple[list[str], list]:
+        """The weights, handed over once: the recipe keeps none, so they are freed with the session's options."""
+        if self._weights is None:
+            raise RuntimeError("a SessionRecipe builds one session: its weights were handed over already")
+        weights, self._weights = self._weights, None
+        return weights
+
+
+def _ort_value(tensor: onnx.TensorProto):
+    import onnxruntime as ort
+
+    return ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(tensor))

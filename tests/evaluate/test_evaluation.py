@@ -443,3 +443,27 @@ def test_latency_rounds_end_when_their_share_of_the_time_budget_is_spent(monkeyp
     assert clock["now"] < 80
     unbounded = latency.interleaved({"a": ("a", {})}, 1, runs=50, warmup=0, rounds=1, tight=0.02)
     assert unbounded["a"]["round_runs"] == [50]
+
+
+def test_the_reference_session_that_computed_its_outputs_is_the_one_timed(tmp_path, monkeypatch):
+    """Building a second FP32 session for the latency put a 3 GB model's proto, its session and ORT's copies of
+    its weights in memory at once: the reference's session is built once and reused."""
+    import onnx
+    import onnxruntime as ort
+
+    import qprep
+    from graphs import tiny_conv_model
+    from qprep.evaluate import latency
+
+    onnx.save(tiny_conv_model(batch=1), str(tmp_path / "m.onnx"))
+    (tmp_path / "eval").mkdir()
+    for i in range(4):
+        np.save(tmp_path / "eval" / f"{i}.npy", np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32))
+    given = []
+    real = latency.ort_session
+    monkeypatch.setattr(latency, "ort_session", lambda model, **k: given.append(type(model)) or real(model, **k))
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "eval")},
+                        "evaluation": {"source": str(tmp_path / "eval"), "latency": {"runs": 2, "warmup": 1}},
+                        "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
+    assert report["evaluation"]["latency"]["reference"]["median_ms"] > 0
+    assert given == [ort.InferenceSession, onnx.ModelProto]
