@@ -185,7 +185,8 @@ def _save_result(run: Run, model: onnx.ModelProto) -> None:
         run.written.append(name)
     if (directory / "work").exists():
         run.written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
-    report["result"] = {"path": "model.onnx", "bytes": (directory / "model.onnx").stat().st_size,
+    files = [directory / "model.onnx", directory / "model.onnx.data"]  # (save_model's external data, over 2 GB)
+    report["result"] = {"path": "model.onnx", "bytes": sum(f.stat().st_size for f in files if f.exists()),
                         "artifacts": sorted(products.artifacts), **model_info.summary(model)}
     quantized = products.prepared_model is not None and model_info.model_kind(model) != model_info.FLOAT
     if quantized and not products.deployable:  # (RKNN's model.onnx is the float model it was built from)
@@ -204,9 +205,8 @@ def _evaluate(run: Run, model: onnx.ModelProto) -> None:
     write_report_json(run.directory, report)
     t0 = time.perf_counter()
     report["evaluation"] = evaluate(run.config, run.ctx, run.products, model, report["model"]["kind"])
-    deployable = report["result"].get("deployable")
-    if deployable:
-        report["evaluation"]["size_bytes"]["result"] = deployable["bytes"]
+    written = report["result"].get("deployable") or report["result"]
+    report["evaluation"]["size_bytes"]["result"] = written["bytes"]
     run.timings["evaluation"] = time.perf_counter() - t0
 
 

@@ -39,10 +39,12 @@ def quantize(job: BackendInput) -> Quantized:
             node_block_list=sorted(float_set), disable_shape_infer=True, min_positive_val=MIN_POSITIVE,
             max_finite_val=MAX_FINITE)
         _fill_weights(converted, weights)
+    retyped = _cast_float32_identities(converted)
     clipped = _clipped(weights or model.graph.initializer, converted)
     restored = _restore_output_types(model, converted) if options["keep_io_types"] else []
     details = {"kept_float32_ops": blocked_ops, "kept_float32_nodes": sorted(float_set),
-               "outputs_cast_back": restored, "clipped_to_float16_range": clipped}
+               "outputs_cast_back": restored, "clipped_to_float16_range": clipped,
+               **({"identities_cast": retyped} if retyped else {})}
     notes = []
     if clipped:
         largest = max(clipped.values())
@@ -51,6 +53,23 @@ def quantize(job: BackendInput) -> Quantized:
                      f"(|value| up to {largest:.3g}); if the accuracy suffers, keep the nodes that read them "
                      "float32 (keep_float)")
     return Quantized(model=converted, details=details, warnings=notes)
+
+
+def _cast_float32_identities(converted: onnx.ModelProto) -> list[str]:
+    """Identity nodes over a float32 initializer whose output the converter typed float16 become Casts to
+    float16; returns their names. Why: TorchScript exports tied parameters as `Identity(initializer)` (BERT's
+    pooler bias is `Identity(bert.embeddings.LayerNorm.bias)`); when the initializer also feeds a node kept in
+    float32 (LayerNormalization), onnxconverter-common leaves it float32 but declares the Identity's output
+    float16, and ONNX Runtime refuses the model ("Type (tensor(float16)) of output arg … does not match")."""
+    float32 = {t.name for t in converted.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    halves = {v.name for v in converted.graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
+    retyped = []
+    for node in converted.graph.node:
+        if node.op_type == "Identity" and node.input[0] in float32 and node.output[0] in halves:
+            node.op_type = "Cast"
+            node.attribute.append(onnx.helper.make_attribute("to", onnx.TensorProto.FLOAT16))
+            retyped.append(node.name or node.output[0])
+    return retyped
 
 
 def _clipped(originals, converted: onnx.ModelProto) -> dict[str, float]:

@@ -467,3 +467,4 @@ def test_the_reference_session_that_computed_its_outputs_is_the_one_timed(tmp_pa
                         "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
     assert report["evaluation"]["latency"]["reference"]["median_ms"] > 0
     assert given == [ort.InferenceSession, onnx.ModelProto]
+    assert report["evaluation"]["size_bytes"]["result"] == (tmp_path / "out" / "model.onnx").stat().st_size

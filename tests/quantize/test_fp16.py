@@ -57,3 +57,26 @@ def test_clipped_weights_are_named_once_in_the_report_not_per_warning_in_the_log
     assert len(clipped) == 1 and "1 weight tensor(s) to ±10000: bias " in clipped[0] and "1e+05" in clipped[0]
     assert report["stages"][-1]["clipped_to_float16_range"] == {"bias": 1e5}
     assert "will be truncated" not in (tmp_path / "run" / "qprep.log").read_text()
+
+
+def test_a_tied_parameter_read_by_a_float32_node_and_through_identity_converts_to_a_model_ort_loads(tmp_path, save):
+    """TorchScript exports tied parameters as Identity(initializer) (BERT's pooler bias reads the embeddings'
+    LayerNorm bias): the initializer stays float32 for LayerNormalization, and the Identity must cast it."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], axis=-1),
+             helper.make_node("Identity", ["beta"], ["bias"], name="tied"),
+             helper.make_node("Gemm", ["n", "w", "bias"], ["y"])]
+    model = make_model(nodes, [("x", [2, 32])], [("y", [2, 32])],
+                       {"gamma": rng.uniform(0.5, 1.5, 32).astype(np.float32),
+                        "beta": rng.standard_normal(32).astype(np.float32),
+                        "w": rng.standard_normal((32, 32)).astype(np.float32)}, opset=17)
+    report = qprep.run({"model": str(save(model)), "pipeline": [{"quantize": {"backend": "fp16"}}]},
+                       output_dir=str(tmp_path / "run"), force=True)
+    assert report["stages"][-1]["identities_cast"] == ["tied"]
+    feeds = {"x": rng.standard_normal((2, 32)).astype(np.float32)}
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    result = ort.InferenceSession(str(tmp_path / "run" / "model.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, feeds)[0]
+    np.testing.assert_allclose(result, expected, rtol=0.02, atol=0.05)
