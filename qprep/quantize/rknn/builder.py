@@ -20,6 +20,7 @@ import onnx
 
 from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
+from qprep.model.io import save_model
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.quantize.rknn import dataset, io_names, limits, static_graph
 from qprep.quantize.rknn import ranges as rknn_ranges
@@ -138,7 +139,9 @@ class RknnBuilder:
         self.details["weight_rounding"] = (self._grid_record if rounding else
                                            {"method": self.algorithm if self.algorithm != "normal" else "nearest"})
         model = self._on_grid if rounding else self.job.model
-        onnx.save_model(io_names.renamed(model, self.renames), str(self.model_path))
+        # io.save_model: over 2 GB the weights go to external data beside it, which the toolkit reads (onnx.save_model
+        # wrote a 2.2 GB single file that the toolkit's load_onnx could not parse)
+        save_model(io_names.renamed(model, self.renames), self.model_path)
 
     def pin(self, float_set: set[str]) -> None:
         self._pinned = (self.algorithm, frozenset(float_set))
