@@ -23,8 +23,8 @@ WARMUP_SECONDS = 2.0  # warm-up runs beyond the first stop once they took this l
 
 def interleaved(models: dict[str, tuple[onnx.ModelProto, dict]], threads: int, runs: int, warmup: int,
                 rounds: int = 3, tight: float | None = None, seconds: float | None = None) -> dict[str, dict]:
-    """label → timing, for label → (model, sample fed to it); one session per model, built once. Each round
-    times `runs` runs per model; with `tight`, a round stops as soon as its median's 95% interval is within
+    """label → timing, for label → (model or its session, sample fed to it); one session per model, built once.
+    Each round times `runs` runs per model; with `tight`, a round stops as soon as its median's 95% interval is within
     ±tight of it (at least MIN_RUNS). Why: 50 fixed runs × 3 rounds of BERT-base (FP32 and INT8) took 27 s of
     a 86 s run; with ±2% its rounds end after 8–12 runs, BERT-large's after 8–15, EfficientNet-Lite0's after
     20–28, and the 1.5 ms PP-OCR classifier's run all 50: the interval says when the figure is known.
@@ -32,8 +32,8 @@ def interleaved(models: dict[str, tuple[onnx.ModelProto, dict]], threads: int, r
     and each timing reports the interval it reached: on a noisy 2-core VM BERT-large's rounds never got within
     ±2% and 3 × 50 runs of both models took 178 s of a 373 s run, twice ORT's whole quantization."""
     sessions = {}
-    for label, (model, sample) in models.items():
-        session = ort_session(model, threads=threads, optimize=True)
+    for label, (model, sample) in models.items():  # a model, or a session built already (the reference's)
+        session = model if hasattr(model, "run") else ort_session(model, threads=threads, optimize=True)
         feeds = {i.name: sample[i.name] for i in session.get_inputs()}
         started = time.perf_counter()
         for done in range(warmup):

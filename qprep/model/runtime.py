@@ -86,20 +86,20 @@ class Intermediates:
         self._recipe: SessionRecipe | None = SessionRecipe(model, self.computed)
         self._session = None
 
-    @property
-    def session(self):
+    def _built(self):
+        """(session, its inputs, the computed tensors it exposes), built on the first sample."""
         if self._session is None:
-            self._session, self._recipe = ort_session(self._recipe, threads=self.threads), None
+            session, self._recipe = ort_session(self._recipe, threads=self.threads), None
+            outputs = {o.name for o in session.get_outputs()}
+            self._session = (session, [i.name for i in session.get_inputs()],
+                             [n for n in self.computed if n in outputs])
         return self._session
 
     def values(self, sample: dict) -> dict:
         """One sample's tensors (each call returns fresh arrays: hold only what you need)."""
         from qprep.model.info import cast_to
 
-        session = self.session
-        feeds = [i.name for i in session.get_inputs()]
-        outputs = {o.name for o in session.get_outputs()}
-        available = [n for n in self.computed if n in outputs]
+        session, feeds, available = self._built()
         sample = cast_to(sample, self.types)
         values = dict(zip(available, session.run(available, {n: sample[n] for n in feeds}) if available else []))
         return {n: np.asarray(sample[n]) if n in self.inputs else values[n] for n in self.wanted
@@ -108,8 +108,7 @@ class Intermediates:
 
 def ort_session(model: "onnx.ModelProto | SessionRecipe", threads: int = 2, optimize: bool = False, extra_outputs=(),
                 log_severity: int = 3):
-    """An ONNX Runtime CPU session for an in-memory model (or a SessionRecipe made from one; a session passed in
-    is returned as it is).
+    """An ONNX Runtime CPU session for an in-memory model (or a SessionRecipe made from one).
 
     `optimize=False` runs the graph exactly as written (ORT_DISABLE_ALL): verification compares what qprep
     wrote, not what ORT would have fused. `extra_outputs` exposes intermediate tensors by name. `log_severity`
@@ -117,8 +116,6 @@ def ort_session(model: "onnx.ModelProto | SessionRecipe", threads: int = 2, opti
     """
     import onnxruntime as ort
 
-    if isinstance(model, ort.InferenceSession):  # built already (the reference's, reused to time it)
-        return model
     recipe = model if isinstance(model, SessionRecipe) else SessionRecipe(model, extra_outputs)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
