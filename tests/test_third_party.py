@@ -73,6 +73,21 @@ def test_onnxruntime_quantization_internals_are_where_the_ort_backend_takes_them
     assert "x" in data, "onnxruntime.quantization.calibrate.TensorsData no longer maps tensor names to ranges"
 
 
+def test_the_ort_backend_does_not_import_torch():
+    """onnxruntime.quantization imports torch when it finds it (3.7 s of a small model's run): the backend's
+    import hides it. In a fresh interpreter, since torch may be imported in this one already; fails if the
+    hiding is dropped while torch is installed, and the interpreter can still import torch afterwards."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    code = ("import sys; import qprep.quantize.ort.quantizer; print('torch' in sys.modules); "
+            "import importlib.util; print(importlib.util.find_spec('torch') is not None)")
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert lines[0] == "False", "importing the ORT backend imported torch"
+    assert lines[1] == str(importlib.util.find_spec("torch") is not None), "torch left marked absent"
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.int8])
 def test_onnxruntime_copies_the_initializers_handed_to_a_session(dtype):
     """model/runtime.py frees the arrays it hands to `add_external_initializers` once the session is built (kept,

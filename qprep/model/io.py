@@ -187,8 +187,9 @@ def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, shapes_only
     an *empty* model without a word (no inputs, no nodes: the run then refused its own samples), and below it
     serializes every weight (9 s on BERT-large). A heavy model is inferred on its weightless skeleton, and the
     result's nodes, value_info and outputs are moved into `model` itself (changed and returned: no copy of the
-    weights); with `shapes_only` the inferred skeleton is returned instead (for a caller that only reads shapes)."""
-    if not is_heavy(model):
+    weights); with `shapes_only` the inferred skeleton is returned instead, whatever the model's size (for a
+    caller that only reads shapes: serializing a 0.09 GB BERT's weights took 0.3 s of each 0.7 s inference)."""
+    if not is_heavy(model) and not shapes_only:
         return onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
     done = onnx.shape_inference.infer_shapes(weightless(model)[0], data_prop=data_prop)
     if shapes_only:

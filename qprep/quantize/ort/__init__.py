@@ -65,8 +65,8 @@ OPTIONS = section(
 def quantize(job: BackendInput) -> Quantized:
     """The float set and nodes_to_exclude left float; with a fallback configured, the search (search.py) first
     chooses which more nodes stay float and the settings of the final build."""
-    # imported here, not at the top: onnxruntime.quantization imports torch when it is installed (~5 s here),
-    # and the config schema imports this package for OPTIONS on every run, whatever the backend
+    # imported here, not at the top: onnxruntime.quantization takes ~1.5 s to import, and the config schema
+    # imports this package for OPTIONS on every run, whatever the backend
     import onnxruntime
 
     from qprep.quantize.ort.activations import choose as choose_activations

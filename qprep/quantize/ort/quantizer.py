@@ -20,10 +20,6 @@ import numpy as np
 import onnx
 import onnx.version_converter
 
-# Importing onnxruntime.quantization also imports torch when it is installed (~5 s here): the package's
-# quantize() imports this module only when it runs. Its private internals come through qprep/third_party.py.
-from onnxruntime.quantization import CalibrationMethod, QuantType
-
 from qprep.errors import QprepError
 from qprep.third_party import ort_quantization
 from qprep.evaluate.metrics import aligned, sqnr_db
@@ -154,7 +150,7 @@ class OrtQuantizer:
             save_model(self._calibration_model(), source)
             calibrator = ORT.create_calibrator(
                 source, self.op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                calibrate_method=getattr(CalibrationMethod, _METHODS[method]), extra_options=calibrator_options,
+                calibrate_method=getattr(ORT.CalibrationMethod, _METHODS[method]), extra_options=calibrator_options,
                 use_external_data_format=is_large(self.model))  # the augmented model outgrows 2 GB with it
             calibrator.collect_data(_Reader(self.samples, inputs))
             ranges = calibrator.compute_data()
@@ -251,8 +247,8 @@ class OrtQuantizer:
     def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
         model = ORT.save_and_reload_model_with_shape_infer(self.model)
         common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
-                      weight_qType=getattr(QuantType, _TYPES[self.options["weight_type"]]),
-                      activation_qType=getattr(QuantType, _TYPES[self.options["activation_type"]]),
+                      weight_qType=getattr(ORT.QuantType, _TYPES[self.options["weight_type"]]),
+                      activation_qType=getattr(ORT.QuantType, _TYPES[self.options["activation_type"]]),
                       tensors_range=ranges, nodes_to_quantize=[], nodes_to_exclude=excluded,
                       op_types_to_quantize=[t for t in self.op_types if t not in settings.float_op_types],
                       extra_options=dict(self.options["extra_options"]))
@@ -266,7 +262,7 @@ class OrtQuantizer:
             common["nodes_to_exclude"] = sorted(set(excluded) | self.spread_nodes(settings))
         if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
             extra = {"MatMulConstBOnly": True, **common.pop("extra_options")}
-            common.update(activation_qType=QuantType.QUInt8, tensors_range=None, extra_options=extra)
+            common.update(activation_qType=ORT.QuantType.QUInt8, tensors_range=None, extra_options=extra)
             quantizer = ORT.ONNXQuantizer(model, mode=ORT.QuantizationMode.IntegerOps, static=False, **common)
         elif self.options["format"] == "qdq":
             quantizer = ORT.QDQQuantizer(model, **common)
@@ -388,7 +384,7 @@ def _with_16_bit(extra_options: dict, wide: frozenset[str], activation_type: str
     extra = dict(extra_options)
     if not wide:
         return extra
-    wide_type = QuantType.QUInt16 if activation_type == "uint8" else QuantType.QInt16
+    wide_type = ORT.QuantType.QUInt16 if activation_type == "uint8" else ORT.QuantType.QInt16
     overrides = dict(extra.get("TensorQuantOverrides") or {})
     for name in sorted(wide):
         overrides.setdefault(name, [{"quant_type": wide_type}])
@@ -411,7 +407,7 @@ def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _tensors_data(ranges: dict[str, tuple[float, float]]):
-    return ORT.TensorsData(CalibrationMethod.MinMax, {name: (np.array(low, np.float32), np.array(high, np.float32))
+    return ORT.TensorsData(ORT.CalibrationMethod.MinMax, {name: (np.array(low, np.float32), np.array(high, np.float32))
                                                   for name, (low, high) in ranges.items()})
 
 
