@@ -148,7 +148,7 @@ def is_heavy(model: onnx.ModelProto) -> bool:
     return sum(tensor_bytes(t) for t in model.graph.initializer) > HEAVY_BYTES
 
 
-HEAVY_BYTES = 256 << 20
+HEAVY_BYTES = 16 << 20
 
 
 def tensor_bytes(tensor: onnx.TensorProto) -> int:
