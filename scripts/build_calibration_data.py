@@ -6,6 +6,7 @@ machine reaches no dataset hub, so every sample is built here from material that
 
     ocr_rec/   text lines rendered with the DejaVu fonts bundled in matplotlib, at PP-OCRv4 rec's input size
     ocr_cls/   the same kind of lines at the direction classifier's input size, half of them turned 180 degrees
+    ocr_det/   320x320 pages of such lines (forms, receipts, notes), some beside a photo, for PP-OCRv4 det
     imagenet/  224x224 crops of the natural colour photos bundled in scikit-image (public domain / CC0)
     minilm/    first sentences of Python standard-library docstrings, tokenized for all-MiniLM-L6-v2
 
@@ -43,7 +44,7 @@ TOKENIZER_JSON = ROOT / "models" / "minilm_l6_v2_tokenizer" / "tokenizer.json"
 
 SEED = 20240601
 SPLITS = (("calib", 32), ("eval", 128), ("heldout", 128))  # in this order: calib the first 32 samples, ...
-RANDOM_STREAMS = {"ocr_rec": 1, "ocr_cls": 2, "imagenet": 3}  # one seeded stream per sample of each set
+RANDOM_STREAMS = {"ocr_rec": 1, "ocr_cls": 2, "imagenet": 3, "ocr_det": 4}  # one seeded stream per sample of each set
 
 # PaddleOCR's recognizer and classifier inputs (rapidocr config.yaml: rec_img_shape [3, 48, 320],
 # cls_image_shape [3, 48, 192]). PaddleOCR pads past the resized text with zeros after (x/255 - 0.5) / 0.5,
@@ -56,6 +57,8 @@ OCR_PAD_VALUE = 127
 # input width, as PaddleOCR does with long detector crops; a little of that is realistic.
 OCR_REC_RATIOS = (3.5, 8.0)
 OCR_CLS_RATIOS = (1.5, 5.0)
+OCR_DET_SIZE = 320  # pages, a multiple of 32 as the detector's resize makes them
+OCR_DET_FONT_PX = (12, 34)
 FONT_FILES = ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf",
               "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf")
 
@@ -345,6 +348,82 @@ def build_ocr_cls(out: Path, sentences: list[str]) -> None:
     write_lists(set_dir, "labels.txt", labels)
 
 
+def text_page(rng: np.random.Generator, sentences: list[str], fonts: list[Path],
+              photos: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+    """(a photographed page of text lines, their boxes x0,y0,x1,y1): lines of one or two columns, left-aligned or
+    indented, in several sizes and inks on tinted paper with uneven lighting; a photo on a third of the pages
+    and a ruled line now and then (what a detector must not call text); blur and sensor noise as render_line."""
+    from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+    size = OCR_DET_SIZE
+    paper = rng.integers(190, 256) + rng.integers(-15, 16, size=3)
+    ramp = np.linspace(0, rng.uniform(-40, 10), size)
+    lighting = ramp[:, None] if rng.random() < 0.5 else ramp[None, :]
+    background = np.broadcast_to(paper[None, None, :] + lighting[..., None], (size, size, 3))
+    page = Image.fromarray(np.clip(background, 0, 255).astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(page)
+    free_x = size
+    if rng.random() < 1 / 3:  # a photo down one side: the text runs beside it
+        width = int(rng.integers(size // 4, size // 2))
+        photo = random_crop(rng, photos[int(rng.integers(0, len(photos)))], width)
+        right = rng.random() < 0.5
+        page.paste(photo, (size - width if right else 0, int(rng.integers(0, size - width + 1))))
+        free_x = size - width - 8
+        offset = 0 if right else width + 8
+    else:
+        offset = 0
+    boxes = []
+    y = int(rng.integers(4, 30))
+    font_px = int(rng.integers(*OCR_DET_FONT_PX))
+    while True:
+        if rng.random() < 0.25:  # a heading or a change of size
+            font_px = int(rng.integers(*OCR_DET_FONT_PX))
+        font = ImageFont.truetype(str(fonts[int(rng.integers(0, len(fonts)))]), font_px,
+                                  layout_engine=ImageFont.Layout.BASIC)
+        if y + font_px * 1.4 > size - 4:
+            break
+        ink = tuple(int(c) for c in np.clip(rng.integers(0, 90) + rng.integers(-25, 26, size=3), 0, 255))
+        if rng.random() < 0.1:  # a rule across the page
+            draw.line((offset + 6, y + font_px // 2, offset + free_x - 6, y + font_px // 2), fill=ink, width=1)
+            y += font_px
+            continue
+        columns = 2 if free_x > 200 and rng.random() < 0.3 else 1
+        column_width = free_x // columns
+        for column in range(columns):
+            x = offset + column * column_width + int(rng.integers(4, max(5, column_width // 5)))
+            room = offset + (column + 1) * column_width - 6 - x
+            if rng.random() < 0.35:
+                text = formatted_text(rng, sentences[int(rng.integers(0, len(sentences)))].split())
+            else:
+                text = word_span(rng, sentences, lambda candidate: font.getlength(candidate) <= room)
+            if font.getlength(text) > room:
+                continue
+            left, top, right, bottom = font.getbbox(text)
+            draw.text((x - left, y - top), text, font=font, fill=ink)
+            boxes.append((x, y, x + right - left, y + bottom - top))
+        y += int(font_px * rng.uniform(1.3, 2.2))
+    page = page.filter(ImageFilter.GaussianBlur(rng.uniform(0.0, 0.8)))
+    sigma = rng.uniform(1.5, 4) if rng.random() < 0.4 else 0.0
+    noisy = np.asarray(page, dtype=np.float32) + rng.normal(0, sigma, size=(size, size, 1))
+    return np.clip(np.rint(noisy), 0, 255).astype(np.uint8), boxes
+
+
+def build_ocr_det(out: Path, sentences: list[str]) -> None:
+    """Pages for the text detector; calib and eval take the photos of the imagenet set, heldout its others."""
+    from PIL import Image
+
+    set_dir = out / "ocr_det"
+    fonts = load_fonts()
+    photos = {False: imagenet_photos(), True: heldout_photos()}
+    boxes_by_index = []
+    for index in range(n_samples()):
+        page, boxes = text_page(sample_rng("ocr_det", index), sentences, fonts,
+                                photos[split_of(index)[0] == "heldout"])
+        name = write_sample(set_dir, index, ".jpg", jpeg_bytes(Image.fromarray(page)))
+        boxes_by_index.append(f"{name}\t" + " ".join(",".join(str(v) for v in box) for box in boxes))
+    write_lists(set_dir, "boxes.txt", boxes_by_index)
+
+
 def imagenet_photos() -> list[np.ndarray]:
     import skimage.data
 
@@ -454,7 +533,18 @@ dark ink on light tinted paper with uneven lighting, mild blur, sensor noise in 
 `NNNN.png`: 192x48 RGB lines made the same way (shorter), half of them turned 180 degrees before resizing
 and padding. `labels.txt`: `NNNN.png 0` or `NNNN.png 180` (class index 0 = "0", 1 = "180").
 
-Consumer preprocessing for both OCR sets (as rapidocr-onnxruntime 1.4.4 feeds the models): rapidocr reads
+## ocr_det — PP-OCRv4 text detector (`models/ppocrv4_det.onnx`, input `x` [N, 3, H, W], H and W multiples of 32)
+
+`NNNN.jpg`: 320x320 photographed pages: lines of the same text, one or two columns, DejaVu fonts at 12..34 px,
+headings and rules, dark inks on tinted paper with uneven lighting; a third of the pages have a photo beside the
+text (calib/eval: the imagenet set's photos, heldout: its held-out photos); blur, sensor noise in 40%, JPEG
+quality 90. `boxes.txt`: `NNNN.jpg<TAB>x0,y0,x1,y1 …` (each line's ink box, pixels).
+
+Consumer preprocessing: as for the rec and cls sets below (rapidocr-onnxruntime 1.4.4's detector takes the same
+BGR, mean 127.5, std 127.5); do not resize: 320 is a multiple of 32, a fixed input size as NPU deployments use
+(rapidocr itself scales a page's short side up to 736).
+
+Consumer preprocessing for the OCR sets (as rapidocr-onnxruntime 1.4.4 feeds the models): rapidocr reads
 images with OpenCV channel order, so reverse RGB to **BGR**, then `x / 255`, `(x - 0.5) / 0.5`
 (i.e. mean 127.5, std 127.5 on 0..255), HWC to CHW, float32. Do not resize: the files are at the input size.
 
@@ -492,6 +582,7 @@ def build_all(out: Path) -> None:
     builders = {
         "ocr_rec": lambda folder: build_ocr_rec(folder, sentences),
         "ocr_cls": lambda folder: build_ocr_cls(folder, sentences),
+        "ocr_det": lambda folder: build_ocr_det(folder, sentences),
         "imagenet": build_imagenet,
         "minilm": lambda folder: build_minilm(folder, sentences),
     }
