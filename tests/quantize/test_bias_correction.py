@@ -97,7 +97,7 @@ def test_the_backend_keeps_the_correction_only_when_it_helps(tmp_path, monkeypat
     helped = _quantized(model, tmp_path, progress=Progress(enabled=True, stream=lines))
     assert helped.build(set()).SerializeToString() != plain.SerializeToString()
     assert helped.bias["applied"] is True and helped.bias["layers"] == 2
-    assert "bias correction: 2 layers in 2 waves over 16 calibration samples" in lines.getvalue()
+    assert "bias correction: 2 layers in 2 waves over 8 calibration samples" in lines.getvalue()  # SAMPLES of 16
     assert ", kept (" in lines.getvalue()
 
     def harmful(quantized, float_model, layers, samples, threads=2, budget=None):
@@ -177,3 +177,26 @@ def test_a_wave_that_would_not_end_within_the_budget_is_not_started(tmp_path, mo
     assert budget.durations["bias wave"] == [50.0] and budget.skipped[0].startswith("bias correction waves 2+")
     full = bias_correction.corrections(quantized, model, layers, _samples(), budget=Budget(1000, started=clock[0]))
     assert list(full) == [layer.node for layer in layers]
+
+
+def test_channel_means_come_from_the_first_samples_and_a_tiny_gain_is_not_kept(tmp_path, monkeypatch):
+    """Means over SAMPLES samples (the cost is waves × samples); a correction must raise the calibration SQNR by
+    MIN_GAIN_DB to be kept (less is within the estimate's noise)."""
+    from qprep.quantize.ort.quantizer import better
+
+    model = _chain()
+    quantized = _quantized(model, tmp_path, bias_correction=False).build(set())
+    layers = bias_correction.find_layers(quantized, model)
+    seen = []
+    measure = bias_correction._channel_means
+
+    def counting(model_, axes, samples, threads):
+        seen.append(len(samples))
+        return measure(model_, axes, samples, threads)
+
+    monkeypatch.setattr(bias_correction, "_channel_means", counting)
+    bias_correction.corrections(quantized, model, layers, _samples(16))
+    assert seen and set(seen) == {bias_correction.SAMPLES}
+    assert better(10.0, 10.0 + bias_correction.MIN_GAIN_DB / 2, "x", bias_correction.MIN_GAIN_DB) == \
+        (False, f"not better by {bias_correction.MIN_GAIN_DB:g} dB: x")
+    assert better(10.0, 10.0 + 2 * bias_correction.MIN_GAIN_DB, "x", bias_correction.MIN_GAIN_DB) == (True, "")

@@ -330,7 +330,7 @@ class OrtQuantizer:
         if key not in self._bias:
             started = time.perf_counter()
             self._note(f"bias correction: {len(layers)} layers in {len(bias_correction.waves(layers))} waves over "
-                       f"{len(self.samples)} calibration samples")
+                       f"{min(len(self.samples), bias_correction.SAMPLES)} calibration samples")
             before_db, = self._calibration_sqnr(quantized)
             if before_db is None:  # nothing to judge the correction by: not worth its minutes
                 shifts, after_db = {}, None
@@ -338,7 +338,7 @@ class OrtQuantizer:
                 shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads,
                                                      budget=self.budget)
                 after_db, = self._calibration_sqnr(bias_correction.apply(quantized, layers, shifts))
-            kept, why = better(before_db, after_db, "no correction")
+            kept, why = better(before_db, after_db, "no correction", bias_correction.MIN_GAIN_DB)
             self._bias[key] = {"shifts": shifts if kept else {}, "layers": len(shifts), "kept": kept,
                                **({"of_layers": len(layers)} if len(shifts) < len(layers) else {}),
                                "calibration_sqnr_db": {"before": _rounded(before_db), "after": _rounded(after_db)},
@@ -420,14 +420,14 @@ def output_sqnr(expected: list[dict], actual: list[dict]) -> float | None:
     return sqnr_db([p[0] for p in pairs], [p[1] for p in pairs])
 
 
-def better(before_db: float | None, after_db: float | None, default: str) -> tuple[bool, str]:
-    """Is a change (GPTQ rounding, bias correction) kept: only on evidence that it lowers the output error;
-    (kept, why not)."""
+def better(before_db: float | None, after_db: float | None, default: str, margin_db: float = 0.0) -> tuple[bool, str]:
+    """Is a change (GPTQ rounding, bias correction) kept: only on evidence that it lowers the output error,
+    an SQNR rise over `margin_db`; (kept, why not)."""
     if before_db is None or after_db is None:
         return False, f"not measured (no calibration output could be compared with the float model's): {default}"
-    if after_db > before_db:
+    if after_db > before_db + margin_db:
         return True, ""
-    return False, f"not better: {default}"
+    return False, f"not better{f' by {margin_db:g} dB' if margin_db else ''}: {default}"
 
 
 def db_text(value: float | None) -> str:
