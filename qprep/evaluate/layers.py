@@ -106,4 +106,3 @@ class Drift:
         sqnr = None if not self.size else float("-inf") if self.broken else sqnr_of(self.signal, self.noise)
         return {"cosine_mean": float(np.mean(self.cosines)), "cosine_min": float(np.min(self.cosines)),
                 "sqnr_db": sqnr}
-

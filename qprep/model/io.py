@@ -142,8 +142,9 @@ def weights_bytes(model: onnx.ModelProto) -> int:
 
 
 def is_heavy(model: onnx.ModelProto) -> bool:
-    """Initializers heavy enough that serializing them costs seconds (2 s per copy of BERT-large): shape
-    inference, the checker and ONNX Runtime sessions then work on the weightless skeleton. Counted as
+    """Initializers heavy enough that serializing them costs more than handing them over as arrays (2 s per
+    copy of BERT-large; from 16 MB on, a 0.09 GB BERT loaded in 0.3 s instead of 1.7 s): shape inference, the
+    checker and ONNX Runtime sessions then work on the weightless skeleton. Counted as
     weightless() strips them (the main graph's initializers), so a heavy model's skeleton is light."""
     return sum(tensor_bytes(t) for t in model.graph.initializer) > HEAVY_BYTES
 
