@@ -253,8 +253,9 @@ def compacted(model: onnx.ModelProto) -> onnx.ModelProto:
     return fresh
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Write a model atomically; models over 2 GB go to `<name>.data` beside it."""
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> int:
+    """Write a model atomically; models over 2 GB go to `<name>.data` beside it. Returns the bytes written (the
+    model's size on disk: ByteSize() would serialize the whole proto once more)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tmp-") as tmp:
@@ -264,10 +265,14 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
             # save_model(save_as_external_data=True) rewrites the proto in place: save a copy.
             onnx.save_model(copy.deepcopy(model), str(tmp_model), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+            written = (Path(tmp) / data_name).stat().st_size
             os.replace(Path(tmp) / data_name, path.parent / data_name)
         else:
+            written = 0
             tmp_model.write_bytes(model.SerializeToString())
+        written += tmp_model.stat().st_size
         os.replace(tmp_model, path)
+    return written
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -178,15 +178,14 @@ def _apply(run: Run, result: StageResult) -> None:
 def _save_result(run: Run, model: onnx.ModelProto) -> None:
     """model.onnx, the backends' artifacts moved into the run directory, and the result's part of the report."""
     directory, products, report = run.directory, run.products, run.report
-    save_model(model, directory / "model.onnx")
+    written = save_model(model, directory / "model.onnx")
     run.written.append("model.onnx")
     for name, source in products.artifacts.items():
         os.replace(source, directory / name)
         run.written.append(name)
     if (directory / "work").exists():
         run.written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
-    files = [directory / "model.onnx", directory / "model.onnx.data"]  # (save_model's external data, over 2 GB)
-    report["result"] = {"path": "model.onnx", "bytes": sum(f.stat().st_size for f in files if f.exists()),
+    report["result"] = {"path": "model.onnx", "bytes": written,  # with its external data (over 2 GB)
                         "artifacts": sorted(products.artifacts), **model_info.summary(model)}
     quantized = products.prepared_model is not None and model_info.model_kind(model) != model_info.FLOAT
     if quantized and not products.deployable:  # (RKNN's model.onnx is the float model it was built from)

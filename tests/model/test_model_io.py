@@ -52,6 +52,22 @@ def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
     assert len(sha256_file(target)) == 64
 
 
+@pytest.mark.parametrize("external", [False, True])
+def test_save_returns_the_bytes_it_wrote_external_data_included(tmp_path, monkeypatch, external):
+    """The report's result size comes from here (ByteSize() serialized a 1.58 GB proto once more)."""
+    from qprep.model import io
+
+    if external:  # the model counts as over protobuf's limit: its weights go to model.onnx.data
+        monkeypatch.setattr(io, "PROTOBUF_LIMIT", 1024)
+    model = make_model([onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [1, 64])], [("y", [1, 64])],
+                       {"w": np.ones((64, 64), np.float32)})
+    target = tmp_path / "model.onnx"
+    written = save_model(model, target)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == (["model.onnx", "model.onnx.data"] if external else ["model.onnx"])
+    assert written == sum((tmp_path / name).stat().st_size for name in files) and written > 64 * 64 * 4
+
+
 def test_model_kind_classification():
     model = tiny_conv_model()
     assert model_info.model_kind(model) == "float"
