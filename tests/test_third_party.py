@@ -81,11 +81,13 @@ def test_the_ort_backend_does_not_import_torch():
     import subprocess
     import sys
 
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here: nothing to hide (setup.sh installs it beside rknn-toolkit2)")
     code = ("import sys; import qprep.quantize.ort.quantizer; print('torch' in sys.modules); "
             "import importlib.util; print(importlib.util.find_spec('torch') is not None)")
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert lines[0] == "False", "importing the ORT backend imported torch"
-    assert lines[1] == str(importlib.util.find_spec("torch") is not None), "torch left marked absent"
+    assert lines[1] == "True", "torch left marked absent"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int8])
