@@ -362,16 +362,13 @@ def text_page(rng: np.random.Generator, sentences: list[str], fonts: list[Path],
     background = np.broadcast_to(paper[None, None, :] + lighting[..., None], (size, size, 3))
     page = Image.fromarray(np.clip(background, 0, 255).astype(np.uint8), "RGB")
     draw = ImageDraw.Draw(page)
-    free_x = size
+    offset, free_x = 0, size  # the text column: from x = offset, free_x wide
     if rng.random() < 1 / 3:  # a photo down one side: the text runs beside it
         width = int(rng.integers(size // 4, size // 2))
         photo = random_crop(rng, photos[int(rng.integers(0, len(photos)))], width)
         right = rng.random() < 0.5
         page.paste(photo, (size - width if right else 0, int(rng.integers(0, size - width + 1))))
-        free_x = size - width - 8
-        offset = 0 if right else width + 8
-    else:
-        offset = 0
+        offset, free_x = (0 if right else width + 8), size - width - 8
     boxes = []
     y = int(rng.integers(4, 30))
     font_px = int(rng.integers(*OCR_DET_FONT_PX))
