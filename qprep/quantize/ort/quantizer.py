@@ -330,7 +330,7 @@ class OrtQuantizer:
         if key not in self._bias:
             started = time.perf_counter()
             self._note(f"bias correction: {len(layers)} layers in {len(bias_correction.waves(layers))} waves over "
-                       f"{min(len(self.samples), bias_correction.SAMPLES)} calibration samples")
+                       f"{len(self.samples)} calibration samples")
             before_db, = self._calibration_sqnr(quantized)
             if before_db is None:  # nothing to judge the correction by: not worth its minutes
                 shifts, after_db = {}, None
