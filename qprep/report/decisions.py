@@ -61,6 +61,9 @@ def _rounding(stage: dict) -> str:
     if rounding.get("method") != "gptq":
         return f"weight rounding: {rounding.get('method', '?')} (GPTQ off)"
     layers = f" on {rounding['layers']} layers" if "layers" in rounding else ""
+    if rounding.get("underdetermined"):
+        layers += (f" ({rounding['underdetermined']} more kept nearest: too few calibration rows for their "
+                   "inputs, GPTQ would fit the samples)")
     measured = rounding.get("calibration_sqnr_db")
     if isinstance(measured, dict) and "nearest" in measured:
         verdict = "**kept**" if rounding.get("kept") else f"**not kept** ({rounding.get('reason', 'no gain')})"

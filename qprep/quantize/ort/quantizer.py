@@ -302,7 +302,8 @@ class OrtQuantizer:
         if "kept" not in self.rounding:
             nearest_db, rounded_db = self._calibration_sqnr(quantized, rounded)
             kept, why = better(nearest_db, rounded_db, "nearest rounding kept")
-            self.rounding.update(layers=changed, calibration_sqnr_db={"nearest": nearest_db, "gptq": rounded_db},
+            self.rounding.update(layers=changed, underdetermined=sum(layer.node not in self._moments for layer in layers),
+                                 calibration_sqnr_db={"nearest": nearest_db, "gptq": rounded_db},
                                  kept=kept, **({"reason": why} if not kept else {}))
             log.info("ort: GPTQ weight rounding on %d layers: calibration SQNR %s → %s dB (%s)", changed,
                      db_text(nearest_db), db_text(rounded_db), "kept" if kept else why)

@@ -133,8 +133,10 @@ class RknnBuilder:
             from qprep.quantize.rknn import weights as rknn_weights
 
             start = time.perf_counter()
-            self._on_grid, layers = rknn_weights.on_grid(self.job.model, self.job.samples, self.job.threads)
-            self._grid_record = {"method": "gptq", "layers": layers, "seconds": round(time.perf_counter() - start, 1)}
+            self._on_grid, layers, underdetermined = rknn_weights.on_grid(self.job.model, self.job.samples,
+                                                                          self.job.threads)
+            self._grid_record = {"method": "gptq", "layers": layers, "underdetermined": underdetermined,
+                                 "seconds": round(time.perf_counter() - start, 1)}
             log.info("rknn: GPTQ weights on the toolkit's grid for %d layers", layers)
         self.details["weight_rounding"] = (self._grid_record if rounding else
                                            {"method": self.algorithm if self.algorithm != "normal" else "nearest"})

@@ -63,8 +63,10 @@ def layers(model: onnx.ModelProto) -> list[Layer]:
     return found
 
 
-def on_grid(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, int]:
-    """A copy of `model` whose weights sit on the toolkit's grid (GPTQ integers); the number of layers."""
+def on_grid(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, int, int]:
+    """A copy of `model` whose weights sit on the toolkit's grid (GPTQ integers); the number of layers
+    re-rounded; the number left to the toolkit's nearest rounding because the calibration samples do not
+    determine their input moments (gptq.determined)."""
     weighted = layers(model)
     moments = gptq.input_moments(model, weighted, samples, threads) if weighted and samples else {}
     result = onnx.ModelProto()
@@ -86,4 +88,4 @@ def on_grid(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tu
         weight = np.moveaxis(((rows - zero) * scale).reshape(shape), 0, layer.axis).astype(np.float32)
         inits[layer.quantized].CopyFrom(numpy_helper.from_array(weight, layer.quantized))
         changed += 1
-    return result, changed
+    return result, changed, len(weighted) - changed
