@@ -30,11 +30,14 @@ def _activations(stage: dict) -> str:
 
 
 def _weights(stage: dict) -> str:
-    """ORT: 8-bit or 7-bit int8 weights, and why (this CPU's u8s8 kernels, when reduce_range was auto)."""
+    """ORT: 8-bit int8, 7-bit int8 or symmetric uint8 weights, and why (this CPU's u8s8 kernels, when auto)."""
     weights = stage.get("weights") or {}
     if not weights:
         return ""
-    bits = "**7-bit** (reduce_range)" if weights.get("reduce_range") else "8-bit"
+    if weights.get("type") == "uint8":
+        bits = "**uint8** (symmetric, 8-bit)"
+    else:
+        bits = "**7-bit** (reduce_range)" if weights.get("reduce_range") else "8-bit"
     return f"weights: {bits} — {weights.get('why', '?')}"
 
 

@@ -1,6 +1,7 @@
 """ORT's quantizer failing on one node: the node is found, kept float with ORT's message, the rest quantized."""
 
 import numpy as np
+import pytest
 from onnx import helper
 
 from graphs import make_model, rand
@@ -23,13 +24,17 @@ def _matmuls_and_a_gemm_ort_cannot_take():
     return model
 
 
-def test_the_node_the_quantizer_fails_on_is_kept_float_and_the_rest_quantized(tmp_path):
+@pytest.mark.parametrize("weights", ["int8", "uint8"])
+def test_the_node_the_quantizer_fails_on_is_kept_float_and_the_rest_quantized(tmp_path, weights):
+    """int8 weights: ORT's quantizer raises on the Gemm; uint8: it writes a model ORT cannot run. Both times the
+    Gemm is found and kept float."""
     model = _matmuls_and_a_gemm_ort_cannot_take()
     samples = [{"x": rand(4, 8, seed=s)} for s in range(8)]
-    quantizer = OrtQuantizer(model, samples, validate({}, ort.OPTIONS, "quantize.ort", tmp_path), tmp_path)
+    options = validate({"weight_type": weights}, ort.OPTIONS, "quantize.ort", tmp_path)
+    quantizer = OrtQuantizer(model, samples, options, tmp_path)
     quantized = quantizer.build(set())
     assert list(quantizer.unquantizable) == ["Gemm_0"]
-    assert "truth value of an array" in quantizer.unquantizable["Gemm_0"]
+    assert ("truth value of an array" if weights == "int8" else "c_DequantizeLinear") in quantizer.unquantizable["Gemm_0"]
     dequantized = {o for n in quantized.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
     inputs = {n.name: list(n.input) for n in quantized.graph.node}
     assert inputs["MatMul_0"][1] in dequantized and inputs["MatMul_1"][1] in dequantized  # int8 weights

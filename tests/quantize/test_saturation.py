@@ -1,6 +1,7 @@
 """The u8s8 saturation probe and what ORT quantization does with its answer (reduce_range: auto)."""
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -35,7 +36,7 @@ def test_the_probes_reference_is_exact_and_uint8_weights_never_saturate(probe):
 
 
 @pytest.mark.parametrize("saturates", [True, False])
-def test_reduce_range_auto_follows_the_probe_and_the_report_says_why(tmp_path, save, monkeypatch, saturates):
+def test_weights_auto_follow_the_probe_and_the_report_says_why(tmp_path, save, monkeypatch, saturates):
     from qprep.quantize.ort import quantizer
 
     monkeypatch.setattr(quantizer, "u8s8_saturates", lambda: saturates)
@@ -47,8 +48,15 @@ def test_reduce_range_auto_follows_the_probe_and_the_report_says_why(tmp_path, s
               "pipeline": [{"quantize": {"backend": "ort"}}]}
     report = qprep.run(config, output_dir=str(tmp_path / "auto"), force=True)
     stage = report["stages"][0]
-    assert stage["weights"]["reduce_range"] is saturates
-    assert any(line.startswith("weights: **7-bit**" if saturates else "weights: 8-bit") for line in decision_lines(stage))
+    assert stage["weights"]["type"] == ("uint8" if saturates else "int8") and stage["weights"]["reduce_range"] is False
+    assert any(line.startswith("weights: **uint8**" if saturates else "weights: 8-bit") for line in decision_lines(stage))
+    stored = {t.data_type for t in onnx.load(tmp_path / "auto" / "model.onnx").graph.initializer
+              if t.name.endswith("_quantized") and len(t.dims) == 4}
+    assert stored == {onnx.TensorProto.UINT8 if saturates else onnx.TensorProto.INT8}
+    config["pipeline"] = [{"quantize": {"backend": "ort", "ort": {"weight_type": "int8"}}}]
+    int8 = qprep.run(config, output_dir=str(tmp_path / "int8"), force=True)["stages"][0]
+    assert int8["weights"]["type"] == "int8" and int8["weights"]["reduce_range"] is saturates
+    assert any(line.startswith("weights: **7-bit**" if saturates else "weights: 8-bit") for line in decision_lines(int8))
     config["pipeline"] = [{"quantize": {"backend": "ort", "ort": {"reduce_range": False}}}]
     configured = qprep.run(config, output_dir=str(tmp_path / "configured"), force=True)["stages"][0]["weights"]
-    assert configured == {"reduce_range": False, "why": "configured"}
+    assert configured == {"type": "int8", "reduce_range": False, "why": "configured"}

@@ -148,9 +148,9 @@ def test_gptq_not_kept_when_it_does_not_help(tmp_path, monkeypatch):
     model = _model("MatMul", np.random.default_rng(1).standard_normal((16, 8)), [1, 5, 16])
     samples = _samples([1, 5, 16])
     (tmp_path / "nearest").mkdir()
-    nearest = OrtQuantizer(model, samples, validate({"weight_rounding": "nearest"}, ort.OPTIONS, "quantize.ort",
-                                                    tmp_path / "nearest"), tmp_path / "nearest").build(set())
-    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    nearest = OrtQuantizer(model, samples, validate({"weight_rounding": "nearest", "weight_type": "int8"}, ort.OPTIONS,
+                                                    "quantize.ort", tmp_path / "nearest"), tmp_path / "nearest").build(set())
+    options = validate({"weight_type": "int8"}, ort.OPTIONS, "quantize.ort", tmp_path)
     assert options["weight_rounding"] == "gptq"
     monkeypatch.setattr(gptq, "gptq", lambda w, h, s, z, lo, hi, damp=0.01: np.full(w.shape, hi))
     quantizer = OrtQuantizer(model, samples, options, tmp_path)

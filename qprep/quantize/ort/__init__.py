@@ -34,13 +34,15 @@ OPTIONS = section(
     format=Key("str", default="qdq", choices=("qdq", "qoperator"), doc="QDQ (recommended) or QOperator; "
                "dynamic activations are always QOperator (MatMulInteger)"),
     activation_type=Key("str", default="uint8", choices=("uint8", "int8"), doc="activation integer type"),
-    weight_type=Key("str", default="int8", choices=("int8", "uint8"),
-                    doc="weight integer type; uint8 weights are symmetric around 128 (ORT's integer Conv needs one "
-                        "zero point per weight: quantize/ort/uint8_weights.py)"),
+    weight_type=Key("str", default="auto", choices=("auto", "int8", "uint8"),
+                    doc="weight integer type; auto: symmetric uint8 for static activations where this CPU's u8s8 "
+                        "kernels saturate (x86 without VNNI), else int8; uint8 weights are symmetric around 128 "
+                        "(ORT's integer Conv needs one zero point per weight: quantize/ort/uint8_weights.py)"),
     per_channel=Key("bool", default=True, doc="per-output-channel weight scales"),
     reduce_range=Key("any", default="auto", choices=("auto", True, False),
                      doc="7-bit int8 weights; auto: where this CPU's ONNX Runtime u8s8 kernels saturate (x86 without "
-                         "VNNI, measured by a probe: quantize/ort/saturation.py), else full 8-bit"),
+                         "VNNI, measured by a probe: quantize/ort/saturation.py) and the weights are int8, else full "
+                         "8-bit; true/false with weight_type auto means int8"),
     calibrate_method=Key("str", default="minmax", choices=("minmax", "mse", "entropy", "percentile", "distribution"),
                          doc="how activation ranges are chosen from the calibration data (mse: qprep's per-tensor "
                              "least-squared-error range; the fallback tries it when minmax misses the target)"),

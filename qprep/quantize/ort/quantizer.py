@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx.version_converter
 
-from qprep.errors import QprepError
+from qprep.errors import ModelError, QprepError
 from qprep.third_party import ort_quantization
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
@@ -85,7 +85,7 @@ class OrtQuantizer:
         self.upgraded_from = None
         if default_opset(model) < MIN_OPSET:
             self.upgraded_from, model = default_opset(model), _upgraded(model)
-        self.options, self.weights = weight_range(options)  # reduce_range "auto" resolved for this CPU
+        self.options, self.weights = weight_range(options)  # weight_type and reduce_range "auto" resolved here
         self.model, self.samples, self.work_dir, self.threads = model, samples, work_dir, threads
         self.progress = progress
         self.node_names = {n.name for n in model.graph.node}
@@ -209,7 +209,7 @@ class OrtQuantizer:
         while True:
             skip = sorted(excluded | set(self.unquantizable))
             try:
-                return self._quantize(ranges, skip, settings)
+                return self._runnable(ranges, skip, settings, check=self._last is None)
             except QprepError:
                 raise
             except Exception as exc:  # ORT raises bare exceptions
@@ -231,7 +231,7 @@ class OrtQuantizer:
 
         def fails(quantized: int) -> bool:
             try:
-                self._quantize(ranges, skip + candidates[quantized:], settings)
+                self._runnable(ranges, skip + candidates[quantized:], settings, check=True)
                 return False
             except Exception:  # noqa: BLE001 - any failure counts
                 return True
@@ -243,6 +243,19 @@ class OrtQuantizer:
             middle = (low + high) // 2
             low, high = (low, middle) if fails(middle) else (middle, high)
         return candidates[high - 1]
+
+    def _runnable(self, ranges, excluded: list[str], settings: OrtSettings, check: bool) -> onnx.ModelProto:
+        """`_quantize`, and with `check` the result run on one calibration sample: ORT's quantizer also writes
+        models ONNX Runtime cannot run (uint8 weights on a Gemm with a [1, N] bias: a per-axis DequantizeLinear
+        of that bias, "scale must be 1D tensor with size 1"), which are then handled like its own failures.
+        Checked on the first build only: later ones leave out what it found."""
+        quantized = self._quantize(ranges, excluded, settings)
+        if check and self.samples:
+            try:
+                run_model(quantized, self.samples[:1], self.threads)  # as written: fused, ORT skips such a node
+            except ModelError as exc:
+                raise UnrunnableResult(str(exc)) from None
+        return quantized
 
     def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
         model = ORT.save_and_reload_model_with_shape_infer(self.model)
@@ -435,26 +448,41 @@ def db_text(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.2f}"
 
 
+class UnrunnableResult(Exception):
+    """ORT's quantizer wrote a model ONNX Runtime cannot run (not a QprepError: the node is searched and kept
+    float like the quantizer's own failures)."""
+
+
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
 def weight_range(options: dict) -> tuple[dict, dict]:
-    """Resolve reduce_range "auto": 7-bit int8 weights for static activations where this CPU's u8s8 kernels
-    saturate, so that the model evaluated here (and run on any CPU) computes what its QDQ graph says. Measured on
-    an AMD EPYC (AVX2, no VNNI): EfficientNet-Lite0 (static) full-range weights cosine 0.901 / top-1 72.7%, 7-bit
-    0.995 / 94.5%; MiniLM (dynamic: activations quantized per inference around their own zero point, which keeps
-    the pair sums mostly in range) full-range 0.977, 7-bit 0.848 — so dynamic keeps 8-bit weights."""
-    configured = options["reduce_range"]
+    """Resolve `weight_type: auto` and `reduce_range: auto` for this CPU, so that the model evaluated here (and run
+    on any CPU) computes what its QDQ graph says → (options, the stage's `weights` record).
+
+    Where this CPU's u8s8 kernels saturate (saturation.py) and activations are static, weights are symmetric
+    uint8 (ORT's u8u8 kernels widen to 16 bits: exact, and 8 bits where reduce_range keeps 7). Measured on an AMD
+    EPYC (AVX2, no VNNI), held-out samples, default pipeline: EfficientNet-Lite0 full-range int8 0.901 / 72.7%
+    (evaluation samples), 7-bit 0.9955 / 94.5%, uint8 0.9983 / 99.2%. Dynamic activations (quantized per
+    inference around their own zero point, which keeps the pair sums mostly in range) keep 8-bit int8: MiniLM
+    0.977, 7-bit 0.848. Configured types and ranges are taken as they are."""
+    weight_type, configured = options["weight_type"], options["reduce_range"]
+    if weight_type == "uint8":
+        return {**options, "reduce_range": False}, {"type": "uint8", "reduce_range": False,
+                                                     "why": "configured; uint8 weights do not saturate"}
     if configured != "auto":
-        return options, {"reduce_range": configured, "why": "configured"}
-    if options["weight_type"] != "int8":
-        return {**options, "reduce_range": False}, {"reduce_range": False, "why": "uint8 weights do not saturate"}
+        return {**options, "weight_type": "int8"}, {"type": "int8", "reduce_range": configured, "why": "configured"}
     saturates = u8s8_saturates()
     why = this_cpu()
     if saturates and options["activations"] == "dynamic":
-        why += "; dynamic activations keep 8-bit weights (measured: MiniLM cosine 0.977 with them, 0.848 with 7-bit)"
+        why += "; dynamic activations keep 8-bit int8 weights (measured: MiniLM cosine 0.977 with them, 0.848 7-bit)"
         saturates = False
-    elif saturates:
-        log.info("ort: 7-bit weights (reduce_range): %s", why)
-    return {**options, "reduce_range": saturates}, {"reduce_range": saturates, "why": why}
+    if not saturates or weight_type == "int8":
+        if saturates:
+            log.info("ort: 7-bit weights (reduce_range): %s", why)
+        return ({**options, "weight_type": "int8", "reduce_range": saturates},
+                {"type": "int8", "reduce_range": saturates, "why": why})
+    log.info("ort: symmetric uint8 weights: %s", why)
+    return ({**options, "weight_type": "uint8", "reduce_range": False},
+            {"type": "uint8", "reduce_range": False, "why": why + "; uint8 weights run on its exact u8u8 kernels"})
