@@ -252,7 +252,7 @@ class OrtQuantizer:
         quantized = self._quantize(ranges, excluded, settings)
         if check and self.samples:
             try:
-                run_model(quantized, self.samples[:1], self.threads)  # as written: fused, ORT skips such a node
+                run_model(quantized, self.samples[:1], self.threads)  # as written: a fused kernel would skip the node
             except ModelError as exc:
                 raise UnrunnableResult(str(exc)) from None
         return quantized
