@@ -71,19 +71,25 @@ def test_gptq_weights_sit_on_the_grid_the_toolkit_quantizes_them_to(tmp_path):
 
     job = rknn_job(tmp_path, "ppocr_cls", weight_rounding="gptq")
     result = rknn.quantize(job)
-    assert result.details["weight_rounding"]["layers"] == 54  # 53 Conv + the classifier (Gemm, transB 0)
+    record = result.details["weight_rounding"]
+    # 53 Conv + the classifier (Gemm, transB 0); the late layers' few positions leave 18 to nearest rounding
+    assert (record["layers"], record["underdetermined"]) == (36, 18)
     handed = onnx.load(str(job.work_dir / "model.onnx"))
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in handed.graph.initializer}
+    given = {t.name: onnx.numpy_helper.to_array(t) for t in job.model.graph.initializer}
     table = result.runner.quantization_table()  # rknn_ranges.table_of in the toolkit worker
     layers = rknn_weights.layers(handed)
     assert len(layers) == 54 and {layer.kind for layer in layers} == {"conv", "matmul"}
+    rounded = {layer.node for layer in layers if not np.array_equal(weights[layer.quantized], given[layer.quantized])}
+    assert len(rounded) == 36
     for layer in layers:
         weight = weights[layer.quantized]
         scale, zero = rknn_weights.grid(weight, layer.axis)
         np.testing.assert_allclose(np.asarray(json.loads(str(table[layer.quantized]["scale"]))), scale, rtol=1e-5)
         np.testing.assert_array_equal(np.asarray(json.loads(str(table[layer.quantized]["zero_point"]))), zero)
-        steps = np.moveaxis(weight, layer.axis, 0).reshape(len(scale), -1) / scale[:, None] + zero[:, None]
-        assert np.abs(steps - np.round(steps)).max() < 1e-3
+        if layer.node in rounded:  # on the grid: the toolkit's rounding keeps GPTQ's integers
+            steps = np.moveaxis(weight, layer.axis, 0).reshape(len(scale), -1) / scale[:, None] + zero[:, None]
+            assert np.abs(steps - np.round(steps)).max() < 1e-3
 
 
 def test_dynamic_input_dims_are_refused_with_the_fix(tmp_path):
