@@ -103,8 +103,8 @@ def test_a_run_sidecar_measures_the_held_out_split_in_the_run(tmp_path, monkeypa
     assert config["evaluation"]["heldout"]["source"] == str(tmp_path / "zoo" / "samples" / "tiny_vad" / "heldout")
 
 def test_nodes_measures_optimize_against_onnxslim_and_says_why_a_layernorm_is_left(tmp_path, monkeypatch):
-    """`zoo.py nodes` on a tiny zoo: a LayerNorm over a non-trailing axis (refused, with the reason) and a Slice
-    that keeps everything (removed by cleanup); the model's sidecar and samples are used."""
+    """`zoo.py nodes` on a tiny zoo: a LayerNorm whose gamma is a graph input (refused, with the reason) and a
+    Slice that keeps everything (removed by cleanup); the model's sidecar and samples are used."""
     pytest.importorskip("onnxslim", reason="onnxslim is a dev dependency (.[dev]), not in the latest-stack venv")
     import numpy as np
     from onnx import helper, save
@@ -113,29 +113,32 @@ def test_nodes_measures_optimize_against_onnxslim_and_says_why_a_layernorm_is_le
 
     shape = [2, 8, 16]
     nodes = [helper.make_node("Slice", ["x", "zero", "end", "zero"], ["xs"]),
-             helper.make_node("ReduceMean", ["xs"], ["m"], axes=[1]), helper.make_node("Sub", ["xs", "m"], ["d"]),
-             helper.make_node("Mul", ["d", "d"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["v"], axes=[1]),
+             helper.make_node("ReduceMean", ["xs"], ["m"], axes=[-1]), helper.make_node("Sub", ["xs", "m"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["v"], axes=[-1]),
              helper.make_node("Add", ["v", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["s"]),
-             helper.make_node("Div", ["d", "s"], ["y"])]
+             helper.make_node("Div", ["d", "s"], ["n"]), helper.make_node("Mul", ["n", "gamma"], ["y"])]
     inits = {"eps": np.float32(1e-5), "zero": np.array([0], np.int64),
              "end": np.array([np.iinfo(np.int64).max], np.int64)}
     (tmp_path / "models").mkdir()
-    save(make_model(nodes, [("x", shape)], [("y", shape)], inits, opset=17), str(tmp_path / "models" / "tiny.onnx"))
+    save(make_model(nodes, [("x", shape), ("gamma", [16])], [("y", shape)], inits, opset=17),
+         str(tmp_path / "models" / "tiny.onnx"))
     (tmp_path / "models" / "tiny.qprep.yaml").write_text(
         "calibration: {source: ../samples/tiny/calibration, max_samples: 32}\n"
         "evaluation: {source: ../samples/tiny/evaluation, max_samples: 48}\n")
     samples = tmp_path / "samples" / "tiny" / "calibration"
     samples.mkdir(parents=True)
     for i in range(3):
-        np.savez(samples / f"{i:04d}.npz", x=np.random.default_rng(i).normal(size=shape).astype(np.float32))
+        rng = np.random.default_rng(i)
+        np.savez(samples / f"{i:04d}.npz", x=rng.normal(size=shape).astype(np.float32),
+                 gamma=rng.uniform(0.5, 1.5, 16).astype(np.float32))
     monkeypatch.setattr(zoo, "ZOO", tmp_path)
     entry = zoo.Entry(name="tiny", task="t", exporter="other", sha256="b" * 64, samples="zoo_samples.x")
     rows = zoo.nodes([entry], samples=2)
     assert "error" not in rows[0], rows[0]
-    assert rows[0]["before"] == 8 and rows[0]["qprep"]["nodes"] == 7
-    assert rows[0]["layernorms_left"] == {"reduced axes [-2] are not the trailing axes of the input": 1}
+    assert rows[0]["before"] == 9 and rows[0]["qprep"]["nodes"] == 8
+    assert rows[0]["layernorms_left"] == {"gamma is not a constant (graph input or computed)": 1}
     text = zoo.render_nodes(rows, 2)
-    assert "| tiny | 8 | 7 | " in text and "1× reduced axes [-2] are not the trailing axes" in text
+    assert "| tiny | 9 | 8 | " in text and "1× gamma is not a constant" in text
 
 
 def test_the_table_counts_each_outcome_and_shows_refusals_whole_lines():

@@ -118,23 +118,24 @@ def test_a_failing_round_is_replayed_pass_by_pass_and_only_the_culprit_rolled_ba
 
 
 def test_a_layernorm_left_unfused_is_in_the_report_with_its_reason(tmp_path, save, cli):
-    """LayerNorm over a non-trailing axis (ONNX's op normalizes trailing axes only): refused, and the report
-    says so — never a silent leftover."""
+    """LayerNorm whose gamma is a graph input (LayerNormalization's scale must be a constant to be fused here):
+    refused, and the report says so — never a silent leftover."""
     shape = [2, 8, 16]
-    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[1]), helper.make_node("Sub", ["x", "m"], ["d"]),
-             helper.make_node("Mul", ["d", "d"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["v"], axes=[1]),
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[-1]), helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["v"], axes=[-1]),
              helper.make_node("Add", ["v", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["s"]),
-             helper.make_node("Div", ["d", "s"], ["y"])]
-    model = save(make_model(nodes, [("x", shape)], [("y", shape)], {"eps": np.float32(1e-5)}, opset=17))
+             helper.make_node("Div", ["d", "s"], ["n"]), helper.make_node("Mul", ["n", "gamma"], ["y"])]
+    model = save(make_model(nodes, [("x", shape), ("gamma", [16])], [("y", shape)], {"eps": np.float32(1e-5)},
+                            opset=17))
     config = tmp_path / "c.yaml"
     config.write_text(f"model: {model}\noutput_dir: {tmp_path / 'run'}\npipeline: [optimize]\n")
     code, _, err = cli("run", config, "--quiet")
     assert code == 0, err
     stage = json.loads((tmp_path / "run" / "report.json").read_text())["stages"][0]
     record = {p["pass"]: p for p in stage["passes"]}["fuse_layernorm"]
-    assert "not the trailing axes" in next(iter(record["details"]["refused"]))
+    assert "gamma is not a constant" in next(iter(record["details"]["refused"]))
     text = (tmp_path / "run" / "report.md").read_text()
-    assert "Left unfused by **fuse_layernorm**: 1× reduced axes [-2] are not the trailing axes" in text
+    assert "Left unfused by **fuse_layernorm**: 1× gamma is not a constant" in text
 
 
 def test_unknown_pass_name_is_a_config_error_with_a_suggestion(tmp_path):

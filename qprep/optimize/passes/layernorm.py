@@ -8,6 +8,10 @@ Math, over the trailing k axes (k = number of reduced axes):
 
     y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta  ≡  LayerNormalization(x, gamma, beta, axis=-k, epsilon=eps)
 
+Normalized axes that are not trailing (magika's jax2tf LayerNorm over axis -2; ONNX's op normalizes trailing axes
+only): Transpose(x) putting them last → LayerNormalization → Transpose back, gamma/beta as their normalized dims.
+Left decomposed, ORT quantized that LayerNorm's Sqrt/Reciprocal/Mul and magika_v3 collapsed (cosine 0.68).
+
 Forms: two families (`pattern`, `check`, `rewrite` kept separate), every part spelled any way an exporter does:
 
     centered  d = x - mean;  d / sqrt(var + eps)  or  d * inverse_std  [* gamma] [+ beta],  or Flax's
@@ -25,8 +29,8 @@ The record names the spelling: pytorch (centered, E[(x-m)²]), jax (moments vari
 
 Preconditions (any miss leaves the subgraph untouched; the reason goes to the record):
   - x is float16/bfloat16/float/double (types come from shape inference, run here if missing);
-  - every reduction reduces the same, trailing axes (positive axes need a known rank), all with the same
-    keepdims;
+  - every reduction reduces the same axes (positive ones need a known rank; non-trailing ones a known rank and
+    static dims), all with the same keepdims;
   - a statistic reduced with keepdims=0 or reshaped/expanded meets x with x's rank and, dim by dim, x's
     leading dims and 1 (or x's own) on the normalized ones — dims proved equal by their origin
     (qprep/optimize/dim_origin.py), so a statistic broadcast along the wrong axis is refused;
@@ -94,6 +98,7 @@ class _Fusion:
     initializer_names: dict[str, str]
     root: ir.Node  # the matched node the new one replaces
     restored: int = 0  # Reshape/Unsqueeze/Expand nodes between statistics and their uses (jax2tf)
+    perm: tuple[int, ...] | None = None  # normalized axes not trailing: x is transposed to put them last, and back
 
 
 @dataclass
@@ -271,12 +276,20 @@ class _LayerNormRule(RewriteRuleClassBase):
             return fail("the reductions differ in keepdims", means[0].node)
         (reduced,) = axes
         k = len(reduced)
+        perm = None
         if reduced != tuple(range(-k, 0)):
-            return fail(f"reduced axes {list(reduced)} are not the trailing axes of the input", means[0].node)
-        problem = self._broadcast_problem(context, x, k, keepdims.pop(), bindings)
+            if rank is None:
+                return fail(f"reduced axes {list(reduced)} are not the trailing axes of an input of unknown rank",
+                            means[0].node)
+            normalized = [a % rank for a in reduced]
+            perm = tuple([a for a in range(rank) if a not in normalized] + normalized)
+        normalized_axes = set() if rank is None else set(range(rank - k, rank)) if perm is None else set(perm[rank - k:])
+        problem = self._broadcast_problem(context, x, normalized_axes, keepdims.pop(), bindings)
         if problem:
             return fail(problem, x)
-        norm_shape = _static_dims(x, k)
+        norm_shape = _static_dims(x, k, perm)
+        if perm is not None and norm_shape is None:
+            return fail(f"reduced axes {list(reduced)} are not trailing and their dims are not static", means[0].node)
 
         for mean in means:
             if mean.node.op_type == "ReduceMean":
@@ -298,7 +311,8 @@ class _LayerNormRule(RewriteRuleClassBase):
 
         params = []
         for role, value, default in (("gamma", gamma, 1.0), ("beta", beta, 0.0)):
-            param = _affine_param(role, value, default, x, k, rank, norm_shape)
+            param = (_affine_param(role, value, default, x, k, rank, norm_shape) if perm is None else
+                     _permuted_affine_param(role, value, default, x, perm, k, norm_shape))
             if isinstance(param, str):
                 return fail(param, value if value is not None else x)
             params.append(param)
@@ -310,9 +324,9 @@ class _LayerNormRule(RewriteRuleClassBase):
         new_names = {role: names.value(f"{name}.{role}")
                      for role, p in zip(("scale", "bias"), params) if isinstance(p, np.ndarray)}
         return _Fusion(self._spelling(bindings), -k, float(np.float32(epsilon)), *params, name, new_names,
-                       context.root, sum(n.op_type in RESTORING_OPS for n in context.nodes))
+                       context.root, sum(n.op_type in RESTORING_OPS for n in context.nodes), perm)
 
-    def _broadcast_problem(self, context, x: ir.Value, k: int, keepdims: int, bindings) -> str | None:
+    def _broadcast_problem(self, context, x: ir.Value, normalized: set[int], keepdims: int, bindings) -> str | None:
         """Why the statistics may not meet x as LayerNorm's per-row values, or None.
 
         Reductions with keepdims=1 used as they are broadcast correctly whatever the shapes. Otherwise (a
@@ -336,7 +350,7 @@ class _LayerNormRule(RewriteRuleClassBase):
                         f"not {rank} (keepdims=0 without a Reshape back)")
             for axis in range(rank):
                 same = origins.same(used, axis, x, axis)
-                if not (same or (axis >= rank - k and origins.of(used, axis) == 1)):
+                if not (same or (axis in normalized and origins.of(used, axis) == 1)):
                     return f"a restored statistic has dim {axis} = {used.shape[axis]}, not the input's per-row shape"
         return None
 
@@ -348,8 +362,13 @@ class _LayerNormRule(RewriteRuleClassBase):
             for p, role in ((found.scale, "scale"), (found.bias, "bias"))
         )
         # stash_type 1 (float32): the schema allows float/bfloat16 only; ORT still computes double inputs in double
-        return op.LayerNormalization(x, scale, bias, axis=found.axis, epsilon=found.epsilon, stash_type=1,
-                                     _name=found.name)
+        if found.perm is None:
+            return op.LayerNormalization(x, scale, bias, axis=found.axis, epsilon=found.epsilon, stash_type=1,
+                                         _name=found.name)
+        inverse = tuple(int(i) for i in np.argsort(found.perm))
+        normalized = op.LayerNormalization(op.Transpose(x, perm=list(found.perm)), scale, bias, axis=found.axis,
+                                           epsilon=found.epsilon, stash_type=1, _name=found.name)
+        return op.Transpose(normalized, perm=list(inverse))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -456,11 +475,12 @@ def _reduced_axes(node: ir.Node, rank: int | None) -> tuple[int, ...] | str:
     return tuple(sorted(axes))
 
 
-def _static_dims(x: ir.Value, k: int) -> tuple[int, ...] | None:
-    """The trailing k dims of x when all are known integers."""
+def _static_dims(x: ir.Value, k: int, perm: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+    """The normalized dims of x (its trailing k, or the last k of `perm`) when all are known integers."""
     if x.shape is None or x.shape.rank() < k:
         return None
-    dims = tuple(x.shape.dims[x.shape.rank() - k:])
+    axes = range(x.shape.rank() - k, x.shape.rank()) if perm is None else perm[len(perm) - k:]
+    dims = tuple(x.shape.dims[a] for a in axes)
     return dims if all(isinstance(d, int) for d in dims) else None
 
 
@@ -494,6 +514,30 @@ def _affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value
     except ValueError:
         return f"{role} shape {array.shape} does not broadcast to the normalized shape {norm_shape}"
     return value if array.shape == norm_shape else np.ascontiguousarray(full)
+
+
+def _permuted_affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value, perm: tuple[int, ...],
+                           k: int, norm_shape: tuple[int, ...]) -> np.ndarray | str:
+    """gamma/beta for normalized axes that are not trailing (x transposed by `perm` first): the constant, right-
+    aligned to x's rank, must vary only along the normalized axes; it is transposed the same way and kept as the
+    normalized dims, always a new array."""
+    if value is None:
+        return np.full(norm_shape, default, dtype=x.dtype.numpy())
+    array = constant_array(value)
+    if array is None:
+        return f"{role} is not a constant (graph input or computed)"
+    if array.dtype != x.dtype.numpy():
+        return f"{role} dtype {array.dtype} differs from the input's {x.dtype.numpy()}"
+    rank = len(perm)
+    if array.ndim > rank:
+        return f"{role} rank {array.ndim} exceeds the input rank {rank}"
+    full = np.transpose(array.reshape((1,) * (rank - array.ndim) + array.shape), perm)
+    if any(d != 1 for d in full.shape[:rank - k]):
+        return f"{role} shape {array.shape} varies outside the normalized axes"
+    try:
+        return np.ascontiguousarray(np.broadcast_to(full.reshape(full.shape[rank - k:]), norm_shape))
+    except ValueError:
+        return f"{role} shape {array.shape} does not broadcast to the normalized shape {norm_shape}"
 
 
 def _affine_follower(output: ir.Value, op_types: tuple[str, ...]) -> ir.Node | None:

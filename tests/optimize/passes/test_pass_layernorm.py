@@ -456,9 +456,30 @@ def test_refuses_gamma_or_beta_that_is_a_graph_input(role):
     assert_refused(g.model(y), f"{role} is not a constant")
 
 
-def test_refuses_non_trailing_axes():
+@pytest.mark.parametrize("axes", [(1,), (-2,)])
+def test_non_trailing_axes_fuse_between_transposes(axes):
+    """magika_v3 (jax2tf) normalizes over axis -2; left decomposed, ORT quantized its Sqrt/Reciprocal/Mul and the
+    model collapsed. The input is transposed to put the axis last, normalized, and transposed back; gamma/beta
+    ([8, 1]: per position along that axis) become [8]."""
     g = Graph()
-    assert_refused(g.model(pytorch_ln(g, g.input(), axes=(1,), gamma=None, beta=None)), "not the trailing axes")
+    gamma, beta = RNG.uniform(0.5, 1.5, (8, 1)).astype(np.float32), RNG.uniform(-0.5, 0.5, (8, 1)).astype(np.float32)
+    fused = assert_fused(g.model(pytorch_ln(g, g.input(), axes=axes, gamma=gamma, beta=beta)), epsilon=1e-5)
+    transposes = [n for n in fused.graph.node if n.op_type == "Transpose"]
+    assert [attr(n, "perm") for n in transposes] == [[0, 2, 1], [0, 2, 1]]
+    scale = next(t for t in fused.graph.initializer if t.name == layernorm_node(fused).input[1])
+    assert list(scale.dims) == [8]
+
+
+def test_non_trailing_axes_refused_when_gamma_varies_outside_them():
+    g = Graph()
+    gamma = RNG.uniform(0.5, 1.5, (8, 16)).astype(np.float32)  # varies along the kept axis too
+    assert_refused(g.model(pytorch_ln(g, g.input(), axes=(1,), gamma=gamma, beta=None)), "varies outside")
+
+
+def test_non_trailing_axes_of_unknown_rank_are_refused():
+    g = Graph()
+    assert_refused(g.model(pytorch_ln(g, g.input(shape=None), axes=(-2,), gamma=None, beta=None)),
+                   "not the trailing axes of an input of unknown rank")
 
 
 def test_positive_axes_need_a_known_rank():
