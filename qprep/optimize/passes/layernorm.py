@@ -495,13 +495,9 @@ def _affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value
         if norm_shape is None:
             return f"no {role}: building one needs static normalized dims"
         return np.full(norm_shape, default, dtype=x.dtype.numpy())
-    array = constant_array(value)
-    if array is None:
-        return f"{role} is not a constant (graph input or computed)"
-    if array.dtype != x.dtype.numpy():
-        return f"{role} dtype {array.dtype} differs from the input's {x.dtype.numpy()}"
-    if rank is not None and array.ndim > rank:
-        return f"{role} rank {array.ndim} exceeds the input rank {rank}"
+    array = _constant_param(role, value, x, rank)
+    if isinstance(array, str):
+        return array
     lead, tail = array.shape[: max(0, array.ndim - k)], array.shape[max(0, array.ndim - k):]
     if any(d != 1 for d in lead):
         return f"{role} shape {array.shape} varies outside the normalized axes"
@@ -516,6 +512,18 @@ def _affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value
     return value if array.shape == norm_shape else np.ascontiguousarray(full)
 
 
+def _constant_param(role: str, value: ir.Value, x: ir.Value, rank: int | None) -> np.ndarray | str:
+    """gamma/beta's constant array, or why it cannot be one: not a constant, another dtype than x, a higher rank."""
+    array = constant_array(value)
+    if array is None:
+        return f"{role} is not a constant (graph input or computed)"
+    if array.dtype != x.dtype.numpy():
+        return f"{role} dtype {array.dtype} differs from the input's {x.dtype.numpy()}"
+    if rank is not None and array.ndim > rank:
+        return f"{role} rank {array.ndim} exceeds the input rank {rank}"
+    return array
+
+
 def _permuted_affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value, perm: tuple[int, ...],
                            k: int, norm_shape: tuple[int, ...]) -> np.ndarray | str:
     """gamma/beta for normalized axes that are not trailing (x transposed by `perm` first): the constant, right-
@@ -523,14 +531,10 @@ def _permuted_affine_param(role: str, value: ir.Value | None, default: float, x:
     normalized dims, always a new array."""
     if value is None:
         return np.full(norm_shape, default, dtype=x.dtype.numpy())
-    array = constant_array(value)
-    if array is None:
-        return f"{role} is not a constant (graph input or computed)"
-    if array.dtype != x.dtype.numpy():
-        return f"{role} dtype {array.dtype} differs from the input's {x.dtype.numpy()}"
     rank = len(perm)
-    if array.ndim > rank:
-        return f"{role} rank {array.ndim} exceeds the input rank {rank}"
+    array = _constant_param(role, value, x, rank)
+    if isinstance(array, str):
+        return array
     full = np.transpose(array.reshape((1,) * (rank - array.ndim) + array.shape), perm)
     if any(d != 1 for d in full.shape[:rank - k]):
         return f"{role} shape {array.shape} varies outside the normalized axes"
