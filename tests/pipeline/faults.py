@@ -48,9 +48,12 @@ def qprep(*args, cwd: Path | None = None, timeout: float = 300, stdin=None, unpr
 
 
 def start(*args, cwd: Path | None = None) -> subprocess.Popen:
-    """`python -m qprep ARGS` started in the background (for signals and concurrency)."""
+    """`python -m qprep ARGS` started in the background (for signals and concurrency), with SIGINT at its default
+    even when the test runner inherited it ignored (a shell's background job does: Python then never raises
+    KeyboardInterrupt and the signal tests would wait out their timeouts)."""
     return subprocess.Popen([sys.executable, "-m", "qprep", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd or ROOT)
+                            stderr=subprocess.PIPE, text=True, cwd=cwd or ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def assert_one_line(outcome: Outcome, code: int, *phrases: str) -> None:
