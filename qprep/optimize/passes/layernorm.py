@@ -276,18 +276,17 @@ class _LayerNormRule(RewriteRuleClassBase):
             return fail("the reductions differ in keepdims", means[0].node)
         (reduced,) = axes
         k = len(reduced)
+        normalized = [] if rank is None else [a % rank for a in reduced]  # as non-negative axes, in order
         perm = None
         if reduced != tuple(range(-k, 0)):
             if rank is None:
                 return fail(f"reduced axes {list(reduced)} are not the trailing axes of an input of unknown rank",
                             means[0].node)
-            normalized = [a % rank for a in reduced]
             perm = tuple([a for a in range(rank) if a not in normalized] + normalized)
-        normalized_axes = set() if rank is None else set(range(rank - k, rank)) if perm is None else set(perm[rank - k:])
-        problem = self._broadcast_problem(context, x, normalized_axes, keepdims.pop(), bindings)
+        problem = self._broadcast_problem(context, x, set(normalized), keepdims.pop(), bindings)
         if problem:
             return fail(problem, x)
-        norm_shape = _static_dims(x, k, perm)
+        norm_shape = _static_dims(x, normalized)
         if perm is not None and norm_shape is None:
             return fail(f"reduced axes {list(reduced)} are not trailing and their dims are not static", means[0].node)
 
@@ -311,8 +310,7 @@ class _LayerNormRule(RewriteRuleClassBase):
 
         params = []
         for role, value, default in (("gamma", gamma, 1.0), ("beta", beta, 0.0)):
-            param = (_affine_param(role, value, default, x, k, rank, norm_shape) if perm is None else
-                     _permuted_affine_param(role, value, default, x, perm, k, norm_shape))
+            param = _affine_param(role, value, default, x, k, rank, norm_shape, perm)
             if isinstance(param, str):
                 return fail(param, value if value is not None else x)
             params.append(param)
@@ -475,17 +473,18 @@ def _reduced_axes(node: ir.Node, rank: int | None) -> tuple[int, ...] | str:
     return tuple(sorted(axes))
 
 
-def _static_dims(x: ir.Value, k: int, perm: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
-    """The normalized dims of x (its trailing k, or the last k of `perm`) when all are known integers."""
-    if x.shape is None or x.shape.rank() < k:
+def _static_dims(x: ir.Value, axes: list[int]) -> tuple[int, ...] | None:
+    """x's dims along the normalized `axes` (non-negative; empty when x's rank is unknown) when all are known
+    integers."""
+    if not axes or x.shape is None:
         return None
-    axes = range(x.shape.rank() - k, x.shape.rank()) if perm is None else perm[len(perm) - k:]
     dims = tuple(x.shape.dims[a] for a in axes)
     return dims if all(isinstance(d, int) for d in dims) else None
 
 
 def _affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value, k: int, rank: int | None,
-                  norm_shape: tuple[int, ...] | None) -> ir.Value | np.ndarray | str:
+                  norm_shape: tuple[int, ...] | None, perm: tuple[int, ...] | None = None
+                  ) -> ir.Value | np.ndarray | str:
     """gamma/beta as LayerNormalization needs them: the value itself, a reshaped copy, or a filled array.
 
     Returns a string saying why not when the parameter is not a constant of x's dtype that varies only along
@@ -495,25 +494,6 @@ def _affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value
         if norm_shape is None:
             return f"no {role}: building one needs static normalized dims"
         return np.full(norm_shape, default, dtype=x.dtype.numpy())
-    array = _constant_param(role, value, x, rank)
-    if isinstance(array, str):
-        return array
-    lead, tail = array.shape[: max(0, array.ndim - k)], array.shape[max(0, array.ndim - k):]
-    if any(d != 1 for d in lead):
-        return f"{role} shape {array.shape} varies outside the normalized axes"
-    if norm_shape is None:
-        if len(tail) != k or 1 in tail:
-            return f"{role} shape {array.shape} needs broadcasting but the normalized dims are unknown"
-        return value if array.shape == tail else np.ascontiguousarray(array.reshape(tail))
-    try:
-        full = np.broadcast_to(array.reshape(tail), norm_shape)
-    except ValueError:
-        return f"{role} shape {array.shape} does not broadcast to the normalized shape {norm_shape}"
-    return value if array.shape == norm_shape else np.ascontiguousarray(full)
-
-
-def _constant_param(role: str, value: ir.Value, x: ir.Value, rank: int | None) -> np.ndarray | str:
-    """gamma/beta's constant array, or why it cannot be one: not a constant, another dtype than x, a higher rank."""
     array = constant_array(value)
     if array is None:
         return f"{role} is not a constant (graph input or computed)"
@@ -521,27 +501,21 @@ def _constant_param(role: str, value: ir.Value, x: ir.Value, rank: int | None) -
         return f"{role} dtype {array.dtype} differs from the input's {x.dtype.numpy()}"
     if rank is not None and array.ndim > rank:
         return f"{role} rank {array.ndim} exceeds the input rank {rank}"
-    return array
-
-
-def _permuted_affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value, perm: tuple[int, ...],
-                           k: int, norm_shape: tuple[int, ...]) -> np.ndarray | str:
-    """gamma/beta for normalized axes that are not trailing (x transposed by `perm` first): the constant, right-
-    aligned to x's rank, must vary only along the normalized axes; it is transposed the same way and kept as the
-    normalized dims, always a new array."""
-    if value is None:
-        return np.full(norm_shape, default, dtype=x.dtype.numpy())
-    rank = len(perm)
-    array = _constant_param(role, value, x, rank)
-    if isinstance(array, str):
-        return array
-    full = np.transpose(array.reshape((1,) * (rank - array.ndim) + array.shape), perm)
-    if any(d != 1 for d in full.shape[:rank - k]):
-        return f"{role} shape {array.shape} varies outside the normalized axes"
+    given = array.shape
+    if perm is not None:  # normalized axes not trailing (norm_shape known): the constant moves with x
+        array = np.transpose(array.reshape((1,) * (len(perm) - array.ndim) + given), perm)
+    lead, tail = array.shape[: max(0, array.ndim - k)], array.shape[max(0, array.ndim - k):]
+    if any(d != 1 for d in lead):
+        return f"{role} shape {given} varies outside the normalized axes"
+    if norm_shape is None:
+        if len(tail) != k or 1 in tail:
+            return f"{role} shape {given} needs broadcasting but the normalized dims are unknown"
+        return value if array.shape == tail else np.ascontiguousarray(array.reshape(tail))
     try:
-        return np.ascontiguousarray(np.broadcast_to(full.reshape(full.shape[rank - k:]), norm_shape))
+        full = np.broadcast_to(array.reshape(tail), norm_shape)
     except ValueError:
-        return f"{role} shape {array.shape} does not broadcast to the normalized shape {norm_shape}"
+        return f"{role} shape {given} does not broadcast to the normalized shape {norm_shape}"
+    return value if perm is None and array.shape == norm_shape else np.ascontiguousarray(full)
 
 
 def _affine_follower(output: ir.Value, op_types: tuple[str, ...]) -> ir.Node | None:
