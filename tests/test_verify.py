@@ -216,7 +216,7 @@ def test_a_kernel_that_refuses_its_values_gets_no_input_dims_advice():
     """ORT 1.26's refusal of a QLinearConv whose per-channel weight zero points differ (newer releases run it):
     the message must keep ORT's explanation and not send the user to `inputs:` (it did); a shape error still
     does."""
-    from qprep.model.runtime import _advice, _short
+    from qprep.model.runtime import _advice, short_ort_message
 
     refused = ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running QLinearConv "
                "node. Name:'node_Conv_76_token_4' Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/"
@@ -225,10 +225,10 @@ def test_a_kernel_that_refuses_its_values_gets_no_input_dims_advice():
                "= long int; uint8_t = unsigned char] W_zero_point_data[i] == W_zero_point_value was false. QLinearConv "
                ": zero point of per-channel filter must be same. This happens by design if the quantization is "
                "symmetric.")
-    short = _short(refused)
+    short = short_ort_message(refused)
     assert "node_Conv_76_token_4" in short and "zero point of per-channel filter must be same" in short
     assert len(short) < 320
     assert "inputs:" not in _advice(short) and "keep that node float" in _advice(short)
     shape = ("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: x for the following "
              "indices index: 2 Got: 7 Expected: 8")
-    assert "inputs:" in _advice(_short(shape))
+    assert "inputs:" in _advice(short_ort_message(shape))

@@ -25,7 +25,7 @@ def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
 
 def model_error(exc: Exception) -> ModelError:
     """ORT's failure to build or run a model, in one line with what to do."""
-    message = _short(str(exc).splitlines()[0])
+    message = short_ort_message(str(exc).splitlines()[0])
     return ModelError(f"ONNX Runtime cannot run the model on the verification samples ({message}); "
                       f"{_advice(message)}")
 
@@ -37,7 +37,7 @@ def session_outputs(session, samples: list[dict]) -> list[dict[str, np.ndarray]]
     return [dict(zip(outputs, session.run(outputs, {n: s[n] for n in names}))) for s in samples]
 
 
-def _short(message: str) -> str:
+def short_ort_message(message: str) -> str:
     """ORT's kernel errors put a source path and a C++ signature between the node's name and the sentence that
     explains: keep the start (node name) and the end (the explanation)."""
     if len(message) <= 300:

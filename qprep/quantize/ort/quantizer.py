@@ -20,14 +20,14 @@ import numpy as np
 import onnx
 import onnx.version_converter
 
-from qprep.errors import ModelError, QprepError
+from qprep.errors import QprepError
 from qprep.third_party import ort_quantization
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
 from qprep.quantize.ort import uint8_weights
 from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.model.io import compacted, is_large, save_model
-from qprep.model.runtime import run_model
+from qprep.model.runtime import ort_session, run_model, session_outputs, short_ort_message
 from qprep.qdq import remove_redundant
 from qprep.quantize import bias_correction, channel_spread, gptq, nonfinite
 from qprep.quantize import ranges as activation_ranges
@@ -218,7 +218,7 @@ class OrtQuantizer:
                 culprit = self._failing_node(ranges, skip, settings)
                 if culprit is None:
                     raise
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                reason = f"{type(exc).__name__}: {short_ort_message(str(exc).splitlines()[0]) if str(exc) else ''}"
                 self.unquantizable[culprit] = reason
                 log.warning("ort: ONNX Runtime's quantizer fails on node %s (%s): kept float", culprit, reason)
 
@@ -247,14 +247,12 @@ class OrtQuantizer:
     def _runnable(self, ranges, excluded: list[str], settings: OrtSettings, check: bool) -> onnx.ModelProto:
         """`_quantize`, and with `check` the result run on one calibration sample: ORT's quantizer also writes
         models ONNX Runtime cannot run (uint8 weights on a Gemm with a [1, N] bias: a per-axis DequantizeLinear
-        of that bias, "scale must be 1D tensor with size 1"), which are then handled like its own failures.
-        Checked on the first build only: later ones leave out what it found."""
+        of that bias, "scale must be 1D tensor with size 1"). ORT's own exception is let through, so such a node
+        is found and kept float like the quantizer's failures. Checked on the first build only: later ones leave
+        out what it found."""
         quantized = self._quantize(ranges, excluded, settings)
-        if check and self.samples:
-            try:
-                run_model(quantized, self.samples[:1], self.threads)  # as written: a fused kernel would skip the node
-            except ModelError as exc:
-                raise UnrunnableResult(str(exc)) from None
+        if check and self.samples:  # as written (a fused kernel would skip the node); ORT's error line not printed
+            session_outputs(ort_session(quantized, self.threads, log_severity=4), self.samples[:1])
         return quantized
 
     def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
@@ -446,11 +444,6 @@ def better(before_db: float | None, after_db: float | None, default: str, margin
 
 def db_text(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.2f}"
-
-
-class UnrunnableResult(Exception):
-    """ORT's quantizer wrote a model ONNX Runtime cannot run (not a QprepError: the node is searched and kept
-    float like the quantizer's own failures)."""
 
 
 def _rounded(value: float | None) -> float | None:
