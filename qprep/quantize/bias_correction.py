@@ -117,7 +117,8 @@ def apply(qdq_model: onnx.ModelProto, layers: list[BiasLayer], shifts: dict[str,
         bias = numpy_helper.to_array(tensor).astype(np.int64)
         if bias.shape != shift.shape:
             continue
-        moved = np.clip(bias + np.round(shift / layer.scale).astype(np.int64), INT32.min, INT32.max)
+        steps = np.nan_to_num(np.round(shift / layer.scale), nan=0.0)  # on a ~0 scale a shift is ±inf steps
+        moved = np.clip(bias + steps, INT32.min, INT32.max)  # in float64: clipped before it is cast
         tensor.CopyFrom(numpy_helper.from_array(moved.astype(np.int32), tensor.name))
     return model
 

@@ -38,7 +38,10 @@ def _weights(stage: dict) -> str:
         bits = "**uint8** (symmetric, 8-bit)"
     else:
         bits = "**7-bit** (reduce_range)" if weights.get("reduce_range") else "8-bit"
-    return f"weights: {bits} — {weights.get('why', '?')}"
+    rescaled = weights.get("bias_channels_rescaled")
+    coarser = (f"; {rescaled} channel(s) with a coarser weight scale, so that their bias fits int32 (their weights "
+               "are ~0: BatchNorm switched them off)" if rescaled else "")
+    return f"weights: {bits} — {weights.get('why', '?')}{coarser}"
 
 
 def _ranges(stage: dict) -> str:

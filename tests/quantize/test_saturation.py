@@ -59,4 +59,4 @@ def test_weights_auto_follow_the_probe_and_the_report_says_why(tmp_path, save, m
     assert any(line.startswith("weights: **7-bit**" if saturates else "weights: 8-bit") for line in decision_lines(int8))
     config["pipeline"] = [{"quantize": {"backend": "ort", "ort": {"reduce_range": False}}}]
     configured = qprep.run(config, output_dir=str(tmp_path / "configured"), force=True)["stages"][0]["weights"]
-    assert configured == {"type": "int8", "reduce_range": False, "why": "configured"}
+    assert configured == {"type": "int8", "reduce_range": False, "why": "configured", "bias_channels_rescaled": 0}

@@ -52,3 +52,29 @@ def test_equal_zero_points_moves_only_all_zero_channels_and_keeps_the_values():
     assert arrays["z"].tolist() == [128, 128, 128] and arrays["q"][1].tolist() == [128, 128, 128]
     assert arrays["q"][0].tolist() == [1, 200, 128]
     np.testing.assert_array_equal(run_model(model, feeds)[0]["y"], before)
+
+
+def test_a_switched_off_channel_keeps_its_bias_with_uint8_weights(tmp_path, save):
+    """A channel whose BatchNorm was switched off (weights ~1e-12 once folded) outputs its bias; with uint8
+    weights ORT's quantizer clipped that bias to the int32 range on a bias scale of ~1e-14, and the channel output
+    ~0 instead of 0.5 (PP-OCRv4 rec: 15 channels in 5 Convs). int32_bias.py gives it a coarser weight scale."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    weight[2] *= 1e-12
+    bias = np.array([0.1, -0.2, 0.5, 0.3], np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [("x", [1, 3, 8, 8])], [("y", [1, 4, 8, 8])], {"w": weight, "b": bias}, opset=17)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(8):
+        np.save(data / f"{i}.npy", rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    config = {"model": str(save(model)), "calibration": {"source": str(data)}, "evaluation": {"source": str(data)},
+              "pipeline": [{"quantize": {"backend": "ort", "ort": {"weight_type": "uint8"}}}]}
+    report = qprep.run(config, output_dir=str(tmp_path / "run"), force=True)
+    stage = next(s for s in report["stages"] if s["name"] == "quantize")
+    assert stage["weights"]["bias_channels_rescaled"] == 1
+    quantized = onnx.load(str(tmp_path / "run" / "model.onnx"))
+    feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}]
+    channel = run_model(quantized, feeds)[0]["y"][0, 2]
+    np.testing.assert_allclose(channel, 0.5, atol=0.05)  # within the output's int8 grid; clipped, it was ~0
+    assert "coarser weight scale" in (tmp_path / "run" / "report.md").read_text()

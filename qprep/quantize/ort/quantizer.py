@@ -24,7 +24,7 @@ from qprep.errors import QprepError
 from qprep.third_party import ort_quantization
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
-from qprep.quantize.ort import uint8_weights
+from qprep.quantize.ort import int32_bias, uint8_weights
 from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.model.io import compacted, is_large, save_model
 from qprep.model.runtime import ort_session, run_model, session_outputs, short_ort_message
@@ -290,6 +290,8 @@ class OrtQuantizer:
             _eight_bit_in_default_domain(quantizer.model.model)
         if self.options["weight_type"] == "uint8":
             uint8_weights.equal_zero_points(quantizer.model.model)
+        if not self.dynamic:  # ORT clips a bias its weight scale makes too fine (it fixes that for int8 weights only)
+            self.weights["bias_channels_rescaled"] = int32_bias.fit_biases(quantizer.model.model, self.model)
         return compacted(quantizer.model.model)  # without the float weights ORT removed
 
     def spread_nodes(self, settings: OrtSettings) -> set[str]:
