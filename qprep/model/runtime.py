@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.io import is_heavy, weightless
+from qprep.model.io import computing, is_heavy, weightless
 
 
 def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
@@ -83,7 +83,7 @@ class Intermediates:
         produced = {o for node in model.graph.node for o in node.output}
         self.computed = [n for n in self.wanted if n not in self.inputs and n in produced]
         self.threads = threads
-        self._recipe: SessionRecipe | None = SessionRecipe(model, self.computed)
+        self._recipe: SessionRecipe | None = SessionRecipe(model, self.computed, only=True)
         self._session = None
 
     def _built(self):
@@ -141,8 +141,13 @@ class SessionRecipe:
     Made before a proto's last use, it lets the proto go before the session is built: the weights then exist
     twice while ORT copies them, not three times (the 3.16 GB BERT's latency step peaked at 18.6 GB)."""
 
-    def __init__(self, model: onnx.ModelProto, extra_outputs=()):
+    def __init__(self, model: onnx.ModelProto, extra_outputs=(), only: bool = False):
+        """`only`: the session computes `extra_outputs` alone (io.computing), not the model's outputs."""
         graph, weights = weightless(model) if is_heavy(model) else (model, [])
+        part = computing(graph, list(extra_outputs)) if only and extra_outputs else None
+        if part is not None:
+            kept = {t.name for t in part.graph.initializer}
+            graph, weights, extra_outputs = part, [t for t in weights if t.name in kept], ()
         if extra_outputs:
             graph = copy.deepcopy(graph) if graph is model else graph
             present = {o.name for o in graph.graph.output}
