@@ -27,3 +27,33 @@ def test_a_recipe_builds_the_same_session_without_its_model_and_only_once(monkey
     np.testing.assert_array_equal(np.maximum(h, 0), y)
     with pytest.raises(RuntimeError, match="one session"):
         ort_session(recipe)
+
+
+
+def test_intermediates_run_only_the_part_that_computes_them():
+    """An early tensor is read from the nodes it depends on: the Relu and the second MatMul are not in the
+    session (ONNX Runtime would run them whatever a run fetches), and the value is the same."""
+    from qprep.model.runtime import intermediate_values
+
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 4)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("MatMul", ["b", "w2"], ["y"])]
+    model = make_model(nodes, [("x", [2, 4])], [("y", [2, 4])], {"w1": w1, "w2": w2})
+    part = io.computing(model, ["a"])
+    assert [n.op_type for n in part.graph.node] == ["MatMul"] and [o.name for o in part.graph.output] == ["a"]
+    assert [t.name for t in part.graph.initializer] == ["w1"]
+    sample = {"x": rng.standard_normal((2, 4)).astype(np.float32)}
+    values = next(intermediate_values(model, ["a", "x"], [sample]))
+    np.testing.assert_allclose(values["a"], sample["x"] @ w1, rtol=1e-5)
+    np.testing.assert_array_equal(values["x"], sample["x"])
+
+
+def test_a_graph_with_subgraphs_is_not_cut():
+    """A subgraph may read any outer tensor: io.computing does not follow those reads, so it declines."""
+    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "b", [],
+                               [helper.make_tensor_value_info("z", 1, [2])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0), helper.make_node("Cast", ["s"], ["c"], to=9),
+             helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)]
+    model = make_model(nodes, [("x", [2])], [("y", [2])])
+    assert io.computing(model, ["s"]) is None
