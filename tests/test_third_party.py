@@ -73,6 +73,54 @@ def test_onnxruntime_quantization_internals_are_where_the_ort_backend_takes_them
     assert "x" in data, "onnxruntime.quantization.calibrate.TensorsData no longer maps tensor names to ranges"
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic):
+    """Built twice inside `weight_quantization_memo`, a per-channel MatMul weight is quantized by ORT's own
+    function once (QDQ: compute_data_quant_params, dynamic: quantize_data, once per channel), and both models
+    hold the same bytes as one built without the memo. A failure means ORT moved or renamed those functions:
+    the fallback's builds would then quantize every weight again (slower, not wrong)."""
+    from onnxruntime.quantization import base_quantizer, qdq_quantizer
+
+    ort = third_party.ort_quantization()
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 8])], [("y", [2, 6])],
+                       {"w": rng.standard_normal((8, 6)).astype(np.float32)}, opset=17)
+
+    def build():
+        options = dict(per_channel=True, reduce_range=False, weight_qType=ort.QuantType.QInt8,
+                       activation_qType=ort.QuantType.QUInt8, nodes_to_quantize=[], nodes_to_exclude=[],
+                       op_types_to_quantize=["MatMul"], extra_options={})
+        if dynamic:
+            quantizer = ort.ONNXQuantizer(ort.save_and_reload_model_with_shape_infer(model),
+                                          mode=ort.QuantizationMode.IntegerOps, static=False, tensors_range=None,
+                                          **options)
+        else:
+            ranges = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
+                                     {n: (np.array(-4.0, np.float32), np.array(4.0, np.float32)) for n in "xy"})
+            quantizer = ort.QDQQuantizer(ort.save_and_reload_model_with_shape_infer(model), tensors_range=ranges,
+                                         **options)
+        quantizer.quantize_model()
+        return {t.name: t.SerializeToString() for t in quantizer.model.model.graph.initializer}
+
+    module, name = (base_quantizer, "quantize_data") if dynamic else (qdq_quantizer, "compute_data_quant_params")
+    original, calls = getattr(module, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    plain = build()
+    memo = {}
+    setattr(module, name, counted)
+    try:
+        with third_party.weight_quantization_memo(memo):
+            first, second = build(), build()
+    finally:
+        setattr(module, name, original)
+    assert first == plain and second == plain
+    assert len(calls) == 6 and len(memo) == 6  # one per output channel, the second build from the memo
+
+
 def test_the_ort_backend_does_not_import_torch():
     """onnxruntime.quantization imports torch when it finds it (3.7 s of a small model's run): the backend's
     import hides it. In a fresh interpreter, since torch may be imported in this one already; fails if the

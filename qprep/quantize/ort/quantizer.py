@@ -21,12 +21,12 @@ import onnx
 import onnx.version_converter
 
 from qprep.errors import QprepError
-from qprep.third_party import ort_quantization
+from qprep.third_party import ort_quantization, weight_quantization_memo
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
 from qprep.quantize.ort import int32_bias, uint8_weights
 from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
-from qprep.model.io import compacted, is_large, save_model
+from qprep.model.io import compacted, is_large, save_model, tensor_bytes
 from qprep.model.runtime import ort_session, run_model, session_outputs, short_ort_message
 from qprep.qdq import remove_redundant
 from qprep.quantize import bias_correction, channel_spread, gptq, nonfinite
@@ -37,6 +37,7 @@ log = logging.getLogger("qprep")
 
 # Per-channel DequantizeLinear (its `axis`) needs opset 13; ORT's quantizer would emit it anyway.
 MIN_OPSET = 13
+REUSE_BYTES = 512 << 20  # up to BERT-base; BERT-large (1.3 GB) is not held twice for a run that builds once
 MAX_UNQUANTIZABLE = 16  # nodes ORT's quantizer fails on that are kept float before the failure is an error
 _TYPES = {"uint8": "QUInt8", "int8": "QInt8"}
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", "distribution": "Distribution"}
@@ -104,6 +105,10 @@ class OrtQuantizer:
         self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
         self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
         self._said = _OncePerMessage()  # ORT's quantizer repeats its warnings on every build
+        # what later builds reuse is kept in memory (a copy of the weights) below REUSE_BYTES of weights
+        self._light = sum(tensor_bytes(t) for t in model.graph.initializer) <= REUSE_BYTES
+        self._inferred: onnx.ModelProto | None = None  # the model with ORT's shape inference, copied per build
+        self._weight_memo: dict = {}  # weight slices ORT's quantizer quantized already (third_party)
 
     @property
     def dynamic(self) -> bool:
@@ -256,7 +261,12 @@ class OrtQuantizer:
         return quantized
 
     def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
-        model = ORT.save_and_reload_model_with_shape_infer(self.model)
+        if self._light:  # shape inference once, a copy per build (ORT's quantizer changes the model it is given)
+            self._inferred = self._inferred or ORT.save_and_reload_model_with_shape_infer(self.model)
+            model = onnx.ModelProto()
+            model.CopyFrom(self._inferred)
+        else:  # a heavy model is not held twice for the whole run
+            model = ORT.save_and_reload_model_with_shape_infer(self.model)
         common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
                       weight_qType=getattr(ORT.QuantType, _TYPES[self.options["weight_type"]]),
                       activation_qType=getattr(ORT.QuantType, _TYPES[self.options["activation_type"]]),
@@ -282,7 +292,8 @@ class OrtQuantizer:
         root = logging.getLogger()
         root.addFilter(self._said)
         try:
-            quantizer.quantize_model()
+            with weight_quantization_memo(self._weight_memo if self._light else {}):
+                quantizer.quantize_model()
         finally:
             root.removeFilter(self._said)
         quantizer.model.topological_sort()  # what ORT's save_model_to_file does: new Q/DQ nodes are appended
