@@ -104,7 +104,7 @@ class OrtQuantizer:
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
         self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
         self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
-        self._said = _OncePerMessage()  # ORT's quantizer repeats its warnings on every build
+        self._said = _OncePerMessage(fitted_biases=options["format"] == "qdq")  # ORT repeats its warnings per build
         # what later builds reuse is kept in memory (a copy of the weights) below REUSE_BYTES of weights
         self._light = sum(tensor_bytes(t) for t in model.graph.initializer) <= REUSE_BYTES
         self._inferred: onnx.ModelProto | None = None  # the model with ORT's shape inference, copied per build
@@ -377,15 +377,18 @@ class OrtQuantizer:
 
 
 class _OncePerMessage(logging.Filter):
-    """Lets each distinct message through once (ORT's "16-bit Q/DQ need opset 21" warning, on every build)."""
+    """Lets each distinct message through once (ORT's "16-bit Q/DQ need opset 21" warning, on every build); with
+    `fitted_biases`, none of ORT's clipped-bias warnings: int32_bias.py re-scales those QDQ channels after it."""
 
-    def __init__(self):
+    def __init__(self, fitted_biases: bool = False):
         super().__init__()
         self.seen: set[str] = set()
+        self.fitted_biases = fitted_biases
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if message in self.seen:
+        if message in self.seen or (self.fitted_biases and message.startswith("Quantized bias")
+                                    and "exceeds the range" in message):
             return False
         self.seen.add(message)
         return True
