@@ -76,8 +76,9 @@ def test_onnxruntime_quantization_internals_are_where_the_ort_backend_takes_them
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic):
     """Built twice inside `weight_quantization_memo`, a per-channel MatMul weight is quantized by ORT's own
-    function once (QDQ: compute_data_quant_params, dynamic: quantize_data, once per channel), and both models
-    hold the same bytes as one built without the memo. A failure means ORT moved or renamed those functions:
+    function once (QDQ: compute_data_quant_params, dynamic: quantize_data, once per channel; the dynamic build's
+    second time takes the whole weight's initializers from the memo), and both models hold the same bytes as one
+    built without the memo. A failure means ORT moved or renamed those functions:
     the fallback's builds would then quantize every weight again (slower, not wrong)."""
     from onnxruntime.quantization import base_quantizer, qdq_quantizer
 
@@ -118,7 +119,8 @@ def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic)
     finally:
         setattr(module, name, original)
     assert first == plain and second == plain
-    assert len(calls) == 6 and len(memo) == 6  # one per output channel, the second build from the memo
+    assert len(calls) == 6  # one per output channel, the second build from the memo
+    assert sum(key[0] == "weight" for key in memo) == (1 if dynamic else 0)  # one whole-weight entry, hit again
 
 
 def test_the_ort_backend_does_not_import_torch():

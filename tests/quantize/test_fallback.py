@@ -61,6 +61,17 @@ def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
     assert {n["node"]: n["gain"] for n in outcome.record["float_nodes"]} == pytest.approx({"b": 0.02, "c": 0.004})
 
 
+def test_round_one_stops_ranking_once_the_gains_found_cover_twice_what_the_target_needs():
+    """12 candidates in order of their local error: after 8 trials the gains found (0.014) are twice what the
+    target lacks (0.0065), so the other 4 are not built; the two worst are promoted and meet the target."""
+    damage = {"n0": 0.006, "n1": 0.005, **{f"n{i}": 0.0005 for i in range(2, 12)}}
+    evaluate, _ = _scripted(damage)
+    outcome = run_search(evaluate, list(damage), set(), [{}] * 4,
+                         {**OPTIONS, "target": {"cosine_mean": 0.9905}, "max_candidates": 12})
+    assert outcome.passed and outcome.float_nodes == ["n0", "n1"]
+    assert outcome.record["rank_trials"] == 8 + 1  # the round's base and 8 candidates, not 12
+
+
 def test_search_drops_a_node_that_hurts_in_company_and_keeps_the_best_when_the_target_is_missed():
     damage = {"a": 0.01, "b": 0.01, "c": 0.05}
     evaluate, _ = _scripted(damage, {frozenset({"a", "c"}): 0.02})  # a helps alone, hurts next to c
