@@ -78,3 +78,29 @@ def test_a_switched_off_channel_keeps_its_bias_with_uint8_weights(tmp_path, save
     channel = run_model(quantized, feeds)[0]["y"][0, 2]
     np.testing.assert_allclose(channel, 0.5, atol=0.05)  # within the output's int8 grid; clipped, it was ~0
     assert "coarser weight scale" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_fit_biases_on_a_per_tensor_weight_keeps_the_scales_scalar():
+    """A whole weight of ~1e-12 on one per-tensor scale: both scales grow (and stay scalars), the bias holds."""
+    from qprep.quantize.ort.int32_bias import fit_biases
+
+    weight = np.full((2, 1, 1, 1), 1e-12, np.float32)
+    bias = np.array([0.5, -0.25], np.float32)
+    float_model = make_model([helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv")], [("x", [1, 1, 2, 2])],
+                             [("y", [1, 2, 2, 2])], {"w": weight, "b": bias}, opset=17)
+    w_scale, x_scale = np.float32(1e-12 / 127), np.float32(0.01)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws"], ["wd"]),
+             helper.make_node("DequantizeLinear", ["bq", "bs"], ["bd"]),
+             helper.make_node("Conv", ["xd", "wd", "bd"], ["y"], name="conv")]
+    clipped = np.clip(np.round(bias / (x_scale * w_scale)), -2**31, 2**31 - 1).astype(np.int32)
+    qdq = make_model(nodes, [("x", [1, 1, 2, 2])], [("y", [1, 2, 2, 2])],
+                     {"xs": np.array(x_scale), "xz": np.array(0, np.uint8), "wq": np.full((2, 1, 1, 1), 127, np.int8),
+                      "ws": np.array(w_scale), "bq": clipped, "bs": np.array(x_scale * w_scale, np.float32)}, opset=17)
+    assert fit_biases(qdq, float_model) == 2
+    arrays = {t.name: numpy_helper.to_array(t) for t in qdq.graph.initializer}
+    assert arrays["ws"].shape == () and arrays["bs"].shape == ()
+    np.testing.assert_allclose(arrays["bq"] * arrays["bs"].astype(np.float64), bias, rtol=1e-6)
+    out = run_model(qdq, [{"x": np.zeros((1, 1, 2, 2), np.float32)}])[0]["y"]
+    np.testing.assert_allclose(out[0, :, 0, 0], bias, rtol=1e-6)

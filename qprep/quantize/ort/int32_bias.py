@@ -80,13 +80,16 @@ def _parts(weight_dq: onnx.NodeProto, bias_dq: onnx.NodeProto, inits: dict, read
 
 
 def _fit(parts: dict, input_scale: np.ndarray, weight: np.ndarray, bias: np.ndarray, out_axis: int) -> int:
-    weight_scale = numpy_helper.to_array(parts["weight_scale"]).astype(np.float32)
+    stored_shape = tuple(parts["weight_scale"].dims)  # () for a per-tensor scale
+    weight_scale = numpy_helper.to_array(parts["weight_scale"]).astype(np.float32).reshape(-1)
     integers = numpy_helper.to_array(parts["weight"])
     channels = bias.size
     if (input_scale.size != 1 or integers.shape != weight.shape or bias.ndim != 1
             or weight.shape[out_axis] != channels):
         return 0
     if weight_scale.size not in (1, channels) or (weight_scale.size > 1 and parts["axis"] % weight.ndim != out_axis):
+        return 0
+    if numpy_helper.to_array(parts["bias_scale"]).size != weight_scale.size:  # not input scale × weight scale
         return 0
     needed = MARGIN * np.abs(bias.astype(np.float64)) / INT32_STEPS  # the finest bias scale that holds the bias
     bias_scale = input_scale.astype(np.float64).item() * weight_scale.astype(np.float64)
@@ -100,16 +103,14 @@ def _fit(parts: dict, input_scale: np.ndarray, weight: np.ndarray, bias: np.ndar
     weight_scale[low] = (weight_scale[low].astype(np.float64) * ratio[low]).astype(np.float32)
     _requantize_weight(parts, weight, integers, weight_scale, out_axis, low if weight_scale.size > 1 else None)
     new_bias_scale = (input_scale.astype(np.float32).reshape(()) * weight_scale).astype(np.float32)
-    if new_bias_scale.size == 1:
-        new_bias_scale = np.full(channels, new_bias_scale.item(), np.float32)
     old_scale = numpy_helper.to_array(parts["bias_scale"])
     integers_bias = np.clip(np.round(bias.astype(np.float64) / new_bias_scale.astype(np.float64)),
                             -INT32_STEPS - 1, INT32_STEPS).astype(np.int32)
     parts["bias"].CopyFrom(numpy_helper.from_array(integers_bias, parts["bias"].name))
-    parts["bias_scale"].CopyFrom(numpy_helper.from_array(new_bias_scale.reshape(old_scale.shape)
-                                                         if old_scale.size == new_bias_scale.size else new_bias_scale,
+    parts["bias_scale"].CopyFrom(numpy_helper.from_array(new_bias_scale.reshape(old_scale.shape),
                                                          parts["bias_scale"].name))
-    parts["weight_scale"].CopyFrom(numpy_helper.from_array(weight_scale, parts["weight_scale"].name))
+    parts["weight_scale"].CopyFrom(numpy_helper.from_array(weight_scale.reshape(stored_shape),
+                                                           parts["weight_scale"].name))
     return int(low.size) if weight_scale.size > 1 else channels
 
 
