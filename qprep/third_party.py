@@ -116,7 +116,8 @@ def _memoized(function, memo: dict):
     def call(data, *args, **kwargs):
         array = np.ascontiguousarray(data)
         key = (function.__name__, hashlib.blake2b(array.tobytes(), digest_size=16).digest(), array.dtype.str,
-               array.shape, tuple(_hashable(a) for a in args), tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+               array.shape, tuple(_hashable(a) for a in args),
+               tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
         if key not in memo:
             memo[key] = tuple(function(data, *args, **kwargs))
         return [np.copy(value) for value in memo[key]]

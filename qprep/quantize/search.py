@@ -268,7 +268,7 @@ class Search:
 
     def enough_gain(self, score: float) -> float | None:
         """The total gain after which round 1 stops ranking: ENOUGH_GAIN × what the score still lacks of the
-        target's cosine, when the target has one. Why: ranking costs one build per candidate (36 on MiniLM, 58 s);
+        target's cosine, when the target has one. Why: ranking costs one build per candidate (36 on MiniLM, 37 s);
         the candidates come in order of the accuracy lost across them (local error), and the first nine held
         every node the search then promoted. None (rank all) when the target has no cosine or the score meets it."""
         needed = [v for k, v in self.target.items() if k.rpartition(".")[2] in ("cosine_mean", "cosine_min")]

@@ -9,6 +9,7 @@ reconfigured from outside.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -292,7 +293,7 @@ class OrtQuantizer:
         root = logging.getLogger()
         root.addFilter(self._said)
         try:
-            with weight_quantization_memo(self._weight_memo if self._light else {}):
+            with weight_quantization_memo(self._weight_memo) if self._light else contextlib.nullcontext():
                 quantizer.quantize_model()
         finally:
             root.removeFilter(self._said)
