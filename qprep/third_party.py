@@ -89,15 +89,16 @@ def ort_quantization() -> SimpleNamespace:
 
 @contextmanager
 def weight_quantization_memo(memo: dict):
-    """Within it, ONNX Runtime's quantizer takes the quantization of each weight slice from `memo` when it
-    quantized the same values with the same settings before: its per-channel weight loops call
-    `base_quantizer.quantize_data` (QOperator, dynamic) and `qdq_quantizer.compute_data_quant_params` (QDQ) once
-    per channel, in Python. Why: the fallback rebuilds the model for every trial from the same weights; on
-    all-MiniLM-L6-v2 that loop was 124 s of a 200 s search (922k calls over 46 builds). Keyed by a digest of the
+    """Within it, ONNX Runtime's quantizer takes a weight's quantization from `memo` when it quantized the same
+    values with the same settings before. Its per-channel weight loops run in Python, once per channel: QDQ builds
+    call `qdq_quantizer.compute_data_quant_params` per channel (memoized per channel), QOperator and dynamic builds
+    `BaseQuantizer.quantize_weight_per_channel_impl` per weight (memoized whole: its loop cost ~40 µs a channel
+    even with each channel memoized). Why: the fallback rebuilds the model for every trial from the same weights;
+    on all-MiniLM-L6-v2 that loop was 124 s of a 200 s search (922k calls over 46 builds). Keyed by a digest of the
     values and every argument, so a changed weight is quantized again; results are handed out as copies."""
     from onnxruntime.quantization import base_quantizer, qdq_quantizer
 
-    patched = [(base_quantizer, "quantize_data"), (qdq_quantizer, "compute_data_quant_params"),
+    patched = [(qdq_quantizer, "compute_data_quant_params"),
                (base_quantizer.BaseQuantizer, "quantize_weight_per_channel_impl")]
     originals = [getattr(module, name) for module, name in patched]
     for (module, name), original in zip(patched, originals):
@@ -128,8 +129,8 @@ def _memoized(function, memo: dict):
 def _memoized_weight(method, memo: dict):
     """ORT's per-channel weight quantization (QOperator and dynamic builds), whole weight at a time: the
     initializers it adds to the model (integers, scales, zero points) are kept and added again as copies, and its
-    return value (their names) given back. Its per-channel loop costs ~40 µs a channel even when each channel
-    comes from the memo. Not memoized when the build has tensor overrides (they may name any weight)."""
+    return value (their names) given back. Not memoized when the build has tensor overrides (they may name any
+    weight)."""
     import hashlib
 
     def call(self, weight_name, weight_qType, channel_axis, reduce_range=True, keep_float_weight=False):

@@ -91,7 +91,8 @@ def quantize(job: BackendInput) -> Quantized:
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
                          "run `qprep inspect` or see report.json for node names")
-    quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress, job.extremes)
+    quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress, job.extremes,
+                             many_builds=bool(job.fallback))
     excluded = (set(options["nodes_to_exclude"]) | float_set) & quantizer.node_names
     settings, details = quantizer.settings, {}
     if job.fallback:

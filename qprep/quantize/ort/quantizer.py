@@ -27,7 +27,7 @@ from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
 from qprep.quantize.ort import int32_bias, uint8_weights
 from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
-from qprep.model.io import compacted, is_large, save_model, tensor_bytes
+from qprep.model.io import compacted, is_large, save_model
 from qprep.model.runtime import ort_session, run_model, session_outputs, short_ort_message
 from qprep.qdq import remove_redundant
 from qprep.quantize import bias_correction, channel_spread, gptq, nonfinite
@@ -38,7 +38,6 @@ log = logging.getLogger("qprep")
 
 # Per-channel DequantizeLinear (its `axis`) needs opset 13; ORT's quantizer would emit it anyway.
 MIN_OPSET = 13
-REUSE_BYTES = 512 << 20  # up to BERT-base; BERT-large (1.3 GB) is not held twice for a run that builds once
 MAX_UNQUANTIZABLE = 16  # nodes ORT's quantizer fails on that are kept float before the failure is an error
 _TYPES = {"uint8": "QUInt8", "int8": "QInt8"}
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", "distribution": "Distribution"}
@@ -82,7 +81,7 @@ class OrtQuantizer:
     After a build, `rounding`, `bias` and `simplified` say what it did (for the stage's record)."""
 
     def __init__(self, model: onnx.ModelProto, samples: list[dict], options: dict, work_dir: Path, threads: int = 2,
-                 progress=None, extremes: nonfinite.Extremes | None = None):
+                 progress=None, extremes: nonfinite.Extremes | None = None, many_builds: bool = False):
         self.extremes = extremes or nonfinite.Extremes()  # tensors kept float for their values: never calibrated
         self.upgraded_from = None
         if default_opset(model) < MIN_OPSET:
@@ -106,8 +105,9 @@ class OrtQuantizer:
         self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
         self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
         self._said = _OncePerMessage(fitted_biases=options["format"] == "qdq")  # ORT repeats its warnings per build
-        # what later builds reuse is kept in memory (a copy of the weights) below REUSE_BYTES of weights
-        self._light = sum(tensor_bytes(t) for t in model.graph.initializer) <= REUSE_BYTES
+        # with `many_builds` (the fallback), what every build would compute again is kept: the shape-inferred model
+        # (one more copy of the weights) and each weight's quantization; a single build keeps nothing
+        self._reuse = many_builds
         self._inferred: onnx.ModelProto | None = None  # the model with ORT's shape inference, copied per build
         self._weight_memo: dict = {}  # weight slices ORT's quantizer quantized already (third_party)
 
@@ -262,11 +262,11 @@ class OrtQuantizer:
         return quantized
 
     def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
-        if self._light:  # shape inference once, a copy per build (ORT's quantizer changes the model it is given)
+        if self._reuse:  # shape inference once, a copy per build (ORT's quantizer changes the model it is given)
             self._inferred = self._inferred or ORT.save_and_reload_model_with_shape_infer(self.model)
             model = onnx.ModelProto()
             model.CopyFrom(self._inferred)
-        else:  # a heavy model is not held twice for the whole run
+        else:
             model = ORT.save_and_reload_model_with_shape_infer(self.model)
         common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
                       weight_qType=getattr(ORT.QuantType, _TYPES[self.options["weight_type"]]),
@@ -293,7 +293,7 @@ class OrtQuantizer:
         root = logging.getLogger()
         root.addFilter(self._said)
         try:
-            with weight_quantization_memo(self._weight_memo) if self._light else contextlib.nullcontext():
+            with weight_quantization_memo(self._weight_memo) if self._reuse else contextlib.nullcontext():
                 quantizer.quantize_model()
         finally:
             root.removeFilter(self._said)
