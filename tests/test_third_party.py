@@ -123,6 +123,53 @@ def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic)
     assert sum(key[0] == "weight" for key in memo) == (1 if dynamic else 0)  # one whole-weight entry, hit again
 
 
+def test_a_dynamic_build_skips_onnxruntimes_second_shape_inference_with_the_same_result():
+    """ORT's dynamic quantizer replaces Gemms with MatMuls and infers shapes again in its constructor, through
+    `onnx_quantizer.save_and_reload_model_with_shape_infer` (a failure of the first assert means it no longer
+    does, and `shapes_inferred_already` saves nothing). Done once beforehand (quantizer.py's kept copy), the
+    build without that second inference writes the same model."""
+    from onnxruntime.quantization import onnx_quantizer
+
+    ort = third_party.ort_quantization()
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["h"], transB=1), helper.make_node("MatMul", ["h", "v"], ["y"])]
+    model = make_model(nodes, [("x", [2, 8])], [("y", [2, 4])],
+                       {"w": rng.standard_normal((6, 8)).astype(np.float32),
+                        "b": rng.standard_normal(6).astype(np.float32),
+                        "v": rng.standard_normal((6, 4)).astype(np.float32)}, opset=17)
+
+    def build(given):
+        quantizer = ort.ONNXQuantizer(given, per_channel=True, reduce_range=False, mode=ort.QuantizationMode.IntegerOps,
+                                      static=False, weight_qType=ort.QuantType.QInt8,
+                                      activation_qType=ort.QuantType.QUInt8, tensors_range=None, nodes_to_quantize=[],
+                                      nodes_to_exclude=[], op_types_to_quantize=["MatMul", "Gemm"],
+                                      extra_options={"MatMulConstBOnly": True})
+        quantizer.quantize_model()
+        quantizer.model.topological_sort()
+        return quantizer.model.model
+
+    original, calls = onnx_quantizer.save_and_reload_model_with_shape_infer, []
+
+    def counted(given):
+        calls.append(1)
+        return original(given)
+
+    onnx_quantizer.save_and_reload_model_with_shape_infer = counted
+    try:
+        plain = build(ort.save_and_reload_model_with_shape_infer(model))
+        assert len(calls) == 1, "ORT's dynamic quantizer no longer infers shapes again through this name"
+        prepared = onnx.ModelProto()
+        prepared.CopyFrom(model)
+        ort.ONNXModel(prepared).replace_gemm_with_matmul()
+        prepared = ort.save_and_reload_model_with_shape_infer(prepared)
+        with third_party.shapes_inferred_already():
+            skipped = build(prepared)
+        assert len(calls) == 1
+    finally:
+        onnx_quantizer.save_and_reload_model_with_shape_infer = original
+    assert skipped.graph.SerializeToString() == plain.graph.SerializeToString()
+
+
 def test_the_ort_backend_does_not_import_torch():
     """onnxruntime.quantization imports torch when it finds it (3.7 s of a small model's run): the backend's
     import hides it. In a fresh interpreter, since torch may be imported in this one already; fails if the

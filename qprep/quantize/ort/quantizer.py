@@ -22,7 +22,7 @@ import onnx
 import onnx.version_converter
 
 from qprep.errors import QprepError
-from qprep.third_party import ort_quantization, weight_quantization_memo
+from qprep.third_party import ort_quantization, shapes_inferred_already, weight_quantization_memo
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
 from qprep.quantize.ort import int32_bias, uint8_weights
@@ -263,7 +263,7 @@ class OrtQuantizer:
 
     def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
         if self._reuse:  # shape inference once, a copy per build (ORT's quantizer changes the model it is given)
-            self._inferred = self._inferred or ORT.save_and_reload_model_with_shape_infer(self.model)
+            self._inferred = self._inferred or self._shape_inferred()
             model = onnx.ModelProto()
             model.CopyFrom(self._inferred)
         else:
@@ -285,7 +285,8 @@ class OrtQuantizer:
         if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
             extra = {"MatMulConstBOnly": True, **common.pop("extra_options")}
             common.update(activation_qType=ORT.QuantType.QUInt8, tensors_range=None, extra_options=extra)
-            quantizer = ORT.ONNXQuantizer(model, mode=ORT.QuantizationMode.IntegerOps, static=False, **common)
+            with shapes_inferred_already() if self._reuse else contextlib.nullcontext():
+                quantizer = ORT.ONNXQuantizer(model, mode=ORT.QuantizationMode.IntegerOps, static=False, **common)
         elif self.options["format"] == "qdq":
             quantizer = ORT.QDQQuantizer(model, **common)
         else:
@@ -305,6 +306,17 @@ class OrtQuantizer:
         if not self.dynamic:  # ORT clips a bias its weight scale makes too fine (it fixes that for int8 weights only)
             self.weights["bias_channels_rescaled"] = int32_bias.fit_biases(quantizer.model.model, self.model)
         return compacted(quantizer.model.model)  # without the float weights ORT removed
+
+    def _shape_inferred(self) -> onnx.ModelProto:
+        """The model after ORT's shape inference, kept for the fallback's builds; for dynamic builds with the
+        Gemms replaced by MatMuls first, as ORT's dynamic quantizer does before inferring shapes again (it is
+        then told not to: third_party.shapes_inferred_already)."""
+        if not self.dynamic:
+            return ORT.save_and_reload_model_with_shape_infer(self.model)
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        ORT.ONNXModel(model).replace_gemm_with_matmul()
+        return ORT.save_and_reload_model_with_shape_infer(model)
 
     def spread_nodes(self, settings: OrtSettings) -> set[str]:
         """The nodes left float for `settings.spread_tensors` (option spread_tensors: float): each tensor's
