@@ -43,6 +43,11 @@ class Budget:
     def record(self, kind: str, seconds: float) -> None:
         self.durations.setdefault(kind, []).append(seconds)
 
+    def forget(self, *kinds: str) -> None:
+        """The runs of `kinds` measured so far no longer predict the next (the backend now builds another way)."""
+        for kind in kinds:
+            self.durations.pop(kind, None)
+
     @contextmanager
     def timed(self, kind: str):
         start = time.perf_counter()

@@ -104,7 +104,9 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
     under each of THRESHOLDS tried in turn with `use(tensors)` then `evaluate(base_float, evaluation samples)`
     (search.choose_setting: the first that meets the target is kept, else the best if it removes enough of the
     error) → (record, the tensors kept out of int8). `how` says how the backend keeps them (float, int16,
-    float16); `nodes(tensors)` how many nodes that takes out of int8, for the record."""
+    float16); `nodes(tensors)` how many nodes that takes out of int8: sets over the fallback's max_float_nodes are
+    not tried (they count against it: all-MiniLM-L6-v2 on RKNN kept 99 nodes float16 this way, its cap 16),
+    and `search_options(record)` gives the node search what is left of it."""
     target = job.fallback["target"]
     if (search.judge(target, evaluate(base_float, job.evaluation_samples), base_float, evaluate,
                      job.acceptance_samples)["passed"]
@@ -113,8 +115,12 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
     with budget.timed("spread"):
         levels = median_channel_levels(model, tensors, job.samples[:SAMPLES], job.threads)
     sets = nested_sets(levels)
+    cap = job.fallback["max_float_nodes"]
+    over = [label for label in sets if nodes(sets[label]) > cap]
+    sets = {label: tensors for label, tensors in sets.items() if label not in over}
     if len(sets) == 1:
-        return {"as": how, "measured": len(levels), "chosen": "none", "tensors": []}, frozenset()
+        return ({"as": how, "measured": len(levels), "chosen": "none", "tensors": [], "nodes": 0,
+                 **({"over_max_float_nodes": over} if over else {})}, frozenset())
     setting = f"spread tensors {how}"
     result = search.choose_setting(
         setting, "none", [label for label in sets if label != "none"], lambda label: use(sets[label]), evaluate,
@@ -123,4 +129,10 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
         acceptance=job.acceptance_samples)
     chosen = sets[result["chosen"]]
     return ({**result, "as": how, "measured": len(levels), "nodes": nodes(chosen),
-             "tensors": records(levels, chosen)}, chosen)
+             "tensors": records(levels, chosen), **({"over_max_float_nodes": over} if over else {})}, chosen)
+
+
+def search_options(options: dict, record: dict) -> dict:
+    """The fallback's options for its node search after the spread phase (`record`): max_float_nodes less the
+    nodes the spread set took out of int8."""
+    return {**options, "max_float_nodes": max(options["max_float_nodes"] - record.get("nodes", 0), 0)}

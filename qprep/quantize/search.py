@@ -210,6 +210,8 @@ class Search:
         remaining = list(names if self.backend.ranks_itself else names[: self.options["max_candidates"]])
         ranking: list[dict] = []
         rounds = 0
+        if not stop:  # a slow trial that would run into the last quarter: the faster way from the start
+            self.faster_if_late(self.budget.predict("trial"))
         if not stop and not self.budget.allows("ranking", self.budget.predict("trial")):
             stop = "time budget spent"
         while not stop:
@@ -305,16 +307,29 @@ class Search:
         return "", promoted, capped
 
     def out_of_time(self) -> bool:
-        """Would the next promotion trial (as long as the last one) end past the budget? Before the last
-        FAST_SHARE of the budget, the backend is asked once to build the faster way from then on."""
+        """Would the next promotion trial (as long as the last one) end past the budget? (faster_if_late first)"""
         slow = [t for t in self.trials[self.fast_from or 0:] if t.phase == "promote"]
         last = slow[-1].seconds if slow else 0.0
-        if self.ask_faster and self.fast_from is None and self.elapsed() + last > self.budget.seconds * (1 - FAST_SHARE):
-            self.ask_faster = False
-            if self.backend.faster(self.base_float | self.candidates.nodes(self.chosen, self.base_float)):
-                self.fast_from, last = len(self.trials), 0.0
-                self.say("the last quarter of the budget: the trials left build the faster way")
+        if self.faster_if_late(last):
+            last = 0.0
         return not self.budget.fits(last)  # a trial that would end past the budget is not started
+
+    def faster_if_late(self, trial_seconds: float) -> bool:
+        """Asks the backend once to build the faster way from now on when a trial of `trial_seconds` would end in
+        the last FAST_SHARE of the budget → whether it now does. The times measured so far then predict nothing:
+        they are forgotten. Why at the start too: EfficientNet-Lite0 on RKNN chose mmse (160 s a build) after
+        190 of its 300 s, and the search then stopped before its first trial."""
+        if not self.ask_faster or self.fast_from is not None:
+            return False
+        if self.elapsed() + trial_seconds <= self.budget.seconds * (1 - FAST_SHARE):
+            return False
+        self.ask_faster = False
+        if not self.backend.faster(self.base_float | self.candidates.nodes(self.chosen, self.base_float)):
+            return False
+        self.fast_from = len(self.trials)
+        self.budget.forget("trial", "rank")
+        self.say("the last quarter of the budget: the trials left build the faster way")
+        return True
 
     def trial(self, phase: str, start: tuple[str, ...], added: tuple[str, ...], samples: list[dict]) -> Trial:
         t0 = time.perf_counter()

@@ -114,8 +114,10 @@ def test_the_fallback_meets_its_target_with_the_spread_tensor_float_before_its_n
            "consumers (2 nodes)" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_before_the_search():
-    """RKNN's trial is a toolkit build (minutes): scripted here by which layers are float16."""
+@pytest.mark.parametrize("cap", [32, 1])
+def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_before_the_search(cap):
+    """RKNN's trial is a toolkit build (minutes): scripted here by which layers are float16. With max_float_nodes
+    1 the two layers around the spread tensor are over the cap: not tried, and the search keeps its whole cap."""
     from types import SimpleNamespace
 
     from qprep.quantize.budget import Budget
@@ -128,9 +130,15 @@ def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_bef
         return {"y": {"cosine_mean": 0.999 if {"spread", "second"} <= float_nodes else 0.8}}
 
     job = SimpleNamespace(model=_spread_model(), samples=_samples(4), threads=1, options={"do_quantization": True},
-                          fallback={"target": {"cosine_mean": 0.99}}, evaluation_samples=_samples(2, 5), acceptance_samples=[],
-                          progress=None)
+                          fallback={"target": {"cosine_mean": 0.99}, "max_float_nodes": cap},
+                          evaluation_samples=_samples(2, 5), acceptance_samples=[], progress=None)
     record, base_float = _spread_layers(SimpleNamespace(evaluate=evaluate), job, {"kept"}, Budget(600))
+    if cap == 1:
+        assert base_float == {"kept"} and record["chosen"] == "none" and record["over_max_float_nodes"]
+        assert builds == [{"kept"}]
+        assert channel_spread.search_options(job.fallback, record)["max_float_nodes"] == 1
+        return
+    assert channel_spread.search_options(job.fallback, record)["max_float_nodes"] == 30
     assert base_float == {"kept", "spread", "second"} and record["as"] == "float16" and record["nodes"] == 2
     assert record["tensors"][0]["tensor"] == "m" and record["scores"]["none"] == 0.8
     assert builds[0] == {"kept"} and builds[-1] == {"kept", "spread", "second"}

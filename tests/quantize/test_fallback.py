@@ -122,6 +122,37 @@ def test_when_no_slow_trial_fits_the_budget_the_rest_build_the_faster_way(monkey
         assert "faster_from_trial" not in outcome.record and outcome.float_nodes == ["kept", "n0"]
 
 
+def test_a_search_that_starts_too_late_for_one_slow_trial_builds_the_faster_way_from_the_start(monkeypatch):
+    """RKNN EfficientNet-Lite0: mmse chosen after 190 of 300 s, one mmse build 160 s. The search asks for the
+    faster builds before its first trial (not 'time budget spent' at once), forgets the slow builds' times, and
+    promotes with 1-s trials."""
+    clock = [0.0]
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    budget = search.Budget(300.0, started=0.0)
+    budget.record("trial", 160.0)
+    clock[0] = 190.0
+    damage = {f"n{i}": 0.01 for i in range(3)}
+    scripted, _ = _scripted(damage)
+    asked = []
+
+    def evaluate(float_nodes, samples):
+        with budget.timed("trial"):
+            clock[0] += 1.0
+        return scripted(float_nodes, samples)
+
+    def faster(float_nodes):
+        asked.append(set(float_nodes))
+        return True
+
+    backend = Scripted(evaluate, lambda chosen: [{"node": n, "gain": 0.01} for n in damage if n not in chosen],
+                       faster)
+    options = {**OPTIONS, "target": {"cosine_mean": 0.989}, "time_budget_s": 300.0}
+    outcome = search.Search(backend, search.Candidates(list(damage)), {"kept"}, [{}] * 4, options,
+                            budget=budget).run()
+    assert asked == [{"kept"}]
+    assert outcome.passed and outcome.record["faster_from_trial"] == 1 and len(outcome.float_nodes) == 3
+
+
 def _outlier_model():
     """x[1,16] → MatMul → Mul(one channel × 1000) → MatMul → y: one per-tensor range for all channels."""
     rng = np.random.default_rng(0)

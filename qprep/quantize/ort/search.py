@@ -110,7 +110,8 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     total = sum(macs.values()) or 1
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
     outcome = search.Search(trials, search.Candidates(candidates, groups, cost, ops), excluded,
-                            job.evaluation_samples, job.fallback, job.progress, budget, job.acceptance_samples).run()
+                            job.evaluation_samples, channel_spread.search_options(job.fallback, spread),
+                            job.progress, budget, job.acceptance_samples).run()
     outcome.record.update(float_op_types=op_types, ranges=ranges, spread_tensors=spread)
     if wanted:
         outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, budget)
@@ -200,8 +201,8 @@ def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set
                           budget: Budget) -> dict:
     """The tensors whose channels one int8 scale cannot share, kept out of int8 before any node is made float
     (their edges float, or 16-bit: option spread_tensors; channel_spread.choose): on PP-OCRv3 rec the 44 worst
-    took cosine 0.88 → 0.996 with their edges float. Like the op-type phase, a setting of the model, not the
-    search's float nodes (max_float_nodes)."""
+    took cosine 0.88 → 0.996 with their edges float. Float edges count against max_float_nodes (16-bit ones do
+    not: their nodes stay quantized)."""
     how = quantizer.options["spread_tensors"]
     if quantizer.dynamic or quantizer.options["format"] != "qdq" or how == "off":
         return {}

@@ -21,6 +21,11 @@ if TYPE_CHECKING:  # builder.py calls this module: a run-time import would be ci
 
 log = logging.getLogger("qprep")
 
+# how many times a normal build (with its evaluation) an mmse one takes, the slowest measured (rknn-toolkit2 2.5.0,
+# this 2-core machine): EfficientNet-Lite0 9 s → 169 s (19x), PP-OCRv4 rec 24 s → 274 s (11x), MiniLM 3x. With 3x,
+# rec's mmse build was started 110 s before the end of a 300 s budget and ended 14 s past it.
+MMSE_SLOWER = 20.0
+
 
 class RknnTrials(search.SearchBackend):
     """The search's backend: a trial is a build on the simulator (a hybrid step2, seconds to minutes), so
@@ -73,13 +78,15 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
         ["mmse"] if builder.algorithm == "normal" and job.options["do_quantization"] else [],
         builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
         job.progress, min_gain=0.15,  # an mmse build is at least 3x a normal one (MiniLM), often minutes
-        affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}", 3 * budget.predict("trial")),
+        affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}",
+                                                   MMSE_SLOWER * budget.predict("trial")),
         acceptance=job.acceptance_samples)
     spread, base_float = _spread_layers(trials, job, base_float, budget)
     ops = {n.name: n.op_type for n in job.model.graph.node}
     candidates = search.Candidates([n.name for n in job.model.graph.node if n.name not in base_float], ops=ops)
-    outcome = search.Search(trials, candidates, base_float, job.evaluation_samples, job.fallback, job.progress,
-                            budget, job.acceptance_samples).run()
+    outcome = search.Search(trials, candidates, base_float, job.evaluation_samples,
+                            channel_spread.search_options(job.fallback, spread), job.progress, budget,
+                            job.acceptance_samples).run()
     outcome.record.update(ranges=ranges, spread_tensors=spread, budget=budget.record_dict())
     return outcome
 
@@ -88,7 +95,7 @@ def _spread_layers(trials: RknnTrials, job: BackendInput, base_float: set[str],
                    budget: Budget) -> tuple[dict, set[str]]:
     """Float16 layers around the tensors whose channels one int8 scale cannot share, one build per set tried
     (channel_spread.choose), before the search; the kept set joins the base float set → (record, base float
-    set). Not counted in max_float_nodes, as with ORT."""
+    set). They count against max_float_nodes, as with ORT."""
     if not job.options["do_quantization"]:
         return {}, base_float
     around = {}  # tensors → the layers that keep them float16

@@ -129,7 +129,8 @@ def test_toolkit_traceback_in_the_log_becomes_one_line(tmp_path):
 
 def test_fallback_ranks_by_accuracy_analysis_and_builds_float16_layers(tmp_path):
     """cls on RKNN with an unreachable target: ranked by the toolkit's analysis, promoted as float16 layers
-    through hybrid step2 (step1 once) up to max_float_nodes, the best model written and the run's gate missed."""
+    through hybrid step2 (step1 once) up to max_float_nodes, the best model written and the run's gate missed.
+    The layers the spread phase made float16 count against the cap: 2 around cls's pool output, 1 left."""
     import qprep
 
     config = {"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
@@ -137,14 +138,16 @@ def test_fallback_ranks_by_accuracy_analysis_and_builds_float16_layers(tmp_path)
               "evaluation": {"source": str(CALIBRATION / "ocr_cls" / "eval"), "max_samples": 12, "preprocess": OCR,
                              "latency": {"runs": 0}, "layers": False},
               "pipeline": [{"optimize": {}}, {"quantize": {"backend": "rknn", "fallback": {
-                  "target": {"cosine_mean": 0.9999999}, "max_float_nodes": 2, "time_budget_s": 90}}}]}
+                  "target": {"cosine_mean": 0.9999999}, "max_float_nodes": 3, "time_budget_s": 90}}}]}
     report = qprep.run(config, output_dir=str(tmp_path), force=True)
     stage = report["stages"][1]
     record = stage["fallback"]
     assert record["ranked_by"] == "analysis" and record["ranking"] and record["rank_trials"] == 0
     assert not record["passed"] and report["status"] == "gate missed"
     promotions = [t for t in record["trials"] if t["phase"] == "promote"]
-    assert promotions and all(t["float_nodes"] <= 2 for t in promotions)
+    spread = record["spread_tensors"]
+    assert spread["nodes"] <= 3 and spread["over_max_float_nodes"]  # larger spread sets were not tried
+    assert promotions and all(t["float_nodes"] <= 3 - spread["nodes"] for t in promotions)
     # 90 s: with 60, a machine busy with other work spent the budget on the base trial and the search stopped
     # before ranking (CI, session 17); unbounded, the search runs ~190 s
     assert record["seconds"] < 90 + 60  # the budget stops the search (one trial may run over)
