@@ -31,6 +31,9 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
         verdict += (f" Tensors whose channels spread too far for one int8 scale, kept "
                     f"{_KEPT.get(spread.get('as'), 'out of int8')} first: {spread['chosen']} kept ("
                     + ", ".join(f"{a} {v:.5f}" for a, v in spread["scores"].items()) + ").")
+    if spread.get("over_max_float_nodes"):
+        verdict += (f" Not tried, over max_float_nodes: {', '.join(spread['over_max_float_nodes'])} (they would "
+                    "take more nodes out of int8 than the cap; raise it to let the search try them).")
     op_types = record.get("float_op_types") or {}
     if op_types.get("chosen"):
         verdict += (f" Op types left float first (re-rounding without compute): {', '.join(op_types['chosen'])} "

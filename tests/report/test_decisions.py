@@ -43,6 +43,17 @@ def test_fallback_line_has_target_float_nodes_seconds_and_budget_skips():
     assert "float nodes: 1 node(s) kept float" in lines
 
 
+def test_fallback_line_names_the_spread_sets_left_untried_over_the_float_node_cap():
+    record = {**fallback_record([]), "spread_tensors": {
+        "setting": "spread tensors float16", "chosen": "3 tensors under 4 levels", "as": "float16", "nodes": 4,
+        "scores": {"none": 0.5, "3 tensors under 4 levels": 0.6}, "over_max_float_nodes": ["85 tensors under 64 levels"],
+        "tensors": [{"tensor": "t", "levels": 1.5}]}}
+    stage = {**report()["stages"][0], "fallback": record, "excluded_nodes": ["conv3"]}
+    fallback = next(line for line in decision_lines(stage) if line.startswith("accuracy-driven fallback"))
+    assert "3 tensors under 4 levels kept (none 0.50000, 3 tensors under 4 levels 0.60000)" in fallback
+    assert "Not tried, over max_float_nodes: 85 tensors under 64 levels" in fallback
+
+
 def test_float_nodes_name_nonfinite_and_unquantizable_reasons():
     stage = {**report()["stages"][0], "excluded_nodes": ["mask_add", "odd"],
              "nonfinite": {"nodes": {"mask_add": "reads 'mask' (constant, values [-inf, -inf])"}},
