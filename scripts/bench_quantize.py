@@ -50,7 +50,8 @@ QUANTIZE = {
     "efficientnet_lite0": {"fallback": {"target": {"cosine_mean": 0.998, "top1_agreement": 0.97}}},
     "minilm_l6_v2": {"ort": {"activations": "dynamic"}, "fallback": {"target": {"cosine_mean": 0.99}}},
     "ppocr_cls": {"fallback": {"target": {"cosine_mean": 0.9995, "top1_agreement": 1.0}}},
-    "ppocrv4_rec": {"fallback": {"target": {"cosine_mean": 0.99, "step_agreement": 0.97}}},
+    # its spread set keeps 145 nodes float (they count against max_float_nodes since session 20)
+    "ppocrv4_rec": {"fallback": {"target": {"cosine_mean": 0.99, "step_agreement": 0.97}, "max_float_nodes": 160}},
     "ppocrv4_det": {"fallback": {"target": {"cosine_mean": 0.99}}},  # issue #23's target for the detector
 }
 
