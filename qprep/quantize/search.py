@@ -328,7 +328,7 @@ class Search:
             return False
         self.fast_from = len(self.trials)
         self.budget.forget("trial", "rank")
-        self.say("the last quarter of the budget: the trials left build the faster way")
+        self.say("a slow trial would end in the last quarter of the budget: the trials from here build the faster way")
         return True
 
     def trial(self, phase: str, start: tuple[str, ...], added: tuple[str, ...], samples: list[dict]) -> Trial:

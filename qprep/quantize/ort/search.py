@@ -212,7 +212,7 @@ def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set
     record, _ = channel_spread.choose(
         job, quantizer.model, calibrated, how, lambda tensors: trials.use(spread_tensors=tensors), trials.evaluate,
         excluded, budget,
-        lambda tensors: len(channel_spread.nodes_around(quantizer.model, tensors)) if how == "float" else 0)
+        lambda tensors: len(channel_spread.nodes_around(quantizer.model, tensors) - excluded) if how == "float" else 0)
     return record
 
 
