@@ -23,7 +23,7 @@ log = logging.getLogger("qprep")
 
 # how many times a normal build (with its evaluation) an mmse one takes, the slowest measured (rknn-toolkit2 2.5.0,
 # this 2-core machine): EfficientNet-Lite0 9 s → 169 s (19x), PP-OCRv4 rec 24 s → 274 s (11x), MiniLM 3x. With 3x,
-# rec's mmse build was started 110 s before the end of a 300 s budget and ended 14 s past it.
+# rec's mmse build, predicted ~110 s, was started with 260 s of a 300 s budget left and ended 14 s past it.
 MMSE_SLOWER = 20.0
 
 
