@@ -317,7 +317,7 @@ class Search:
     def faster_if_late(self, trial_seconds: float) -> bool:
         """Asks the backend once to build the faster way from now on when a trial of `trial_seconds` would end in
         the last FAST_SHARE of the budget → whether it now does. The times measured so far then predict nothing:
-        they are forgotten. Why at the start too: EfficientNet-Lite0 on RKNN chose mmse (160 s a build) after
+        they are forgotten. Why at the start too: EfficientNet-Lite0 on RKNN chose mmse (169 s a build) after
         190 of its 300 s, and the search then stopped before its first trial."""
         if not self.ask_faster or self.fast_from is not None:
             return False
