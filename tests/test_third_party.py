@@ -123,6 +123,32 @@ def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic)
     assert sum(key[0] == "weight" for key in memo) == (1 if dynamic else 0)  # one whole-weight entry, hit again
 
 
+def test_the_weight_quantization_memo_quantizes_a_changed_weight_of_the_same_name_again():
+    """The dynamic builds' memo knows a weight by its name and settings, then compares its bytes: a weight changed
+    under the same name (GPTQ or bias correction in one build, say) is quantized again, not answered from the
+    memo with the old weight's integers."""
+    ort = third_party.ort_quantization()
+    rng = np.random.default_rng(0)
+
+    def build(weight):
+        model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 8])], [("y", [2, 6])],
+                           {"w": weight}, opset=17)
+        quantizer = ort.ONNXQuantizer(ort.save_and_reload_model_with_shape_infer(model),
+                                      mode=ort.QuantizationMode.IntegerOps, static=False, tensors_range=None,
+                                      per_channel=True, reduce_range=False, weight_qType=ort.QuantType.QInt8,
+                                      activation_qType=ort.QuantType.QUInt8, nodes_to_quantize=[],
+                                      nodes_to_exclude=[], op_types_to_quantize=["MatMul"], extra_options={})
+        quantizer.quantize_model()
+        return {t.name: t.SerializeToString() for t in quantizer.model.model.graph.initializer}
+
+    old, new = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal((8, 6)).astype(np.float32)
+    memo = {}
+    with third_party.weight_quantization_memo(memo):
+        with_memo = build(old), build(new)
+    assert with_memo == (build(old), build(new))
+    assert with_memo[0] != with_memo[1]
+
+
 def test_a_dynamic_build_skips_onnxruntimes_second_shape_inference_with_the_same_result():
     """ORT's dynamic quantizer replaces Gemms with MatMuls and infers shapes again in its constructor, through
     `onnx_quantizer.save_and_reload_model_with_shape_infer` (a failure of the first assert means it no longer

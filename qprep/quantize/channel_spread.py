@@ -134,5 +134,6 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
 
 def search_options(options: dict, record: dict) -> dict:
     """The fallback's options for its node search after the spread phase (`record`): max_float_nodes less the
-    nodes the spread set took out of int8."""
-    return {**options, "max_float_nodes": max(options["max_float_nodes"] - record.get("nodes", 0), 0)}
+    nodes the spread set took out of int8 (kept as `spread_nodes`, for the stop reason)."""
+    spread = record.get("nodes", 0)
+    return {**options, "max_float_nodes": max(options["max_float_nodes"] - spread, 0), "spread_nodes": spread}

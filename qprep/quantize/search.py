@@ -221,7 +221,7 @@ class Search:
             stop, promoted, capped = self.promote(ranked, rounds)
             remaining = [n for n in remaining if n not in self.chosen]
             if not stop and capped:  # the cap is (nearly) full: another round would only rank
-                stop = f"max_float_nodes ({self.options['max_float_nodes']}) reached"
+                stop = self.cap_reached()
             elif not stop and not promoted and self.ranked_part and remaining:
                 continue  # the next round ranks every candidate left, not only the first ones
             elif not stop and (not promoted or not remaining):
@@ -230,6 +230,13 @@ class Search:
                 stop = "time budget spent"
         float_nodes = sorted(self.base_float | self.candidates.nodes(self.best.float_nodes, self.base_float))
         return Outcome(float_nodes, self.best.passed, self.record(base, ranking, stop, rounds))
+
+    def cap_reached(self) -> str:
+        """The stop reason at the cap, with the cap as configured: the spread phase's nodes count against it
+        (channel_spread.search_options gives this search only the rest)."""
+        spread = self.options.get("spread_nodes", 0)
+        configured = self.options["max_float_nodes"] + spread
+        return f"max_float_nodes ({configured}) reached" + (f", {spread} of them the spread set's" if spread else "")
 
     def ranked(self, remaining: list[str], round_index: int) -> list[dict]:
         """This round's candidates, most harmful first (by gain per cost when costs are known)."""

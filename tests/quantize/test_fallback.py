@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from qprep.quantize import search
+from qprep.quantize import channel_spread, search
 from qprep.quantize.budget import Budget
 from qprep.errors import ConfigError
 from conftest import run_config
@@ -90,6 +90,17 @@ def test_search_respects_max_float_nodes_and_blocks():
     assert len(outcome.float_nodes) == 4 and outcome.record["stopped"] == "max_float_nodes (4) reached"
     promoted = [b for b in builds[8:]]  # after base, the rank base and 6 rank trials
     assert all(len(b) % 2 == 0 for b in promoted)
+
+
+def test_the_cap_reached_is_named_as_configured_when_a_spread_set_took_part_of_it():
+    """After a spread set of 2 nodes under max_float_nodes 6 the search gets 4 (channel_spread.search_options);
+    its stop reason gives the configured 6 and the spread set's share, not the 4 the user never wrote."""
+    evaluate, _ = _scripted({f"n{i}": 0.01 * (i + 1) for i in range(6)})
+    options = channel_spread.search_options({**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": 6,
+                                             "block": 2}, {"nodes": 2})
+    outcome = run_search(evaluate, [f"n{i}" for i in range(6)], set(), [{}] * 4, options)
+    assert len(outcome.float_nodes) == 4
+    assert outcome.record["stopped"] == "max_float_nodes (6) reached, 2 of them the spread set's"
 
 
 @pytest.mark.parametrize("switches", [True, False])
