@@ -54,9 +54,11 @@ def _ranges(stage: dict) -> str:
     else:
         return ""
     text += f" on {stage['calibration_samples']} calibration samples" if stage.get("calibration_samples") else ""
-    measured = ((stage.get("fallback") or {}).get("ranges") or {})
-    if len(measured.get("scores", {})) > 1:  # the fallback's line gives the scores
-        text += f" (chosen by the fallback; configured: {measured.get('configured', '?')})"
+    record = stage.get("fallback") or {}
+    measured = [m for m in (record.get("ranges") or {}, record.get("ranges_with_spread") or {})
+                if len(m.get("scores", {})) > 1]
+    if measured:  # the fallback's line gives the scores
+        text += f" (chosen by the fallback; configured: {measured[0].get('configured', '?')})"
     return text
 
 

@@ -38,10 +38,11 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
     if op_types.get("chosen"):
         verdict += (f" Op types left float first (re-rounding without compute): {', '.join(op_types['chosen'])} "
                     f"({op_types['nodes']} nodes).")
-    ranges = record.get("ranges") or {}
-    if len(ranges.get("scores", {})) > 1:
-        verdict += (f" {ranges['setting']} measured first: {ranges['chosen']} kept ("
-                    + ", ".join(f"{a} {v:.5f}" for a, v in ranges["scores"].items()) + ").")
+    for key, when in (("ranges", "measured first"), ("ranges_with_spread", "measured after them")):
+        ranges = record.get(key) or {}
+        if len(ranges.get("scores", {})) > 1:
+            verdict += (f" {ranges['setting']} {when}: {ranges['chosen']} kept ("
+                        + ", ".join(f"{a} {v:.5f}" for a, v in ranges["scores"].items()) + ").")
     if record.get("why"):
         verdict += f" {record['why']}."
     tables = []

@@ -79,3 +79,13 @@ def test_files_explain_the_board_files_and_the_one_command():
 def test_other_stages_and_failed_ones_decide_nothing():
     assert decision_lines({"name": "optimize", "status": "ok"}) == []
     assert decision_lines({**report()["stages"][0], "status": "failed"}) == []
+
+
+def test_fallback_line_gives_the_range_algorithm_measured_again_after_the_spread_set():
+    record = {**fallback_record([]), "ranges_with_spread": {
+        "setting": "quantized_algorithm with the spread set float16", "configured": "normal",
+        "chosen": "kl_divergence", "scores": {"normal": 0.98544, "kl_divergence": 0.99638}}}
+    stage = {**report()["stages"][0], "fallback": record, "excluded_nodes": ["conv3"]}
+    fallback = next(line for line in decision_lines(stage) if line.startswith("accuracy-driven fallback"))
+    assert ("quantized_algorithm with the spread set float16 measured after them: kl_divergence kept "
+            "(normal 0.98544, kl_divergence 0.99638)") in fallback
