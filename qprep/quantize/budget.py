@@ -23,6 +23,7 @@ class Budget:
         self.seconds = seconds
         self.started = time.perf_counter() if started is None else started
         self.reserve_kind: str | None = None  # the kind of step kept time for (the final build)
+        self.reserve_factor = 1.0  # how many of them (a slower variant of the kind: RKNN's kl_divergence build)
         self.durations: dict[str, list[float]] = {}
         self.skipped: list[str] = []  # steps not started for lack of time, for the record
         self.stand_ins: dict[str, str] = {}  # kind → the kind predicting it until one of its own has run
@@ -33,7 +34,7 @@ class Budget:
     @property
     def reserved(self) -> float:
         """Seconds kept back for the step after the search, as long as the last steps of its kind took."""
-        return self.predict(self.reserve_kind) if self.reserve_kind else 0.0
+        return self.reserve_factor * self.predict(self.reserve_kind) if self.reserve_kind else 0.0
 
     @property
     def deadline(self) -> float:

@@ -55,8 +55,8 @@ def _ranges(stage: dict) -> str:
         return ""
     text += f" on {stage['calibration_samples']} calibration samples" if stage.get("calibration_samples") else ""
     record = stage.get("fallback") or {}
-    measured = [m for m in (record.get("ranges") or {}, record.get("ranges_with_spread") or {})
-                if len(m.get("scores", {})) > 1]
+    measured = [record.get(key) or {} for key in ("ranges", "ranges_with_spread", "ranges_after_search")]
+    measured = [m for m in measured if len(m.get("scores", {})) > 1]
     if measured:  # the fallback's line gives the scores
         text += f" (chosen by the fallback; configured: {measured[0].get('configured', '?')})"
     return text

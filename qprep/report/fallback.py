@@ -38,7 +38,8 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
     if op_types.get("chosen"):
         verdict += (f" Op types left float first (re-rounding without compute): {', '.join(op_types['chosen'])} "
                     f"({op_types['nodes']} nodes).")
-    for key, when in (("ranges", "measured first"), ("ranges_with_spread", "measured after them")):
+    for key, when in (("ranges", "measured first"), ("ranges_with_spread", "measured after them"),
+                      ("ranges_after_search", "measured after the search")):
         ranges = record.get(key) or {}
         if len(ranges.get("scores", {})) > 1:
             verdict += (f" {ranges['setting']} {when}: {ranges['chosen']} kept ("

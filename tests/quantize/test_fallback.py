@@ -397,6 +397,8 @@ def test_budget_predicts_a_step_from_the_slowest_recent_run_and_keeps_the_reserv
     clock[0] = 70.0
     assert budget.fits(18.0) and not budget.fits(19.0)  # 70 + 18 + 12 kept for the final build = 100
     assert not budget.allows("ranking", 19.0) and budget.skipped == ["ranking (~19 s, 18 s left)"]
+    budget.reserve_factor = 2.0  # a slower variant of the kind kept (RKNN's kl_divergence build after its search)
+    assert budget.fits(6.0) and not budget.fits(7.0)  # 70 + 6 + 2 x 12 = 100
 
 
 def test_a_kind_not_run_yet_is_predicted_by_its_stand_in_and_bias_trials_are_their_own_kind():

@@ -95,10 +95,13 @@ class RknnBuilder:
         return self.config["quantized_algorithm"]
 
     def use_algorithm(self, algorithm: str) -> None:
-        """Build with another range algorithm from now on (hybrid step1 records it, so step1 runs again)."""
+        """Build with another range algorithm from now on (hybrid step1 records it, so step1 runs again). The
+        pinned build stays: a trial of another algorithm that is not kept leaves the search's best exportable
+        without building it again."""
         if algorithm != self.algorithm:
-            self.release()
-            self.config["quantized_algorithm"], self._step1, self._pinned, self._ranges = algorithm, None, None, None
+            pinned = self._sessions.get(self._pinned)
+            self.release(keep=pinned[1] if pinned else None)
+            self.config["quantized_algorithm"], self._step1, self._ranges = algorithm, None, None
             self.details.pop("ranges_reused", None)
             self._save_model()
 

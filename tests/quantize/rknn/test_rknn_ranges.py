@@ -143,3 +143,24 @@ def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
     for old, new in zip(expected, rebuilt(samples)):
         for key in old:
             np.testing.assert_allclose(new[key], old[key], atol=1e-6)
+
+
+def test_switching_the_range_algorithm_keeps_the_pinned_build_and_releases_the_rest():
+    """A trial of another algorithm (mmse, kl_divergence) that is not kept must leave the search's best build
+    exportable: use_algorithm frees every other build, not the pinned one, and keeps it pinned."""
+    from types import SimpleNamespace
+
+    from qprep.quantize.rknn.builder import RknnBuilder
+
+    released = []
+    builder = RknnBuilder.__new__(RknnBuilder)
+    builder.toolkit = SimpleNamespace(release=released.append)
+    builder.config = {"quantized_algorithm": "normal"}
+    builder.details, builder._step1, builder._ranges = {}, "step1", None
+    builder._save_model = lambda: None
+    best, last = ("normal", frozenset({"a"})), ("normal", frozenset({"a", "b"}))
+    builder._sessions = {best: ("rknn best", "runner best", None), last: ("rknn last", "runner last", None)}
+    builder._pinned = best
+    builder.use_algorithm("kl_divergence")
+    assert released == ["rknn last"] and list(builder._sessions) == [best] and builder._pinned == best
+    assert builder.algorithm == "kl_divergence" and builder._step1 is None
