@@ -144,15 +144,9 @@ def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_bef
     assert builds[0] == {"kept"} and builds[-1] == {"kept", "spread", "second"}
 
 
-@pytest.mark.parametrize("algorithm, tensors, tried", [("normal", ["m"], True), ("mmse", ["m"], False),
-                                                       ("normal", [], False)])
-def test_rknn_measures_kl_divergence_ranges_again_once_a_spread_set_is_float16(algorithm, tensors, tried):
-    """After a spread set, `kl_divergence` ranges are one build away (PP-OCRv4 rec: 0.9854 → 0.9945 held-out) and
-    kept when they score better; not tried after mmse (switching back would cost its minutes) or without a set."""
+def _scripted_rknn_ranges(algorithm: str, kl_score: float, other_score: float):
+    """A stand-in RKNN builder switching range algorithms, trials scored by the algorithm alone, and the job."""
     from types import SimpleNamespace
-
-    from qprep.quantize.budget import Budget
-    from qprep.quantize.rknn.search import _ranges_with_spread
 
     builder = SimpleNamespace(algorithm=algorithm)
     builder.use_algorithm = lambda name: setattr(builder, "algorithm", name)
@@ -160,12 +154,23 @@ def test_rknn_measures_kl_divergence_ranges_again_once_a_spread_set_is_float16(a
 
     def evaluate(float_nodes, samples):
         builds.append(builder.algorithm)
-        return {"y": {"cosine_mean": 0.996 if builder.algorithm == "kl_divergence" else 0.985}}
+        return {"y": {"cosine_mean": kl_score if builder.algorithm == "kl_divergence" else other_score}}
 
     job = SimpleNamespace(options={"do_quantization": True}, fallback={"target": {"cosine_mean": 0.99}},
                           evaluation_samples=_samples(2, 5), acceptance_samples=[], progress=None)
-    record = _ranges_with_spread(builder, SimpleNamespace(evaluate=evaluate), job, {"spread", "second"},
-                                 {"tensors": tensors}, Budget(600))
+    return builder, SimpleNamespace(evaluate=evaluate), builds, job
+
+
+@pytest.mark.parametrize("algorithm, tensors, tried", [("normal", ["m"], True), ("mmse", ["m"], False),
+                                                       ("normal", [], False)])
+def test_rknn_measures_kl_divergence_ranges_again_once_a_spread_set_is_float16(algorithm, tensors, tried):
+    """After a spread set, `kl_divergence` ranges are one build away (PP-OCRv4 rec: 0.9854 → 0.9945 held-out) and
+    kept when they score better; not tried after mmse (switching back would cost its minutes) or without a set."""
+    from qprep.quantize.budget import Budget
+    from qprep.quantize.rknn.search import _ranges_with_spread
+
+    builder, trials, builds, job = _scripted_rknn_ranges(algorithm, 0.996, 0.985)
+    record = _ranges_with_spread(builder, trials, job, {"spread", "second"}, {"tensors": tensors}, Budget(600))
     assert builds == ([algorithm, "kl_divergence"] if tried else [])
     assert builder.algorithm == ("kl_divergence" if tried else algorithm)
     assert record.get("chosen") == ("kl_divergence" if tried else None)
@@ -175,25 +180,14 @@ def test_rknn_measures_kl_divergence_ranges_again_once_a_spread_set_is_float16(a
 def test_rknn_measures_kl_divergence_ranges_on_the_float16_set_a_missed_search_ends_at(passed):
     """A search that missed its target ends with one more build, its float16 set with `kl_divergence` ranges
     (all-MiniLM-L6-v2: 0.9013 → 0.9390 held-out); met by it here, the outcome says so. Not built after a met one."""
-    from types import SimpleNamespace
-
     from qprep.quantize import search
     from qprep.quantize.budget import Budget
     from qprep.quantize.rknn.search import _ranges_after_search
 
-    builder = SimpleNamespace(algorithm="normal")
-    builder.use_algorithm = lambda name: setattr(builder, "algorithm", name)
-    builds = []
-
-    def evaluate(float_nodes, samples):
-        builds.append(builder.algorithm)
-        return {"y": {"cosine_mean": 0.995 if builder.algorithm == "kl_divergence" else 0.95}}
-
-    job = SimpleNamespace(options={"do_quantization": True}, fallback={"target": {"cosine_mean": 0.99}},
-                          evaluation_samples=_samples(2, 5), acceptance_samples=[], progress=None)
+    builder, trials, builds, job = _scripted_rknn_ranges("normal", 0.995, 0.95)
     outcome = search.Outcome(["a"], passed, {"passed": passed, "best": {"score": 0.95, "metrics": {}},
                                              **({} if passed else {"why": "time budget spent"})})
-    record = _ranges_after_search(builder, SimpleNamespace(evaluate=evaluate), job, outcome, Budget(600))
+    record = _ranges_after_search(builder, trials, job, outcome, Budget(600))
     if passed:
         assert record == {} and builds == [] and builder.algorithm == "normal"
         return
