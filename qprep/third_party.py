@@ -96,8 +96,9 @@ def weight_quantization_memo(memo: dict):
     call `qdq_quantizer.compute_data_quant_params` per channel (memoized per channel), QOperator and dynamic builds
     `BaseQuantizer.quantize_weight_per_channel_impl` per weight (memoized whole: its loop cost ~40 µs a channel
     even with each channel memoized). Why: the fallback rebuilds the model for every trial from the same weights;
-    on all-MiniLM-L6-v2 that loop was 124 s of a 200 s search (922k calls over 46 builds). Keyed by a digest of the
-    values and every argument, so a changed weight is quantized again; results are handed out as copies."""
+    on all-MiniLM-L6-v2 that loop was 124 s of a 200 s search (922k calls over 46 builds). Keyed by every argument and
+    the values (a channel's digest; a whole weight's bytes, compared), so a changed weight is quantized again;
+    results are handed out as copies."""
     from onnxruntime.quantization import base_quantizer, qdq_quantizer
 
     patched = [(qdq_quantizer, "compute_data_quant_params"),
@@ -148,15 +149,17 @@ def _memoized_weight(method, memo: dict):
     """ORT's per-channel weight quantization (QOperator and dynamic builds), whole weight at a time: the
     initializers it adds to the model (integers, scales, zero points) are kept and added again as copies, and its
     return value (their names) given back. Not memoized when the build has tensor overrides (they may name any
-    weight). A weight is recognised by name and settings, then its bytes compared with the ones kept: a compare
-    runs at memory speed, where hashing every weight of every build cost ~2 s of MiniLM's 58-s search."""
+    weight). A weight is recognised by name, shape and settings, then its bytes compared with the ones kept: a
+    compare runs at memory speed, where hashing every weight of every build took MiniLM's search from 72 to 78-83 s
+    (old and new code in turn, BENCHMARKS session 21)."""
 
     def call(self, weight_name, weight_qType, channel_axis, reduce_range=True, keep_float_weight=False):
         weight = next((t for t in self.model.initializer() if t.name == weight_name), None)
         if weight is None or len(self.tensor_quant_overrides):
             return method(self, weight_name, weight_qType, channel_axis, reduce_range, keep_float_weight)
-        key = ("weight", weight_name, weight_qType, channel_axis, bool(reduce_range), bool(keep_float_weight),
-               bool(self.reduce_range), bool(self.is_weight_symmetric(weight_qType)), self.min_real_range)
+        key = ("weight", weight_name, tuple(weight.dims), weight.data_type, weight_qType, channel_axis,
+               bool(reduce_range), bool(keep_float_weight), bool(self.reduce_range),
+               bool(self.is_weight_symmetric(weight_qType)), self.min_real_range)
         values = weight.raw_data or weight.SerializeToString()
         kept = memo.get(key)
         if kept is not None and kept[0] == values:
