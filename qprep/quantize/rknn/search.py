@@ -113,12 +113,8 @@ def _ranges_with_spread(builder: RknnBuilder, trials: RknnTrials, job: BackendIn
     away and back would pay mmse's minutes again."""
     if not spread.get("tensors") or builder.algorithm != "normal":
         return {}
-    return search.choose_setting(
-        "quantized_algorithm with the spread set float16", builder.algorithm, ["kl_divergence"],
-        builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
-        job.progress, affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}",
-                                                                 KL_SLOWER * budget.predict("trial")),
-        acceptance=job.acceptance_samples)
+    return _kl_against_normal("quantized_algorithm with the spread set float16", builder, trials, job, base_float,
+                              budget)
 
 
 def _ranges_after_search(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, outcome: search.Outcome,
@@ -130,12 +126,8 @@ def _ranges_after_search(builder: RknnBuilder, trials: RknnTrials, job: BackendI
     if outcome.passed or builder.algorithm != "normal" or not job.options["do_quantization"]:
         return {}
     target, float_set = job.fallback["target"], set(outcome.float_nodes)
-    result = search.choose_setting(
-        "quantized_algorithm on the search's float16 set", builder.algorithm, ["kl_divergence"],
-        builder.use_algorithm, trials.evaluate, float_set, job.evaluation_samples, target, job.progress,
-        affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}",
-                                                   KL_SLOWER * budget.predict("trial")),
-        acceptance=job.acceptance_samples)
+    result = _kl_against_normal("quantized_algorithm on the search's float16 set", builder, trials, job, float_set,
+                                budget)
     if result["chosen"] != result["configured"]:  # every evaluation below was made by choose_setting: remembered
         outputs = trials.evaluate(float_set, job.evaluation_samples)
         gate = search.judge(target, outputs, float_set, trials.evaluate, job.acceptance_samples)
@@ -145,6 +137,18 @@ def _ranges_after_search(builder: RknnBuilder, trials: RknnTrials, job: BackendI
         if gate["passed"]:
             outcome.record.pop("why", None)
     return result
+
+
+def _kl_against_normal(setting: str, builder: RknnBuilder, trials: RknnTrials, job: BackendInput,
+                       float_set: set[str], budget: Budget) -> dict:
+    """`normal` against `kl_divergence` ranges on `float_set` (choose_setting), a kl build predicted at KL_SLOWER
+    normal trials."""
+    return search.choose_setting(
+        setting, builder.algorithm, ["kl_divergence"], builder.use_algorithm, trials.evaluate, float_set,
+        job.evaluation_samples, job.fallback["target"], job.progress,
+        affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}",
+                                                   KL_SLOWER * budget.predict("trial")),
+        acceptance=job.acceptance_samples)
 
 
 def _spread_layers(trials: RknnTrials, job: BackendInput, base_float: set[str],
