@@ -64,8 +64,9 @@ class RknnTrials(search.SearchBackend):
 
 
 def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> search.Outcome:
-    """Which layers become float16, and whether `mmse` replaces the `normal` range algorithm: the range
-    algorithm is measured at the outputs first, then the search runs with RKNN trials."""
+    """Which layers become float16, and which range algorithm builds them: `mmse` against `normal` first, then
+    the spread set, `kl_divergence` once that set is float16, the search with RKNN trials, and kl once more on
+    the float16 set of a search that missed (each phase's reasons in its helper)."""
     budget = Budget(job.fallback["time_budget_s"], job.started)
     trials = RknnTrials(builder, job, base_float, budget)
     # mmse searches weight and activation ranges in step2, so every later build pays it again (minutes, vs
