@@ -23,7 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.errors import EXIT_INTERNAL, QprepError
-from qprep.model.info import FLOAT_TYPES, graph_inputs
+from qprep.model.info import FLOAT_TYPES, default_opset, graph_inputs
 from qprep.model.runtime import intermediate_values
 
 LIMIT = float(np.finfo(np.float16).max)  # 65504: beyond it float16 overflows and no int8 grid keeps the rest
@@ -42,6 +42,7 @@ class Extremes:
 
     tensors: dict[str, dict] = field(default_factory=dict)
     nodes: dict[str, str] = field(default_factory=dict)
+    added: set[str] = field(default_factory=set)  # of `nodes`, those the float set did not hold already
 
     def record(self) -> dict:
         """For the stage record (report.json): every tensor with its values, every node with its reason."""
@@ -106,25 +107,120 @@ def check_scales(model: onnx.ModelProto) -> None:
                                  "please report it, and keep its producer float meanwhile (keep_float.nodes)")
 
 
-def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float,
-                   nan: float | None = None) -> tuple[onnx.ModelProto, dict]:
-    """A copy of `model` whose extreme float constants are clipped to ±`bound` (NaN left alone, or replaced by
-    `nan`) → (model, {constant: "[before] → [after]"}). For a backend whose float is float16, where
-    finfo(float32).min and -1e9 become -inf and HF's `(1 - mask) * fill` then gives 0 * -inf = NaN. The caller
-    verifies the numbers."""
+def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float, nan: float | None = None,
+                   bounds: dict[str, float] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """A copy of `model` whose extreme float constants are clipped to ±`bound` (`bounds`: some constants' own),
+    NaN left alone or replaced by `nan` → (model, {constant: "[before] → [after]"}). For a backend whose float is
+    float16, where finfo(float32).min and -1e9 become -inf and HF's `(1 - mask) * fill` then gives 0 * -inf =
+    NaN. The caller verifies the numbers."""
     clipped = onnx.ModelProto()
     clipped.CopyFrom(model)
-    names = {name for name, stats in extremes.tensors.items() if stats["kind"] == "constant"}
+    names = {name for name, stats in extremes.tensors.items() if stats["kind"] == "constant"} | set(bounds or {})
     changed = {}
     for name, tensor in _float_constant_protos(clipped):
         if name in names:
             array = numpy_helper.to_array(tensor)
-            values = np.clip(array, -bound, bound).astype(array.dtype)
+            limit = (bounds or {}).get(name, bound)
+            values = np.clip(array, -limit, limit).astype(array.dtype)
             if nan is not None:
                 values = np.where(np.isnan(values), np.asarray(nan, values.dtype), values)
             tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
             changed[name] = f"{describe(_stats(array))} → {describe(_stats(values))}"
     return clipped, changed
+
+
+# a constant this negative or lower is taken for an attention mask's fill when the mask it makes is added to
+# scores a Softmax reads (HF's older exports fill with -10000)
+FILL = 1000.0
+# a mask's fill leaves every masked key at least this far below its row's largest unmasked score on the
+# calibration samples: softmax weighs it exp(-24) = 4e-11 of that one
+MASK_MARGIN = 24.0
+
+
+@dataclass
+class MaskBound:
+    """The smallest safe fill for additive attention masks (`mask_bound`): `bound` for the `constants` that make
+    the masks, `excess` how far a masked score rose above its row's largest unmasked one on calibration data."""
+
+    bound: float
+    excess: float
+    adds: list[str]
+    constants: set[str]
+
+    def record(self) -> dict:
+        return {"bound": round(self.bound, 3), "excess": round(self.excess, 3), "margin": MASK_MARGIN,
+                "softmax_adds": len(self.adds),
+                "constants": sorted(self.constants)}
+
+
+def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> MaskBound | None:
+    """How small the fill of the additive attention masks can be while softmax still gives masked keys nothing,
+    measured on `samples`; None when the model has no such mask: an Add read by a Softmax whose one input is
+    computed from a fill constant (≤ -FILL: finfo.min, -inf, -1e9, HF's older -10000) and whose other input
+    (the scores) is not.
+
+    Why: an int8 attention (RKNN fuses MatMul → Mul → Add → Softmax → MatMul into one int8 layer) spreads its
+    grid over the mask's fill: all-MiniLM-L6-v2 on RKNN rk3588, every layer int8: fill -10000 (what float16 can
+    hold) cosine 0.494, -300 0.802, -100 0.831, -60 0.831, -30 0.831. The fill needed is the highest a masked
+    score rises above its row's largest unmasked one (MiniLM layer 0: 17.6 on calibration data) plus a margin;
+    it is doubled for unseen samples and the clipped model is verified by the caller."""
+    producers = {o: node for node in model.graph.node for o in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    fills = {name for name, array in _float_constants(model) if _stats(array)["min"] <= -FILL}
+    adds, constants = [], set()  # adds: (add, scores input, mask input, softmax)
+    for node in model.graph.node:
+        softmaxes = [r for r in readers.get(node.output[0], []) if r.op_type == "Softmax"] if node.output else []
+        if node.op_type != "Add" or len(node.input) != 2 or not softmaxes:
+            continue
+        upstream = [_upstream(name, producers) & fills for name in node.input]
+        if bool(upstream[0]) != bool(upstream[1]):  # one side is the mask
+            mask = 0 if upstream[0] else 1
+            adds.append((node, node.input[1 - mask], node.input[mask], softmaxes[0]))
+            constants |= upstream[mask]
+    if not adds:
+        return None
+    opset = default_opset(model)
+    fixed = dict(_float_constants(model))
+    wanted = [name for _, scores, mask, _ in adds for name in (scores, mask) if name not in fixed]
+    excess = 0.0
+    for values in intermediate_values(model, wanted, samples, threads):
+        values = {**fixed, **values}
+        for _, scores, mask, softmax in adds:
+            if scores in values and mask in values:
+                excess = max(excess, _masked_excess(values[scores], values[mask], softmax, opset))
+    bound = min(2.0 * excess + MASK_MARGIN, FILL)
+    return MaskBound(bound=bound, excess=excess, adds=[add.name for add, *_ in adds], constants=constants)
+
+
+def _upstream(name: str, producers: dict) -> set[str]:
+    """Every tensor `name` is computed from, itself included."""
+    found, todo = set(), [name]
+    while todo:
+        tensor = todo.pop()
+        if tensor not in found:
+            found.add(tensor)
+            producer = producers.get(tensor)
+            if producer is not None:
+                todo.extend(i for i in producer.input if i)
+    return found
+
+
+def _masked_excess(scores: np.ndarray, mask: np.ndarray, softmax: onnx.NodeProto, opset: int) -> float:
+    """The highest masked score above its softmax row's largest unmasked one (0 when none is above)."""
+    shape = np.broadcast_shapes(scores.shape, mask.shape)
+    scores, masked = np.broadcast_to(scores, shape), np.broadcast_to(mask <= -FILL / 2, shape)
+    axis = next((a.i for a in softmax.attribute if a.name == "axis"), -1 if opset >= 13 else 1)
+    axis = axis % len(shape) if shape else 0
+    if opset >= 13:  # one row per position of the other axes
+        scores, masked = (np.moveaxis(a, axis, -1).reshape(-1, shape[axis]) for a in (scores, masked))
+    else:  # before opset 13 softmax flattens the axes from `axis` on into one row
+        scores, masked = (a.reshape(int(np.prod(shape[:axis], dtype=np.int64)), -1) for a in (scores, masked))
+    unmasked_max = np.where(masked, -np.inf, scores).max(axis=-1, keepdims=True)
+    rise = np.where(masked & np.isfinite(unmasked_max), scores - unmasked_max, -np.inf)
+    return float(max(rise.max(initial=-np.inf), 0.0))
 
 
 def _float_constant_protos(model: onnx.ModelProto):

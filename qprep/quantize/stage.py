@@ -127,6 +127,7 @@ def _kept_out_of_calibration(job: BackendInput) -> nonfinite.Extremes:
     their nodes join the float set before the backend calibrates anything (nonfinite.py)."""
     extremes = nonfinite.find(job.model, job.samples, job.threads)
     if extremes.nodes:
+        extremes.added = set(extremes.nodes) - job.float_set
         job.float_set |= set(extremes.nodes)
         log.info("quantize: %d tensors hold non-finite or beyond-float16 values (%s); %d nodes stay float: %s",
                  len(extremes.tensors), ", ".join(list(extremes.tensors)[:5]), len(extremes.nodes),

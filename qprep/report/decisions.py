@@ -144,11 +144,23 @@ def _fitting(stage: dict) -> list[str]:
     if converted:
         lines.append(f"opset converted {converted['from']} → {converted['to']} for the backend (verified on "
                      f"{converted.get('verified_on', '?')} samples)")
-    clip = ((stage.get("nonfinite") or {}).get("float16_clip")) or {}
+    nonfinite = stage.get("nonfinite") or {}
+    clip = nonfinite.get("float16_clip") or {}
     if clip:
-        done = "clipped" if clip.get("clipped") else f"left as they are ({clip.get('reason', '?')})"
-        lines.append(f"{len(clip.get('constants', []))} constant(s) beyond float16 (masks) {done} to "
-                     f"±{clip.get('bound', '?'):g}")
+        mask = clip.get("mask_bound") if clip.get("clipped") else None
+        if mask:
+            others = len(clip.get("constants", [])) - len(mask["constants"])
+            lines.append(f"attention-mask fill clipped to ±{mask['bound']:.3g} for int8 attention (a masked score rose "
+                         f"{mask['excess']:.3g} above its row's largest on calibration data; twice that + "
+                         f"{mask['margin']:g})" + (f"; {others} other constant(s) beyond float16 to "
+                                                f"±{clip.get('bound', '?'):g}" if others else ""))
+        else:
+            done = "clipped" if clip.get("clipped") else f"left as they are ({clip.get('reason', '?')})"
+            lines.append(f"{len(clip.get('constants', []))} constant(s) beyond float16 (masks) {done} to "
+                         f"±{clip.get('bound', '?'):g}")
+    int8_again = [n for n, why in (nonfinite.get("int8_not_float16") or {}).items() if why.startswith("int8:")]
+    if int8_again:
+        lines.append(f"{len(int8_again)} node(s) kept float for their values are int8 again once clipped")
     return lines
 
 

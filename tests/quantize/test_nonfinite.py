@@ -27,6 +27,40 @@ def test_the_mask_chain_is_found_by_values_not_names(style, fill, producer):
     assert record["limit"] == 65504.0 and {t["tensor"] for t in record["tensors"]} == set(found.tensors)
 
 
+def _masked_rise(model, samples) -> float:
+    """What mask_bound should find, computed here with numpy: the highest a padded key's score rises above the
+    largest real one of its row."""
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    rise = 0.0
+    for sample in samples:
+        x, real = sample["x"][0], sample["mask"][0] > 0
+        scores = (x @ weights["wq"]) @ (x @ weights["wk"]).T
+        if real.all():
+            continue
+        rise = max(rise, float((scores[:, ~real] - scores[:, real].max(axis=1, keepdims=True)).max()))
+    return max(rise, 0.0)
+
+
+@pytest.mark.parametrize("style, fill", [("where", -np.inf), ("scale", np.finfo(np.float32).min), ("scale", -1e4)])
+def test_the_mask_fill_bound_is_the_highest_masked_score_rise_doubled_plus_a_margin(style, fill):
+    """An int8 attention spreads its grid over the mask's fill (MiniLM on RKNN: fill -10000 cosine 0.49, -60
+    0.83): the fill needs only to sink every masked key well below its row's largest real score."""
+    model, samples = masked_attention_model(fill, style), masked_attention_samples(6)
+    bound = nonfinite.mask_bound(model, samples)
+    rise = _masked_rise(model, samples)
+    assert rise > 0.5  # these samples do have padded keys scoring above the real ones
+    assert bound.bound == pytest.approx(2 * rise + nonfinite.MASK_MARGIN, rel=1e-5)
+    assert bound.excess == pytest.approx(rise, rel=1e-5)
+    assert bound.adds == ["mask_add"] and bound.constants == {"fill"}
+
+
+def test_no_mask_bound_without_a_softmax_reading_the_masked_sum():
+    nodes = [helper.make_node("Add", ["x", "fill"], ["y"], name="add")]
+    model = make_model(nodes, [("x", [1, 4])], [("y", [1, 4])], {"fill": np.array([0, 0, 0, -1e30], np.float32)})
+    samples = [{"x": np.ones((1, 4), np.float32)}]
+    assert nonfinite.mask_bound(model, samples) is None
+
+
 def test_ordinary_values_and_a_float16_sized_mask_are_left_to_the_calibrator():
     assert not nonfinite.find(masked_attention_model(-1e4), masked_attention_samples(4)).nodes
 

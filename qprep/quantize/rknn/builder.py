@@ -245,6 +245,8 @@ def quantize(job: BackendInput) -> Quantized:
     job.model, clipped = limits.float16_safe(job.model, job.extremes, job.samples[:8], job.threads)
     job.float_set, overflowing = limits.without_float16_overflow(job.model, set(job.float_set), job.extremes,
                                                                  job.samples[:8], job.threads)
+    for node in overflowing:  # int8 in the result: no longer reported as kept float for their values
+        job.extremes.nodes.pop(node, None)
     builder = RknnBuilder(job)
     if converted:
         builder.details["opset_converted"] = converted

@@ -6,7 +6,8 @@ not supported, please remove it manually", logged on the line after an empty `E 
 RandomNormalLike and RandomUniformLike); Rockchip recommends opset 19 and the toolkit fails on 21. A model above
 19 is converted down with onnx's version converter and verified with ONNX Runtime before the toolkit sees it;
 a model that uses an op opset 19 does not have (Gelu is 20) cannot be, and is refused at once. Constants
-float16 cannot hold (attention masks: finfo.min, -inf, -1e9) are clipped to ±10000 first, as the toolkit
+float16 cannot hold (attention masks: finfo.min, -inf, -1e9) are clipped first: an additive attention mask's
+fill to the smallest bound its scores allow (int8 attention keeps its scores), the rest to ±10000 as the toolkit
 itself does for ±3e38 at optimization_level 3, so the float16 layers that carry a mask stay finite; float-set
 nodes whose finite activations float16 cannot hold stay int8. An If or a BatchNormalization the toolkit cannot
 compile is rewritten by static_graph.py; an If it cannot rewrite is refused here.
@@ -80,23 +81,35 @@ def within_opset(model: onnx.ModelProto, samples: list[dict], threads: int = 2) 
 
 def float16_safe(model: onnx.ModelProto, extremes: Extremes, samples: list[dict],
                  threads: int = 2) -> tuple[onnx.ModelProto, dict]:
-    """`model` with its extreme constants (nonfinite.py) clipped to ±MASK_BOUND and their NaN set to 0 → (model,
-    record), when that leaves the float32 outputs on `samples` within the verification tolerance (exp(-10000) is
-    0 as exp(-inf) is; a NaN fill is selected only for inputs the model rejects); else the model as it was and the
-    reason. Measured on a masked attention with HF's `(1 - mask) * -1e9`: the mask kept float16 unclipped, cosine
-    0.876 → 0.778. NaN: jax2tf's `jnp.take` writes a NaN-filled [1,128,384] constant for out-of-range ids into a
-    Where, and the toolkit's range of that Where input is NaN ("cannot convert float NaN to integer" in step1)."""
-    clipped, changed = nonfinite.clip_constants(model, extremes, MASK_BOUND, nan=0.0)
-    if not changed:
-        return model, {}
-    record = {"bound": MASK_BOUND, "constants": changed, "verified_on": len(samples)}
-    if samples:
+    """`model` with its extreme constants (nonfinite.py) clipped and their NaN set to 0 → (model, record), when
+    that leaves the float32 outputs on `samples` within the verification tolerance (exp(-10000) is 0 as
+    exp(-inf) is; a NaN fill is selected only for inputs the model rejects); else the model as it was and the
+    reason. The fill of an additive attention mask is clipped to the smallest bound its scores allow
+    (nonfinite.mask_bound: ~60 on MiniLM, whose int8 attention then keeps its scores), every other constant to
+    ±MASK_BOUND. Measured on a masked attention with HF's `(1 - mask) * -1e9`: the mask kept float16 unclipped,
+    cosine 0.876 → 0.778. NaN: jax2tf's `jnp.take` writes a NaN-filled [1,128,384] constant for out-of-range ids
+    into a Where, and the toolkit's range of that Where input is NaN ("cannot convert float NaN to integer" in
+    step1)."""
+    mask = nonfinite.mask_bound(model, samples, threads) if samples else None
+    tries = ([mask] if mask else []) + [None]
+    for tried in tries:
+        bounds = {name: tried.bound for name in tried.constants} if tried else {}
+        clipped, changed = nonfinite.clip_constants(model, extremes, MASK_BOUND, nan=0.0, bounds=bounds)
+        if not changed:
+            return model, {}
+        record = {"bound": MASK_BOUND, "constants": changed, "verified_on": len(samples),
+                  **({"mask_bound": tried.record()} if tried else {})}
+        if not samples:
+            return clipped, {**record, "clipped": True}
         verdict = compare(run_model(model, samples, threads), run_model(clipped, samples, threads), Tolerance())
-        if not verdict.ok:
-            log.warning("rknn: clipping the constants float16 cannot hold changed the outputs (%s); left as they are",
-                        verdict.reason)
-            return model, {**record, "clipped": False, "reason": verdict.reason}
-    return clipped, {**record, "clipped": True}
+        if verdict.ok:
+            return clipped, {**record, "clipped": True}
+        if tried:
+            log.info("rknn: the attention masks' fill at ±%.4g changed the outputs (%s); clipping to ±%g instead",
+                     tried.bound, verdict.reason, MASK_BOUND)
+    log.warning("rknn: clipping the constants float16 cannot hold changed the outputs (%s); left as they are",
+                verdict.reason)
+    return model, {**record, "clipped": False, "reason": verdict.reason}
 
 
 def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extremes: Extremes, samples: list[dict],
@@ -105,7 +118,10 @@ def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extrem
     (in `model` as the toolkit gets it, masks clipped) → (float set, {node: why}). float16 turns such values into
     inf, int8 holds them on a coarse grid: measured on magika (activations up to 3.7e6 before its last LayerNorm,
     kept float by nonfinite.py and keep_float), cosine 1.8e-19 with them float16, 0.937 all int8. ±inf and NaN
-    (masks) stay float16, which holds them. Only measured again when nonfinite.py found something."""
+    (masks) stay float16, which holds them. Nodes the quantize stage made float only for their values
+    (`extremes.added`) go back to int8 when the clipped model no longer has such values: a mask clipped to ±60
+    is two int8 levels, and a float16 layer is one of the few a deployment can afford. Only measured again when
+    nonfinite.py found something."""
     if not extremes.tensors or not float_set:
         return float_set, {}
     found = nonfinite.find(model, samples, threads)
@@ -120,4 +136,10 @@ def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extrem
     if dropped:
         log.warning("rknn: %d float-set nodes stay int8: their values overflow float16 (%s)", len(dropped),
                     ", ".join(list(dropped)[:5]))
+    finite = sorted((extremes.added & float_set) - set(found.nodes) - set(dropped))
+    for node in finite:
+        dropped[node] = "int8: its values are finite once the constants are clipped"
+    if finite:
+        log.info("rknn: %d nodes kept float for their values are int8 again, the constants clipped: %s", len(finite),
+                 ", ".join(finite[:5]))
     return float_set - set(dropped), dropped
