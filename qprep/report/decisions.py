@@ -158,6 +158,10 @@ def _fitting(stage: dict) -> list[str]:
             done = "clipped" if clip.get("clipped") else f"left as they are ({clip.get('reason', '?')})"
             lines.append(f"{len(clip.get('constants', []))} constant(s) beyond float16 (masks) {done} to "
                          f"±{clip.get('bound', '?'):g}")
+    float16 = stage.get("float16_layers") or {}
+    if float16.get("ir_tensors"):  # what a "≤ N non-int8 layers" budget counts: fused nodes are one layer
+        lines.append(f"{len(float16['ir_tensors'])} layer(s) of the RKNN model float16, the rest int8 (from "
+                     f"{float16.get('requested_nodes', '?')} float-set node(s))")
     int8_again = [n for n, why in (nonfinite.get("int8_not_float16") or {}).items() if why.startswith("int8:")]
     if int8_again:
         lines.append(f"{len(int8_again)} node(s) kept float for their values are int8 again once clipped")

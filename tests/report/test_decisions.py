@@ -75,6 +75,12 @@ def test_a_clipped_attention_mask_says_its_bound_and_why():
     assert "1 node(s) kept float for their values are int8 again once clipped" in lines
 
 
+def test_the_rknn_float16_layer_count_is_the_toolkits_not_the_onnx_nodes():
+    layers = {"requested_nodes": 3, "mapped": {}, "unmapped": [], "ir_tensors": ["mm_tp_sw", "ln#1"]}
+    lines = decision_lines({**report()["stages"][0], "float16_layers": layers})
+    assert "2 layer(s) of the RKNN model float16, the rest int8 (from 3 float-set node(s))" in lines
+
+
 def test_files_explain_the_board_files_and_the_one_command():
     data = report()
     data["result"].update(artifacts=["input_contract.json", "model.rknn", "run_on_board.py"],
