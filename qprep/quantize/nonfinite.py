@@ -50,9 +50,9 @@ class Extremes:
                 "nodes": dict(self.nodes)}
 
 
-def extreme(low: float, high: float, nan: bool = False) -> bool:
-    """True for a range no int8 or float16 grid can hold: NaN, ±inf, or beyond ±LIMIT."""
-    return bool(nan or not (np.isfinite(low) and np.isfinite(high)) or low < -LIMIT or high > LIMIT)
+def extreme(low: float, high: float, nan: bool = False, limit: float = LIMIT) -> bool:
+    """True for a range no int8 or float16 grid can hold: NaN, ±inf, or beyond ±limit."""
+    return bool(nan or not (np.isfinite(low) and np.isfinite(high)) or low < -limit or high > limit)
 
 
 def describe(stats: dict) -> str:
@@ -60,13 +60,14 @@ def describe(stats: dict) -> str:
     return f"[{stats['min']:.3g}, {stats['max']:.3g}]" + (", NaN" if stats["nan"] else "")
 
 
-def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Extremes:
+def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2, limit: float = LIMIT) -> Extremes:
     """The extreme constants and activations of `model` (activations over `samples`, one run of the float model)
-    and the nodes that must stay float because of them."""
+    and the nodes that must stay float because of them; `limit` lower than float16's asks which values an int8
+    grid would spread over (a mask filled with -10000)."""
     found = Extremes()
     for name, array in _float_constants(model):
         stats = _stats(array)
-        if extreme(stats["min"], stats["max"], stats["nan"]):
+        if extreme(stats["min"], stats["max"], stats["nan"], limit):
             found.tensors[name] = {"kind": "constant", **stats}
     inputs = [spec.name for spec in graph_inputs(model)]  # an additive mask may also be fed as data
     outputs = [o for node in model.graph.node if node.op_type != "Constant" for o in node.output if o]
@@ -76,7 +77,7 @@ def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Extre
             if value.dtype.kind == "f" and value.size:
                 ranges[name] = _merged(ranges.get(name), _stats(value))
     for name, stats in ranges.items():
-        if extreme(stats["min"], stats["max"], stats["nan"]):
+        if extreme(stats["min"], stats["max"], stats["nan"], limit):
             found.tensors[name] = {"kind": "activation", **stats}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:

@@ -119,8 +119,9 @@ def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extrem
     inf, int8 holds them on a coarse grid: measured on magika (activations up to 3.7e6 before its last LayerNorm,
     kept float by nonfinite.py and keep_float), cosine 1.8e-19 with them float16, 0.937 all int8. ±inf and NaN
     (masks) stay float16, which holds them. Nodes the quantize stage made float only for their values
-    (`extremes.added`) go back to int8 when the clipped model no longer has such values: a mask clipped to ±60
-    is two int8 levels, and a float16 layer is one of the few a deployment can afford. Only measured again when
+    (`extremes.added`) go back to int8 when the clipped model's values there stay within ±FILL: a mask clipped
+    to ±60 is two int8 levels, and a float16 layer is one of the few a deployment can afford; at -10000 (a mask
+    that is no Add before a Softmax: flax's softmax by hand, Max/Sub/Exp) they stay float16 (cosine 0.40 int8). Only measured again when
     nonfinite.py found something."""
     if not extremes.tensors or not float_set:
         return float_set, {}
@@ -136,9 +137,11 @@ def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extrem
     if dropped:
         log.warning("rknn: %d float-set nodes stay int8: their values overflow float16 (%s)", len(dropped),
                     ", ".join(list(dropped)[:5]))
-    finite = sorted((extremes.added & float_set) - set(found.nodes) - set(dropped))
+    added = (extremes.added & float_set) - set(dropped)
+    large = nonfinite.find(model, samples, threads, limit=nonfinite.FILL) if added else found
+    finite = sorted(added - set(large.nodes))  # within ±FILL: -10000 (flax's softmax by hand) still spreads int8
     for node in finite:
-        dropped[node] = "int8: its values are finite once the constants are clipped"
+        dropped[node] = f"int8: its values are within ±{nonfinite.FILL:g} once the constants are clipped"
     if finite:
         log.info("rknn: %d nodes kept float for their values are int8 again, the constants clipped: %s", len(finite),
                  ", ".join(finite[:5]))

@@ -248,9 +248,23 @@ def test_nodes_kept_float_only_for_a_mask_go_back_to_int8_once_the_mask_is_clipp
     float_set = set(extremes.nodes) | {"kept_by_config"}
     kept, dropped = without_float16_overflow(clipped, float_set, extremes, samples)
     assert set(dropped) == {"mask_scale", "mask_rows", "mask_add"} and kept == {"softmax", "kept_by_config"}
-    assert dropped["mask_add"].startswith("int8: its values are finite")
+    assert dropped["mask_add"].startswith("int8: its values are within ±1000")
     extremes.added = set()  # every node asked for by the config: float16 whatever its values
     assert without_float16_overflow(clipped, float_set, extremes, samples) == (float_set, {})
+
+
+def test_a_mask_without_a_softmax_node_stays_float16_at_minus_10000():
+    """flax's softmax by hand (Max, Sub, Exp): no Add before a Softmax, so no mask bound; clipped to -10000 its
+    chain must stay float16 (int8 over -10000: zoo flax_minilm cosine 0.40)."""
+    nodes = [helper.make_node("Add", ["x", "mask"], ["masked"], name="mask_add"),
+             helper.make_node("Exp", ["masked"], ["y"], name="exp")]
+    model = make_model(nodes, [("x", [1, 4])], [("y", [1, 4])], {"mask": np.array([0, 0, 0, -np.inf], np.float32)})
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 4)).astype(np.float32)} for i in range(4)]
+    extremes = nonfinite.find(model, samples)
+    extremes.added = set(extremes.nodes)
+    clipped, record = float16_safe(model, extremes, samples)
+    assert record["clipped"] and "mask_bound" not in record
+    assert without_float16_overflow(clipped, set(extremes.nodes), extremes, samples) == ({"mask_add", "exp"}, {})
 
 
 def test_a_loop_is_refused_before_any_work_naming_the_node():
