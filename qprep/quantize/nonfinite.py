@@ -79,11 +79,7 @@ def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2, limit: f
     for name, stats in ranges.items():
         if extreme(stats["min"], stats["max"], stats["nan"], limit):
             found.tensors[name] = {"kind": "activation", **stats}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    producers = {o: node for node in model.graph.node for o in node.output}
+    producers, readers = _links(model)
     for name, stats in found.tensors.items():
         values = describe(stats)
         producer = producers.get(name)
@@ -165,16 +161,15 @@ def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) ->
     hold) cosine 0.494, -300 0.802, -100 0.831, -60 0.831, -30 0.831. The fill needed is the highest a masked
     score rises above its row's largest unmasked one (MiniLM layer 0: 17.6 on calibration data) plus a margin;
     it is doubled for unseen samples and the clipped model is verified by the caller."""
-    producers = {o: node for node in model.graph.node for o in node.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    fills = {name for name, array in _float_constants(model) if _stats(array)["min"] <= -FILL}
+    producers, readers = _links(model)
+    arrays = dict(_float_constants(model))
+    fills = {name for name, array in arrays.items() if _stats(array)["min"] <= -FILL}
     adds, constants = [], set()  # adds: (add, scores input, mask input, softmax)
     for node in model.graph.node:
-        softmaxes = [r for r in readers.get(node.output[0], []) if r.op_type == "Softmax"] if node.output else []
-        if node.op_type != "Add" or len(node.input) != 2 or not softmaxes:
+        if node.op_type != "Add" or len(node.input) != 2:
+            continue
+        softmaxes = [r for r in readers.get(node.output[0], []) if r.op_type == "Softmax"]
+        if not softmaxes:
             continue
         upstream = [_upstream(name, producers) & fills for name in node.input]
         if bool(upstream[0]) != bool(upstream[1]):  # one side is the mask
@@ -184,7 +179,7 @@ def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) ->
     if not adds:
         return None
     opset = default_opset(model)
-    fixed = dict(_float_constants(model))
+    fixed = {name: arrays[name] for _, scores, mask, _ in adds for name in (scores, mask) if name in arrays}
     wanted = [name for _, scores, mask, _ in adds for name in (scores, mask) if name not in fixed]
     excess = 0.0
     for values in intermediate_values(model, wanted, samples, threads):
@@ -194,6 +189,16 @@ def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) ->
                 excess = max(excess, _masked_excess(values[scores], values[mask], softmax, opset))
     bound = min(2.0 * excess + MASK_MARGIN, FILL)
     return MaskBound(bound=bound, excess=excess, adds=[add.name for add, *_ in adds], constants=constants)
+
+
+def _links(model: onnx.ModelProto) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
+    """(tensor → the node computing it, tensor → the nodes reading it) of the main graph."""
+    producers = {o: node for node in model.graph.node for o in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return producers, readers
 
 
 def _upstream(name: str, producers: dict) -> set[str]:

@@ -121,14 +121,16 @@ def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extrem
     (masks) stay float16, which holds them. Nodes the quantize stage made float only for their values
     (`extremes.added`) go back to int8 when the clipped model's values there stay within ±FILL: a mask clipped
     to ±60 is two int8 levels, and a float16 layer is one of the few a deployment can afford; at -10000 (a mask
-    that is no Add before a Softmax: flax's softmax by hand, Max/Sub/Exp) they stay float16 (cosine 0.40 int8). Only measured again when
-    nonfinite.py found something."""
+    that is no Add before a Softmax: flax's softmax by hand, Max/Sub/Exp) they stay float16 (cosine 0.40 int8).
+    One run of the clipped model, only when nonfinite.py found something."""
     if not extremes.tensors or not float_set:
         return float_set, {}
-    found = nonfinite.find(model, samples, threads)
+    found = nonfinite.find(model, samples, threads, limit=nonfinite.FILL)  # float16's limit is checked below
     dropped: dict[str, str] = {}
     for name, stats in found.tensors.items():
         if stats["kind"] != "activation" or stats["nan"] or not np.isfinite([stats["min"], stats["max"]]).all():
+            continue
+        if not nonfinite.extreme(stats["min"], stats["max"]):  # within float16: beyond ±FILL only
             continue
         values = nonfinite.describe(stats)
         for node in model.graph.node:
@@ -138,8 +140,7 @@ def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extrem
         log.warning("rknn: %d float-set nodes stay int8: their values overflow float16 (%s)", len(dropped),
                     ", ".join(list(dropped)[:5]))
     added = (extremes.added & float_set) - set(dropped)
-    large = nonfinite.find(model, samples, threads, limit=nonfinite.FILL) if added else found
-    finite = sorted(added - set(large.nodes))  # within ±FILL: -10000 (flax's softmax by hand) still spreads int8
+    finite = sorted(added - set(found.nodes))  # within ±FILL: -10000 (flax's softmax by hand) still spreads int8
     for node in finite:
         dropped[node] = f"int8: its values are within ±{nonfinite.FILL:g} once the constants are clipped"
     if finite:
