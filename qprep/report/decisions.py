@@ -4,7 +4,7 @@ leaves for deployment with how to run them: both were only in report.json and th
 Decisions: the range method (and the one the fallback measured and kept), GPTQ weight rounding (calibration
 SQNR before → after, kept or not), bias correction, the accuracy-driven fallback (target, float nodes,
 seconds, steps the time budget skipped), the nodes kept float (asked for, NaN/Inf ranges, ORT failures) and
-what was done to fit the backend (opset conversion, float16 clipping of masks).
+what was done to fit the backend (opset conversion, float16 clipping of masks, outlier positions computed apart).
 """
 
 from __future__ import annotations
@@ -158,6 +158,13 @@ def _fitting(stage: dict) -> list[str]:
             done = "clipped" if clip.get("clipped") else f"left as they are ({clip.get('reason', '?')})"
             lines.append(f"{len(clip.get('constants', []))} constant(s) beyond float16 (masks) {done} to "
                          f"±{clip.get('bound', '?'):g}")
+    split = stage.get("outlier_positions") or {}
+    if split.get("chains"):
+        runs = sorted({(a, b) for chain in split["chains"] for a, b in chain["outliers"]})
+        outliers = [f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in runs]
+        lines.append(f"{len(split['chains'])} LayerNorm chain(s) computed apart for sequence position(s) "
+                     f"{', '.join(outliers)}, whose activations stand far above the rest, so int8 ranges fit both "
+                     f"(exact in float32, verified on {split.get('verified_on', '?')} samples)")
     float16 = stage.get("float16_layers") or {}
     if float16.get("ir_tensors"):  # what a "≤ N non-int8 layers" budget counts: fused nodes are one layer
         lines.append(f"{len(float16['ir_tensors'])} layer(s) of the RKNN model float16, the rest int8 (from "

@@ -107,3 +107,12 @@ def test_fallback_line_gives_the_range_algorithm_measured_again_after_the_spread
     fallback = next(line for line in decision_lines(stage) if line.startswith("accuracy-driven fallback"))
     assert ("quantized_algorithm with the spread set float16 measured after them: kl_divergence kept "
             "(normal 0.98544, kl_divergence 0.99638)") in fallback
+
+
+def test_outlier_positions_computed_apart_are_named_with_their_positions():
+    split = {"chains": [{"layernorm": "a", "nodes": 7, "segments": [[0, 1], [1, 128]], "outliers": [[0, 1]]},
+                        {"layernorm": "b", "nodes": 4, "segments": [[0, 126], [126, 128]], "outliers": [[126, 128]]}],
+             "verified_on": 8}
+    lines = decision_lines({**report()["stages"][0], "outlier_positions": split})
+    assert any("2 LayerNorm chain(s) computed apart for sequence position(s) 0, 126-127" in line and "8 samples" in line
+               for line in lines)

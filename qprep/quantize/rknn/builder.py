@@ -21,6 +21,7 @@ import onnx
 from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
 from qprep.model.io import save_model
+from qprep.quantize import outlier_positions
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.quantize.rknn import dataset, io_names, limits, static_graph
 from qprep.quantize.rknn import ranges as rknn_ranges
@@ -48,6 +49,9 @@ OPTIONS = section(
     weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest"),
                         doc="gptq: Conv/MatMul/Gemm weights handed to the toolkit on its own grid with GPTQ's "
                             "integers (weights.py); w8a8, per channel, normal algorithm (the one measured)"),
+    split_outlier_positions=Key("bool", default=True,
+                                doc="compute LayerNorm chains apart for sequence positions whose activations stand "
+                                    "far above the rest (BERT's [CLS]), so int8 ranges fit both (outlier_positions.py)"),
     analysis_samples=Key("int", default=1, minimum=0,
                          doc="evaluation samples run through accuracy_analysis for the per-layer table (~10 s each)"),
 )
@@ -58,8 +62,9 @@ class RknnBuilder:
     (calibration) and each build is a step2 with another custom_quantize_layers list, which is what makes
     the fallback's trials affordable."""
 
-    def __init__(self, job: BackendInput):
+    def __init__(self, job: BackendInput, split: "outlier_positions.Split | None" = None):
         self.job, self.options = job, job.options
+        self.split = split or outlier_positions.Split(job.model)
         self.toolkit = Toolkit(job.work_dir)
         self.inputs = graph_inputs(job.model)
         limits.require_fixed_dims(job.model)
@@ -247,7 +252,13 @@ def quantize(job: BackendInput) -> Quantized:
                                                                  job.samples[:8], job.threads)
     for node in overflowing:  # int8 in the result: no longer reported as kept float for their values
         job.extremes.nodes.pop(node, None)
-    builder = RknnBuilder(job)
+    split = outlier_positions.Split(job.model)
+    if job.options["split_outlier_positions"] and job.options["do_quantization"]:
+        split = outlier_positions.split(job.model, job.samples[:8], job.threads)
+        job.model, job.float_set = split.model, split.carried(set(job.float_set))
+    builder = RknnBuilder(job, split)
+    if split.record:
+        builder.details["outlier_positions"] = split.record
     if converted:
         builder.details["opset_converted"] = converted
     if static:

@@ -88,7 +88,9 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
     spread, base_float = _spread_layers(trials, job, base_float, budget)
     again = _ranges_with_spread(builder, trials, job, base_float, spread, budget)
     ops = {n.name: n.op_type for n in job.model.graph.node}
-    candidates = search.Candidates([n.name for n in job.model.graph.node if n.name not in base_float], ops=ops)
+    # the Slices and Concats of outlier_positions.py compute nothing: float16 there would only move a conversion
+    candidates = search.Candidates([n.name for n in job.model.graph.node
+                                    if n.name not in base_float and n.name not in builder.split.added], ops=ops)
     # kl once more after a missed search, unless it lost already after the spread set (EfficientNet-Lite0: 0.9931
     # vs 0.9974; the time kept for it would only shorten the search)
     kl_after = builder.algorithm == "normal" and "kl_divergence" not in again.get("scores", {})
@@ -202,8 +204,8 @@ def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analy
     single = {translated(row["tensor"], builder.renames): row.get("single_cosine", 1.0) for row in analysis}
     rows, seen = [], set()
     for node in job.model.graph.node:
-        if node.name in base_float or node.name in chosen:
-            continue
+        if node.name in base_float or node.name in chosen or node.name in builder.split.added:
+            continue  # an added Slice maps to the tensors of the copy it feeds, which must rank under its own name
         tensors, _ = ir.map_node(node)
         key = tuple(tensors)
         if not tensors or key in seen or not any(t in single for t in tensors):

@@ -24,7 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.info import constant_names, iter_nodes
+from qprep.model.info import constant_names, iter_nodes, unique_name
 from qprep.model.io import inferred_shapes
 from qprep.model.runtime import run_model
 from qprep.quantize.rknn.io_names import all_names, rename_values
@@ -140,7 +140,7 @@ def _selection(node: onnx.NodeProto, condition: str, condition_shape: list | Non
     the toolkit's build (SIGSEGV, measured on [1,1]; [1,8] builds). The condition is reshaped to the output's
     rank when its own is higher or unknown, so broadcasting keeps the output's shape."""
     def name(what: str) -> str:
-        return _unique(f"{node.name}/{what}", taken)
+        return unique_name(f"{node.name}/{what}", taken)
 
     nodes = []
     if condition_shape is None or len(condition_shape) > len(shape):
@@ -166,14 +166,14 @@ def _inlined(branch: onnx.GraphProto, prefix: str, taken: set[str],
     """The branch's nodes with its own values renamed under `prefix` (outer values keep their names), its
     initializers moved into `graph` → (nodes, the branch's output names after renaming)."""
     local = [t.name for t in branch.initializer] + [o for n in branch.node for o in n.output if o]
-    renames = {name: _unique(prefix + name, taken) for name in local}
+    renames = {name: unique_name(prefix + name, taken) for name in local}
     copy = onnx.GraphProto()
     copy.CopyFrom(branch)
     rename_values(copy, renames)
     graph.initializer.extend(copy.initializer)
     nodes = []
     for node in copy.node:
-        node.name = _unique(prefix + (node.name or node.op_type), taken)
+        node.name = unique_name(prefix + (node.name or node.op_type), taken)
         nodes.append(node)
     return nodes, [o.name for o in copy.output]
 
@@ -223,7 +223,7 @@ def _arithmetic(node: onnx.NodeProto, rank: int, epsilon: float, taken: set[str]
     x, scale, bias, mean, var = node.input[:5]
 
     def name(what: str) -> str:
-        return _unique(f"{node.name}/{what}", taken)
+        return unique_name(f"{node.name}/{what}", taken)
 
     nodes = []
     if rank > 2:
@@ -261,12 +261,3 @@ def _value_shapes(inferred: onnx.ModelProto) -> dict[str, list | None]:
     for tensor in graph.initializer:
         shapes[tensor.name] = list(tensor.dims)
     return shapes
-
-
-def _unique(wanted: str, taken: set[str]) -> str:
-    name, count = wanted, 1
-    while name in taken:
-        count += 1
-        name = f"{wanted}_{count}"
-    taken.add(name)
-    return name
