@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qprep.errors import ModelError
 from qprep.model.info import constant_names, unique_name
 from qprep.model.io import inferred_shapes
 from qprep.model.runtime import intermediate_values, run_model
@@ -79,10 +80,14 @@ def split(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Spli
     result.model.CopyFrom(model)
     for chain, segments in planned:
         _rewrite(result, chain, segments)
-    verdict = compare(run_model(model, samples, threads), run_model(result.model, samples, threads), Tolerance())
-    if not verdict.ok:  # exact in math: a failure means the pattern matched something it should not have
+    try:
+        verdict = compare(run_model(model, samples, threads), run_model(result.model, samples, threads), Tolerance())
+        reason = "" if verdict.ok else verdict.reason
+    except ModelError as exc:
+        reason = str(exc)
+    if reason:  # exact in math: a failure means the pattern matched something it should not have
         log.warning("quantize: splitting outlier positions changed the outputs (%s); the model is left as it was",
-                    verdict.reason)
+                    reason)
         return Split(model)
     result.record = {"chains": [{"layernorm": chain.nodes[-1].name, "nodes": len(chain.nodes),
                                  "segments": [[a, b] for a, b, _ in segments],
@@ -150,7 +155,9 @@ def _chains(graph: onnx.GraphProto) -> list[Chain]:
         nodes = sorted(members.values(), key=lambda n: order[id(n)])
         produced = {o for n in nodes for o in n.output}
         inputs = list(dict.fromkeys(i for n in nodes for i in n.input if i and i not in constants and i not in produced))
-        if all(_rank3(i, shapes) for i in inputs):
+        # one sequence length throughout (a [batch, 1, features] input would broadcast, not slice)
+        lengths = {shapes[t][SEQUENCE_AXIS] for t in inputs + [o for n in nodes for o in n.output] if _rank3(t, shapes)}
+        if all(_rank3(i, shapes) for i in inputs) and len(lengths) == 1 and None not in lengths:
             chains.append(Chain(nodes, inputs))
     return chains
 
@@ -185,9 +192,9 @@ def _position_wise(node: onnx.NodeProto, constants: set[str], shapes: dict) -> b
         return weight in constants and len(shapes.get(weight) or []) == 2
     if op in BINARY:
         for name in node.input:
-            if name in constants:
+            if name in constants:  # broadcast from the right: its dim on the sequence axis must be 1 or absent
                 shape = shapes.get(name)
-                if shape is None or (len(shape) == 3 and shape[SEQUENCE_AXIS] != 1) or len(shape) > 3:
+                if shape is None or len(shape) > 3 or (len(shape) >= 2 and shape[len(shape) - 3 + SEQUENCE_AXIS] != 1):
                     return False
             elif not _rank3(name, shapes):
                 return False
@@ -201,11 +208,12 @@ def _rank3(name: str, shapes: dict) -> bool:
 
 
 def _shapes(graph: onnx.GraphProto) -> dict[str, list]:
-    """Tensor → its dims as shape inference and the initializers give them (None where unknown)."""
+    """Tensor → its dims as shape inference and the initializers give them (a name for a symbolic dim, None
+    where unknown)."""
     shapes: dict[str, list] = {}
     for value in list(graph.input) + list(graph.value_info) + list(graph.output):
         if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
-            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None
+            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
                                   for d in value.type.tensor_type.shape.dim]
     for init in graph.initializer:
         shapes[init.name] = list(init.dims)

@@ -142,3 +142,21 @@ def test_on_rknn_the_split_block_keeps_the_other_positions_accurate(tmp_path):
         assert bool(report["stages"][0].get("outlier_positions")) == split
         cosine[split] = report["evaluation"]["outputs"]["y"]["cosine_mean"]
     assert cosine[False] < 0.95 and cosine[True] > 0.99  # measured 0.876 and 0.9988
+
+
+def test_a_constant_that_varies_along_the_sequence_ends_the_chain():
+    """A positional embedding added as a [seq, features] constant is not position-wise: the chain starts after it."""
+    rng = np.random.default_rng(2)
+    model = make_model([helper.make_node("Add", ["x", "positional"], ["p"], name="position"),
+                        helper.make_node("MatMul", ["p", "w"], ["h"], name="proj"),
+                        helper.make_node("Add", ["h", "p"], ["r"], name="residual"),
+                        helper.make_node("LayerNormalization", ["r", "gamma", "beta"], ["y"], name="norm")],
+                       [("x", [1, SEQ, DIM])], [("y", [1, SEQ, DIM])],
+                       {"positional": rng.standard_normal((SEQ, DIM)).astype(np.float32),
+                        "w": rng.standard_normal((DIM, DIM)).astype(np.float32),
+                        "gamma": np.ones(DIM, np.float32), "beta": np.zeros(DIM, np.float32)}, opset=17)
+    split = outlier_positions.split(model, _samples())
+    assert split.record["chains"][0]["nodes"] == 3 and "position" not in split.copies
+    fresh = _samples(2, seed=3)
+    for want, got in zip(run_model(model, fresh), run_model(split.model, fresh)):
+        np.testing.assert_allclose(got["y"], want["y"], rtol=1e-5, atol=1e-5)
