@@ -99,6 +99,13 @@ def split(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Spli
     return result
 
 
+def layernorm_chains(model: onnx.ModelProto) -> list[list[str]]:
+    """Node names of every LayerNorm chain (the LayerNorm last): position-wise nodes that only the chain reads,
+    what the RKNN fallback may make float16 as one candidate (one of its nodes alone only moves the int8
+    conversion)."""
+    return [[n.name for n in chain.nodes] for chain in _chains(inferred_shapes(model, shapes_only=True).graph)]
+
+
 class Chain:
     """Position-wise nodes in graph order, the LayerNorm last; `inputs` are the activations they read from
     outside the chain."""

@@ -42,7 +42,8 @@ OPTIONS = section(
     nullable=True,
     target=Key("mapping", item=Key("float"), required=True,
                doc="metric → threshold in the evaluation gate's form, e.g. {cosine_mean: 0.99, top1_agreement: 0.97}"),
-    max_float_nodes=Key("int", default=32, minimum=1, doc="at most this many nodes made float by the fallback"),
+    max_float_nodes=Key("int", default=32, minimum=1, doc="at most this many nodes made float by the fallback (rknn: float16 layers "
+                                                 "of the RKNN model, which fuses e.g. a MatMul and its bias Add into one)"),
     time_budget_s=Key("float", default=600.0, minimum=1,
                       doc="the fallback ends within this many seconds (best model kept): a step that would not "
                           "finish in time, predicted from the steps measured so far, is not started"),
@@ -150,6 +151,10 @@ class SearchBackend:
         """[{node, gain}] for the candidates not in `chosen`, most harmful first (when `ranks_itself`)."""
         raise NotImplementedError
 
+    def count(self, float_nodes: set[str]) -> int:
+        """What `max_float_nodes` counts of a float set: its nodes (RKNN: the float16 layers they make)."""
+        return len(float_nodes)
+
     def faster(self, float_nodes: set[str]) -> bool:
         """Asked once, when the next trial would end in the last FAST_SHARE of the budget: build the faster,
         approximate way from now on, starting from the build of `float_nodes` (the accepted set)? True if so."""
@@ -168,13 +173,14 @@ class Candidates:
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
     cost: dict[str, float] | None = None
     ops: dict[str, str] = field(default_factory=dict)
+    group_kind: str = "edge"  # what a group is, for the record (RKNN: a LayerNorm chain)
 
     def nodes(self, names, base_float: set[str]) -> set[str]:
         return {n for c in names for n in self.groups.get(c, (c,))} - base_float
 
     def describe(self, name: str) -> str:
         if name in self.groups:
-            return " + ".join(self.ops.get(n, "?") for n in self.groups[name]) + " (edge)"
+            return " + ".join(self.ops.get(n, "?") for n in self.groups[name]) + f" ({self.group_kind})"
         return self.ops.get(name, name)
 
 
@@ -297,7 +303,9 @@ class Search:
             if self.out_of_time():
                 return "time budget spent", promoted, capped
             block = tuple(helpful[start:start + block_size])
-            if len(self.candidates.nodes(self.chosen + block, self.base_float)) > cap:
+            if not self.candidates.nodes(block, self.base_float) - self.candidates.nodes(self.chosen, self.base_float):
+                continue  # nodes of a group promoted earlier this round
+            if self.backend.count(self.candidates.nodes(self.chosen + block, self.base_float)) > cap:
                 capped = True  # a smaller candidate further down may still fit
                 continue
             t = self.trial("promote", self.chosen, block, self.samples)

@@ -452,3 +452,24 @@ def test_bias_correction_is_tried_on_the_base_only_near_the_target():
     assert _near_target({"y": {"cosine_mean": 0.9973}}, target)  # EfficientNet-Lite0: its minutes pay
     assert not _near_target({"y": {"cosine_mean": 0.56}}, target)  # PP-PicoDet: the search needs them
     assert _near_target({"y": {"top1_agreement": 0.5}}, {"top1_agreement": 0.97})  # no cosine to judge by
+
+
+def test_the_cap_counts_what_the_backend_counts_and_a_promoted_group_s_nodes_are_not_tried_again():
+    """RKNN counts float16 layers (a MatMul and its bias Add are one): a group of 3 nodes that makes 2 layers
+    fits a cap of 2. Its nodes, also ranked on their own, are not trialled again once the group is float."""
+    evaluate, builds = _scripted({"mm": 0.01, "bias": 0.01, "ln": 0.01, "other": 0.001})
+    ranking = [{"node": "chain", "gain": 0.03}, {"node": "mm", "gain": 0.01}, {"node": "ln", "gain": 0.01},
+               {"node": "other", "gain": 0.001}]
+
+    class Layers(Scripted):
+        def count(self, float_nodes):
+            return len(set(float_nodes) - {"bias"})  # the bias Add is fused into its MatMul
+
+    backend = Layers(evaluate, rank=lambda chosen: [r for r in ranking if r["node"] not in chosen])
+    candidates = search.Candidates(["chain", "mm", "bias", "ln", "other"], groups={"chain": ("mm", "bias", "ln")},
+                                   group_kind="LayerNorm chain")
+    outcome = search.Search(backend, candidates, set(), [{}] * 4,
+                            {**OPTIONS, "target": {"cosine_mean": 0.9999}, "max_float_nodes": 2}).run()
+    promoted = [t["added"] for t in outcome.record["trials"] if t["phase"] == "promote"]
+    assert promoted == [["chain"]]  # mm and ln: already float; other: a third layer, over the cap
+    assert sorted(outcome.float_nodes) == ["bias", "ln", "mm"] and "LayerNorm chain" in candidates.describe("chain")

@@ -160,3 +160,8 @@ def test_a_constant_that_varies_along_the_sequence_ends_the_chain():
     fresh = _samples(2, seed=3)
     for want, got in zip(run_model(model, fresh), run_model(split.model, fresh)):
         np.testing.assert_allclose(got["y"], want["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_chains_name_the_nodes_before_each_layernorm():
+    assert outlier_positions.layernorm_chains(_block_model()) == [["proj", "bias", "residual", "norm"]]
+    assert outlier_positions.layernorm_chains(_block_model(extra_output="hb")) == [["residual", "norm"]]

@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from qprep.errors import QprepError
-from qprep.quantize import channel_spread, search
+from qprep.quantize import channel_spread, outlier_positions, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.budget import Budget
 from qprep.quantize.rknn.io_names import translated
@@ -43,6 +43,9 @@ class RknnTrials(search.SearchBackend):
         self.analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
         self.best_score = float("-inf")  # on the evaluation samples the search chooses on, so far
         self.remembered = search.remembered(self.measure, lambda: builder.algorithm)
+        self.groups: dict[str, tuple[str, ...]] = {}  # candidate name → its nodes (LayerNorm chains)
+        self._layers: dict[str, tuple[str, ...]] = {}  # node → its IR tensors (count)
+        self._nodes: dict = {}
 
     def measure(self, float_nodes: set[str], samples: list[dict]) -> dict:
         with self.budget.timed("trial" if samples is self.job.evaluation_samples else "rank"):
@@ -56,8 +59,20 @@ class RknnTrials(search.SearchBackend):
     def evaluate(self, float_nodes: set[str], samples: list[dict]) -> dict:
         return self.remembered(float_nodes, samples)
 
+    def count(self, float_nodes: set[str]) -> int:
+        """The float16 layers `float_nodes` make: their distinct IR tensors (what a "≤ N non-int8 layers" budget
+        counts; a MatMul and its bias Add are one layer, a node the toolkit fused away none)."""
+        if not self._layers:  # IR names do not change between builds of one model: mapped once per node
+            self._nodes = {n.name: n for n in self.job.model.graph.node}
+        ir = None
+        for name in float_nodes:
+            if name not in self._layers:
+                ir = ir or self.builder.ir_names()
+                self._layers[name] = tuple(ir.map_node(self._nodes[name])[0]) if name in self._nodes else ()
+        return len({t for name in float_nodes for t in self._layers[name]})
+
     def rank(self, chosen: tuple[str, ...]) -> list[dict]:
-        return _ranked(self.builder, self.job, self.base_float, self.analysis_samples, chosen)
+        return _ranked(self.builder, self.job, self.base_float, self.analysis_samples, chosen, self.groups)
 
     def faster(self, float_nodes: set[str]) -> bool:
         return self.builder.reuse_ranges(float_nodes)
@@ -77,23 +92,28 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
     # In the last quarter of the budget the trials reuse the accepted build's ranges (seconds each,
     # ranges.py). Not from the start: mmse's ranges depend on the float16 set, and a whole search on one
     # build's ranges ended lower (rec 0.9843 vs 0.9895).
+    # With outlier positions computed apart (outlier_positions.py), mmse and kl clip the copies that hold them,
+    # which every token attends to: MiniLM all int8 0.58 with either, normal 0.95. Only normal is built then.
+    other_algorithms = (builder.algorithm == "normal" and job.options["do_quantization"]
+                        and not builder.split.record)
     ranges = search.choose_setting(
-        "quantized_algorithm", builder.algorithm,
-        ["mmse"] if builder.algorithm == "normal" and job.options["do_quantization"] else [],
+        "quantized_algorithm", builder.algorithm, ["mmse"] if other_algorithms else [],
         builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
         job.progress, min_gain=0.15,  # an mmse build is at least 3x a normal one (MiniLM), often minutes
         affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}",
                                                    MMSE_SLOWER * budget.predict("trial")),
         acceptance=job.acceptance_samples)
     spread, base_float = _spread_layers(trials, job, base_float, budget)
-    again = _ranges_with_spread(builder, trials, job, base_float, spread, budget)
+    again = {} if builder.split.record else _ranges_with_spread(builder, trials, job, base_float, spread, budget)
     ops = {n.name: n.op_type for n in job.model.graph.node}
     # the Slices and Concats of outlier_positions.py compute nothing: float16 there would only move a conversion
-    candidates = search.Candidates([n.name for n in job.model.graph.node
-                                    if n.name not in base_float and n.name not in builder.split.added], ops=ops)
+    singles = [n.name for n in job.model.graph.node if n.name not in base_float and n.name not in builder.split.added]
+    trials.groups = _chain_groups(job.model, base_float)
+    candidates = search.Candidates(list(trials.groups) + singles, groups=trials.groups, ops=ops,
+                                   group_kind="LayerNorm chain")
     # kl once more after a missed search, unless it lost already after the spread set (EfficientNet-Lite0: 0.9931
     # vs 0.9974; the time kept for it would only shorten the search)
-    kl_after = builder.algorithm == "normal" and "kl_divergence" not in again.get("scores", {})
+    kl_after = other_algorithms and "kl_divergence" not in again.get("scores", {})
     if kl_after:  # time kept for a kl build on the float16 set the search ends at
         budget.reserve_kind, budget.reserve_factor = "trial", KL_SLOWER
     outcome = search.Search(trials, candidates, base_float, job.evaluation_samples,
@@ -183,16 +203,30 @@ def _spread_layers(trials: RknnTrials, job: BackendInput, base_float: set[str],
     record, kept = channel_spread.choose(
         job, job.model, [o for n in job.model.graph.node if n.op_type != "Constant" for o in n.output], "float16",
         trying.append, lambda float_nodes, samples: trials.evaluate(float_nodes | layers(trying[-1]), samples),
-        base_float, budget, lambda tensors: len(layers(tensors)))
+        base_float, budget, lambda tensors: trials.count(layers(tensors)))
     return record, base_float | layers(kept)
 
 
+def _chain_groups(model, base_float: set[str]) -> dict[str, tuple[str, ...]]:
+    """Each LayerNorm chain as one candidate, named after its LayerNorm: float16 pays only for a chain whole
+    (all-MiniLM-L6-v2, its token 0 computed apart, all int8 0.950 on 24 held-out samples: the FFN output's
+    MatMul, residual Add or LayerNorm alone +0.0002 or less; the FFN chains of layers 4 and 5, 10 layers, 0.972)."""
+    groups = {}
+    for chain in outlier_positions.layernorm_chains(model):
+        members = tuple(n for n in chain if n not in base_float)
+        if len(members) > 1:
+            groups[f"{chain[-1]} (chain)"] = members
+    return groups
+
+
 def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analysis_samples: list[dict],
-            chosen: tuple[str, ...]) -> list[dict]:
+            chosen: tuple[str, ...], groups: dict[str, tuple[str, ...]]) -> list[dict]:
     """The nodes not yet float, by the error their IR tensors add on their own (1 - single cosine) in the
-    build with `chosen` as float16 layers, largest first; one node per group of tensors."""
+    build with `chosen` as float16 layers, largest first; one node per group of tensors. A LayerNorm chain
+    (`groups`) gains what its nodes not yet float gain together."""
+    chosen = {n for name in chosen for n in groups.get(name, (name,))}
     try:
-        analysis = builder.session(base_float | set(chosen)).analyze(analysis_samples)
+        analysis = builder.session(base_float | chosen).analyze(analysis_samples)
     except QprepError as exc:
         if not chosen or getattr(exc, "crashed", False):  # a crashed worker took every build with it
             raise
@@ -212,4 +246,8 @@ def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analy
             continue
         seen.add(key)
         rows.append({"node": node.name, "gain": max(1.0 - single[t] for t in tensors if t in single)})
+    gains = {row["node"]: row["gain"] for row in rows}
+    for name, members in groups.items():
+        if not chosen.issuperset(members):
+            rows.append({"node": name, "gain": sum(gains.get(n, 0.0) for n in members)})
     return sorted(rows, key=lambda row: -row["gain"])

@@ -130,7 +130,7 @@ def test_toolkit_traceback_in_the_log_becomes_one_line(tmp_path):
 def test_fallback_ranks_by_accuracy_analysis_and_builds_float16_layers(tmp_path):
     """cls on RKNN with an unreachable target: ranked by the toolkit's analysis, promoted as float16 layers
     through hybrid step2 (step1 once) up to max_float_nodes, the best model written and the run's gate missed.
-    The layers the spread phase made float16 count against the cap: 2 around cls's pool output, 1 left."""
+    The layers the spread phase made float16 count against the cap (float16 layers, as the toolkit builds them)."""
     import qprep
 
     config = {"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
@@ -147,7 +147,8 @@ def test_fallback_ranks_by_accuracy_analysis_and_builds_float16_layers(tmp_path)
     promotions = [t for t in record["trials"] if t["phase"] == "promote"]
     spread = record["spread_tensors"]
     assert spread["nodes"] <= 3 and spread["over_max_float_nodes"]  # larger spread sets were not tried
-    assert promotions and all(t["float_nodes"] <= 3 - spread["nodes"] for t in promotions)
+    assert promotions  # the cap counts the RKNN model's float16 layers, spread set's included:
+    assert len((stage.get("float16_layers") or {}).get("ir_tensors", [])) <= 3
     # 90 s: with 60, a machine busy with other work spent the budget on the base trial and the search stopped
     # before ranking (CI, session 17); unbounded, the search runs ~190 s
     assert record["seconds"] < 90 + 60  # the budget stops the search (one trial may run over)
