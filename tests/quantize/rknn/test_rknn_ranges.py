@@ -164,3 +164,29 @@ def test_switching_the_range_algorithm_keeps_the_pinned_build_and_releases_the_r
     builder.use_algorithm("kl_divergence")
     assert released == ["rknn last"] and list(builder._sessions) == [best] and builder._pinned == best
     assert builder.algorithm == "kl_divergence" and builder._step1 is None
+
+
+@pytest.mark.parametrize("algorithm, elapsed, reused", [("mmse", 230.0, True), ("mmse", 0.0, False),
+                                                         ("normal", 230.0, False)])
+def test_after_a_slow_range_build_late_in_the_budget_the_phases_before_the_search_reuse_its_ranges(
+        algorithm, elapsed, reused):
+    """PP-OCRv4 rec: mmse kept after 230 of 300 s; its spread phase predicted each trial as slow as that build and
+    was skipped. Late in the budget, the builds reuse the mmse build's ranges and the slow timings are forgotten."""
+    import time
+
+    from qprep.quantize.budget import Budget
+    from qprep.quantize.rknn.search import _faster_if_late
+
+    class Builder:
+        def __init__(self):
+            self.algorithm, self.asked = algorithm, []
+
+        def reuse_ranges(self, float_set):
+            self.asked.append(set(float_set))
+            return True
+
+    budget = Budget(300.0, started=time.perf_counter() - elapsed)
+    budget.durations["trial"] = [220.0]
+    builder = Builder()
+    assert _faster_if_late(builder, {"ln"}, budget) is reused
+    assert ("trial" not in budget.durations) is reused and (builder.asked == [{"ln"}]) is reused
