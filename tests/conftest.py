@@ -80,6 +80,6 @@ def rknn_job(tmp_path: Path, name: str, **options):
     (tmp_path / "work").mkdir()
     options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
                "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
-               "analysis_samples": 0, "weight_rounding": "nearest", **options}
+               "analysis_samples": 0, "weight_rounding": "nearest", "split_outlier_positions": True, **options}
     return BackendInput(model=model, calibration=calibration, max_samples=8, float_set=set(), options=options,
                         work_dir=tmp_path / "work")

@@ -21,6 +21,7 @@ segment of positions, one copy of the chain per segment, Concat the LayerNorm ou
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.info import constant_names, unique_name
+from qprep.model.info import constant_names, iter_nodes, unique_name
 from qprep.model.io import inferred_shapes
 from qprep.model.runtime import intermediate_values, run_model
 from qprep.verify import Tolerance, compare
@@ -50,7 +51,6 @@ class Split:
     model: onnx.ModelProto
     record: dict = field(default_factory=dict)  # for the report; empty when nothing was split
     copies: dict[str, list[str]] = field(default_factory=dict)  # split node → its copies, one per segment
-    outlier_nodes: set[str] = field(default_factory=set)  # the copies that compute the outlier positions
     added: set[str] = field(default_factory=set)  # the Slices and Concats, which compute nothing
 
     def carried(self, names: set[str]) -> set[str]:
@@ -119,8 +119,7 @@ def _chains(graph: onnx.GraphProto) -> list[Chain]:
     """Every LayerNorm's chain of position-wise nodes (two nodes at least: a chain of the LayerNorm alone has
     no range to fix)."""
     constants = constant_names(graph)
-    constant_nodes = {o for n in graph.node if n.op_type == "Constant" for o in n.output}
-    constants |= constant_nodes
+    names = Counter(n.name for n in iter_nodes(graph))
     shapes = _shapes(graph)
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list[str]] = {}
@@ -131,14 +130,15 @@ def _chains(graph: onnx.GraphProto) -> list[Chain]:
     order = {id(n): i for i, n in enumerate(graph.node)}
     chains = []
     for node in graph.node:
-        if not _is_layernorm(node, shapes) or not node.name:
+        if not _is_layernorm(node, shapes) or not node.name or names[node.name] > 1:
             continue
         members = {node.name: node}
         stack = [node.input[0]]
         while stack:
             tensor = stack.pop()
             source = producer.get(tensor)
-            if (source is None or source.name in members or not source.name or not _rank3(tensor, shapes)
+            if (source is None or source.name in members or not source.name or names[source.name] > 1
+                    or not _rank3(tensor, shapes)
                     or not _position_wise(source, constants, shapes)):
                 continue
             members[source.name] = source
@@ -275,15 +275,16 @@ def _rewrite(result: Split, chain: Chain, segments: list[tuple[int, int, bool]])
     index = next(i for i, n in enumerate(graph.node) if n.name == last.name)
     members = {n.name for n in chain.nodes}
     produced = {o for n in chain.nodes for o in n.output}
-    taken = ({n.name for n in graph.node} | {t for n in graph.node for t in list(n.input) + list(n.output)}
-             | {i.name for i in graph.initializer})
+    taken = ({n.name for n in iter_nodes(graph)} | {t for n in iter_nodes(graph) for t in list(n.input) + list(n.output)}
+             | {v.name for v in list(graph.initializer) + list(graph.input) + list(graph.value_info)})
+    weights = {i.name: i for i in graph.initializer}
 
     def fresh(wanted: str) -> str:  # two split chains in a row would otherwise name a Slice like a copy
         return unique_name(wanted, taken)
 
     actual = {n.name: n for n in graph.node}  # the chain was matched on a weightless copy
     new_nodes, concat_inputs = [], []
-    for start, end, outliers in segments:
+    for segment, (start, end, outliers) in enumerate(segments):
         tag = f"positions_{start}_{end}"
         bounds = {}
         last_segment = end == segments[-1][1]  # to the end of whatever length the model is run with
@@ -305,14 +306,20 @@ def _rewrite(result: Split, chain: Chain, segments: list[tuple[int, int, bool]])
                     renamed[o] = fresh(f"{o}/{tag}")
             copy.input[:] = [renamed.get(i, i) for i in node.input]
             copy.output[:] = [renamed.get(o, o) for o in node.output]
+            if segment:  # each copy its own weights: GPTQ rounds a weight one MatMul reads (rknn/weights.py)
+                for position, name in enumerate(node.input):
+                    if name in weights:
+                        clone = onnx.TensorProto()
+                        clone.CopyFrom(weights[name])
+                        clone.name = fresh(f"{name}/{tag}")
+                        graph.initializer.append(clone)
+                        copy.input[position] = clone.name
             new_nodes.append(copy)
             result.copies.setdefault(node.name, []).append(copy.name)
-            if outliers:
-                result.outlier_nodes.add(copy.name)
         concat_inputs.append(renamed[last.output[0]])
     new_nodes.append(helper.make_node("Concat", concat_inputs, [last.output[0]], name=fresh(f"{last.name}/concat"),
                                       axis=SEQUENCE_AXIS))
-    result.added |= {n.name for n in new_nodes if n.op_type in ("Slice", "Concat") and n.name not in members}
+    result.added |= {n.name for n in new_nodes if n.op_type in ("Slice", "Concat")}
     kept = [n for n in graph.node if n.name not in members]
     position = sum(1 for n in graph.node[:index] if n.name not in members)
     del graph.node[:]

@@ -140,7 +140,8 @@ def test_real_toolkit_abort_becomes_a_toolkit_error_naming_step_signal_and_its_e
     (tmp_path / "work").mkdir()
     options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
                "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
-               "analysis_samples": 0, "weight_rounding": "nearest"}
+               "analysis_samples": 0, "weight_rounding": "nearest",
+               "split_outlier_positions": True}
     job = BackendInput(model=model, calibration=calibration, max_samples=4, float_set=set(), options=options,
                        work_dir=tmp_path / "work")
     with pytest.raises(ToolkitError) as caught:

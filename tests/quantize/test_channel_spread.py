@@ -132,7 +132,8 @@ def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_bef
     job = SimpleNamespace(model=_spread_model(), samples=_samples(4), threads=1, options={"do_quantization": True},
                           fallback={"target": {"cosine_mean": 0.99}, "max_float_nodes": cap},
                           evaluation_samples=_samples(2, 5), acceptance_samples=[], progress=None)
-    record, base_float = _spread_layers(SimpleNamespace(evaluate=evaluate), job, {"kept"}, Budget(600))
+    trials = SimpleNamespace(evaluate=evaluate, count=len)  # each node one layer here
+    record, base_float = _spread_layers(trials, job, {"kept"}, Budget(600))
     if cap == 1:
         assert base_float == {"kept"} and record["chosen"] == "none" and record["over_max_float_nodes"]
         assert builds == [{"kept"}]

@@ -46,7 +46,8 @@ def test_the_outlier_position_gets_its_own_copy_of_the_chain_and_the_outputs_sta
     counts = ops(split.model)
     assert counts["MatMul"] == 2 and counts["LayerNormalization"] == 2 and counts["Concat"] == 1
     assert split.copies["proj"] == ["proj/positions_0_1", "proj/positions_1_8"]
-    assert "proj/positions_0_1" in split.outlier_nodes and "proj/positions_1_8" not in split.outlier_nodes
+    weights = {n.name: n.input[1] for n in split.model.graph.node if n.op_type == "MatMul"}
+    assert weights["proj/positions_0_1"] == "w" != weights["proj/positions_1_8"]  # GPTQ rounds a weight read once
     assert {n.op_type for n in split.model.graph.node if n.name in split.added} == {"Slice", "Concat"}
     fresh = _samples(2, seed=5)
     for want, got in zip(run_model(model, fresh), run_model(split.model, fresh)):
@@ -97,6 +98,7 @@ def test_a_tensor_read_outside_the_chain_keeps_its_producers_out_of_it():
 
 def test_a_layernorm_over_another_axis_is_not_a_chain():
     model = _block_model(norm_axis=1)
+    assert outlier_positions.layernorm_chains(model) == []
     assert outlier_positions.split(model, _samples()).model is model
 
 

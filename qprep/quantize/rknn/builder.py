@@ -253,7 +253,9 @@ def quantize(job: BackendInput) -> Quantized:
     for node in overflowing:  # int8 in the result: no longer reported as kept float for their values
         job.extremes.nodes.pop(node, None)
     split = outlier_positions.Split(job.model)
-    if job.options["split_outlier_positions"] and job.options["do_quantization"]:
+    # only with normal ranges: mmse and kl clip the copies that hold the outlier positions (MiniLM: 0.58)
+    if (job.options["split_outlier_positions"] and job.options["do_quantization"]
+            and job.options["quantized_algorithm"] == "normal"):
         split = outlier_positions.split(job.model, job.samples[:8], job.threads)
         job.model, job.float_set = split.model, split.carried(set(job.float_set))
     builder = RknnBuilder(job, split)

@@ -44,8 +44,8 @@ class RknnTrials(search.SearchBackend):
         self.best_score = float("-inf")  # on the evaluation samples the search chooses on, so far
         self.remembered = search.remembered(self.measure, lambda: builder.algorithm)
         self.groups: dict[str, tuple[str, ...]] = {}  # candidate name → its nodes (LayerNorm chains)
-        self._layers: dict[str, tuple[str, ...]] = {}  # node → its IR tensors (count)
-        self._nodes: dict = {}
+        self._ir_tensors: dict[str, tuple[str, ...]] = {}  # node → its IR tensors (count)
+        self._nodes = {n.name: n for n in job.model.graph.node}
 
     def measure(self, float_nodes: set[str], samples: list[dict]) -> dict:
         with self.budget.timed("trial" if samples is self.job.evaluation_samples else "rank"):
@@ -62,14 +62,14 @@ class RknnTrials(search.SearchBackend):
     def count(self, float_nodes: set[str]) -> int:
         """The float16 layers `float_nodes` make: their distinct IR tensors (what a "≤ N non-int8 layers" budget
         counts; a MatMul and its bias Add are one layer, a node the toolkit fused away none)."""
-        if not self._layers:  # IR names do not change between builds of one model: mapped once per node
-            self._nodes = {n.name: n for n in self.job.model.graph.node}
-        ir = None
+        if not self.job.options["do_quantization"]:  # no hybrid build, no IR names
+            return len(float_nodes)
+        ir = None  # IR names do not change between builds of one model: each node mapped once
         for name in float_nodes:
-            if name not in self._layers:
+            if name not in self._ir_tensors:
                 ir = ir or self.builder.ir_names()
-                self._layers[name] = tuple(ir.map_node(self._nodes[name])[0]) if name in self._nodes else ()
-        return len({t for name in float_nodes for t in self._layers[name]})
+                self._ir_tensors[name] = tuple(ir.map_node(self._nodes[name])[0]) if name in self._nodes else ()
+        return len({t for name in float_nodes for t in self._ir_tensors[name]})
 
     def rank(self, chosen: tuple[str, ...]) -> list[dict]:
         return _ranked(self.builder, self.job, self.base_float, self.analysis_samples, chosen, self.groups)
@@ -107,6 +107,7 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
         acceptance=job.acceptance_samples)
     _faster_if_late(builder, base_float, budget)
     spread, base_float = _spread_layers(trials, job, base_float, budget)
+    trials.base_float = base_float  # the search ranks the builds it trials: with the spread set float16
     again = {} if builder.split.record else _ranges_with_spread(builder, trials, job, base_float, spread, budget)
     ops = {n.name: n.op_type for n in job.model.graph.node}
     # the Slices and Concats of outlier_positions.py compute nothing: float16 there would only move a conversion
