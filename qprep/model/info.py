@@ -99,12 +99,12 @@ def constant_names(graph: onnx.GraphProto) -> set[str]:
     return {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
 
 
-def unique_name(wanted: str, taken: set[str]) -> str:
+def unique_name(wanted: str, taken: set[str], separator: str = "_") -> str:
     """`wanted`, or `wanted_2`, `wanted_3`, … — the first one not in `taken`, which it joins."""
     name, count = wanted, 1
     while name in taken:
         count += 1
-        name = f"{wanted}_{count}"
+        name = f"{wanted}{separator}{count}"
     taken.add(name)
     return name
 

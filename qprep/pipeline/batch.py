@@ -16,6 +16,7 @@ from pathlib import Path
 from qprep import jsonfile
 from qprep.config import load_config, run_overrides
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError
+from qprep.model.info import unique_name
 from qprep.model.io import atomic_write_text, sha256_file
 from qprep.pipeline.batch_worker import RunSpec, Task, sidecar
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
@@ -28,13 +29,7 @@ CANCELLED = "cancelled: the batch was interrupted before this model finished; re
 def dir_name(name: str, used: set[str]) -> str:
     """`a/b.onnx` → `a__b`; a second model mapping to a taken name (`a__b.onnx`) gets `a__b-2`, so two models
     never share a run directory."""
-    stem = name.removesuffix(".onnx").replace(os.sep, "__")
-    candidate, index = stem, 1
-    while candidate in used:
-        index += 1
-        candidate = f"{stem}-{index}"
-    used.add(candidate)
-    return candidate
+    return unique_name(name.removesuffix(".onnx").replace(os.sep, "__"), used, separator="-")
 
 
 def find_models(folder: Path, recursive: bool) -> list[Path]:
