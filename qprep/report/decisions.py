@@ -114,7 +114,7 @@ def _spread(stage: dict) -> str:
     worst = ", ".join(f"`{t['tensor']}` {t['levels']:g}" for t in tensors[:3])
     kept = ("quantized to 16 bits (ONNX Runtime's CPU runs their neighbours in float)" if record.get("as") == "int16"
             else f"kept {record.get('as', 'float')} with their producers and consumers "
-                 f"({record.get('nodes', '?')} nodes)")
+                 f"({record.get('nodes', '?')} {'layers' if record.get('as') == 'float16' else 'nodes'})")
     return (f"{len(tensors)} tensor(s) whose channels spread too far for one int8 scale {kept}; int8 levels of the "
             f"median channel: {worst}{', …' if len(tensors) > 3 else ''}")
 
