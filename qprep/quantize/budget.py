@@ -69,6 +69,10 @@ class Budget:
         """Would a step of `seconds`, started now, end before the deadline (the reserve kept)?"""
         return time.perf_counter() + seconds <= self.deadline
 
+    def ends_in_last(self, share: float, seconds: float) -> bool:
+        """Would a step of `seconds`, started now, end in the budget's last `share`?"""
+        return self.elapsed() + seconds > self.seconds * (1 - share)
+
     def allows(self, step: str, seconds: float) -> bool:
         """fits(), and a step that does not fit is recorded as skipped (`step` says what it was)."""
         if self.fits(seconds):

@@ -29,8 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.info import constant_names, iter_nodes, unique_name
-from qprep.model.io import inferred_shapes
+from qprep.model.info import constant_names, graph_outputs, iter_nodes, tensor_shapes, unique_name
 from qprep.model.runtime import intermediate_values, run_model
 from qprep.verify import Tolerance, compare
 
@@ -63,10 +62,11 @@ def split(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Spli
     `samples`; the model itself where no chain has any."""
     if not samples:
         return Split(model)
-    chains = _chains(inferred_shapes(model, shapes_only=True).graph)
+    chains = _chains(model)
     if not chains:
         return Split(model)
-    peaks, lengths = _position_peaks(model, [t for chain in chains for t in chain.internal], samples, threads)
+    peaks, lengths, reference = _position_peaks(model, [t for chain in chains for t in chain.internal], samples,
+                                                threads)
     planned = []
     for chain in chains:
         positions = set().union(*(peaks.get(t, set()) for t in chain.internal))
@@ -81,7 +81,9 @@ def split(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Spli
     for chain, segments in planned:
         _rewrite(result, chain, segments)
     try:
-        verdict = compare(run_model(model, samples, threads), run_model(result.model, samples, threads), Tolerance())
+        if any(len(outputs) != len(result.model.graph.output) for outputs in reference):  # an output no node computes
+            reference = run_model(model, samples, threads)
+        verdict = compare(reference, run_model(result.model, samples, threads), Tolerance())
         reason = "" if verdict.ok else verdict.reason
     except ModelError as exc:
         reason = str(exc)
@@ -103,7 +105,7 @@ def layernorm_chains(model: onnx.ModelProto) -> list[list[str]]:
     """Node names of every LayerNorm chain (the LayerNorm last): position-wise nodes that only the chain reads,
     what the RKNN fallback may make float16 as one candidate (one of its nodes alone only moves the int8
     conversion)."""
-    return [[n.name for n in chain.nodes] for chain in _chains(inferred_shapes(model, shapes_only=True).graph)]
+    return [[n.name for n in chain.nodes] for chain in _chains(model)]
 
 
 class Chain:
@@ -115,12 +117,13 @@ class Chain:
         self.internal = [t for node in nodes[:-1] for t in node.output if t]  # the tensors whose ranges it fixes
 
 
-def _chains(graph: onnx.GraphProto) -> list[Chain]:
+def _chains(model: onnx.ModelProto) -> list[Chain]:
     """Every LayerNorm's chain of position-wise nodes (two nodes at least: a chain of the LayerNorm alone has
-    no range to fix)."""
+    no range to fix). Dims must be known (RKNN fixes them): a chain of unknown sequence length is left whole."""
+    graph = model.graph
     constants = constant_names(graph)
     names = Counter(n.name for n in iter_nodes(graph))
-    shapes = _shapes(graph)
+    shapes = {name: dims for name, (_, dims) in tensor_shapes(model).items()}
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list[str]] = {}
     for node in graph.node:
@@ -214,30 +217,15 @@ def _rank3(name: str, shapes: dict) -> bool:
     return shape is not None and len(shape) == 3
 
 
-def _shapes(graph: onnx.GraphProto) -> dict[str, list]:
-    """Tensor → its dims as shape inference and the initializers give them (a name for a symbolic dim, None
-    where unknown)."""
-    shapes: dict[str, list] = {}
-    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
-        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
-            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
-                                  for d in value.type.tensor_type.shape.dim]
-    for init in graph.initializer:
-        shapes[init.name] = list(init.dims)
-    for node in graph.node:
-        if node.op_type == "Constant":
-            value = next((a.t for a in node.attribute if a.name == "value"), None)
-            if value is not None:
-                shapes[node.output[0]] = list(value.dims)
-    return shapes
-
-
 def _position_peaks(model: onnx.ModelProto, tensors: list[str], samples: list[dict],
-                    threads: int) -> tuple[dict[str, set[int]], dict[str, int]]:
-    """(tensor → the positions that stand apart in every sample, tensor → its sequence length)."""
-    peaks, lengths = {}, {}
-    for values in intermediate_values(model, tensors, samples, threads):
-        for name, value in values.items():
+                    threads: int) -> tuple[dict[str, set[int]], dict[str, int], list[dict]]:
+    """(tensor → the positions that stand apart in every sample, tensor → its sequence length, the model's
+    outputs per sample: the reference the rewrite is verified against, from the same run)."""
+    peaks, lengths, reference = {}, {}, []
+    outputs = [spec.name for spec in graph_outputs(model)]
+    for values in intermediate_values(model, tensors + outputs, samples, threads):
+        reference.append({name: values[name] for name in outputs if name in values})
+        for name, value in ((n, values[n]) for n in tensors if n in values):
             if value.dtype.kind != "f" or value.ndim != 3 or value.shape[SEQUENCE_AXIS] < 2:
                 peaks[name] = set()
                 continue
@@ -246,7 +234,7 @@ def _position_peaks(model: onnx.ModelProto, tensors: list[str], samples: list[di
             standing = {int(p) for p in np.flatnonzero(magnitude >= RATIO * median)} if median > 0 else set()
             peaks[name] = peaks[name] & standing if name in peaks else standing
             lengths[name] = min(lengths.get(name, value.shape[SEQUENCE_AXIS]), value.shape[SEQUENCE_AXIS])
-    return peaks, lengths
+    return peaks, lengths, reference
 
 
 def _segments(positions: set[int], length: int) -> list[tuple[int, int, bool]]:
@@ -282,7 +270,6 @@ def _rewrite(result: Split, chain: Chain, segments: list[tuple[int, int, bool]])
     def fresh(wanted: str) -> str:  # two split chains in a row would otherwise name a Slice like a copy
         return unique_name(wanted, taken)
 
-    actual = {n.name: n for n in graph.node}  # the chain was matched on a weightless copy
     new_nodes, concat_inputs = [], []
     for segment, (start, end, outliers) in enumerate(segments):
         tag = f"positions_{start}_{end}"
@@ -299,7 +286,7 @@ def _rewrite(result: Split, chain: Chain, segments: list[tuple[int, int, bool]])
                                               [renamed[tensor]], name=fresh(f"{last.name}/{tag}/slice")))
         for node in chain.nodes:
             copy = onnx.NodeProto()
-            copy.CopyFrom(actual[node.name])
+            copy.CopyFrom(node)
             copy.name = fresh(f"{node.name}/{tag}")
             for o in node.output:
                 if o:

@@ -336,7 +336,7 @@ class Search:
         190 of its 300 s, and the search then stopped before its first trial."""
         if not self.ask_faster or self.fast_from is not None:
             return False
-        if self.elapsed() + trial_seconds <= self.budget.seconds * (1 - FAST_SHARE):
+        if not self.budget.ends_in_last(FAST_SHARE, trial_seconds):
             return False
         self.ask_faster = False
         if not self.backend.faster(self.base_float | self.candidates.nodes(self.chosen, self.base_float)):

@@ -136,7 +136,7 @@ def _faster_if_late(builder: RknnBuilder, base_float: set[str], budget: Budget) 
     reuses the accepted build's ranges from here (as the search itself does, search.Search.faster_if_late):
     otherwise the spread phase predicts every trial as slow as that build and is skipped (PP-OCRv4 rec: mmse kept
     after 230 s of 300, its spread phase skipped at ~206 s predicted, held-out 0.9792, target missed)."""
-    late = budget.elapsed() + budget.predict("trial") > budget.seconds * (1 - search.FAST_SHARE)
+    late = budget.ends_in_last(search.FAST_SHARE, budget.predict("trial"))
     if builder.algorithm == "normal" or not late or not builder.reuse_ranges(base_float):
         return False
     budget.forget("trial", "rank")
