@@ -158,6 +158,12 @@ def _fitting(stage: dict) -> list[str]:
             done = "clipped" if clip.get("clipped") else f"left as they are ({clip.get('reason', '?')})"
             lines.append(f"{len(clip.get('constants', []))} constant(s) beyond float16 (masks) {done} to "
                          f"±{clip.get('bound', '?'):g}")
+    smoothed = (stage.get("smoothed_layernorms") or {}).get("layernorms") or []
+    if smoothed:
+        worst = max(smoothed, key=lambda entry: entry["spread_before"])
+        lines.append(f"{len(smoothed)} LayerNorm output(s) smoothed into the following MatMuls' weights, so one int8 "
+                     f"scale fits their channels (largest/median channel {worst['spread_before']:g} → "
+                     f"{worst['spread_after']:g} at {worst['layernorm']}; exact in float32)")
     split = stage.get("outlier_positions") or {}
     if split.get("chains"):
         runs = sorted({(a, b) for chain in split["chains"] for a, b in chain["outliers"]})

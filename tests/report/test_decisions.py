@@ -116,3 +116,11 @@ def test_outlier_positions_computed_apart_are_named_with_their_positions():
     lines = decision_lines({**report()["stages"][0], "outlier_positions": split})
     assert any("2 LayerNorm chain(s) computed apart for sequence position(s) 0, 126-127" in line and "8 samples" in line
                for line in lines)
+
+
+def test_smoothed_layernorms_name_the_widest_spread_and_what_it_became():
+    smoothed = {"alpha": 0.75, "verified_on": 16, "layernorms": [
+        {"layernorm": "ln_a", "matmuls": 3, "spread_before": 5.0, "spread_after": 1.7, "largest_scale": 3.1},
+        {"layernorm": "ln_b", "matmuls": 1, "spread_before": 19.6, "spread_after": 2.6, "largest_scale": 7.8}]}
+    lines = decision_lines({**report()["stages"][0], "smoothed_layernorms": smoothed})
+    assert any(line.startswith("2 LayerNorm output(s) smoothed") and "19.6 → 2.6 at ln_b" in line for line in lines)

@@ -21,7 +21,7 @@ import onnx
 from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
 from qprep.model.io import save_model
-from qprep.quantize import outlier_positions
+from qprep.quantize import outlier_positions, smooth_layernorm
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.quantize.rknn import dataset, io_names, limits, static_graph
 from qprep.quantize.rknn import ranges as rknn_ranges
@@ -52,6 +52,9 @@ OPTIONS = section(
     split_outlier_positions=Key("bool", default=True,
                                 doc="compute LayerNorm chains apart for sequence positions whose activations stand "
                                     "far above the rest (BERT's [CLS]), so int8 ranges fit both (outlier_positions.py)"),
+    smooth_layernorm=Key("bool", default=True,
+                         doc="move the large channels of LayerNorm outputs into the following MatMuls' weights, so "
+                             "one int8 activation scale fits the rest (SmoothQuant; smooth_layernorm.py)"),
     analysis_samples=Key("int", default=1, minimum=0,
                          doc="evaluation samples run through accuracy_analysis for the per-layer table (~10 s each)"),
 )
@@ -252,6 +255,10 @@ def quantize(job: BackendInput) -> Quantized:
                                                                  job.samples[:8], job.threads)
     for node in overflowing:  # int8 in the result: no longer reported as kept float for their values
         job.extremes.nodes.pop(node, None)
+    smoothed = smooth_layernorm.Smoothed(job.model)
+    if job.options["smooth_layernorm"] and job.options["do_quantization"]:
+        smoothed = smooth_layernorm.smooth(job.model, job.samples[:16], job.threads)
+        job.model = smoothed.model
     split = outlier_positions.Split(job.model)
     # only with normal ranges: mmse and kl clip the copies that hold the outlier positions (MiniLM: 0.58)
     if (job.options["split_outlier_positions"] and job.options["do_quantization"]
@@ -259,6 +266,8 @@ def quantize(job: BackendInput) -> Quantized:
         split = outlier_positions.split(job.model, job.samples[:8], job.threads)
         job.model, job.float_set = split.model, split.carried(set(job.float_set))
     builder = RknnBuilder(job, split)
+    if smoothed.record:
+        builder.details["smoothed_layernorms"] = smoothed.record
     if split.record:
         builder.details["outlier_positions"] = split.record
     if converted:

@@ -47,12 +47,28 @@ def refuse_unsupported(model: onnx.ModelProto) -> None:
         if node.op_type in REFUSED_OPS and node.domain in ("", "ai.onnx"):
             raise ModelError(f"quantize.rknn: node '{node.name}' is {node.op_type}, and rknn-toolkit2 refuses random "
                              "ops; remove it from the export (e.g. export in eval mode, or feed the noise as an input)")
+    refuse_custom_domains(model)
     static_graph.refuse_unrewritable(model)
     if default_opset(model) > RKNN_MAX_OPSET:
         try:
             convert_down(model, RKNN_MAX_OPSET)  # a dry run: the conversion used is verified in within_opset
         except ModelError as exc:
             raise ModelError(f"quantize.rknn: rknn-toolkit2 takes opset {RKNN_MAX_OPSET} at most, and {exc}") from None
+
+
+def refuse_custom_domains(model: onnx.ModelProto) -> None:
+    """Ops outside the ONNX domain (ONNX Runtime's com.microsoft Gelu, Attention, SkipLayerNormalization from its
+    transformer optimizer; onnxruntime-extensions ops) are ops rknn-toolkit2 has no kernel for: it fails deep in
+    its build with "TypeError: 'NoneType' object is not iterable" (measured with com.microsoft Gelu), so they are
+    named here instead."""
+    custom: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            custom.setdefault(f"{node.domain} {node.op_type}", []).append(node.name or node.output[0])
+    if custom:
+        ops = ", ".join(f"{op} ({len(names)}× e.g. '{names[0]}')" for op, names in sorted(custom.items()))
+        raise ModelError(f"quantize.rknn: rknn-toolkit2 runs only standard ONNX ops, and the model has {ops}; export "
+                         "it without ONNX Runtime's graph optimizations (the float export, not an ORT-optimized one)")
 
 
 def require_fixed_dims(model: onnx.ModelProto) -> None:

@@ -45,6 +45,16 @@ def test_an_op_opset_19_lacks_blocks_the_conversion_by_name():
         refuse_unsupported(model)
 
 
+def test_ops_outside_the_onnx_domain_are_refused_by_name():
+    gelu = helper.make_node("Gelu", ["x"], ["y"], name="ffn_gelu", domain="com.microsoft")
+    graph = helper.make_graph([gelu], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    with pytest.raises(ModelError, match=r"runs only standard ONNX ops, and the model has com.microsoft Gelu "
+                                         r"\(1× e.g. 'ffn_gelu'\)"):
+        refuse_unsupported(model)
+
+
 def test_opset_21_is_converted_down_and_verified():
     model = _conv_model(21)
     converted, record = within_opset(model, _conv_samples(2))
