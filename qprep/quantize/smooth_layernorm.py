@@ -29,11 +29,17 @@ from onnx import helper, numpy_helper
 from qprep.errors import ModelError
 from qprep.model.runtime import intermediate_values, run_model
 from qprep.model.info import iter_nodes, tensor_shapes, unique_name
+from qprep.schema import Key
 from qprep.verify import Tolerance, compare
 
 log = logging.getLogger("qprep")
 
+# the backends' option (ort, rknn): on by default, as the rewrite is exact and measured before it is kept
+OPTION = Key("bool", default=True, doc="move the large channels of LayerNorm outputs into the following MatMuls' "
+             "weights, so one int8 activation scale fits the rest (SmoothQuant; quantize/smooth_layernorm.py)")
+
 ALPHA = 0.75  # the share of a channel's spread moved into the weights (MiniLM on RKNN: 0.5 / 0.75 / 1 measured)
+SAMPLES = 16  # calibration samples the channel peaks are measured on
 RATIO = 4.0  # smoothed when the largest channel is this many times the median one (two int8 bits lost)
 
 
@@ -52,38 +58,38 @@ class _Site:
 
 def smooth(model: onnx.ModelProto, samples: list[dict], threads: int = 2, alpha: float = ALPHA) -> Smoothed:
     """`model` with its spread LayerNorm outputs smoothed into the following MatMuls, verified on `samples`; the
-    model itself when none is spread or the rewrite changed the outputs."""
-    if not samples:
-        return Smoothed(model)
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    sites = _sites(result)
+    model itself when none is spread or the rewrite changed the outputs. One ORT run measures the channels and
+    gives the reference outputs; the model is copied only when a LayerNorm is spread."""
+    sites = _sites(model) if samples else []
     if not sites:
         return Smoothed(model)
     names = [site.layernorm.output[0] for site in sites]
+    outputs = [o.name for o in model.graph.output]
     peaks: dict[str, np.ndarray] = {}
-    for values in intermediate_values(model, names, samples, threads):
+    reference = []
+    for values in intermediate_values(model, names + outputs, samples, threads):
+        reference.append({name: values[name] for name in outputs})
         for name in names:
             value = np.asarray(values[name], dtype=np.float64)
             peaks[name] = np.maximum(peaks.get(name, 0.0), np.abs(value.reshape(-1, value.shape[-1])).max(axis=0))
+    spread = {name for name, peak in peaks.items() if np.median(peak) > 0 and peak.max() >= RATIO * np.median(peak)}
+    if not spread:
+        return Smoothed(model)
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
     constants = {t.name: t for t in result.graph.initializer}
     taken = {n.name for n in result.graph.node} | {t for n in result.graph.node for t in n.output} | set(constants)
     smoothed = []
-    for site in sites:
+    for site in (site for site in _sites(result) if site.layernorm.output[0] in spread):
         peak = peaks[site.layernorm.output[0]]
-        median = float(np.median(peak))
-        if median <= 0 or peak.max() < RATIO * median:
-            continue
         scale = _scales(peak, [numpy_helper.to_array(constants[m.input[1]]) for m in site.matmuls], alpha)
         _rewrite(result, constants, site, scale, taken)
         smoothed.append({"layernorm": site.layernorm.name, "matmuls": len(site.matmuls),
-                         "spread_before": round(float(peak.max() / median), 1),
+                         "spread_before": round(float(peak.max() / np.median(peak)), 1),
                          "spread_after": round(float((peak / scale).max() / np.median(peak / scale)), 1),
                          "largest_scale": round(float(scale.max()), 2)})
-    if not smoothed:
-        return Smoothed(model)
     try:
-        verdict = compare(run_model(model, samples, threads), run_model(result, samples, threads), Tolerance())
+        verdict = compare(reference, run_model(result, samples, threads), Tolerance())
         reason = "" if verdict.ok else verdict.reason
     except ModelError as exc:
         reason = str(exc)
@@ -93,6 +99,16 @@ def smooth(model: onnx.ModelProto, samples: list[dict], threads: int = 2, alpha:
         return Smoothed(model)
     log.info("quantize: %d LayerNorm outputs smoothed into their MatMuls' weights", len(smoothed))
     return Smoothed(result, {"alpha": alpha, "layernorms": smoothed, "verified_on": len(samples)})
+
+
+def smooth_job(job) -> dict:
+    """A backend's step: `job.model` (a BackendInput's) replaced by its smoothed form when the backend's
+    `smooth_layernorm` option is on; the record for the stage's details ({} when nothing was smoothed)."""
+    if not job.options.get("smooth_layernorm") or not job.samples:
+        return {}
+    smoothed = smooth(job.model, job.samples[:SAMPLES], job.threads)
+    job.model = smoothed.model
+    return smoothed.record
 
 
 def _sites(model: onnx.ModelProto) -> list[_Site]:

@@ -83,3 +83,17 @@ def test_the_scales_shrink_only_the_large_channels():
     peak = np.array([1.0, 1.0, 1.0, 16.0, 0.5])
     scale = smooth_layernorm._scales(peak, [np.ones((5, 3))], alpha=0.75)
     assert scale[3] == np.float32(16.0 ** 0.75) and (scale[[0, 1, 2, 4]] == 1.0).all()
+
+
+def test_a_rewrite_that_changes_the_outputs_is_not_kept(monkeypatch):
+    rewrite = smooth_layernorm._rewrite
+
+    def wrong(model, constants, site, scale, taken):  # γ left as it was: the MatMul's rows scaled alone
+        rewrite(model, constants, site, scale, taken)
+        gamma = constants[site.layernorm.input[1]]
+        gamma.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(gamma) * scale, gamma.name))
+
+    monkeypatch.setattr(smooth_layernorm, "_rewrite", wrong)
+    model = _post_ln_block(_spread_gamma())
+    result = smooth_layernorm.smooth(model, _samples())
+    assert result.model is model and not result.record

@@ -20,6 +20,7 @@ import logging
 
 from qprep.errors import QprepError
 from qprep.qdq import float_maxpool
+from qprep.quantize import smooth_layernorm
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.schema import Key, section
 
@@ -59,6 +60,7 @@ OPTIONS = section(
                            "scale (BatchNorm folded into depthwise convolutions; channel_spread.py): float — their "
                            "producer and consumers left float; int16 — 16-bit QDQ, for NPU execution providers "
                            "that run it (ONNX Runtime's CPU runs it in float, slower than float); off"),
+    smooth_layernorm=smooth_layernorm.OPTION,
     bias_correction=Key("bool", default=True,
                         doc="move each layer's integer bias by the drift of its output channels' means measured on "
                             "the calibration data (static QDQ; kept only if the model's output error goes down)"),
@@ -91,6 +93,7 @@ def quantize(job: BackendInput) -> Quantized:
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
                          "run `qprep inspect` or see report.json for node names")
+    smoothed = smooth_layernorm.smooth_job(job)
     quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress, job.extremes,
                              many_builds=bool(job.fallback))
     excluded = (set(options["nodes_to_exclude"]) | float_set) & quantizer.node_names
@@ -109,6 +112,8 @@ def quantize(job: BackendInput) -> Quantized:
                     "spread_tensors": {"as": options["spread_tensors"], "tensors": sorted(settings.spread_tensors),
                                        "float_nodes": sorted(quantizer.spread_nodes(settings))},
                     "qdq_simplified": quantizer.simplified})
+    if smoothed:
+        details["smoothed_layernorms"] = smoothed
     if quantizer.unquantizable:  # ORT's quantizer failed on them: kept float, with its message
         details["unquantizable"] = [{"node": node, "reason": reason} for node, reason in quantizer.unquantizable.items()]
     missing = sorted(float_set - quantizer.node_names)

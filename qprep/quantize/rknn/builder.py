@@ -52,9 +52,7 @@ OPTIONS = section(
     split_outlier_positions=Key("bool", default=True,
                                 doc="compute LayerNorm chains apart for sequence positions whose activations stand "
                                     "far above the rest (BERT's [CLS]), so int8 ranges fit both (outlier_positions.py)"),
-    smooth_layernorm=Key("bool", default=True,
-                         doc="move the large channels of LayerNorm outputs into the following MatMuls' weights, so "
-                             "one int8 activation scale fits the rest (SmoothQuant; smooth_layernorm.py)"),
+    smooth_layernorm=smooth_layernorm.OPTION,
     analysis_samples=Key("int", default=1, minimum=0,
                          doc="evaluation samples run through accuracy_analysis for the per-layer table (~10 s each)"),
 )
@@ -255,10 +253,7 @@ def quantize(job: BackendInput) -> Quantized:
                                                                  job.samples[:8], job.threads)
     for node in overflowing:  # int8 in the result: no longer reported as kept float for their values
         job.extremes.nodes.pop(node, None)
-    smoothed = smooth_layernorm.Smoothed(job.model)
-    if job.options["smooth_layernorm"] and job.options["do_quantization"]:
-        smoothed = smooth_layernorm.smooth(job.model, job.samples[:16], job.threads)
-        job.model = smoothed.model
+    smoothed = smooth_layernorm.smooth_job(job) if job.options["do_quantization"] else {}
     split = outlier_positions.Split(job.model)
     # only with normal ranges: mmse and kl clip the copies that hold the outlier positions (MiniLM: 0.58)
     if (job.options["split_outlier_positions"] and job.options["do_quantization"]
@@ -266,8 +261,8 @@ def quantize(job: BackendInput) -> Quantized:
         split = outlier_positions.split(job.model, job.samples[:8], job.threads)
         job.model, job.float_set = split.model, split.carried(set(job.float_set))
     builder = RknnBuilder(job, split)
-    if smoothed.record:
-        builder.details["smoothed_layernorms"] = smoothed.record
+    if smoothed:
+        builder.details["smoothed_layernorms"] = smoothed
     if split.record:
         builder.details["outlier_positions"] = split.record
     if converted:
