@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qprep.errors import ModelError
 from qprep.model.io import is_heavy, is_large, weightless
 from qprep.model.runtime import run_model
 
@@ -137,6 +138,16 @@ def compare(reference: list[dict], result: list[dict], tol: Tolerance,
                            f"cosine {stats['cosine_min']:.6f}")
     return Verification(not reasons, outputs, "; ".join(reasons), len(reference))
 
+
+
+def rewrite_mismatch(reference: list[dict], rewritten: onnx.ModelProto, samples: list[dict], threads: int = 2) -> str:
+    """Why a rewrite meant to be exact is not: "" when `rewritten`'s outputs on `samples` match `reference` (the
+    original model's) within the default tolerance, else the comparison's reason or ONNX Runtime's error."""
+    try:
+        verdict = compare(reference, run_model(rewritten, samples, threads), Tolerance())
+    except ModelError as exc:
+        return str(exc)
+    return "" if verdict.ok else verdict.reason
 
 def _compare_arrays(a: np.ndarray, b: np.ndarray, tol: Tolerance, stats: dict,
                     allowed: tuple[float, float] | None = None) -> bool:
