@@ -97,3 +97,20 @@ def test_a_rewrite_that_changes_the_outputs_is_not_kept(monkeypatch):
     model = _post_ln_block(_spread_gamma())
     result = smooth_layernorm.smooth(model, _samples())
     assert result.model is model and not result.record
+
+
+def test_a_pre_ln_block_needs_no_mul():
+    """A pre-LN transformer's LayerNorm feeds only its MatMuls (the residual reads the LayerNorm's input)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], name="norm", axis=-1),
+             helper.make_node("MatMul", ["n", "wq"], ["q"], name="query"),
+             helper.make_node("MatMul", ["n", "wv"], ["v"], name="value"),
+             helper.make_node("Add", ["q", "v"], ["y"], name="mix")]
+    model = make_model(nodes, [("x", [1, SEQ, DIM])], [("y", [1, SEQ, OUT])],
+                       {"gamma": _spread_gamma(), "beta": np.zeros(DIM, np.float32),
+                        "wq": rng.standard_normal((DIM, OUT)).astype(np.float32),
+                        "wv": rng.standard_normal((DIM, OUT)).astype(np.float32)}, opset=17)
+    result = smooth_layernorm.smooth(model, _samples())
+    assert result.record["layernorms"][0]["matmuls"] == 2 and "Mul" not in ops(result.model)
+    np.testing.assert_allclose(run_model(model, _samples())[0]["y"], run_model(result.model, _samples())[0]["y"],
+                               rtol=1e-4, atol=1e-4)
