@@ -37,13 +37,18 @@ from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")
 
+SEARCHED_NODES = 32  # the node search's cap when max_float_nodes is not configured
+
 OPTIONS = section(
     "accuracy-driven fallback: nodes kept float, most harmful first, until `target` holds",
     nullable=True,
     target=Key("mapping", item=Key("float"), required=True,
                doc="metric → threshold in the evaluation gate's form, e.g. {cosine_mean: 0.99, top1_agreement: 0.97}"),
-    max_float_nodes=Key("int", default=32, minimum=1, doc="at most this many nodes made float by the fallback (rknn: float16 layers "
-                                                 "of the RKNN model, which fuses e.g. a MatMul and its bias Add into one)"),
+    max_float_nodes=Key("int", minimum=1,
+                        doc="at most this many nodes made float by the fallback, the spread set's included (rknn: "
+                            "float16 layers of the RKNN model, which fuses e.g. a MatMul and its bias Add into one); "
+                            f"unset: {SEARCHED_NODES} nodes searched one by one, beside the spread set, which its own "
+                            "thresholds bound (channel_spread.py)"),
     time_budget_s=Key("float", default=600.0, minimum=1,
                       doc="the fallback ends within this many seconds (best model kept): a step that would not "
                           "finish in time, predicted from the steps measured so far, is not started"),
@@ -192,6 +197,8 @@ class Search:
     def __init__(self, backend: SearchBackend, candidates: Candidates, base_float: set[str], samples: list[dict],
                  options: dict, progress=None, budget: Budget | None = None, acceptance: list[dict] | None = None):
         self.backend, self.candidates, self.base_float = backend, candidates, set(base_float)
+        if options.get("max_float_nodes") is None:  # unset, no spread phase before (channel_spread.search_options)
+            options = {**options, "max_float_nodes": SEARCHED_NODES, "spread_counted": False}
         self.samples, self.options, self.progress = samples, options, progress
         self.acceptance = acceptance or []  # samples kept apart: a float set passes only if it holds on them too
         self.target = options["target"]
@@ -240,9 +247,11 @@ class Search:
     def cap_reached(self) -> str:
         """The stop reason at the cap, with the cap as configured: the spread phase's nodes count against it
         (channel_spread.search_options gives this search only the rest)."""
-        spread = self.options.get("spread_nodes", 0)
-        configured = self.options["max_float_nodes"] + spread
-        return f"max_float_nodes ({configured}) reached" + (f", {spread} of them the spread set's" if spread else "")
+        spread, cap = self.options.get("spread_nodes", 0), self.options["max_float_nodes"]
+        if not self.options.get("spread_counted", True):
+            return f"{cap} searched nodes reached (max_float_nodes unset)" + (
+                f", beside the spread set's {spread}" if spread else "")
+        return f"max_float_nodes ({cap + spread}) reached" + (f", {spread} of them the spread set's" if spread else "")
 
     def ranked(self, remaining: list[str], round_index: int) -> list[dict]:
         """This round's candidates, most harmful first (by gain per cost when costs are known)."""

@@ -114,10 +114,11 @@ def test_the_fallback_meets_its_target_with_the_spread_tensor_float_before_its_n
            "consumers (2 nodes)" in (tmp_path / "out" / "report.md").read_text()
 
 
-@pytest.mark.parametrize("cap", [32, 1])
+@pytest.mark.parametrize("cap", [32, 1, None])
 def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_before_the_search(cap):
     """RKNN's trial is a toolkit build (minutes): scripted here by which layers are float16. With max_float_nodes
-    1 the two layers around the spread tensor are over the cap: not tried, and the search keeps its whole cap."""
+    1 the two layers around the spread tensor are over the cap: not tried, and the search keeps its whole cap;
+    unset, the spread set is tried and the search still gets its 32 nodes beside it."""
     from types import SimpleNamespace
 
     from qprep.quantize.budget import Budget
@@ -139,7 +140,7 @@ def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_bef
         assert builds == [{"kept"}]
         assert channel_spread.search_options(job.fallback, record)["max_float_nodes"] == 1
         return
-    assert channel_spread.search_options(job.fallback, record)["max_float_nodes"] == 30
+    assert channel_spread.search_options(job.fallback, record)["max_float_nodes"] == (30 if cap else 32)
     assert base_float == {"kept", "spread", "second"} and record["as"] == "float16" and record["nodes"] == 2
     assert record["tensors"][0]["tensor"] == "m" and record["scores"]["none"] == 0.8
     assert builds[0] == {"kept"} and builds[-1] == {"kept", "spread", "second"}

@@ -103,6 +103,17 @@ def test_the_cap_reached_is_named_as_configured_when_a_spread_set_took_part_of_i
     assert outcome.record["stopped"] == "max_float_nodes (6) reached, 2 of them the spread set's"
 
 
+def test_an_unset_cap_gives_the_search_its_32_nodes_beside_the_spread_set():
+    """max_float_nodes not configured: the spread set (25 nodes, say) does not eat the node search's 32."""
+    evaluate, _ = _scripted({f"n{i}": 0.001 * (i + 1) for i in range(40)})
+    options = channel_spread.search_options({**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": None,
+                                             "block": 8, "max_candidates": 40}, {"nodes": 25})
+    assert options["max_float_nodes"] == search.SEARCHED_NODES == 32
+    outcome = run_search(evaluate, [f"n{i}" for i in range(40)], set(), [{}] * 4, options)
+    assert len(outcome.float_nodes) == 32
+    assert outcome.record["stopped"] == "32 searched nodes reached (max_float_nodes unset), beside the spread set's 25"
+
+
 @pytest.mark.parametrize("switches", [True, False])
 def test_when_no_slow_trial_fits_the_budget_the_rest_build_the_faster_way(monkeypatch, switches):
     """RKNN mmse: builds take minutes until the backend reuses the accepted build's ranges (seconds)."""
