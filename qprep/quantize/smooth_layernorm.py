@@ -67,7 +67,7 @@ def smooth(model: onnx.ModelProto, samples: list[dict], threads: int = 2, alpha:
     peaks: dict[str, np.ndarray] = {}
     reference = []
     for values in intermediate_values(model, names + outputs, samples, threads):
-        reference.append({name: values[name] for name in outputs})
+        reference.append({name: values[name] for name in outputs if name in values})
         for name in names:
             value = np.asarray(values[name], dtype=np.float64)
             peaks[name] = np.maximum(peaks.get(name, 0.0), np.abs(value.reshape(-1, value.shape[-1])).max(axis=0))
@@ -82,12 +82,12 @@ def smooth(model: onnx.ModelProto, samples: list[dict], threads: int = 2, alpha:
     for site in (site for site in _sites(result) if site.layernorm.output[0] in spread):
         peak = peaks[site.layernorm.output[0]]
         scale = _scales(peak, [numpy_helper.to_array(constants[m.input[1]]) for m in site.matmuls], alpha)
-        _rewrite(result, constants, site, scale, taken)
-        smoothed.append({"layernorm": site.layernorm.name, "matmuls": len(site.matmuls),
+        restoring = _rewrite(result, constants, site, scale, taken)
+        smoothed.append({"layernorm": site.layernorm.name, "matmuls": len(site.matmuls), "restoring_mul": restoring,
                          "spread_before": round(float(peak.max() / np.median(peak)), 1),
                          "spread_after": round(float((peak / scale).max() / np.median(peak / scale)), 1),
                          "largest_scale": round(float(scale.max()), 2)})
-    reason = rewrite_mismatch(reference, result, samples, threads)
+    reason = rewrite_mismatch(model, reference, result, samples, threads)
     if reason:  # exact in math: a failure means the pattern matched something it should not have
         log.warning("quantize: smoothing LayerNorm outputs changed the outputs (%s); the model is left as it was",
                     reason)
@@ -154,9 +154,11 @@ def _scales(peak: np.ndarray, weights: list[np.ndarray], alpha: float) -> np.nda
     return np.clip(np.where(np.isfinite(scale), scale, 1.0), 1.0, None).astype(np.float32)
 
 
-def _rewrite(model: onnx.ModelProto, constants: dict, site: _Site, scale: np.ndarray, taken: set[str]) -> None:
+def _rewrite(model: onnx.ModelProto, constants: dict, site: _Site, scale: np.ndarray, taken: set[str]) -> str | None:
+    """Rewrites `site` in place; the name of the Mul that gives the other readers the unsmoothed values (None when
+    the MatMuls are the only readers)."""
     layernorm = site.layernorm
-    for name in [i for i in layernorm.input[1:] if i]:
+    for name in dict.fromkeys(i for i in layernorm.input[1:] if i):  # γ and β may be one constant
         value = numpy_helper.to_array(constants[name])
         constants[name].CopyFrom(numpy_helper.from_array((value / scale).astype(value.dtype), name))
     for matmul in site.matmuls:
@@ -164,7 +166,7 @@ def _rewrite(model: onnx.ModelProto, constants: dict, site: _Site, scale: np.nda
         weight = numpy_helper.to_array(constants[name])
         constants[name].CopyFrom(numpy_helper.from_array((weight * scale[:, None]).astype(weight.dtype), name))
     if not site.others:
-        return
+        return None
     out = layernorm.output[0]
     dtype = numpy_helper.to_array(constants[layernorm.input[1]]).dtype
     scale_name, restored = unique_name(f"{out}/smoothing_scale", taken), unique_name(f"{out}/unsmoothed", taken)
@@ -176,3 +178,10 @@ def _rewrite(model: onnx.ModelProto, constants: dict, site: _Site, scale: np.nda
     mul = helper.make_node("Mul", [out, scale_name], [restored], name=unique_name(f"{layernorm.name}/unsmoothed", taken))
     index = next(i for i, node in enumerate(model.graph.node) if node is layernorm)
     model.graph.node.insert(index + 1, mul)
+    return mul.name
+
+
+def restoring_muls(record: dict) -> set[str]:
+    """The Mul nodes a smoothing added (see `smooth`'s record): a quantizer that quantizes Mul should keep them
+    float, as a per-tensor int8 scale s would round the 1s of the even channels (ORT's static QDQ does so)."""
+    return {entry["restoring_mul"] for entry in record.get("layernorms", []) if entry.get("restoring_mul")}

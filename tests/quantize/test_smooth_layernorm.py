@@ -13,7 +13,8 @@ from qprep.quantize import smooth_layernorm
 SEQ, DIM, OUT = 6, 8, 5
 
 
-def _post_ln_block(gamma=None, shared_weight: bool = False, ln_is_output: bool = False):
+def _post_ln_block(gamma=None, shared_weight: bool = False, ln_is_output: bool = False, beta_is_gamma: bool = False,
+                   constant_output: bool = False):
     """x[1,6,8] → LayerNorm(γ, β) → n; n → MatMul w → q (output); n + q' → residual output r (post-LN BERT)."""
     rng = np.random.default_rng(0)
     gamma = np.ones(DIM, np.float32) if gamma is None else gamma
@@ -29,6 +30,11 @@ def _post_ln_block(gamma=None, shared_weight: bool = False, ln_is_output: bool =
     outputs = [("q", [1, SEQ, OUT]), ("r", [1, SEQ, DIM])]
     outputs += [("other", [1, SEQ, OUT])] if shared_weight else []
     outputs += [("n", [1, SEQ, DIM])] if ln_is_output else []
+    if beta_is_gamma:  # one constant as both: an exporter's dedup of equal initializers
+        nodes[0].input[2] = "gamma"
+        del weights["beta"]
+    if constant_output:  # a graph output no node computes (an intermediates run does not return it)
+        outputs.append(("w2", [OUT, DIM]))
     return make_model(nodes, [("x", [1, SEQ, DIM])], outputs, weights, opset=17)
 
 
@@ -114,3 +120,38 @@ def test_a_pre_ln_block_needs_no_mul():
     assert result.record["layernorms"][0]["matmuls"] == 2 and "Mul" not in ops(result.model)
     np.testing.assert_allclose(run_model(model, _samples())[0]["y"], run_model(result.model, _samples())[0]["y"],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_a_constant_graph_output_does_not_stop_the_check():
+    model, samples = _post_ln_block(_spread_gamma(), constant_output=True), _samples()
+    result = smooth_layernorm.smooth(model, samples)
+    assert result.model is not model and result.record["verified_on"] == len(samples)
+
+
+def test_gamma_shared_with_beta_is_divided_once():
+    model, samples = _post_ln_block(_spread_gamma(), beta_is_gamma=True), _samples()
+    result = smooth_layernorm.smooth(model, samples)
+    assert result.model is not model  # a twice-divided constant would fail the check and leave the model as it was
+    for before, after in zip(run_model(model, samples), run_model(result.model, samples)):
+        np.testing.assert_allclose(before["r"], after["r"], rtol=1e-4, atol=1e-4)
+
+
+def test_ort_static_keeps_the_restoring_mul_float(tmp_path):
+    """A per-tensor int8 scale on s would round the even channels' 1s: the Mul the rewrite added reads and
+    writes float in ORT's QDQ model, while the MatMul is quantized."""
+    from qprep.data import SampleSet
+    from qprep.quantize import ort
+    from qprep.quantize.backend import BackendInput
+    from qprep.schema import validate
+
+    options = validate({"activations": "static"}, ort.OPTIONS, "quantize.ort", tmp_path)
+    job = BackendInput(model=_post_ln_block(_spread_gamma()), calibration=SampleSet(samples=_samples(8)),
+                       max_samples=8, float_set=set(), options=options, work_dir=tmp_path)
+    result = ort.quantize(job)
+    mul, = [entry["restoring_mul"] for entry in result.details["smoothed_layernorms"]["layernorms"]]
+    assert mul in result.details["excluded_nodes"]
+    graph = result.model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    node = next(n for n in graph.node if n.name == mul)
+    assert node.input[1] not in producers  # the scale s stays a float constant, no DequantizeLinear
+    assert any(n.op_type == "DequantizeLinear" for n in graph.node)  # and the rest is quantized

@@ -96,6 +96,7 @@ def quantize(job: BackendInput) -> Quantized:
     smoothed = smooth_layernorm.smooth_job(job)
     quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress, job.extremes,
                              many_builds=bool(job.fallback))
+    float_set = float_set | smooth_layernorm.restoring_muls(smoothed)
     excluded = (set(options["nodes_to_exclude"]) | float_set) & quantizer.node_names
     settings, details = quantizer.settings, {}
     if job.fallback:
