@@ -239,3 +239,44 @@ def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | Non
                                    for d in tensor_type.shape.dim])
     shapes.update({t.name: (t.data_type, list(t.dims)) for t in model.graph.initializer})
     return shapes
+
+
+class Links:
+    """Who computes and who reads each tensor of a model's main graph, and whether a rewrite may edit a constant
+    or a tensor in place: another reader, a subgraph or a graph output would see the change."""
+
+    def __init__(self, model: onnx.ModelProto):
+        graph = model.graph
+        self._model = model
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.producers = {o: node for node in graph.node for o in node.output}
+        self.readers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in dict.fromkeys(node.input):
+                if name:
+                    self.readers.setdefault(name, []).append(node)
+        self.in_subgraphs = {name for node in graph.node for attr in node.attribute
+                             for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs))
+                             for inner in iter_nodes(sub) for name in inner.input}
+        self.outputs = {o.name for o in graph.output}
+        self._ranks: dict[str, int] | None = None
+
+    def only_reader(self, name: str, reader: onnx.NodeProto) -> bool:
+        """`reader` is the one node that reads `name` (no subgraph, not a graph output)."""
+        readers = self.readers.get(name, [])
+        return (name not in self.outputs and name not in self.in_subgraphs
+                and len(readers) == 1 and readers[0] is reader)
+
+    def own_constant(self, name: str, reader: onnx.NodeProto) -> bool:
+        """`name` is an initializer that `reader` alone reads."""
+        return name in self.initializers and self.only_reader(name, reader)
+
+    def last_axis(self, node: onnx.NodeProto) -> bool:
+        """`node`'s `axis` attribute (default -1) names its output's last axis."""
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        if axis == -1:
+            return True
+        if self._ranks is None:
+            self._ranks = {name: len(dims) for name, (_, dims) in tensor_shapes(self._model).items()
+                           if dims is not None}
+        return axis == self._ranks.get(node.output[0], 0) - 1

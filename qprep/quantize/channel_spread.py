@@ -36,6 +36,20 @@ def channel_axis(rank: int) -> int:
     return 1 if rank >= 4 else rank - 1
 
 
+def last_axis_peaks(model: onnx.ModelProto, names: list[str], samples: list[dict], threads: int = 2,
+                    outputs: list[str] = ()) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """({tensor: the largest |value| of each last-axis channel over `samples`}, per sample {output: value} of
+    `outputs`) from one ORT run: a rewrite's channel measurement and its verification reference."""
+    peaks: dict[str, np.ndarray] = {}
+    reference = []
+    for values in intermediate_values(model, list(names) + list(outputs), samples, threads):
+        reference.append({name: values[name] for name in outputs if name in values})
+        for name in names:
+            value = np.asarray(values[name], dtype=np.float64)
+            peaks[name] = np.maximum(peaks.get(name, 0.0), np.abs(value.reshape(-1, value.shape[-1])).max(axis=0))
+    return peaks, reference
+
+
 def median_channel_levels(model: onnx.ModelProto, tensors: list[str], samples: list[dict],
                           threads: int = 2) -> dict[str, float]:
     """tensor → the int8 levels its median channel spans under one per-tensor scale: 255 × the median channel's

@@ -23,7 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.errors import EXIT_INTERNAL, QprepError
-from qprep.model.info import FLOAT_TYPES, default_opset, graph_inputs
+from qprep.model.info import FLOAT_TYPES, Links, default_opset, graph_inputs
 from qprep.model.runtime import intermediate_values
 
 LIMIT = float(np.finfo(np.float16).max)  # 65504: beyond it float16 overflows and no int8 grid keeps the rest
@@ -79,7 +79,8 @@ def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2, limit: f
     for name, stats in ranges.items():
         if extreme(stats["min"], stats["max"], stats["nan"], limit):
             found.tensors[name] = {"kind": "activation", **stats}
-    producers, readers = _links(model)
+    links = Links(model)
+    producers, readers = links.producers, links.readers
     for name, stats in found.tensors.items():
         values = describe(stats)
         producer = producers.get(name)
@@ -161,7 +162,8 @@ def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) ->
     hold) cosine 0.494, -300 0.802, -100 0.831, -60 0.831, -30 0.831. The fill needed is the highest a masked
     score rises above its row's largest unmasked one (MiniLM layer 0: 17.6 on calibration data) plus a margin;
     it is doubled for unseen samples and the clipped model is verified by the caller."""
-    producers, readers = _links(model)
+    links = Links(model)
+    producers, readers = links.producers, links.readers
     arrays = dict(_float_constants(model))
     fills = {name for name, array in arrays.items() if _stats(array)["min"] <= -FILL}
     adds, constants = [], set()  # adds: (add, scores input, mask input, softmax)
@@ -189,16 +191,6 @@ def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) ->
                 excess = max(excess, _masked_excess(values[scores], values[mask], softmax, opset))
     bound = min(2.0 * excess + MASK_MARGIN, FILL)
     return MaskBound(bound=bound, excess=excess, adds=[add.name for add, *_ in adds], constants=constants)
-
-
-def _links(model: onnx.ModelProto) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
-    """(tensor → the node computing it, tensor → the nodes reading it) of the main graph."""
-    producers = {o: node for node in model.graph.node for o in node.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    return producers, readers
 
 
 def _upstream(name: str, producers: dict) -> set[str]:

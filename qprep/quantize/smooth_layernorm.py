@@ -26,8 +26,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qprep.model.runtime import intermediate_values
-from qprep.model.info import iter_nodes, tensor_shapes, unique_name
+from qprep.model.info import Links, unique_name
+from qprep.quantize.channel_spread import last_axis_peaks
 from qprep.schema import Key
 from qprep.verify import rewrite_mismatch
 
@@ -63,14 +63,7 @@ def smooth(model: onnx.ModelProto, samples: list[dict], threads: int = 2, alpha:
     if not sites:
         return Smoothed(model)
     names = [site.layernorm.output[0] for site in sites]
-    outputs = [o.name for o in model.graph.output]
-    peaks: dict[str, np.ndarray] = {}
-    reference = []
-    for values in intermediate_values(model, names + outputs, samples, threads):
-        reference.append({name: values[name] for name in outputs if name in values})
-        for name in names:
-            value = np.asarray(values[name], dtype=np.float64)
-            peaks[name] = np.maximum(peaks.get(name, 0.0), np.abs(value.reshape(-1, value.shape[-1])).max(axis=0))
+    peaks, reference = last_axis_peaks(model, names, samples, threads, [o.name for o in model.graph.output])
     spread = {name for name, peak in peaks.items() if np.median(peak) > 0 and peak.max() >= RATIO * np.median(peak)}
     if not spread:
         return Smoothed(model)
@@ -107,37 +100,21 @@ def smooth_job(job) -> dict:
 
 
 def _sites(model: onnx.ModelProto) -> list[_Site]:
-    graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in dict.fromkeys(node.input):
-            if name:
-                readers.setdefault(name, []).append(node)
-    in_subgraphs = {name for node in graph.node for attr in node.attribute
-                    for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs))
-                    for inner in iter_nodes(sub) for name in inner.input}
-    outputs = {o.name for o in graph.output}
-    ranks = {name: len(dims) for name, (_, dims) in tensor_shapes(model).items() if dims is not None}
-
-    def own_constant(name: str, reader: onnx.NodeProto) -> bool:
-        return (name in initializers and name not in in_subgraphs
-                and all(r is reader for r in readers.get(name, [])))
-
+    links = Links(model)
+    initializers, readers = links.initializers, links.readers
     sites = []
-    for node in graph.node:
+    for node in model.graph.node:
         if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
         out = node.output[0]
         gamma = initializers.get(node.input[1])
-        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-        if (out in outputs or out in in_subgraphs or any(node.output[1:]) or gamma is None or len(gamma.dims) != 1
-                or (axis != -1 and axis != ranks.get(out, 0) - 1)
-                or not all(own_constant(c, node) for c in node.input[1:] if c)):
+        if (out in links.outputs or out in links.in_subgraphs or any(node.output[1:]) or gamma is None
+                or len(gamma.dims) != 1 or not links.last_axis(node)
+                or not all(links.own_constant(c, node) for c in node.input[1:] if c)):
             continue
         matmuls = [r for r in readers.get(out, [])
                    if r.op_type == "MatMul" and r.domain in ("", "ai.onnx") and r.input[0] == out
-                   and r.input[1] != out and own_constant(r.input[1], r)
+                   and r.input[1] != out and links.own_constant(r.input[1], r)
                    and list(initializers[r.input[1]].dims)[:1] == list(gamma.dims)
                    and len(initializers[r.input[1]].dims) == 2]
         if matmuls:

@@ -171,6 +171,12 @@ def _fitting(stage: dict) -> list[str]:
         lines.append(f"{len(split['chains'])} LayerNorm chain(s) computed apart for sequence position(s) "
                      f"{', '.join(outliers)}, whose activations stand far above the rest, so int8 ranges fit both "
                      f"(exact in float32, verified on {split.get('verified_on', '?')} samples)")
+    rescaled = (stage.get("residual_channels") or {}).get("layernorms") or []
+    if rescaled:
+        worst = max(rescaled, key=lambda entry: entry["spread_before"])
+        lines.append(f"{len(rescaled)} residual sum(s) with huge channels scaled down before int8, their LayerNorm "
+                     f"computed from the scaled sum (largest/median channel {worst['spread_before']:g} at "
+                     f"{worst['layernorm']}; exact in float32)")
     float16 = stage.get("float16_layers") or {}
     if float16.get("ir_tensors"):  # what a "≤ N non-int8 layers" budget counts: fused nodes are one layer
         lines.append(f"{len(float16['ir_tensors'])} layer(s) of the RKNN model float16, the rest int8 (from "

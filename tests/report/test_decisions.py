@@ -124,3 +124,12 @@ def test_smoothed_layernorms_name_the_widest_spread_and_what_it_became():
         {"layernorm": "ln_b", "matmuls": 1, "spread_before": 19.6, "spread_after": 2.6, "largest_scale": 7.8}]}
     lines = decision_lines({**report()["stages"][0], "smoothed_layernorms": smoothed})
     assert any(line.startswith("2 LayerNorm output(s) smoothed") and "19.6 → 2.6 at ln_b" in line for line in lines)
+
+
+def test_rescaled_residual_sums_name_the_widest_spread():
+    rescaled = {"verified_on": 16, "layernorms": [
+        {"layernorm": "ln_4", "channels": 12, "spread_before": 35.0, "inputs": ["weights", "mul"]},
+        {"layernorm": "ln_5", "channels": 9, "spread_before": 25.0, "inputs": ["weights", "added mul"]}]}
+    lines = decision_lines({**report()["stages"][0], "residual_channels": rescaled})
+    assert any(line.startswith("2 residual sum(s) with huge channels scaled down") and "35 at ln_4" in line
+               for line in lines)

@@ -21,7 +21,7 @@ import onnx
 from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
 from qprep.model.io import save_model
-from qprep.quantize import outlier_positions, smooth_layernorm
+from qprep.quantize import outlier_positions, residual_channels, smooth_layernorm
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.quantize.rknn import dataset, io_names, limits, static_graph
 from qprep.quantize.rknn import ranges as rknn_ranges
@@ -53,6 +53,7 @@ OPTIONS = section(
                                 doc="compute LayerNorm chains apart for sequence positions whose activations stand "
                                     "far above the rest (BERT's [CLS]), so int8 ranges fit both (outlier_positions.py)"),
     smooth_layernorm=smooth_layernorm.OPTION,
+    rescale_residual_channels=residual_channels.OPTION,
     analysis_samples=Key("int", default=1, minimum=0,
                          doc="evaluation samples run through accuracy_analysis for the per-layer table (~10 s each)"),
 )
@@ -260,11 +261,18 @@ def quantize(job: BackendInput) -> Quantized:
             and job.options["quantized_algorithm"] == "normal"):
         split = outlier_positions.split(job.model, job.samples[:8], job.threads)
         job.model, job.float_set = split.model, split.carried(set(job.float_set))
+    rescaled = {}
+    if job.options.get("rescale_residual_channels") and job.options["do_quantization"] and job.samples:
+        result = residual_channels.rescale(job.model, job.samples[:residual_channels.SAMPLES], job.threads,
+                                           keep=set(job.float_set))
+        job.model, rescaled = result.model, result.record
     builder = RknnBuilder(job, split)
     if smoothed:
         builder.details["smoothed_layernorms"] = smoothed
     if split.record:
         builder.details["outlier_positions"] = split.record
+    if rescaled:
+        builder.details["residual_channels"] = rescaled
     if converted:
         builder.details["opset_converted"] = converted
     if static:
