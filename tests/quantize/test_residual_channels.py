@@ -14,7 +14,7 @@ SEQ, DIM, HIDDEN = 6, 8, 12
 
 
 def _post_ln_ffn(huge: float = 40.0, residual_through_mul: bool = False, sum_read_twice: bool = False):
-    """x → LayerNorm → n; n → MatMul w1 → MatMul w2 → + b2 → f; z = f + n (or n·s); z → LayerNorm(γ, β) → y.
+    """x → LayerNorm → n; n → MatMul w1 → MatMul w2 → + b2 → f; z = f + n (or n·s); z → LayerNorm → y.
     Column 2 of w2 is `huge` times the others: channel 2 of f and z towers over the rest (BERT's FFN output)."""
     rng = np.random.default_rng(0)
     w2 = rng.standard_normal((HIDDEN, DIM)).astype(np.float32) * 0.3
@@ -118,7 +118,8 @@ def test_embedding_tables_and_a_constant_summand_take_the_scale():
     words[:, 5] *= 30.0
     weights = {"words": words, "types": rng.standard_normal((2, DIM)).astype(np.float32),
                "positions": rng.standard_normal((1, SEQ, DIM)).astype(np.float32),
-               "gamma": rng.uniform(0.5, 1.5, DIM).astype(np.float32), "beta": rng.standard_normal(DIM).astype(np.float32)}
+               "gamma": rng.uniform(0.5, 1.5, DIM).astype(np.float32),
+               "beta": rng.standard_normal(DIM).astype(np.float32)}
     nodes = [helper.make_node("Gather", ["words", "ids"], ["w"], name="word_lookup"),
              helper.make_node("Gather", ["types", "type_ids"], ["t"], name="type_lookup"),
              helper.make_node("Add", ["w", "t"], ["wt"], name="word_type"),
