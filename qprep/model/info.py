@@ -109,6 +109,11 @@ def unique_name(wanted: str, taken: set[str], separator: str = "_") -> str:
     return name
 
 
+def node_index(graph: onnx.GraphProto, node: onnx.NodeProto) -> int:
+    """Where `node` (this very proto) stands in `graph.node`: a rewrite inserts its replacement there."""
+    return next(i for i, other in enumerate(graph.node) if other is node)
+
+
 def iter_nodes(graph: onnx.GraphProto):
     """Every node, including those inside If/Loop/Scan bodies."""
     for node in graph.node:

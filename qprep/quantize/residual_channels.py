@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qprep.model.info import Links, unique_name
+from qprep.model.info import Links, node_index, unique_name
 from qprep.quantize.channel_spread import last_axis_peaks
 from qprep.schema import Key
 from qprep.verify import rewrite_mismatch
@@ -155,7 +155,7 @@ def _divide(model: onnx.ModelProto, links: Links, tensor: str, reader: onnx.Node
     for k, name in enumerate(reader.input):
         if name == tensor:
             reader.input[k] = scaled
-    model.graph.node.insert(_index(model, reader), mul)
+    model.graph.node.insert(node_index(model.graph, reader), mul)
     return ["added mul"]
 
 
@@ -221,14 +221,10 @@ def _replace_layernorm(model: onnx.ModelProto, links: Links, layernorm: onnx.Nod
     normalized = node("Div", [centered, deviation], "normalized")
     weighted = node("Mul", [normalized, constant("gamma", gamma * divisor)], "gamma")
     node("Add", [weighted, constant("beta", beta)], "beta", output=layernorm.output[0])
-    index = _index(model, layernorm)
+    index = node_index(model.graph, layernorm)
     model.graph.node.remove(layernorm)
     for offset, new in enumerate(nodes):
         model.graph.node.insert(index + offset, new)
     for name in dict.fromkeys(i for i in layernorm.input[1:] if i):
         if links.own_constant(name, layernorm):
             model.graph.initializer.remove(links.initializers[name])
-
-
-def _index(model: onnx.ModelProto, node: onnx.NodeProto) -> int:
-    return next(i for i, other in enumerate(model.graph.node) if other is node)

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qprep.model.info import Links, unique_name
+from qprep.model.info import Links, node_index, unique_name
 from qprep.quantize.channel_spread import last_axis_peaks
 from qprep.schema import Key
 from qprep.verify import rewrite_mismatch
@@ -153,8 +153,7 @@ def _rewrite(model: onnx.ModelProto, constants: dict, site: _Site, scale: np.nda
             if name == out:
                 reader.input[k] = restored
     mul = helper.make_node("Mul", [out, scale_name], [restored], name=unique_name(f"{layernorm.name}/unsmoothed", taken))
-    index = next(i for i, node in enumerate(model.graph.node) if node is layernorm)
-    model.graph.node.insert(index + 1, mul)
+    model.graph.node.insert(node_index(model.graph, layernorm) + 1, mul)
     return mul.name
 
 
