@@ -105,10 +105,12 @@ def rand(*shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def masked_attention_model(fill: float = -np.inf, style: str = "where", seq: int = 6, dim: int = 8) -> onnx.ModelProto:
+def masked_attention_model(fill: float = -np.inf, style: str = "where", seq: int = 6, dim: int = 8,
+                           layers: int = 1) -> onnx.ModelProto:
     """One attention head whose padding is masked additively, as real exports write it:
     style "where": torch's `Where(Not(mask), fill, 0)`; "scale": HF's `(1 - mask) * fill` (fill: finfo.min).
-    x[1,seq,dim], mask[1,seq] (float 0/1: 1 = a real token) → y[1,seq,dim]."""
+    x[1,seq,dim], mask[1,seq] (float 0/1: 1 = a real token) → y[1,seq,dim]. `layers` > 1: more heads after it,
+    each reading the one before and the same mask, with queries 10× smaller (their scores rise less)."""
     rng = np.random.default_rng(0)
     if style == "where":
         masking = [helper.make_node("Cast", ["mask"], ["mask_bool"], to=onnx.TensorProto.BOOL, name="mask_cast"),
@@ -131,7 +133,23 @@ def masked_attention_model(fill: float = -np.inf, style: str = "where", seq: int
              helper.make_node("Softmax", ["masked"], ["attention"], axis=-1, name="softmax"),
              helper.make_node("MatMul", ["attention", "v"], ["context"], name="context"),
              helper.make_node("Add", ["context", "x"], ["y"], name="residual")]
-    return make_model(nodes, [("x", [1, seq, dim]), ("mask", [1, seq])], [("y", [1, seq, dim])],
+    for layer in range(2, layers + 1):
+        x, y = "y" if layer == 2 else f"y_{layer - 1}", f"y_{layer}"
+        weights.update({f"w{n}_{layer}": weights[f"w{n}"] * (0.1 if n == "q" else 1.0) for n in "qkv"})
+        nodes += [helper.make_node("MatMul", [x, f"wq_{layer}"], [f"q_{layer}"], name=f"q_{layer}"),
+                  helper.make_node("MatMul", [x, f"wk_{layer}"], [f"k_{layer}"], name=f"k_{layer}"),
+                  helper.make_node("MatMul", [x, f"wv_{layer}"], [f"v_{layer}"], name=f"v_{layer}"),
+                  helper.make_node("Transpose", [f"k_{layer}"], [f"kt_{layer}"], perm=[0, 2, 1], name=f"kt_{layer}"),
+                  helper.make_node("MatMul", [f"q_{layer}", f"kt_{layer}"], [f"scores_{layer}"], name=f"scores_{layer}"),
+                  helper.make_node("Add", [f"scores_{layer}", "additive_rows"], [f"masked_{layer}"],
+                                   name=f"mask_add_{layer}"),
+                  helper.make_node("Softmax", [f"masked_{layer}"], [f"attention_{layer}"], axis=-1,
+                                   name=f"softmax_{layer}"),
+                  helper.make_node("MatMul", [f"attention_{layer}", f"v_{layer}"], [f"context_{layer}"],
+                                   name=f"context_{layer}"),
+                  helper.make_node("Add", [f"context_{layer}", x], [y], name=f"residual_{layer}")]
+    output = "y" if layers == 1 else f"y_{layers}"
+    return make_model(nodes, [("x", [1, seq, dim]), ("mask", [1, seq])], [(output, [1, seq, dim])],
                       {**weights, **constants, "axis1": np.array([1], np.int64)}, name="masked_attention")
 
 

@@ -138,12 +138,16 @@ MASK_MARGIN = 24.0
 @dataclass
 class MaskBound:
     """The smallest safe fill for additive attention masks (`mask_bound`): `bound` for the `constants` that make
-    the masks, `excess` how far a masked score rose above its row's largest unmasked one on calibration data."""
+    the masks, `excess` how far a masked score rose above its row's largest unmasked one on calibration data.
+    `own`: Add → its attention's own bound, for the Adds whose mask holds nothing but 0 and the fill (so it can
+    be scaled down to that bound: `own_fills`)."""
 
     bound: float
     excess: float
     adds: list[str]
     constants: set[str]
+    own: dict[str, float] = field(default_factory=dict)
+    mask_inputs: dict[str, str] = field(default_factory=dict)  # Add → its mask input
 
     def record(self) -> dict:
         return {"bound": round(self.bound, 3), "excess": round(self.excess, 3), "margin": MASK_MARGIN,
@@ -173,24 +177,72 @@ def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) ->
         softmaxes = [r for r in readers.get(node.output[0], []) if r.op_type == "Softmax"]
         if not softmaxes:
             continue
-        upstream = [_upstream(name, producers) & fills for name in node.input]
-        if bool(upstream[0]) != bool(upstream[1]):  # one side is the mask
-            mask = 0 if upstream[0] else 1
+        # the mask side: computed from a fill and not from an earlier attention (a later layer's scores are
+        # computed from the fill too, through the attention before it)
+        upstream = [_upstream(name, producers) for name in node.input]
+        is_mask = [bool(tensors & fills) and not any(producers[t].op_type == "Softmax"
+                                                      for t in tensors if t in producers) for tensors in upstream]
+        if is_mask[0] != is_mask[1]:
+            mask = 0 if is_mask[0] else 1
             adds.append((node, node.input[1 - mask], node.input[mask], softmaxes[0]))
-            constants |= upstream[mask]
+            constants |= upstream[mask] & fills
     if not adds:
         return None
     opset = default_opset(model)
     fixed = {name: arrays[name] for _, scores, mask, _ in adds for name in (scores, mask) if name in arrays}
     wanted = [name for _, scores, mask, _ in adds for name in (scores, mask) if name not in fixed]
-    excess = 0.0
+    excess = {add.name: 0.0 for add, *_ in adds}
+    pure = {add.name for add, *_ in adds}  # masks of 0 and the fill only, on every sample
     for values in intermediate_values(model, wanted, samples, threads):
         values = {**fixed, **values}
-        for _, scores, mask, softmax in adds:
+        for add, scores, mask, softmax in adds:
             if scores in values and mask in values:
-                excess = max(excess, _masked_excess(values[scores], values[mask], softmax, opset))
-    bound = min(2.0 * excess + MASK_MARGIN, FILL)
-    return MaskBound(bound=bound, excess=excess, adds=[add.name for add, *_ in adds], constants=constants)
+                excess[add.name] = max(excess[add.name],
+                                       _masked_excess(values[scores], values[mask], softmax, opset))
+                if not np.all((values[mask] == 0) | (values[mask] <= -FILL / 2)):
+                    pure.discard(add.name)
+            else:
+                pure.discard(add.name)
+    bounds = {name: min(2.0 * value + MASK_MARGIN, FILL) for name, value in excess.items()}
+    return MaskBound(bound=max(bounds.values()), excess=max(excess.values()), adds=[add.name for add, *_ in adds],
+                     constants=constants, own={name: bounds[name] for name in pure},
+                     mask_inputs={add.name: mask for add, _, mask, _ in adds})
+
+
+def own_fills(model: onnx.ModelProto, mask: MaskBound) -> tuple[onnx.ModelProto, dict[str, float]]:
+    """A copy of `model` (its masks' fill already clipped to `mask.bound`) in which each attention whose own
+    bound is lower gets its mask scaled down to it, by a Mul before its Add → (model, {Add: its fill}).
+
+    Why: one fill serves every attention, and the attention that needs the most sets it: all-MiniLM-L6-v2 has
+    a masked score 17.6 above its row's largest unmasked one in layer 0, 1.3–7.7 in layers 1–5, so one fill of
+    59 where 27–40 would do. An int8 attention spreads its grid over the fill (nonfinite.mask_bound), so every
+    attention's scores lost grid steps to layer 0's. Only masks of 0 and the fill (HF's and torch's) are
+    scaled: a mask that carries a position bias would be scaled with it. The caller verifies the numbers."""
+    scaled = {name: own for name, own in mask.own.items() if own < mask.bound}
+    if not scaled:
+        return model, {}
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    for index, node in reversed(list(enumerate(graph.node))):
+        if node.name not in scaled:
+            continue
+        side = list(node.input).index(mask.mask_inputs[node.name])
+        factor, tensor = f"{node.name}/own_fill_scale", f"{node.name}/own_fill_output"
+        dtype = _elem_dtype(model, node.input[side])
+        graph.initializer.append(numpy_helper.from_array(np.asarray(scaled[node.name] / mask.bound, dtype), factor))
+        graph.node.insert(index, onnx.helper.make_node("Mul", [node.input[side], factor], [tensor],
+                                                       name=f"{node.name}/own_fill"))
+        node.input[side] = tensor
+    return result, {name: round(value, 3) for name, value in scaled.items()}
+
+
+def _elem_dtype(model: onnx.ModelProto, tensor: str) -> np.dtype:
+    """The numpy dtype of `tensor` where the graph declares it, else float32."""
+    for info in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output):
+        if info.name == tensor and info.type.tensor_type.elem_type:
+            return onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type)
+    return np.dtype(np.float32)
 
 
 def _upstream(name: str, producers: dict) -> set[str]:

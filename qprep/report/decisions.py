@@ -150,10 +150,13 @@ def _fitting(stage: dict) -> list[str]:
         mask = clip.get("mask_bound") if clip.get("clipped") else None
         if mask:
             others = len(clip.get("constants", [])) - len(mask["constants"])
+            own = mask.get("own_fills") or {}
             lines.append(f"attention-mask fill clipped to ±{mask['bound']:.3g} for int8 attention (a masked score rose "
                          f"{mask['excess']:.3g} above its row's largest on calibration data; twice that + "
-                         f"{mask['margin']:g})" + (f"; {others} other constant(s) beyond float16 to "
-                                                f"±{clip.get('bound', '?'):g}" if others else ""))
+                         f"{mask['margin']:g})" + (f", {len(own)} attention(s) masked with their own lower fill "
+                                                  f"({min(own.values()):.3g}–{max(own.values()):.3g})" if own else "")
+                         + (f"; {others} other constant(s) beyond float16 to ±{clip.get('bound', '?'):g}"
+                            if others else ""))
         else:
             done = "clipped" if clip.get("clipped") else f"left as they are ({clip.get('reason', '?')})"
             lines.append(f"{len(clip.get('constants', []))} constant(s) beyond float16 (masks) {done} to "

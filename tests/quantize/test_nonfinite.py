@@ -8,6 +8,7 @@ from onnx import helper
 
 from qprep.errors import EXIT_INTERNAL
 from qprep.quantize import nonfinite
+from qprep.model.runtime import intermediate_values
 from qprep.quantize.ranges import mse_ranges
 from graphs import make_model, masked_attention_model, masked_attention_samples
 
@@ -52,6 +53,48 @@ def test_the_mask_fill_bound_is_the_highest_masked_score_rise_doubled_plus_a_mar
     assert bound.bound == pytest.approx(2 * rise + nonfinite.MASK_MARGIN, rel=1e-5)
     assert bound.excess == pytest.approx(rise, rel=1e-5)
     assert bound.adds == ["mask_add"] and bound.constants == {"fill"}
+
+
+def test_a_later_attention_s_mask_is_found_although_its_scores_come_from_the_fill_too():
+    """Layer 2's scores are computed from layer 1's output, which the fill reached through layer 1's softmax:
+    the mask side is the one that no earlier attention computes (all-MiniLM-L6-v2: only layer 0 was found)."""
+    model, samples = masked_attention_model(np.finfo(np.float32).min, "scale", layers=3), masked_attention_samples(6)
+    bound = nonfinite.mask_bound(model, samples)
+    assert sorted(bound.adds) == ["mask_add", "mask_add_2", "mask_add_3"]
+    assert bound.mask_inputs == {name: "additive_rows" for name in bound.adds}
+    # queries 10x smaller after the first attention: their masked keys rise less, so their own bounds are lower
+    assert bound.own["mask_add"] == pytest.approx(bound.bound)
+    assert bound.own["mask_add_2"] < bound.bound and bound.own["mask_add_3"] < bound.bound
+
+
+def test_each_attention_s_mask_is_scaled_to_its_own_fill():
+    model, samples = masked_attention_model(np.finfo(np.float32).min, "scale", layers=2), masked_attention_samples(6)
+    bound = nonfinite.mask_bound(model, samples)
+    clipped, _ = nonfinite.clip_constants(model, nonfinite.find(model, samples), 1e4, bounds={"fill": bound.bound})
+    scaled, fills = nonfinite.own_fills(clipped, bound)
+    assert fills == {"mask_add_2": pytest.approx(bound.own["mask_add_2"], abs=1e-3)}
+    values = list(intermediate_values(scaled, ["masked_2", "masked", "y_2"], samples))
+    padded = [s["mask"][0] == 0 for s in samples]
+    # layer 2's padded keys sit near its own fill, layer 1's near the shared one; the outputs do not move
+    assert min(v["masked_2"][0][:, p].max() for v, p in zip(values, padded) if p.any()) < -0.9 * fills["mask_add_2"]
+    assert min(v["masked_2"].min() for v in values) > -1.2 * fills["mask_add_2"]
+    assert min(v["masked"].min() for v in values) < -0.9 * bound.bound
+    reference = list(intermediate_values(model, ["y_2"], samples))
+    assert max(np.abs(v["y_2"] - r["y_2"]).max() for v, r in zip(values, reference)) < 1e-5
+
+
+def test_a_mask_that_carries_more_than_the_fill_keeps_the_shared_one():
+    """A position bias added to the mask would be scaled with it: such a mask is left as it is."""
+    model = masked_attention_model(np.finfo(np.float32).min, "scale", layers=2)
+    biased = next(n for n in model.graph.node if n.name == "mask_add_2")
+    biased.input[1] = "biased_rows"
+    model.graph.node.insert(list(model.graph.node).index(biased),
+                            helper.make_node("Add", ["additive_rows", "bias"], ["biased_rows"], name="bias_add"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.full((1, 1, 6), 0.5, np.float32), "bias"))
+    samples = masked_attention_samples(6)
+    bound = nonfinite.mask_bound(model, samples)
+    assert "mask_add_2" in bound.adds and "mask_add_2" not in bound.own
+    assert nonfinite.own_fills(model, bound)[1] == {}
 
 
 def test_no_mask_bound_without_a_softmax_reading_the_masked_sum():

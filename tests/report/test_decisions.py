@@ -65,12 +65,14 @@ def test_float_nodes_name_nonfinite_and_unquantizable_reasons():
 
 def test_a_clipped_attention_mask_says_its_bound_and_why():
     clip = {"bound": 10000.0, "clipped": True, "constants": {"fill": "…", "pad": "…"},
-            "mask_bound": {"bound": 59.2, "excess": 17.6, "margin": 24.0, "softmax_adds": 6, "constants": ["fill"]}}
+            "mask_bound": {"bound": 59.2, "excess": 17.6, "margin": 24.0, "softmax_adds": 6, "constants": ["fill"],
+                           "own_fills": {"add_2": 32.1, "add_3": 24.7}}}
     stage = {**report()["stages"][0], "nonfinite": {"nodes": {}, "float16_clip": clip,
                                                     "int8_not_float16": {"add": "int8: its values are finite …"}}}
     lines = decision_lines(stage)
     assert any(line.startswith("attention-mask fill clipped to ±59.2 for int8 attention (a masked score rose 17.6 "
-                               "above its row's largest on calibration data; twice that + 24); 1 other constant(s) "
+                               "above its row's largest on calibration data; twice that + 24), 2 attention(s) masked "
+                               "with their own lower fill (24.7–32.1); 1 other constant(s) "
                                "beyond float16 to ±10000") for line in lines), lines
     assert "1 node(s) kept float for their values are int8 again once clipped" in lines
 

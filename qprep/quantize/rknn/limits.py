@@ -101,28 +101,32 @@ def float16_safe(model: onnx.ModelProto, extremes: Extremes, samples: list[dict]
     that leaves the float32 outputs on `samples` within the verification tolerance (exp(-10000) is 0 as
     exp(-inf) is; a NaN fill is selected only for inputs the model rejects); else the model as it was and the
     reason. The fill of an additive attention mask is clipped to the smallest bound its scores allow
-    (nonfinite.mask_bound: ~60 on MiniLM, whose int8 attention then keeps its scores), every other constant to
+    (nonfinite.mask_bound: ~60 on MiniLM, whose int8 attention then keeps its scores), and each attention's
+    mask scaled down to its own bound where that is lower (nonfinite.own_fills), every other constant to
     ±MASK_BOUND. Measured on a masked attention with HF's `(1 - mask) * -1e9`: the mask kept float16 unclipped,
     cosine 0.876 → 0.778. NaN: jax2tf's `jnp.take` writes a NaN-filled [1,128,384] constant for out-of-range ids
     into a Where, and the toolkit's range of that Where input is NaN ("cannot convert float NaN to integer" in
     step1)."""
     mask = nonfinite.mask_bound(model, samples, threads) if samples else None
-    tries = ([mask] if mask else []) + [None]
-    for tried in tries:
+    # each attention's own fill first (nonfinite.own_fills), then one fill for all, then ±MASK_BOUND
+    tries = ([(mask, True)] if mask and mask.own else []) + ([(mask, False)] if mask else []) + [(None, False)]
+    for tried, own in tries:
         bounds = {name: tried.bound for name in tried.constants} if tried else {}
         clipped, changed = nonfinite.clip_constants(model, extremes, MASK_BOUND, nan=0.0, bounds=bounds)
         if not changed:
             return model, {}
+        clipped, fills = nonfinite.own_fills(clipped, tried) if own else (clipped, {})
         record = {"bound": MASK_BOUND, "constants": changed, "verified_on": len(samples),
-                  **({"mask_bound": tried.record()} if tried else {})}
+                  **({"mask_bound": {**tried.record(), **({"own_fills": fills} if fills else {})}} if tried else {})}
         if not samples:
             return clipped, {**record, "clipped": True}
         verdict = compare(run_model(model, samples, threads), run_model(clipped, samples, threads), Tolerance())
         if verdict.ok:
             return clipped, {**record, "clipped": True}
         if tried:
-            log.info("rknn: the attention masks' fill at ±%.4g changed the outputs (%s); clipping to ±%g instead",
-                     tried.bound, verdict.reason, MASK_BOUND)
+            log.info("rknn: the attention masks' fill at ±%.4g%s changed the outputs (%s); trying %s instead",
+                     tried.bound, " (each attention's own below it)" if own else "", verdict.reason,
+                     "one fill for all" if own else f"±{MASK_BOUND:g}")
     log.warning("rknn: clipping the constants float16 cannot hold changed the outputs (%s); left as they are",
                 verdict.reason)
     return model, {**record, "clipped": False, "reason": verdict.reason}

@@ -78,6 +78,16 @@ def test_mask_constants_are_clipped_for_float16_only_when_the_outputs_stay():
     assert kept is offset and record["clipped"] is False and "max |a-b|" in record["reason"]
 
 
+def test_a_later_attention_gets_its_own_lower_fill_verified():
+    model, samples = masked_attention_model(-1e9, "scale", layers=2), masked_attention_samples(6)
+    clipped, record = float16_safe(model, nonfinite.find(model, samples), samples)
+    fills = record["mask_bound"]["own_fills"]
+    assert record["clipped"] and list(fills) == ["mask_add_2"] and fills["mask_add_2"] < record["mask_bound"]["bound"]
+    scale = next(t for t in clipped.graph.initializer if t.name == "mask_add_2/own_fill_scale")
+    assert onnx.numpy_helper.to_array(scale) == pytest.approx(fills["mask_add_2"] / record["mask_bound"]["bound"],
+                                                              rel=1e-3)
+
+
 def test_an_older_hf_mask_filled_with_minus_10000_is_clipped_too():
     """float16 holds -10000, so nothing is extreme, but RKNN's int8 attention still spreads its grid over it
     (MiniLM: -10000 0.494, -60 0.831)."""
