@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,14 +89,35 @@ def judge(target: dict, outputs: dict, float_nodes: set[str], evaluate: Callable
           acceptance: list[dict]) -> dict:
     """The gate on the samples the search chooses on (`outputs`) and, when it holds there and samples were kept
     apart, on those (the same build, run on them): {"passed", "checks", "unseen": {"passed", "metrics",
-    "samples"}}. On the few samples kept apart an agreement passes unless its 95% interval lies below the
-    threshold: with 32 samples one flip is 3%, and a 97% target would be a coin toss."""
+    "samples", "standard_error"}}. On the few samples kept apart an agreement passes unless its 95% interval
+    lies below the threshold: with 32 samples one flip is 3%, and a 97% target would be a coin toss. A
+    cosine_mean there passes only with one standard error of its per-sample cosines to spare: the search stops
+    at the first float set that meets the target, so a mean that meets it by less than its own noise is the
+    usual case, and it fell short on the next samples (all-MiniLM-L6-v2 on RKNN, cosine 0.99: 0.9900 on the 32
+    kept apart, 0.9896 on 128 held-out; with the margin, 0.9904 + 0.0007 → 0.9907 held-out, 15 float16 layers)."""
     gate = check_gate(target, outputs)
     if gate["passed"] and acceptance:
-        unseen = check_gate(target, evaluate(float_nodes, acceptance), undecided_passes=True)
+        measured = evaluate(float_nodes, acceptance)
+        lowered, errors = _less_one_standard_error(measured)
+        unseen = check_gate(target, lowered, undecided_passes=True)
         gate = {**gate, "passed": unseen["passed"],
-                "unseen": {"passed": unseen["passed"], "metrics": gate_metrics(unseen), "samples": len(acceptance)}}
+                "unseen": {"passed": unseen["passed"], "metrics": gate_metrics(check_gate(target, measured)),
+                           "samples": len(acceptance), **({"standard_error": errors} if errors else {})}}
     return gate
+
+
+def _less_one_standard_error(outputs: dict) -> tuple[dict, dict[str, float]]:
+    """`outputs` with each cosine_mean lowered by the standard error of its per-sample cosines → (outputs,
+    {output: standard error})."""
+    lowered, errors = {}, {}
+    for name, metrics in outputs.items():
+        per_sample = metrics.get("per_sample") or {}
+        values = [v for v in per_sample.get("values", []) if v is not None]
+        if "cosine_mean" in metrics and per_sample.get("metric") == "cosine" and len(values) > 1:
+            errors[name] = statistics.stdev(values) / math.sqrt(len(values))
+            metrics = {**metrics, "cosine_mean": metrics["cosine_mean"] - errors[name]}
+        lowered[name] = metrics
+    return lowered, errors
 
 
 def gate_metrics(gate: dict) -> dict:
@@ -179,6 +201,7 @@ class Candidates:
     cost: dict[str, float] | None = None
     ops: dict[str, str] = field(default_factory=dict)
     group_kind: str = "edge"  # what a group is, for the record (RKNN: a LayerNorm chain)
+    first: tuple[str, ...] = ()  # promoted before the ranked ones in round 1, if they help at all (RKNN: outputs)
 
     def nodes(self, names, base_float: set[str]) -> set[str]:
         return {n for c in names for n in self.groups.get(c, (c,))} - base_float
@@ -262,6 +285,8 @@ class Search:
         cost = self.candidates.cost
         if cost:
             ranked = sorted(ranked, key=lambda row: -row["gain"] / max(cost.get(row["node"], 0.0), MIN_COST))
+        if round_index == 1 and self.candidates.first:
+            ranked = sorted(ranked, key=lambda row: row["node"] not in self.candidates.first)  # stable
         return ranked
 
     def rank_by_trials(self, pool: list[str], round_index: int) -> list[dict]:
@@ -364,8 +389,10 @@ class Search:
         result = Trial(phase, start + added, added, len(made_float), score_of(outputs, self.target),
                        gate_metrics(gate), gate["passed"], time.perf_counter() - t0, unseen=gate.get("unseen"))
         if result.unseen and not result.passed:
+            errors = result.unseen.get("standard_error") or {}
+            margin = f", less its standard error {max(errors.values()):.4f}" if errors else ""
             self.say(f"target met on the {len(samples)} samples the search chooses on, missed on the "
-                     f"{len(self.acceptance)} kept apart ({_metrics_text(result.unseen['metrics'])})")
+                     f"{len(self.acceptance)} kept apart ({_metrics_text(result.unseen['metrics'])}{margin})")
         self.trials.append(result)
         return result
 

@@ -396,6 +396,27 @@ def test_a_float_set_that_meets_the_target_only_on_the_samples_it_was_chosen_on_
     assert alone.passed and alone.float_nodes == ["b"]
 
 
+def test_on_the_samples_kept_apart_a_cosine_mean_needs_its_standard_error_to_spare():
+    """A mean that meets the target by less than its own noise on 8 samples is not accepted; the record keeps
+    the measured mean and the standard error that was taken off it."""
+    kept_apart = [{}] * 8
+
+    def on_kept_apart(values):
+        return {"y": {"cosine_mean": sum(values) / len(values),
+                      "per_sample": {"metric": "cosine", "values": values}}}
+
+    noisy = on_kept_apart([0.990, 0.9996, 0.9996, 0.9996, 0.9996, 0.9996, 0.9996, 0.9996])  # mean 0.99840
+    steady = on_kept_apart([0.9985] * 8)
+    target, passing = {"cosine_mean": 0.998}, {"y": {"cosine_mean": 0.999}}
+    gate = search.judge(target, passing, set(), lambda nodes, samples: noisy, kept_apart)
+    assert not gate["passed"] and gate["unseen"]["metrics"]["cosine_mean"] == pytest.approx(0.9984)
+    assert gate["unseen"]["standard_error"]["y"] == pytest.approx(0.0012, abs=1e-4)
+    assert search.judge(target, passing, set(), lambda nodes, samples: steady, kept_apart)["passed"]
+    # without per-sample values (or on the samples the search chooses on) the mean alone decides
+    assert search.judge(target, passing, set(), lambda nodes, samples: {"y": {"cosine_mean": 0.9984}},
+                        kept_apart)["passed"]
+
+
 def test_budget_predicts_a_step_from_the_slowest_recent_run_and_keeps_the_reserve(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
@@ -484,3 +505,18 @@ def test_the_cap_counts_what_the_backend_counts_and_a_promoted_group_s_nodes_are
     promoted = [t["added"] for t in outcome.record["trials"] if t["phase"] == "promote"]
     assert promoted == [["chain"]]  # mm and ln: already float; other: a third layer, over the cap
     assert sorted(outcome.float_nodes) == ["bias", "ln", "mm"] and "LayerNorm chain" in candidates.describe("chain")
+
+
+def test_candidates_named_first_are_tried_first_and_kept_only_if_they_pay():
+    """RKNN's output layers: their single-layer error ranks them low, their effect on the output is direct.
+    Tried first in round 1; one that does not remove MIN_GAIN of the error is dropped like any other."""
+    evaluate, _ = _scripted({"a": 0.02, "b": 0.01, "out": 0.005, "noise": 0.0})
+    ranking = [{"node": "a", "gain": 0.02}, {"node": "b", "gain": 0.01}, {"node": "noise", "gain": 0.002},
+               {"node": "out", "gain": 0.001}]
+    backend = Scripted(evaluate, rank=lambda chosen: [r for r in ranking if r["node"] not in chosen])
+    options = {**OPTIONS, "target": {"cosine_mean": 0.9999}}
+    outcome = search.Search(backend, search.Candidates(["a", "b", "out", "noise"], first=("noise", "out")), set(),
+                            [{}] * 4, options).run()
+    promoted = [(t["added"], t["accepted"]) for t in outcome.record["trials"] if t["phase"] == "promote"]
+    assert promoted[:3] == [(["noise"], False), (["out"], True), (["a"], True)]
+    assert sorted(outcome.float_nodes) == ["a", "b", "out"]
