@@ -24,8 +24,8 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
     unseen = record["best"].get("unseen")
     if split.get("kept_apart"):
         verdict += (f" Chosen on {split['chosen_on']} evaluation samples, accepted on {split['kept_apart']} others"
-                    + (f" ({_numbers(unseen['metrics'])}: {'held' if unseen['passed'] else 'missed'})." if unseen
-                       else " (never reached: the target was not met on the first)."))
+                    + (f" ({_numbers(unseen['metrics'])}{_margin(unseen)}: {'held' if unseen['passed'] else 'missed'})."
+                       if unseen else " (never reached: the target was not met on the first)."))
     spread = record.get("spread_tensors") or {}
     if len(spread.get("scores", {})) > 1:
         verdict += (f" Tensors whose channels spread too far for one int8 scale, kept "
@@ -67,3 +67,9 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
 
 def _numbers(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)))
+
+
+def _margin(unseen: dict) -> str:
+    """The standard error a cosine_mean on the samples kept apart had to spare (search.judge)."""
+    errors = unseen.get("standard_error") or {}
+    return f", with one standard error ({max(errors.values()):.5f}) to spare" if errors else ""
