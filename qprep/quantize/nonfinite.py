@@ -215,7 +215,7 @@ def own_fills(model: onnx.ModelProto, mask: MaskBound) -> tuple[onnx.ModelProto,
 
     Why: one fill serves every attention, and the attention that needs the most sets it: all-MiniLM-L6-v2 has
     a masked score 17.6 above its row's largest unmasked one in layer 0, 1.3–7.7 in layers 1–5, so one fill of
-    59 where 27–40 would do. An int8 attention spreads its grid over the fill (nonfinite.mask_bound), so every
+    59 where 25–38 would do. An int8 attention spreads its grid over the fill (nonfinite.mask_bound), so every
     attention's scores lost grid steps to layer 0's. Only masks of 0 and the fill (HF's and torch's) are
     scaled: a mask that carries a position bias would be scaled with it. The caller verifies the numbers."""
     scaled = {name: own for name, own in mask.own.items() if own < mask.bound}
@@ -224,25 +224,17 @@ def own_fills(model: onnx.ModelProto, mask: MaskBound) -> tuple[onnx.ModelProto,
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
+    dtype = next(array.dtype for name, array in _float_constants(model) if name in mask.constants)  # the fill's
     for index, node in reversed(list(enumerate(graph.node))):
         if node.name not in scaled:
             continue
         side = list(node.input).index(mask.mask_inputs[node.name])
         factor, tensor = f"{node.name}/own_fill_scale", f"{node.name}/own_fill_output"
-        dtype = _elem_dtype(model, node.input[side])
         graph.initializer.append(numpy_helper.from_array(np.asarray(scaled[node.name] / mask.bound, dtype), factor))
         graph.node.insert(index, onnx.helper.make_node("Mul", [node.input[side], factor], [tensor],
                                                        name=f"{node.name}/own_fill"))
         node.input[side] = tensor
     return result, {name: round(value, 3) for name, value in scaled.items()}
-
-
-def _elem_dtype(model: onnx.ModelProto, tensor: str) -> np.dtype:
-    """The numpy dtype of `tensor` where the graph declares it, else float32."""
-    for info in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output):
-        if info.name == tensor and info.type.tensor_type.elem_type:
-            return onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type)
-    return np.dtype(np.float32)
 
 
 def _upstream(name: str, producers: dict) -> set[str]:
