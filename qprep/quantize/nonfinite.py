@@ -148,6 +148,7 @@ class MaskBound:
     constants: set[str]
     own: dict[str, float] = field(default_factory=dict)
     mask_inputs: dict[str, str] = field(default_factory=dict)  # Add → its mask input
+    dtype: np.dtype = np.dtype(np.float32)  # the fill's
 
     def record(self) -> dict:
         return {"bound": round(self.bound, 3), "excess": round(self.excess, 3), "margin": MASK_MARGIN,
@@ -206,7 +207,8 @@ def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) ->
     bounds = {name: min(2.0 * value + MASK_MARGIN, FILL) for name, value in excess.items()}
     return MaskBound(bound=max(bounds.values()), excess=max(excess.values()), adds=[add.name for add, *_ in adds],
                      constants=constants, own={name: bounds[name] for name in pure},
-                     mask_inputs={add.name: mask for add, _, mask, _ in adds})
+                     mask_inputs={add.name: mask for add, _, mask, _ in adds},
+                     dtype=arrays[next(iter(constants))].dtype)
 
 
 def own_fills(model: onnx.ModelProto, mask: MaskBound) -> tuple[onnx.ModelProto, dict[str, float]]:
@@ -224,13 +226,13 @@ def own_fills(model: onnx.ModelProto, mask: MaskBound) -> tuple[onnx.ModelProto,
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
-    dtype = next(array.dtype for name, array in _float_constants(model) if name in mask.constants)  # the fill's
     for index, node in reversed(list(enumerate(graph.node))):
         if node.name not in scaled:
             continue
         side = list(node.input).index(mask.mask_inputs[node.name])
         factor, tensor = f"{node.name}/own_fill_scale", f"{node.name}/own_fill_output"
-        graph.initializer.append(numpy_helper.from_array(np.asarray(scaled[node.name] / mask.bound, dtype), factor))
+        graph.initializer.append(numpy_helper.from_array(np.asarray(scaled[node.name] / mask.bound, mask.dtype),
+                                                              factor))
         graph.node.insert(index, onnx.helper.make_node("Mul", [node.input[side], factor], [tensor],
                                                        name=f"{node.name}/own_fill"))
         node.input[side] = tensor
