@@ -23,6 +23,8 @@ from qprep.evaluate.layers import LayerComparison
 from qprep.errors import DataError
 from qprep.evaluate.kinds import output_kinds
 from qprep.evaluate.metrics import compare_output, wilson_interval
+from qprep.evaluate.padding import Padding
+from qprep.evaluate.padding import find as find_padding
 from qprep.verify import is_numeric
 from qprep.model.runtime import run_model
 
@@ -53,7 +55,8 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     with ctx.progress.step(f"evaluation: {len(samples)} samples"):
         actual = result_on(samples)
     kinds = output_kinds(run.model, expected, cfg["tasks"])  # decided once: the held-out set is judged the same way
-    outputs = measure(samples, expected, actual, kinds, cfg, cfg["labels"], notes)
+    padding = find_padding(run.model, samples.samples, expected, cfg["padding"])  # decided once too
+    outputs = measure(samples, expected, actual, kinds, cfg, cfg["labels"], notes, padding)
     symbols = ctc.dictionary(run.model)
     ctc.spell_worst(outputs, symbols)
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
@@ -64,7 +67,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
             heldout_actual = result_on(run.heldout)
         heldout_notes: list[str] = []
         heldout = measure(run.heldout, heldout_expected, heldout_actual, kinds, cfg, cfg["heldout"]["labels"],
-                          heldout_notes)
+                          heldout_notes, padding)
         ctc.spell_worst(heldout, symbols)
         result["heldout"] = {"samples": run.heldout.describe(), "outputs": heldout, "notes": heldout_notes}
     latency = None
@@ -105,11 +108,16 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
 
 
 def measure(samples, expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]], cfg: dict,
-            labels_path, notes: list[str]) -> dict:
+            labels_path, notes: list[str], padding: Padding | None = None) -> dict:
     """Per-output metrics of `actual` against `expected` on one sample set (evaluation or held-out), with the
     worst samples and, given labels, task accuracy; what a reader must know goes to `notes`."""
-    outputs = output_metrics(expected, actual, kinds, cfg["decision_threshold"])
+    outputs = output_metrics(expected, actual, kinds, cfg["decision_threshold"], padding, samples.samples)
     notes.extend(output_notes(outputs))
+    if padding is not None:
+        whole = padding_included(expected, actual, kinds, padding, samples.samples, cfg["decision_threshold"])
+        for name, figures in whole["outputs"].items():
+            outputs[name]["with_padding"] = figures
+        notes.extend(padding_notes(whole))
     skipped = [name for name in expected[0] if name not in outputs]
     if skipped:
         notes.append(f"output {', '.join(skipped)}: not a numeric tensor (strings, sequences, maps), not compared")
@@ -124,16 +132,43 @@ def measure(samples, expected: list[dict], actual: list[dict], kinds: dict[str, 
 
 
 def output_metrics(expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]],
-                   threshold: float = 0.5) -> dict:
+                   threshold: float = 0.5, padding: Padding | None = None, inputs: list[dict] | None = None) -> dict:
     """Per output of `kinds` (kinds.output_kinds, decided once on all evaluation samples, so the fallback's
-    trials on fewer samples judge each output the same way): compare_output over the samples, and why."""
+    trials on fewer samples judge each output the same way): compare_output over the samples, and why.
+    Outputs `padding` lays out along the attention mask are compared on the real positions of `inputs`."""
     outputs = {}
     for name, (kind, why) in kinds.items():
         values = [e[name] for e in expected]
         if not all(is_numeric(v) for v in values):
             continue  # strings, sequences, maps: no accuracy figure (evaluate() notes which)
-        outputs[name] = {**compare_output(values, [a[name] for a in actual], kind, threshold), "why": why}
+        results = [a[name] for a in actual]
+        if padding is not None and name in padding.outputs:
+            values = [padding.rows(name, v, s) for v, s in zip(values, inputs)]
+            results = [padding.rows(name, r, s) for r, s in zip(results, inputs)]
+            why += f"; judged on the positions '{padding.input}' marks real (padding rows are not used)"
+        outputs[name] = {**compare_output(values, results, kind, threshold), "why": why}
     return outputs
+
+
+def padding_included(expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]],
+                     padding: Padding, inputs: list[dict], threshold: float) -> dict:
+    """The judged figures of the outputs `padding` trims, over every position: what a whole-tensor comparison
+    (another tool's, or `evaluation.padding: none`) reports, and how far the padding rows move it."""
+    figures = {}
+    for name in sorted(padding.outputs & set(kinds)):
+        whole = compare_output([e[name] for e in expected], [a[name] for a in actual], kinds[name][0], threshold)
+        figures[name] = {metric: whole[metric] for metric in whole["judged_by"] if whole[metric] is not None}
+    real, every = padding.real_share(inputs)
+    return {"input": padding.input, "real_positions": real, "positions": every, "outputs": figures}
+
+
+def padding_notes(whole: dict) -> list[str]:
+    """Per output judged on real positions only: how many those are, and its figures with the padding rows."""
+    return [f"output '{name}': judged on the {whole['real_positions']:,} of {whole['positions']:,} positions the "
+            f"input '{whole['input']}' marks real (pooling and token heads do not use the padding rows); with the "
+            f"padding rows: " + ", ".join(f"{metric} {value:.5f}" for metric, value in judged.items())
+            + " (evaluation.padding: none judges every position)"
+            for name, judged in whole["outputs"].items()]
 
 
 def output_notes(outputs: dict) -> list[str]:
