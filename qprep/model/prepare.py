@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
 import onnx
 import onnx.version_converter
+from onnx import helper, numpy_helper
 
 from qprep.errors import ConfigError, ModelError
-from qprep.model.info import default_opset, graph_inputs, has_control_flow
+from qprep.model.info import default_opset, graph_inputs, has_control_flow, unique_name
 from qprep.model.io import inferred_shapes, weightless
 
 log = logging.getLogger("qprep")
@@ -143,7 +145,10 @@ def ops_newer_than(model: onnx.ModelProto, opset: int) -> list[str]:
 
 def convert_down(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     """`model` at `opset` by onnx's version converter, or a one-line error naming what blocks it (an op that
-    does not exist at `opset`, or the converter's own complaint). The caller verifies the numbers."""
+    does not exist at `opset`, or the converter's own complaint). Gelu (opset 20) is written out as its
+    definition first. The caller verifies the numbers."""
+    if opset < GELU_OPSET and "Gelu" in ops_newer_than(model, opset):
+        model = gelu_written_out(model)
     blocking = ops_newer_than(model, opset)
     if blocking:
         raise ModelError(f"the model is opset {default_opset(model)} and uses {', '.join(blocking)}, which opset "
@@ -153,6 +158,56 @@ def convert_down(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     except Exception as exc:  # the converter raises bare RuntimeErrors naming the op it could not adapt
         raise ModelError(f"the model is opset {default_opset(model)} and onnx's converter cannot take it down to "
                          f"{opset} ({str(exc).splitlines()[0][:200]}): export it at opset {opset}") from None
+
+
+GELU_OPSET = 20  # Gelu's first opset
+
+
+def gelu_written_out(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` whose Gelu nodes (main graph) are their definition in elementwise ops every opset ≥ 13
+    has: 0.5·x·(1 + Erf(x/√2)), or with approximate "tanh" 0.5·x·(1 + Tanh(√(2/π)·(x + 0.044715·x³))).
+
+    Why: torch's dynamo exporter writes GELU as one Gelu (opset 20), and rknn-toolkit2 takes opset 19 at most
+    (limits.py); the toolkit fuses the Erf form back into its own GELU layer (exGelu). Constants take x's
+    float type, read from the graph's type information (float32 where it has none)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    taken = {o for n in graph.node for o in n.output} | set(types)
+    nodes = []
+    for node in graph.node:
+        if node.op_type != "Gelu" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        x, y = node.input[0], node.output[0]
+        dtype = helper.tensor_dtype_to_np_dtype(types.get(x) or onnx.TensorProto.FLOAT)
+        tanh = any(a.name == "approximate" and a.s == b"tanh" for a in node.attribute)
+
+        def tensor(role: str) -> str:
+            return unique_name(f"{node.name or y}/{role}", taken)
+
+        def constant(role: str, value: float) -> str:
+            name = tensor(role)
+            graph.initializer.append(numpy_helper.from_array(np.array(value, dtype), name))
+            return name
+
+        def op(op_type: str, inputs: list[str], role: str, output: str | None = None) -> str:
+            output = output or tensor(role)
+            nodes.append(helper.make_node(op_type, inputs, [output], name=tensor(role + "_node")))
+            return output
+
+        if tanh:
+            cube = op("Mul", [op("Mul", [x, x], "square"), x], "cube")
+            inner = op("Add", [x, op("Mul", [cube, constant("c", 0.044715)], "cubic_term")], "inner")
+            core = op("Tanh", [op("Mul", [inner, constant("sqrt_2_over_pi", np.sqrt(2 / np.pi))], "u")], "tanh")
+        else:
+            core = op("Erf", [op("Div", [x, constant("sqrt_2", np.sqrt(2.0))], "u")], "erf")
+        half_x = op("Mul", [x, constant("half", 0.5)], "half_x")
+        op("Mul", [half_x, op("Add", [core, constant("one", 1.0)], "one_plus")], "gelu", output=y)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
 
 
 def _all_nodes(graph: onnx.GraphProto):

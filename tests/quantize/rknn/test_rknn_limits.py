@@ -39,10 +39,33 @@ def _conv_samples(count=4):
 
 
 def test_an_op_opset_19_lacks_blocks_the_conversion_by_name():
-    model = make_model([helper.make_node("Gelu", ["x"], ["y"], name="gelu")], [("x", [1, 4])], ["y"], opset=21)
-    assert ops_newer_than(model, 19) == ["Gelu"] and ops_newer_than(model, 20) == []
-    with pytest.raises(ModelError, match=r"opset 19 at most, and the model is opset 21 and uses Gelu, which opset 19"):
+    model = make_model([helper.make_node("RMSNormalization", ["x", "scale"], ["y"], name="norm")], [("x", [1, 4])],
+                       ["y"], {"scale": np.ones(4, np.float32)}, opset=23)
+    assert ops_newer_than(model, 19) == ["RMSNormalization"] and ops_newer_than(model, 23) == []
+    with pytest.raises(ModelError, match=r"opset 19 at most, and the model is opset 23 and uses RMSNormalization, "
+                                         r"which opset 19"):
         refuse_unsupported(model)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_is_written_out_for_opset_19_and_keeps_the_numbers(approximate):
+    """torch's dynamo exporter writes Gelu (opset 20); the toolkit takes 19: Gelu becomes its definition
+    (Erf or Tanh form), verified by within_opset; its constants take x's type (float16 here)."""
+    for dtype, elem in ((np.float32, onnx.TensorProto.FLOAT), (np.float16, onnx.TensorProto.FLOAT16)):
+        gelu = helper.make_node("Gelu", ["x"], ["y"], name="gelu", approximate=approximate)
+        graph = helper.make_graph([gelu], "g", [helper.make_tensor_value_info("x", elem, [2, 64])],
+                                  [helper.make_tensor_value_info("y", elem, [2, 64])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+        assert ops_newer_than(model, 19) == ["Gelu"]
+        converted = convert_down(model, 19)
+        assert "Gelu" not in {n.op_type for n in converted.graph.node}
+        assert ("Tanh" if approximate == "tanh" else "Erf") in {n.op_type for n in converted.graph.node}
+        assert {t.data_type for t in converted.graph.initializer} == {elem}
+        assert [n.op_type for n in model.graph.node] == ["Gelu"]  # the caller's model is left as it was
+    samples = [{"x": np.linspace(-6, 6, 128, dtype=np.float32).reshape(2, 64)}]  # float16 rounds each op: 32 only
+    gelu = make_model([helper.make_node("Gelu", ["x"], ["y"], approximate=approximate)], [("x", [2, 64])],
+                      [("y", [2, 64])], opset=21)
+    assert within_opset(gelu, samples)[1] == {"from": 21, "to": 19, "verified_on": 1}
 
 
 def test_ops_outside_the_onnx_domain_are_refused_by_name():
