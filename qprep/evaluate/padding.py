@@ -11,8 +11,8 @@ evaluation also gives its figure with the padding rows (`with_padding`), and `ev
 every position.
 
 The mask is found by structure and values, never by name: a graph input holding only 0 and 1 on the samples
-(at least one 0) that reaches a Softmax, or an attention op, through elementwise and shape ops alone — the
-additive mask of an attention. Token type ids are 0/1 too, but reach the attention through an embedding Gather
+(at least one 0) that reaches a Softmax (or one written out: Exp then ReduceSum), or an attention op, through
+elementwise and shape ops alone — the additive mask of an attention. Token type ids are 0/1 too, but reach the attention through an embedding Gather
 and the MatMuls.
 """
 
@@ -32,8 +32,9 @@ MASK_PATH = {"Cast", "CastLike", "Identity", "Unsqueeze", "Squeeze", "Reshape", 
 # ops that select from their first input (the mask indexed by positions, as transformers' exports do); a tensor
 # read as their indices instead becomes rows of a table (token type ids into their embedding): not a mask path
 SELECTS = {"Gather", "GatherElements", "GatherND"}
-# what a mask is for: the scores' Softmax, or an attention op that takes the mask itself
-MASKED = {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention"}
+# what a mask is for: the scores' Softmax, or an attention op that takes the mask itself; a Softmax written out
+# (jax2tf: ReduceMax, Sub, Exp, ReduceSum, Div) is an Exp whose output a ReduceSum reads
+MASKED = {"Softmax", "LogSoftmax", "Attention", "MultiHeadAttention", "GroupQueryAttention"}
 NONE = "none"  # evaluation.padding: judge every position
 
 
@@ -104,7 +105,8 @@ def _reaches_masked(model: onnx.ModelProto, name: str) -> bool:
     seen, stack = set(), [name]
     while stack:
         for node, slot in readers.get(stack.pop(), ()):
-            if node.op_type in MASKED:
+            if node.op_type in MASKED or (node.op_type == "Exp" and any(
+                    reader.op_type == "ReduceSum" for reader, _ in readers.get(node.output[0], ()))):
                 return True
             passes = node.op_type in MASK_PATH or (node.op_type in SELECTS and slot == 0)
             if passes and id(node) not in seen:

@@ -126,3 +126,25 @@ def test_a_run_judges_real_positions_and_reports_the_whole_tensor_figure(tmp_pat
     config["evaluation"]["padding"] = "none"
     whole = qprep.run(config, output_dir=str(tmp_path / "whole"))["evaluation"]["outputs"]["y"]
     assert "with_padding" not in whole and whole["cosine_mean"] == pytest.approx(y["with_padding"]["cosine_mean"])
+
+
+def test_a_softmax_written_out_is_found_as_the_mask_s_end():
+    """jax2tf writes softmax as ReduceMax, Sub, Exp, ReduceSum, Div: an Exp a ReduceSum reads ends the mask path."""
+    model = masked_attention_model(seq=SEQ, dim=DIM)
+    graph = model.graph
+    softmax, = [node for node in graph.node if node.op_type == "Softmax"]
+    at = list(graph.node).index(softmax)
+    graph.node.remove(softmax)
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "last_axis"))
+    for offset, node in enumerate([
+            helper.make_node("ReduceMax", ["masked"], ["row_max"], axes=[-1], keepdims=1),
+            helper.make_node("Sub", ["masked", "row_max"], ["shifted"]),
+            helper.make_node("Exp", ["shifted"], ["numerator"]),
+            helper.make_node("ReduceSum", ["numerator", "last_axis"], ["denominator"], keepdims=1),
+            helper.make_node("Div", ["numerator", "denominator"], ["attention"])]):
+        graph.node.insert(at + offset, node)
+    samples = masked_attention_samples(4, seq=SEQ, dim=DIM)
+    expected = run_model(model, samples)
+    assert find(model, samples, expected) == Padding("mask", frozenset({"y"}))
+    graph.node[at + 3].op_type = "ReduceMean"  # an Exp some other reduction reads: not a softmax (not run)
+    assert find(model, samples, expected) is None
