@@ -67,7 +67,7 @@ class GraphPass:
 
 # Canonical order: cleanup first (fewer nodes to match), then folds that expose constants, then fusions.
 PASS_MODULES: tuple[str, ...] = ("cleanup", "fold_constants", "simplify_shapes", "fold_into_conv",
-                                 "layernorm", "gelu", "fuse_gemm")
+                                 "layernorm", "gelu", "softmax", "fuse_gemm")
 
 
 def all_passes() -> dict[str, GraphPass]:
