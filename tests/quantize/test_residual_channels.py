@@ -1,7 +1,7 @@
 """Residual channels: a residual sum whose few channels are far larger than the rest is scaled down per channel
 (in the weights that compute it where they can take it) and the LayerNorm reading it is computed from the scaled
-sum, exactly; nothing changes where the channels are even, the LayerNorm is kept float, or the sum has other
-readers."""
+sum, exactly (a LayerNorm kept float keeps its computation float); nothing changes where the channels are even or
+the sum has other readers."""
 
 import numpy as np
 from onnx import helper
@@ -87,9 +87,20 @@ def test_even_channels_are_left_alone():
     assert residual_channels.rescale(model, _samples()).model is model
 
 
-def test_a_layernorm_kept_float_is_left_alone():
+def test_a_layernorm_kept_float_is_rewritten_and_the_nodes_computing_it_stay_float():
+    """float16 on the LayerNorm alone leaves the int8 sum with its huge channel: the sum is scaled all the same,
+    and the float set gets the LayerNorm's new computation in its place."""
     model = _post_ln_ffn()
-    assert residual_channels.rescale(model, _samples(), keep={"norm"}).model is model
+    samples = _samples()
+    result = residual_channels.rescale(model, samples, keep={"norm", "other"})
+    assert result.record["layernorms"][0]["float"] is True
+    computing = result.float_nodes["norm"]
+    names = {n.name for n in result.model.graph.node}
+    assert "norm" not in names and set(computing) <= names
+    assert {n.op_type for n in result.model.graph.node if n.name in computing} >= {"MatMul", "Sqrt", "Div"}
+    assert result.carried({"norm", "other"}) == {"other", *computing}
+    assert not residual_channels.rescale(model, samples).float_nodes  # not kept float: nothing carried
+    _same_outputs(model, result.model, samples)
 
 
 def test_a_sum_that_other_nodes_read_is_left_alone():

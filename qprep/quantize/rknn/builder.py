@@ -265,7 +265,7 @@ def quantize(job: BackendInput) -> Quantized:
     if job.options.get("rescale_residual_channels") and job.options["do_quantization"] and job.samples:
         result = residual_channels.rescale(job.model, job.samples[:residual_channels.SAMPLES], job.threads,
                                            keep=set(job.float_set))
-        job.model, rescaled = result.model, result.record
+        job.model, rescaled, job.float_set = result.model, result.record, result.carried(job.float_set)
     builder = RknnBuilder(job, split)
     if smoothed:
         builder.details["smoothed_layernorms"] = smoothed
