@@ -143,8 +143,8 @@ def output_metrics(expected: list[dict], actual: list[dict], kinds: dict[str, tu
             continue  # strings, sequences, maps: no accuracy figure (evaluate() notes which)
         results = [a[name] for a in actual]
         if padding is not None and name in padding.outputs:
-            values = [padding.rows(name, v, s) for v, s in zip(values, inputs)]
-            results = [padding.rows(name, r, s) for r, s in zip(results, inputs)]
+            pairs = [padding.rows(name, v, r, s) for v, r, s in zip(values, results, inputs)]
+            values, results = [v for v, _ in pairs], [r for _, r in pairs]
             why += f"; judged on the positions '{padding.input}' marks real (padding rows are not used)"
         outputs[name] = {**compare_output(values, results, kind, threshold), "why": why}
     return outputs

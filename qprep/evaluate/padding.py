@@ -12,8 +12,12 @@ every position.
 
 The mask is found by structure and values, never by name: a graph input holding only 0 and 1 on the samples
 (at least one 0) that reaches a Softmax (or one written out: Exp then ReduceSum), or an attention op, through
-elementwise and shape ops alone — the additive mask of an attention. Token type ids are 0/1 too, but reach the attention through an embedding Gather
-and the MatMuls.
+elementwise and shape ops alone — the additive mask of an attention. Token type ids are 0/1 too, but reach the
+attention through an embedding Gather and the MatMuls. Found automatically only where the reading is sure: the
+Hugging Face convention (numbers, 1 = a real token, the first position real on every sample — a boolean
+`key_padding_mask` marks padding with True), one such input (an encoder-decoder's two masks could trim an output by
+the wrong one), and an output whose sequence axis is not declared with another symbol than the mask's. Elsewhere
+every position is judged, or `evaluation.padding: <input>` names the mask.
 """
 
 from __future__ import annotations
@@ -45,14 +49,14 @@ class Padding:
     input: str
     outputs: frozenset[str]
 
-    def rows(self, output: str, value: np.ndarray, sample: dict) -> np.ndarray:
-        """`value` (the output `output` on `sample`) without its padding rows: [real positions, ...]."""
-        if output not in self.outputs:
-            return value
+    def rows(self, output: str, reference: np.ndarray, result: np.ndarray, sample: dict) -> tuple:
+        """(reference, result) of `output` on `sample` without their padding rows ([real positions, ...]); both
+        whole when either's layout differs from the mask's (another shape: compared as the metrics compare it)."""
         real = np.asarray(sample[self.input]) != 0
-        if value.ndim < 2 or value.shape[:2] != real.shape:
-            return value  # this sample's layout differs (another shape): judged whole
-        return value[real]
+        if output not in self.outputs or any(np.ndim(v) < 2 or np.shape(v)[:2] != real.shape
+                                             for v in (reference, result)):
+            return reference, result
+        return reference[real], result[real]
 
     def real_share(self, samples: list[dict]) -> tuple[int, int]:
         """(real positions, all positions) over `samples`."""
@@ -66,17 +70,21 @@ def find(model: onnx.ModelProto, samples: list[dict], expected: list[dict], sett
     (it must still hold 0/1 and match an output's leading axes)."""
     if setting == NONE or not samples:
         return None
-    inputs = [i for i in samples[0] if _zeros_and_ones(samples, i)]
     if setting != "auto":
         if setting not in samples[0]:
             raise ConfigError(f"evaluation.padding: '{setting}' is not an input of the model (inputs: "
                               f"{', '.join(samples[0])}); name the attention-mask input, or use auto or none")
-        if setting not in inputs:
-            raise ConfigError(f"evaluation.padding: input '{setting}' holds values other than 0 and 1 on the "
-                              "evaluation samples: it is not a padding mask; use auto or none")
+        if not _zeros_and_ones(samples, setting):
+            raise ConfigError(f"evaluation.padding: input '{setting}' is not [batch, sequence] with only 0 and 1 on "
+                              "the evaluation samples: it is not a padding mask; use auto or none")
+        if not _has_padding(samples, setting):
+            return None  # no position to leave out on these samples
         candidates = [setting]
     else:
-        candidates = [name for name in inputs if _reaches_masked(model, name)]
+        candidates = [name for name in samples[0] if _zeros_and_ones(samples, name) and _has_padding(samples, name)
+                      and _real_first(samples, name) and _reaches_masked(model, name)]
+        if len(candidates) != 1:
+            return None  # none, or several masks: which one an output follows is not read from the graph here
     for name in candidates:
         outputs = _laid_out(model, name, samples, expected)
         if outputs:
@@ -88,11 +96,22 @@ def find(model: onnx.ModelProto, samples: list[dict], expected: list[dict], sett
 
 
 def _zeros_and_ones(samples: list[dict], name: str) -> bool:
-    """Rank 2, only 0 and 1 on every sample, and a 0 somewhere (else there is no padding to leave out)."""
+    """Rank 2 ([batch, sequence]), only 0 and 1 on every sample."""
     values = [np.asarray(s[name]) for s in samples]
     if any(v.ndim != 2 or v.dtype.kind not in "biuf" for v in values):
         return False
-    return all(np.isin(v, (0, 1)).all() for v in values) and any((v == 0).any() for v in values)
+    return all(np.isin(v, (0, 1)).all() for v in values)
+
+
+def _has_padding(samples: list[dict], name: str) -> bool:
+    return any((np.asarray(s[name]) == 0).any() for s in samples)
+
+
+def _real_first(samples: list[dict], name: str) -> bool:
+    """The Hugging Face reading is sure: numbers (not a boolean key_padding_mask, where True is padding), 1 at the
+    first position of every sample (right padding; a mask marking padding with 1 has 0 there)."""
+    values = [np.asarray(s[name]) for s in samples]
+    return all(v.dtype.kind != "b" and (v[:, 0] == 1).all() for v in values)
 
 
 def _reaches_masked(model: onnx.ModelProto, name: str) -> bool:
@@ -125,7 +144,10 @@ def _laid_out(model: onnx.ModelProto, mask: str, samples: list[dict], expected: 
         values = [np.asarray(e[output]) for e in expected]
         if not all(v.ndim >= 2 and v.shape[:2] == np.shape(s[mask]) for v, s in zip(values, samples)):
             continue
-        if values[0].ndim >= 3 or (sequence and _dim_symbol(model.graph.output, output) == sequence):
+        symbol = _dim_symbol(model.graph.output, output)
+        if sequence and symbol and symbol != sequence:
+            continue  # declared along another sequence axis (a decoder's), the same length by chance
+        if values[0].ndim >= 3 or (sequence and symbol == sequence):
             chosen.append(output)
     return chosen
 

@@ -169,11 +169,19 @@ def gelu_written_out(model: onnx.ModelProto) -> onnx.ModelProto:
 
     Why: torch's dynamo exporter writes GELU as one Gelu (opset 20), and rknn-toolkit2 takes opset 19 at most
     (limits.py); the toolkit fuses the Erf form back into its own GELU layer (exGelu). Constants take x's
-    float type, read from the graph's type information (float32 where it has none)."""
+    float type, read from the graph's type information after shape inference (float32 where it has none)."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
+
+    def known_types() -> dict[str, int]:
+        values = [*model.graph.input, *model.graph.value_info, *model.graph.output]
+        return {**{v.name: v.type.tensor_type.elem_type for v in values},
+                **{t.name: t.data_type for t in model.graph.initializer}}
+
+    types = known_types()
+    if any(n.op_type == "Gelu" and n.input[0] not in types for n in model.graph.node):
+        model, _ = infer_shapes(model)  # an intermediate x's float type (a float16 model's constants must match)
+        types = known_types()
     graph = model.graph
-    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
-    types.update({t.name: t.data_type for t in graph.initializer})
     taken = {o for n in graph.node for o in n.output} | set(types)
     nodes = []
     for node in graph.node:

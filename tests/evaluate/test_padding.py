@@ -49,7 +49,7 @@ def test_the_mask_is_found_by_structure_and_the_token_types_are_not():
     assert find(model, samples, expected, "none") is None
     assert find(model, samples, expected, "mask") == padding
     assert find(model, samples, expected, "types") == Padding("types", frozenset({"y"}))  # named: the user's word
-    for setting, message in (("x", "other than 0 and 1"), ("ids", "not an input")):
+    for setting, message in (("x", "with only 0 and 1"), ("ids", "not an input")):
         with pytest.raises(ConfigError, match=message):
             find(model, samples, expected, setting)
     with pytest.raises(ConfigError, match="no output"):
@@ -62,6 +62,20 @@ def test_without_padding_on_the_samples_there_is_nothing_to_leave_out():
     for sample in samples:
         sample["mask"][:] = 1
     assert find(model, samples, run_model(model, samples)) is None
+    assert find(model, samples, run_model(model, samples), "mask") is None  # named: still nothing to leave out
+
+
+def test_a_mask_whose_reading_is_not_sure_is_not_taken_by_itself():
+    """A mask that marks padding with 1 (its first position 0) or a boolean one (PyTorch's key_padding_mask: True
+    is padding) is not read the Hugging Face way; naming it does."""
+    model = masked_attention_model(seq=SEQ, dim=DIM)
+    samples = masked_attention_samples(4, seq=SEQ, dim=DIM)
+    expected = run_model(model, samples)
+    inverted = [{**s, "mask": 1 - s["mask"]} for s in samples]
+    assert find(model, inverted, expected) is None
+    boolean = [{**s, "mask": s["mask"].astype(bool)} for s in samples]
+    assert find(model, boolean, expected) is None
+    assert find(model, boolean, expected, "mask") == Padding("mask", frozenset({"y"}))
 
 
 def test_padding_rows_do_not_move_the_judged_figure_and_the_whole_tensor_figure_is_kept():

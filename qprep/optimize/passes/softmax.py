@@ -102,7 +102,8 @@ def _bounded_operand(node: ir.Node) -> ir.Node | None:
         return None
     for value, other in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
         bound = constant_array(other)
-        if bound is not None and bound.size == 1 and constant_array(value) is None:
+        if (bound is not None and bound.size == 1 and constant_array(value) is None and value.shape is not None
+                and bound.ndim <= len(value.shape)):  # a higher-rank constant would change the result's rank
             return value.producer()
     return None
 
