@@ -62,7 +62,7 @@ class Rescaled:
 
     def carried(self, float_set: set[str]) -> set[str]:
         """`float_set` with each rewritten float LayerNorm replaced by the nodes that compute it now."""
-        return (set(float_set) - set(self.float_nodes)) | {n for nodes in self.float_nodes.values() for n in nodes}
+        return {node for name in float_set for node in self.float_nodes.get(name, [name])}
 
 
 @dataclass(eq=False)
