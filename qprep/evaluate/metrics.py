@@ -58,10 +58,15 @@ def higher_is_better(metric: str) -> bool:
     return {**OUTPUT_METRICS, **RUN_METRICS}.get(name, name.endswith("_agreement"))
 
 
+EMBEDDING_PRODUCERS = {"Tanh", "LpNormalization"}  # what ends an embedding, never class scores
+
+
 def output_task(name: str, shape: tuple, producer_op: str | None, integer: bool = False) -> str:
     """What a score output looks like: class scores [N, C], per-step scores [N, T, C] (a Softmax/LogSoftmax
-    over the last axis), or anything else (compared numerically only). Integer outputs are never scores."""
-    if integer:
+    over the last axis), or anything else (compared numerically only). Integer outputs are never scores, nor is
+    an embedding [N, C] squashed by a Tanh or normalized to unit length (BERT's pooler_output: its argmax means
+    nothing, and a top-1 agreement of 69% was printed for it)."""
+    if integer or producer_op in EMBEDDING_PRODUCERS:
         return "tensor"
     if len(shape) == 2 and shape[-1] >= 2:
         return "classification"
