@@ -77,7 +77,8 @@ def rescale(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
     from the scaled sums, verified on `samples`; the model itself when none spreads or the outputs changed.
     A LayerNorm in `keep` (the float set) is rewritten too, and the nodes that compute it now stay float in its
     place (`float_nodes`): float16 on the LayerNorm alone leaves the int8 sum that feeds it with its huge channel
-    (MiniLM with its LayerNorms float16: 0.9616 held-out; rewritten and float16: 0.99)."""
+    (MiniLM with its LayerNorms float16: 0.9616 held-out; rewritten and float16: 0.99) — unless float16 could not
+    hold that computation (`_float16_computes`)."""
     sites = _sites(model) if samples else []
     if not sites:
         return Rescaled(model)
@@ -96,6 +97,8 @@ def rescale(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
         peak = spread[site.add.output[0]]
         median = float(np.median(peak))
         divisor = np.clip(peak / (HEADROOM * median), 1.0, MAX_DIVISOR).astype(np.float32)
+        if site.layernorm.name in keep and not _float16_computes(peak, divisor):
+            continue  # its float16 LayerNorm stays as it is: computed from the scaled sum it could overflow
         links = Links(result)  # each site's rewrite changes the graph the next one reads
         folded = [how for name in site.add.input for how in _divide(result, links, name, site.add, divisor, taken)]
         computing = _replace_layernorm(result, links, site.layernorm, divisor, taken)
@@ -104,6 +107,8 @@ def rescale(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
         record.append({"layernorm": site.layernorm.name, "channels": int((divisor > 1).sum()),
                        "spread_before": round(float(peak.max() / median), 1), "inputs": folded,
                        **({"float": True} if site.layernorm.name in keep else {})})
+    if not record:  # every spread sum feeds a float16 LayerNorm that stays as it is
+        return Rescaled(model)
     reason = rewrite_mismatch(model, reference, result, samples, threads)
     if reason:  # exact in math: a failure means the pattern matched something it should not have
         log.warning("quantize: scaling residual channels changed the outputs (%s); the model is left as it was",
@@ -112,6 +117,15 @@ def rescale(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
     log.info("quantize: %d residual sums' huge channels scaled down, their LayerNorms computed from the scaled sums",
              len(record))
     return Rescaled(result, {"layernorms": record, "verified_on": len(samples)}, float_nodes)
+
+
+def _float16_computes(peak: np.ndarray, divisor: np.ndarray) -> bool:
+    """Whether float16 holds a kept LayerNorm's computation from the scaled sum with 4× to spare: the centered
+    scaled values' squares (centered ≤ twice the largest scaled peak) and the variance (≤ the mean of the channels'
+    squared peaks). MiniLM: largest scaled peak ~6, variance bound ~100; the float16 LayerNorm layer itself
+    needs no such bound."""
+    limit = float(np.finfo(np.float16).max) / 4
+    return float((2 * (peak / divisor).max()) ** 2) < limit and float(np.mean(peak.astype(np.float64) ** 2)) < limit
 
 
 def _sites(model: onnx.ModelProto) -> list[_Site]:

@@ -103,6 +103,15 @@ def test_a_layernorm_kept_float_is_rewritten_and_the_nodes_computing_it_stay_flo
     _same_outputs(model, result.model, samples)
 
 
+def test_a_kept_layernorm_float16_could_not_compute_stays_as_it_is():
+    """A sum whose variance float16 could not hold (channel 2 near 1e3): its float16 LayerNorm is left alone,
+    while without the float set the same sum is rewritten (int8 paths, float32 checks)."""
+    model = _post_ln_ffn(huge=4000.0)
+    samples = _samples()
+    assert residual_channels.rescale(model, samples, keep={"norm"}).model is model
+    assert residual_channels.rescale(model, samples).record["layernorms"][0]["layernorm"] == "norm"
+
+
 def test_a_sum_that_other_nodes_read_is_left_alone():
     model = _post_ln_ffn(sum_read_twice=True)  # scaling it would change what the Relu reads
     assert residual_channels.rescale(model, _samples()).model is model
