@@ -58,7 +58,8 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
 def _softmax_input(div: ir.Node) -> ir.Value | str:
     """The x of the softmax `div` ends, or why not ("" when `div` is no softmax candidate at all)."""
     e, s = div.inputs
-    exp, reduce_sum = e.producer() if e else None, _through_restores(s)
+    exp = e.producer() if e else None
+    sum_path, reduce_sum = _chain(s)
     if exp is None or exp.op_type != "Exp" or reduce_sum is None or reduce_sum.op_type != "ReduceSum" \
             or reduce_sum.inputs[0] is not e:
         return ""  # not an Exp divided by its own sum
@@ -69,17 +70,17 @@ def _softmax_input(div: ir.Node) -> ir.Value | str:
     rank = len(x.shape) if x.shape is not None else None
     if rank is None:
         return "the scores' rank is unknown"
-    reduce_max = _through_restores(shift, bounds=True)
+    max_path, reduce_max = _chain(shift, bounds=True)
     if reduce_max is None or reduce_max.op_type != "ReduceMax" or reduce_max.inputs[0] is not x:
         return "the shift is not the scores' row maximum"
     for reduction in (reduce_sum, reduce_max):
         if _axes(reduction, rank) != [rank - 1]:
             return f"{reduction.op_type} is not over the last axis alone"
-    for value, start in ((s, reduce_sum), (shift, reduce_max)):
-        problem = _restored(value, start, rank)
+    for path, reduction in ((sum_path, reduce_sum), (max_path, reduce_max)):
+        problem = _restored(path, reduction, rank)
         if problem:
             return problem
-    inside = {div, exp, sub, reduce_sum, reduce_max, *_between(s, reduce_sum), *_between(shift, reduce_max)}
+    inside = {div, exp, sub, reduce_sum, reduce_max, *sum_path, *max_path}
     for node in inside - {div}:
         for out in node.outputs:
             if out.is_graph_output() or any(use.node not in inside for use in out.uses()):
@@ -87,13 +88,14 @@ def _softmax_input(div: ir.Node) -> ir.Value | str:
     return x
 
 
-def _through_restores(value: ir.Value | None, bounds: bool = False) -> ir.Node | None:
-    """The first node above `value` that is not a Reshape/Unsqueeze (nor, with `bounds`, a Max/Min with a
-    constant)."""
-    node = value.producer() if value is not None else None
+def _chain(value: ir.Value | None, bounds: bool = False) -> tuple[list[ir.Node], ir.Node | None]:
+    """The Reshape/Unsqueeze nodes (and, with `bounds`, Max/Min with a constant) above `value`, nearest first,
+    and the first other node above them."""
+    path, node = [], value.producer() if value is not None else None
     while node is not None and (node.op_type in RESTORES or (bounds and node.op_type in BOUNDS)):
+        path.append(node)
         node = node.inputs[0].producer() if node.op_type in RESTORES else _bounded_operand(node)
-    return node
+    return path, node
 
 
 def _bounded_operand(node: ir.Node) -> ir.Node | None:
@@ -106,15 +108,6 @@ def _bounded_operand(node: ir.Node) -> ir.Node | None:
                 and bound.ndim <= len(value.shape)):  # a higher-rank constant would change the result's rank
             return value.producer()
     return None
-
-
-def _between(value: ir.Value, start: ir.Node) -> list[ir.Node]:
-    """The nodes from `start`'s output down to `value` (excluded `start`)."""
-    nodes, node = [], value.producer()
-    while node is not None and node is not start:
-        nodes.append(node)
-        node = node.inputs[0].producer() if node.op_type in RESTORES else _bounded_operand(node)
-    return nodes
 
 
 def _axes(node: ir.Node, rank: int) -> list[int] | None:
@@ -132,11 +125,12 @@ def _axes(node: ir.Node, rank: int) -> list[int] | None:
     return sorted(a % rank for a in axes)
 
 
-def _restored(value: ir.Value, reduction: ir.Node, rank: int) -> str:
-    """Why the reduction's output, taken down to `value`, is not one value per row of rank `rank` ("" if it is)."""
+def _restored(path: list[ir.Node], reduction: ir.Node, rank: int) -> str:
+    """Why the reduction's output, taken down `path` (nearest the reader first), is not one value per row of rank
+    `rank` ("" if it is)."""
     keepdims = reduction.attributes.get("keepdims")
     kept = keepdims is None or keepdims.as_int() == 1
-    for node in reversed(_between(value, reduction)):
+    for node in reversed(path):
         if node.op_type in BOUNDS:
             continue
         if kept:
