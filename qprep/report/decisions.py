@@ -66,6 +66,10 @@ def _rounding(stage: dict) -> str:
     rounding = stage.get("weight_rounding") or {}
     if not rounding:
         return ""
+    if rounding.get("method") == "mmse" and "calibration_samples" in rounding:
+        chosen = " (chosen by the fallback)" if (stage.get("fallback") or {}).get("weight_rounding") else ""
+        return (f"weight ranges: those of an RKNN `mmse` build on {rounding['calibration_samples']} calibration "
+                f"samples ({rounding.get('seconds', 0):.0f} s), nearest rounding{chosen}")
     if rounding.get("method") != "gptq":
         return f"weight rounding: {rounding.get('method', '?')} (GPTQ off)"
     layers = f" on {rounding['layers']} layers" if "layers" in rounding else ""

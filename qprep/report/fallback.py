@@ -39,6 +39,7 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
         verdict += (f" Op types left float first (re-rounding without compute): {', '.join(op_types['chosen'])} "
                     f"({op_types['nodes']} nodes).")
     for key, when in (("ranges", "measured first"), ("ranges_with_spread", "measured after them"),
+                      ("weight_rounding", "measured after the ranges"),
                       ("ranges_after_search", "measured after the search")):
         ranges = record.get(key) or {}
         if len(ranges.get("scores", {})) > 1:

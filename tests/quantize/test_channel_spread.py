@@ -211,3 +211,35 @@ def test_rknn_measures_kl_divergence_ranges_on_the_float16_set_a_missed_search_e
     assert builds[:2] == ["normal", "kl_divergence"] and builder.algorithm == record["chosen"] == "kl_divergence"
     assert outcome.passed and outcome.record["passed"] and "why" not in outcome.record
     assert outcome.record["best"]["score"] == 0.995
+
+
+@pytest.mark.parametrize("algorithm, gptq, mmse, chosen", [
+    ("normal", 0.9972, 0.9983, "mmse"),  # EfficientNet-Lite0 all int8 (GPTQ 0.99723, mmse weights 0.99826)
+    ("normal", 0.9734, 0.9674, "gptq"),  # PP-OCRv4 rec: mmse's weight ranges lose there
+    ("normal", 0.9950, 0.9951, "gptq"),  # noise: less than 5% of the error removed
+    ("normal", 0.9995, 0.9999, "gptq"),  # the target is met already: nothing built
+    ("kl_divergence", 0.95, 0.99, None),  # kl ranges were kept: mmse weights go with normal ones only
+])
+def test_rknn_measures_mmse_weight_ranges_after_the_range_phases(algorithm, gptq, mmse, chosen):
+    """mmse's weight ranges (an mmse build on a few samples, then normal builds) are measured against GPTQ on the
+    float16 set so far, kept on 5% of the error removed or the target met; the builder keeps the winner."""
+    from qprep.quantize.budget import Budget
+    from qprep.quantize.rknn.search import _mmse_weights
+
+    builder, trials, builds, job = _scripted_rknn_ranges(algorithm, 0.95, 0.95)
+    builder.weight_rounding = "gptq"
+    builder.use_weight_rounding = lambda name: setattr(builder, "weight_rounding", name)
+    builder.weights_in_use = lambda: builder.weight_rounding if builder.algorithm == "normal" else builder.algorithm
+
+    def evaluate(float_nodes, samples):
+        builds.append(builder.weight_rounding)
+        return {"y": {"cosine_mean": {"gptq": gptq, "mmse": mmse}[builder.weight_rounding]}}
+
+    trials.evaluate = evaluate
+    job.fallback = {"target": {"cosine_mean": 0.998}}
+    record = _mmse_weights(builder, trials, job, {"spread"}, Budget(600))
+    if chosen is None:
+        assert record == {} and builds == [] and builder.weight_rounding == "gptq"
+        return
+    assert builds == (["gptq"] if gptq >= 0.998 else ["gptq", "mmse"])
+    assert builder.weight_rounding == record["chosen"] == chosen

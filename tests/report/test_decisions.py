@@ -111,6 +111,18 @@ def test_fallback_line_gives_the_range_algorithm_measured_again_after_the_spread
             "(normal 0.98544, kl_divergence 0.99638)") in fallback
 
 
+def test_mmse_weight_ranges_chosen_by_the_fallback_are_named_with_their_scores():
+    record = {**fallback_record([]), "weight_rounding": {
+        "setting": "weight_rounding", "configured": "gptq", "chosen": "mmse", "scores": {"gptq": 0.99723, "mmse": 0.99826}}}
+    stage = {**report()["stages"][0], "fallback": record,
+             "weight_rounding": {"method": "mmse", "calibration_samples": 8, "weights": 51, "seconds": 39.4}}
+    lines = decision_lines(stage)
+    assert any("weight ranges: those of an RKNN `mmse` build on 8 calibration samples (39 s), nearest rounding "
+               "(chosen by the fallback)" in line for line in lines)
+    fallback = next(line for line in lines if line.startswith("accuracy-driven fallback"))
+    assert "weight_rounding measured after the ranges: mmse kept (gptq 0.99723, mmse 0.99826)" in fallback
+
+
 def test_outlier_positions_computed_apart_are_named_with_their_positions():
     split = {"chains": [{"layernorm": "a", "nodes": 7, "segments": [[0, 1], [1, 128]], "outliers": [[0, 1]]},
                         {"layernorm": "b", "nodes": 4, "segments": [[0, 126], [126, 128]], "outliers": [[126, 128]]}],

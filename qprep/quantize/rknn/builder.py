@@ -34,6 +34,12 @@ from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")
 
+# calibration samples of the mmse build whose weight ranges `weight_rounding: mmse` takes. The toolkit's mmse gain
+# is in its weight ranges: EfficientNet-Lite0 all int8, 96 evaluation samples (rknn-toolkit2 2.5.0): normal
+# 0.99287, normal + GPTQ 0.99723, mmse 0.99824 (138 s a build), normal with mmse's weight ranges 0.99823 and with
+# its activation ranges 0.99216. From an mmse build on 8 samples (45 s): 0.99826, on 4 (26 s) 0.99814, on 1 0.99459.
+# GPTQ on mmse's grid was worse (0.99573) than nearest rounding on it.
+MMSE_WEIGHT_SAMPLES = 8
 PLATFORMS = ("rv1103", "rv1103b", "rv1106", "rv1106b", "rv1126b", "rk2118", "rk3562", "rk3566", "rk3568",
              "rk3576", "rk3588")
 OPTIONS = section(
@@ -46,9 +52,12 @@ OPTIONS = section(
     quantized_method=Key("str", default="channel", choices=("channel", "layer"), doc="weight scale granularity"),
     optimization_level=Key("int", default=3, minimum=0, doc="toolkit graph optimization level"),
     do_quantization=Key("bool", default=True, doc="false: a float16 model (no int8)"),
-    weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest"),
+    weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest", "mmse"),
                         doc="gptq: Conv/MatMul/Gemm weights handed to the toolkit on its own grid with GPTQ's "
-                            "integers (weights.py); w8a8, per channel, normal algorithm (the one measured)"),
+                            "integers (weights.py); w8a8, per channel, normal algorithm (the one measured). mmse: "
+                            f"the weight ranges an mmse build on {MMSE_WEIGHT_SAMPLES} calibration samples "
+                            "chooses, nearest rounding, activation ranges as the algorithm says (normal only; the "
+                            "fallback tries it when the target is missed)"),
     split_outlier_positions=Key("bool", default=True,
                                 doc="compute LayerNorm chains apart for sequence positions whose activations stand "
                                     "far above the rest (BERT's [CLS]), so int8 ranges fit both (outlier_positions.py)"),
@@ -74,6 +83,9 @@ class RknnBuilder:
         self.model_path = job.work_dir / "model.onnx"
         self._on_grid: onnx.ModelProto | None = None  # the model with GPTQ weights, made once
         self._grid_record: dict = {}
+        self.weight_rounding = self.options["weight_rounding"]  # the fallback may choose another (use_weight_rounding)
+        self._weight_table: dict | None = None  # weight_rounding mmse: the int8 weight entries step1 is given
+        self._weight_record: dict = {}
         self.normalization = dataset.normalization(job)
         self.dataset = dataset.write_dataset(job, job.work_dir, self.normalization)
         options = self.options
@@ -101,6 +113,30 @@ class RknnBuilder:
     def algorithm(self) -> str:
         return self.config["quantized_algorithm"]
 
+    @property
+    def setting(self) -> str:
+        """What a build's numbers depend on besides its float16 layers (its sessions and the search's remembered
+        results are keyed on it): the range algorithm and how the weights get their integers."""
+        return f"{self.algorithm}, {self.weights_in_use()} weights"
+
+    def weights_in_use(self) -> str:
+        """gptq (weights.py) or mmse (_mmse_weight_ranges) where chosen and measured: w8a8, per channel, `normal`
+        activation ranges; else the toolkit's own: nearest, or the search of its mmse algorithm."""
+        options, own = self.options, (self.algorithm if self.algorithm != "normal" else "nearest")
+        if not (options["do_quantization"] and options["quantized_dtype"] == "w8a8"
+                and options["quantized_method"] == "channel" and self.algorithm == "normal" and self.job.samples):
+            return own
+        return self.weight_rounding
+
+    def use_weight_rounding(self, method: str) -> None:
+        """Give the weights their integers another way from now on (gptq | nearest | mmse); the pinned build
+        stays (as in use_algorithm)."""
+        if method != self.weight_rounding:
+            pinned = self._sessions.get(self._pinned)
+            self.release(keep=pinned[1] if pinned else None)
+            self.weight_rounding, self._step1 = method, None
+            self._save_model()
+
     def use_algorithm(self, algorithm: str) -> None:
         """Build with another range algorithm from now on (hybrid step1 records it, so step1 runs again). The
         pinned build stays: a trial of another algorithm that is not kept leaves the search's best exportable
@@ -115,7 +151,7 @@ class RknnBuilder:
     def reuse_ranges(self, float_set: set[str]) -> bool:
         """Later builds take the ranges of the build of `float_set` (made with the current algorithm) and search
         none (ranges.py): with mmse, a trial's step2 then takes seconds instead of minutes."""
-        entry = self._sessions.get((self.algorithm, frozenset(float_set)))
+        entry = self._sessions.get((self.setting, frozenset(float_set)))
         if entry is None or self.algorithm == "normal" or not self.options["do_quantization"]:
             return False
         try:
@@ -134,11 +170,14 @@ class RknnBuilder:
 
     def _save_model(self) -> None:
         """The ONNX file the toolkit loads: with GPTQ weights where the toolkit's weight grid is the one
-        weights.py reproduces, else the model as prepared."""
-        options = self.options
-        rounding = (options["weight_rounding"] == "gptq" and options["do_quantization"]
-                    and options["quantized_dtype"] == "w8a8" and options["quantized_method"] == "channel"
-                    and self.algorithm == "normal" and self.job.samples)
+        weights.py reproduces, else the model as prepared (with mmse weight ranges, which step1 is given)."""
+        if self.weights_in_use() == "mmse" and self._weight_table is None:
+            try:
+                self._weight_table = self._mmse_weight_ranges()
+            except ValueError as exc:
+                log.warning("rknn: weight_rounding mmse unavailable (%s); GPTQ instead", exc)
+                self.weight_rounding = "gptq"
+        rounding = self.weights_in_use() == "gptq"
         if rounding and self._on_grid is None:
             from qprep.quantize.rknn import weights as rknn_weights
 
@@ -148,15 +187,48 @@ class RknnBuilder:
             self._grid_record = {"method": "gptq", "layers": layers, "underdetermined": underdetermined,
                                  "seconds": round(time.perf_counter() - start, 1)}
             log.info("rknn: GPTQ weights on the toolkit's grid for %d layers", layers)
-        self.details["weight_rounding"] = (self._grid_record if rounding else
-                                           {"method": self.algorithm if self.algorithm != "normal" else "nearest"})
+        weights = self.weights_in_use()
+        self.details["weight_rounding"] = {"gptq": self._grid_record, "mmse": self._weight_record}.get(
+            weights, {"method": weights})
         model = self._on_grid if rounding else self.job.model
         # io.save_model: over 2 GB the weights go to external data beside it, which the toolkit reads (onnx.save_model
         # wrote a 2.2 GB single file that the toolkit's load_onnx could not parse)
         save_model(io_names.renamed(model, self.renames), self.model_path)
 
+    def _mmse_weight_ranges(self) -> dict[str, dict]:
+        """The int8 weight entries of an mmse build on MMSE_WEIGHT_SAMPLES calibration samples of the model as
+        prepared: mmse's gain is in its weight ranges (MMSE_WEIGHT_SAMPLES), and they come from a few samples
+        at a fraction of a full mmse build. ValueError if the toolkit's table cannot be read."""
+        start = time.perf_counter()
+        save_model(io_names.renamed(self.job.model, self.renames), self.model_path)
+        few = self.dataset.with_name("dataset_mmse_weights.txt")
+        lines = self.dataset.read_text().splitlines(keepends=True)[:MMSE_WEIGHT_SAMPLES]
+        few.write_text("".join(lines))
+        rknn = self._loaded("mmse")
+        try:
+            self.toolkit.call("build (mmse weight ranges)", rknn, "build", do_quantization=True, dataset=str(few))
+            table = self.toolkit.apply("quantization table", rknn, rknn_ranges.table_of)
+        finally:
+            self.toolkit.release(rknn)
+        weights = {name: entry for name, entry in table.items()
+                   if entry["qmethod"] == "channel" and entry["dtype"] == "int8"}
+        if not weights:
+            raise ValueError("the mmse build's table holds no per-channel int8 weights")
+        self._weight_record = {"method": "mmse", "calibration_samples": len(lines), "weights": len(weights),
+                               "seconds": round(time.perf_counter() - start, 1)}
+        log.info("rknn: weight ranges of an mmse build on %d calibration samples for %d weights (%.0f s)",
+                 len(lines), len(weights), time.perf_counter() - start)
+        return weights
+
+    def _table(self) -> dict | None:
+        """The ranges step1's outputs are rewritten with (ranges.apply): a whole build's (reuse_ranges), or
+        mmse's weight ranges."""
+        if self._ranges:
+            return self._ranges
+        return self._weight_table if self.weights_in_use() == "mmse" else None
+
     def pin(self, float_set: set[str]) -> None:
-        self._pinned = (self.algorithm, frozenset(float_set))
+        self._pinned = (self.setting, frozenset(float_set))
 
     def _loaded(self, algorithm: str | None = None):
         rknn = self.toolkit.new()
@@ -175,19 +247,25 @@ class RknnBuilder:
             self.toolkit.release(rknn)
             stem = self.toolkit.work_dir / "model"
             cfg_text = Path(f"{stem}.quantization.cfg").read_text()
-            if self._ranges:
+            if table := self._table():
                 try:
-                    cfg_text, counts = rknn_ranges.apply(stem, cfg_text, self._ranges)
+                    cfg_text, counts = rknn_ranges.apply(stem, cfg_text, table)
                 except ValueError as exc:
-                    self._stop_reusing(exc)
+                    if table is self._ranges:
+                        self._stop_reusing(exc)
+                    else:
+                        log.warning("rknn: mmse weight ranges not applicable (%s); GPTQ instead", exc)
+                        self._weight_table, self.weight_rounding = None, "gptq"
+                        self._save_model()
                     return self.ir_names()
-                self.details["ranges_reused"].update(counts)
+                if table is self._ranges:
+                    self.details["ranges_reused"].update(counts)
             self._step1 = (stem, cfg_text, IRNames(f"{stem}.model", cfg_text, self.renames))
         return self._step1[2]
 
     def build(self, float_set: set[str]):
         """An RKNN object built with `float_set` as float16 layers, its simulator runtime initialized."""
-        if (float_set or self._ranges) and self.options["do_quantization"]:
+        if (float_set or self._table()) and self.options["do_quantization"]:
             ir = self.ir_names()
             stem, cfg_text, _ = self._step1
             mapping, unmapped = map_float_set(self.job.model, sorted(float_set), ir)
@@ -214,7 +292,7 @@ class RknnBuilder:
         """The build with `float_set` as float16 layers, its simulator runtime initialized. The last one and
         the pinned one are kept: the fallback evaluates, ranks (accuracy_analysis) and finally exports builds it
         has already made (its best, pinned), and with `mmse` one build takes minutes."""
-        key = (self.algorithm, frozenset(float_set))
+        key = (self.setting, frozenset(float_set))
         if key not in self._sessions:
             for old in [k for k in self._sessions if k != self._pinned]:
                 self.toolkit.release(self._sessions.pop(old)[0])

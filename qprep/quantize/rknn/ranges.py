@@ -1,4 +1,5 @@
-"""One RKNN build's quantization ranges reused by later hybrid builds.
+"""One RKNN build's quantization ranges reused by later hybrid builds (or only its weight ranges: builder.py's
+`weight_rounding: mmse`).
 
 Why: with `mmse` the toolkit searches every weight and activation range again inside each hybrid step2 (185 s
 on PP-OCRv4 rec), while a `normal` step2 takes the ranges it is given (1 s). So the fallback can pay for one mmse
@@ -50,6 +51,8 @@ def table_of(rknn) -> dict[str, dict]:
 def apply(stem: Path, cfg_text: str, table: dict[str, dict]) -> tuple[str, dict]:
     """Step1's outputs (`<stem>.data`, the cfg text) rewritten so step2 builds with `table`'s ranges and searches
     nothing: its entries and the `normal` algorithm into the data file, the activations' entries into the cfg.
+    A table of weights only (builder.py's mmse weight ranges) leaves step1's activation ranges as they are; the
+    toolkit derives each bias's scale again from its weight's and input's (measured).
     Only entries of the same kind are taken (a layer float16 in the table's build has no int8 grid). Returns
     the new cfg text (the caller adds its float16 layers) and counts for the record."""
     data_path = Path(f"{stem}.data")
@@ -66,7 +69,8 @@ def apply(stem: Path, cfg_text: str, table: dict[str, dict]) -> tuple[str, dict]
         entries[name] = table[name]
     cfg_text, activations = with_entries(cfg_text, {name: table[name] for name in taken})
     weights = sum(entries[name]["qmethod"] == "channel" for name in taken)
-    if not activations or not weights:
+    wanted = any(entry.get("qmethod") == "layer" for entry in table.values())  # mmse weight ranges hold none
+    if (wanted and not activations) or not weights:
         raise ValueError(f"the table matches {activations} activations and {weights} weights of step1's outputs")
     with open(data_path, "wb") as f:
         pickle.dump(data, f)

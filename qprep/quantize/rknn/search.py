@@ -28,6 +28,9 @@ MMSE_SLOWER = 20.0
 # a kl_divergence trial against a normal one: its hybrid step1 (histograms over the calibration samples) runs
 # again: MiniLM 45 s vs ~20 s (2.3x), PP-OCRv4 rec 42 s vs ~13.5 s (3.1x)
 KL_SLOWER = 3.5
+# weight_rounding mmse against a normal trial: an mmse build on 8 samples, then step1 and step2 with its weight
+# ranges: EfficientNet-Lite0 45 + 13 s vs 7-8 s
+MMSE_WEIGHTS_SLOWER = 8.0
 
 
 class RknnTrials(search.SearchBackend):
@@ -42,7 +45,7 @@ class RknnTrials(search.SearchBackend):
         self.builder, self.job, self.base_float, self.budget = builder, job, base_float, budget
         self.analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
         self.best_score = float("-inf")  # on the evaluation samples the search chooses on, so far
-        self.remembered = search.remembered(self.measure, lambda: builder.algorithm)
+        self.remembered = search.remembered(self.measure, lambda: builder.setting)
         self.groups: dict[str, tuple[str, ...]] = {}  # candidate name → its nodes (LayerNorm chains)
         self._ir_tensors: dict[str, tuple[str, ...]] = {}  # node → its IR tensors (count)
         self._nodes = {n.name: n for n in job.model.graph.node}
@@ -79,11 +82,13 @@ class RknnTrials(search.SearchBackend):
 
 
 def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> search.Outcome:
-    """Which layers become float16, and which range algorithm builds them: `mmse` against `normal` first, then
-    the spread set, `kl_divergence` once that set is float16, the search with RKNN trials, and kl once more on
-    the float16 set of a search that missed (each phase's reasons in its helper)."""
+    """Which layers become float16, and which ranges build them: `mmse` against `normal` first, then the spread
+    set, `kl_divergence` once that set is float16, mmse's weight ranges, the search with RKNN trials, and kl once
+    more on the float16 set of a search that missed (each phase's reasons in its helper)."""
     budget = Budget(job.fallback["time_budget_s"], job.started)
     trials = RknnTrials(builder, job, base_float, budget)
+    other_algorithms = (builder.algorithm == "normal" and job.options["do_quantization"]
+                        and not builder.split.record)
     # mmse searches weight and activation ranges in step2, so every later build pays it again (minutes, vs
     # seconds): measured once, kept only if it removes 15% of the error. All int8, 128 samples, against normal
     # with GPTQ weights: EfficientNet-Lite0 0.9976 → 0.9984 (its target met with no float layer), PP-OCRv4 rec
@@ -94,8 +99,6 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
     # build's ranges ended lower (rec 0.9843 vs 0.9895).
     # With outlier positions computed apart (outlier_positions.py), mmse and kl clip the copies that hold them,
     # which every token attends to: MiniLM all int8 0.58 with either, normal 0.95. Only normal is built then.
-    other_algorithms = (builder.algorithm == "normal" and job.options["do_quantization"]
-                        and not builder.split.record)
     ranges = search.choose_setting(
         "quantized_algorithm", builder.algorithm, ["mmse"] if other_algorithms else [],
         builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
@@ -109,6 +112,7 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
     spread, base_float = _spread_layers(trials, job, base_float, budget)
     trials.base_float = base_float  # the search ranks the builds it trials: with the spread set float16
     again = {} if builder.split.record else _ranges_with_spread(builder, trials, job, base_float, spread, budget)
+    weights = _mmse_weights(builder, trials, job, base_float, budget) if other_algorithms else {}
     ops = {n.name: n.op_type for n in job.model.graph.node}
     # the Slices and Concats of outlier_positions.py compute nothing: float16 there would only move a conversion
     singles = [n.name for n in job.model.graph.node if n.name not in base_float and n.name not in builder.split.added]
@@ -132,9 +136,28 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
     budget.reserve_kind, budget.reserve_factor = None, 1.0
     after = _ranges_after_search(builder, trials, job, outcome, budget) if kl_after else {}
     outcome.record.update(ranges=ranges, spread_tensors=spread, budget=budget.record_dict(),
+                          **({"weight_rounding": weights} if len(weights.get("scores", {})) > 1 else {}),
                           **({"ranges_with_spread": again} if len(again.get("scores", {})) > 1 else {}),
                           **({"ranges_after_search": after} if len(after.get("scores", {})) > 1 else {}))
     return outcome
+
+
+def _mmse_weights(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, base_float: set[str],
+                  budget: Budget) -> dict:
+    """`weight_rounding: mmse` against the configured rounding, with `normal` ranges on the float16 set so far:
+    mmse's gain can lie in its weight ranges (builder.MMSE_WEIGHT_SAMPLES), which a build on a few samples
+    gives, and every later build stays as fast as a normal one. EfficientNet-Lite0 all int8: GPTQ 0.99723 →
+    0.99826 in ~60 s, where a full mmse build (0.99824) takes 138 s a build and was never affordable in its 300
+    s. After the spread set and kl, which are cheaper: PP-OCRv4 rec meets its target with them, and mmse's
+    weight ranges lose there (0.96735 vs GPTQ 0.97335 all int8; 59 s for the mmse build)."""
+    if builder.algorithm != "normal" or builder.weights_in_use() not in ("gptq", "nearest"):
+        return {}
+    return search.choose_setting(
+        "weight_rounding", builder.weight_rounding, ["mmse"], builder.use_weight_rounding, trials.evaluate,
+        base_float, job.evaluation_samples, job.fallback["target"], job.progress, min_gain=0.05,
+        affordable=lambda method: budget.allows(f"weight_rounding {method}",
+                                                MMSE_WEIGHTS_SLOWER * budget.predict("trial")),
+        acceptance=job.acceptance_samples)
 
 
 def _faster_if_late(builder: RknnBuilder, base_float: set[str], budget: Budget) -> bool:
@@ -170,7 +193,7 @@ def _ranges_with_spread(builder: RknnBuilder, trials: RknnTrials, job: BackendIn
     return search.choose_setting(
         "quantized_algorithm with the spread set float16", builder.algorithm, ["normal", "kl_divergence"],
         builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
-        job.progress, min_gain=0.0,
+        job.progress, min_gain=0.05,
         affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}", budget.predict("trial")),
         acceptance=job.acceptance_samples)
 

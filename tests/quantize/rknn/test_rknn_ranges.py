@@ -190,3 +190,40 @@ def test_after_a_slow_range_build_late_in_the_budget_the_phases_before_the_searc
     builder = Builder()
     assert _faster_if_late(builder, {"ln"}, budget) is reused
     assert ("trial" not in budget.durations) is reused and (builder.asked == [{"ln"}]) is reused
+
+
+def test_mmse_weight_ranges_are_given_to_normal_builds(tmp_path):
+    """weight_rounding mmse: an mmse build on a few calibration samples gives the weight ranges (mmse's gain lies
+    there), and the builds after it are normal ones — no mmse search in them — whose int8 weights carry exactly
+    those ranges and whose activation ranges stay normal's."""
+    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh or `qprep setup rknn` installs it)")
+    from qprep.quantize import rknn
+
+    builder = rknn.RknnBuilder(rknn_job(tmp_path, "ppocr_cls"))
+    try:
+        assert builder.weights_in_use() == "nearest"
+        normal = builder.session(set()).quantization_table()
+        builder.use_weight_rounding("mmse")
+        harvested = builder._weight_table
+        assert builder.details["weight_rounding"]["method"] == "mmse"
+        assert builder.details["weight_rounding"]["calibration_samples"] == 8
+        log_start = builder.toolkit.log_path.stat().st_size
+        table = builder.session(set()).quantization_table()
+        with open(builder.toolkit.log_path, errors="replace") as f:
+            f.seek(log_start)
+            assert "Mmse" not in f.read()
+    finally:
+        builder.close()
+    assert len(harvested) > 40
+    moved = 0
+    for name, entry in harvested.items():
+        scale = rknn_ranges.numbers(table[name]["scale"])
+        np.testing.assert_allclose(scale, rknn_ranges.numbers(entry["scale"]), rtol=1e-6)
+        moved += not np.allclose(scale, rknn_ranges.numbers(normal[name]["scale"]), rtol=1e-3)
+    assert moved > 10  # mmse chose other weight ranges than the extremes for many weights
+    activations = [name for name, entry in normal.items() if entry["qmethod"] == "layer" and entry["dtype"] == "int8"]
+    assert len(activations) > 40
+    for name in activations:
+        for field in ("min", "max"):
+            np.testing.assert_allclose(rknn_ranges.numbers(table[name][field]), rknn_ranges.numbers(normal[name][field]),
+                                       rtol=1e-6)
