@@ -21,10 +21,8 @@ from qprep.evaluate.gate import check_gate
 from qprep.evaluate.latency import interleaved, speedups
 from qprep.evaluate.layers import LayerComparison
 from qprep.errors import DataError
-from qprep.evaluate.kinds import output_kinds
 from qprep.evaluate.metrics import compare_output, wilson_interval
 from qprep.evaluate.padding import Padding
-from qprep.evaluate.padding import find as find_padding
 from qprep.verify import is_numeric
 from qprep.model.runtime import run_model
 
@@ -54,8 +52,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
 
     with ctx.progress.step(f"evaluation: {len(samples)} samples"):
         actual = result_on(samples)
-    kinds = output_kinds(run.model, expected, cfg["tasks"])  # decided once: the held-out set is judged the same way
-    padding = find_padding(run.model, samples.samples, expected, cfg["padding"])  # decided once too
+    kinds, padding = run.judging(cfg["tasks"], cfg["padding"])  # the held-out set is judged the same way
     outputs = measure(samples, expected, actual, kinds, cfg, cfg["labels"], notes, padding)
     symbols = ctc.dictionary(run.model)
     ctc.spell_worst(outputs, symbols)

@@ -32,6 +32,7 @@ class ReferenceOutputs:
     progress: Progress
     heldout: SampleSet | None = None  # evaluation.heldout: only the final evaluation reads it
     _session: object = field(default=None, repr=False)  # built by session(), once
+    _judging: tuple | None = field(default=None, repr=False)  # judging(), decided once
 
     @classmethod
     def of_run(cls, config, checked, progress: Progress) -> "ReferenceOutputs | None":
@@ -56,6 +57,18 @@ class ReferenceOutputs:
     def heldout_expected(self) -> list[dict]:
         with self.progress.step("evaluation: FP32 reference outputs on the held-out samples"):
             return self._outputs(self.heldout.samples)
+
+    def judging(self, tasks: dict, padding: str) -> tuple[dict, object]:
+        """(output kinds, padding): how each output is judged (kinds.py) and which of its positions count
+        (padding.py), decided once on the evaluation samples, so the fallback's trials, the evaluation and the
+        held-out samples are judged alike. `tasks`, `padding`: the evaluation section's settings."""
+        if self._judging is None:
+            from qprep.evaluate.kinds import output_kinds
+            from qprep.evaluate.padding import find
+
+            self._judging = (output_kinds(self.model, self.expected, tasks),
+                             find(self.model, self.samples.samples, self.expected, padding))
+        return self._judging
 
     def session(self):
         """The reference's ORT session (deployed settings), built once and reused to time it. A heavy model is

@@ -139,14 +139,12 @@ def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> Non
     """The search measures every trial on the evaluation samples against the FP32 outputs; those are the run's
     shared ReferenceOutputs, computed here once (the final evaluation reuses them). The samples are split into
     those the search chooses on and those kept apart to accept its choice (search.split_samples)."""
-    from qprep.evaluate import find_padding, output_metrics
-    from qprep.evaluate.kinds import output_kinds
+    from qprep.evaluate import output_metrics
 
     run = ctx.reference
     expected = run.expected
     evaluation = ctx.config["evaluation"]
-    kinds = output_kinds(run.model, expected, evaluation["tasks"])  # as the final evaluation judges them
-    padding = find_padding(run.model, run.samples.samples, expected, evaluation["padding"])
+    kinds, padding = run.judging(evaluation["tasks"], evaluation["padding"])  # as the final evaluation judges
 
     position = {id(sample): i for i, sample in enumerate(run.samples.samples)}
 
