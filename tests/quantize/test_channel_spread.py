@@ -229,7 +229,7 @@ def test_rknn_measures_mmse_weight_ranges_after_the_range_phases(algorithm, gptq
     builder, trials, builds, job = _scripted_rknn_ranges(algorithm, 0.95, 0.95)
     builder.weight_rounding = "gptq"
     builder.use_weight_rounding = lambda name: setattr(builder, "weight_rounding", name)
-    builder.weights_in_use = lambda: builder.weight_rounding if builder.algorithm == "normal" else builder.algorithm
+    builder.toolkit_weights = lambda: builder.algorithm != "normal"
 
     def evaluate(float_nodes, samples):
         builds.append(builder.weight_rounding)

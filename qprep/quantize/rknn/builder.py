@@ -122,11 +122,19 @@ class RknnBuilder:
     def weights_in_use(self) -> str:
         """gptq (weights.py) or mmse (_mmse_weight_ranges) where chosen and measured: w8a8, per channel, `normal`
         activation ranges; else the toolkit's own: nearest, or the search of its mmse algorithm."""
-        options, own = self.options, (self.algorithm if self.algorithm != "normal" else "nearest")
-        if not (options["do_quantization"] and options["quantized_dtype"] == "w8a8"
-                and options["quantized_method"] == "channel" and self.algorithm == "normal" and self.job.samples):
-            return own
-        return self.weight_rounding
+        if not self.toolkit_weights():
+            return self.weight_rounding
+        return self.algorithm if self.algorithm != "normal" else "nearest"
+
+    def toolkit_weights(self) -> bool:
+        """Does the toolkit round the weights its own way (another range algorithm, another precision)?"""
+        options = self.options
+        return not (options["do_quantization"] and options["quantized_dtype"] == "w8a8"
+                    and options["quantized_method"] == "channel" and self.algorithm == "normal" and self.job.samples)
+
+    def _mmse_weight_ranges_in_use(self) -> bool:
+        """weight_rounding mmse under `normal` ranges (not the mmse algorithm, which searches its own)."""
+        return not self.toolkit_weights() and self.weight_rounding == "mmse"
 
     def use_weight_rounding(self, method: str) -> None:
         """Give the weights their integers another way from now on (gptq | nearest | mmse); the pinned build
@@ -171,13 +179,13 @@ class RknnBuilder:
     def _save_model(self) -> None:
         """The ONNX file the toolkit loads: with GPTQ weights where the toolkit's weight grid is the one
         weights.py reproduces, else the model as prepared (with mmse weight ranges, which step1 is given)."""
-        if self.weights_in_use() == "mmse" and self._weight_table is None:
+        if self._mmse_weight_ranges_in_use() and self._weight_table is None:
             try:
                 self._weight_table = self._mmse_weight_ranges()
             except ValueError as exc:
                 log.warning("rknn: weight_rounding mmse unavailable (%s); GPTQ instead", exc)
                 self.weight_rounding = "gptq"
-        rounding = self.weights_in_use() == "gptq"
+        rounding = not self.toolkit_weights() and self.weight_rounding == "gptq"
         if rounding and self._on_grid is None:
             from qprep.quantize.rknn import weights as rknn_weights
 
@@ -188,8 +196,9 @@ class RknnBuilder:
                                  "seconds": round(time.perf_counter() - start, 1)}
             log.info("rknn: GPTQ weights on the toolkit's grid for %d layers", layers)
         weights = self.weights_in_use()
-        self.details["weight_rounding"] = {"gptq": self._grid_record, "mmse": self._weight_record}.get(
-            weights, {"method": weights})
+        self.details["weight_rounding"] = ({"gptq": self._grid_record, "mmse": self._weight_record}[weights]
+                                           if weights in ("gptq", "mmse") and not self.toolkit_weights()
+                                           else {"method": weights})
         model = self._on_grid if rounding else self.job.model
         # io.save_model: over 2 GB the weights go to external data beside it, which the toolkit reads (onnx.save_model
         # wrote a 2.2 GB single file that the toolkit's load_onnx could not parse)
@@ -225,7 +234,7 @@ class RknnBuilder:
         mmse's weight ranges."""
         if self._ranges:
             return self._ranges
-        return self._weight_table if self.weights_in_use() == "mmse" else None
+        return self._weight_table if self._mmse_weight_ranges_in_use() else None
 
     def pin(self, float_set: set[str]) -> None:
         self._pinned = (self.setting, frozenset(float_set))

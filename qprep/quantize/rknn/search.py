@@ -150,7 +150,7 @@ def _mmse_weights(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, b
     0.99826 in ~60 s, where a full mmse build (0.99824) takes 138 s a build and was never affordable in its 300
     s. After the spread set and kl, which are cheaper: PP-OCRv4 rec meets its target with them, and mmse's
     weight ranges lose there (0.96735 vs GPTQ 0.97335 all int8; 59 s for the mmse build)."""
-    if builder.algorithm != "normal" or builder.weights_in_use() not in ("gptq", "nearest"):
+    if builder.algorithm != "normal" or builder.toolkit_weights() or builder.weight_rounding == "mmse":
         return {}
     return search.choose_setting(
         "weight_rounding", builder.weight_rounding, ["mmse"], builder.use_weight_rounding, trials.evaluate,

@@ -227,3 +227,38 @@ def test_mmse_weight_ranges_are_given_to_normal_builds(tmp_path):
         for field in ("min", "max"):
             np.testing.assert_allclose(rknn_ranges.numbers(table[name][field]), rknn_ranges.numbers(normal[name][field]),
                                        rtol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm, rounding, fetched, model", [
+    ("normal", "mmse", True, "as prepared"), ("mmse", "mmse", False, "as prepared"),
+    ("kl_divergence", "mmse", False, "as prepared"), ("normal", "gptq", False, "on grid")])
+def test_mmse_weight_ranges_are_fetched_only_for_normal_builds(monkeypatch, algorithm, rounding, fetched, model):
+    """`weight_rounding: mmse` means mmse's weight ranges under `normal` activation ranges. The `mmse` algorithm
+    searches its own (an mmse trial of the fallback fetched them, 53 s on the zoo's PP-OCRv3 rec, for nothing), and
+    kl builds take the weights as they are."""
+    from types import SimpleNamespace
+
+    from qprep.quantize.rknn import builder as rknn_builder
+
+    saved = []
+    monkeypatch.setattr(rknn_builder, "save_model", lambda m, path: saved.append(m))
+    monkeypatch.setattr(rknn_builder.io_names, "renamed", lambda m, renames: m)
+    builder = rknn_builder.RknnBuilder.__new__(rknn_builder.RknnBuilder)
+    builder.config = {"quantized_algorithm": algorithm}
+    builder.options = {"do_quantization": True, "quantized_dtype": "w8a8", "quantized_method": "channel"}
+    builder.job = SimpleNamespace(samples=[{}], model="as prepared")
+    builder.weight_rounding, builder._weight_table, builder._ranges = rounding, None, None
+    builder._on_grid, builder._grid_record, builder.details, builder.renames = "on grid", {"method": "gptq"}, {}, {}
+    builder.model_path, builder._weight_record = None, {}
+    calls = []
+
+    def fetch():
+        calls.append(1)
+        builder._weight_record = {"method": "mmse", "calibration_samples": 8}
+        return {"w": {"qmethod": "channel", "dtype": "int8"}}
+
+    builder._mmse_weight_ranges = fetch
+    builder._save_model()
+    assert bool(calls) is fetched and saved == [model]
+    assert (builder._table() is not None) is fetched
+    assert builder.details["weight_rounding"]["method"] == (rounding if algorithm == "normal" else algorithm)
