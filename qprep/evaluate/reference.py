@@ -32,7 +32,7 @@ class ReferenceOutputs:
     progress: Progress
     heldout: SampleSet | None = None  # evaluation.heldout: only the final evaluation reads it
     _session: object = field(default=None, repr=False)  # built by session(), once
-    _judging: tuple | None = field(default=None, repr=False)  # judging(), decided once
+    _judging: dict = field(default_factory=dict, repr=False)  # judging()'s decisions, per setting
 
     @classmethod
     def of_run(cls, config, checked, progress: Progress) -> "ReferenceOutputs | None":
@@ -62,13 +62,15 @@ class ReferenceOutputs:
         """(output kinds, padding): how each output is judged (kinds.py) and which of its positions count
         (padding.py), decided once on the evaluation samples, so the fallback's trials, the evaluation and the
         held-out samples are judged alike. `tasks`, `padding`: the evaluation section's settings."""
-        if self._judging is None:
+        key = (repr(tasks), padding)
+        if key not in self._judging:
             from qprep.evaluate.kinds import output_kinds
             from qprep.evaluate.padding import find
 
-            self._judging = (output_kinds(self.model, self.expected, tasks),
-                             find(self.model, self.samples.samples, self.expected, padding))
-        return self._judging
+            expected = self.expected  # first: running the reference may leave a heavy model weightless (session)
+            self._judging[key] = (output_kinds(self.model, expected, tasks),
+                                  find(self.model, self.samples.samples, expected, padding))
+        return self._judging[key]
 
     def session(self):
         """The reference's ORT session (deployed settings), built once and reused to time it. A heavy model is

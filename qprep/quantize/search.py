@@ -461,7 +461,8 @@ def choose_setting(setting: str, configured: str, alternatives: list[str], use: 
     made float: the configured value first and, if the target is missed, each alternative. An alternative is
     kept if it meets the target, or if it removes at least `min_gain` of the configured value's error
     (1 - score) and scores best; a backend whose alternative makes every later trial slower asks for more.
-    An alternative that is not `affordable` (its trial would not end within the time budget) is not tried.
+    An alternative that is not `affordable` (its trial would not end within the time budget) is not tried, nor one
+    `use` refuses (returns False: the backend could not switch to it).
     Meeting the target means on `samples` and on those kept apart (`acceptance`, judge())."""
     outputs = evaluate(base_float, samples)
     scores = {configured: score_of(outputs, target)}
@@ -472,7 +473,8 @@ def choose_setting(setting: str, configured: str, alternatives: list[str], use: 
             continue
         if progress is not None:
             progress.note(f"fallback: trying {setting}: {alternative}")
-        use(alternative)
+        if use(alternative) is False:
+            continue
         outputs = evaluate(base_float, samples)
         scores[alternative] = score = score_of(outputs, target)
         if judge(target, outputs, base_float, evaluate, acceptance or [])["passed"]:

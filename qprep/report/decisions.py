@@ -67,7 +67,8 @@ def _rounding(stage: dict) -> str:
     if not rounding:
         return ""
     if rounding.get("method") == "mmse" and "calibration_samples" in rounding:
-        chosen = " (chosen by the fallback)" if (stage.get("fallback") or {}).get("weight_rounding") else ""
+        measured = (stage.get("fallback") or {}).get("weight_rounding") or {}
+        chosen = " (chosen by the fallback)" if measured.get("chosen") == "mmse" else ""
         return (f"weight ranges: those of an RKNN `mmse` build on {rounding['calibration_samples']} calibration "
                 f"samples ({rounding.get('seconds', 0):.0f} s), nearest rounding{chosen}")
     if rounding.get("method") != "gptq":

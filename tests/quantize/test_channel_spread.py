@@ -180,7 +180,7 @@ def test_rknn_measures_kl_divergence_ranges_again_once_a_spread_set_is_float16(a
 
 
 @pytest.mark.parametrize("normal, kl, chosen", [(0.94, 0.93, "normal"), (0.90, 0.93, "kl_divergence"),
-                                                (0.91, 0.90, "mmse")])
+                                                (0.91, 0.90, "mmse"), (0.9201, 0.90, "normal")])
 def test_after_mmse_a_spread_set_measures_normal_and_kl_ranges_again(normal, kl, chosen):
     """mmse wins with every layer int8 and can lose once the spread set is float16 (MiniLM on RKNN: normal 0.940
     vs mmse 0.923 with 9 layers float16): both faster algorithms are measured, kept on any gain."""

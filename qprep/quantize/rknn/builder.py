@@ -18,6 +18,7 @@ from pathlib import Path
 
 import onnx
 
+from qprep.errors import QprepError
 from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
 from qprep.model.io import save_model
@@ -86,6 +87,7 @@ class RknnBuilder:
         self.weight_rounding = self.options["weight_rounding"]  # the fallback may choose another (use_weight_rounding)
         self._weight_table: dict | None = None  # weight_rounding mmse: the int8 weight entries step1 is given
         self._weight_record: dict = {}
+        self._written: onnx.ModelProto | None = None  # the model in model_path (_write)
         self.normalization = dataset.normalization(job)
         self.dataset = dataset.write_dataset(job, job.work_dir, self.normalization)
         options = self.options
@@ -136,22 +138,22 @@ class RknnBuilder:
         """weight_rounding mmse under `normal` ranges (not the mmse algorithm, which searches its own)."""
         return not self.toolkit_weights() and self.weight_rounding == "mmse"
 
-    def use_weight_rounding(self, method: str) -> None:
+    def use_weight_rounding(self, method: str) -> bool:
         """Give the weights their integers another way from now on (gptq | nearest | mmse); the pinned build
-        stays (as in use_algorithm)."""
+        stays (as in use_algorithm). False if it cannot: mmse's build failed, the weights stay as they were."""
         if method != self.weight_rounding:
-            pinned = self._sessions.get(self._pinned)
-            self.release(keep=pinned[1] if pinned else None)
+            before = self.weight_rounding
+            self._release_all_but_pinned()
             self.weight_rounding, self._step1 = method, None
-            self._save_model()
+            self._save_model(fallback=before)
+        return self.weight_rounding == method
 
     def use_algorithm(self, algorithm: str) -> None:
         """Build with another range algorithm from now on (hybrid step1 records it, so step1 runs again). The
         pinned build stays: a trial of another algorithm that is not kept leaves the search's best exportable
         without building it again."""
         if algorithm != self.algorithm:
-            pinned = self._sessions.get(self._pinned)
-            self.release(keep=pinned[1] if pinned else None)
+            self._release_all_but_pinned()
             self.config["quantized_algorithm"], self._step1, self._ranges = algorithm, None, None
             self.details.pop("ranges_reused", None)
             self._save_model()
@@ -176,15 +178,22 @@ class RknnBuilder:
         self._ranges = None
         self.details.pop("ranges_reused", None)
 
-    def _save_model(self) -> None:
+    def _release_all_but_pinned(self) -> None:
+        pinned = self._sessions.get(self._pinned)
+        self.release(keep=pinned[1] if pinned else None)
+
+    def _save_model(self, fallback: str = "gptq") -> None:
         """The ONNX file the toolkit loads: with GPTQ weights where the toolkit's weight grid is the one
-        weights.py reproduces, else the model as prepared (with mmse weight ranges, which step1 is given)."""
+        weights.py reproduces, else the model as prepared (mmse weight ranges are given to step1, ir_names).
+        Where mmse's weight ranges are wanted and its build fails, the weights are rounded the `fallback` way."""
         if self._mmse_weight_ranges_in_use() and self._weight_table is None:
             try:
                 self._weight_table = self._mmse_weight_ranges()
-            except ValueError as exc:
-                log.warning("rknn: weight_rounding mmse unavailable (%s); GPTQ instead", exc)
-                self.weight_rounding = "gptq"
+            except (ValueError, QprepError) as exc:
+                if getattr(exc, "crashed", False):  # the worker died: nothing can be built any more
+                    raise
+                log.warning("rknn: mmse weight ranges unavailable (%s); the weights are rounded %s", exc, fallback)
+                self.weight_rounding = fallback
         rounding = not self.toolkit_weights() and self.weight_rounding == "gptq"
         if rounding and self._on_grid is None:
             from qprep.quantize.rknn import weights as rknn_weights
@@ -199,17 +208,22 @@ class RknnBuilder:
         self.details["weight_rounding"] = ({"gptq": self._grid_record, "mmse": self._weight_record}[weights]
                                            if weights in ("gptq", "mmse") and not self.toolkit_weights()
                                            else {"method": weights})
-        model = self._on_grid if rounding else self.job.model
-        # io.save_model: over 2 GB the weights go to external data beside it, which the toolkit reads (onnx.save_model
-        # wrote a 2.2 GB single file that the toolkit's load_onnx could not parse)
-        save_model(io_names.renamed(model, self.renames), self.model_path)
+        self._write(self._on_grid if rounding else self.job.model)
+
+    def _write(self, model: onnx.ModelProto) -> None:
+        """`model` where the toolkit loads it, unless it is there already (a big model's write takes seconds)."""
+        if model is not self._written:
+            # io.save_model: over 2 GB the weights go to external data beside it, which the toolkit reads
+            # (onnx.save_model wrote a 2.2 GB single file that the toolkit's load_onnx could not parse)
+            save_model(io_names.renamed(model, self.renames), self.model_path)
+            self._written = model
 
     def _mmse_weight_ranges(self) -> dict[str, dict]:
         """The int8 weight entries of an mmse build on MMSE_WEIGHT_SAMPLES calibration samples of the model as
         prepared: mmse's gain is in its weight ranges (MMSE_WEIGHT_SAMPLES), and they come from a few samples
         at a fraction of a full mmse build. ValueError if the toolkit's table cannot be read."""
         start = time.perf_counter()
-        save_model(io_names.renamed(self.job.model, self.renames), self.model_path)
+        self._write(self.job.model)
         few = self.dataset.with_name("dataset_mmse_weights.txt")
         lines = self.dataset.read_text().splitlines(keepends=True)[:MMSE_WEIGHT_SAMPLES]
         few.write_text("".join(lines))
@@ -260,12 +274,10 @@ class RknnBuilder:
                 try:
                     cfg_text, counts = rknn_ranges.apply(stem, cfg_text, table)
                 except ValueError as exc:
-                    if table is self._ranges:
-                        self._stop_reusing(exc)
-                    else:
-                        log.warning("rknn: mmse weight ranges not applicable (%s); GPTQ instead", exc)
-                        self._weight_table, self.weight_rounding = None, "gptq"
-                        self._save_model()
+                    if table is not self._ranges:  # read from this toolkit's own table: not expected
+                        raise QprepError(f"rknn: mmse's weight ranges do not fit hybrid step1's data ({exc}); "
+                                         "set quantize.rknn.weight_rounding: gptq") from None
+                    self._stop_reusing(exc)
                     return self.ir_names()
                 if table is self._ranges:
                     self.details["ranges_reused"].update(counts)

@@ -193,7 +193,7 @@ def _ranges_with_spread(builder: RknnBuilder, trials: RknnTrials, job: BackendIn
     return search.choose_setting(
         "quantized_algorithm with the spread set float16", builder.algorithm, ["normal", "kl_divergence"],
         builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
-        job.progress, min_gain=0.05,
+        job.progress, min_gain=0.0,
         affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}", budget.predict("trial")),
         acceptance=job.acceptance_samples)
 

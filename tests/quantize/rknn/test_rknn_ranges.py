@@ -229,13 +229,8 @@ def test_mmse_weight_ranges_are_given_to_normal_builds(tmp_path):
                                        rtol=1e-6)
 
 
-@pytest.mark.parametrize("algorithm, rounding, fetched, model", [
-    ("normal", "mmse", True, "as prepared"), ("mmse", "mmse", False, "as prepared"),
-    ("kl_divergence", "mmse", False, "as prepared"), ("normal", "gptq", False, "on grid")])
-def test_mmse_weight_ranges_are_fetched_only_for_normal_builds(monkeypatch, algorithm, rounding, fetched, model):
-    """`weight_rounding: mmse` means mmse's weight ranges under `normal` activation ranges. The `mmse` algorithm
-    searches its own (an mmse trial of the fallback fetched them, 53 s on the zoo's PP-OCRv3 rec, for nothing), and
-    kl builds take the weights as they are."""
+def _stub_builder(monkeypatch, algorithm: str, rounding: str):
+    """An RknnBuilder without a toolkit: models it writes land in the returned list."""
     from types import SimpleNamespace
 
     from qprep.quantize.rknn import builder as rknn_builder
@@ -245,11 +240,50 @@ def test_mmse_weight_ranges_are_fetched_only_for_normal_builds(monkeypatch, algo
     monkeypatch.setattr(rknn_builder.io_names, "renamed", lambda m, renames: m)
     builder = rknn_builder.RknnBuilder.__new__(rknn_builder.RknnBuilder)
     builder.config = {"quantized_algorithm": algorithm}
-    builder.options = {"do_quantization": True, "quantized_dtype": "w8a8", "quantized_method": "channel"}
+    builder.options = {"do_quantization": True, "quantized_dtype": "w8a8", "quantized_method": "channel",
+                       "weight_rounding": rounding}
     builder.job = SimpleNamespace(samples=[{}], model="as prepared")
     builder.weight_rounding, builder._weight_table, builder._ranges = rounding, None, None
     builder._on_grid, builder._grid_record, builder.details, builder.renames = "on grid", {"method": "gptq"}, {}, {}
-    builder.model_path, builder._weight_record = None, {}
+    builder.model_path, builder._weight_record, builder._written = None, {}, None
+    builder._sessions, builder._pinned, builder._step1 = {}, None, None
+    return builder, saved
+
+
+@pytest.mark.parametrize("crashed", [False, True])
+def test_a_failed_mmse_weight_build_leaves_the_weights_as_they_were(monkeypatch, crashed):
+    """The fallback's mmse weight phase is optional: when its build fails the weights stay the way they were
+    rounded (here `nearest`, which a user sets to spare GPTQ's memory on a big model), the phase reports it
+    could not switch and choose_setting records no score for it. A crashed toolkit worker still stops the run."""
+    from qprep.errors import ToolkitError
+    from qprep.quantize import search
+
+    builder, saved = _stub_builder(monkeypatch, "normal", "nearest")
+
+    def fail():
+        raise ToolkitError("rknn-toolkit2 failed in build (mmse weight ranges)", crashed=crashed)
+
+    builder._mmse_weight_ranges = fail
+    if crashed:
+        with pytest.raises(ToolkitError):
+            builder.use_weight_rounding("mmse")
+        return
+    record = search.choose_setting("weight_rounding", "nearest", ["mmse"], builder.use_weight_rounding,
+                                   lambda float_set, samples: {"y": {"cosine_mean": 0.95}}, set(), [{}],
+                                   {"cosine_mean": 0.99})
+    assert builder.weight_rounding == "nearest" and saved == ["as prepared"]
+    assert record["chosen"] == "nearest" and list(record["scores"]) == ["nearest"]
+    assert builder.details["weight_rounding"] == {"method": "nearest"}
+
+
+@pytest.mark.parametrize("algorithm, rounding, fetched, model", [
+    ("normal", "mmse", True, "as prepared"), ("mmse", "mmse", False, "as prepared"),
+    ("kl_divergence", "mmse", False, "as prepared"), ("normal", "gptq", False, "on grid")])
+def test_mmse_weight_ranges_are_fetched_only_for_normal_builds(monkeypatch, algorithm, rounding, fetched, model):
+    """`weight_rounding: mmse` means mmse's weight ranges under `normal` activation ranges. The `mmse` algorithm
+    searches its own (an mmse trial of the fallback fetched them, 53 s on the zoo's PP-OCRv3 rec, for nothing), and
+    kl builds take the weights as they are."""
+    builder, saved = _stub_builder(monkeypatch, algorithm, rounding)
     calls = []
 
     def fetch():
