@@ -57,8 +57,8 @@ OPTIONS = section(
                         doc="gptq: Conv/MatMul/Gemm weights handed to the toolkit on its own grid with GPTQ's "
                             "integers (weights.py); w8a8, per channel, normal algorithm (the one measured). mmse: "
                             f"the weight ranges an mmse build on {MMSE_WEIGHT_SAMPLES} calibration samples "
-                            "chooses, nearest rounding, activation ranges as the algorithm says (normal only; the "
-                            "fallback tries it when the target is missed)"),
+                            "chooses, nearest rounding, activation ranges as the algorithm says (normal or "
+                            "kl_divergence; the fallback tries it when the target is missed)"),
     split_outlier_positions=Key("bool", default=True,
                                 doc="compute LayerNorm chains apart for sequence positions whose activations stand "
                                     "far above the rest (BERT's [CLS]), so int8 ranges fit both (outlier_positions.py)"),
@@ -122,21 +122,21 @@ class RknnBuilder:
         return f"{self.algorithm}, {self.weights_in_use()} weights"
 
     def weights_in_use(self) -> str:
-        """gptq (weights.py) or mmse (_mmse_weight_ranges) where chosen and measured: w8a8, per channel, `normal`
-        activation ranges; else the toolkit's own: nearest, or the search of its mmse algorithm."""
-        if not self.toolkit_weights():
-            return self.weight_rounding
-        return self.algorithm if self.algorithm != "normal" else "nearest"
+        """How the weights get their integers, where chosen and measured: gptq (weights.py) under `normal`
+        activation ranges, mmse (its weight ranges from a few samples, _mmse_weight_ranges) under `normal` or
+        `kl_divergence` ones; else the toolkit's own: nearest, or the search of its mmse algorithm."""
+        if self.rounds_weights():
+            if self.weight_rounding == "mmse" and self.algorithm in ("normal", "kl_divergence"):
+                return "mmse"
+            if self.weight_rounding == "gptq" and self.algorithm == "normal":
+                return "gptq"
+        return "mmse search" if self.algorithm == "mmse" else "nearest"
 
-    def toolkit_weights(self) -> bool:
-        """Does the toolkit round the weights its own way (another range algorithm, another precision)?"""
+    def rounds_weights(self) -> bool:
+        """Is this a build whose weight grid qprep knows (w8a8, per channel, calibrated)?"""
         options = self.options
-        return not (options["do_quantization"] and options["quantized_dtype"] == "w8a8"
-                    and options["quantized_method"] == "channel" and self.algorithm == "normal" and self.job.samples)
-
-    def _mmse_weight_ranges_in_use(self) -> bool:
-        """weight_rounding mmse under `normal` ranges (not the mmse algorithm, which searches its own)."""
-        return not self.toolkit_weights() and self.weight_rounding == "mmse"
+        return bool(options["do_quantization"] and options["quantized_dtype"] == "w8a8"
+                    and options["quantized_method"] == "channel" and self.job.samples)
 
     def use_weight_rounding(self, method: str) -> bool:
         """Give the weights their integers another way from now on (gptq | nearest | mmse); the pinned build
@@ -186,7 +186,7 @@ class RknnBuilder:
         """The ONNX file the toolkit loads: with GPTQ weights where the toolkit's weight grid is the one
         weights.py reproduces, else the model as prepared (mmse weight ranges are given to step1, ir_names).
         Where mmse's weight ranges are wanted and its build fails, the weights are rounded the `fallback` way."""
-        if self._mmse_weight_ranges_in_use() and self._weight_table is None:
+        if self.weights_in_use() == "mmse" and self._weight_table is None:
             try:
                 self._weight_table = self._mmse_weight_ranges()
             except (ValueError, QprepError) as exc:
@@ -194,7 +194,7 @@ class RknnBuilder:
                     raise
                 log.warning("rknn: mmse weight ranges unavailable (%s); the weights are rounded %s", exc, fallback)
                 self.weight_rounding = fallback
-        rounding = not self.toolkit_weights() and self.weight_rounding == "gptq"
+        rounding = self.weights_in_use() == "gptq"
         if rounding and self._on_grid is None:
             from qprep.quantize.rknn import weights as rknn_weights
 
@@ -205,9 +205,8 @@ class RknnBuilder:
                                  "seconds": round(time.perf_counter() - start, 1)}
             log.info("rknn: GPTQ weights on the toolkit's grid for %d layers", layers)
         weights = self.weights_in_use()
-        self.details["weight_rounding"] = ({"gptq": self._grid_record, "mmse": self._weight_record}[weights]
-                                           if weights in ("gptq", "mmse") and not self.toolkit_weights()
-                                           else {"method": weights})
+        self.details["weight_rounding"] = {"gptq": self._grid_record, "mmse": self._weight_record}.get(
+            weights, {"method": weights})
         self._write(self._on_grid if rounding else self.job.model)
 
     def _write(self, model: onnx.ModelProto) -> None:
@@ -248,7 +247,7 @@ class RknnBuilder:
         mmse's weight ranges."""
         if self._ranges:
             return self._ranges
-        return self._weight_table if self._mmse_weight_ranges_in_use() else None
+        return self._weight_table if self.weights_in_use() == "mmse" else None
 
     def pin(self, float_set: set[str]) -> None:
         self._pinned = (self.setting, frozenset(float_set))

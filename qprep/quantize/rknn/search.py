@@ -144,17 +144,23 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
 
 def _mmse_weights(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, base_float: set[str],
                   budget: Budget) -> dict:
-    """`weight_rounding: mmse` against the configured rounding, with `normal` ranges on the float16 set so far:
-    mmse's gain can lie in its weight ranges (builder.MMSE_WEIGHT_SAMPLES), which a build on a few samples
-    gives, and every later build stays as fast as a normal one. EfficientNet-Lite0 all int8: GPTQ 0.99723 →
-    0.99826 in ~60 s, where a full mmse build (0.99824) takes 138 s a build and was never affordable in its 300
-    s. After the spread set and kl, which are cheaper: PP-OCRv4 rec meets its target with them, and mmse's
-    weight ranges lose there (0.96735 vs GPTQ 0.97335 all int8; 59 s for the mmse build)."""
-    if builder.algorithm != "normal" or builder.toolkit_weights() or builder.weight_rounding == "mmse":
+    """`weight_rounding: mmse` against the weights as they are, with the ranges and the float16 set the phases
+    before chose (`normal` or `kl_divergence`): mmse's gain can lie in its weight ranges
+    (builder.MMSE_WEIGHT_SAMPLES), which a build on a few samples gives, and every later build stays as fast as
+    a normal one. EfficientNet-Lite0 all int8 with its spread set float16: GPTQ 0.99738 → 0.99802 (target met)
+    in ~60 s, where a full mmse build takes 138 s a build and was never affordable in its 300 s; the zoo's
+    PP-OCRv3 det with kl ranges: 0.98669 → 0.98908. After the spread set and kl, which are cheaper: PP-OCRv4 rec
+    meets its target with them, and mmse's weight ranges lose there (0.96735 vs GPTQ 0.97335 all int8)."""
+    if builder.algorithm == "mmse" or not builder.rounds_weights() or builder.weight_rounding == "mmse":
         return {}
+    before, now = builder.weight_rounding, builder.weights_in_use()  # under kl: nearest, whatever is configured
+
+    def use(method: str) -> bool:
+        return builder.use_weight_rounding(before if method == now else method)
+
     return search.choose_setting(
-        "weight_rounding", builder.weight_rounding, ["mmse"], builder.use_weight_rounding, trials.evaluate,
-        base_float, job.evaluation_samples, job.fallback["target"], job.progress, min_gain=0.05,
+        "weight_rounding", now, ["mmse"], use, trials.evaluate, base_float, job.evaluation_samples,
+        job.fallback["target"], job.progress, min_gain=0.05,
         affordable=lambda method: budget.allows(f"weight_rounding {method}",
                                                 MMSE_WEIGHTS_SLOWER * budget.predict("trial")),
         acceptance=job.acceptance_samples)

@@ -278,11 +278,12 @@ def test_a_failed_mmse_weight_build_leaves_the_weights_as_they_were(monkeypatch,
 
 @pytest.mark.parametrize("algorithm, rounding, fetched, model", [
     ("normal", "mmse", True, "as prepared"), ("mmse", "mmse", False, "as prepared"),
-    ("kl_divergence", "mmse", False, "as prepared"), ("normal", "gptq", False, "on grid")])
-def test_mmse_weight_ranges_are_fetched_only_for_normal_builds(monkeypatch, algorithm, rounding, fetched, model):
-    """`weight_rounding: mmse` means mmse's weight ranges under `normal` activation ranges. The `mmse` algorithm
-    searches its own (an mmse trial of the fallback fetched them, 53 s on the zoo's PP-OCRv3 rec, for nothing), and
-    kl builds take the weights as they are."""
+    ("kl_divergence", "mmse", True, "as prepared"), ("kl_divergence", "gptq", False, "as prepared"),
+    ("normal", "gptq", False, "on grid")])
+def test_mmse_weight_ranges_are_fetched_only_for_normal_and_kl_builds(monkeypatch, algorithm, rounding, fetched, model):
+    """`weight_rounding: mmse` means mmse's weight ranges under `normal` or `kl_divergence` activation ranges. The
+    `mmse` algorithm searches its own (an mmse trial of the fallback fetched them, 53 s on the zoo's PP-OCRv3 rec,
+    for nothing); GPTQ goes with normal ranges only (as measured), kl builds otherwise take the weights as they are."""
     builder, saved = _stub_builder(monkeypatch, algorithm, rounding)
     calls = []
 
@@ -295,4 +296,5 @@ def test_mmse_weight_ranges_are_fetched_only_for_normal_builds(monkeypatch, algo
     builder._save_model()
     assert bool(calls) is fetched and saved == [model]
     assert (builder._table() is not None) is fetched
-    assert builder.details["weight_rounding"]["method"] == (rounding if algorithm == "normal" else algorithm)
+    method = {"mmse": "mmse search"}.get(algorithm, rounding if fetched or algorithm == "normal" else "nearest")
+    assert builder.details["weight_rounding"]["method"] == method
