@@ -66,7 +66,7 @@ def _rounding(stage: dict) -> str:
     rounding = stage.get("weight_rounding") or {}
     if not rounding:
         return ""
-    if rounding.get("method") == "mmse" and "calibration_samples" in rounding:
+    if rounding.get("method") == "mmse":  # the mmse algorithm's own search is "mmse search"
         measured = (stage.get("fallback") or {}).get("weight_rounding") or {}
         chosen = " (chosen by the fallback)" if measured.get("chosen") == "mmse" else ""
         return (f"weight ranges: those of an RKNN `mmse` build on {rounding['calibration_samples']} calibration "

@@ -145,7 +145,7 @@ class RknnBuilder:
             before = self.weight_rounding
             self._release_all_but_pinned()
             self.weight_rounding, self._step1 = method, None
-            self._save_model(fallback=before)
+            self._save_model(otherwise=before)
         return self.weight_rounding == method
 
     def use_algorithm(self, algorithm: str) -> None:
@@ -182,20 +182,20 @@ class RknnBuilder:
         pinned = self._sessions.get(self._pinned)
         self.release(keep=pinned[1] if pinned else None)
 
-    def _save_model(self, fallback: str = "gptq") -> None:
+    def _save_model(self, otherwise: str = "gptq") -> None:
         """The ONNX file the toolkit loads: with GPTQ weights where the toolkit's weight grid is the one
         weights.py reproduces, else the model as prepared (mmse weight ranges are given to step1, ir_names).
-        Where mmse's weight ranges are wanted and its build fails, the weights are rounded the `fallback` way."""
+        Where mmse's weight ranges are wanted and its build fails, the weights are rounded the `otherwise` way."""
         if self.weights_in_use() == "mmse" and self._weight_table is None:
             try:
                 self._weight_table = self._mmse_weight_ranges()
             except (ValueError, QprepError) as exc:
                 if getattr(exc, "crashed", False):  # the worker died: nothing can be built any more
                     raise
-                log.warning("rknn: mmse weight ranges unavailable (%s); the weights are rounded %s", exc, fallback)
-                self.weight_rounding = fallback
-        rounding = self.weights_in_use() == "gptq"
-        if rounding and self._on_grid is None:
+                log.warning("rknn: mmse weight ranges unavailable (%s); the weights are rounded %s", exc, otherwise)
+                self.weight_rounding = otherwise
+        weights = self.weights_in_use()
+        if weights == "gptq" and self._on_grid is None:
             from qprep.quantize.rknn import weights as rknn_weights
 
             start = time.perf_counter()
@@ -204,10 +204,9 @@ class RknnBuilder:
             self._grid_record = {"method": "gptq", "layers": layers, "underdetermined": underdetermined,
                                  "seconds": round(time.perf_counter() - start, 1)}
             log.info("rknn: GPTQ weights on the toolkit's grid for %d layers", layers)
-        weights = self.weights_in_use()
         self.details["weight_rounding"] = {"gptq": self._grid_record, "mmse": self._weight_record}.get(
             weights, {"method": weights})
-        self._write(self._on_grid if rounding else self.job.model)
+        self._write(self._on_grid if weights == "gptq" else self.job.model)
 
     def _write(self, model: onnx.ModelProto) -> None:
         """`model` where the toolkit loads it, unless it is there already (a big model's write takes seconds)."""

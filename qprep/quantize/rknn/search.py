@@ -135,10 +135,9 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
                             job.acceptance_samples).run()
     budget.reserve_kind, budget.reserve_factor = None, 1.0
     after = _ranges_after_search(builder, trials, job, outcome, budget) if kl_after else {}
+    measured = {"ranges_with_spread": again, "weight_rounding": weights, "ranges_after_search": after}
     outcome.record.update(ranges=ranges, spread_tensors=spread, budget=budget.record_dict(),
-                          **({"weight_rounding": weights} if len(weights.get("scores", {})) > 1 else {}),
-                          **({"ranges_with_spread": again} if len(again.get("scores", {})) > 1 else {}),
-                          **({"ranges_after_search": after} if len(after.get("scores", {})) > 1 else {}))
+                          **{key: m for key, m in measured.items() if len(m.get("scores", {})) > 1})
     return outcome
 
 
