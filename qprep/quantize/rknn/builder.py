@@ -13,6 +13,7 @@ Facts this module is built on (measured with rknn-toolkit2 2.5.0, see ../shared/
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -101,6 +102,7 @@ class RknnBuilder:
         if self.renames:
             self.details["toolkit_io_names"] = self.renames
         self._step1: tuple[Path, str, IRNames] | None = None
+        self._step1_kept: dict[tuple[str, bool], str] = {}  # (its algorithm, GPTQ weights?) → its cfg (_run_step1)
         self._ranges: dict | None = None  # a build's quantization table later builds reuse (ranges.py)
         self.toolkit.start()  # its start-up (~2 s) overlaps the GPTQ weights
         try:
@@ -260,14 +262,10 @@ class RknnBuilder:
         return rknn
 
     def ir_names(self) -> IRNames:
-        """Hybrid step1 (once): the IR, its tensor names and the quantization cfg step2 builds from."""
+        """Hybrid step1 (once per setting): the IR, its tensor names and the quantization cfg step2 builds from."""
         if self._step1 is None:
-            rknn = self._loaded("normal" if self._ranges else None)
-            self.toolkit.call("hybrid_quantization_step1", rknn, "hybrid_quantization_step1",
-                              dataset=str(self.dataset), proposal=False)
-            self.toolkit.release(rknn)
             stem = self.toolkit.work_dir / "model"
-            cfg_text = Path(f"{stem}.quantization.cfg").read_text()
+            cfg_text = self._run_step1(stem, "normal" if self._ranges else self.algorithm)
             if table := self._table():
                 try:
                     cfg_text, counts = rknn_ranges.apply(stem, cfg_text, table)
@@ -281,6 +279,29 @@ class RknnBuilder:
                     self.details["ranges_reused"].update(counts)
             self._step1 = (stem, cfg_text, IRNames(f"{stem}.model", cfg_text, self.renames))
         return self._step1[2]
+
+    def _run_step1(self, stem: Path, algorithm: str) -> str:
+        """Step1's outputs (`<stem>.model`, `<stem>.data`) for `algorithm` on the model file as written, and its
+        cfg text. Its outputs are kept aside as they come out and copied back when the same step1 is wanted
+        again: the fallback switches setting and back (kl tried against normal, mmse weight ranges against the
+        weights as they were, ranges reused) and each step1 runs the calibration samples through the model again
+        (~50 s under kl on the zoo's PP-OCRv3 det 736×544); ranges.apply rewrites the data file in place."""
+        key = (algorithm, self._written is self._on_grid)
+        kept = self.toolkit.work_dir / f"step1_{algorithm}_{'gptq' if key[1] else 'prepared'}"
+        outputs = (Path(f"{stem}.model"), Path(f"{stem}.data"))
+        if key in self._step1_kept:
+            for path in outputs:
+                shutil.copyfile(kept / path.name, path)
+            return self._step1_kept[key]
+        rknn = self._loaded(algorithm)
+        self.toolkit.call("hybrid_quantization_step1", rknn, "hybrid_quantization_step1",
+                          dataset=str(self.dataset), proposal=False)
+        self.toolkit.release(rknn)
+        kept.mkdir(exist_ok=True)
+        for path in outputs:
+            shutil.copyfile(path, kept / path.name)
+        self._step1_kept[key] = Path(f"{stem}.quantization.cfg").read_text()
+        return self._step1_kept[key]
 
     def build(self, float_set: set[str]):
         """An RKNN object built with `float_set` as float16 layers, its simulator runtime initialized."""

@@ -195,30 +195,39 @@ def test_after_a_slow_range_build_late_in_the_budget_the_phases_before_the_searc
 def test_mmse_weight_ranges_are_given_to_normal_builds(tmp_path):
     """weight_rounding mmse: an mmse build on a few calibration samples gives the weight ranges (mmse's gain lies
     there), and the builds after it are normal ones — no mmse search in them — whose int8 weights carry exactly
-    those ranges and whose activation ranges stay normal's."""
+    those ranges and whose activation ranges stay normal's. Switching there and back runs hybrid step1 once: its
+    outputs are copied back as they came out (the nearest build after the mmse one has nearest's weights)."""
     pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh or `qprep setup rknn` installs it)")
     from qprep.quantize import rknn
 
     builder = rknn.RknnBuilder(rknn_job(tmp_path, "ppocr_cls"))
+    calls, call = [], builder.toolkit.call
+    builder.toolkit.call = lambda what, *args, **kwargs: (calls.append(what), call(what, *args, **kwargs))[1]
+    last = {builder.job.model.graph.node[-1].name}  # a float16 layer: every build a hybrid one
     try:
         assert builder.weights_in_use() == "nearest"
-        normal = builder.session(set()).quantization_table()
+        normal = builder.session(last).quantization_table()
         builder.use_weight_rounding("mmse")
         harvested = builder._weight_table
         assert builder.details["weight_rounding"]["method"] == "mmse"
         assert builder.details["weight_rounding"]["calibration_samples"] == 8
         log_start = builder.toolkit.log_path.stat().st_size
-        table = builder.session(set()).quantization_table()
+        table = builder.session(last).quantization_table()
         with open(builder.toolkit.log_path, errors="replace") as f:
             f.seek(log_start)
             assert "Mmse" not in f.read()
+        builder.use_weight_rounding("nearest")
+        back = builder.session(last).quantization_table()
     finally:
         builder.close()
+    assert calls.count("hybrid_quantization_step1") == 1 and calls.count("hybrid_quantization_step2") == 3
     assert len(harvested) > 40
     moved = 0
     for name, entry in harvested.items():
         scale = rknn_ranges.numbers(table[name]["scale"])
         np.testing.assert_allclose(scale, rknn_ranges.numbers(entry["scale"]), rtol=1e-6)
+        np.testing.assert_allclose(rknn_ranges.numbers(back[name]["scale"]),
+                                   rknn_ranges.numbers(normal[name]["scale"]), rtol=1e-6)
         moved += not np.allclose(scale, rknn_ranges.numbers(normal[name]["scale"]), rtol=1e-3)
     assert moved > 10  # mmse chose other weight ranges than the extremes for many weights
     activations = [name for name, entry in normal.items() if entry["qmethod"] == "layer" and entry["dtype"] == "int8"]
@@ -246,7 +255,7 @@ def _stub_builder(monkeypatch, algorithm: str, rounding: str):
     builder.weight_rounding, builder._weight_table, builder._ranges = rounding, None, None
     builder._on_grid, builder._grid_record, builder.details, builder.renames = "on grid", {"method": "gptq"}, {}, {}
     builder.model_path, builder._weight_record, builder._written = None, {}, None
-    builder._sessions, builder._pinned, builder._step1 = {}, None, None
+    builder._sessions, builder._pinned, builder._step1, builder._step1_kept = {}, None, None, {}
     return builder, saved
 
 
