@@ -65,6 +65,12 @@ class Budget:
             return self.predict(self.stand_ins[kind], default)
         return max(runs[-self.RECENT:]) if runs else default
 
+    def first(self, kind: str, default: float = 0.0) -> float:
+        """How long the first step of `kind` took (the one every setting's later steps are measured against),
+        else `default`."""
+        runs = self.durations.get(kind)
+        return runs[0] if runs else default
+
     def fits(self, seconds: float) -> bool:
         """Would a step of `seconds`, started now, end before the deadline (the reserve kept)?"""
         return time.perf_counter() + seconds <= self.deadline

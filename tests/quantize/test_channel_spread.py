@@ -246,3 +246,28 @@ def test_rknn_measures_mmse_weight_ranges_after_the_range_phases(algorithm, gptq
     assert builds == (["gptq"] if gptq >= 0.998 else ["gptq", "mmse"])
     assert builder.weight_rounding == chosen
     assert record["chosen"] == (chosen if algorithm == "normal" or chosen == "mmse" else "nearest")
+
+
+@pytest.mark.parametrize("first_trial, tried", [(20.0, True), (40.0, False)])
+def test_rknn_mmse_weight_ranges_are_predicted_from_the_first_trial(first_trial, tried):
+    """The mmse weight phase costs an mmse build on a few samples and a trial: predicted from the fallback's first
+    trial, not from the slowest recent one, which after a switch of ranges holds a hybrid step1 (the zoo's
+    PP-OCRv3 det: first trial 20 s, recent ones 54 s, 415 s left, harvest 200 s — skipped at 8 × 54)."""
+    import time
+
+    from qprep.quantize.budget import Budget
+    from qprep.quantize.rknn.search import _mmse_weights
+
+    builder, trials, builds, job = _scripted_rknn_ranges("kl_divergence", 0.95, 0.95)
+    builder.weight_rounding = "gptq"
+    builder.use_weight_rounding = lambda name: setattr(builder, "weight_rounding", name)
+    builder.rounds_weights = lambda: True
+    builder.weights_in_use = lambda: "nearest" if builder.weight_rounding == "gptq" else builder.weight_rounding
+    trials.evaluate = lambda float_nodes, samples: builds.append(builder.weight_rounding) or {
+        "y": {"cosine_mean": 0.9867 if builder.weight_rounding == "gptq" else 0.9891}}
+    job.fallback = {"target": {"cosine_mean": 0.99}}
+    budget = Budget(600, started=time.perf_counter() - 185)
+    budget.durations["trial"] = [first_trial, 54.0, 54.0, 54.0]
+    record = _mmse_weights(builder, trials, job, {"spread"}, budget)
+    assert ("mmse" in builds) is tried and (record["chosen"] == "mmse") is tried
+    assert bool(budget.skipped) is not tried

@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx
 
 from qprep.errors import QprepError
+from qprep.data.samples import evenly_spaced
 from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
 from qprep.model.io import save_model
@@ -225,7 +226,8 @@ class RknnBuilder:
         start = time.perf_counter()
         self._write(self.job.model)
         few = self.dataset.with_name("dataset_mmse_weights.txt")
-        lines = self.dataset.read_text().splitlines(keepends=True)[:MMSE_WEIGHT_SAMPLES]
+        every = self.dataset.read_text().splitlines(keepends=True)
+        lines = [every[i] for i in evenly_spaced(len(every), MMSE_WEIGHT_SAMPLES)]  # not the first few: alike
         few.write_text("".join(lines))
         rknn = self._loaded("mmse")
         try:
