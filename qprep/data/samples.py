@@ -16,13 +16,6 @@ from qprep.model.info import TensorSpec
 FORMAT_SUFFIXES = {"npy": {".npy"}, "npz": {".npz"}, "images": IMAGE_SUFFIXES}
 
 
-def evenly_spaced(total: int, count: int) -> list[int]:
-    """`count` indices of `total` items spread evenly over them (each the middle of its share): sample folders
-    are often sorted by class, scene or source split, and the first few would all be alike."""
-    count = min(count, total)
-    return [int((k + 0.5) * total / count) for k in range(count)]
-
-
 @dataclass
 class SampleSet:
     """Samples ready to feed: each a dict input name → array (batch dim included)."""

@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from qprep.data.samples import evenly_spaced
 from qprep.evaluate.gate import check_gate
 from qprep.quantize.budget import Budget
 from qprep.schema import Key, section
@@ -82,7 +81,7 @@ def split_samples(samples: list[dict], share: float) -> tuple[list[dict], list[d
     count = int(round(len(samples) * min(share, 0.5)))
     if count < MIN_SPLIT or len(samples) - count < MIN_SPLIT:
         return list(samples), []
-    apart = set(evenly_spaced(len(samples), count))
+    apart = {int((k + 0.5) * len(samples) / count) for k in range(count)}
     return ([s for i, s in enumerate(samples) if i not in apart], [s for i, s in enumerate(samples) if i in apart])
 
 
