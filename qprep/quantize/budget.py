@@ -25,6 +25,7 @@ class Budget:
         self.reserve_kind: str | None = None  # the kind of step kept time for (the final build)
         self.reserve_factor = 1.0  # how many of them (a slower variant of the kind: RKNN's kl_divergence build)
         self.durations: dict[str, list[float]] = {}
+        self.firsts: dict[str, float] = {}  # kind → its first run, which forget() keeps
         self.skipped: list[str] = []  # steps not started for lack of time, for the record
         self.stand_ins: dict[str, str] = {}  # kind → the kind predicting it until one of its own has run
 
@@ -43,6 +44,7 @@ class Budget:
 
     def record(self, kind: str, seconds: float) -> None:
         self.durations.setdefault(kind, []).append(seconds)
+        self.firsts.setdefault(kind, seconds)
 
     def forget(self, *kinds: str) -> None:
         """The runs of `kinds` measured so far no longer predict the next (the backend now builds another way)."""
@@ -67,9 +69,8 @@ class Budget:
 
     def first(self, kind: str, default: float = 0.0) -> float:
         """How long the first step of `kind` took (the one every setting's later steps are measured against),
-        else `default`."""
-        runs = self.durations.get(kind)
-        return runs[0] if runs else default
+        forgotten or not, else `default`."""
+        return self.firsts.get(kind, default)
 
     def fits(self, seconds: float) -> bool:
         """Would a step of `seconds`, started now, end before the deadline (the reserve kept)?"""

@@ -151,7 +151,7 @@ def _scripted_rknn_ranges(algorithm: str, kl_score: float, other_score: float, s
     kl_divergence, `scores` by name, other_score else), and the job."""
     from types import SimpleNamespace
 
-    builder = SimpleNamespace(algorithm=algorithm)
+    builder = SimpleNamespace(algorithm=algorithm, step1_seconds=lambda weights: 0.0)
     builder.use_algorithm = lambda name: setattr(builder, "algorithm", name)
     builds = []
 
@@ -248,11 +248,13 @@ def test_rknn_measures_mmse_weight_ranges_after_the_range_phases(algorithm, gptq
     assert record["chosen"] == (chosen if algorithm == "normal" or chosen == "mmse" else "nearest")
 
 
-@pytest.mark.parametrize("first_trial, tried", [(20.0, True), (40.0, False)])
-def test_rknn_mmse_weight_ranges_are_predicted_from_the_first_trial(first_trial, tried):
+@pytest.mark.parametrize("first_trial, step1, tried", [(20.0, 0.0, True), (40.0, 0.0, False), (20.0, 65.0, True),
+                                                       (20.0, 200.0, False)])
+def test_rknn_mmse_weight_ranges_are_predicted_from_the_first_trial(first_trial, step1, tried):
     """The mmse weight phase costs an mmse build on a few samples and a trial: predicted from the fallback's first
     trial, not from the slowest recent one, which after a switch of ranges holds a hybrid step1 (the zoo's
-    PP-OCRv3 det: first trial 20 s, recent ones 54 s, 415 s left, harvest 200 s — skipped at 8 × 54)."""
+    PP-OCRv3 det: first trial 20 s, recent ones 54 s, 415 s left, harvest 200 s — skipped at 8 × 54); plus a step1
+    on the model as prepared where none is kept (from GPTQ weights), even after the trial timings were forgotten."""
     import time
 
     from qprep.quantize.budget import Budget
@@ -263,11 +265,15 @@ def test_rknn_mmse_weight_ranges_are_predicted_from_the_first_trial(first_trial,
     builder.use_weight_rounding = lambda name: setattr(builder, "weight_rounding", name)
     builder.rounds_weights = lambda: True
     builder.weights_in_use = lambda: "nearest" if builder.weight_rounding == "gptq" else builder.weight_rounding
+    builder.step1_seconds = lambda weights: step1 if weights == "prepared" else 0.0
     trials.evaluate = lambda float_nodes, samples: builds.append(builder.weight_rounding) or {
         "y": {"cosine_mean": 0.9867 if builder.weight_rounding == "gptq" else 0.9891}}
     job.fallback = {"target": {"cosine_mean": 0.99}}
     budget = Budget(600, started=time.perf_counter() - 185)
-    budget.durations["trial"] = [first_trial, 54.0, 54.0, 54.0]
+    for seconds in (first_trial, 54.0, 54.0, 54.0):
+        budget.record("trial", seconds)
+    budget.forget("trial")  # builds reusing an mmse build's ranges from here: the first trial still predicts
+    budget.record("trial", 54.0)
     record = _mmse_weights(builder, trials, job, {"spread"}, budget)
     assert ("mmse" in builds) is tried and (record["chosen"] == "mmse") is tried
     assert bool(budget.skipped) is not tried

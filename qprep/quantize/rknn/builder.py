@@ -105,6 +105,7 @@ class RknnBuilder:
             self.details["toolkit_io_names"] = self.renames
         self._step1: tuple[Path, str, IRNames] | None = None
         self._step1_kept: dict[tuple[str, bool], str] = {}  # (its algorithm, GPTQ weights?) → its cfg (_run_step1)
+        self._step1_took: list[float] = []  # seconds of each step1 run
         self._ranges: dict | None = None  # a build's quantization table later builds reuse (ranges.py)
         self.toolkit.start()  # its start-up (~2 s) overlaps the GPTQ weights
         try:
@@ -295,15 +296,24 @@ class RknnBuilder:
             for path in outputs:
                 shutil.copyfile(kept / path.name, path)
             return self._step1_kept[key]
+        start = time.perf_counter()
         rknn = self._loaded(algorithm)
         self.toolkit.call("hybrid_quantization_step1", rknn, "hybrid_quantization_step1",
                           dataset=str(self.dataset), proposal=False)
         self.toolkit.release(rknn)
+        self._step1_took.append(time.perf_counter() - start)
         kept.mkdir(exist_ok=True)
         for path in outputs:
             shutil.copyfile(path, kept / path.name)
         self._step1_kept[key] = Path(f"{stem}.quantization.cfg").read_text()
         return self._step1_kept[key]
+
+    def step1_seconds(self, weights: str) -> float:
+        """What a step1 with the current algorithm on the `weights` model file (gptq | prepared) would add to the
+        next build: nothing where its outputs are kept, else as long as the slowest step1 so far."""
+        if (self.algorithm, weights == "gptq") in self._step1_kept:
+            return 0.0
+        return max(self._step1_took, default=0.0)
 
     def build(self, float_set: set[str]):
         """An RKNN object built with `float_set` as float16 layers, its simulator runtime initialized."""
@@ -350,9 +360,11 @@ class RknnBuilder:
         return runner
 
     def close(self) -> None:
-        """Release every build and stop the toolkit worker."""
+        """Release every build, stop the toolkit worker and delete the kept step1 outputs (a big model's are GBs)."""
         self._sessions.clear()
         self.toolkit.close()
+        for kept in self.toolkit.work_dir.glob("step1_*"):
+            shutil.rmtree(kept, ignore_errors=True)
 
     def release(self, keep: "Runner | None" = None) -> None:
         """Free the simulator runtimes of the kept builds (all but `keep`)."""

@@ -218,8 +218,10 @@ def test_mmse_weight_ranges_are_given_to_normal_builds(tmp_path):
             assert "Mmse" not in f.read()
         builder.use_weight_rounding("nearest")
         back = builder.session(last).quantization_table()
+        assert len(list(builder.toolkit.work_dir.glob("step1_*"))) == 1
     finally:
         builder.close()
+    assert not list(builder.toolkit.work_dir.glob("step1_*"))  # kept copies deleted with the builder
     assert calls.count("hybrid_quantization_step1") == 1 and calls.count("hybrid_quantization_step2") == 3
     assert len(harvested) > 40
     moved = 0
