@@ -104,7 +104,7 @@ class RknnBuilder:
         if self.renames:
             self.details["toolkit_io_names"] = self.renames
         self._step1: tuple[Path, str, IRNames] | None = None
-        self._step1_kept: dict[tuple[str, bool], str] = {}  # (its algorithm, GPTQ weights?) → its cfg (_run_step1)
+        self._step1_kept: dict[tuple[str, str], str] = {}  # (its algorithm, its model file) → its cfg (_run_step1)
         self._step1_took: list[float] = []  # seconds of each step1 run
         self._ranges: dict | None = None  # a build's quantization table later builds reuse (ranges.py)
         self.toolkit.start()  # its start-up (~2 s) overlaps the GPTQ weights
@@ -289,8 +289,8 @@ class RknnBuilder:
         again: the fallback switches setting and back (kl tried against normal, mmse weight ranges against the
         weights as they were, ranges reused) and each step1 runs the calibration samples through the model again
         (~50 s under kl on the zoo's PP-OCRv3 det 736×544); ranges.apply rewrites the data file in place."""
-        key = (algorithm, self._written is self._on_grid)
-        kept = self.toolkit.work_dir / f"step1_{algorithm}_{'gptq' if key[1] else 'prepared'}"
+        key = (algorithm, "gptq" if self._written is self._on_grid else "prepared")
+        kept = self.toolkit.work_dir / "step1_{}_{}".format(*key)
         outputs = (Path(f"{stem}.model"), Path(f"{stem}.data"))
         if key in self._step1_kept:
             for path in outputs:
@@ -311,7 +311,7 @@ class RknnBuilder:
     def step1_seconds(self, weights: str) -> float:
         """What a step1 with the current algorithm on the `weights` model file (gptq | prepared) would add to the
         next build: nothing where its outputs are kept, else as long as the slowest step1 so far."""
-        if (self.algorithm, weights == "gptq") in self._step1_kept:
+        if (self.algorithm, weights) in self._step1_kept:
             return 0.0
         return max(self._step1_took, default=0.0)
 

@@ -31,7 +31,7 @@ KL_SLOWER = 3.5
 # weight_rounding mmse against the fallback's first trial (all int8 but the base float set, its build plain where
 # that set is empty): an mmse build on 8 samples, then a hybrid trial with its weight ranges. Build on 8 samples
 # against first trial (rknn-toolkit2 2.5.0, this machine): EfficientNet-Lite0 51 s / 9.5 s, PP-OCRv4 rec 66 / 9,
-# PP-OCRv4 det 54 / 21 (a hybrid first trial), the zoo's PP-OCRv3 det at 736×544 200 / 21 — 2.6-10x, and one
+# PP-OCRv4 det 54 / 21 (a hybrid first trial), the zoo's PP-OCRv3 det at 736×544 200 / 21 — 2.6-9.5x, and one
 # trial more. Not the slowest recent trial: after a switch of ranges it holds a step1 (PP-OCRv3 det: 54 s,
 # predicted 8 x 54 = 432 s with 415 s left, so the phase was skipped). Plus a step1 on the model as prepared where
 # none is kept (from GPTQ weights under normal ranges: PP-OCRv3 det 65 s); under kl the file does not change
@@ -152,7 +152,7 @@ def _mmse_weights(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, b
     before chose (`normal` or `kl_divergence`): mmse's gain can lie in its weight ranges
     (builder.MMSE_WEIGHT_SAMPLES), which a build on a few samples gives, and every later build stays as fast as
     a normal one. EfficientNet-Lite0 all int8 with its spread set float16: GPTQ 0.99738 → 0.99802 (target met)
-    in ~60 s, where a full mmse build takes 138 s a build and was never affordable in its 300 s; the zoo's
+    in ~60 s, where a full mmse build takes ~150 s and is affordable in its 300 s only in quiet minutes; the zoo's
     PP-OCRv3 det with kl ranges: 0.98669 → 0.98908. After the spread set and kl, which are cheaper: PP-OCRv4 rec
     meets its target with them, and mmse's weight ranges lose there (0.96735 vs GPTQ 0.97335 all int8)."""
     if builder.algorithm == "mmse" or not builder.rounds_weights() or builder.weight_rounding == "mmse":
