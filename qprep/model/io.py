@@ -227,28 +227,33 @@ def weightless(model: onnx.ModelProto, placeholder: str = "external") -> tuple[o
     return skeleton, big
 
 
-def computing(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto | None:
+def computing(model: onnx.ModelProto, outputs: list[str], given: dict[str, int] | None = None) -> onnx.ModelProto | None:
     """A copy of the part of `model` that computes `outputs`, which become its only graph outputs; None when the
     graph has subgraphs (their reads of outer tensors are not followed here). Why: ONNX Runtime runs every node
     of a graph whatever a run fetches; an early tensor of EfficientNet-Lite0's QDQ model took 27 ms from the
-    whole graph and 6 ms from its part (bias correction reads each layer's output in turn)."""
+    whole graph and 6 ms from its part (bias correction reads each layer's output in turn). `given` ({tensor:
+    ONNX element type}) are tensors the caller feeds: the walk stops there and the part reads them as inputs."""
     nodes = model.graph.node
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in nodes for a in n.attribute):
         return None
+    given = given or {}
     producer = {o: index for index, node in enumerate(nodes) for o in node.output}
-    keep, stack = set(), list(outputs)
+    keep, stack = set(), [name for name in outputs if name not in given]
     while stack:
         index = producer.get(stack.pop())
         if index is not None and index not in keep:
             keep.add(index)
-            stack.extend(name for name in nodes[index].input if name)
+            stack.extend(name for name in nodes[index].input if name and name not in given)
     kept = [node for index, node in enumerate(nodes) if index in keep]
     read = {name for node in kept for name in node.input} | {i.name for i in model.graph.input} | set(outputs)
     part = onnx.ModelProto()
     _copy_fields(model, part, skip=("graph",))
-    _copy_fields(model.graph, part.graph, skip=("node", "initializer", "output"))
+    _copy_fields(model.graph, part.graph, skip=("node", "initializer", "output", "input"))
+    part.graph.input.extend(i for i in model.graph.input if i.name not in given)
+    part.graph.input.extend(onnx.helper.make_tensor_value_info(name, given[name], None) for name in given
+                            if name in read)
     part.graph.node.extend(kept)
-    part.graph.initializer.extend(t for t in model.graph.initializer if t.name in read)
+    part.graph.initializer.extend(t for t in model.graph.initializer if t.name in read and t.name not in given)
     declared = {o.name: o for o in model.graph.output}
     part.graph.output.extend(declared.get(name) or onnx.ValueInfoProto(name=name) for name in outputs)
     return part

@@ -106,6 +106,65 @@ class Intermediates:
                 if n in self.inputs or n in values}
 
 
+class Stepwise:
+    """A model run over samples a part at a time: `advance` runs only the nodes its targets need that no earlier
+    part ran, fed with the tensors earlier parts left, and `add` changes a left tensor before later parts read
+    it. Why: bias correction measures its layers wave by wave, each wave after the shifts of the layers upstream;
+    running every ancestor again per wave cost waves × model (PP-PicoDet at 800x608, 67 waves: 424 s), where each
+    node now runs once per sample. Only tensors that a node not yet run reads are held; None for a graph with
+    subgraphs (io.computing)."""
+
+    def __init__(self, model: onnx.ModelProto, samples: list[dict], threads: int = 2):
+        from qprep.model.info import cast_to_inputs
+
+        self.model = model
+        self.samples = cast_to_inputs(samples, model)
+        self.threads = threads
+        self.readers: dict[str, set[int]] = {}
+        for index, node in enumerate(model.graph.node):
+            for name in node.input:
+                self.readers.setdefault(name, set()).add(index)
+        self.producer = {o: index for index, node in enumerate(model.graph.node) for o in node.output}
+        self.ran: set[int] = set()
+        self.held: dict[str, list[np.ndarray]] = {}  # tensor → its value per sample
+
+    def advance(self, targets: list[str]) -> list[dict[str, np.ndarray]] | None:
+        """Per sample, {target: value}; None when the graph has subgraphs (nothing is run then)."""
+        given = {name: onnx.helper.np_dtype_to_tensor_dtype(values[0].dtype) for name, values in self.held.items()}
+        part = computing(self.model, [t for t in targets if t not in self.held and t in self.producer], given)
+        if part is None:
+            return None
+        running = {self.producer[o] for node in part.graph.node for o in node.output}
+        self.ran |= running
+        later = [o for index in sorted(running) for o in self.model.graph.node[index].output
+                 if o and o not in targets and self.readers.get(o, set()) - self.ran]
+        part.graph.output.extend(onnx.ValueInfoProto(name=name) for name in later)
+        session = ort_session(part, threads=self.threads) if part.graph.node else None
+        fed = [i.name for i in session.get_inputs()] if session is not None else []
+        outputs = [o.name for o in part.graph.output]
+        for index, sample in enumerate(self.samples):
+            feeds = {name: self.held[name][index] if name in self.held else sample[name] for name in fed}
+            for name, value in zip(outputs, session.run(outputs, feeds) if session is not None else []):
+                self.held.setdefault(name, []).append(value)
+        values = [{name: self.held[name][index] if name in self.held else sample[name] for name in targets
+                   if name in self.held or name in sample} for index, sample in enumerate(self.samples)]
+        self.held = {name: held for name, held in self.held.items() if self.readers.get(name, set()) - self.ran}
+        return values
+
+    def add(self, name: str, delta: np.ndarray, axis: int) -> None:
+        """`delta` (one value per slice along `axis`) added to the held tensor `name` in every sample: what the
+        parts after this read."""
+        if name in self.held:
+            self.held[name] = [(value + _along(delta, axis, value.ndim)).astype(value.dtype)
+                               for value in self.held[name]]
+
+
+def _along(vector: np.ndarray, axis: int, rank: int) -> np.ndarray:
+    shape = [1] * rank
+    shape[axis % rank] = -1
+    return vector.reshape(shape)
+
+
 def ort_session(model: "onnx.ModelProto | SessionRecipe", threads: int = 2, optimize: bool = False, extra_outputs=(),
                 log_severity: int = 3):
     """An ONNX Runtime CPU session for an in-memory model (or a SessionRecipe made from one).

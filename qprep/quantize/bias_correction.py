@@ -8,9 +8,10 @@ at no inference cost. Measured on EfficientNet-Lite0 (ORT, min/max ranges, GPTQ)
 where the fallback needed 4 float nodes for 0.99822 (BENCHMARKS.md, session 7).
 
 How: layers are corrected in waves, a wave being the layers whose upstream layers are all corrected; per wave,
-one ORT run of the QDQ model as written (the corrections so far applied) over the samples gives each layer's
-per-channel output mean, compared with the float model's. Only int32 bias initializers change; the caller
-keeps the result only if the model's output error goes down.
+the QDQ model as written runs over the samples up to the wave's layers (runtime.Stepwise: only the nodes no
+earlier wave ran, from the tensors earlier waves left, with their layers' corrections added), giving each
+layer's per-channel output mean, compared with the float model's. Only int32 bias initializers change; the
+caller keeps the result only if the model's output error goes down.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qprep.model.runtime import intermediate_values
+from qprep.model.runtime import Stepwise, intermediate_values
 
 LAYER_OPS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # op type → channel axis of its output
 # A smaller rise of the calibration SQNR is no evidence the correction helps: EfficientNet-Lite0 once gained
@@ -75,20 +76,35 @@ def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers
     float model's, with every upstream correction applied before a layer is measured. With a `budget`
     (quantize/budget.py), a wave is started only if it and the caller's check (two more runs) fit: the layers
     corrected so far are a valid correction on their own (their upstream layers are all among them)."""
-    expected = _channel_means(float_model, {layer.float_output: layer.axis for layer in layers}, samples, threads)
+    expected = _channel_means(intermediate_values(float_model, [layer.float_output for layer in layers], samples,
+                                                  threads), {layer.float_output: layer.axis for layer in layers})
+    biases = {t.name: numpy_helper.to_array(t).astype(np.int64) for t in qdq_model.graph.initializer
+              if t.name in {layer.bias for layer in layers}}
+    stepwise = Stepwise(qdq_model, samples, threads)
     shifts: dict[str, np.ndarray] = {}
     for index, wave in enumerate(waves(layers)):
         if budget is not None and not budget.allows(f"bias correction waves {index + 1}+",
                                                     3 * budget.predict("bias wave")):
             break
         start = time.perf_counter()
-        measured = _channel_means(apply(qdq_model, layers, shifts), {layer.output: layer.axis for layer in wave},
-                                  samples, threads)
+        axes = {layer.output: layer.axis for layer in wave}
+        values = stepwise.advance(list(axes)) if stepwise is not None else None
+        if values is None:  # a graph with subgraphs: the whole model, as corrected so far, per wave
+            stepwise = None
+            values = intermediate_values(apply(qdq_model, layers, shifts), list(axes), samples, threads)
+        measured = _channel_means(values, axes)
         if budget is not None:
             budget.record("bias wave", time.perf_counter() - start)
         for layer in wave:
-            if layer.output in measured and layer.float_output in expected:
-                shifts[layer.node] = expected[layer.float_output] - measured[layer.output]
+            bias = biases.get(layer.bias)
+            if layer.output not in measured or layer.float_output not in expected or bias is None:
+                continue
+            shift = expected[layer.float_output] - measured[layer.output]
+            if shift.shape != bias.shape:
+                continue
+            shifts[layer.node] = shift
+            if stepwise is not None:  # what the moved bias adds to the layer's output, for the waves after it
+                stepwise.add(layer.output, (_moved(bias, shift, layer.scale) - bias) * layer.scale, layer.axis)
     return shifts
 
 
@@ -117,17 +133,25 @@ def apply(qdq_model: onnx.ModelProto, layers: list[BiasLayer], shifts: dict[str,
         bias = numpy_helper.to_array(tensor).astype(np.int64)
         if bias.shape != shift.shape:
             continue
-        steps = np.nan_to_num(np.round(shift / layer.scale), nan=0.0)  # on a ~0 scale a shift is ±inf steps
-        moved = np.clip(bias + steps, INT32.min, INT32.max)  # in float64: clipped before it is cast
-        tensor.CopyFrom(numpy_helper.from_array(moved.astype(np.int32), tensor.name))
+        tensor.CopyFrom(numpy_helper.from_array(_moved(bias, shift, layer.scale).astype(np.int32), tensor.name))
     return model
 
 
-def _channel_means(model: onnx.ModelProto, axes: dict[str, int], samples: list[dict], threads: int):
-    means: dict[str, np.ndarray] = {}
-    for values in intermediate_values(model, list(axes), samples, threads):
-        for name, value in values.items():
-            axis = axes[name] % value.ndim
-            mean = value.astype(np.float64).mean(axis=tuple(i for i in range(value.ndim) if i != axis))
-            means[name] = means.get(name, 0) + mean / len(samples)
-    return means
+def _moved(bias: np.ndarray, shift: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """An int32 bias (as int64) moved by `shift` float units, rounded to its grid and kept within int32."""
+    steps = np.nan_to_num(np.round(shift / scale), nan=0.0)  # on a ~0 scale a shift is ±inf steps
+    return np.clip(bias + steps, INT32.min, INT32.max).astype(np.int64)  # in float64: clipped before it is cast
+
+
+def _channel_means(values, axes: dict[str, int]) -> dict[str, np.ndarray]:
+    """{tensor: its mean per channel (along its axis in `axes`)} over the samples' `values` ({tensor: value})."""
+    sums: dict[str, np.ndarray] = {}
+    count = 0
+    for sample in values:
+        count += 1
+        for name, value in sample.items():
+            if name in axes:
+                axis = axes[name] % value.ndim
+                sums[name] = sums.get(name, 0) + value.astype(np.float64).mean(
+                    axis=tuple(i for i in range(value.ndim) if i != axis))
+    return {name: total / count for name, total in sums.items()}

@@ -57,3 +57,44 @@ def test_a_graph_with_subgraphs_is_not_cut():
              helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)]
     model = make_model(nodes, [("x", [2])], [("y", [2])])
     assert io.computing(model, ["s"]) is None
+
+
+def _skip_chain():
+    """x → MatMul a → Relu b → MatMul c → Add(c, a) y: `a` is read again after `b`'s part (a skip connection)."""
+    rng = np.random.default_rng(1)
+    w1, w2 = rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 4)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("MatMul", ["b", "w2"], ["c"]), helper.make_node("Add", ["c", "a"], ["y"])]
+    return make_model(nodes, [("x", [2, 4])], [("y", [2, 4])], {"w1": w1, "w2": w2}), w1, w2
+
+
+def test_stepwise_parts_give_the_whole_model_values_and_hold_only_what_later_nodes_read():
+    from qprep.model.runtime import Stepwise, intermediate_values
+
+    model, _, _ = _skip_chain()
+    rng = np.random.default_rng(2)
+    samples = [{"x": rng.standard_normal((2, 4)).astype(np.float32)} for _ in range(3)]
+    whole = list(intermediate_values(model, ["a", "b", "y"], samples))
+    stepwise = Stepwise(model, samples)
+    first = stepwise.advance(["b"])
+    assert set(stepwise.held) == {"a", "b"}  # `a` waits for the Add, `b` for the second MatMul
+    last = stepwise.advance(["y"])
+    assert stepwise.held == {} and stepwise.ran == {0, 1, 2, 3}
+    for index in range(3):
+        np.testing.assert_array_equal(first[index]["b"], whole[index]["b"])
+        np.testing.assert_array_equal(last[index]["y"], whole[index]["y"])
+
+
+def test_stepwise_later_parts_read_what_add_changed():
+    """A change to a held tensor reaches every later reader (here the second MatMul and the skip Add), as a
+    changed bias reaches the layers after it."""
+    from qprep.model.runtime import Stepwise
+
+    model, w1, w2 = _skip_chain()
+    sample = {"x": np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32)}
+    stepwise = Stepwise(model, [sample])
+    stepwise.advance(["a"])
+    delta = np.arange(4, dtype=np.float32)
+    stepwise.add("a", delta, axis=-1)
+    a = sample["x"] @ w1 + delta
+    np.testing.assert_allclose(stepwise.advance(["y"])[0]["y"], np.maximum(a, 0) @ w2 + a, rtol=1e-5, atol=1e-6)

@@ -190,3 +190,33 @@ def test_the_backend_keeps_a_correction_only_when_it_gains_the_minimum(tmp_path,
     assert quantizer.bias["applied"] is (gain > 1)
     if gain < 1:
         assert quantizer.bias["reason"] == f"not better by {bias_correction.MIN_GAIN_DB:g} dB: no correction"
+
+
+@pytest.mark.parametrize("subgraphs", [False, True])
+def test_wave_by_wave_runs_of_the_parts_match_whole_model_runs_of_the_corrected_model(tmp_path, monkeypatch,
+                                                                                     subgraphs):
+    """The corrections measured from the parts each wave adds (runtime.Stepwise, its layers' shifts added to
+    what later waves read) are the ones measured by running the whole model, corrected so far, per wave; a
+    graph with subgraphs, which Stepwise does not cut, is measured that way."""
+    from qprep.model.runtime import Stepwise, intermediate_values
+
+    if subgraphs:
+        monkeypatch.setattr(Stepwise, "advance", lambda self, targets: None)
+    model = _chain()
+    samples = _samples()
+    quantized = _quantized(model, tmp_path, bias_correction=False).build(set())
+    layers = bias_correction.find_layers(quantized, model)
+    shifts = bias_correction.corrections(quantized, model, layers, samples)
+    reference = {}
+    for wave in bias_correction.waves(layers):
+        corrected = bias_correction.apply(quantized, layers, reference)
+        for layer in wave:
+            means = [v[layer.output].mean(axis=(0, 2, 3)) for v in intermediate_values(corrected, [layer.output],
+                                                                                         samples)]
+            floats = [v[layer.float_output].mean(axis=(0, 2, 3)) for v in intermediate_values(
+                model, [layer.float_output], samples)]
+            reference[layer.node] = np.mean(floats, axis=0) - np.mean(means, axis=0)
+    assert set(shifts) == set(reference) == {layer.node for layer in layers}
+    for node, shift in shifts.items():
+        np.testing.assert_allclose(shift, reference[node], rtol=1e-3, atol=1e-5)
+    assert np.abs(reference[layers[1].node]).max() > 1e-3  # a second wave that has something to correct
