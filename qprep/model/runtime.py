@@ -151,6 +151,9 @@ class Stepwise:
         self.held = {name: held for name, held in self.held.items() if self.readers.get(name, set()) - self.ran}
         return values
 
+    def held_bytes(self) -> int:
+        return sum(value.nbytes for values in self.held.values() for value in values)
+
     def add(self, name: str, delta: np.ndarray, axis: int) -> None:
         """`delta` (one value per slice along `axis`) added to the held tensor `name` in every sample: what the
         parts after this read."""

@@ -31,6 +31,9 @@ LAYER_OPS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # op type → channel a
 # +0.003 dB and its figures moved both ways (BENCHMARKS.md, session 17)
 MIN_GAIN_DB = 0.1
 INT32 = np.iinfo(np.int32)
+# Beyond this the tensors later waves read are let go and each remaining wave runs the corrected model again:
+# PP-PicoDet at 800x608 held 475 MiB over 32 samples; a U-Net's skip tensors at 1024² would hold several GiB
+MAX_HELD_BYTES = 2 << 30
 
 
 @dataclass
@@ -89,10 +92,12 @@ def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers
         start = time.perf_counter()
         axes = {layer.output: layer.axis for layer in wave}
         values = stepwise.advance(list(axes)) if stepwise is not None else None
-        if values is None:  # a graph with subgraphs: the whole model, as corrected so far, per wave
+        if values is None:  # subgraphs, or too much held: the whole model, as corrected so far, per wave
             stepwise = None
             values = intermediate_values(apply(qdq_model, layers, shifts), list(axes), samples, threads)
         measured = _channel_means(values, axes)
+        if stepwise is not None and stepwise.held_bytes() > MAX_HELD_BYTES:
+            stepwise = None
         if budget is not None:
             budget.record("bias wave", time.perf_counter() - start)
         for layer in wave:
