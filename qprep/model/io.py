@@ -227,15 +227,13 @@ def weightless(model: onnx.ModelProto, placeholder: str = "external") -> tuple[o
     return skeleton, big
 
 
-def computing(model: onnx.ModelProto, outputs: list[str], given: dict[str, int] | None = None) -> onnx.ModelProto | None:
-    """A copy of the part of `model` that computes `outputs`, which become its only graph outputs; None when the
-    graph has subgraphs (their reads of outer tensors are not followed here). Why: ONNX Runtime runs every node
-    of a graph whatever a run fetches; an early tensor of EfficientNet-Lite0's QDQ model took 27 ms from the
-    whole graph and 6 ms from its part (bias correction reads each layer's output in turn). `given` ({tensor:
-    ONNX element type}) are tensors the caller feeds: the walk stops there and the part reads them as inputs."""
+def computing(model: onnx.ModelProto, outputs: list[str], given: dict[str, int] | None = None) -> onnx.ModelProto:
+    """A copy of the part of `model` that computes `outputs`, which become its only graph outputs. Why: ONNX
+    Runtime runs every node of a graph whatever a run fetches; an early tensor of EfficientNet-Lite0's QDQ model
+    took 27 ms from the whole graph and 6 ms from its part (bias correction reads each layer's output in turn).
+    `given` ({tensor: ONNX element type}) are tensors the caller feeds: the walk stops there and the part reads
+    them as inputs. A node with subgraphs (If, Loop, Scan) needs the outer tensors its bodies read too."""
     nodes = model.graph.node
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in nodes for a in n.attribute):
-        return None
     given = given or {}
     producer = {o: index for index, node in enumerate(nodes) for o in node.output}
     keep, stack = set(), [name for name in outputs if name not in given]
@@ -243,9 +241,9 @@ def computing(model: onnx.ModelProto, outputs: list[str], given: dict[str, int] 
         index = producer.get(stack.pop())
         if index is not None and index not in keep:
             keep.add(index)
-            stack.extend(name for name in nodes[index].input if name and name not in given)
+            stack.extend(name for name in reads(nodes[index]) if name not in given)
     kept = [node for index, node in enumerate(nodes) if index in keep]
-    read = {name for node in kept for name in node.input} | {i.name for i in model.graph.input} | set(outputs)
+    read = {name for node in kept for name in reads(node)} | {i.name for i in model.graph.input} | set(outputs)
     part = onnx.ModelProto()
     _copy_fields(model, part, skip=("graph",))
     _copy_fields(model.graph, part.graph, skip=("node", "initializer", "output", "input"))
@@ -257,6 +255,28 @@ def computing(model: onnx.ModelProto, outputs: list[str], given: dict[str, int] 
     declared = {o.name: o for o in model.graph.output}
     part.graph.output.extend(declared.get(name) or onnx.ValueInfoProto(name=name) for name in outputs)
     return part
+
+
+def reads(node: onnx.NodeProto) -> list[str]:
+    """The tensors `node` reads: its inputs, and the outer-scope tensors its subgraphs' nodes read."""
+    names = [name for name in node.input if name]
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            names += _outer_reads(attribute.g)
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            for graph in attribute.graphs:
+                names += _outer_reads(graph)
+    return names
+
+
+def _outer_reads(graph: onnx.GraphProto) -> list[str]:
+    defined = ({i.name for i in graph.input} | {t.name for t in graph.initializer}
+               | {t.values.name for t in graph.sparse_initializer})
+    names = []
+    for node in graph.node:
+        names += [name for name in reads(node) if name not in defined]
+        defined.update(node.output)
+    return names
 
 
 def _copy_fields(source, target, skip: tuple[str, ...]) -> None:

@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.io import computing, is_heavy, weightless
+from qprep.model.io import computing, is_heavy, reads, weightless
 
 
 def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
@@ -111,8 +111,7 @@ class Stepwise:
     part ran, fed with the tensors earlier parts left, and `add` changes a left tensor before later parts read
     it. Why: bias correction measures its layers wave by wave, each wave after the shifts of the layers upstream;
     running every ancestor again per wave cost waves × model (PP-PicoDet at 800x608, 67 waves: 424 s), where each
-    node now runs once per sample. Only tensors that a node not yet run reads are held; None for a graph with
-    subgraphs (io.computing)."""
+    node now runs once per sample. Only tensors that a node not yet run reads are held."""
 
     def __init__(self, model: onnx.ModelProto, samples: list[dict], threads: int = 2):
         from qprep.model.info import cast_to_inputs
@@ -122,18 +121,16 @@ class Stepwise:
         self.threads = threads
         self.readers: dict[str, set[int]] = {}
         for index, node in enumerate(model.graph.node):
-            for name in node.input:
+            for name in reads(node):  # with what its subgraphs read
                 self.readers.setdefault(name, set()).add(index)
         self.producer = {o: index for index, node in enumerate(model.graph.node) for o in node.output}
         self.ran: set[int] = set()
         self.held: dict[str, list[np.ndarray]] = {}  # tensor → its value per sample
 
-    def advance(self, targets: list[str]) -> list[dict[str, np.ndarray]] | None:
-        """Per sample, {target: value}; None when the graph has subgraphs (nothing is run then)."""
+    def advance(self, targets: list[str]) -> list[dict[str, np.ndarray]]:
+        """Per sample, {target: value}."""
         given = {name: onnx.helper.np_dtype_to_tensor_dtype(values[0].dtype) for name, values in self.held.items()}
         part = computing(self.model, [t for t in targets if t not in self.held and t in self.producer], given)
-        if part is None:
-            return None
         running = {self.producer[o] for node in part.graph.node for o in node.output}
         self.ran |= running
         later = [o for index in sorted(running) for o in self.model.graph.node[index].output

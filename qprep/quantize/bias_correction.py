@@ -91,9 +91,9 @@ def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers
             break
         start = time.perf_counter()
         axes = {layer.output: layer.axis for layer in wave}
-        values = stepwise.advance(list(axes)) if stepwise is not None else None
-        if values is None:  # subgraphs, or too much held: the whole model, as corrected so far, per wave
-            stepwise = None
+        if stepwise is not None:
+            values = stepwise.advance(list(axes))
+        else:  # too much held: the whole model, as corrected so far, per wave
             values = intermediate_values(apply(qdq_model, layers, shifts), list(axes), samples, threads)
         measured = _channel_means(values, axes)
         if stepwise is not None and stepwise.held_bytes() > MAX_HELD_BYTES:

@@ -49,14 +49,34 @@ def test_intermediates_run_only_the_part_that_computes_them():
     np.testing.assert_array_equal(values["x"], sample["x"])
 
 
-def test_a_graph_with_subgraphs_is_not_cut():
-    """A subgraph may read any outer tensor: io.computing does not follow those reads, so it declines."""
-    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "b", [],
-                               [helper.make_tensor_value_info("z", 1, [2])])
-    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0), helper.make_node("Cast", ["s"], ["c"], to=9),
-             helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)]
-    model = make_model(nodes, [("x", [2])], [("y", [2])])
-    assert io.computing(model, ["s"]) is None
+def test_a_part_keeps_the_outer_tensors_its_subgraphs_read():
+    """An If's branches read `w` and `s` from the outer graph, not as node inputs: the part that computes the If's
+    output keeps the nodes and initializers they come from, and computes the whole model's value; a tensor the
+    part is given stops the walk there, branch reads included."""
+    from qprep.model.runtime import Stepwise, ort_session
+
+    then = helper.make_graph([helper.make_node("Mul", ["s", "w"], ["z"])], "then", [],
+                             [helper.make_tensor_value_info("z", 1, [2])])
+    other = helper.make_graph([helper.make_node("Neg", ["s"], ["z2"])], "else", [],
+                              [helper.make_tensor_value_info("z2", 1, [2])])
+    nodes = [helper.make_node("Relu", ["x"], ["s"]), helper.make_node("ReduceSum", ["x"], ["t"], keepdims=0),
+             helper.make_node("Greater", ["t", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+             helper.make_node("Exp", ["x"], ["unused"])]
+    model = make_model(nodes, [("x", [2])], [("y", [2]), ("unused", [2])],
+                       {"w": np.array([2.0, 3.0], np.float32), "zero": np.array(0.0, np.float32)})
+    part = io.computing(model, ["y"])
+    assert [n.op_type for n in part.graph.node] == ["Relu", "ReduceSum", "Greater", "If"]
+    assert {t.name for t in part.graph.initializer} == {"w", "zero"}
+    x = np.array([1.0, -0.5], np.float32)
+    np.testing.assert_allclose(ort_session(part).run(["y"], {"x": x})[0], np.maximum(x, 0) * [2.0, 3.0])
+    given = io.computing(model, ["y"], given={"s": 1})
+    assert [n.op_type for n in given.graph.node] == ["ReduceSum", "Greater", "If"]
+    assert "s" in {i.name for i in given.graph.input}
+    stepwise = Stepwise(model, [{"x": x}])
+    stepwise.advance(["s"])
+    assert set(stepwise.held) == {"s"}  # the If's branches read it: held until the If has run
+    np.testing.assert_allclose(stepwise.advance(["y"])[0]["y"], np.maximum(x, 0) * [2.0, 3.0])
 
 
 def _skip_chain():

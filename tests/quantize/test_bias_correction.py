@@ -192,18 +192,16 @@ def test_the_backend_keeps_a_correction_only_when_it_gains_the_minimum(tmp_path,
         assert quantizer.bias["reason"] == f"not better by {bias_correction.MIN_GAIN_DB:g} dB: no correction"
 
 
-@pytest.mark.parametrize("how", ["parts", "subgraphs", "over the memory cap"])
-def test_wave_by_wave_runs_of_the_parts_match_whole_model_runs_of_the_corrected_model(tmp_path, monkeypatch, how):
+@pytest.mark.parametrize("held_cap", [None, 0])
+def test_wave_by_wave_runs_of_the_parts_match_whole_model_runs_of_the_corrected_model(tmp_path, monkeypatch,
+                                                                                     held_cap):
     """The corrections measured from the parts each wave adds (runtime.Stepwise, its layers' shifts added to
-    what later waves read) are the ones measured by running the whole model, corrected so far, per wave; a
-    graph with subgraphs, which Stepwise does not cut, is measured that way, and so are the waves after the
-    held tensors outgrow MAX_HELD_BYTES."""
-    from qprep.model.runtime import Stepwise, intermediate_values
+    what later waves read) are the ones measured by running the whole model, corrected so far, per wave; the
+    waves after the held tensors outgrow MAX_HELD_BYTES are measured that way."""
+    from qprep.model.runtime import intermediate_values
 
-    if how == "subgraphs":
-        monkeypatch.setattr(Stepwise, "advance", lambda self, targets: None)
-    elif how == "over the memory cap":
-        monkeypatch.setattr(bias_correction, "MAX_HELD_BYTES", 0)
+    if held_cap is not None:
+        monkeypatch.setattr(bias_correction, "MAX_HELD_BYTES", held_cap)
     model = _chain()
     samples = _samples()
     quantized = _quantized(model, tmp_path, bias_correction=False).build(set())
