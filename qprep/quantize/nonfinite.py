@@ -286,12 +286,15 @@ def _float_constants(model: onnx.ModelProto):
 
 def _stats(array: np.ndarray) -> dict:
     values = np.asarray(array)
-    nan = bool(np.isnan(values).any())
-    if nan:
-        values = values[~np.isnan(values)]
     if not values.size:
-        return {"min": 0.0, "max": 0.0, "nan": nan}
-    return {"min": float(values.min()), "max": float(values.max()), "nan": nan}
+        return {"min": 0.0, "max": 0.0, "nan": False}
+    low, high = values.min(), values.max()  # NaN if any value is NaN: one pass each, no mask in the usual case
+    if not (np.isnan(low) or np.isnan(high)):
+        return {"min": float(low), "max": float(high), "nan": False}
+    values = values[~np.isnan(values)]
+    if not values.size:
+        return {"min": 0.0, "max": 0.0, "nan": True}
+    return {"min": float(values.min()), "max": float(values.max()), "nan": True}
 
 
 def _merged(old: dict | None, new: dict) -> dict:
