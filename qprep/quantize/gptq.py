@@ -110,10 +110,10 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     rows_seen: Counter = Counter()
     for values in intermediate_values(qdq_model, sorted({layer.activation for layer in layers}), samples, threads):
         for layer in layers:
-            rows = _input_rows(np.asarray(values[layer.activation], dtype=np.float32), layer)
-            h = np.matmul(rows.transpose(0, 2, 1), rows).astype(np.float64)
+            columns = _input_columns(np.asarray(values[layer.activation], dtype=np.float32), layer)
+            h = np.matmul(columns, columns.transpose(0, 2, 1)).astype(np.float64)
             moments[layer.node] = moments.get(layer.node, 0) + h
-            rows_seen[layer.node] += rows.shape[1]
+            rows_seen[layer.node] += columns.shape[2]
     return {node: h for node, h in moments.items() if determined(rows_seen[node], h.shape[-1])}
 
 
@@ -122,10 +122,12 @@ def determined(rows: int, inputs: int) -> bool:
     return rows >= MIN_ROWS_PER_INPUT * inputs
 
 
-def _input_rows(x: np.ndarray, layer: Layer) -> np.ndarray:
-    """The layer input as [groups, positions, d] rows, each row multiplying one output row's weights."""
+def _input_columns(x: np.ndarray, layer: Layer) -> np.ndarray:
+    """The layer input as [groups, d, positions]: column p holds the d inputs one output position's weights
+    multiply. Built from one strided slice per kernel offset (a sliding-window view reshaped into rows gathered
+    across image rows: 0.9 s for a 3x3 depthwise conv on 64x200x152, 20x this)."""
     if layer.kind != "conv":
-        rows = x.reshape(1, -1, x.shape[-1])
+        columns = x.reshape(-1, x.shape[-1]).T[None]
     else:
         weight = layer.float_weight
         if weight.ndim == 3:  # 1-D conv as 2-D with height 1
@@ -137,15 +139,19 @@ def _input_rows(x: np.ndarray, layer: Layer) -> np.ndarray:
             pads = layer.conv.get("pads", [0, 0, 0, 0])
             strides, dilations = layer.conv.get("strides", [1, 1]), layer.conv.get("dilations", [1, 1])
         x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-        span = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-        windows = np.lib.stride_tricks.sliding_window_view(x, span, axis=(2, 3))
-        windows = windows[:, :, ::strides[0], ::strides[1], ::dilations[0], ::dilations[1]]  # N,C,Ho,Wo,kh,kw
-        n, c, ho, wo = windows.shape[:4]
-        per_group = c // layer.groups
-        windows = windows.reshape(n, layer.groups, per_group, ho * wo, -1)
-        rows = windows.transpose(1, 0, 3, 2, 4).reshape(layer.groups, n * ho * wo, -1)
-    step = max(1, rows.shape[1] // MAX_ROWS_PER_SAMPLE)
-    return np.ascontiguousarray(rows[:, ::step], dtype=np.float32)
+        n, c = x.shape[:2]
+        out = [(x.shape[2 + a] - (kernel[a] - 1) * dilations[a] - 1) // strides[a] + 1 for a in (0, 1)]
+        columns = np.empty((n, c, kernel[0] * kernel[1], out[0], out[1]), np.float32)
+        for i in range(kernel[0]):
+            for j in range(kernel[1]):
+                top, left = i * dilations[0], j * dilations[1]
+                columns[:, :, i * kernel[1] + j] = x[:, :, top:top + (out[0] - 1) * strides[0] + 1:strides[0],
+                                                     left:left + (out[1] - 1) * strides[1] + 1:strides[1]]
+        d = c // layer.groups * kernel[0] * kernel[1]
+        columns = columns.reshape(n, layer.groups, d, out[0] * out[1]).transpose(1, 2, 0, 3)
+        columns = columns.reshape(layer.groups, d, n * out[0] * out[1])
+    step = max(1, columns.shape[2] // MAX_ROWS_PER_SAMPLE)
+    return np.ascontiguousarray(columns[:, :, ::step], dtype=np.float32)
 
 
 def _to_rows(array: np.ndarray, layer: Layer) -> np.ndarray:
