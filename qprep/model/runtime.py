@@ -123,15 +123,20 @@ class Stepwise:
         for index, node in enumerate(model.graph.node):
             for name in reads(node):  # with what its subgraphs read
                 self.readers.setdefault(name, set()).add(index)
-        self.producer = {o: index for index, node in enumerate(model.graph.node) for o in node.output}
+        self.producer = {o: index for index, node in enumerate(model.graph.node) for o in node.output if o}
         self.ran: set[int] = set()
         self.held: dict[str, list[np.ndarray]] = {}  # tensor → its value per sample
 
-    def advance(self, targets: list[str]) -> list[dict[str, np.ndarray]]:
-        """Per sample, {target: value}."""
+    def advance(self, targets: list[str]) -> list[dict[str, np.ndarray]] | None:
+        """Per sample, {target: value}. None when a part cannot continue from what is held — a target whose node
+        ran already and which no later node read (so it was let go), or a value crossing parts that is not a
+        tensor (a sequence): the caller runs the whole model instead."""
+        wanted = [t for t in targets if t not in self.held and t in self.producer]
+        if any(self.producer[t] in self.ran for t in wanted):
+            return None
         given = {name: onnx.helper.np_dtype_to_tensor_dtype(values[0].dtype) for name, values in self.held.items()}
-        part = computing(self.model, [t for t in targets if t not in self.held and t in self.producer], given)
-        running = {self.producer[o] for node in part.graph.node for o in node.output}
+        part = computing(self.model, wanted, given)
+        running = {self.producer[o] for node in part.graph.node for o in node.output if o}
         self.ran |= running
         later = [o for index in sorted(running) for o in self.model.graph.node[index].output
                  if o and o not in targets and self.readers.get(o, set()) - self.ran]
@@ -142,6 +147,8 @@ class Stepwise:
         for index, sample in enumerate(self.samples):
             feeds = {name: self.held[name][index] if name in self.held else sample[name] for name in fed}
             for name, value in zip(outputs, session.run(outputs, feeds) if session is not None else []):
+                if not isinstance(value, np.ndarray):
+                    return None
                 self.held.setdefault(name, []).append(value)
         values = [{name: self.held[name][index] if name in self.held else sample[name] for name in targets
                    if name in self.held or name in sample} for index, sample in enumerate(self.samples)]

@@ -9,9 +9,10 @@ where the fallback needed 4 float nodes for 0.99822 (BENCHMARKS.md, session 7).
 
 How: layers are corrected in waves, a wave being the layers whose upstream layers are all corrected; per wave,
 the QDQ model as written runs over the samples up to the wave's layers (runtime.Stepwise: only the nodes no
-earlier wave ran, from the tensors earlier waves left, with their layers' corrections added), giving each
-layer's per-channel output mean, compared with the float model's. Only int32 bias initializers change; the
-caller keeps the result only if the model's output error goes down.
+earlier wave ran, from the tensors earlier waves left, with their layers' corrections added; past
+MAX_HELD_BYTES, or where parts cannot go on, the whole corrected model per wave), giving each layer's
+per-channel output mean, compared with the float model's. Only int32 bias initializers change; the caller
+keeps the result only if the model's output error goes down.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qprep.model.io import reads
 from qprep.model.runtime import Stepwise, intermediate_values
 
 LAYER_OPS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # op type → channel axis of its output
@@ -49,18 +51,20 @@ class BiasLayer:
 
 def find_layers(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto) -> list[BiasLayer]:
     """Conv/ConvTranspose/Gemm nodes whose bias is a DequantizeLinear of an int32 initializer read by nothing
-    else, matched by name to the float model, in graph order."""
+    else, matched by name to the float model, in graph order (a Gemm only with beta 1: its bias adds as it is).
+    What a node depends on includes the tensors its If/Loop/Scan bodies read."""
     inits = {t.name: t for t in qdq_model.graph.initializer}
     float_nodes = {n.name: n for n in float_model.graph.node}
-    producer = {o: n for n in qdq_model.graph.node for o in n.output}
-    readers = Counter(name for node in qdq_model.graph.node for name in node.input)
+    producer = {o: n for n in qdq_model.graph.node for o in n.output if o}
+    readers = Counter(name for node in qdq_model.graph.node for name in reads(node))
     layers: dict[str, BiasLayer] = {}
     feeds: dict[str, set[str]] = {}  # tensor → bias layers it depends on
     for node in qdq_model.graph.node:
-        upstream = set().union(*(feeds.get(i, set()) for i in node.input))
+        upstream = set().union(*(feeds.get(i, set()) for i in reads(node)))
         original = float_nodes.get(node.name)
         dq = producer.get(node.input[2]) if node.op_type in LAYER_OPS and len(node.input) > 2 else None
-        if (dq is not None and dq.op_type == "DequantizeLinear" and original is not None
+        beta = next((a.f for a in node.attribute if a.name == "beta"), 1.0)
+        if (dq is not None and dq.op_type == "DequantizeLinear" and original is not None and beta == 1.0
                 and original.op_type == node.op_type and dq.input[0] in inits and dq.input[1] in inits
                 and inits[dq.input[0]].data_type == onnx.TensorProto.INT32 and readers[dq.input[0]] == 1
                 and readers[node.input[2]] == 1):
@@ -77,8 +81,9 @@ def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers
                 samples: list[dict], threads: int = 2, budget=None) -> dict[str, np.ndarray]:
     """{node: bias shift in float units} that brings each layer's per-channel output mean on `samples` to the
     float model's, with every upstream correction applied before a layer is measured. With a `budget`
-    (quantize/budget.py), a wave is started only if it and the caller's check (two more runs) fit: the layers
-    corrected so far are a valid correction on their own (their upstream layers are all among them)."""
+    (quantize/budget.py), a wave is started only if it and the caller's check (two more runs of the whole model:
+    kind "bias check", which the caller records) fit: the layers corrected so far are a valid correction on
+    their own (their upstream layers are all among them)."""
     expected = _channel_means(intermediate_values(float_model, [layer.float_output for layer in layers], samples,
                                                   threads), {layer.float_output: layer.axis for layer in layers})
     biases = {t.name: numpy_helper.to_array(t).astype(np.int64) for t in qdq_model.graph.initializer
@@ -86,14 +91,16 @@ def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers
     stepwise = Stepwise(qdq_model, samples, threads)
     shifts: dict[str, np.ndarray] = {}
     for index, wave in enumerate(waves(layers)):
-        if budget is not None and not budget.allows(f"bias correction waves {index + 1}+",
-                                                    3 * budget.predict("bias wave")):
-            break
+        if budget is not None:
+            check = budget.predict("bias check")
+            wave_cost = budget.predict("bias wave") if stepwise is not None else max(budget.predict("bias wave"), check)
+            if not budget.allows(f"bias correction waves {index + 1}+", wave_cost + 2 * check):
+                break
         start = time.perf_counter()
         axes = {layer.output: layer.axis for layer in wave}
-        if stepwise is not None:
-            values = stepwise.advance(list(axes))
-        else:  # too much held: the whole model, as corrected so far, per wave
+        values = stepwise.advance(list(axes)) if stepwise is not None else None
+        if values is None:  # too much held, or parts that cannot go on: the whole model, as corrected so far
+            stepwise = None
             values = intermediate_values(apply(qdq_model, layers, shifts), list(axes), samples, threads)
         measured = _channel_means(values, axes)
         if stepwise is not None and stepwise.held_bytes() > MAX_HELD_BYTES:
@@ -114,8 +121,8 @@ def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers
 
 
 def waves(layers: list[BiasLayer]) -> list[list[BiasLayer]]:
-    """Layers grouped in measuring order: a layer joins the first wave after every layer upstream of it (one
-    quantized-model run per wave, so the cost is depth x samples)."""
+    """Layers grouped in measuring order: a layer joins the first wave after every layer upstream of it (each
+    wave runs the nodes no earlier wave ran, so the cost is about one model run per sample)."""
     done: set[str] = set()
     groups = []
     while len(done) < len(layers):

@@ -118,3 +118,34 @@ def test_stepwise_later_parts_read_what_add_changed():
     stepwise.add("a", delta, axis=-1)
     a = sample["x"] @ w1 + delta
     np.testing.assert_allclose(stepwise.advance(["y"])[0]["y"], np.maximum(a, 0) @ w2 + a, rtol=1e-5, atol=1e-6)
+
+
+def test_stepwise_a_node_with_an_unnamed_optional_output_is_not_taken_for_another():
+    """Two Dropouts whose mask output is left unnamed (""): the second part runs the second one, not neither."""
+    from qprep.model.runtime import Stepwise
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Dropout", ["a"], ["d1", ""]),
+             helper.make_node("Dropout", ["d1"], ["d2", ""]), helper.make_node("Neg", ["d2"], ["y"])]
+    model = make_model(nodes, [("x", [2, 3])], [("y", [2, 3])])
+    x = np.random.default_rng(4).standard_normal((2, 3)).astype(np.float32)
+    stepwise = Stepwise(model, [{"x": x}])
+    np.testing.assert_array_equal(stepwise.advance(["d1"])[0]["d1"], np.maximum(x, 0))
+    np.testing.assert_array_equal(stepwise.advance(["y"])[0]["y"], -np.maximum(x, 0))
+
+
+def test_stepwise_declines_a_part_boundary_it_cannot_hold():
+    """A sequence crossing from one part to the next is not a tensor it can feed again, and a target whose node
+    ran in an earlier part without anything later reading it was let go: advance says None (the caller then
+    runs the whole model) rather than recomputing it from the samples."""
+    from qprep.model.runtime import Stepwise
+
+    nodes = [helper.make_node("SequenceConstruct", ["x", "x"], ["s"]),
+             helper.make_node("SequenceAt", ["s", "zero"], ["first"]),
+             helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0)]
+    model = make_model(nodes, [("x", [2])], [("y", [4])], {"zero": np.array(0, np.int64)})
+    sample = {"x": np.array([1.0, 2.0], np.float32)}
+    assert Stepwise(model, [sample]).advance(["first"]) is None
+    model, _, _ = _skip_chain()
+    stepwise = Stepwise(model, [{"x": np.ones((2, 4), np.float32)}])
+    assert stepwise.advance(["c"]) is not None
+    assert stepwise.advance(["b"]) is None  # `b` ran for `c` and nothing unrun reads it any more

@@ -155,8 +155,9 @@ def test_a_fallback_whose_target_bias_correction_meets_makes_nothing_float(tmp_p
 
 
 def test_a_wave_that_would_not_end_within_the_budget_is_not_started(tmp_path, monkeypatch):
-    """The first wave (about one run over the samples) takes 50 s on a fake clock; 100 s left: the second wave
-    (and the two check runs after it) cannot fit, so only the first layer is corrected."""
+    """The first wave takes 50 s on a fake clock and the caller's check of the whole model 30 s (recorded as
+    "bias check"); 100 s left: the second wave and the two check runs after it (110 s) cannot fit, so only the
+    first layer is corrected."""
     from qprep.quantize.budget import Budget
 
     model = _chain()
@@ -172,6 +173,7 @@ def test_a_wave_that_would_not_end_within_the_budget_is_not_started(tmp_path, mo
 
     monkeypatch.setattr(bias_correction, "_channel_means", slow_means)
     budget = Budget(200, started=-50.0)  # the float model's means (one run) ended at 50 s of the budget
+    budget.record("bias check", 30.0)
     shifts = bias_correction.corrections(quantized, model, layers, _samples(), budget=budget)
     assert list(shifts) == [layers[0].node]
     assert budget.durations["bias wave"] == [50.0] and budget.skipped[0].startswith("bias correction waves 2+")
@@ -192,14 +194,29 @@ def test_the_backend_keeps_a_correction_only_when_it_gains_the_minimum(tmp_path,
         assert quantizer.bias["reason"] == f"not better by {bias_correction.MIN_GAIN_DB:g} dB: no correction"
 
 
+def _whole_model_shifts(quantized, model, layers, samples):
+    """The corrections as measured by running the whole model, corrected so far, per wave (the reference)."""
+    from qprep.model.runtime import intermediate_values
+
+    def means(m, name):
+        values = [v[name] for v in intermediate_values(m, [name], samples)]
+        axis = tuple(i for i in range(values[0].ndim) if i != 1)
+        return np.mean([v.mean(axis=axis) for v in values], axis=0)
+
+    reference = {}
+    for wave in bias_correction.waves(layers):
+        corrected = bias_correction.apply(quantized, layers, reference)
+        for layer in wave:
+            reference[layer.node] = means(model, layer.float_output) - means(corrected, layer.output)
+    return reference
+
+
 @pytest.mark.parametrize("held_cap", [None, 0])
 def test_wave_by_wave_runs_of_the_parts_match_whole_model_runs_of_the_corrected_model(tmp_path, monkeypatch,
                                                                                      held_cap):
     """The corrections measured from the parts each wave adds (runtime.Stepwise, its layers' shifts added to
     what later waves read) are the ones measured by running the whole model, corrected so far, per wave; the
     waves after the held tensors outgrow MAX_HELD_BYTES are measured that way."""
-    from qprep.model.runtime import intermediate_values
-
     if held_cap is not None:
         monkeypatch.setattr(bias_correction, "MAX_HELD_BYTES", held_cap)
     model = _chain()
@@ -207,16 +224,44 @@ def test_wave_by_wave_runs_of_the_parts_match_whole_model_runs_of_the_corrected_
     quantized = _quantized(model, tmp_path, bias_correction=False).build(set())
     layers = bias_correction.find_layers(quantized, model)
     shifts = bias_correction.corrections(quantized, model, layers, samples)
-    reference = {}
-    for wave in bias_correction.waves(layers):
-        corrected = bias_correction.apply(quantized, layers, reference)
-        for layer in wave:
-            means = [v[layer.output].mean(axis=(0, 2, 3)) for v in intermediate_values(corrected, [layer.output],
-                                                                                         samples)]
-            floats = [v[layer.float_output].mean(axis=(0, 2, 3)) for v in intermediate_values(
-                model, [layer.float_output], samples)]
-            reference[layer.node] = np.mean(floats, axis=0) - np.mean(means, axis=0)
+    reference = _whole_model_shifts(quantized, model, layers, samples)
     assert set(shifts) == set(reference) == {layer.node for layer in layers}
     for node, shift in shifts.items():
         np.testing.assert_allclose(shift, reference[node], rtol=1e-3, atol=1e-5)
     assert np.abs(reference[layers[1].node]).max() > 1e-3  # a second wave that has something to correct
+
+
+def _if_between(quantized: bool) -> onnx.ModelProto:
+    """Conv K → Conv L → If (its branches read L's output from the outer graph) → Conv M, a float model or its
+    hand-made QDQ form (int32 biases; weights 10% off, so every layer drifts)."""
+    rng = np.random.default_rng(0)
+    nodes, inits = [], {"lo": np.array(-1e9, np.float32)}
+    for name, source in (("K", "x"), ("L", "k"), ("M", "i")):
+        inits[f"w{name}"] = (rng.standard_normal((2, 2, 1, 1)) * (1.1 if quantized else 1.0)).astype(np.float32)
+        bias = rng.standard_normal(2).astype(np.float32)
+        if quantized:
+            inits[f"q{name}"], inits[f"s{name}"] = np.round(bias / 1e-3).astype(np.int32), np.array(1e-3, np.float32)
+            nodes.append(helper.make_node("DequantizeLinear", [f"q{name}", f"s{name}"], [f"b{name}"], name=f"dq{name}"))
+        else:
+            inits[f"b{name}"] = bias
+        nodes.append(helper.make_node("Conv", [source, f"w{name}", f"b{name}"], [name.lower()], name=name))
+        if name == "L":
+            body = helper.make_graph([helper.make_node("Relu", ["l"], ["z"])], "body", [],
+                                     [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)])
+            nodes += [helper.make_node("ReduceSum", ["x"], ["t"], keepdims=0, name="sum"),
+                      helper.make_node("Greater", ["t", "lo"], ["c"], name="greater"),
+                      helper.make_node("If", ["c"], ["i"], then_branch=body, else_branch=body, name="if")]
+    return make_model(nodes, [("x", [1, 2, 3, 3])], [("m", [1, 2, 3, 3])], inits, infer_shapes=False)
+
+
+def test_a_layer_read_inside_an_if_branch_is_upstream_of_the_layers_after_the_if():
+    """What an If's branches read counts as its input: M after the If is measured after L (whose output only a
+    branch reads) and with L's and K's corrections, as a whole-model run of the corrected model measures it."""
+    model, quantized = _if_between(False), _if_between(True)
+    samples = [{"x": x} for x in np.random.default_rng(1).standard_normal((4, 1, 2, 3, 3)).astype(np.float32)]
+    layers = bias_correction.find_layers(quantized, model)
+    assert [[layer.node for layer in wave] for wave in bias_correction.waves(layers)] == [["K"], ["L"], ["M"]]
+    shifts = bias_correction.corrections(quantized, model, layers, samples)
+    reference = _whole_model_shifts(quantized, model, layers, samples)
+    for node in "KLM":
+        np.testing.assert_allclose(shifts[node], reference[node], rtol=1e-4, atol=1e-6)
