@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qprep.model.io import inferred_shapes, weights_bytes
+from qprep.model.io import inferred_shapes, subgraphs, weights_bytes
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 INTEGER_OPS = {
@@ -119,11 +119,8 @@ def iter_nodes(graph: onnx.GraphProto):
     for node in graph.node:
         yield node
         for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from iter_nodes(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from iter_nodes(g)
+            for sub in subgraphs(attr):
+                yield from iter_nodes(sub)
 
 
 def op_counts(model: onnx.ModelProto) -> dict[str, int]:
@@ -261,7 +258,7 @@ class Links:
                 if name:
                     self.readers.setdefault(name, []).append(node)
         self.in_subgraphs = {name for node in graph.node for attr in node.attribute
-                             for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs))
+                             for sub in subgraphs(attr)
                              for inner in iter_nodes(sub) for name in inner.input}
         self.outputs = {o.name for o in graph.output}
         self._ranks: dict[str, int] | None = None

@@ -176,11 +176,15 @@ def _tensors(graph: onnx.GraphProto):
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.TENSOR:
                 yield attribute.t
-            elif attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _tensors(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for subgraph in attribute.graphs:
-                    yield from _tensors(subgraph)
+            for subgraph in subgraphs(attribute):
+                yield from _tensors(subgraph)
+
+
+def subgraphs(attribute: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    """The graphs an attribute holds (If branches, Loop/Scan bodies)."""
+    if attribute.type == onnx.AttributeProto.GRAPH:
+        return [attribute.g]
+    return list(attribute.graphs) if attribute.type == onnx.AttributeProto.GRAPHS else []
 
 
 def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, shapes_only: bool = False) -> onnx.ModelProto:
@@ -261,11 +265,8 @@ def reads(node: onnx.NodeProto) -> list[str]:
     """The tensors `node` reads: its inputs, and the outer-scope tensors its subgraphs' nodes read."""
     names = [name for name in node.input if name]
     for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            names += _outer_reads(attribute.g)
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            for graph in attribute.graphs:
-                names += _outer_reads(graph)
+        for graph in subgraphs(attribute):
+            names += _outer_reads(graph)
     return names
 
 

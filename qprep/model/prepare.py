@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 
 from qprep.errors import ConfigError, ModelError
 from qprep.model.info import default_opset, graph_inputs, has_control_flow, unique_name
-from qprep.model.io import inferred_shapes, weightless
+from qprep.model.io import inferred_shapes, subgraphs, weightless
 
 log = logging.getLogger("qprep")
 
@@ -42,8 +42,7 @@ def name_nodes(graph: onnx.GraphProto, taken: set[str] | None = None, prefix: st
             renamed += 1
         taken.add(node.name)
         for attr in node.attribute:
-            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-            for sub in subgraphs:
+            for sub in subgraphs(attr):
                 renamed += name_nodes(sub, taken, prefix=f"{node.name}/")
     return renamed
 

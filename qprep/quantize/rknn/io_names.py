@@ -18,6 +18,7 @@ import re
 import onnx
 
 from qprep.model.info import graph_inputs, graph_outputs
+from qprep.model.io import subgraphs
 from qprep.quantize.rknn.names import base_name
 
 MAX_LENGTH = 127
@@ -79,13 +80,6 @@ def rename_values(graph: onnx.GraphProto, renames: dict[str, str]) -> None:
         for attribute in node.attribute:
             for sub in subgraphs(attribute):
                 rename_values(sub, renames)
-
-
-def subgraphs(attribute: onnx.AttributeProto) -> list[onnx.GraphProto]:
-    """The graphs an attribute holds (If branches, Loop/Scan bodies)."""
-    if attribute.type == onnx.AttributeProto.GRAPH:
-        return [attribute.g]
-    return list(attribute.graphs) if attribute.type == onnx.AttributeProto.GRAPHS else []
 
 
 def all_names(model: onnx.ModelProto) -> set[str]:
