@@ -34,7 +34,7 @@ LAYER_OPS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # op type → channel a
 MIN_GAIN_DB = 0.1
 INT32 = np.iinfo(np.int32)
 # Beyond this the tensors later waves read are let go and each remaining wave runs the corrected model again:
-# PP-PicoDet at 800x608 held 475 MiB over 32 samples; a U-Net's skip tensors at 1024² would hold several GiB
+# PP-PicoDet at 800x608 held 475 MiB over 32 samples; one 64-channel U-Net skip at 1024² is 256 MiB a sample
 MAX_HELD_BYTES = 2 << 30
 
 

@@ -124,8 +124,8 @@ def determined(rows: int, inputs: int) -> bool:
 
 def _input_columns(x: np.ndarray, layer: Layer) -> np.ndarray:
     """The layer input as [groups, d, positions]: column p holds the d inputs one output position's weights
-    multiply. Built from one strided slice per kernel offset (a sliding-window view reshaped into rows gathered
-    across image rows: 0.9 s for a 3x3 depthwise conv on 64x200x152, 20x this)."""
+    multiply. Built from one strided slice per kernel offset: a sliding-window view reshaped into rows gathers
+    across image rows (3x3 depthwise conv on 64x200x152: 43 ms against 12 ms, warm; the moments with it 75 → 30 ms)."""
     if layer.kind != "conv":
         columns = x.reshape(-1, x.shape[-1]).T[None]
     else:

@@ -369,10 +369,9 @@ class OrtQuantizer:
             started = time.perf_counter()
             self._note(f"bias correction: {len(layers)} layers in {len(bias_correction.waves(layers))} waves over "
                        f"{len(self.samples)} calibration samples")
-            checked = time.perf_counter()
             before_db, = self._calibration_sqnr(quantized)
             if self.budget is not None:  # what the correction keeps for its own check (bias_correction.corrections)
-                self.budget.record("bias check", time.perf_counter() - checked)
+                self.budget.record("bias check", time.perf_counter() - started)
             if before_db is None:  # nothing to judge the correction by: not worth its time
                 shifts, after_db = {}, None
             else:
