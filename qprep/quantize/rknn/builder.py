@@ -23,7 +23,7 @@ from qprep.errors import QprepError
 from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
 from qprep.model.io import save_model
-from qprep.quantize import outlier_positions, residual_channels, smooth_layernorm
+from qprep.quantize import float16_range, outlier_positions, residual_channels, smooth_layernorm
 from qprep.quantize.backend import BackendInput, Quantized
 from qprep.quantize.rknn import dataset, io_names, limits, static_graph
 from qprep.quantize.rknn import ranges as rknn_ranges
@@ -382,6 +382,10 @@ def quantize(job: BackendInput) -> Quantized:
     job.model, static = static_graph.static_graph(job.model, job.samples[:8], job.threads)
     job.float_set = static_graph.carried(set(job.float_set), job.model, static)
     job.model, clipped = limits.float16_safe(job.model, job.extremes, job.samples[:8], job.threads)
+    scaled = float16_range.scale(job.model, job.samples[:8], job.threads) if job.extremes.tensors else None
+    if scaled and scaled.chain:  # float16 holds the chain now: it stays float as any float node does
+        job.model, job.float_set = scaled.model, scaled.carried(set(job.float_set))
+        job.extremes.added -= set(scaled.chain)
     job.float_set, overflowing = limits.without_float16_overflow(job.model, set(job.float_set), job.extremes,
                                                                  job.samples[:8], job.threads)
     for node in overflowing:  # int8 in the result: no longer reported as kept float for their values
@@ -409,8 +413,9 @@ def quantize(job: BackendInput) -> Quantized:
         builder.details["opset_converted"] = converted
     if static:
         builder.details["static_graph"] = static
-    if clipped or overflowing:
+    if clipped or overflowing or (scaled and scaled.record):
         builder.details["nonfinite"] = {**({"float16_clip": clipped} if clipped else {}),
+                                        **({"float16_range": scaled.record} if scaled and scaled.record else {}),
                                         **({"int8_not_float16": overflowing} if overflowing else {})}
     try:
         float_set = set(job.float_set)
