@@ -81,7 +81,7 @@ def scale(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Scal
         return Scaled(model)
     chain = _Chain(model)
     try:
-        starts = {node.name for name in over for node in chain.starts(name)}
+        starts = chain.starts(over)
         degrees = chain.degrees(starts)
     except _Unscalable as exc:
         return _left(model, over, str(exc))
@@ -161,22 +161,31 @@ class _Chain:
             raise _Unscalable(f"constant '{name}' is not a tensor qprep can scale")
         return numpy_helper.to_array(tensor)
 
-    def starts(self, name: str, over: str | None = None, depth: int = 0) -> list[onnx.NodeProto]:
-        """The nodes with a constant weight that start the chain of `name` (which overflows, or feeds `over`),
-        walking back through ops that carry a scale."""
-        over = over or name
-        node = self.links.producers.get(name)
-        if node is None or depth > 64:
-            raise _Unscalable(f"'{over}' overflows float16 and its chain reaches the input '{name}' before any "
-                              f"node with a constant weight")
-        if self.weighted(node):
-            return [node]
-        if node.op_type not in CARRIES:
-            raise _Unscalable(f"'{over}' overflows float16 and its chain meets {node.op_type} '{node.name}', "
-                              f"which cannot carry a scale")
-        inputs = node.input[:1] if node.op_type in KEEPS | {"Pow"} else node.input
-        return [start for i in inputs if i and not self.is_constant(i)
-                for start in self.starts(i, over, depth + 1)]
+    def starts(self, overflowing: list[str]) -> set[str]:
+        """The nodes with a constant weight that start the chains of the `overflowing` tensors, walking back
+        through ops that carry a scale (each tensor once: a residual network's Adds fork every step)."""
+        found: set[str] = set()
+        seen: set[str] = set()
+        for over in overflowing:
+            stack = [over]
+            while stack:
+                name = stack.pop()
+                if name in seen:
+                    continue
+                seen.add(name)
+                node = self.links.producers.get(name)
+                if node is None:
+                    raise _Unscalable(f"'{over}' overflows float16 and its chain reaches the input '{name}' "
+                                      f"before any node with a constant weight")
+                if self.weighted(node):
+                    found.add(node.name)
+                    continue
+                if node.op_type not in CARRIES:
+                    raise _Unscalable(f"'{over}' overflows float16 and its chain meets {node.op_type} "
+                                      f"'{node.name}', which cannot carry a scale")
+                inputs = node.input[:1] if node.op_type in KEEPS | {"Pow"} else node.input
+                stack.extend(i for i in inputs if i and not self.is_constant(i))
+        return found
 
     def weighted(self, node: onnx.NodeProto) -> bool:
         """A Conv/MatMul/Gemm of an activation by a constant weight, or a Mul/Div of one by a constant."""

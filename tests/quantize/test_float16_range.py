@@ -177,3 +177,21 @@ def test_the_start_may_be_a_weight_times_x_or_x_over_a_constant(start):
     assert scaled.record["starts"] == ["start"] and _activations_beyond_float16(scaled.model, samples) == []
     for before, after in zip(run_model(model, samples), run_model(scaled.model, samples)):
         np.testing.assert_allclose(after["y"], before["y"], rtol=1e-5)
+
+
+def test_the_walk_back_through_many_residual_adds_visits_each_tensor_once():
+    """Forty residual blocks h = h + Relu(h): 2^40 paths back to the one start (a walk per path: days)."""
+    rng = np.random.default_rng(6)
+    weights = {"w": np.abs(rng.standard_normal((8, 8)) * 1e3).astype(np.float32)}
+    nodes, h = [helper.make_node("MatMul", ["x", "w"], ["h0"], name="dense")], "h0"
+    for k in range(40):
+        nodes += [helper.make_node("Relu", [h], [f"r{k}"], name=f"relu{k}"),
+                  helper.make_node("Add", [h, f"r{k}"], [f"h{k + 1}"], name=f"add{k}")]
+        h = f"h{k + 1}"
+    nodes.append(helper.make_node("Log", [h], ["y"], name="log"))
+    model = make_model(nodes, [("x", [1, 8])], [("y", [1, 8])], weights, opset=17)
+    samples = [{"x": rng.uniform(10, 100, (1, 8)).astype(np.float32)}]
+    scaled = float16_range.scale(model, samples)
+    assert scaled.record["starts"] == ["dense"] and scaled.record["scaled"]
+    for before, after in zip(run_model(model, samples), run_model(scaled.model, samples)):
+        np.testing.assert_allclose(after["y"], before["y"], rtol=1e-5)
