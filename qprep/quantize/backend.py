@@ -15,6 +15,13 @@ from qprep.data import SampleSet
 from qprep.quantize.nonfinite import Extremes
 
 
+def carried_float_set(float_set: set[str], replaced: dict[str, list[str]]) -> set[str]:
+    """`float_set` in a rewritten model: each node a rewrite replaced (outlier_positions' copies, the nodes that
+    compute residual_channels' LayerNorm, float16_range's Log and the Add after it) by the nodes that do its
+    work now; every other node as it was."""
+    return {node for name in float_set for node in replaced.get(name, [name])}
+
+
 @dataclass
 class Quantized:
     """A backend's result: the ONNX model that continues down the pipeline (None when the artifact is not

@@ -34,6 +34,7 @@ from onnx import helper, numpy_helper
 from qprep.model.info import Links, unique_name
 from qprep.model.runtime import intermediate_values, run_model
 from qprep.quantize import nonfinite
+from qprep.quantize.backend import carried_float_set
 from qprep.verify import rewrite_mismatch
 
 log = logging.getLogger("qprep")
@@ -57,12 +58,12 @@ CARRIES = KEEPS | LINEAR | SAME_DEGREE | {"Mul", "Div", "Pow", "Sqrt", "Reciproc
 class Scaled:
     model: onnx.ModelProto
     record: dict = field(default_factory=dict)  # for the report; empty when nothing overflows
-    float_nodes: dict[str, str] = field(default_factory=dict)  # an added node → the node whose float-ness it shares
+    float_nodes: dict[str, list[str]] = field(default_factory=dict)  # a node → it and the node added beside it
     chain: list[str] = field(default_factory=list)  # the nodes that compute the scaled chains
 
     def carried(self, float_set: set[str]) -> set[str]:
         """`float_set` with the added nodes beside float nodes (the Add after a float16 Log stays float16)."""
-        return set(float_set) | {added for added, beside in self.float_nodes.items() if beside in float_set}
+        return carried_float_set(float_set, self.float_nodes)
 
 
 class _Unscalable(Exception):
@@ -103,7 +104,10 @@ def scale(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Scal
     record = {"overflowing": len(over), "scaled": True, "scale": f"2^-{exponent}", "starts": chain.started,
               "largest_after": round(peak, 3), **plan, **({"still_overflowing": still} if still else {}),
               "verified_on": len(samples)}
-    return Scaled(rewritten, record, added, chain.nodes)
+    beside: dict[str, list[str]] = {}
+    for new, node in added.items():
+        beside.setdefault(node, [node]).append(new)
+    return Scaled(rewritten, record, beside, chain.nodes)
 
 
 def _left(model: onnx.ModelProto, over: list[str], reason: str) -> Scaled:

@@ -30,6 +30,7 @@ from onnx import helper, numpy_helper
 
 from qprep.model.info import constant_names, graph_outputs, iter_nodes, tensor_shapes, unique_name
 from qprep.model.runtime import intermediate_values
+from qprep.quantize.backend import carried_float_set
 from qprep.verify import rewrite_mismatch
 
 log = logging.getLogger("qprep")
@@ -53,7 +54,7 @@ class Split:
 
     def carried(self, names: set[str]) -> set[str]:
         """A set of node names in the rewritten model: a split node's copies where it was."""
-        return {copy for name in names for copy in self.copies.get(name, [name])}
+        return carried_float_set(names, self.copies)
 
 
 def split(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Split:

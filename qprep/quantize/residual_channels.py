@@ -36,6 +36,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qprep.model.info import Links, node_index, unique_name
+from qprep.quantize.backend import carried_float_set
 from qprep.quantize.channel_spread import last_axis_peaks
 from qprep.schema import Key
 from qprep.verify import rewrite_mismatch
@@ -62,7 +63,7 @@ class Rescaled:
 
     def carried(self, float_set: set[str]) -> set[str]:
         """`float_set` with each rewritten float LayerNorm replaced by the nodes that compute it now."""
-        return {node for name in float_set for node in self.float_nodes.get(name, [name])}
+        return carried_float_set(float_set, self.float_nodes)
 
 
 @dataclass(eq=False)
