@@ -377,11 +377,14 @@ class OrtQuantizer:
             else:
                 shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads,
                                                      budget=self.budget)
-                after_db, = self._calibration_sqnr(bias_correction.apply(quantized, layers, shifts))
+                chosen, after_db, by_waves = self._best_prefix(quantized, layers, shifts)
             kept, why = better(before_db, after_db, "no correction", bias_correction.MIN_GAIN_DB)
-            self._bias[key] = {"shifts": shifts if kept else {}, "layers": len(shifts), "kept": kept,
+            shorter = by_waves and len(chosen) < len(shifts)
+            self._bias[key] = {"shifts": chosen if kept else {}, "layers": len(shifts), "kept": kept,
                                **({"of_layers": len(layers)} if len(shifts) < len(layers) else {}),
+                               **({"layers_kept": len(chosen)} if kept and shorter else {}),
                                "calibration_sqnr_db": {"before": _rounded(before_db), "after": _rounded(after_db)},
+                               **({"sqnr_db_by_waves": by_waves} if len(by_waves) > 1 else {}),
                                **({"reason": why} if not kept else {}),
                                "seconds": round(time.perf_counter() - started, 1)}
             self._note(f"bias correction: calibration SQNR {db_text(before_db)} → {db_text(after_db)} dB, "
@@ -389,6 +392,32 @@ class OrtQuantizer:
         result = self._bias[key]
         self.bias = {"applied": result["kept"], **{k: v for k, v in result.items() if k != "shifts"}}
         return bias_correction.apply(quantized, layers, result["shifts"]) if result["shifts"] else quantized
+
+
+    def _best_prefix(self, quantized: onnx.ModelProto, layers: list, shifts: dict
+                     ) -> tuple[dict, float | None, dict[int, float | None]]:
+        """The corrections of the first 1, 2, 4, … waves or of all (bias_correction.prefixes) whose calibration
+        SQNR is highest → (their shifts, that SQNR, SQNR by wave count). All are measured first; a shorter
+        prefix only as far as the budget allows one more check."""
+        candidates = bias_correction.prefixes(layers, shifts)
+        if not candidates:
+            return {}, None, {}
+        count, chosen = candidates[-1]
+        started = time.perf_counter()
+        best_db, = self._calibration_sqnr(bias_correction.apply(quantized, layers, chosen))
+        by_waves = {count: _rounded(best_db)}
+        for count, subset in candidates[:-1]:
+            if self.budget is not None:
+                self.budget.record("bias check", time.perf_counter() - started)
+                if not self.budget.allows(f"bias correction of the first {count} waves",
+                                          self.budget.predict("bias check")):
+                    break
+            started = time.perf_counter()
+            db, = self._calibration_sqnr(bias_correction.apply(quantized, layers, subset))
+            by_waves[count] = _rounded(db)
+            if db is not None and (best_db is None or db > best_db):
+                best_db, chosen = db, subset
+        return chosen, best_db, by_waves
 
 
 class _OncePerMessage(logging.Filter):
