@@ -80,6 +80,9 @@ def scale(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Scal
             and np.isfinite([stats["min"], stats["max"]]).all()]
     if not over:
         return Scaled(model)
+    names = [node.name for node in model.graph.node]
+    if "" in names or len(set(names)) < len(names):  # the pipeline names every node (model/prepare.py)
+        return _left(model, over, "its nodes have no unique names")
     chain = _Chain(model)
     try:
         starts = chain.starts(over)
@@ -91,7 +94,10 @@ def scale(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Scal
     if exponent is None:
         return _left(model, over, "no power of two brings every tensor of its chain within float16")
     factor = 2.0 ** -exponent
-    rewritten, added, plan = chain.rewrite(starts, degrees, factor)
+    try:
+        rewritten, added, plan = chain.rewrite(starts, degrees, factor)
+    except _Unscalable as exc:  # a constant it would scale is no tensor (a Constant's value_float)
+        return _left(model, over, str(exc))
     mismatch = rewrite_mismatch(model, run_model(model, samples, threads), rewritten, samples, threads)
     if mismatch:
         return _left(model, over, f"the outputs changed: {mismatch}")

@@ -195,3 +195,28 @@ def test_the_walk_back_through_many_residual_adds_visits_each_tensor_once():
     assert scaled.record["starts"] == ["dense"] and scaled.record["scaled"]
     for before, after in zip(run_model(model, samples), run_model(scaled.model, samples)):
         np.testing.assert_allclose(after["y"], before["y"], rtol=1e-5)
+
+
+def _exit_model(named: bool = True) -> onnx.ModelProto:
+    """The dense output feeds the chain (Pow, Log) and a Tanh outside it, which must read its true values."""
+    weights = {"w": np.abs(np.random.default_rng(7).standard_normal((8, 8)) * 1e3).astype(np.float32),
+               "two": np.array(2.0, np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Pow", ["h", "two"], ["h2"]),
+             helper.make_node("Log", ["h2"], ["l"]), helper.make_node("Tanh", ["h"], ["t"]),
+             helper.make_node("Add", ["l", "t"], ["y"])]
+    for k, node in enumerate(nodes):
+        node.name = f"n{k}" if named else ""
+    return make_model(nodes, [("x", [1, 8])], [("y", [1, 8])], weights, opset=17)
+
+
+def test_a_node_outside_the_chain_reads_the_restored_values_and_unnamed_nodes_are_left():
+    samples = [{"x": np.random.default_rng(8).uniform(1, 100, (1, 8)).astype(np.float32)}]
+    model = _exit_model()
+    scaled = float16_range.scale(model, samples)
+    assert scaled.record["restored"] == {"h": 1.0} and scaled.record["log_offsets"]
+    tanh = next(n for n in scaled.model.graph.node if n.op_type == "Tanh")
+    assert tanh.input[0] == "h"  # the restoring Mul's output, under the tensor's own name
+    np.testing.assert_allclose(run_model(scaled.model, samples)[0]["y"], run_model(model, samples)[0]["y"], rtol=1e-5)
+    unnamed = _exit_model(named=False)
+    left = float16_range.scale(unnamed, samples)
+    assert left.model is unnamed and left.record["reason"] == "its nodes have no unique names"
