@@ -90,7 +90,10 @@ def scale(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Scal
     except _Unscalable as exc:
         return _left(model, over, str(exc))
     largest = _largest(model, list(degrees), samples, threads)
-    exponent = _exponent(degrees, largest)
+    bounded = dict(degrees)
+    for name, degree in chain.squared.items():  # a LayerNorm squares its input: the square must fit too
+        bounded[f"{name} squared"], largest[f"{name} squared"] = 2 * degree, largest.get(name, 0.0) ** 2
+    exponent = _exponent(bounded, largest)
     if exponent is None:
         return _left(model, over, "no power of two brings every tensor of its chain within float16")
     factor = 2.0 ** -exponent
@@ -159,6 +162,7 @@ class _Chain:
                 value = next((a.t for a in node.attribute if a.name == "value"), None)
                 self.constants[node.output[0]] = value  # None: another form (value_float…), not scaled here
         self.exits: dict[str, float] = {}  # a chain tensor something outside the chain reads → its degree
+        self.squared: dict[str, float] = {}  # a tensor a normalization reads → its degree (its square: twice)
         self.started: list[str] = []  # the start nodes whose input is not scaled already (their weights are)
         self.nodes: list[str] = []  # the nodes that compute the chain, in graph order (a Log at its end too)
 
@@ -223,7 +227,10 @@ class _Chain:
                 self.exits.update({i: d for i, d in zip(node.input, carried) if d})
                 continue
             self.nodes.append(node.name)
-            degrees.update({o: out for o in node.output if o and out})
+            outputs = node.output[:1] if node.op_type == "MaxPool" else node.output  # its Indices: integers
+            degrees.update({o: out for o in outputs if o and out})
+            if node.op_type in SCALE_FREE and carried[0]:
+                self.squared[node.input[0]] = carried[0]  # its variance: the input's square, in float16 too
         for name, degree in degrees.items():
             if name in self.links.outputs or name in self.links.in_subgraphs:
                 self.exits[name] = degree
@@ -257,6 +264,9 @@ class _Chain:
         if op in SAME_DEGREE:
             scaled = {d for d, i in zip(carried, node.input) if i and not self.is_constant(i)}
             if op == "Clip":
+                if any(a.name in ("min", "max") for a in node.attribute) or any(
+                        i and not self.is_constant(i) for i in node.input[1:]):
+                    raise _Unscalable(f"Clip '{node.name}' has bounds that are no constant tensors")
                 scaled = {carried[0]}
             if len(scaled) > 1 or (op == "Clip" and any(carried[1:])):
                 raise _Unscalable(f"{op} '{node.name}' reads tensors of different scales")
@@ -342,7 +352,8 @@ class _Chain:
                     nodes.append(helper.make_node(
                         "Mul", [scaled_name, constant(factor ** -self.exits[name], f"{restore}_factor")], [name],
                         name=restore))
-                    added[restore] = node.name
+                    if factor ** -self.exits[name] <= nonfinite.LIMIT:  # else float16 cannot hold the factor
+                        added[restore] = node.name
                     plan["restored"][name] = self.exits[name]
         for node in nodes:  # chain readers read the scaled tensors; the others and the outputs the restored ones
             if node.name in readers:

@@ -110,6 +110,8 @@ def test_a_layernorm_takes_the_scale_in_its_epsilon():
     scaled = float16_range.scale(model, samples)
     exponent = int(scaled.record["scale"].split("-")[1])
     assert scaled.record["epsilons"]["norm"] == pytest.approx(1e-3 * 2.0 ** (-2 * exponent), rel=1e-5)
+    squares = [float((v["hb"].astype(np.float64) ** 2).max()) for v in intermediate_values(scaled.model, ["hb"], samples)]
+    assert max(squares) <= float16_range.BOUND  # the LayerNorm's variance fits float16 too, not only its input
     assert _activations_beyond_float16(scaled.model, samples) == []
     for before, after in zip(run_model(model, samples), run_model(scaled.model, samples)):
         np.testing.assert_allclose(after["y"], before["y"], rtol=1e-4, atol=1e-5)
@@ -220,3 +222,21 @@ def test_a_node_outside_the_chain_reads_the_restored_values_and_unnamed_nodes_ar
     unnamed = _exit_model(named=False)
     left = float16_range.scale(unnamed, samples)
     assert left.model is unnamed and left.record["reason"] == "its nodes have no unique names"
+
+
+@pytest.mark.parametrize("bounds", ["attributes", "computed"])
+def test_a_clip_whose_bounds_are_no_constant_tensors_is_left(bounds):
+    """An opset-10 Clip keeps min/max as attributes, a computed bound is no constant: neither can take the scale
+    (the calibration samples may never reach the floor, so the float32 check would not see it)."""
+    rng = np.random.default_rng(9)
+    weights = {"w": np.abs(rng.standard_normal((8, 8)) * 1e3).astype(np.float32), "floor": np.array(1.0, np.float32)}
+    if bounds == "attributes":
+        clip = [helper.make_node("Clip", ["h"], ["c"], name="clip", min=1e-3)]
+    else:
+        clip = [helper.make_node("Identity", ["floor"], ["low"], name="low"),
+                helper.make_node("Clip", ["h", "low"], ["c"], name="clip")]
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["h"], name="dense"), *clip,
+                        helper.make_node("Log", ["c"], ["y"], name="log")],
+                       [("x", [1, 8])], [("y", [1, 8])], weights, opset=10 if bounds == "attributes" else 17)
+    scaled = float16_range.scale(model, [{"x": rng.uniform(10, 100, (1, 8)).astype(np.float32)}])
+    assert scaled.model is model and scaled.record["reason"] == "Clip 'clip' has bounds that are no constant tensors"
