@@ -50,7 +50,7 @@ KEEPS = {"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", 
 LINEAR = {"Conv", "ConvTranspose", "MatMul", "Gemm"}  # input 0 times input 1, plus a bias (input 2)
 SAME_DEGREE = {"Add", "Sub", "Max", "Min", "Sum", "Concat", "Clip"}  # one degree for all: constants scaled to it
 SCALE_FREE = {"LayerNormalization", "InstanceNormalization"}  # the same output for any scale of input 0
-_EPSILON = {"LayerNormalization": 1e-5, "InstanceNormalization": 1e-5}  # ONNX's defaults
+DEFAULT_EPSILON = 1e-5  # LayerNormalization's and InstanceNormalization's, when the node sets none
 CARRIES = KEEPS | LINEAR | SAME_DEGREE | {"Mul", "Div", "Pow", "Sqrt", "Reciprocal"}
 
 
@@ -98,7 +98,7 @@ def scale(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Scal
         return _left(model, over, "no power of two brings every tensor of its chain within float16")
     factor = 2.0 ** -exponent
     try:
-        rewritten, added, plan = chain.rewrite(starts, degrees, factor)
+        rewritten, added, plan = chain.rewrite(degrees, factor)
     except _Unscalable as exc:  # a constant it would scale is no tensor (a Constant's value_float)
         return _left(model, over, str(exc))
     mismatch = rewrite_mismatch(model, run_model(model, samples, threads), rewritten, samples, threads)
@@ -268,7 +268,7 @@ class _Chain:
                         i and not self.is_constant(i) for i in node.input[1:]):
                     raise _Unscalable(f"Clip '{node.name}' has bounds that are no constant tensors")
                 scaled = {carried[0]}
-            if len(scaled) > 1 or (op == "Clip" and any(carried[1:])):
+            if len(scaled) > 1:
                 raise _Unscalable(f"{op} '{node.name}' reads tensors of different scales")
             return scaled.pop()
         if op == "Log" or op in SCALE_FREE:
@@ -277,7 +277,7 @@ class _Chain:
             return 0.0
         return None
 
-    def rewrite(self, starts: set[str], degrees: dict[str, float], factor: float
+    def rewrite(self, degrees: dict[str, float], factor: float
                 ) -> tuple[onnx.ModelProto, dict[str, str], dict]:
         """The model with the chains scaled by `factor` (= s), the added nodes → the node each sits beside, and
         what was done (for the report)."""
@@ -309,13 +309,13 @@ class _Chain:
             graph.initializer.append(numpy_helper.from_array(np.array(value, np.float32), new))
             return new
 
-        readers = {node.name for node in graph.node if self.reads_in_chain(node, degrees)}
+        readers, started = set(self.nodes), set(self.started)  # as degrees() found them
         renamed: dict[str, str] = {}  # an exit → the name it is computed under, scaled
         nodes = []
         for node in graph.node:
             carried = [degrees.get(i, 0.0) for i in node.input]
             out = degrees.get(node.output[0], 0.0) if node.output else 0.0
-            if node.name in starts and not any(carried):  # the chain's start: its weight (and bias) times s
+            if node.name in started:  # the chain's start: its weight (and bias) times s
                 weight = next(k for k, i in enumerate(node.input[:2]) if self.is_constant(i))
                 node.input[weight] = scaled_constant(node.input[weight], -1 if node.op_type == "Div" and weight else 1)
                 if node.op_type in LINEAR and len(node.input) > 2 and node.input[2]:
@@ -331,7 +331,7 @@ class _Chain:
             if node.op_type in SCALE_FREE and carried and carried[0]:
                 epsilon = next((a for a in node.attribute if a.name == "epsilon"), None)
                 if epsilon is None:
-                    epsilon = helper.make_attribute("epsilon", _EPSILON[node.op_type])
+                    epsilon = helper.make_attribute("epsilon", DEFAULT_EPSILON)
                     node.attribute.append(epsilon)
                 epsilon.f = float(epsilon.f * factor ** (2 * carried[0]))
                 plan["epsilons"][node.name] = epsilon.f
@@ -367,8 +367,3 @@ class _Chain:
         for node in [n for n in nodes if n.op_type == "Constant" and n.output[0] in replaced - still_read]:
             graph.node.remove(node)
         return model, added, {key: value for key, value in plan.items() if value}
-
-    def reads_in_chain(self, node: onnx.NodeProto, degrees: dict[str, float]) -> bool:
-        """`node` reads scaled tensors as part of the chain (it is no exit of it)."""
-        carried = [degrees.get(i, 0.0) for i in node.input]
-        return any(carried) and self.output_degree(node, carried) is not None
