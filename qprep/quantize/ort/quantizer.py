@@ -104,6 +104,7 @@ class OrtQuantizer:
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
         self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
         self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
+        self.calibration_clip: dict = {}  # extreme constants clipped for the calibrator, and those left (why)
         self._said = _OncePerMessage(fitted_biases=options["format"] == "qdq")  # ORT repeats its warnings per build
         # with `many_builds` (the fallback), what every build would compute again is kept: the shape-inferred model
         # (one more copy of the weights) and each weight's quantization; a single build keeps nothing
@@ -166,12 +167,12 @@ class OrtQuantizer:
         return self._ranges[method]
 
     def _calibration_model(self) -> onnx.ModelProto:
-        """What ORT's calibrator runs: the model with its extreme constants (attention masks) clipped to ±65504,
-        so no statistic or histogram it computes holds ±inf (its histogram methods fail on them: "autodetected
-        range of [0.0, inf] is not finite"). The tensors that carry them stay float: their ranges are dropped."""
-        if not any(stats["kind"] == "constant" for stats in self.extremes.tensors.values()):
-            return self.model
-        return nonfinite.clip_constants(self.model, self.extremes, nonfinite.LIMIT)[0]
+        """What ORT's calibrator runs: the model with its extreme constants (attention masks) clipped to ±65504
+        where that changes no range it measures (nonfinite.clipped_for_calibration), so no statistic or
+        histogram it computes holds ±inf. The tensors that carry them stay float: their ranges are dropped."""
+        model, self.calibration_clip = nonfinite.clipped_for_calibration(self.model, self.extremes, self.samples,
+                                                                         self.threads)
+        return model
 
     def build(self, excluded: set[str], settings: OrtSettings | None = None) -> onnx.ModelProto:
         """The quantized model with `excluded` nodes (and their edges) left float, built with `settings` (the
