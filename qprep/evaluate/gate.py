@@ -5,8 +5,10 @@ another kind (metrics.JUDGED_BY) is held to its own main metric instead, at the 
 for: a relative error of √(2 (1 − 0.99)) = 0.141 for state and one-element outputs and sorted TopK/NMS values
 (the error that gives that cosine at equal norms), 0.99 of decisions, elements, boxes or ids for
 probabilities, integers, matched boxes and id sets. `cosine_min` likewise (a state's worst sample:
-`rel_error_max`). Any other metric applies to the outputs that report it; `<output>.<metric>` to one output.
-Similarities are minimums, errors maximums. A figure that could not be measured fails a gate; the floor
+`rel_error_max`). On the outputs cosine judges, `cosine_mean` also holds the SQNR to what the threshold stands
+for less 3 dB (metrics.SQNR_SLACK_DB; 14 dB for 0.99): cosine cannot see an error along the signal, a scale or
+the shift of an output far from zero. Any other metric applies to the outputs that report it;
+`<output>.<metric>` to one output. Similarities are minimums, errors maximums. A figure that could not be measured fails a gate; the floor
 (the gate used when none is configured, to catch a collapse) skips it and says so.
 
 An agreement is a rate over samples: on 48 samples one flip moves it 2.1%, so a 97% threshold inside the
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from qprep.evaluate.metrics import higher_is_better, rel_error_for_cosine
+from qprep.evaluate.metrics import higher_is_better, rel_error_for_cosine, sqnr_for_cosine
 
 COSINE = ("cosine_mean", "cosine_min")
 
@@ -44,6 +46,8 @@ def check_gate(gate: dict[str, float], outputs: dict[str, dict], floor: bool = F
         if direct:
             checks.append(_check(key, threshold, [outputs[name][metric] for name, *_ in direct],
                                  [name for name, *_ in direct], floor))
+            if metric == "cosine_mean":
+                checks.append(_along_signal(key, threshold, {name: outputs[name] for name, *_ in direct}, floor))
         for name, used, limit in replaced:
             check = _check(f"{name}.{used}", limit, [outputs[name][used]], [name], floor)
             checks.append({**check, "stands_for": f"{metric} {threshold}"})
@@ -59,6 +63,18 @@ def held_to(metric: str, threshold: float, output: dict) -> tuple[str, float] | 
         used = "rel_error_max" if metric == "cosine_min" and "rel_error_max" in judged else judged[0]
         return used, (rel_error_for_cosine(threshold) if used.startswith("rel_error") else threshold)
     return (metric, threshold) if metric in output else None
+
+
+def _along_signal(key: str, threshold: float, outputs: dict[str, dict], floor: bool) -> dict | None:
+    """The SQNR check a cosine_mean threshold brings (metrics.sqnr_for_cosine): one row, the worst output."""
+    output = key.rpartition(".")[0]
+    measured = {name: m for name, m in outputs.items() if "sqnr_db" in m}
+    if not measured:
+        return None
+    check = _check(f"{output}.sqnr_db" if output else "sqnr_db", round(sqnr_for_cosine(threshold), 2),
+                   [m["sqnr_db"] for m in measured.values()], list(measured), floor)
+    return check and {**check, "stands_for": f"{key} {threshold}: an error along the signal, which cosine "
+                                             "does not see"}
 
 
 def _check(key: str, threshold: float, values: list, names: list[str], floor: bool) -> dict | None:

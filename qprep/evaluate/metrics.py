@@ -4,7 +4,8 @@ Each output is rated by the metrics that mean something for its kind (kinds.py c
 scores, embeddings and maps; absolute error and decisions at a threshold for probabilities (a one-element
 cosine is always 1); relative error for state outputs; agreement for integers; matched boxes for detections
 whose rows NMS/TopK order. `judged_by` names the metrics that judge the output (the first one is its main
-figure); `score` is one smooth number per output, 1 when exact, that the fallback search climbs.
+figure); `score` is one smooth number per output, 1 when exact, that the fallback search climbs. A cosine
+threshold also holds the output's SQNR (SQNR_SLACK_DB): cosine cannot see an error along the signal.
 
 A figure computed on no comparable pair is None ("not measured"), never inf or a perfect 1. Outputs whose
 shape depends on the input are compared sample by sample over their common prefix; a sample whose rank
@@ -174,7 +175,10 @@ def _cosine_metrics(pairs: list, kind: str) -> dict:
     ref, res, broken = _finite_pairs(pairs)
     cosines = [0.0 if bad else cosine(a, b) for a, b, bad in zip(ref, res, broken)]
     metrics = {"samples": len(pairs), "cosine_mean": float(np.mean(cosines)), "cosine_min": float(np.min(cosines)),
-               **_errors(ref, res, broken), "score": float(np.mean(cosines))}
+               **_errors(ref, res, broken)}
+    sqnr = metrics["sqnr_db"]  # the score meets a cosine target exactly when the gate's two checks do
+    along = cosine_for_sqnr(sqnr) if sqnr is not None and sqnr > -math.inf else 1.0  # broken samples: cosine 0
+    metrics["score"] = min(metrics["cosine_mean"], along)
     per_sample = {"metric": "cosine", "higher_is_better": True}
     values = cosines
     scores = [(_ranked(a), _ranked(b)) for a, b in pairs if a.size]  # argmax sees -inf masks, never NaN
@@ -247,6 +251,26 @@ def cosine_equivalent(rel_error: float) -> float:
 def rel_error_for_cosine(cosine_threshold: float) -> float:
     """The inverse of cosine_equivalent: the largest relative error a cosine threshold allows."""
     return math.sqrt(2.0 * max(0.0, 1.0 - cosine_threshold))
+
+
+# Cosine does not see an error along the signal: a scale, or a shift of an output that sits far from zero (a dB
+# spectrogram read 0.99 at an SQNR of 8.7 dB). So a cosine threshold also holds a cosine-judged output's SQNR to
+# the SQNR the threshold stands for, less this slack: twice the noise power, well beyond the ±1 dB the two
+# differ by on outputs whose error is noise (the zoo's 25 models).
+SQNR_SLACK_DB = 10 * math.log10(2.0)
+
+
+def sqnr_for_cosine(cosine_threshold: float) -> float:
+    """The least SQNR (dB) a cosine threshold accepts on a cosine-judged output (SQNR_SLACK_DB)."""
+    rel_error = rel_error_for_cosine(cosine_threshold)
+    return (-20 * math.log10(rel_error) if rel_error > 0 else math.inf) - SQNR_SLACK_DB
+
+
+def cosine_for_sqnr(sqnr: float) -> float:
+    """The inverse of sqnr_for_cosine: the highest cosine threshold an SQNR meets (1 when exact)."""
+    if sqnr == math.inf:
+        return 1.0
+    return max(-1.0, cosine_equivalent(10 ** (-(sqnr + SQNR_SLACK_DB) / 20))) if math.isfinite(sqnr) else -1.0
 
 
 def _ranked(values: np.ndarray) -> np.ndarray:

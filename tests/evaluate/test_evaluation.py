@@ -75,7 +75,8 @@ def test_gate_miss_is_recorded_and_exits_1(ort_run, cli, tmp_path):
     report, _ = ort_run
     gate = report["evaluation"]["gate"]
     assert not gate["passed"] and report["status"] == "gate missed"
-    assert [c["passed"] for c in gate["checks"]] == [True, False]  # cosine >= 0.9 ok, max_abs <= 0.001 missed
+    assert [(c["metric"], c["passed"]) for c in gate["checks"]] == [  # cosine >= 0.9 ok, max_abs <= 0.001 missed
+        ("cosine_mean", True), ("sqnr_db", True), ("logits.max_abs", False)]
     code, _, err = cli("run", ROOT / "configs" / "ort_int8.yaml", "--out", tmp_path / "g", "--quiet",
                        "--set", "calibration.max_samples=4", "--set", "evaluation.max_samples=4",
                        "--set", "evaluation.latency.runs=0", "--set", "evaluation.layers=false",
@@ -90,6 +91,26 @@ def test_gate_reads_similarities_as_minimums_and_errors_as_maximums():
     assert [(c["metric"], c["value"], c["passed"]) for c in gate["checks"]] == [
         ("cosine_mean", 0.95, False), ("max_abs", 0.5, True), ("b.cosine_mean", 0.95, True),
         ("top1_agreement", None, False)]
+
+
+def test_a_cosine_threshold_also_holds_the_sqnr_cosine_cannot_see_an_offset_in():
+    """A dB spectrogram sits far from zero: all of it 15 dB too low still reads cosine 0.999, while the error is
+    only 12 dB below the signal. The gate's cosine_mean also checks the SQNR (14 dB for 0.99), and the score the
+    search climbs falls with it; plain noise of the same cosine passes both."""
+    rng = np.random.default_rng(0)
+    reference = [-60 + 10 * rng.standard_normal((64, 32)) for _ in range(8)]
+    shifted = [r - 15 for r in reference]
+    offset = compare_output(reference, shifted, "tensor")
+    assert offset["cosine_mean"] > 0.99 and offset["sqnr_db"] < 13
+    gate = check_gate({"cosine_mean": 0.99}, {"mel": offset})
+    assert [(c["metric"], c["passed"]) for c in gate["checks"]] == [("cosine_mean", True), ("sqnr_db", False)]
+    assert gate["checks"][1]["threshold"] == 13.98 and "along the signal" in gate["checks"][1]["stands_for"]
+    assert offset["score"] < 0.99 < offset["cosine_mean"]
+
+    noisy = [r + rng.standard_normal(r.shape) * np.linalg.norm(r) / np.sqrt(r.size) * 0.1 for r in reference]
+    noise = compare_output(reference, noisy, "tensor")  # cosine 0.995, SQNR 20 dB: the two agree
+    assert check_gate({"cosine_mean": 0.99}, {"y": noise})["passed"] and noise["score"] == noise["cosine_mean"]
+    assert check_gate({"cosine_mean": 0.9}, {"mel": offset}, floor=True)["passed"]  # no collapse: the floor holds
 
 
 def test_output_task_guess_and_sequence_agreement():
