@@ -147,8 +147,7 @@ def clipped_for_calibration(model: onnx.ModelProto, extremes: Extremes, samples:
     samples = samples[:2]
 
     def clipped(names) -> tuple[onnx.ModelProto, dict]:
-        chosen = Extremes(tensors={name: extremes.tensors[name] for name in names})
-        return clip_constants(model, chosen, LIMIT)
+        return clip_only(model, extremes, names)
 
     if not samples:
         result, changed = clipped(constants)
@@ -181,6 +180,13 @@ def clipped_for_calibration(model: onnx.ModelProto, extremes: Extremes, samples:
     log.info("quantize: %d extreme constant(s) left unclipped for the calibrator: %s", len(left), "; ".join(
         f"'{name}' {why}" for name, why in left.items()))
     return result, {"clipped": changed, "left": left} if changed else {"left": left}
+
+
+def clip_only(model: onnx.ModelProto, extremes: Extremes, names) -> tuple[onnx.ModelProto, dict]:
+    """clip_constants to ±LIMIT on the extreme constants `names` alone (what clipped_for_calibration chose)."""
+    if not names:
+        return model, {}
+    return clip_constants(model, Extremes(tensors={name: extremes.tensors[name] for name in names}), LIMIT)
 
 
 def _same(before: np.ndarray, after: np.ndarray | None) -> bool:

@@ -191,6 +191,24 @@ def test_a_clip_ceiling_of_inf_is_not_clipped_for_the_calibrator_while_a_mask_is
     assert arrays["ceiling"] == np.inf and arrays["fill"].min() == -65504
 
 
+def test_the_calibrator_s_model_is_decided_once_and_each_method_calibrates_the_whole_log_range(tmp_path):
+    """minmax and percentile (a histogram: ±inf would stop it) both run the model with the mask clipped and the
+    ceiling not: the log's range reaches 10^7's 16.1, not ln 65504 = 11.09."""
+    from qprep.schema import validate
+    from qprep.quantize import ort
+    from qprep.quantize.ort.quantizer import OrtQuantizer
+
+    model, samples = _log_power_model(with_mask=True), _powers(8, with_mask=True)
+    found = nonfinite.find(model, samples)
+    options = validate({"activations": "static"}, ort.OPTIONS, "quantize.ort", tmp_path)
+    quantizer = OrtQuantizer(model, samples, options, tmp_path, extremes=found)
+    for method in ("minmax", "percentile"):
+        high = float(np.asarray(quantizer.calibrate(method)["log"].range_value[1]).ravel()[0])
+        assert high > 14, method
+    assert set(quantizer.calibration_clip["clipped"]) == {"fill"} and set(quantizer.calibration_clip["left"]) == {
+        "ceiling"}
+
+
 def test_a_log_of_values_beyond_float16_quantizes_with_its_whole_range(tmp_path):
     """oww_melspectrogram on ORT: with the ceiling clipped for the calibrator, every dB value saturated at
     10·ln 65504 and the outputs came out 20–30 dB low (cosine 0.9905, SQNR 8.7 dB). Now the Log's range is its

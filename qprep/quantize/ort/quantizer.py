@@ -105,6 +105,7 @@ class OrtQuantizer:
         self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
         self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
         self.calibration_clip: dict = {}  # extreme constants clipped for the calibrator, and those left (why)
+        self._clipped_for_calibration: set[str] | None = None  # decided by the first _calibration_model
         self._said = _OncePerMessage(fitted_biases=options["format"] == "qdq")  # ORT repeats its warnings per build
         # with `many_builds` (the fallback), what every build would compute again is kept: the shape-inferred model
         # (one more copy of the weights) and each weight's quantization; a single build keeps nothing
@@ -169,10 +170,15 @@ class OrtQuantizer:
     def _calibration_model(self) -> onnx.ModelProto:
         """What ORT's calibrator runs: the model with its extreme constants (attention masks) clipped to ±65504
         where that changes no range it measures (nonfinite.clipped_for_calibration), so no statistic or
-        histogram it computes holds ±inf. The tensors that carry them stay float: their ranges are dropped."""
-        model, self.calibration_clip = nonfinite.clipped_for_calibration(self.model, self.extremes, self.samples,
-                                                                         self.threads)
-        return model
+        histogram it computes holds ±inf. The tensors that carry them stay float: their ranges are dropped.
+        Decided once per run (each calibration method runs the same model); the copy is made again per method
+        rather than kept beside the model for the whole run."""
+        if self._clipped_for_calibration is None:
+            model, self.calibration_clip = nonfinite.clipped_for_calibration(self.model, self.extremes, self.samples,
+                                                                             self.threads)
+            self._clipped_for_calibration = set(self.calibration_clip.get("clipped", {}))
+            return model
+        return nonfinite.clip_only(self.model, self.extremes, self._clipped_for_calibration)[0]
 
     def build(self, excluded: set[str], settings: OrtSettings | None = None) -> onnx.ModelProto:
         """The quantized model with `excluded` nodes (and their edges) left float, built with `settings` (the
