@@ -127,24 +127,30 @@ def test_a_nan_constant_keeps_its_reader_float():
     assert found.nodes == {"take": "reads 'fill' (constant, values [0, 0], NaN)"}
 
 
+def _ort_run(tmp_path, model, calibration: list[dict], evaluation: list[dict], method: str = "minmax") -> dict:
+    """qprep.run with ORT static int8 (nearest rounding, no bias correction) on these samples → its report."""
+    import qprep
+
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    for role, samples in (("calib", calibration), ("eval", evaluation)):
+        (tmp_path / role).mkdir()
+        for i, sample in enumerate(samples):
+            np.savez(tmp_path / role / f"{i:04d}.npz", **sample)
+    return qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                      "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
+                      "pipeline": [{"quantize": {"backend": "ort", "ort": {
+                          "activations": "static", "weight_rounding": "nearest", "bias_correction": False,
+                          "calibrate_method": method}}}]},
+                     output_dir=str(tmp_path / "out"))
+
+
 @pytest.mark.parametrize("method", ["minmax", "percentile"])
 def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path, method):
     """Before: the mask's range [-inf, 0] reached ORT's calibrator and every score rounded to one integer
     (minmax: cosine 0.78, status ok; percentile: "autodetected range of [0.0, inf] is not finite", exit 2).
     After: the mask chain stays float32, the calibrator sees the mask clipped, the rest is int8."""
-    import qprep
-
-    onnx.save(masked_attention_model(), str(tmp_path / "m.onnx"))
-    for role, samples in (("calib", masked_attention_samples(8)), ("eval", masked_attention_samples(16)[8:])):
-        (tmp_path / role).mkdir()
-        for i, sample in enumerate(samples):
-            np.savez(tmp_path / role / f"{i:04d}.npz", **sample)
-    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
-                        "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
-                        "pipeline": [{"quantize": {"backend": "ort", "ort": {
-                            "activations": "static", "weight_rounding": "nearest", "bias_correction": False,
-                            "calibrate_method": method}}}]},
-                       output_dir=str(tmp_path / "out"))
+    report = _ort_run(tmp_path, masked_attention_model(), masked_attention_samples(8),
+                      masked_attention_samples(16)[8:], method)
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.98
     assert MASK_CHAIN <= set(report["float_set"])
     assert set(report["stages"][0]["nonfinite"]["nodes"]) == MASK_CHAIN
@@ -213,18 +219,7 @@ def test_a_log_of_values_beyond_float16_quantizes_with_its_whole_range(tmp_path)
     """oww_melspectrogram on ORT: with the ceiling clipped for the calibrator, every dB value saturated at
     10·ln 65504 and the outputs came out 20–30 dB low (cosine 0.9905, SQNR 8.7 dB). Now the Log's range is its
     own: the output is int8-close (SQNR > 30 dB), and the gate's SQNR row would have caught the other."""
-    import qprep
-
-    onnx.save(_log_power_model(), str(tmp_path / "m.onnx"))
-    for role, samples in (("calib", _powers(8)), ("eval", _powers(8, seed=1))):
-        (tmp_path / role).mkdir()
-        for i, sample in enumerate(samples):
-            np.savez(tmp_path / role / f"{i:04d}.npz", **sample)
-    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
-                        "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
-                        "pipeline": [{"quantize": {"backend": "ort", "ort": {
-                            "activations": "static", "weight_rounding": "nearest", "bias_correction": False}}}]},
-                       output_dir=str(tmp_path / "out"))
+    report = _ort_run(tmp_path, _log_power_model(), _powers(8), _powers(8, seed=1))
     assert report["evaluation"]["outputs"]["y"]["sqnr_db"] > 30
     assert "ceiling" in report["stages"][0]["nonfinite"]["calibration_clip"]["left"]
 
