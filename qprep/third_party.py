@@ -89,6 +89,16 @@ def ort_quantization() -> SimpleNamespace:
                            QDQRegistry=QDQRegistry, QLinearOpsRegistry=QLinearOpsRegistry)
 
 
+def calibrate_all_but(calibrator, tensors: set[str]) -> None:
+    """Keep `tensors` out of what ONNX Runtime's histogram calibrators (entropy, percentile, distribution)
+    collect: their `collect_data` keeps only `tensors_to_calibrate`, chosen when the graph was augmented, and
+    fails on a ±inf it meets ("autodetected range of [0.0, inf] is not finite"). MinMax has no such set: it
+    reduces every tensor to its min and max, which for ±inf is harmless, and the caller drops those ranges."""
+    chosen = getattr(calibrator, "tensors_to_calibrate", None)
+    if chosen is not None:
+        calibrator.tensors_to_calibrate = set(chosen) - set(tensors)
+
+
 @contextmanager
 def weight_quantization_memo(memo: dict):
     """Within it, ONNX Runtime's quantizer takes a weight's quantization from `memo` when it quantized the same

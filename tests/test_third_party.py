@@ -73,6 +73,33 @@ def test_onnxruntime_quantization_internals_are_where_the_ort_backend_takes_them
     assert "x" in data, "onnxruntime.quantization.calibrate.TensorsData no longer maps tensor names to ranges"
 
 
+@pytest.mark.parametrize("method", ["Percentile", "Entropy"])
+def test_a_histogram_calibrator_leaves_out_the_tensors_it_is_told_to(tmp_path, method):
+    """calibrate_all_but: a tensor holding -inf, kept out, reaches no histogram (which would stop on it) and
+    gets no range; the tensors around it still do."""
+    ort = third_party.ort_quantization()
+    model = make_model([helper.make_node("Add", ["x", "fill"], ["masked"], name="add"),
+                        helper.make_node("Softmax", ["masked"], ["p"], name="softmax", axis=-1),
+                        helper.make_node("Mul", ["p", "x"], ["y"], name="mul")],
+                       [("x", [1, 4])], [("y", [1, 4])], {"fill": np.array([[0, 0, 0, -np.inf]], np.float32)})
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    calibrator = ort.create_calibrator(tmp_path / "m.onnx", ["Add", "Softmax", "Mul"],
+                                       augmented_model_path=str(tmp_path / "augmented.onnx"),
+                                       calibrate_method=getattr(ort.CalibrationMethod, method))
+    third_party.calibrate_all_but(calibrator, {"masked"})
+
+    class Reader:
+        items = iter([{"x": np.random.default_rng(i).standard_normal((1, 4)).astype(np.float32)} for i in range(4)])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    calibrator.collect_data(Reader())
+    ranges = calibrator.compute_data()
+    assert "masked" not in ranges and {"p", "y"} <= set(ranges.keys()), \
+        "onnxruntime's histogram calibrators no longer keep only `tensors_to_calibrate`"
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic):
     """Built twice inside `weight_quantization_memo`, a per-channel MatMul weight is quantized by ORT's own

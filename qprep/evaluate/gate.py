@@ -5,11 +5,12 @@ another kind (metrics.JUDGED_BY) is held to its own main metric instead, at the 
 for: a relative error of √(2 (1 − 0.99)) = 0.141 for state and one-element outputs and sorted TopK/NMS values
 (the error that gives that cosine at equal norms), 0.99 of decisions, elements, boxes or ids for
 probabilities, integers, matched boxes and id sets. `cosine_min` likewise (a state's worst sample:
-`rel_error_max`). On the outputs cosine judges, `cosine_mean` also holds the SQNR to what the threshold stands
-for less 3 dB (metrics.SQNR_SLACK_DB; 14 dB for 0.99): cosine cannot see an error along the signal, a scale or
-the shift of an output far from zero. Any other metric applies to the outputs that report it;
-`<output>.<metric>` to one output. Similarities are minimums, errors maximums. A figure that could not be measured fails a gate; the floor
-(the gate used when none is configured, to catch a collapse) skips it and says so.
+`rel_error_max`). On the outputs cosine judges, `cosine_mean` also holds `mean_sqnr_db` (the SQNR weighted
+per sample, as the cosine is) to what the threshold stands for less 3 dB (metrics.SQNR_SLACK_DB; 13.98 dB for
+0.99): cosine cannot see an error along the signal, a scale or the shift of an output far from zero. Any other
+metric applies to the outputs that report it; `<output>.<metric>` to one output. Similarities are minimums,
+errors maximums. A figure that could not be measured fails a gate; the floor (the gate used when none is
+configured, to catch a collapse) skips it and says so.
 
 An agreement is a rate over samples: on 48 samples one flip moves it 2.1%, so a 97% threshold inside the
 figure's 95% interval is marked `undecided` (the sample count cannot tell it from the threshold), and with
@@ -66,13 +67,15 @@ def held_to(metric: str, threshold: float, output: dict) -> tuple[str, float] | 
 
 
 def _along_signal(key: str, threshold: float, outputs: dict[str, dict], floor: bool) -> dict | None:
-    """The SQNR check a cosine_mean threshold brings (metrics.sqnr_for_cosine): one row, the worst output."""
-    output = key.rpartition(".")[0]
-    measured = {name: m for name, m in outputs.items() if "sqnr_db" in m}
-    if not measured:
+    """The mean_sqnr_db row a cosine_mean threshold brings (metrics.sqnr_for_cosine): one row, the worst
+    output; none for a threshold of 1 or where no output has the figure (no sample with a signal)."""
+    limit = sqnr_for_cosine(threshold)
+    measured = {name: m["mean_sqnr_db"] for name, m in outputs.items() if m.get("mean_sqnr_db") is not None}
+    if limit is None or not measured:
         return None
-    check = _check(f"{output}.sqnr_db" if output else "sqnr_db", round(sqnr_for_cosine(threshold), 2),
-                   [m["sqnr_db"] for m in measured.values()], list(measured), floor)
+    output = key.rpartition(".")[0]
+    check = _check(f"{output}.mean_sqnr_db" if output else "mean_sqnr_db", limit, list(measured.values()),
+                   list(measured), floor)
     return check and {**check, "stands_for": f"{key} {threshold}: an error along the signal, which cosine "
                                              "does not see"}
 

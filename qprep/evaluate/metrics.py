@@ -5,7 +5,7 @@ scores, embeddings and maps; absolute error and decisions at a threshold for pro
 cosine is always 1); relative error for state outputs; agreement for integers; matched boxes for detections
 whose rows NMS/TopK order. `judged_by` names the metrics that judge the output (the first one is its main
 figure); `score` is one smooth number per output, 1 when exact, that the fallback search climbs. A cosine
-threshold also holds the output's SQNR (SQNR_SLACK_DB): cosine cannot see an error along the signal.
+threshold also holds the output's mean_sqnr_db (SQNR_SLACK_DB): cosine cannot see an error along the signal.
 
 A figure computed on no comparable pair is None ("not measured"), never inf or a perfect 1. Outputs whose
 shape depends on the input are compared sample by sample over their common prefix; a sample whose rank
@@ -27,7 +27,8 @@ from qprep.verify import cosine, same_nonfinite
 
 # The one list of per-output metrics the evaluation reports (name → higher is better): the gate and the
 # fallback target accept these names, `compare` shows them.
-OUTPUT_METRICS = {"cosine_mean": True, "cosine_min": True, "sqnr_db": True, "max_abs": False, "mse": False,
+OUTPUT_METRICS = {"cosine_mean": True, "cosine_min": True, "sqnr_db": True, "mean_sqnr_db": True, "max_abs": False,
+                  "mse": False,
                   "mean_abs_error": False, "rel_error": False, "rel_error_max": False,
                   "top1_agreement": True, "top5_agreement": True, "step_agreement": True, "element_agreement": True,
                   "text_agreement": True, "char_error_rate": False,
@@ -154,16 +155,24 @@ def _finite_pairs(pairs: list) -> tuple[list, list, list[bool]]:
 
 
 def _errors(ref: list, res: list, broken: list[bool]) -> dict:
-    """SQNR, max abs and mean squared error over all samples, from one difference per sample."""
+    """SQNR, max abs and mean squared error over all samples, from one difference per sample; and
+    `mean_sqnr_db`, the SQNR of the mean over samples of each one's error energy over its signal energy: weighted
+    per sample as cosine_mean is (one loud sample does not decide it), the samples that break (NaN/Inf: cosine 0
+    already) or have no signal left out, None when none is left."""
     noise = signal = max_abs = 0.0
-    for a, b in zip(ref, res):
+    ratios = []
+    for a, b, bad in zip(ref, res, broken):
         if a.size:
             diff = a - b
-            noise += float(np.dot(diff.ravel(), diff.ravel()))
-            signal += float(np.dot(a.ravel(), a.ravel()))
+            sample_noise = float(np.dot(diff.ravel(), diff.ravel()))
+            sample_signal = float(np.dot(a.ravel(), a.ravel()))
+            noise, signal = noise + sample_noise, signal + sample_signal
             max_abs = max(max_abs, float(np.max(np.abs(diff))))
+            if sample_signal > 0 and not bad:
+                ratios.append(sample_noise / sample_signal)
     count = sum(a.size for a in ref)
     return {"sqnr_db": float("-inf") if any(broken) else (sqnr_of(signal, noise) if count else None),
+            "mean_sqnr_db": sqnr_of(1.0, float(np.mean(ratios))) if ratios else None,
             "max_abs": float("inf") if any(broken) else max_abs,
             "mse": float("inf") if any(broken) else noise / max(count, 1),
             **({"nonfinite_samples": sum(broken)} if any(broken) else {})}
@@ -176,9 +185,8 @@ def _cosine_metrics(pairs: list, kind: str) -> dict:
     cosines = [0.0 if bad else cosine(a, b) for a, b, bad in zip(ref, res, broken)]
     metrics = {"samples": len(pairs), "cosine_mean": float(np.mean(cosines)), "cosine_min": float(np.min(cosines)),
                **_errors(ref, res, broken)}
-    sqnr = metrics["sqnr_db"]  # the score meets a cosine target exactly when the gate's two checks do
-    along = cosine_for_sqnr(sqnr) if sqnr is not None and sqnr > -math.inf else 1.0  # broken samples: cosine 0
-    metrics["score"] = min(metrics["cosine_mean"], along)
+    along = metrics["mean_sqnr_db"]  # the score meets a cosine target exactly when the gate's two rows do
+    metrics["score"] = min(metrics["cosine_mean"], 1.0 if along is None else cosine_for_sqnr(along))
     per_sample = {"metric": "cosine", "higher_is_better": True}
     values = cosines
     scores = [(_ranked(a), _ranked(b)) for a, b in pairs if a.size]  # argmax sees -inf masks, never NaN
@@ -254,16 +262,17 @@ def rel_error_for_cosine(cosine_threshold: float) -> float:
 
 
 # Cosine does not see an error along the signal: a scale, or a shift of an output that sits far from zero (a dB
-# spectrogram read 0.99 at an SQNR of 8.7 dB). So a cosine threshold also holds a cosine-judged output's SQNR to
-# the SQNR the threshold stands for, less this slack: twice the noise power, well beyond the ±1 dB the two
-# differ by on outputs whose error is noise (the zoo's 25 models).
+# spectrogram read 0.99 at an SQNR of 8.7 dB). So a cosine threshold also holds a cosine-judged output's
+# mean_sqnr_db (weighted per sample, as cosine_mean is) to the SQNR the threshold stands for, less this slack:
+# twice the noise power, well beyond what the two differ by on outputs whose error is noise.
 SQNR_SLACK_DB = 10 * math.log10(2.0)
 
 
-def sqnr_for_cosine(cosine_threshold: float) -> float:
-    """The least SQNR (dB) a cosine threshold accepts on a cosine-judged output (SQNR_SLACK_DB)."""
+def sqnr_for_cosine(cosine_threshold: float) -> float | None:
+    """The least SQNR (dB) a cosine threshold accepts on a cosine-judged output (SQNR_SLACK_DB); None for a
+    threshold of 1 (or more), which the cosine alone already holds to exactness."""
     rel_error = rel_error_for_cosine(cosine_threshold)
-    return (-20 * math.log10(rel_error) if rel_error > 0 else math.inf) - SQNR_SLACK_DB
+    return -20 * math.log10(rel_error) - SQNR_SLACK_DB if rel_error > 0 else None
 
 
 def cosine_for_sqnr(sqnr: float) -> float:

@@ -16,7 +16,6 @@ chain that carries a mask until it is added to the scores, and the Softmax that 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,8 +25,6 @@ from onnx import numpy_helper
 from qprep.errors import EXIT_INTERNAL, QprepError
 from qprep.model.info import FLOAT_TYPES, Links, default_opset, graph_inputs
 from qprep.model.runtime import intermediate_values
-
-log = logging.getLogger("qprep")
 
 LIMIT = float(np.finfo(np.float16).max)  # 65504: beyond it float16 overflows and no int8 grid keeps the rest
 
@@ -128,73 +125,6 @@ def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float, nan
             tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
             changed[name] = f"{describe(_stats(array))} → {describe(_stats(values))}"
     return clipped, changed
-
-
-def clipped_for_calibration(model: onnx.ModelProto, extremes: Extremes, samples: list[dict],
-                            threads: int = 2) -> tuple[onnx.ModelProto, dict]:
-    """A copy of `model` for a calibrator: its extreme float constants clipped to ±LIMIT, each only where that
-    leaves every tensor the calibrator measures (every float activation but `extremes.tensors`) as it was on
-    `samples` → (model, {"clipped": {constant: "[before] → [after]"}, "left": {constant: why}}).
-
-    Why: ORT's histogram calibrators fail on ±inf ("autodetected range of [0.0, inf] is not finite"), and an
-    attention mask's fill at -65504 gives the Softmax that -inf gives. But an extreme constant is not always a
-    fill: oww_melspectrogram clamps its power spectrum with Clip(x, 1e-10, +inf) before a Log. Clipped to
-    65504, that ceiling capped the calibrated log range at ln 65504 = 11.09 where the model reaches 24; every
-    quantized value saturated there and each output came out 20–30 dB low (cosine still 0.9905, SQNR 8.7 dB)."""
-    constants = sorted(name for name, stats in extremes.tensors.items() if stats["kind"] == "constant")
-    if not constants:
-        return model, {}
-    samples = samples[:2]
-
-    def clipped(names) -> tuple[onnx.ModelProto, dict]:
-        return clip_only(model, extremes, names)
-
-    if not samples:
-        result, changed = clipped(constants)
-        return result, {"clipped": changed}
-    measured = [o for node in model.graph.node if node.op_type != "Constant" for o in node.output
-                if o and o not in extremes.tensors]
-    reference = list(intermediate_values(model, measured, samples, threads))
-
-    def changed_tensor(candidate: onnx.ModelProto) -> str | None:
-        for before, after in zip(reference, intermediate_values(candidate, measured, samples, threads)):
-            for name, value in before.items():
-                if value.dtype.kind == "f" and not _same(value, after.get(name)):
-                    return name
-        return None
-
-    result, changed = clipped(constants)
-    if changed_tensor(result) is None:
-        return result, {"clipped": changed}
-    left, safe = {}, []
-    for name in constants:  # one at a time: which of them changes what the calibrator measures
-        tensor = changed_tensor(clipped([name])[0])
-        if tensor is None:
-            safe.append(name)
-        else:
-            left[name] = f"clipped to ±{LIMIT:g} it changes '{tensor}', whose range is calibrated"
-    result, changed = clipped(safe)
-    if safe and changed_tensor(result) is not None:  # each alone is harmless, not all together: clip none
-        left.update({name: "clipped with the others it changes a calibrated tensor" for name in safe})
-        result, changed = model, {}
-    log.info("quantize: %d extreme constant(s) left unclipped for the calibrator: %s", len(left), "; ".join(
-        f"'{name}' {why}" for name, why in left.items()))
-    return result, {"clipped": changed, "left": left} if changed else {"left": left}
-
-
-def clip_only(model: onnx.ModelProto, extremes: Extremes, names) -> tuple[onnx.ModelProto, dict]:
-    """clip_constants to ±LIMIT on the extreme constants `names` alone (what clipped_for_calibration chose)."""
-    if not names:
-        return model, {}
-    return clip_constants(model, Extremes(tensors={name: extremes.tensors[name] for name in names}), LIMIT)
-
-
-def _same(before: np.ndarray, after: np.ndarray | None) -> bool:
-    """Equal within float32 noise, NaN equal to NaN (a fully masked row gives NaN either way)."""
-    if after is None or after.shape != before.shape:
-        return False
-    scale = float(np.max(np.abs(before[np.isfinite(before)]), initial=0.0))
-    return bool(np.allclose(after, before, rtol=1e-5, atol=1e-6 * scale, equal_nan=True))
 
 
 # a constant this negative or lower is taken for an attention mask's fill when the mask it makes is added to

@@ -76,7 +76,7 @@ def test_gate_miss_is_recorded_and_exits_1(ort_run, cli, tmp_path):
     gate = report["evaluation"]["gate"]
     assert not gate["passed"] and report["status"] == "gate missed"
     assert [(c["metric"], c["passed"]) for c in gate["checks"]] == [  # cosine >= 0.9 ok, max_abs <= 0.001 missed
-        ("cosine_mean", True), ("sqnr_db", True), ("logits.max_abs", False)]
+        ("cosine_mean", True), ("mean_sqnr_db", True), ("logits.max_abs", False)]
     code, _, err = cli("run", ROOT / "configs" / "ort_int8.yaml", "--out", tmp_path / "g", "--quiet",
                        "--set", "calibration.max_samples=4", "--set", "evaluation.max_samples=4",
                        "--set", "evaluation.latency.runs=0", "--set", "evaluation.layers=false",
@@ -95,22 +95,43 @@ def test_gate_reads_similarities_as_minimums_and_errors_as_maximums():
 
 def test_a_cosine_threshold_also_holds_the_sqnr_cosine_cannot_see_an_offset_in():
     """A dB spectrogram sits far from zero: all of it 15 dB too low still reads cosine 0.999, while the error is
-    only 12 dB below the signal. The gate's cosine_mean also checks the SQNR (14 dB for 0.99), and the score the
-    search climbs falls with it; plain noise of the same cosine passes both."""
+    only 12 dB below the signal. The gate's cosine_mean also checks mean_sqnr_db (13.98 dB for 0.99), and the
+    score the search climbs falls with it; plain noise of the same cosine passes both."""
     rng = np.random.default_rng(0)
     reference = [-60 + 10 * rng.standard_normal((64, 32)) for _ in range(8)]
-    shifted = [r - 15 for r in reference]
-    offset = compare_output(reference, shifted, "tensor")
-    assert offset["cosine_mean"] > 0.99 and offset["sqnr_db"] < 13
+    offset = compare_output(reference, [r - 15 for r in reference], "tensor")
+    assert offset["cosine_mean"] > 0.99 and offset["mean_sqnr_db"] < 13 and offset["sqnr_db"] < 13
     gate = check_gate({"cosine_mean": 0.99}, {"mel": offset})
-    assert [(c["metric"], c["passed"]) for c in gate["checks"]] == [("cosine_mean", True), ("sqnr_db", False)]
-    assert gate["checks"][1]["threshold"] == 13.98 and "along the signal" in gate["checks"][1]["stands_for"]
+    assert [(c["metric"], c["passed"]) for c in gate["checks"]] == [("cosine_mean", True), ("mean_sqnr_db", False)]
+    assert gate["checks"][1]["threshold"] == pytest.approx(13.98, abs=0.005)
+    assert "along the signal" in gate["checks"][1]["stands_for"]
     assert offset["score"] < 0.99 < offset["cosine_mean"]
 
     noisy = [r + rng.standard_normal(r.shape) * np.linalg.norm(r) / np.sqrt(r.size) * 0.1 for r in reference]
     noise = compare_output(reference, noisy, "tensor")  # cosine 0.995, SQNR 20 dB: the two agree
     assert check_gate({"cosine_mean": 0.99}, {"y": noise})["passed"] and noise["score"] == noise["cosine_mean"]
     assert check_gate({"cosine_mean": 0.9}, {"mel": offset}, floor=True)["passed"]  # no collapse: the floor holds
+
+
+def test_the_sqnr_row_weighs_samples_as_the_cosine_does_and_leaves_what_cosine_judges_alone():
+    """One loud sample with 30% noise among 47 at 5%: the SQNR pooled over samples reads 12 dB, the one weighted
+    per sample 23 dB, and the row passes, as the cosine does. A sample that breaks (NaN) is the cosine's 0, not a
+    second miss; a threshold of 1 and outputs with no signal bring no row."""
+    rng = np.random.default_rng(1)
+    reference = [rng.standard_normal(256) * (100.0 if i == 0 else 1.0) for i in range(48)]
+    result = [r + rng.standard_normal(256) * np.linalg.norm(r) / 16 * (0.3 if i == 0 else 0.05)
+              for i, r in enumerate(reference)]
+    loud = compare_output(reference, result, "tensor")
+    assert loud["sqnr_db"] < 13.98 < loud["mean_sqnr_db"] and check_gate({"cosine_mean": 0.99}, {"y": loud})["passed"]
+
+    broken = compare_output(reference, [np.full(256, np.nan)] + result[1:], "tensor")
+    assert broken["sqnr_db"] == float("-inf") and broken["mean_sqnr_db"] > 20 and broken["cosine_mean"] < 0.98
+    rows = {c["metric"]: c["passed"] for c in check_gate({"cosine_mean": 0.97}, {"y": broken})["checks"]}
+    assert rows == {"cosine_mean": True, "mean_sqnr_db": True}
+
+    assert [c["metric"] for c in check_gate({"cosine_mean": 1.0}, {"y": loud})["checks"]] == ["cosine_mean"]
+    silent = compare_output([np.zeros(8)], [np.zeros(8)], "tensor")
+    assert silent["mean_sqnr_db"] is None and check_gate({"cosine_mean": 0.99}, {"y": silent})["passed"]
 
 
 def test_output_task_guess_and_sequence_agreement():

@@ -223,7 +223,7 @@ def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config
     assert record["samples"] == {"chosen_on": 24, "kept_apart": 8}  # a quarter kept apart to accept the choice
     assert record["best"]["unseen"]["passed"]
     assert record["best"]["unseen"]["standard_error"]["y"] > 0  # the margin the kept-apart cosine_mean had to spare
-    assert re.search(r"Chosen on 24 evaluation samples, accepted on 8 others \(cosine_mean [0-9.]+, sqnr_db [0-9.]+, with one standard "
+    assert re.search(r"Chosen on 24 evaluation samples, accepted on 8 others \(cosine_mean [0-9.]+, mean_sqnr_db [0-9.]+, with one standard "
                      r"error \([0-9.]+\) to spare: held\)", (tmp_path / "out" / "report.md").read_text())
     assert {n["node"] for n in record["float_nodes"]} == {"outlier", "second"}
     assert all(n["via"].startswith("m (") and n["gain"] > 0.5 for n in record["float_nodes"])

@@ -115,8 +115,6 @@ def quantize(job: BackendInput) -> Quantized:
                     "qdq_simplified": quantizer.simplified})
     if smoothed:
         details["smoothed_layernorms"] = smoothed
-    if quantizer.calibration_clip:
-        details["nonfinite"] = {"calibration_clip": quantizer.calibration_clip}
     if quantizer.unquantizable:  # ORT's quantizer failed on them: kept float, with its message
         details["unquantizable"] = [{"node": node, "reason": reason} for node, reason in quantizer.unquantizable.items()]
     missing = sorted(float_set - quantizer.node_names)

@@ -22,7 +22,8 @@ import onnx
 import onnx.version_converter
 
 from qprep.errors import QprepError
-from qprep.third_party import ort_quantization, shapes_inferred_already, weight_quantization_memo
+from qprep.third_party import (calibrate_all_but, ort_quantization, shapes_inferred_already,
+                                weight_quantization_memo)
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import default_opset, graph_inputs
 from qprep.quantize.ort import int32_bias, uint8_weights
@@ -104,8 +105,6 @@ class OrtQuantizer:
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
         self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
         self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
-        self.calibration_clip: dict = {}  # extreme constants clipped for the calibrator, and those left (why)
-        self._clipped_for_calibration: set[str] | None = None  # decided by the first _calibration_model
         self._said = _OncePerMessage(fitted_biases=options["format"] == "qdq")  # ORT repeats its warnings per build
         # with `many_builds` (the fallback), what every build would compute again is kept: the shape-inferred model
         # (one more copy of the weights) and each weight's quantization; a single build keeps nothing
@@ -147,7 +146,15 @@ class OrtQuantizer:
         return self._ranges[method]
 
     def _ort_ranges(self, method: str):
-        """ONNX Runtime's calibrator (run once per method)."""
+        """ONNX Runtime's calibrator (run once per method) on the model as it is. The tensors that hold ±inf,
+        NaN or values beyond float16 (nonfinite.py) stay float: they are kept out of what it collects and their
+        ranges dropped.
+
+        Not a copy with the extreme constants clipped, as before session 33: an extreme constant is not always
+        a mask's fill. oww_melspectrogram clamps its power spectrum with Clip(x, 1e-10, +inf) before a Log;
+        clipped to 65504, that ceiling capped the calibrated log range at ln 65504 = 11.09 where the model
+        reaches 24, every quantized value saturated there and each output came out 20–30 dB low (cosine still
+        0.9905, SQNR 8.7 dB)."""
         if method in self._ranges:
             return self._ranges[method]
         extra = self.options["extra_options"]
@@ -155,30 +162,19 @@ class OrtQuantizer:
         inputs = [spec.name for spec in graph_inputs(self.model)]
         with tempfile.TemporaryDirectory(dir=self.work_dir, prefix="ort-calibrate-") as tmp:
             source = Path(tmp) / "float.onnx"
-            save_model(self._calibration_model(), source)
+            save_model(self.model, source)
             calibrator = ORT.create_calibrator(
                 source, self.op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
                 calibrate_method=getattr(ORT.CalibrationMethod, _METHODS[method]), extra_options=calibrator_options,
                 use_external_data_format=is_large(self.model))  # the augmented model outgrows 2 GB with it
-            calibrator.collect_data(_Reader(self.samples, inputs))
-            ranges = calibrator.compute_data()
+            calibrate_all_but(calibrator, set(self.extremes.tensors))
+            with np.errstate(invalid="ignore", over="ignore"):  # minmax's scales of ±inf ranges, dropped below
+                calibrator.collect_data(_Reader(self.samples, inputs))
+                ranges = calibrator.compute_data()
             self._ranges[method] = ORT.TensorsData(ranges.calibration_method, {
                 name: ranges[name] for name in ranges if name not in self.extremes.tensors})
             del calibrator
         return self._ranges[method]
-
-    def _calibration_model(self) -> onnx.ModelProto:
-        """What ORT's calibrator runs: the model with its extreme constants (attention masks) clipped to ±65504
-        where that changes no range it measures (nonfinite.clipped_for_calibration), so no statistic or
-        histogram it computes holds ±inf. The tensors that carry them stay float: their ranges are dropped.
-        Decided once per run (each calibration method runs the same model); the copy is made again per method
-        rather than kept beside the model for the whole run."""
-        if self._clipped_for_calibration is None:
-            model, self.calibration_clip = nonfinite.clipped_for_calibration(self.model, self.extremes, self.samples,
-                                                                             self.threads)
-            self._clipped_for_calibration = set(self.calibration_clip.get("clipped", {}))
-            return model
-        return nonfinite.clip_only(self.model, self.extremes, self._clipped_for_calibration)[0]
 
     def build(self, excluded: set[str], settings: OrtSettings | None = None) -> onnx.ModelProto:
         """The quantized model with `excluded` nodes (and their edges) left float, built with `settings` (the
