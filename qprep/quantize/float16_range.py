@@ -206,6 +206,8 @@ class _Chain:
         inputs = list(node.input)
         if node.op_type in ("Conv", "ConvTranspose"):
             return len(inputs) > 1 and not self.is_constant(inputs[0]) and self.is_constant(inputs[1])
+        if node.op_type == "Gemm" and len(inputs) > 2 and inputs[2] and not self.is_constant(inputs[2]):
+            return False  # its bias C is an activation: C needs the scale as much as the product does
         if node.op_type in ("MatMul", "Gemm", "Mul", "Div"):  # W·x as well as x·W
             return len(inputs) > 1 and self.is_constant(inputs[0]) != self.is_constant(inputs[1])
         return False

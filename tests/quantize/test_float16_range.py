@@ -142,6 +142,19 @@ def test_a_chain_that_meets_a_tensor_of_another_scale_is_left():
         "'y' overflows float16 and its chain reaches the input 'x' before any node with a constant weight")
 
 
+def test_a_gemm_whose_bias_is_an_activation_starts_no_chain():
+    """Gemm(x, W, C=x): C would need the scale as much as x·W, so the Gemm is no start and the walk goes on to
+    the input (before: the reason named 'x' a constant qprep cannot scale)."""
+    rng = np.random.default_rng(3)
+    weights = {"w": (rng.standard_normal((8, 8)) * 1e3).astype(np.float32)}
+    model = make_model([helper.make_node("Gemm", ["x", "w", "x"], ["h"], name="dense"),
+                        helper.make_node("Relu", ["h"], ["y"], name="relu")],
+                       [("x", [1, 8])], [("y", [1, 8])], weights, opset=17)
+    scaled = float16_range.scale(model, [{"x": np.full((1, 8), 100.0, np.float32)}])
+    assert scaled.model is model and scaled.record["reason"].endswith(
+        "its chain reaches the input 'x' before any node with a constant weight")
+
+
 def test_nothing_overflowing_is_nothing_to_do():
     model, samples = _log_power(), _audio(loudness=1.0)
     scaled = float16_range.scale(model, samples)
