@@ -201,3 +201,28 @@ def runtime_batchnorm_model(rank=3):
     return make_model(nodes, [("x", shape)], [("y", shape)],
                       {"scale": rng.standard_normal(4).astype(np.float32),
                        "bias": rng.standard_normal(4).astype(np.float32)})
+
+
+def log_power_model(with_mask: bool = False) -> onnx.ModelProto:
+    """y = 10·log(Clip(x, 1e-10, +inf)) on a power x up to 1e7 (a log-mel front end), and with `with_mask` a
+    Softmax over scores plus a -inf mask beside it."""
+    nodes = [helper.make_node("Clip", ["x", "floor", "ceiling"], ["clamped"], name="clamp"),
+             helper.make_node("Log", ["clamped"], ["log"], name="log"),
+             helper.make_node("Mul", ["log", "ten"], ["y"], name="decibels")]
+    constants = {"floor": np.array(1e-10, np.float32), "ceiling": np.array(np.inf, np.float32),
+                 "ten": np.array(10.0, np.float32)}
+    inputs, outputs = [("x", [1, 64])], [("y", [1, 64])]
+    if with_mask:
+        nodes += [helper.make_node("Add", ["scores", "fill"], ["masked"], name="mask_add"),
+                  helper.make_node("Softmax", ["masked"], ["p"], name="softmax", axis=-1)]
+        constants["fill"] = np.array([[0, 0, 0, -np.inf]], np.float32)
+        inputs.append(("scores", [1, 4]))
+        outputs.append(("p", [1, 4]))
+    return make_model(nodes, inputs, outputs, constants)
+
+
+def power_samples(count: int, seed: int = 0, with_mask: bool = False) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"x": (10.0 ** rng.uniform(2, 7, (1, 64))).astype(np.float32),
+             **({"scores": rng.standard_normal((1, 4)).astype(np.float32)} if with_mask else {})}
+            for _ in range(count)]

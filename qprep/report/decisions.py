@@ -166,6 +166,9 @@ def _fitting(stage: dict) -> list[str]:
             done = "clipped" if clip.get("clipped") else f"left as they are ({clip.get('reason', '?')})"
             lines.append(f"{len(clip.get('constants', []))} constant(s) beyond float16 (masks) {done} to "
                          f"±{clip.get('bound', '?'):g}")
+        if clip.get("left"):
+            lines.append(f"{len(clip['left'])} constant(s) beyond float16 left as they are, since clipped they change "
+                         f"the outputs: " + "; ".join(f"{name} ({why})" for name, why in clip["left"].items()))
     smoothed = (stage.get("smoothed_layernorms") or {}).get("layernorms") or []
     if smoothed:
         worst = max(smoothed, key=lambda entry: entry["spread_before"])

@@ -10,7 +10,8 @@ from qprep.errors import EXIT_INTERNAL
 from qprep.quantize import nonfinite
 from qprep.model.runtime import intermediate_values
 from qprep.quantize.ranges import mse_ranges
-from graphs import make_model, masked_attention_model, masked_attention_samples
+from graphs import (log_power_model, make_model, masked_attention_model, masked_attention_samples,
+                    power_samples)
 
 MASK_CHAIN = {"mask_where", "mask_rows", "mask_add", "softmax"}  # the mask until the Softmax that reads it
 
@@ -160,31 +161,6 @@ def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path, method
     nonfinite.check_scales(quantized)
 
 
-def _log_power_model(with_mask: bool = False) -> onnx.ModelProto:
-    """y = 10·log(Clip(x, 1e-10, +inf)) on a power x up to 1e7 (a log-mel front end), and with `with_mask` a
-    Softmax over scores plus a -inf mask beside it."""
-    nodes = [helper.make_node("Clip", ["x", "floor", "ceiling"], ["clamped"], name="clamp"),
-             helper.make_node("Log", ["clamped"], ["log"], name="log"),
-             helper.make_node("Mul", ["log", "ten"], ["y"], name="decibels")]
-    constants = {"floor": np.array(1e-10, np.float32), "ceiling": np.array(np.inf, np.float32),
-                 "ten": np.array(10.0, np.float32)}
-    inputs, outputs = [("x", [1, 64])], [("y", [1, 64])]
-    if with_mask:
-        nodes += [helper.make_node("Add", ["scores", "fill"], ["masked"], name="mask_add"),
-                  helper.make_node("Softmax", ["masked"], ["p"], name="softmax", axis=-1)]
-        constants["fill"] = np.array([[0, 0, 0, -np.inf]], np.float32)
-        inputs.append(("scores", [1, 4]))
-        outputs.append(("p", [1, 4]))
-    return make_model(nodes, inputs, outputs, constants)
-
-
-def _powers(count: int, seed: int = 0, with_mask: bool = False) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [{"x": (10.0 ** rng.uniform(2, 7, (1, 64))).astype(np.float32),
-             **({"scores": rng.standard_normal((1, 4)).astype(np.float32)} if with_mask else {})}
-            for _ in range(count)]
-
-
 @pytest.mark.parametrize("ceiling", ["initializer", "Constant node", "Cast"])
 @pytest.mark.parametrize("method", ["minmax", "percentile", "entropy"])
 def test_every_calibrator_measures_the_log_s_whole_range_beside_inf_and_a_mask(tmp_path, method, ceiling):
@@ -195,7 +171,7 @@ def test_every_calibrator_measures_the_log_s_whole_range_beside_inf_and_a_mask(t
     from qprep.quantize import ort
     from qprep.quantize.ort.quantizer import OrtQuantizer
 
-    model, samples = _log_power_model(with_mask=True), _powers(8, with_mask=True)
+    model, samples = log_power_model(with_mask=True), power_samples(8, with_mask=True)
     if ceiling != "initializer":
         value = next(t for t in model.graph.initializer if t.name == "ceiling")
         model.graph.initializer.remove(value)
@@ -218,7 +194,7 @@ def test_a_log_of_values_beyond_float16_quantizes_with_its_whole_range(tmp_path)
     """oww_melspectrogram on ORT: with the ceiling clipped for the calibrator, every dB value saturated at
     10·ln 65504 and the outputs came out 20–30 dB low (cosine 0.9905, SQNR 8.7 dB; here 15 dB). Now the
     Log's range is its own: the output is int8-close (SQNR > 30 dB)."""
-    report = _ort_run(tmp_path, _log_power_model(), _powers(8), _powers(8, seed=1))
+    report = _ort_run(tmp_path, log_power_model(), power_samples(8), power_samples(8, seed=1))
     assert report["evaluation"]["outputs"]["y"]["sqnr_db"] > 30
 
 

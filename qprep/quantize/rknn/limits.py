@@ -108,30 +108,65 @@ def float16_safe(model: onnx.ModelProto, extremes: Extremes, samples: list[dict]
     into a Where, and the toolkit's range of that Where input is NaN ("cannot convert float NaN to integer" in
     step1)."""
     mask = nonfinite.mask_bound(model, samples, threads) if samples else None
+    reference: list = []  # the float32 outputs on `samples`, run once when something is to be verified
+    clipped, record = _clipped_verified(model, extremes, mask, samples, reference, threads)
+    constants = sorted(name for name, stats in extremes.tensors.items() if stats["kind"] == "constant")
+    if record.get("clipped") is False and len(constants) > 1:
+        # not all of them: those that change the outputs alone are left, the others clipped (a mask beside a
+        # Clip(x, 1e-10, +inf) before a Log, whose ceiling at ±MASK_BOUND caps the log)
+        left = {}
+        for name in constants:
+            alone = Extremes(tensors={name: extremes.tensors[name]})
+            verdict = compare(_outputs(reference, model, samples, threads), run_model(nonfinite.clip_constants(model, alone, MASK_BOUND, nan=0.0)[0],
+                                                   samples, threads), Tolerance())
+            if not verdict.ok:
+                left[name] = verdict.reason
+        if left and len(left) < len(constants):
+            rest = Extremes(tensors={n: t for n, t in extremes.tensors.items() if n not in left})
+            clipped, record = _clipped_verified(model, rest, mask, samples, reference, threads, left=set(left))
+            if record.get("clipped"):
+                record["left"] = left
+    if record.get("clipped") is False:
+        log.warning("rknn: clipping the constants float16 cannot hold changed the outputs (%s); left as they are",
+                    record["reason"])
+    return clipped, record
+
+
+def _outputs(reference: list, model: onnx.ModelProto, samples: list[dict], threads: int) -> list:
+    """`model`'s outputs on `samples`, computed into `reference` on first use."""
+    if not reference:
+        reference.extend(run_model(model, samples, threads))
+    return reference
+
+
+def _clipped_verified(model: onnx.ModelProto, extremes: Extremes, mask, samples: list[dict], reference: list,
+                      threads: int, left: set[str] = frozenset()) -> tuple[onnx.ModelProto, dict]:
+    """float16_safe's tries with the constants of `extremes` (a mask's constants among `left` are not
+    clipped): each attention's own fill, one fill for all, ±MASK_BOUND, the first whose outputs stay → (model,
+    record); the model as it was and the last reason when none does."""
     # each attention's own fill first (nonfinite.own_fills), then one fill for all, then ±MASK_BOUND
     tries = ([(mask, True)] if mask and mask.own else []) + ([(mask, False)] if mask else []) + [(None, False)]
-    reference = None  # the float32 outputs, run once for every try
+    record = {}
     for tried, own in tries:
-        bounds = {name: tried.bound for name in tried.constants} if tried else {}
+        bounds = {name: tried.bound for name in tried.constants if name not in left} if tried else {}
         clipped, changed = nonfinite.clip_constants(model, extremes, MASK_BOUND, nan=0.0, bounds=bounds)
         if not changed:
             return model, {}
-        clipped, fills = nonfinite.own_fills(clipped, tried) if own else (clipped, {})
+        clipped, fills = nonfinite.own_fills(clipped, tried) if own and bounds else (clipped, {})
         record = {"bound": MASK_BOUND, "constants": changed, "verified_on": len(samples),
                   **({"mask_bound": {**tried.record(), **({"own_fills": fills} if fills else {})}} if tried else {})}
         if not samples:
             return clipped, {**record, "clipped": True}
-        reference = reference or run_model(model, samples, threads)
-        verdict = compare(reference, run_model(clipped, samples, threads), Tolerance())
+        verdict = compare(_outputs(reference, model, samples, threads), run_model(clipped, samples, threads),
+                          Tolerance())
         if verdict.ok:
             return clipped, {**record, "clipped": True}
+        record = {**record, "clipped": False, "reason": verdict.reason}
         if tried:
             log.info("rknn: the attention masks' fill at ±%.4g%s changed the outputs (%s); trying %s instead",
                      tried.bound, " (each attention's own below it)" if own else "", verdict.reason,
                      "one fill for all" if own else f"±{MASK_BOUND:g}")
-    log.warning("rknn: clipping the constants float16 cannot hold changed the outputs (%s); left as they are",
-                verdict.reason)
-    return model, {**record, "clipped": False, "reason": verdict.reason}
+    return model, record
 
 
 def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extremes: Extremes, samples: list[dict],

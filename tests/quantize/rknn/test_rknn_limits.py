@@ -10,7 +10,8 @@ from qprep.errors import ModelError
 from qprep.model.prepare import convert_down, ops_newer_than
 from qprep.quantize import nonfinite
 from qprep.quantize.rknn.limits import float16_safe, refuse_unsupported, within_opset, without_float16_overflow
-from graphs import gated_model, gated_samples, make_model, masked_attention_model, masked_attention_samples, runtime_batchnorm_model
+from graphs import (gated_model, gated_samples, log_power_model, make_model, masked_attention_model,
+                    masked_attention_samples, power_samples, runtime_batchnorm_model)
 
 
 def _conv_model(opset: int, extra=()):
@@ -99,6 +100,17 @@ def test_mask_constants_are_clipped_for_float16_only_when_the_outputs_stay():
     samples = [{"x": np.ones((1, 4), np.float32)}]
     kept, record = float16_safe(offset, nonfinite.find(offset, samples), samples)
     assert kept is offset and record["clipped"] is False and "max |a-b|" in record["reason"]
+
+
+def test_a_mask_is_clipped_although_a_clip_ceiling_beside_it_must_stay():
+    """A -inf mask and the +inf ceiling of Clip(x, 1e-10, inf) before a Log: at ±10000 the ceiling would cap
+    the log, so clipping both changes the outputs; the mask alone is clipped to its bound, the ceiling left
+    with its reason (before: neither, and the mask reached float16 as -inf)."""
+    model, samples = log_power_model(with_mask=True), power_samples(4, with_mask=True)
+    clipped, record = float16_safe(model, nonfinite.find(model, samples), samples)
+    assert record["clipped"] and set(record["constants"]) == {"fill"} and list(record["left"]) == ["ceiling"]
+    arrays = {t.name: onnx.numpy_helper.to_array(t) for t in clipped.graph.initializer}
+    assert arrays["ceiling"] == np.inf and -100 < arrays["fill"].min() < -nonfinite.MASK_MARGIN
 
 
 def test_a_later_attention_gets_its_own_lower_fill_verified():
