@@ -89,14 +89,18 @@ def ort_quantization() -> SimpleNamespace:
                            QDQRegistry=QDQRegistry, QLinearOpsRegistry=QLinearOpsRegistry)
 
 
-def calibrate_all_but(calibrator, tensors: set[str]) -> None:
+def calibrate_all_but(calibrator, tensors: set[str]) -> bool:
     """Keep `tensors` out of what ONNX Runtime's histogram calibrators (entropy, percentile, distribution)
     collect: their `collect_data` keeps only `tensors_to_calibrate`, chosen when the graph was augmented, and
     fails on a ±inf it meets ("autodetected range of [0.0, inf] is not finite"). MinMax has no such set: it
-    reduces every tensor to its min and max, which for ±inf is harmless, and the caller drops those ranges."""
+    reduces every tensor to its min and max, which for ±inf is harmless, and the caller drops those ranges.
+    → whether anything is left to calibrate (a histogram calibrator with nothing fails: "Histogram has not been
+    collected")."""
     chosen = getattr(calibrator, "tensors_to_calibrate", None)
-    if chosen is not None:
-        calibrator.tensors_to_calibrate = set(chosen) - set(tensors)
+    if chosen is None:
+        return True
+    calibrator.tensors_to_calibrate = set(chosen) - set(tensors)
+    return bool(calibrator.tensors_to_calibrate)
 
 
 @contextmanager

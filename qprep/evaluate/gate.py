@@ -47,7 +47,7 @@ def check_gate(gate: dict[str, float], outputs: dict[str, dict], floor: bool = F
         if direct:
             checks.append(_check(key, threshold, [outputs[name][metric] for name, *_ in direct],
                                  [name for name, *_ in direct], floor))
-            if metric == "cosine_mean":
+            if metric == "cosine_mean" and not any(k.endswith("mean_sqnr_db") for k in gate):  # not set already
                 checks.append(_along_signal(key, threshold, {name: outputs[name] for name, *_ in direct}, floor))
         for name, used, limit in replaced:
             check = _check(f"{name}.{used}", limit, [outputs[name][used]], [name], floor)

@@ -154,11 +154,12 @@ def _finite_pairs(pairs: list) -> tuple[list, list, list[bool]]:
     return ref, res, broken
 
 
-def _errors(ref: list, res: list, broken: list[bool]) -> dict:
-    """SQNR, max abs and mean squared error over all samples, from one difference per sample; and
-    `mean_sqnr_db`, the SQNR of the mean over samples of each one's error energy over its signal energy: weighted
-    per sample as cosine_mean is (one loud sample does not decide it), the samples that break (NaN/Inf: cosine 0
-    already) or have no signal left out, None when none is left."""
+def _errors(ref: list, res: list, broken: list[bool], per_sample: bool = False) -> dict:
+    """SQNR, max abs and mean squared error over all samples, from one difference per sample. With
+    `per_sample` (outputs cosine judges) also `mean_sqnr_db`, the SQNR of the mean over samples of each one's
+    error energy over its signal energy: weighted per sample as cosine_mean is (one loud sample does not decide
+    it); samples that break (NaN/Inf: cosine 0 already) or have no signal but some error are left out, None when
+    none is left."""
     noise = signal = max_abs = 0.0
     ratios = []
     for a, b, bad in zip(ref, res, broken):
@@ -168,11 +169,11 @@ def _errors(ref: list, res: list, broken: list[bool]) -> dict:
             sample_signal = float(np.dot(a.ravel(), a.ravel()))
             noise, signal = noise + sample_noise, signal + sample_signal
             max_abs = max(max_abs, float(np.max(np.abs(diff))))
-            if sample_signal > 0 and not bad:
-                ratios.append(sample_noise / sample_signal)
+            if not bad and (sample_signal > 0 or sample_noise == 0):
+                ratios.append(sample_noise / sample_signal if sample_noise else 0.0)
     count = sum(a.size for a in ref)
-    return {"sqnr_db": float("-inf") if any(broken) else (sqnr_of(signal, noise) if count else None),
-            "mean_sqnr_db": sqnr_of(1.0, float(np.mean(ratios))) if ratios else None,
+    more = {"mean_sqnr_db": sqnr_of(1.0, float(np.mean(ratios))) if ratios else None} if per_sample else {}
+    return {"sqnr_db": float("-inf") if any(broken) else (sqnr_of(signal, noise) if count else None), **more,
             "max_abs": float("inf") if any(broken) else max_abs,
             "mse": float("inf") if any(broken) else noise / max(count, 1),
             **({"nonfinite_samples": sum(broken)} if any(broken) else {})}
@@ -184,7 +185,7 @@ def _cosine_metrics(pairs: list, kind: str) -> dict:
     ref, res, broken = _finite_pairs(pairs)
     cosines = [0.0 if bad else cosine(a, b) for a, b, bad in zip(ref, res, broken)]
     metrics = {"samples": len(pairs), "cosine_mean": float(np.mean(cosines)), "cosine_min": float(np.min(cosines)),
-               **_errors(ref, res, broken)}
+               **_errors(ref, res, broken, per_sample=True)}
     along = metrics["mean_sqnr_db"]  # the score meets a cosine target exactly when the gate's two rows do
     metrics["score"] = min(metrics["cosine_mean"], 1.0 if along is None else cosine_for_sqnr(along))
     per_sample = {"metric": "cosine", "higher_is_better": True}

@@ -64,11 +64,7 @@ def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2, limit: f
     """The extreme constants and activations of `model` (activations over `samples`, one run of the float model)
     and the nodes that must stay float because of them; `limit` lower than float16's asks which values an int8
     grid would spread over (a mask filled with -10000)."""
-    found = Extremes()
-    for name, array in _float_constants(model):
-        stats = _stats(array)
-        if extreme(stats["min"], stats["max"], stats["nan"], limit):
-            found.tensors[name] = {"kind": "constant", **stats}
+    found = Extremes(tensors=extreme_constants(model, limit))
     inputs = [spec.name for spec in graph_inputs(model)]  # an additive mask may also be fed as data
     outputs = [o for node in model.graph.node if node.op_type != "Constant" for o in node.output if o]
     ranges: dict[str, dict] = {}
@@ -114,6 +110,12 @@ def clip_constants(model: onnx.ModelProto, extremes: Extremes, bound: float, nan
     clipped = onnx.ModelProto()
     clipped.CopyFrom(model)
     names = {name for name, stats in extremes.tensors.items() if stats["kind"] == "constant"} | set(bounds or {})
+    for node in clipped.graph.node:  # a Constant's value_float(s) becomes its `value`, which can be rewritten
+        if node.op_type == "Constant" and node.output[0] in names:
+            tensor = _constant_value(node)
+            if tensor is not None and not any(a.name == "value" for a in node.attribute):
+                node.ClearField("attribute")
+                node.attribute.append(onnx.helper.make_attribute("value", tensor))
     changed = {}
     for name, tensor in _float_constant_protos(clipped):
         if name in names:
@@ -268,15 +270,38 @@ def _masked_excess(scores: np.ndarray, mask: np.ndarray, softmax: onnx.NodeProto
 
 
 def _float_constant_protos(model: onnx.ModelProto):
-    """(name, TensorProto) of every float initializer and Constant node value of the main graph."""
+    """(name, TensorProto) of every float initializer and Constant node value of the main graph (a Constant's
+    `value_float(s)` as a tensor of its own: rewriting that one rewrites a copy; clip_constants converts first)."""
     for tensor in model.graph.initializer:
         if tensor.data_type in FLOAT_TYPES:
             yield tensor.name, tensor
     for node in model.graph.node:
         if node.op_type == "Constant":
-            for attribute in node.attribute:
-                if attribute.name == "value" and attribute.t.data_type in FLOAT_TYPES:
-                    yield node.output[0], attribute.t
+            tensor = _constant_value(node)
+            if tensor is not None:
+                yield node.output[0], tensor
+
+
+def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """A float Constant node's value: its `value` tensor, or its `value_float(s)` made one; else None."""
+    for attribute in node.attribute:
+        if attribute.name == "value" and attribute.t.data_type in FLOAT_TYPES:
+            return attribute.t
+        if attribute.name in ("value_float", "value_floats"):
+            values = attribute.f if attribute.name == "value_float" else list(attribute.floats)
+            return numpy_helper.from_array(np.asarray(values, np.float32), node.output[0])
+    return None
+
+
+def extreme_constants(model: onnx.ModelProto, limit: float = LIMIT) -> dict[str, dict]:
+    """constant → its stats ({"kind": "constant", min, max, nan}), for the float constants beyond ±`limit`,
+    ±inf or NaN (what `find` starts from; also for a model converted after `find` ran)."""
+    found = {}
+    for name, array in _float_constants(model):
+        stats = _stats(array)
+        if extreme(stats["min"], stats["max"], stats["nan"], limit):
+            found[name] = {"kind": "constant", **stats}
+    return found
 
 
 def _float_constants(model: onnx.ModelProto):

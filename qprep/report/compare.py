@@ -140,7 +140,7 @@ def reference_score(metric: str) -> float:
     """What the FP32 reference scores against itself: no error (0) for lower-is-better metrics (max_abs, mse),
     infinite SQNR, full similarity and agreement (1). Accuracy against ground truth is not one of these: the
     reference's own accuracy is measured (`reference_top1_accuracy`)."""
-    if metric == "sqnr_db":
+    if metric in ("sqnr_db", "mean_sqnr_db"):
         return float("inf")
     return 1.0 if higher_is_better(metric) else 0.0
 

@@ -116,7 +116,7 @@ def test_a_cosine_threshold_also_holds_the_sqnr_cosine_cannot_see_an_offset_in()
 def test_the_sqnr_row_weighs_samples_as_the_cosine_does_and_leaves_what_cosine_judges_alone():
     """One loud sample with 30% noise among 47 at 5%: the SQNR pooled over samples reads 12 dB, the one weighted
     per sample 23 dB, and the row passes, as the cosine does. A sample that breaks (NaN) is the cosine's 0, not a
-    second miss; a threshold of 1 and outputs with no signal bring no row."""
+    second miss; a threshold of 1 and outputs with no signal but some error bring no row."""
     rng = np.random.default_rng(1)
     reference = [rng.standard_normal(256) * (100.0 if i == 0 else 1.0) for i in range(48)]
     result = [r + rng.standard_normal(256) * np.linalg.norm(r) / 16 * (0.3 if i == 0 else 0.05)
@@ -131,7 +131,11 @@ def test_the_sqnr_row_weighs_samples_as_the_cosine_does_and_leaves_what_cosine_j
 
     assert [c["metric"] for c in check_gate({"cosine_mean": 1.0}, {"y": loud})["checks"]] == ["cosine_mean"]
     silent = compare_output([np.zeros(8)], [np.zeros(8)], "tensor")
-    assert silent["mean_sqnr_db"] is None and check_gate({"cosine_mean": 0.99}, {"y": silent})["passed"]
+    assert silent["mean_sqnr_db"] == float("inf") and check_gate({"cosine_mean": 0.99}, {"y": silent})["passed"]
+    unmeasured = compare_output([np.zeros(8)], [np.ones(8)], "tensor")  # no signal to weigh the error by
+    assert unmeasured["mean_sqnr_db"] is None
+    assert [c["metric"] for c in check_gate({"cosine_mean": 0.9}, {"y": unmeasured})["checks"]] == ["cosine_mean"]
+    assert "mean_sqnr_db" not in compare_output([np.ones(1)], [np.ones(1)], "scalar")
 
 
 def test_output_task_guess_and_sequence_agreement():

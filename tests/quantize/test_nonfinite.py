@@ -161,32 +161,57 @@ def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path, method
     nonfinite.check_scales(quantized)
 
 
-@pytest.mark.parametrize("ceiling", ["initializer", "Constant node", "Cast"])
-@pytest.mark.parametrize("method", ["minmax", "percentile", "entropy"])
-def test_every_calibrator_measures_the_log_s_whole_range_beside_inf_and_a_mask(tmp_path, method, ceiling):
-    """The calibrator runs the model as it is: the +inf ceiling (as an initializer, a Constant node or a Cast
-    of one, which ORT's calibrators collect as activations) is neither clipped, which capped the log at
-    ln 65504 = 11.09, nor handed to a histogram, which fails on ±inf; the -inf mask's tensors neither."""
+def _calibrated(model: onnx.ModelProto, samples: list[dict], method: str, tmp_path):
+    """ORT's ranges by `method` for `model`, its extreme tensors found on `samples` as the quantize stage does."""
     from qprep.schema import validate
     from qprep.quantize import ort
     from qprep.quantize.ort.quantizer import OrtQuantizer
 
+    options = validate({"activations": "static"}, ort.OPTIONS, "quantize.ort", tmp_path)
+    return OrtQuantizer(model, samples, options, tmp_path, extremes=nonfinite.find(model, samples)).calibrate(method)
+
+
+@pytest.mark.parametrize("ceiling", ["initializer", "Constant node", "Cast", "value_float"])
+@pytest.mark.parametrize("method", ["minmax", "percentile", "entropy"])
+def test_every_calibrator_measures_the_log_s_whole_range_beside_inf_and_a_mask(tmp_path, method, ceiling):
+    """The calibrator runs the model as it is: the +inf ceiling (as an initializer, a Constant node, a Cast
+    of one or a Constant's value_float, which ORT's calibrators collect as activations) is neither clipped,
+    which capped the log at ln 65504 = 11.09, nor handed to a histogram, which fails on ±inf; the -inf mask's
+    tensors neither."""
     model, samples = log_power_model(with_mask=True), power_samples(8, with_mask=True)
     if ceiling != "initializer":
         value = next(t for t in model.graph.initializer if t.name == "ceiling")
         model.graph.initializer.remove(value)
         made = [helper.make_node("Constant", [], ["ceiling"], value=value, name="ceiling_constant")]
+        if ceiling == "value_float":
+            made = [helper.make_node("Constant", [], ["ceiling"], value_float=np.inf, name="ceiling_constant")]
         if ceiling == "Cast":
             made[0].output[0] = "ceiling64"
             made[0].attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(np.array(np.inf), "ceiling64"))
             made.append(helper.make_node("Cast", ["ceiling64"], ["ceiling"], to=onnx.TensorProto.FLOAT, name="cast"))
         for index, node in enumerate(made):
             model.graph.node.insert(index, node)
-    found = nonfinite.find(model, samples)
-    options = validate({"activations": "static"}, ort.OPTIONS, "quantize.ort", tmp_path)
-    ranges = OrtQuantizer(model, samples, options, tmp_path, extremes=found).calibrate(method)
+    ranges = _calibrated(model, samples, method, tmp_path)
     assert float(np.asarray(ranges["log"].range_value[1]).ravel()[0]) > 14
     assert not {"ceiling", "masked"} & set(ranges.keys())
+    assert all(np.isfinite(np.asarray(data.range_value, dtype=float)).all() for _, data in ranges.items())
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile"])
+def test_an_opset_10_clip_s_inf_attribute_and_a_model_with_nothing_left_to_calibrate(tmp_path, method):
+    """Opset 10: Clip(max=+inf) is an attribute, which the quantizer's upgrade to opset 13 writes as a constant
+    the quantize stage never saw: it is not calibrated either. And with every tensor ORT would calibrate beyond
+    float16 (the power and its clamp; Log is no op it quantizes), a histogram has nothing to collect: no ranges,
+    not "Histogram has not been collected"."""
+    clip = helper.make_node("Clip", ["x"], ["clamped"], name="clamp", min=1e-10, max=float("inf"))
+    model = make_model([clip, helper.make_node("Log", ["clamped"], ["y"], name="log")],
+                       [("x", [1, 64])], [("y", [1, 64])], opset=10)
+    assert _calibrated(model, power_samples(8), method, tmp_path) is not None
+    model = make_model([clip, helper.make_node("Log", ["clamped"], ["log"], name="log"),
+                        helper.make_node("Mul", ["log", "ten"], ["y"], name="decibels")],
+                       [("x", [1, 64])], [("y", [1, 64])], {"ten": np.array(10.0, np.float32)}, opset=10)
+    ranges = _calibrated(model, power_samples(8), method, tmp_path)
+    assert float(np.asarray(ranges["log"].range_value[1]).ravel()[0]) > 14
     assert all(np.isfinite(np.asarray(data.range_value, dtype=float)).all() for _, data in ranges.items())
 
 
@@ -196,6 +221,18 @@ def test_a_log_of_values_beyond_float16_quantizes_with_its_whole_range(tmp_path)
     Log's range is its own: the output is int8-close (SQNR > 30 dB)."""
     report = _ort_run(tmp_path, log_power_model(), power_samples(8), power_samples(8, seed=1))
     assert report["evaluation"]["outputs"]["y"]["sqnr_db"] > 30
+
+
+def test_a_constant_node_s_value_floats_are_found_and_clipped():
+    """Constant(value_floats=[0, 0, 0, -inf]): found as an extreme constant, and clip_constants rewrites the node
+    (as a `value` tensor), not a copy of its values."""
+    model = make_model([helper.make_node("Constant", [], ["fill"], value_floats=[0, 0, 0, -np.inf], name="fill"),
+                        helper.make_node("Add", ["x", "fill"], ["y"], name="add")], [("x", [1, 4])], [("y", [1, 4])])
+    found = nonfinite.find(model, [{"x": np.zeros((1, 4), np.float32)}])
+    assert found.tensors["fill"]["kind"] == "constant" and found.tensors["fill"]["min"] == float("-inf")
+    clipped, changed = nonfinite.clip_constants(model, found, 10000.0)
+    value = next(a.t for a in clipped.graph.node[0].attribute if a.name == "value")
+    assert list(changed) == ["fill"] and onnx.numpy_helper.to_array(value).tolist() == [0, 0, 0, -10000]
 
 
 def test_a_non_finite_scale_stops_the_run_naming_the_tensor():

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,9 @@ class OrtQuantizer:
         self.upgraded_from = None
         if default_opset(model) < MIN_OPSET:
             self.upgraded_from, model = default_opset(model), _upgraded(model)
+            # the converter writes attributes as constants (an opset-10 Clip's max=+inf): never calibrated
+            self.extremes.tensors.update({name: stats for name, stats in nonfinite.extreme_constants(model).items()
+                                          if name not in self.extremes.tensors})
         self.options, self.weights = weight_range(options)  # weight_type and reduce_range "auto" resolved here
         self.model, self.samples, self.work_dir, self.threads = model, samples, work_dir, threads
         self.progress = progress
@@ -167,12 +171,15 @@ class OrtQuantizer:
                 source, self.op_types, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
                 calibrate_method=getattr(ORT.CalibrationMethod, _METHODS[method]), extra_options=calibrator_options,
                 use_external_data_format=is_large(self.model))  # the augmented model outgrows 2 GB with it
-            calibrate_all_but(calibrator, set(self.extremes.tensors))
-            with np.errstate(invalid="ignore", over="ignore"):  # minmax's scales of ±inf ranges, dropped below
-                calibrator.collect_data(_Reader(self.samples, inputs))
-                ranges = calibrator.compute_data()
-            self._ranges[method] = ORT.TensorsData(ranges.calibration_method, {
-                name: ranges[name] for name in ranges if name not in self.extremes.tensors})
+            if calibrate_all_but(calibrator, set(self.extremes.tensors)):
+                with warnings.catch_warnings():  # minmax over ±inf and NaN tensors ("All-NaN axis"): dropped below
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    calibrator.collect_data(_Reader(self.samples, inputs))
+                    ranges = calibrator.compute_data()
+                kept = {name: ranges[name] for name in ranges if name not in self.extremes.tensors}
+            else:  # every tensor it would calibrate holds extreme values: they stay float
+                kept = {}
+            self._ranges[method] = ORT.TensorsData(getattr(ORT.CalibrationMethod, _METHODS[method]), kept)
             del calibrator
         return self._ranges[method]
 
