@@ -67,14 +67,18 @@ def check_text(check: dict) -> str:
     output, _, metric = check["metric"].rpartition(".")
     output = output or check.get("worst_output")
     value = "not measured" if check["value"] is None else distinct(check["value"], check["threshold"])
-    sign = ("≤" if check.get("kind") == "maximum" else "≥") if check["passed"] else (
-        ">" if check.get("kind") == "maximum" else "<")
+    maximum = check.get("kind") == "maximum"
+    holds = check["value"] is not None and (check["value"] <= check["threshold"] if maximum
+                                            else check["value"] >= check["threshold"])
+    sign = ("≤" if maximum else "≥") if holds else (">" if maximum else "<")
     if check["value"] is None:
-        sign = "needs ≤" if check.get("kind") == "maximum" else "needs ≥"
+        sign = "needs ≤" if maximum else "needs ≥"
     stands = f" (for {check['stands_for']})" if check.get("stands_for") else ""
     where = f" of `{output}`" if output else ""
     undecided = f" (too few to decide: {check['undecided']})" if check.get("undecided") else ""
-    return f"`{metric}`{where} {value} {sign} {check['threshold']:.4g}{stands}{undecided}"
+    # a value that holds but a check that missed: some outputs were not measured (the reason says so)
+    reason = f", but {check['reason']}" if check.get("reason") and check["value"] is not None else ""
+    return f"`{metric}`{where} {value} {sign} {check['threshold']:.4g}{stands}{undecided}{reason}"
 
 
 def distinct(value: float, threshold: float) -> str:

@@ -94,4 +94,6 @@ def test_a_figure_just_under_its_threshold_does_not_read_as_the_threshold():
     check = {"metric": "cosine_mean", "threshold": 1.0, "value": 0.99996, "passed": False, "kind": "minimum"}
     assert check_text(check) == "`cosine_mean` 0.99996 < 1"
     assert check_text({**check, "value": 1.0, "passed": True}) == "`cosine_mean` 1 ≥ 1"
+    partly = check_gate({"cosine_mean": 0.9}, {"a": {"cosine_mean": 0.95}, "b": {"cosine_mean": None}})["checks"][0]
+    assert check_text(partly) == "`cosine_mean` of `a` 0.95 ≥ 0.9, but not measured on 1 output(s)"
     assert verdict({**report(), "status": "running"}).text == "the run did not finish (killed, or still running)"
