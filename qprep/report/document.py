@@ -139,10 +139,13 @@ def _quoted(text: str) -> str:
 def _outputs(outputs: dict, why: bool = True) -> list:
     """The per-output table of one sample set (each output's kind and the figures that judge it), why each
     kind was chosen, and task accuracy where labels were given."""
-    blocks: list = [Table(["output", "kind", "judged by", "cosine mean", "cosine min", "SQNR dB", "max abs"],
+    # SQNR over all samples, and per sample (mean_sqnr_db: what a cosine threshold also holds, see gate.py)
+    blocks: list = [Table(["output", "kind", "judged by", "cosine mean", "cosine min", "SQNR dB",
+                           "SQNR dB per sample", "max abs"],
                           [[name, m.get("kind", "tensor"), judged_text(m), num(m.get("cosine_mean"), ".5f"),
                             num(m.get("cosine_min"), ".5f"), num(m.get("sqnr_db"), ".1f"),
-                            num(m.get("max_abs"), ".3g")] for name, m in outputs.items()])]
+                            num(m.get("mean_sqnr_db"), ".1f"), num(m.get("max_abs"), ".3g")]
+                           for name, m in outputs.items()])]
     if why and any("why" in m for m in outputs.values()):
         blocks.append(Bullets([f"`{name}` is judged as **{m['kind']}**: {m['why']}"
                                for name, m in outputs.items() if "why" in m]))

@@ -97,3 +97,11 @@ def test_a_figure_just_under_its_threshold_does_not_read_as_the_threshold():
     partly = check_gate({"cosine_mean": 0.9}, {"a": {"cosine_mean": 0.95}, "b": {"cosine_mean": None}})["checks"][0]
     assert check_text(partly) == "`cosine_mean` of `a` 0.95 ≥ 0.9, but not measured on 1 output(s)"
     assert verdict({**report(), "status": "running"}).text == "the run did not finish (killed, or still running)"
+
+
+def test_the_per_output_table_and_the_gate_show_the_sqnr_per_sample_the_cosine_threshold_also_holds():
+    data = judged({"cosine_mean": 0.5})
+    figure = data["evaluation"]["outputs"]["logits"]["mean_sqnr_db"]
+    for text in (render_markdown(data), render_html(data)):
+        assert "SQNR dB per sample" in text and f"{figure:.1f}" in text
+        assert "mean_sqnr_db (for cosine_mean 0.5: an error along the signal, which cosine does not see)" in text
