@@ -114,13 +114,9 @@ def float16_safe(model: onnx.ModelProto, extremes: Extremes, samples: list[dict]
     if record.get("clipped") is False and len(constants) > 1:
         # not all of them: those that change the outputs alone are left, the others clipped (a mask beside a
         # Clip(x, 1e-10, +inf) before a Log, whose ceiling at ±MASK_BOUND caps the log)
-        left = {}
-        for name in constants:
-            alone = Extremes(tensors={name: extremes.tensors[name]})
-            verdict = compare(_outputs(reference, model, samples, threads), run_model(nonfinite.clip_constants(model, alone, MASK_BOUND, nan=0.0)[0],
-                                                   samples, threads), Tolerance())
-            if not verdict.ok:
-                left[name] = verdict.reason
+        alone = {name: _clipped_verified(model, Extremes(tensors={name: extremes.tensors[name]}), None, samples,
+                                         reference, threads)[1] for name in constants}
+        left = {name: record["reason"] for name, record in alone.items() if record.get("clipped") is False}
         if left and len(left) < len(constants):
             rest = Extremes(tensors={n: t for n, t in extremes.tensors.items() if n not in left})
             clipped, record = _clipped_verified(model, rest, mask, samples, reference, threads, left=set(left))
