@@ -198,21 +198,27 @@ def test_every_calibrator_measures_the_log_s_whole_range_beside_inf_and_a_mask(t
 
 
 @pytest.mark.parametrize("method", ["minmax", "percentile"])
-def test_an_opset_10_clip_s_inf_attribute_and_a_model_with_nothing_left_to_calibrate(tmp_path, method):
+def test_an_opset_10_clip_s_inf_attribute_is_not_calibrated(tmp_path, method):
     """Opset 10: Clip(max=+inf) is an attribute, which the quantizer's upgrade to opset 13 writes as a constant
-    the quantize stage never saw: it is not calibrated either. And with every tensor ORT would calibrate beyond
-    float16 (the power and its clamp; Log is no op it quantizes), a histogram has nothing to collect: no ranges,
-    not "Histogram has not been collected"."""
+    the quantize stage never saw: it is not calibrated either (percentile: "autodetected range of [inf, inf] is
+    not finite"), and the log after it keeps its whole range."""
     clip = helper.make_node("Clip", ["x"], ["clamped"], name="clamp", min=1e-10, max=float("inf"))
-    model = make_model([clip, helper.make_node("Log", ["clamped"], ["y"], name="log")],
-                       [("x", [1, 64])], [("y", [1, 64])], opset=10)
-    assert _calibrated(model, power_samples(8), method, tmp_path) is not None
     model = make_model([clip, helper.make_node("Log", ["clamped"], ["log"], name="log"),
                         helper.make_node("Mul", ["log", "ten"], ["y"], name="decibels")],
                        [("x", [1, 64])], [("y", [1, 64])], {"ten": np.array(10.0, np.float32)}, opset=10)
     ranges = _calibrated(model, power_samples(8), method, tmp_path)
     assert float(np.asarray(ranges["log"].range_value[1]).ravel()[0]) > 14
     assert all(np.isfinite(np.asarray(data.range_value, dtype=float)).all() for _, data in ranges.items())
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile", "entropy"])
+def test_a_model_with_nothing_left_to_calibrate_gets_no_ranges(tmp_path, method):
+    """Every tensor ORT would calibrate is beyond float16 (the power and its clamp; Log is no op it quantizes):
+    a histogram has nothing to collect, and the ranges are none, not "Histogram has not been collected"."""
+    model = log_power_model()
+    model.graph.node.pop()  # the dB Mul: the log is the output
+    model.graph.output[0].name = "log"
+    assert not set(_calibrated(model, power_samples(8), method, tmp_path).keys())
 
 
 def test_a_log_of_values_beyond_float16_quantizes_with_its_whole_range(tmp_path):
