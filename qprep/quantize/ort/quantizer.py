@@ -349,7 +349,7 @@ class OrtQuantizer:
         if "kept" not in self.rounding:
             nearest_db, rounded_db = self._calibration_sqnr(quantized, rounded)
             kept, why = better(nearest_db, rounded_db, "nearest rounding kept")
-            self.rounding.update(layers=changed, underdetermined=sum(layer.node not in self._moments for layer in layers),
+            self.rounding.update(layers=changed, **gptq.left_nearest(layers, self._moments),
                                  calibration_sqnr_db={"nearest": nearest_db, "gptq": rounded_db},
                                  kept=kept, **({"reason": why} if not kept else {}))
             log.info("ort: GPTQ weight rounding on %d layers: calibration SQNR %s → %s dB (%s)", changed,

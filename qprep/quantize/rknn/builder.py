@@ -204,9 +204,8 @@ class RknnBuilder:
             from qprep.quantize.rknn import weights as rknn_weights
 
             start = time.perf_counter()
-            self._on_grid, layers, underdetermined = rknn_weights.on_grid(self.job.model, self.job.samples,
-                                                                          self.job.threads)
-            self._grid_record = {"method": "gptq", "layers": layers, "underdetermined": underdetermined,
+            self._on_grid, layers, left = rknn_weights.on_grid(self.job.model, self.job.samples, self.job.threads)
+            self._grid_record = {"method": "gptq", "layers": layers, **left,
                                  "seconds": round(time.perf_counter() - start, 1)}
             log.info("rknn: GPTQ weights on the toolkit's grid for %d layers", layers)
         self.details["weight_rounding"] = {"gptq": self._grid_record, "mmse": self._weight_record}.get(

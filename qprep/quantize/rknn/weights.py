@@ -63,10 +63,10 @@ def layers(model: onnx.ModelProto) -> list[Layer]:
     return found
 
 
-def on_grid(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, int, int]:
+def on_grid(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, int, dict]:
     """A copy of `model` whose weights sit on the toolkit's grid (GPTQ integers); the number of layers
-    re-rounded; the number left to the toolkit's nearest rounding because the calibration samples do not
-    determine their input moments (gptq.determined)."""
+    re-rounded; why the others are left to the toolkit's nearest rounding (gptq.left_nearest: the calibration
+    samples do not determine their input moments, or they are too wide for GPTQ here)."""
     weighted = layers(model)
     moments = gptq.input_moments(model, weighted, samples, threads) if weighted and samples else {}
     result = onnx.ModelProto()
@@ -88,4 +88,4 @@ def on_grid(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tu
         weight = np.moveaxis(((rows - zero) * scale).reshape(shape), 0, layer.axis).astype(np.float32)
         inits[layer.quantized].CopyFrom(numpy_helper.from_array(weight, layer.quantized))
         changed += 1
-    return result, changed, len(weighted) - changed
+    return result, changed, gptq.left_nearest(weighted, moments)
