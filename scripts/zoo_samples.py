@@ -6,6 +6,8 @@ reaches no dataset hub, so every sample is made here from real material:
     photos      the colour photographs bundled in scikit-image (scripts/build_calibration_data.py, NOTICE)
     text        English sentences from Python docstrings, rendered with the DejaVu fonts of matplotlib: text
                 lines, captchas, document pages with titles, paragraphs, figures and tables
+    music       melodies and chords of synthesized harmonic notes (varied timbre, attack and decay, tempo),
+                some with a spoken voice over them, under noise
     speech      those sentences (and each wake word's phrase) spoken by espeak-ng (apt-get install espeak-ng)
                 with several voices, speeds and pitches, between silences, under noise at 0..30 dB SNR
     files       real files of many types installed on this machine (magika's input: its byte features)
@@ -130,6 +132,26 @@ def photo(rng: np.random.Generator, long_side: int) -> np.ndarray:
     scale = long_side / max(cw, ch)
     return cv2.resize(np.ascontiguousarray(crop), (max(1, round(cw * scale)), max(1, round(ch * scale))),
                       interpolation=cv2.INTER_AREA)
+
+
+def mtcnn_pyramid_input(rng, _context) -> dict:
+    """facenet-pytorch 2.6's MTCNN.detect on a photo (long side 160..640): one level of its image pyramid
+    (scales 12/20 x 0.709^k down to a 12-pixel short side), resized by area to (h x scale + 1, w x scale + 1),
+    (x - 127.5) / 128, NCHW. The sizes differ from sample to sample, as they do in use."""
+    import cv2
+
+    image = photo(rng, int(rng.integers(160, 641)))
+    h, w = image.shape[:2]
+    scales, scale = [], 12 / 20
+    while min(h, w) * scale >= 12:
+        scales.append(scale)
+        scale *= 0.709
+    scale = scales[int(rng.integers(0, len(scales)))]
+    level = cv2.resize(image, (int(w * scale + 1), int(h * scale + 1)), interpolation=cv2.INTER_AREA)
+    return {"image": ((level.astype(np.float32) - 127.5) * 0.0078125).transpose(2, 0, 1)[None]}
+
+
+mtcnn_pyramid = each_sample("mtcnn_pyramid")(mtcnn_pyramid_input)
 
 
 def nudenet_input(rng, _context) -> dict:
@@ -581,6 +603,112 @@ def first_input(model: Path) -> str:
 
 
 oww_wakeword = each_sample("oww_wakeword")(wakeword_input, wakeword_context)
+
+
+# ----------------------------------------------------------------------------------------------- music
+
+
+def note_tone(rng: np.random.Generator, midi: float, seconds: float, rate: int) -> np.ndarray:
+    """One note: harmonics falling off as 1/k^p (p 0.7..2.5: bright to mellow), a 2..40 ms attack, an
+    exponential decay (plucked) or a held level (bowed/blown, maybe with vibrato), released over 30 ms."""
+    n = max(1, int(seconds * rate))
+    t = np.arange(n) / rate
+    f0 = 440.0 * 2 ** ((midi - 69) / 12)
+    vibrato = rng.uniform(0, 0.006) * np.sin(2 * np.pi * rng.uniform(4, 7) * t) if rng.random() < 0.4 else 0
+    phase = 2 * np.pi * f0 * np.cumsum(1 + vibrato) / rate
+    rolloff = rng.uniform(0.7, 2.5)
+    tone = np.zeros(n)
+    for k in range(1, int(min(12, (rate / 2 - 100) // f0)) + 1):
+        tone += np.sin(k * phase + rng.uniform(0, 2 * np.pi)) / k ** rolloff
+    attack = np.minimum(1, t / rng.uniform(0.002, 0.04))
+    body = np.exp(-t / rng.uniform(0.15, 1.5)) if rng.random() < 0.6 else np.ones(n)
+    release = np.minimum(1, (seconds - t) / 0.03).clip(0, 1)
+    return (tone * attack * body * release).astype(np.float32)
+
+
+def music_clip(rng: np.random.Generator, seconds: float, rate: int) -> np.ndarray:
+    """`seconds` of synthesized music at `rate`: a melody (one note at a time, piano range 36..96) over chords or
+    a bass line of 1..3 voices, at a random tempo; in a fifth of the clips a voice speaks over it (espeak-ng), and
+    everything sits under noise at 15..50 dB SNR. float32 in -1..1."""
+    from scipy.signal import resample_poly
+
+    length = int(seconds * rate)
+    clip = np.zeros(length, np.float32)
+    beat = 60 / rng.uniform(60, 180)
+    key = int(rng.integers(48, 72))
+    scale = np.array([0, 2, 4, 5, 7, 9, 11, 12, 14, 16])
+    start = 0.0
+    while start < seconds:  # the melody
+        duration = beat * float(rng.choice([0.25, 0.5, 1, 1, 2]))
+        midi = min(96, key + 12 + int(rng.choice(scale)) + (12 if rng.random() < 0.2 else 0))
+        if rng.random() < 0.9:
+            note = note_tone(rng, midi, min(duration * rng.uniform(0.7, 1.0), seconds - start), rate)
+            at = int(start * rate)
+            clip[at:at + len(note)] += note[: length - at] * rng.uniform(0.4, 1.0)
+        start += duration
+    voices = int(rng.integers(1, 4))
+    start = 0.0
+    while start < seconds:  # the accompaniment
+        duration = beat * float(rng.choice([1, 2, 4]))
+        root = max(36, key - 12 + int(rng.choice(scale[:7])))
+        for midi in (root, root + 4, root + 7)[:voices]:
+            note = note_tone(rng, midi, min(duration, seconds - start), rate)
+            at = int(start * rate)
+            clip[at:at + len(note)] += note[: length - at] * rng.uniform(0.2, 0.6)
+        start += duration
+    clip /= max(1e-6, np.abs(clip).max())
+    if rng.random() < 0.2:
+        voice = resample_poly(speak(rng, sentences()[int(rng.integers(0, len(sentences())))]), rate, SAMPLE_RATE)
+        voice = voice[:length]
+        at = int(rng.integers(0, length - len(voice) + 1))
+        clip[at:at + len(voice)] += voice.astype(np.float32) * rng.uniform(0.3, 1.0)
+    clip += noise(rng, length) * np.sqrt(np.mean(clip ** 2)) / 10 ** (rng.uniform(15, 50) / 20)
+    return np.clip(clip * rng.uniform(0.3, 0.95) / max(1e-6, np.abs(clip).max()), -1, 1).astype(np.float32)
+
+
+BASIC_PITCH_RATE, BASIC_PITCH_WINDOW, BASIC_PITCH_OVERLAP = 22050, 43844, 30 * 256
+
+
+def basic_pitch_input(rng, model) -> dict:
+    """basic-pitch 0.4's run_inference: mono audio at 22050 Hz with overlap/2 zeros in front, cut into windows
+    of 43844 samples every 43844 - 30 x 256 (the last one zero-padded); one window [1, 43844, 1] per sample, at
+    a random place in a 2..8 s clip (music, some with a voice over it, or speech alone)."""
+    seconds = rng.uniform(2, 8)
+    if rng.random() < 0.85:
+        clip = music_clip(rng, seconds, BASIC_PITCH_RATE)
+    else:
+        from scipy.signal import resample_poly
+
+        clip = resample_poly(speech_clip(rng, seconds), BASIC_PITCH_RATE, SAMPLE_RATE).astype(np.float32)
+    audio = np.concatenate([np.zeros(BASIC_PITCH_OVERLAP // 2, np.float32), clip])
+    hop = BASIC_PITCH_WINDOW - BASIC_PITCH_OVERLAP
+    start = hop * int(rng.integers(0, (len(audio) - 1) // hop + 1))
+    window = audio[start:start + BASIC_PITCH_WINDOW]
+    window = np.pad(window, (0, BASIC_PITCH_WINDOW - len(window)))
+    return {model: window[None, :, None].astype(np.float32)}
+
+
+basic_pitch_audio = each_sample("basic_pitch_audio")(basic_pitch_input, lambda model, split: first_input(model))
+
+CREPE_FRAMES, CREPE_HOP, CREPE_WINDOW = 16, 160, 1024
+
+
+def crepe_input(rng, model) -> dict:
+    """torchcrepe 0.0.24's preprocess at 16 kHz: the clip zero-padded by 512 each side, 1024-sample frames every
+    10 ms, each mean-centred and divided by its standard deviation; 16 consecutive frames [16, 1024] from a
+    random place in a 1..4 s clip of music (most) or speech."""
+    seconds = rng.uniform(1, 4)
+    clip = music_clip(rng, seconds, SAMPLE_RATE) if rng.random() < 0.7 else speech_clip(rng, seconds)
+    audio = np.pad(clip, CREPE_WINDOW // 2)
+    first = int(rng.integers(0, len(clip) // CREPE_HOP - CREPE_FRAMES))
+    frames = np.stack([audio[(first + i) * CREPE_HOP:(first + i) * CREPE_HOP + CREPE_WINDOW]
+                       for i in range(CREPE_FRAMES)]).astype(np.float64)
+    frames -= frames.mean(axis=1, keepdims=True)
+    frames /= np.maximum(1e-10, frames.std(axis=1, ddof=1, keepdims=True))
+    return {model: frames.astype(np.float32)}
+
+
+crepe_frames = each_sample("crepe_frames")(crepe_input, lambda model, split: first_input(model))
 
 
 # ----------------------------------------------------------------------------------------------- files
