@@ -119,14 +119,16 @@ def _evaluation(evaluation: dict | None) -> list:
         blocks.append(Text(f"Size: reference {sizes['reference'] / 1e6:.2f} MB, "
                            f"result {sizes['result'] / 1e6:.2f} MB."))
     blocks += _layers(evaluation.get("layers"))
-    for name, m in evaluation["outputs"].items():
+    # the worst samples of the set the verdict is judged on: the held-out one when given
+    judged, which = (heldout, "held-out samples") if heldout else (evaluation, "samples")
+    for name, m in judged["outputs"].items():
         rows = m.get("worst_samples", [])
         if rows and "reference_text" in rows[0]:  # ctc: what each side reads
             blocks.append(Table(["sample", m.get("worst_by", "?"), "FP32 reads", "result reads"],
                                 [[r["sample"], f"{_value(r):.3g}", _quoted(r["reference_text"]),
-                                  _quoted(r["result_text"])] for r in rows], title=f"Worst samples for {name}"))
+                                  _quoted(r["result_text"])] for r in rows], title=f"Worst {which} for {name}"))
         elif rows:
-            blocks.append(Text(f"Worst samples for {name} ({m.get('worst_by', 'cosine')}): "
+            blocks.append(Text(f"Worst {which} for {name} ({m.get('worst_by', 'cosine')}): "
                                + ", ".join(f"{r['sample']} ({_value(r):.4g})" for r in rows)))
     return blocks
 

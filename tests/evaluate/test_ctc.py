@@ -40,6 +40,7 @@ def test_text_agreement_counts_lines_that_read_the_same_not_steps():
     assert worst["worst_by"] == "character error rate"
     assert worst["worst_samples"][0] == {"sample": "b.png", "value": 0.5, "reference_ids": [1, 2],
                                          "result_ids": [1, 3]}
+    assert len(worst["worst_samples"]) == 1  # the lines that read the same are no worst samples
     outputs = {"probs": worst}
     ctc.spell_worst(outputs, ["x", "y", "z"])
     assert outputs["probs"]["worst_samples"][0]["reference_text"] == "xy"

@@ -105,3 +105,20 @@ def test_the_per_output_table_and_the_gate_show_the_sqnr_per_sample_the_cosine_t
     for text in (render_markdown(data), render_html(data)):
         assert "SQNR dB per sample" in text and f"{figure:.1f}" in text
         assert "mean_sqnr_db (for cosine_mean 0.5: an error along the signal, which cosine does not see)" in text
+
+
+def test_the_worst_samples_listed_are_those_of_the_set_the_verdict_is_judged_on():
+    """With held-out samples the verdict is theirs, so are the worst samples shown (SLANet+ listed five exact
+    evaluation samples under a verdict missed on the held-out ones)."""
+    data = judged({"cosine_mean": 0.5}, heldout=True)
+    evaluation = data["evaluation"]
+    evaluation["outputs"]["logits"].update(worst_by="cosine", worst_samples=[{"sample": "eval3.png", "value": 0.99}])
+    evaluation["heldout"]["outputs"]["logits"].update(worst_by="cosine",
+                                                       worst_samples=[{"sample": "held9.png", "value": 0.41}])
+    markdown = render_markdown(data)
+    assert "Worst held-out samples for logits (cosine): held9.png (0.41)" in markdown
+    assert "eval3.png" not in markdown
+    data = judged({"cosine_mean": 0.5})
+    data["evaluation"]["outputs"]["logits"].update(worst_by="cosine", worst_samples=[{"sample": "eval3.png",
+                                                                                     "value": 0.99}])
+    assert "Worst samples for logits (cosine): eval3.png (0.99)" in render_markdown(data)
