@@ -74,12 +74,15 @@ def _rounding(stage: dict) -> str:
     if rounding.get("method") != "gptq":
         return f"weight rounding: {rounding.get('method', '?')} (GPTQ off)"
     layers = f" on {rounding['layers']} layers" if "layers" in rounding else ""
+    nearest = []
     if rounding.get("underdetermined"):
-        layers += (f" ({rounding['underdetermined']} more kept nearest: too few calibration rows for their "
-                   "inputs, GPTQ would fit the samples)")
+        nearest.append(f"{rounding['underdetermined']} more kept nearest: too few calibration rows for their "
+                       "inputs, GPTQ would fit the samples")
     if rounding.get("too_wide"):
-        layers += (f" ({rounding['too_wide']} more kept nearest: over {rounding.get('max_inputs', '?')} inputs "
-                   "per output, beyond GPTQ's time and memory here)")
+        nearest.append(f"{rounding['too_wide']} more kept nearest: over {rounding.get('max_inputs', '?')} inputs "
+                       "per output, beyond GPTQ's time and memory here")
+    if nearest:
+        layers += f" ({'; '.join(nearest)})"
     measured = rounding.get("calibration_sqnr_db")
     if isinstance(measured, dict) and "nearest" in measured:
         verdict = "**kept**" if rounding.get("kept") else f"**not kept** ({rounding.get('reason', 'no gain')})"
