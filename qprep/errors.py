@@ -89,6 +89,7 @@ class ToolkitError(QprepError):
 
     exit_code = EXIT_INTERNAL
 
-    def __init__(self, message: str, crashed: bool = False):
+    def __init__(self, message: str, crashed: bool = False, rule: str | None = None):
         super().__init__(message)
         self.crashed = crashed  # the worker died: every RKNN object it held is gone
+        self.rule = rule  # the toolkit's graph rule that failed, where it names it for `disable_rules`

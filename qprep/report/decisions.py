@@ -18,7 +18,14 @@ def decision_lines(stage: dict) -> list[str]:
         return []
     return [line for line in (_activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
                               _spread(stage), _float_nodes(stage),
-                              *_fitting(stage)) if line]
+                              *_fitting(stage), *_rules_disabled(stage)) if line]
+
+
+def _rules_disabled(stage: dict) -> list[str]:
+    """RKNN: the toolkit's graph rules switched off because they failed on this model."""
+    return [f"rknn-toolkit2 graph rule `{item['rule']}` **disabled**: it failed on this model ({item['error']}); "
+            "built again without it (`disable_rules`), the model is the same, perhaps slower on the NPU"
+            for item in stage.get("rules_disabled") or []]
 
 
 def _activations(stage: dict) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import onnx
 
-from qprep.errors import QprepError
+from qprep.errors import QprepError, ToolkitError
 from qprep.evaluate import ctc
 from qprep.model.info import graph_inputs
 from qprep.model.io import save_model
@@ -44,6 +44,7 @@ log = logging.getLogger("qprep")
 # calibration lines 0.99826, the last 8 0.99827, 8 spread over them 0.99704 (below GPTQ) — so the fallback measures
 # the harvest against the weights as they are and keeps it only where it wins; the first 8 are the ones measured.
 MMSE_WEIGHT_SAMPLES = 8
+MAX_RULES_DISABLED = 4  # toolkit graph rules a build may switch off after they failed (_without_failing_rules)
 PLATFORMS = ("rv1103", "rv1103b", "rv1106", "rv1106b", "rv1126b", "rk2118", "rk3562", "rk3566", "rk3568",
              "rk3576", "rk3588")
 OPTIONS = section(
@@ -267,7 +268,8 @@ class RknnBuilder:
         """Hybrid step1 (once per setting): the IR, its tensor names and the quantization cfg step2 builds from."""
         if self._step1 is None:
             stem = self.toolkit.work_dir / "model"
-            cfg_text = self._run_step1(stem, "normal" if self._ranges else self.algorithm)
+            algorithm = "normal" if self._ranges else self.algorithm
+            cfg_text = self._without_failing_rules(lambda: self._run_step1(stem, algorithm))
             if table := self._table():
                 try:
                     cfg_text, counts = rknn_ranges.apply(stem, cfg_text, table)
@@ -314,6 +316,25 @@ class RknnBuilder:
             return 0.0
         return max(self._step1_took, default=0.0)
 
+    def _without_failing_rules(self, step):
+        """`step()`, made again with a graph rule of the toolkit disabled when the toolkit failed inside that rule
+        and named it (ToolkitError.rule; basic-pitch's CQT: `remove_concat_slice` raised IndexError). A rule is an
+        optimization of the toolkit's own graph: without it the model is the same, perhaps slower. Each rule is
+        disabled once (a few at most), and the report says which and why."""
+        while True:
+            try:
+                return step()
+            except ToolkitError as exc:
+                disabled = self.config.setdefault("disable_rules", [])
+                if exc.crashed or not exc.rule or exc.rule in disabled or len(disabled) >= MAX_RULES_DISABLED:
+                    if not disabled:
+                        self.config.pop("disable_rules")
+                    raise
+                disabled.append(exc.rule)
+                self.details.setdefault("rules_disabled", []).append({"rule": exc.rule, "error": str(exc)})
+                log.warning("rknn: the toolkit's graph rule %s failed on this model; building again without it "
+                            "(disable_rules)", exc.rule)
+
     def build(self, float_set: set[str]):
         """An RKNN object built with `float_set` as float16 layers, its simulator runtime initialized."""
         if (float_set or self._table()) and self.options["do_quantization"]:
@@ -347,7 +368,7 @@ class RknnBuilder:
         if key not in self._sessions:
             for old in [k for k in self._sessions if k != self._pinned]:
                 self.toolkit.release(self._sessions.pop(old)[0])
-            rknn = self.build(float_set)
+            rknn = self._without_failing_rules(lambda: self.build(float_set))
             self.toolkit.call("init_runtime (simulator)", rknn, "init_runtime")
             runner = Runner(rknn, self.toolkit, self.job.model, self.normalization, self.renames)
             self._sessions[key] = (rknn, runner, self.details.get("float16_layers"))

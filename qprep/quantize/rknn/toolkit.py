@@ -22,6 +22,7 @@ log = logging.getLogger("qprep")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STAMP = re.compile(r"^RKNN: \[[0-9:.]+\] ")  # the C++ logger's prefix: `E RKNN: [02:41:12.288] message`
 _LOG_LINE = re.compile(r"^[EWID] ")  # a new line of the toolkit's logger
+_RULE = re.compile(r"disable_rules=\[['\"](\w+)['\"]\] in rknn\.config\(\)")
 _NOISE = ("Unkown op target", "rknn-toolkit2 version")
 _SETUP = "run `qprep setup rknn` (it installs rknn-toolkit2 2.5.0 with the pins it needs and a CPU torch)"
 
@@ -65,11 +66,11 @@ class Toolkit:
             self._copy_to_run_log(start, step)
             lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
             raise ToolkitError(f"rknn-toolkit2 {step} failed: {self.error_line(start) or (lines[-1] if lines else type(exc).__name__)}"
-                             f" (toolkit log: {self.log_path})") from None
+                             f" (toolkit log: {self.log_path})", rule=self.failed_rule(start)) from None
         self._copy_to_run_log(start, step)
         if result is None or (isinstance(result, int) and result != 0):
             raise ToolkitError(f"rknn-toolkit2 {step} failed: {self.error_line(start) or f'returned {result}'} "
-                             f"(toolkit log: {self.log_path})")
+                             f"(toolkit log: {self.log_path})", rule=self.failed_rule(start))
         return result
 
     def apply(self, step: str, rknn: int, function, *args):
@@ -108,6 +109,17 @@ class Toolkit:
                 text = _ANSI.sub("", f.read()).strip()
             if text:
                 log.info("rknn-toolkit2 %s:\n%s", step, text)
+
+    def failed_rule(self, start: int) -> str | None:
+        """The graph rule the toolkit names after `start` when one of its optimization rules failed: it logs
+        "You can add disable_rules=['remove_concat_slice'] in rknn.config() to temporarily disable the error
+        rule!" (basic-pitch's CQT: that rule raised IndexError on a Concat whose input it had left shapeless)."""
+        if not self.log_path.exists():
+            return None
+        with open(self.log_path, errors="replace") as f:
+            f.seek(start)
+            found = _RULE.search(_ANSI.sub("", f.read()))
+        return found.group(1) if found else None
 
     def error_line(self, start: int) -> str:
         """The toolkit's first error line logged after offset `start` (its noise lines skipped; a logged
