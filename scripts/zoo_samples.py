@@ -539,6 +539,52 @@ def faster_whisper_vad_input(rng, _context) -> dict:
 faster_whisper_vad = each_sample("faster_whisper_vad")(faster_whisper_vad_input)
 
 
+def slaney_mel_filters(rate: int, n_fft: int, bands: int) -> np.ndarray:
+    """librosa.filters.mel(sr, n_fft, n_mels) with its defaults (Slaney's mel scale, area-normalized triangles)."""
+    def to_mel(hz):
+        hz = np.asarray(hz, dtype=np.float64)
+        return np.where(hz < 1000, hz / (200 / 3), 15 + np.log(np.maximum(hz, 1e-9) / 1000) / (np.log(6.4) / 27))
+
+    def to_hz(mel):
+        return np.where(mel < 15, mel * (200 / 3), 1000 * np.exp((np.log(6.4) / 27) * (mel - 15)))
+
+    edges = to_hz(np.linspace(to_mel(0), to_mel(rate / 2), bands + 2))
+    ramps = edges[:, None] - np.linspace(0, rate / 2, 1 + n_fft // 2)[None]
+    widths = np.diff(edges)
+    rising, falling = -ramps[:-2] / widths[:-1, None], ramps[2:] / widths[1:, None]
+    return np.maximum(0, np.minimum(rising, falling)) * (2 / (edges[2:] - edges[:-2]))[:, None]
+
+
+def power_mel(audio: np.ndarray, rate: int, n_fft: int, hop: int, bands: int) -> np.ndarray:
+    """librosa.feature.melspectrogram(y, sr, n_fft, hop_length, n_mels) as librosa 0.10 computes it: a centred
+    STFT (zero padding), a periodic Hann window, power 2, Slaney mel filters; [frames, bands] float32."""
+    from scipy.signal import get_window
+
+    padded = np.pad(audio.astype(np.float64), n_fft // 2)
+    count = 1 + (len(padded) - n_fft) // hop
+    frames = np.stack([padded[i * hop:i * hop + n_fft] for i in range(count)]) * get_window("hann", n_fft)
+    power = np.abs(np.fft.rfft(frames, axis=1)) ** 2
+    return (power @ slaney_mel_filters(rate, n_fft, bands).T).astype(np.float32)
+
+
+def resemblyzer_input(rng, _context) -> dict:
+    """Resemblyzer 0.1.4's embed_utterance: speech at 16 kHz, its volume raised to -30 dBFS (never lowered), a
+    40-band power mel spectrogram (25 ms windows every 10 ms, not a log), one partial utterance of 160 frames
+    [1, 160, 40] from a random place (zero-padded audio where the clip is short)."""
+    clip = speech_clip(rng, rng.uniform(1.8, 5.0))
+    rms_db = 10 * np.log10(np.mean(clip.astype(np.float64) ** 2) + 1e-12)
+    clip = clip * 10 ** (max(0.0, -30 - rms_db) / 20)
+    mels = power_mel(clip, SAMPLE_RATE, 400, 160, 40)
+    start = int(rng.integers(0, max(1, len(mels) - 160 + 1)))
+    partial = np.zeros((160, 40), np.float32)
+    piece = mels[start:start + 160]
+    partial[:len(piece)] = piece
+    return {"mels": partial[None]}
+
+
+resemblyzer_mels = each_sample("resemblyzer_mels")(resemblyzer_input)
+
+
 def oww_audio_input(rng, _context) -> dict:
     """openWakeWord's melspectrogram model: 1 s of 16-bit PCM as float32 (int16 values), [1, 16000]."""
     return {"input": np.round(speech_clip(rng, 1.0) * 32767)[None].astype(np.float32)}
