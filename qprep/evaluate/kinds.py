@@ -16,8 +16,9 @@ moves. The rules, first match wins (an `evaluation.tasks` entry names the kind i
    most one axis longer than 1 (a multi-label vector, per-frame probabilities; a 2-D probability map keeps
    its cosine, which means something over many pixels);
 5. `scalar`: one element per sample (any range);
-6. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task); a `sequence`
-   over the model's character dictionary plus a blank is `ctc` (ctc.py: decoded to text).
+6. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task; x / ‖x‖ written
+   out counts as LpNormalization: an embedding); a `sequence` over the model's character dictionary plus a blank
+   is `ctc` (ctc.py: decoded to text).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def output_kind(name: str, values: list[np.ndarray], producers: dict, inputs: di
         return "scalar", ("one value per sample: rated by absolute error and by relative error over the samples "
                           "(the cosine of one element is always 1)")
     producer = producers.get(name)
-    task = output_task(name, values[0].shape, producer.op_type if producer is not None else None)
+    ending = "LpNormalization" if _divided_by_a_norm(producer, producers) else getattr(producer, "op_type", None)
+    task = output_task(name, values[0].shape, ending)
     return task, {"classification": "class scores [N, C]: cosine and top-1 agreement",
                   "sequence": "per-step scores [N, T, C] from a Softmax: cosine and per-step agreement",
                   "tensor": "a tensor of many values: cosine and SQNR"}[task]
@@ -129,6 +131,26 @@ def state_key(name: str) -> tuple[str, ...]:
         tokens = tokens[:-1]
     tokens = [t[0] if len(t) == 2 and t[1] in "no" and t not in DIRECTION_WORDS else t for t in tokens]  # hn, co
     return tuple(t for t in tokens if t not in DIRECTION_WORDS)
+
+
+NORMS = {"ReduceL2", "LpNormalization", "ReduceSumSquare"}  # ‖x‖ (or its square, under a Sqrt)
+# between a norm and the Div: an epsilon, a clamp, broadcasting
+NORM_GUARDS = {"Clip", "Max", "Add", "Sqrt", "Expand", "Unsqueeze", "Reshape", "Identity", "Cast", "ReduceSum",
+               "Pow", "Mul"}
+
+
+def _divided_by_a_norm(node, producers: dict) -> bool:
+    """x / ‖x‖ as exporters write a unit-length embedding (torch's `x / x.norm(dim=1, keepdim=True)`:
+    Div by a ReduceL2; F.normalize: Div by Expand(Clip(ReduceL2)); Sqrt(ReduceSum(x·x))), which the
+    LpNormalization op stands for: Resemblyzer's speaker embedding was judged as class scores."""
+    if node is None or node.op_type != "Div" or len(node.input) < 2:
+        return False
+    found = _reaches(node.input[1], producers, NORMS, NORM_GUARDS)
+    if found is not None:
+        return True
+    square_root = _reaches(node.input[1], producers, {"Sqrt"}, NORM_GUARDS - {"Sqrt"})
+    return square_root is not None and _reaches(square_root.input[0], producers, {"ReduceSum"},
+                                                NORM_GUARDS - {"Sqrt", "ReduceSum"}) is not None
 
 
 def _reaches(tensor: str, producers: dict, targets: set[str], through: set[str]):

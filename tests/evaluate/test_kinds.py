@@ -224,3 +224,30 @@ def test_floor_values_are_checked_like_gate_metrics():
         load_config({"model": "m.onnx", "evaluation": {"source": "d", "floor": {"cosine_man": 0.9}}})
     with pytest.raises(ConfigError, match="evaluation.floor: expected a mapping"):
         load_config({"model": "m.onnx", "evaluation": {"source": "d", "floor": 0.9}})
+
+
+@pytest.mark.parametrize("norm", ["ReduceL2", "F.normalize", "Sqrt(ReduceSum(x*x))", "softmax"])
+def test_an_output_divided_by_its_norm_is_an_embedding_not_class_scores(norm):
+    """x / ‖x‖ as torch exports it (Resemblyzer's speaker embedding: Div by a ReduceL2, judged as class scores
+    with a 'top-1 agreement'), or as F.normalize (Clip and Expand between) or a hand-written norm; a softmax's
+    x / Σx stays class scores."""
+    axes = helper.make_tensor("axes", onnx.TensorProto.INT64, [1], [1])
+    shape = helper.make_tensor("shape", onnx.TensorProto.INT64, [2], [1, 8])
+    nodes = [helper.make_node("Relu", ["x"], ["r"])]
+    if norm == "ReduceL2":
+        nodes.append(helper.make_node("ReduceL2", ["r"], ["n"], axes=[1], keepdims=1))
+    elif norm == "F.normalize":
+        nodes += [helper.make_node("ReduceL2", ["r"], ["l2"], axes=[1], keepdims=1),
+                  helper.make_node("Clip", ["l2", "eps"], ["clipped"]),
+                  helper.make_node("Expand", ["clipped", "shape"], ["n"])]
+    elif norm == "softmax":
+        nodes = [helper.make_node("Exp", ["x"], ["r"]), helper.make_node("ReduceSum", ["r", "axes"], ["n"], keepdims=1)]
+    else:
+        nodes += [helper.make_node("Mul", ["r", "r"], ["sq"]), helper.make_node("ReduceSum", ["sq", "axes"], ["s"], keepdims=1),
+                  helper.make_node("Sqrt", ["s"], ["n"])]
+    nodes.append(helper.make_node("Div", ["r", "n"], ["embedding"]))
+    model = make_model(nodes, [("x", [1, 8])], [("embedding", [1, 8])],
+                       [axes, shape, helper.make_tensor("eps", onnx.TensorProto.FLOAT, [], [1e-12])])
+    expected = run_model(model, [{"x": rand(1, 8)}, {"x": rand(1, 8)}])
+    kind = output_kinds(model, expected, {})["embedding"][0]
+    assert kind == ("classification" if norm == "softmax" else "tensor")
