@@ -12,6 +12,9 @@ Facts (rknn-toolkit2 2.5.0, measured on tiny graphs and on the zoo models named)
   Rewritten as both branches inlined and Where(condition, then, else) (c·then + (1-c)·else for a one-element
   output: Where over one element crashes the build too): the NPU computes both branches and keeps the one ONNX
   Runtime would have run. Branches whose outputs differ in shape cannot be, and are refused.
+- An optional output left out ('' among a node's outputs: torch's LSTM export when only the last hidden state is
+  used, Resemblyzer): the toolkit's constant folding fails in ONNX Runtime ("Could not find OrtValue with name
+  ''"). Named, the node computes that output for nobody, and the model builds.
 - Loop (SLANet's table decoder: a constant trip count with an early-exit condition): refused by the toolkit after
   a minute of work ("The Loop('Loop.0') will cause the graph to be a dynamic graph! Remove it manually"); refused
   here before any work, naming the node (unrolling a loop that may exit early would change the model).
@@ -49,14 +52,15 @@ def refuse_unrewritable(model: onnx.ModelProto) -> None:
 
 
 def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
-    """A copy of `model` with its If nodes and run-time BatchNormalization statistics rewritten → (model, record
-    {rewrite: [node names]}), unverified; ModelError for what cannot be."""
+    """A copy of `model` with its If nodes and run-time BatchNormalization statistics rewritten and its omitted
+    optional outputs named → (model, record {rewrite: [node names]}), unverified; ModelError for what cannot be."""
     constants = constant_names(model.graph)
-    if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) for n in model.graph.node):
+    if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    record = {"if_as_both_branches": _ifs_as_both_branches(result), "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result)}
+    record = {"if_as_both_branches": _ifs_as_both_branches(result), "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result),
+              "omitted_outputs_named": _omitted_outputs_named(result)}
     return result, {name: nodes for name, nodes in record.items() if nodes}
 
 
@@ -245,6 +249,21 @@ def _arithmetic(node: onnx.NodeProto, rank: int, epsilon: float, taken: set[str]
               helper.make_node("Mul", [normalized, scale], [scaled], name=name("mul_scale")),
               helper.make_node("Add", [scaled, bias], [node.output[0]], name=name("add_bias"))]
     return nodes
+
+
+# ------------------------------------------------------------------------------- omitted optional outputs
+
+
+def _omitted_outputs_named(model: onnx.ModelProto) -> list[str]:
+    """Each '' output of a node of the main graph named `<node>/unused_<index>` (a value nobody reads)."""
+    taken = all_names(model) | {n.name for n in iter_nodes(model.graph)}
+    named = []
+    for node in model.graph.node:
+        for index, output in enumerate(node.output):
+            if output == "":
+                node.output[index] = unique_name(f"{node.name or node.op_type}/unused_{index}", taken)
+                named.append(node.name)
+    return list(dict.fromkeys(named))
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -12,7 +12,7 @@ from qprep.quantize.rknn import io_names
 from qprep.quantize.rknn.limits import refuse_unsupported
 from qprep.quantize.rknn.names import IRNames
 from qprep.quantize.rknn.static_graph import rewritten, static_graph
-from graphs import gated_model, gated_samples, make_model, runtime_batchnorm_model
+from graphs import gated_model, gated_samples, last_state_lstm_model, make_model, runtime_batchnorm_model
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3)])
@@ -71,6 +71,20 @@ def test_training_mode_batchnorm_is_refused_with_the_fix():
     with pytest.raises(ModelError, match=r"node 'bn' is a BatchNormalization over statistics computed at run time.*"
                                          r"export it in eval mode"):
         rewritten(model)
+
+
+def test_an_omitted_optional_output_is_named_and_the_outputs_stay_the_same():
+    """The toolkit's constant folding fails on an LSTM whose sequence output is left out (''): "Could not find
+    OrtValue with name ''" (Resemblyzer). Named, the node computes it for nobody."""
+    model = last_state_lstm_model()
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 6, 5)).astype(np.float32)} for i in range(3)]
+    static, record = static_graph(model, samples)
+    assert record == {"omitted_outputs_named": ["lstm"], "verified_on": 3}
+    lstm = next(n for n in static.graph.node if n.op_type == "LSTM")
+    assert list(lstm.output) == ["lstm/unused_0", "h_last"] and "" in model.graph.node[1].output  # a copy
+    onnx.checker.check_model(static, full_check=True)
+    for a, b in zip(run_model(model, samples), run_model(static, samples)):
+        np.testing.assert_array_equal(a["y"], b["y"])
 
 
 JSON_NAME = '{"1": "1_minute_timer", "2": "5_minute_timer", "3": "10_minute_timer", "4": "20_minute_timer", ' \
