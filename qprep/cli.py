@@ -216,6 +216,11 @@ def cmd_run(args) -> int:
         what = "accuracy floor" if gate.get("source") == "floor" else "gate"
         worst = f"; worst: {', '.join(gate['worst_tensors'][:4])}" if gate.get("worst_tensors") else ""
         print(f"qprep: {what} missed: {'; '.join(missed)}{worst} (report in {report['run_dir']})", file=sys.stderr)
+        from qprep.report.verdict import next_step
+
+        step = next_step(report)
+        if step:
+            print(f"qprep: {step}", file=sys.stderr)
         return EXIT_GATE_MISSED
     return EXIT_OK
 

@@ -44,7 +44,25 @@ def verdict(report: dict) -> Verdict:
     state = MET if gate["passed"] else MISSED
     hint = ("; the floor only catches a collapse: set `evaluation.gate` to your own bar"
             if gate.get("source") == "floor" and state == MET else "")
-    return Verdict(state, f"{_against(gate)}: {check_text(check)}, on {sample_set(evaluation)}{hint}")
+    step = next_step(report) if state == MISSED else ""
+    return Verdict(state, f"{_against(gate)}: {check_text(check)}, on {sample_set(evaluation)}{hint}"
+                          + (f"; {step}" if step else ""))
+
+
+def next_step(report: dict) -> str:
+    """What to do about a missed gate or floor when the quantize stage ran without the fallback: let it search
+    the layers to keep float (Resemblyzer on RKNN: floor missed at 0.58; with the fallback 0.9995 in 70 s, by
+    keeping three tensors whose channels spread too far float16). Empty when the fallback ran or nothing was
+    quantized."""
+    quantize = next((s for s in report.get("stages", []) if s.get("name") == "quantize"), None)
+    if quantize is None or quantize.get("status") != "ok" or quantize.get("fallback"):
+        return ""
+    gate = (report.get("evaluation") or {}).get("gate") or {}
+    target = next((c["threshold"] for c in gate.get("checks", []) if c["metric"].rsplit(".", 1)[-1] == "cosine_mean"
+                   and gate.get("source") != "floor"), 0.99)
+    return (f"to have qprep search which layers to keep float, run again with "
+            f"`--set pipeline.quantize.fallback.target.cosine_mean={target:g}` (or `fallback:` under the quantize "
+            "stage in the config)")
 
 
 def deciding_check(checks: list[dict]) -> dict:

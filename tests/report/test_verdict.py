@@ -122,3 +122,16 @@ def test_the_worst_samples_listed_are_those_of_the_set_the_verdict_is_judged_on(
     data["evaluation"]["outputs"]["logits"].update(worst_by="cosine", worst_samples=[{"sample": "eval3.png",
                                                                                      "value": 0.99}])
     assert "Worst samples for logits (cosine): eval3.png (0.99)" in render_markdown(data)
+
+
+def test_a_miss_without_the_fallback_says_how_to_run_it_and_with_it_does_not(tmp_path):
+    """Resemblyzer on RKNN missed the floor at 0.58 and the run said nothing about the fallback, which reaches
+    0.9995 in 70 s: the verdict and the terminal say how to turn it on, at the gate's own cosine."""
+    data = judged({"cosine_mean": 0.999})
+    assert data["evaluation"]["gate"]["passed"] is False and not data["stages"][0].get("fallback")
+    text = verdict(data).text
+    assert "run again with `--set pipeline.quantize.fallback.target.cosine_mean=0.999`" in text
+    assert "fallback.target.cosine_mean=0.99`" in verdict(judged({"cosine_mean": 0.999}, floor=True)).text
+    assert "fallback" not in verdict(judged({"cosine_mean": 0.5})).text  # met: nothing to do
+    data["stages"][0]["fallback"] = {"target": {"cosine_mean": 0.999}}
+    assert "run again" not in verdict(data).text
