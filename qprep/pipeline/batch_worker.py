@@ -115,8 +115,9 @@ def _outcome(returncode: int, stderr: str) -> tuple[str, str]:
     error = lines[-1].removeprefix("qprep: error: ") if lines and returncode != EXIT_OK else ""
     if returncode == EXIT_OK:
         return "ok", ""
-    if returncode == EXIT_GATE_MISSED:
-        return "gate missed", error.removeprefix("qprep: ")
+    if returncode == EXIT_GATE_MISSED:  # the miss's line (what to do about it may follow it)
+        missed = next((line for line in reversed(lines) if " missed: " in line), lines[-1] if lines else "")
+        return "gate missed", missed.removeprefix("qprep: ")
     if returncode < 0:
         return "failed", f"worker died (signal {-returncode})"
     if returncode == EXIT_USAGE and error:  # a one-line refusal: the model or its config asks for

@@ -189,3 +189,14 @@ def test_batch_merges_each_models_sidecar(tmp_path):
     assert manifest["inputs"]["overlay"]["path"] == str(models / "a.qprep.yaml")
     assert rows["b.onnx"]["status"] == "refused"
     assert rows["b.onnx"]["error"] == "calibraton: unknown key; did you mean 'calibration'?"
+
+
+def test_a_gate_miss_keeps_its_reason_when_what_to_do_follows_it():
+    """A run that misses prints the miss, then how to run the fallback: the summary keeps the miss."""
+    from qprep.pipeline.batch_worker import _outcome
+
+    stderr = ("qprep: gate missed: model.onnx in out (48 → 12 nodes, 35.9 s)\n"
+              "qprep: accuracy floor missed: cosine_mean 0.5821 (needs >= 0.9) (report in out)\n"
+              "qprep: to have qprep search which layers to keep float, run again with `--set …`\n")
+    assert _outcome(1, stderr) == ("gate missed", "accuracy floor missed: cosine_mean 0.5821 (needs >= 0.9) "
+                                                  "(report in out)")
