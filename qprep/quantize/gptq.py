@@ -133,7 +133,9 @@ def inputs_per_output(layer: Layer) -> int:
 
 
 def too_wide(layer: Layer) -> bool:
-    return inputs_per_output(layer) > MAX_INPUTS
+    """More inputs per output than MAX_INPUTS, or an H ([groups, d, d]) as large as such a layer's."""
+    d = inputs_per_output(layer)
+    return d > MAX_INPUTS or layer.groups * d * d > MAX_INPUTS * MAX_INPUTS
 
 
 def left_nearest(layers: list[Layer], moments: dict) -> dict[str, int]:

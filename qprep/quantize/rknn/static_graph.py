@@ -81,7 +81,9 @@ def static_graph(model: onnx.ModelProto, samples: list[dict], threads: int = 2) 
 def carried(float_set: set[str], model: onnx.ModelProto, record: dict) -> set[str]:
     """`float_set` in the rewritten `model`: a rewritten node's replacement nodes (named under `<node>/`) stay
     float where it was (keep_float puts a LayerNorm's BatchNormalization there: magika)."""
-    replaced = {name for key, names in record.items() if key != "verified_on" for name in names} & float_set
+    # a node whose omitted output was named is still itself: only rewritten nodes have replacements
+    replaced = {name for key, names in record.items() if key not in ("verified_on", "omitted_outputs_named")
+                for name in names} & float_set
     if not replaced:
         return float_set
     prefixes = tuple(f"{name}/" for name in replaced)

@@ -11,7 +11,7 @@ from qprep.model.runtime import run_model
 from qprep.quantize.rknn import io_names
 from qprep.quantize.rknn.limits import refuse_unsupported
 from qprep.quantize.rknn.names import IRNames
-from qprep.quantize.rknn.static_graph import rewritten, static_graph
+from qprep.quantize.rknn.static_graph import carried, rewritten, static_graph
 from graphs import gated_model, gated_samples, last_state_lstm_model, make_model, runtime_batchnorm_model
 
 
@@ -85,6 +85,7 @@ def test_an_omitted_optional_output_is_named_and_the_outputs_stay_the_same():
     onnx.checker.check_model(static, full_check=True)
     for a, b in zip(run_model(model, samples), run_model(static, samples)):
         np.testing.assert_array_equal(a["y"], b["y"])
+    assert carried({"lstm", "head"}, static, record) == {"lstm", "head"}  # still itself: kept float if asked
 
 
 JSON_NAME = '{"1": "1_minute_timer", "2": "5_minute_timer", "3": "10_minute_timer", "4": "20_minute_timer", ' \
