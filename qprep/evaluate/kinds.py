@@ -133,24 +133,31 @@ def state_key(name: str) -> tuple[str, ...]:
     return tuple(t for t in tokens if t not in DIRECTION_WORDS)
 
 
-NORMS = {"ReduceL2", "LpNormalization", "ReduceSumSquare"}  # ‖x‖ (or its square, under a Sqrt)
-# between a norm and the Div: an epsilon, a clamp, broadcasting
-NORM_GUARDS = {"Clip", "Max", "Add", "Sqrt", "Expand", "Unsqueeze", "Reshape", "Identity", "Cast", "ReduceSum",
-               "Pow", "Mul"}
+NORMS = {"ReduceL2", "LpNormalization"}  # ‖x‖
+NORM_GUARDS = {"Clip", "Max", "Add", "Expand", "Unsqueeze", "Reshape", "Identity", "Cast"}  # eps, clamp, broadcast
 
 
 def _divided_by_a_norm(node, producers: dict) -> bool:
     """x / ‖x‖ as exporters write a unit-length embedding (torch's `x / x.norm(dim=1, keepdim=True)`:
     Div by a ReduceL2; F.normalize: Div by Expand(Clip(ReduceL2)); Sqrt(ReduceSum(x·x))), which the
-    LpNormalization op stands for: Resemblyzer's speaker embedding was judged as class scores."""
+    LpNormalization op stands for: Resemblyzer's speaker embedding was judged as class scores. The norm must
+    be the numerator's own: a cosine classifier's x·W / (‖x‖·‖W‖) stays class scores."""
     if node is None or node.op_type != "Div" or len(node.input) < 2:
         return False
-    found = _reaches(node.input[1], producers, NORMS, NORM_GUARDS)
-    if found is not None:
-        return True
-    square_root = _reaches(node.input[1], producers, {"Sqrt"}, NORM_GUARDS - {"Sqrt"})
-    return square_root is not None and _reaches(square_root.input[0], producers, {"ReduceSum"},
-                                                NORM_GUARDS - {"Sqrt", "ReduceSum"}) is not None
+    x = node.input[0]
+    norm = _reaches(node.input[1], producers, NORMS | {"Sqrt"}, NORM_GUARDS)
+    if norm is None:
+        return False
+    if norm.op_type != "Sqrt":
+        return norm.input[0] == x
+    total = _reaches(norm.input[0], producers, {"ReduceSum", "ReduceSumSquare"}, NORM_GUARDS)
+    if total is None:
+        return False
+    if total.op_type == "ReduceSumSquare":
+        return total.input[0] == x
+    square = producers.get(total.input[0])
+    return square is not None and ((square.op_type == "Mul" and list(square.input) == [x, x])
+                                   or (square.op_type == "Pow" and square.input[0] == x))
 
 
 def _reaches(tensor: str, producers: dict, targets: set[str], through: set[str]):

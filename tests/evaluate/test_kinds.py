@@ -226,7 +226,8 @@ def test_floor_values_are_checked_like_gate_metrics():
         load_config({"model": "m.onnx", "evaluation": {"source": "d", "floor": 0.9}})
 
 
-@pytest.mark.parametrize("norm", ["ReduceL2", "F.normalize", "Sqrt(ReduceSum(x*x))", "softmax"])
+@pytest.mark.parametrize("norm", ["ReduceL2", "F.normalize", "Sqrt(ReduceSum(x*x))", "softmax",
+                                  "another tensor's norm"])
 def test_an_output_divided_by_its_norm_is_an_embedding_not_class_scores(norm):
     """x / ‖x‖ as torch exports it (Resemblyzer's speaker embedding: Div by a ReduceL2, judged as class scores
     with a 'top-1 agreement'), or as F.normalize (Clip and Expand between) or a hand-written norm; a softmax's
@@ -240,6 +241,8 @@ def test_an_output_divided_by_its_norm_is_an_embedding_not_class_scores(norm):
         nodes += [helper.make_node("ReduceL2", ["r"], ["l2"], axes=[1], keepdims=1),
                   helper.make_node("Clip", ["l2", "eps"], ["clipped"]),
                   helper.make_node("Expand", ["clipped", "shape"], ["n"])]
+    elif norm == "another tensor's norm":  # a cosine classifier's logits over its features' norm
+        nodes = [helper.make_node("Neg", ["x"], ["r"]), helper.make_node("ReduceL2", ["x"], ["n"], axes=[1], keepdims=1)]
     elif norm == "softmax":
         nodes = [helper.make_node("Exp", ["x"], ["r"]), helper.make_node("ReduceSum", ["r", "axes"], ["n"], keepdims=1)]
     else:
@@ -250,4 +253,4 @@ def test_an_output_divided_by_its_norm_is_an_embedding_not_class_scores(norm):
                        [axes, shape, helper.make_tensor("eps", onnx.TensorProto.FLOAT, [], [1e-12])])
     expected = run_model(model, [{"x": rand(1, 8)}, {"x": rand(1, 8)}])
     kind = output_kinds(model, expected, {})["embedding"][0]
-    assert kind == ("classification" if norm == "softmax" else "tensor")
+    assert kind == ("classification" if norm in ("softmax", "another tensor's norm") else "tensor")
