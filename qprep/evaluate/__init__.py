@@ -95,7 +95,8 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     if gate or cfg["floor"]:
         judged = heldout if heldout is not None else outputs
         result["gate"] = {**(check_gate(gate, judged) if gate else check_gate(cfg["floor"], judged, floor=True)),
-                          "judged_on": "heldout" if heldout is not None else "evaluation"}
+                          "judged_on": "heldout" if heldout is not None else "evaluation",
+                          "target": dict(gate or cfg["floor"])}  # as configured: what a fallback would aim at
         if not result["gate"]["passed"]:
             result["gate"]["worst_tensors"] = worst_tensors(result["gate"], judged, result.get("layers"))
     if products.fallback_target and heldout is None:

@@ -51,18 +51,24 @@ def verdict(report: dict) -> Verdict:
 
 def next_step(report: dict) -> str:
     """What to do about a missed gate or floor when the quantize stage ran without the fallback: let it search
-    the layers to keep float (Resemblyzer on RKNN: floor missed at 0.58; with the fallback 0.9995 in 70 s, by
-    keeping three tensors whose channels spread too far float16). Empty when the fallback ran or nothing was
-    quantized."""
+    the layers to keep float, aiming at the gate as configured (the floor's collapse: at cosine 0.99).
+    Resemblyzer on RKNN missed the floor at 0.58; with the fallback 0.9995 in 70 s, by keeping three tensors whose
+    channels spread too far float16. Empty when the fallback ran, nothing was quantized, or the backend has
+    nothing to search (fp16)."""
     quantize = next((s for s in report.get("stages", []) if s.get("name") == "quantize"), None)
-    if quantize is None or quantize.get("status") != "ok" or quantize.get("fallback"):
+    if (quantize is None or quantize.get("status") != "ok" or quantize.get("fallback")
+            or quantize.get("backend") == "fp16"):
         return ""
     gate = (report.get("evaluation") or {}).get("gate") or {}
-    target = next((c["threshold"] for c in gate.get("checks", []) if c["metric"].rsplit(".", 1)[-1] == "cosine_mean"
-                   and gate.get("source") != "floor"), 0.99)
-    return (f"to have qprep search which layers to keep float, run again with "
-            f"`--set pipeline.quantize.fallback.target.cosine_mean={target:g}` (or `fallback:` under the quantize "
-            "stage in the config)")
+    target = {"cosine_mean": 0.99} if gate.get("source") == "floor" else gate.get("target") or {"cosine_mean": 0.99}
+    if len(target) == 1:
+        (key, value), = target.items()
+        setting = f"--set pipeline.quantize.fallback.target.{key}={value:g}"
+    else:
+        setting = ("--set 'pipeline.quantize.fallback.target={"
+                   + ", ".join(f"{key}: {value:g}" for key, value in target.items()) + "}'")
+    return (f"to have qprep search which layers to keep float, run again with `{setting}` (or `fallback:` under "
+            "the quantize stage in the config)")
 
 
 def deciding_check(checks: list[dict]) -> dict:
