@@ -230,12 +230,16 @@ class RknnBuilder:
         few = self.dataset.with_name("dataset_mmse_weights.txt")
         lines = self.dataset.read_text().splitlines(keepends=True)[:MMSE_WEIGHT_SAMPLES]
         few.write_text("".join(lines))
-        rknn = self._loaded("mmse")
-        try:
-            self.toolkit.call("build (mmse weight ranges)", rknn, "build", do_quantization=True, dataset=str(few))
-            table = self.toolkit.apply("quantization table", rknn, rknn_ranges.table_of)
-        finally:
-            self.toolkit.release(rknn)
+        def mmse_table():
+            rknn = self._loaded("mmse")
+            try:
+                self.toolkit.call("build (mmse weight ranges)", rknn, "build", do_quantization=True,
+                                  dataset=str(few))
+                return self.toolkit.apply("quantization table", rknn, rknn_ranges.table_of)
+            finally:
+                self._release(rknn)
+
+        table = self._without_failing_rules(mmse_table)
         weights = {name: entry for name, entry in table.items()
                    if entry["qmethod"] == "channel" and entry["dtype"] == "int8"}
         if not weights:
@@ -299,9 +303,11 @@ class RknnBuilder:
             return self._step1_kept[key]
         start = time.perf_counter()
         rknn = self._loaded(algorithm)
-        self.toolkit.call("hybrid_quantization_step1", rknn, "hybrid_quantization_step1",
-                          dataset=str(self.dataset), proposal=False)
-        self.toolkit.release(rknn)
+        try:
+            self.toolkit.call("hybrid_quantization_step1", rknn, "hybrid_quantization_step1",
+                              dataset=str(self.dataset), proposal=False)
+        finally:
+            self._release(rknn)
         self._step1_took.append(time.perf_counter() - start)
         kept.mkdir(exist_ok=True)
         for path in outputs:
@@ -319,21 +325,39 @@ class RknnBuilder:
     def _without_failing_rules(self, step):
         """`step()`, made again with a graph rule of the toolkit disabled when the toolkit failed inside that rule
         and named it (ToolkitError.rule; basic-pitch's CQT: `remove_concat_slice` raised IndexError). A rule is an
-        optimization of the toolkit's own graph: without it the model is the same, perhaps slower. Each rule is
-        disabled once (a few at most), and the report says which and why."""
+        optimization of the toolkit's own graph: without it the model is the same, perhaps slower. Step1's kept
+        outputs were made with the rule on, so they are made again. Each rule is disabled once (a few at most);
+        the report names those a build then passed with, and rules that did not make it pass are on again."""
+        added: list[tuple[str, str]] = []
         while True:
             try:
-                return step()
+                result = step()
             except ToolkitError as exc:
-                disabled = self.config.setdefault("disable_rules", [])
+                disabled = list(self.config.get("disable_rules", []))
                 if exc.crashed or not exc.rule or exc.rule in disabled or len(disabled) >= MAX_RULES_DISABLED:
-                    if not disabled:
-                        self.config.pop("disable_rules")
+                    kept = [rule for rule in disabled if rule not in {rule for rule, _ in added}]
+                    self._set_rules(kept)
                     raise
-                disabled.append(exc.rule)
-                self.details.setdefault("rules_disabled", []).append({"rule": exc.rule, "error": str(exc)})
+                self._set_rules([*disabled, exc.rule])
+                added.append((exc.rule, str(exc)))
+                self._step1, self._step1_kept = None, {}
                 log.warning("rknn: the toolkit's graph rule %s failed on this model; building again without it "
                             "(disable_rules)", exc.rule)
+                continue
+            for rule, error in added:
+                self.details.setdefault("rules_disabled", []).append({"rule": rule, "error": error})
+            return result
+
+    def _set_rules(self, rules: list[str]) -> None:
+        if rules:
+            self.config["disable_rules"] = rules
+        else:
+            self.config.pop("disable_rules", None)
+
+    def _release(self, rknn: int) -> None:
+        """Release an RKNN object, unless the worker that held it has died (then it is gone already)."""
+        if self.toolkit.running:
+            self.toolkit.release(rknn)
 
     def build(self, float_set: set[str]):
         """An RKNN object built with `float_set` as float16 layers, its simulator runtime initialized."""
@@ -345,9 +369,13 @@ class RknnBuilder:
             cfg_path = Path(f"{stem}.quantization.cfg")
             cfg_path.write_text(with_custom_layers(cfg_text, tensors))
             rknn = self.toolkit.new()
-            self.toolkit.call("hybrid_quantization_step2", rknn, "hybrid_quantization_step2",
-                              model_input=f"{stem}.model", data_input=f"{stem}.data",
-                              model_quantization_cfg=str(cfg_path))
+            try:
+                self.toolkit.call("hybrid_quantization_step2", rknn, "hybrid_quantization_step2",
+                                  model_input=f"{stem}.model", data_input=f"{stem}.data",
+                                  model_quantization_cfg=str(cfg_path))
+            except BaseException:
+                self._release(rknn)
+                raise
             self.details["float16_layers"] = {"requested_nodes": len(float_set), "mapped": mapping,
                                               "unmapped": unmapped, "ir_tensors": tensors}
             if unmapped:
@@ -355,8 +383,12 @@ class RknnBuilder:
                             ", ".join(unmapped[:10]))
         else:
             rknn = self._loaded()
-            self.toolkit.call("build", rknn, "build", do_quantization=self.options["do_quantization"],
-                              dataset=str(self.dataset))
+            try:
+                self.toolkit.call("build", rknn, "build", do_quantization=self.options["do_quantization"],
+                                  dataset=str(self.dataset))
+            except BaseException:
+                self._release(rknn)
+                raise
             self.details.pop("float16_layers", None)
         return rknn
 

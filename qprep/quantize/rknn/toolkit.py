@@ -51,6 +51,11 @@ class Toolkit:
             self._worker.close()
             self._worker = None
 
+    @property
+    def running(self) -> bool:
+        """The worker is up (a crash or close ends it, and the RKNN objects it held with it)."""
+        return self._worker is not None
+
     def new(self) -> int:
         """A new RKNN object in the worker → its handle."""
         return self._request("RKNN()", "new")

@@ -352,8 +352,9 @@ def test_a_loop_is_refused_before_any_work_naming_the_node():
 def test_a_toolkit_rule_that_fails_and_names_itself_is_disabled_and_the_build_made_again(tmp_path):
     """basic-pitch's CQT: the toolkit's `remove_concat_slice` rule raised IndexError in build and logged
     "You can add disable_rules=['remove_concat_slice'] in rknn.config()". The builder builds again with that rule
-    disabled (once per rule), says so in the report, and gives up on a crash, a failure naming no rule, or the
-    same rule failing again."""
+    disabled (once per rule) and step1's kept outputs made again, says so in the report once the build passes,
+    and gives up on a crash, a failure naming no rule, or the same rule failing again — then with the rules it
+    disabled on again and nothing reported."""
     from types import SimpleNamespace
 
     from qprep.errors import ToolkitError
@@ -367,8 +368,10 @@ def test_a_toolkit_rule_that_fails_and_names_itself_is_disabled_and_the_build_ma
     assert toolkit.failed_rule(0) == "remove_concat_slice" and toolkit.failed_rule(toolkit.log_path.stat().st_size) is None
 
     def attempts(*failures):
-        builder = SimpleNamespace(config={"target_platform": "rk3588"}, details={})
+        builder = SimpleNamespace(config={"target_platform": "rk3588"}, details={}, _step1=("kept",),
+                                  _step1_kept={("normal", "gptq"): "cfg"})
         builder.details["config"] = builder.config
+        builder._set_rules = lambda rules: RknnBuilder._set_rules(builder, rules)
         calls = []
 
         def step():
@@ -385,10 +388,13 @@ def test_a_toolkit_rule_that_fails_and_names_itself_is_disabled_and_the_build_ma
     result, calls, builder = attempts(rule)
     assert result == "built" and calls == [[], ["remove_concat_slice"]]
     assert builder.details["config"]["disable_rules"] == ["remove_concat_slice"]
+    assert builder._step1 is None and builder._step1_kept == {}  # step1 made again without the rule
     line = decision_lines({"name": "quantize", "status": "ok", "backend": "rknn", **builder.details})
     assert any("graph rule `remove_concat_slice` **disabled**: it failed on this model (rknn-toolkit2 build failed: "
                "build: IndexError" in text for text in line)
-    assert attempts(rule, rule)[0] is None  # the same rule again: no third try
+    result, calls, builder = attempts(rule, rule)  # the same rule again: no third try, the rule on again
+    assert result is None and len(calls) == 2
+    assert "disable_rules" not in builder.config and "rules_disabled" not in builder.details
     result, calls, builder = attempts(ToolkitError("build failed: no rule"))
     assert result is None and calls == [[]] and "disable_rules" not in builder.config
     assert attempts(ToolkitError("crashed (SIGSEGV)", crashed=True, rule="x"))[0] is None
