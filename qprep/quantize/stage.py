@@ -15,7 +15,7 @@ import time
 import onnx
 
 from qprep.model import info as model_info
-from qprep.quantize import nonfinite, search
+from qprep.quantize import float16_model, nonfinite, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
@@ -94,6 +94,9 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
             reason = "nothing to quantize (the model computes no float tensors)"
             return StageResult(model=model, status="skipped", reason=reason,
                                warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
+    upcast = None
+    if backend in CALIBRATED and float16_model.holds_float16(model):
+        model, upcast = _float16_computed_in_float32(model, ctx)
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
                        progress=ctx.progress, threads=ctx.config["threads"], started=started)
@@ -106,6 +109,10 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     if job.extremes.tensors:
         result.details["nonfinite"] = {**job.extremes.record(), **result.details.get("nonfinite", {})}
     warnings = list(result.warnings)
+    if upcast is not None:
+        result.details["float16_model"] = upcast
+        if not upcast["applied"]:
+            warnings.append(f"quantize: the model computes in float16 and was left so: {upcast['why']}")
     if backend == "ort" and result.model is not None and model_info.model_kind(result.model) == model_info.FLOAT:
         warnings.append("quantize: ONNX Runtime quantized nothing (no op it quantizes lies outside the float set and "
                         "control-flow branches, which it never enters): the result runs in float, so its accuracy "
@@ -120,6 +127,16 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
                        closers=[result.close] if result.close is not None else [],
                        float_set=set(job.extremes.nodes),
                        fallback_target=dict(options["fallback"]["target"]) if options["fallback"] else {})
+
+
+def _float16_computed_in_float32(model: onnx.ModelProto, ctx: RunContext) -> tuple[onnx.ModelProto, dict]:
+    """A float16 model computes in float32 before it is calibrated (float16_model.py), checked on calibration
+    samples; its inputs and outputs stay float16."""
+    samples = ctx.calibration.samples if ctx.calibration is not None else []
+    upcast, record = float16_model.to_float32(model, samples, ctx.config["threads"])
+    log.info("quantize: float16 model %s: %s", "computes in float32" if record["applied"] else "left as it is",
+             record)
+    return upcast, record
 
 
 def _kept_out_of_calibration(job: BackendInput) -> nonfinite.Extremes:

@@ -16,9 +16,24 @@ def decision_lines(stage: dict) -> list[str]:
     """The decisions of one quantize stage record (empty for other stages)."""
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
-    return [line for line in (_activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
+    return [line for line in (_float16_model(stage), _activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
                               _spread(stage), _float_nodes(stage),
                               *_fitting(stage), *_rules_disabled(stage)) if line]
+
+
+def _float16_model(stage: dict) -> str:
+    """A float16 input model: quantized from its float32 copy, or left float16 (why)."""
+    upcast = stage.get("float16_model")
+    if not upcast:
+        return ""
+    if not upcast["applied"]:
+        return f"float16 model **left float16** (not quantized): {upcast['why']}"
+    agreement = f"; outputs agree with the float16 model to cosine {upcast['cosine_min']:.5f}" \
+        if "cosine_min" in upcast else ""
+    casts = upcast["interface_casts"]
+    interface = f"; its {casts} float16 inputs/outputs stay float16 (a Cast each)" if casts else ""
+    return (f"float16 model: quantized from its float32 copy ({upcast['weights']} float16 weights, exact in "
+            f"float32{agreement}){interface}")
 
 
 def _rules_disabled(stage: dict) -> list[str]:

@@ -1,0 +1,111 @@
+"""A float16 model is quantized from a float32 copy of itself (float16_model.py): before, ONNX Runtime's
+quantizer quantized nothing in it and the run returned the float16 model under an INT8 config."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnxconverter_common import float16
+
+from graphs import make_model, rand
+from qprep.model.runtime import run_model
+from qprep.quantize import float16_model
+
+
+def classifier() -> onnx.ModelProto:
+    """x[1,3,8,8] → Conv → Relu → GlobalAveragePool → Flatten → MatMul → y[1,4]: float32."""
+    rng = np.random.default_rng(0)
+    return make_model([helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+                       helper.make_node("Relu", ["c"], ["r"]),
+                       helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+                       helper.make_node("Flatten", ["g"], ["f"]),
+                       helper.make_node("MatMul", ["f", "fc"], ["y"])],
+                      [("x", [1, 3, 8, 8])], [("y", [1, 4])],
+                      {"w": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3,
+                       "b": rng.standard_normal(8).astype(np.float32),
+                       "fc": rng.standard_normal((8, 4)).astype(np.float32)}, infer_shapes=False)
+
+
+def samples(dtype, count=8):
+    return [{"x": rand(1, 3, 8, 8, seed=i).astype(dtype)} for i in range(count)]
+
+
+@pytest.mark.parametrize("keep_io_types", [False, True])
+def test_a_float16_model_is_quantized_with_its_interface_kept(tmp_path, keep_io_types):
+    import qprep
+
+    model = float16.convert_float_to_float16(classifier(), keep_io_types=keep_io_types)
+    io_type = np.float32 if keep_io_types else np.float16
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    for role in ("calib", "eval"):
+        (tmp_path / role).mkdir()
+        for i, sample in enumerate(samples(io_type)):
+            np.savez(tmp_path / role / f"{i:04d}.npz", **sample)
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                        "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
+                        "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
+    stage = next(s for s in report["stages"] if s["name"] == "quantize")
+    assert stage["float16_model"]["applied"] and stage["float16_model"]["weights"] == 3
+    assert stage["op_counts_after"].get("QuantizeLinear", 0) >= 2  # before: none (the model came back float16)
+    result = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    expected = TensorProto.FLOAT if keep_io_types else TensorProto.FLOAT16
+    assert [v.type.tensor_type.elem_type for v in [*result.graph.input, *result.graph.output]] == [expected] * 2
+    assert report["evaluation"]["gate"]["passed"]
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.99
+    assert not any("quantized nothing" in w for w in report["warnings"])
+    assert "quantized from its float32 copy (3 float16 weights" in (tmp_path / "out" / "report.md").read_text()
+    json.dumps(report)
+
+
+def test_the_float32_copy_keeps_what_the_float16_model_computes():
+    """Initializers listed as inputs (IR 3), an internal Cast to float16, a ConstantOfShape's value, a float16
+    output that is also read inside: all float32 inside, the same outputs, and float16 at the interface."""
+    half = np.float16
+    w = numpy_helper.from_array(np.linspace(-1, 1, 8).astype(half).reshape(2, 4), "w")
+    shape = numpy_helper.from_array(np.array([1, 4], np.int64), "shape")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("ConstantOfShape", ["shape"], ["one"],
+                              value=numpy_helper.from_array(np.array([1.5], half))),
+             helper.make_node("Add", ["h", "one"], ["y"]),
+             helper.make_node("Cast", ["y"], ["y32"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["y32"], ["y16"], to=TensorProto.FLOAT16),
+             helper.make_node("Mul", ["y16", "y"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 2]),
+                                           helper.make_tensor_value_info("w", TensorProto.FLOAT16, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 4]),
+                               helper.make_tensor_value_info("z", TensorProto.FLOAT16, [1, 4])], [w, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 7
+    data = [{"x": np.array([[0.5, -2.0]], half)}, {"x": np.array([[3.0, 1.0]], half)}]
+    upcast, record = float16_model.to_float32(model, data, threads=1)
+    assert record["applied"] and record["interface_casts"] == 3 and record["cosine_min"] > 0.999
+    assert {t.data_type for t in upcast.graph.initializer} == {TensorProto.FLOAT, TensorProto.INT64}
+    inside = [n for n in upcast.graph.node if not n.name.endswith("/to_float16")]
+    assert not any(float16_model._float16_attribute(a) for n in inside for a in n.attribute)
+    assert len(upcast.graph.node) - len(inside) == 2  # y and z
+    for before, after in zip(run_model(model, data), run_model(upcast, data)):
+        for name in ("y", "z"):
+            assert after[name].dtype == np.float16
+            np.testing.assert_allclose(after[name], before[name], rtol=2e-3)
+
+
+def test_a_float16_control_flow_body_is_left_as_it_is_with_the_reason():
+    then = helper.make_graph([helper.make_node("Identity", ["c16"], ["out"])], "then", [],
+                             [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [1])],
+                             [numpy_helper.from_array(np.array([1.0], np.float16), "c16")])
+    other = helper.make_graph([helper.make_node("Identity", ["c16b"], ["out2"])], "else", [],
+                              [helper.make_tensor_value_info("out2", TensorProto.FLOAT16, [1])],
+                              [numpy_helper.from_array(np.array([2.0], np.float16), "c16b")])
+    graph = helper.make_graph([helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)], "g",
+                              [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    upcast, record = float16_model.to_float32(model, [], threads=1)
+    assert upcast is model and not record["applied"] and "control-flow" in record["why"]
+
+
+def test_a_float32_model_holds_no_float16():
+    assert not float16_model.holds_float16(classifier())
+    assert float16_model.holds_float16(float16.convert_float_to_float16(classifier(), keep_io_types=True))
