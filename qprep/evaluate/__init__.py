@@ -78,6 +78,9 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
                          "(slower): check it on the deployment CPU before shipping it for speed")
         if "unstable" in latency:
             notes.append(latency["unstable"])
+    if run.as_written:
+        notes.append("ONNX Runtime's graph optimizations fail on the reference model, so it ran as written: "
+                     f"its outputs are exact, its latency unoptimized ({run.as_written})")
     run.release()  # the last run of the reference is done: per-layer error runs without its weights in memory
     if cfg["layers"] and products.analyzer is not None:
         with ctx.progress.step("evaluation: per-layer error (backend analysis)"):

@@ -15,9 +15,12 @@ from functools import cached_property
 import onnx
 
 from qprep.data import SampleSet
-from qprep.model.io import is_heavy, weightless
+from qprep.model.io import is_heavy, weightless, weights_bytes
 from qprep.model.runtime import SessionRecipe, model_error, ort_session, session_outputs
 from qprep.progress import Progress
+
+
+RETRY_BYTES = 1 << 30
 
 
 @dataclass
@@ -33,6 +36,7 @@ class ReferenceOutputs:
     heldout: SampleSet | None = None  # evaluation.heldout: only the final evaluation reads it
     _session: object = field(default=None, repr=False)  # built by session(), once
     _judging: dict = field(default_factory=dict, repr=False)  # judging()'s decisions, per setting
+    as_written: str | None = None  # why the session runs the graph as written (ORT's optimizer failed on it)
 
     @classmethod
     def of_run(cls, config, checked, progress: Progress) -> "ReferenceOutputs | None":
@@ -78,10 +82,22 @@ class ReferenceOutputs:
         the session it was building made the 3.16 GB BERT's peak (18.7 GB, with ORT's copies of the weights)."""
         if self._session is None:
             recipe = SessionRecipe(self.model)
+            # kept to build again from, as written, should ORT's optimizer fail on it (not over RETRY_BYTES: the
+            # proto beside ORT's copy is what the big-model peak was)
+            spare = self.model if weights_bytes(self.model) <= RETRY_BYTES else None
             if is_heavy(self.model):
                 self.model = weightless(self.model)[0]
                 gc.collect()  # reference cycles left by the stages still reach the proto
-            self._session = ort_session(recipe, threads=self.threads, optimize=True)
+            try:
+                self._session = ort_session(recipe, threads=self.threads, optimize=True,
+                                            log_severity=3 if spare is None else 4)
+            except Exception as exc:  # noqa: BLE001 - ORT's own types; the graph as written is then the reference
+                # ORT 1.26's fusions fail on some valid models (onnxconverter-common's float16 MiniLM:
+                # SimplifiedLayerNormFusion "Attempting to get index by a name which does not exist")
+                if spare is None:
+                    raise
+                self.as_written = str(exc).splitlines()[0][:200]
+                self._session = ort_session(spare, threads=self.threads, optimize=False)
         return self._session
 
     def _outputs(self, samples: list[dict]) -> list[dict]:
