@@ -113,6 +113,8 @@ def state_input(output: str, values: list[np.ndarray], inputs: dict) -> str | No
     if not key or values[0].dtype.kind != "f":
         return None
     for name, info in inputs.items():
+        if name == output:  # the input passed straight through: the same tensor, not its next value
+            continue
         tensor = info.type.tensor_type
         if tensor.elem_type != onnx.helper.np_dtype_to_tensor_dtype(values[0].dtype) or state_key(name) != key:
             continue

@@ -254,3 +254,12 @@ def test_an_output_divided_by_its_norm_is_an_embedding_not_class_scores(norm):
     expected = run_model(model, [{"x": rand(1, 8)}, {"x": rand(1, 8)}])
     kind = output_kinds(model, expected, {})["embedding"][0]
     assert kind == ("classification" if norm in ("softmax", "another tensor's norm") else "tensor")
+
+
+def test_an_input_passed_straight_through_to_an_output_is_not_its_own_state():
+    """`state` as an output of the graph input `state` itself: the same tensor, not its next value (it paired
+    with itself by name and was judged by relative error as a state)."""
+    model = make_model([helper.make_node("Tanh", ["state"], ["y"])], [("state", [1, 8, 4])],
+                       [("y", [1, 8, 4]), ("state", [1, 8, 4])])
+    expected = run_model(model, [{"state": rand(1, 8, 4)}])
+    assert output_kinds(model, expected, {})["state"][0] == "tensor"
