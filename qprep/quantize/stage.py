@@ -15,6 +15,8 @@ import time
 import onnx
 
 from qprep.model import info as model_info
+from qprep.model.info import iter_nodes
+from qprep.model.io import subgraphs
 from qprep.quantize import float16_model, nonfinite, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
@@ -114,6 +116,7 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
         if not upcast["applied"]:
             warnings.append(f"quantize: the model computes in float16 and was left so: {upcast['why']}")
     if backend == "ort" and result.model is not None and model_info.model_kind(result.model) == model_info.FLOAT:
+        refuse_layers_only_in_bodies(model)
         warnings.append("quantize: ONNX Runtime quantized nothing (no op it quantizes lies outside the float set and "
                         "control-flow branches, which it never enters): the result runs in float, so its accuracy "
                         "figures say nothing about INT8")
@@ -127,6 +130,22 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
                        closers=[result.close] if result.close is not None else [],
                        float_set=set(job.extremes.nodes),
                        fallback_target=dict(options["fallback"]["target"]) if options["fallback"] else {})
+
+
+LAYERS = {"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "RNN", "Einsum", "Attention"}
+
+
+def refuse_layers_only_in_bodies(model: onnx.ModelProto) -> None:
+    """ONNX Runtime's quantizer never enters If/Loop/Scan bodies. When it quantized nothing and the model's layers
+    lie in such bodies, an INT8 run would hand back the float model as its result (Silero VAD v4/v5: its LSTMs sit
+    in an If on the sample rate; the run said `ok` with 1.0000): refused, naming the control-flow nodes."""
+    holders = [node for node in model.graph.node
+               if any(n.op_type in LAYERS for a in node.attribute for g in subgraphs(a) for n in iter_nodes(g))]
+    if holders:
+        names = ", ".join(f"{n.op_type} '{n.name}'" for n in holders[:3]) + (" …" if len(holders) > 3 else "")
+        raise QprepError(f"quantize: the model's layers lie inside control flow ({names}), which ONNX Runtime's "
+                         "quantizer does not enter, so nothing was quantized; export the model without it (a fixed "
+                         "loop count or branch, e.g. torch.onnx.export(..., dynamo=True)) or use backend fp16")
 
 
 def _float16_computed_in_float32(model: onnx.ModelProto, ctx: RunContext) -> tuple[onnx.ModelProto, dict]:

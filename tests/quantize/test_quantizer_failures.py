@@ -63,3 +63,34 @@ def test_a_model_ort_quantizes_nothing_in_says_so(tmp_path):
     report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
                         "pipeline": [{"quantize": {}}]}, output_dir=str(tmp_path / "out"))
     assert any("ONNX Runtime quantized nothing" in w for w in report["warnings"])
+
+
+def test_layers_only_inside_an_if_are_refused_not_returned_float(tmp_path):
+    """A MatMul in each branch of an If on a data input (Silero VAD v4/v5: LSTMs in an If on the sample rate):
+    ORT's quantizer does not enter the branches, so the run would return the float model as its INT8 result
+    (it said `ok`, cosine 1.0000). Refused in one line naming the If."""
+    import onnx
+    from onnx import TensorProto
+
+    import qprep
+    from qprep.errors import QprepError
+
+    def branch(name: str, scale: float) -> onnx.GraphProto:
+        weight = onnx.numpy_helper.from_array(np.full((4, 4), scale, np.float32), f"w_{name}")
+        return helper.make_graph([helper.make_node("MatMul", ["x", f"w_{name}"], [f"y_{name}"])], name, [],
+                                 [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, [1, 4])], [weight])
+
+    graph = helper.make_graph(
+        [helper.make_node("If", ["flag"], ["y"], name="by_rate", then_branch=branch("a", 0.5),
+                          else_branch=branch("b", 2.0))], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+         helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    (tmp_path / "calib").mkdir()
+    for i in range(4):
+        np.savez(tmp_path / "calib" / f"{i}.npz", x=np.random.default_rng(i).random((1, 4), dtype=np.float32),
+                 flag=np.array(i % 2 == 0))
+    with pytest.raises(QprepError, match="inside control flow \\(If 'by_rate'\\).*backend fp16"):
+        qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                   "pipeline": [{"quantize": {}}]}, output_dir=str(tmp_path / "out"))
