@@ -146,6 +146,19 @@ def model_kind(model: onnx.ModelProto) -> str:
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
 
 
+def map_valued(model: onnx.ModelProto) -> list[str]:
+    """Values of the main graph typed as a map or a sequence of maps (sklearn's ZipMap output): onnx-ir 1.1,
+    which the rewrites and the Q/DQ clean-up run on, cannot read such a model ("Map types are not supported
+    yet")."""
+    def holds_map(value_type: onnx.TypeProto) -> bool:
+        if value_type.HasField("map_type"):
+            return True
+        return value_type.HasField("sequence_type") and holds_map(value_type.sequence_type.elem_type)
+
+    graph = model.graph
+    return [v.name for v in [*graph.input, *graph.output, *graph.value_info] if holds_map(v.type)]
+
+
 def computes_float(model: onnx.ModelProto) -> bool:
     """Whether any node outputs a float tensor (or one whose type shape inference cannot tell, to be safe).
     A model that computes none (e.g. an index or token graph, all int64) has nothing to quantize whatever

@@ -193,6 +193,11 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
     model, data_files = load_model_and_data_files(path)
     record = {"model": {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
                         **model_info.summary(model)}}
+    maps = model_info.map_valued(model)
+    if maps and config.stages:
+        raise ModelError(f"model: '{maps[0]}' is a map or a sequence of maps (a ZipMap's output), which qprep's "
+                         "graph library cannot read; export without it (skl2onnx: options={'zipmap': False}) or "
+                         "remove the ZipMap and keep its input tensor as the output")
     named = name_nodes(model.graph)
     fixed, refused = fix_input_dims_ort_accepts(model, config["inputs"] or {})
     model, warning = infer_shapes(model)

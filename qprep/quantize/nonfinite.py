@@ -70,7 +70,7 @@ def find(model: onnx.ModelProto, samples: list[dict], threads: int = 2, limit: f
     ranges: dict[str, dict] = {}
     for values in intermediate_values(model, inputs + outputs, samples, threads):
         for name, value in values.items():
-            if value.dtype.kind == "f" and value.size:
+            if isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.size:  # (not ZipMap's dicts)
                 ranges[name] = _merged(ranges.get(name), _stats(value))
     for name, stats in ranges.items():
         if extreme(stats["min"], stats["max"], stats["nan"], limit):

@@ -94,3 +94,77 @@ def test_layers_only_inside_an_if_are_refused_not_returned_float(tmp_path):
     with pytest.raises(QprepError, match="inside control flow \\(If 'by_rate'\\).*backend fp16"):
         qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
                    "pipeline": [{"quantize": {}}]}, output_dir=str(tmp_path / "out"))
+
+
+def test_a_model_with_only_integer_outputs_quantizes(tmp_path):
+    """Conv → ArgMax: no float output to measure bias correction by (it crashed: `by_waves` unbound)."""
+    import onnx
+
+    import qprep
+
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                        helper.make_node("ArgMax", ["c"], ["label"], axis=1, keepdims=0)],
+                       [("x", [1, 3, 8, 8])], [("label", [1, 8, 8], np.int64)],
+                       {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32)})
+    onnx.save(model, tmp_path / "m.onnx")
+    (tmp_path / "calib").mkdir()
+    for i in range(4):
+        np.savez(tmp_path / "calib" / f"{i}.npz", x=rand(1, 3, 8, 8, seed=i))
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                        "pipeline": [{"quantize": {"backend": "ort", "ort": {"activations": "static"}}}]},
+                       output_dir=str(tmp_path / "out"))
+    stage = next(s for s in report["stages"] if s["name"] == "quantize")
+    assert stage["op_counts_after"].get("QuantizeLinear", 0) >= 1
+    assert report["status"] == "ok"
+
+
+def test_a_zipmap_output_is_refused_in_one_line_naming_it(tmp_path):
+    """sklearn's ZipMap output (a sequence of maps): onnx-ir cannot read the model; it crashed in the optimize
+    stage with a SerdeError."""
+    import onnx
+    from onnx import TensorProto
+
+    import qprep
+    from qprep.errors import ModelError
+
+    zipmap = helper.make_node("ZipMap", ["p"], ["probabilities"], domain="ai.onnx.ml", classlabels_int64s=[0, 1])
+    seq_map = helper.make_sequence_type_proto(helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])))
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["p"]), zipmap], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                              [helper.make_value_info("probabilities", seq_map)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 1)])
+    onnx.save(model, tmp_path / "m.onnx")
+    (tmp_path / "calib").mkdir()
+    np.save(tmp_path / "calib" / "0.npy", rand(1, 2))
+    with pytest.raises(ModelError, match="'probabilities' is a map or a sequence of maps.*zipmap"):
+        qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                   "pipeline": [{"optimize": {}}, {"quantize": {}}]}, output_dir=str(tmp_path / "out"))
+
+
+def test_a_sequence_output_quantizes(tmp_path):
+    """A SequenceConstruct output beside a tensor one: the extreme-value scan read every value as an array and
+    crashed on the sequence (a list)."""
+    import onnx
+    from onnx import TensorProto
+
+    import qprep
+
+    rng = np.random.default_rng(0)
+    sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+         helper.make_node("SequenceConstruct", ["c", "r"], ["seq"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_value_info("seq", sequence), helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [onnx.numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    for role in ("calib", "eval"):
+        (tmp_path / role).mkdir()
+        for i in range(4):
+            np.savez(tmp_path / role / f"{i}.npz", x=rand(1, 3, 8, 8, seed=i))
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                        "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
+                        "pipeline": [{"optimize": {}}, {"quantize": {"backend": "ort"}}]},
+                       output_dir=str(tmp_path / "out"))
+    assert report["evaluation"]["outputs"]["r"]["cosine_mean"] > 0.99

@@ -383,7 +383,7 @@ class OrtQuantizer:
             if self.budget is not None:  # what the correction keeps for its own check (bias_correction.corrections)
                 self.budget.record("bias check", time.perf_counter() - started)
             if before_db is None:  # nothing to judge the correction by: not worth its time
-                shifts, after_db = {}, None
+                shifts, after_db, chosen, by_waves = {}, None, {}, {}
             else:
                 shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads,
                                                      budget=self.budget)
