@@ -203,12 +203,13 @@ def runtime_batchnorm_model(rank=3):
                        "bias": rng.standard_normal(4).astype(np.float32)})
 
 
-def last_state_lstm_model(steps: int = 6, features: int = 5, hidden: int = 8) -> onnx.ModelProto:
+def last_state_lstm_model(steps: int = 6, features: int = 5, hidden: int = 8, **attributes) -> onnx.ModelProto:
     """torch's LSTM export when only the last hidden state is used (Resemblyzer's speaker encoder): the sequence
-    output Y left out ('' as output 0), Y_h → Gemm → y[1, 4]."""
+    output Y left out ('' as output 0), Y_h → Gemm → y[1, 4]. `attributes` go on the LSTM (dynamo: layout=0)."""
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("Transpose", ["x"], ["x_tbf"], perm=[1, 0, 2], name="to_time_major"),
-             helper.make_node("LSTM", ["x_tbf", "w", "r", "b"], ["", "h_last"], hidden_size=hidden, name="lstm"),
+             helper.make_node("LSTM", ["x_tbf", "w", "r", "b"], ["", "h_last"], hidden_size=hidden, name="lstm",
+                              **attributes),
              helper.make_node("Squeeze", ["h_last", "zero"], ["h"], name="squeeze"),
              helper.make_node("Gemm", ["h", "head", "head_bias"], ["y"], transB=1, name="head")]
     weights = {"w": rng.standard_normal((1, 4 * hidden, features)) * 0.4,
@@ -217,7 +218,8 @@ def last_state_lstm_model(steps: int = 6, features: int = 5, hidden: int = 8) ->
                "head": rng.standard_normal((4, hidden)), "head_bias": rng.standard_normal(4)}
     initializers = {k: v.astype(np.float32) for k, v in weights.items()}
     initializers["zero"] = np.array([0], np.int64)
-    return make_model(nodes, [("x", [1, steps, features])], [("y", [1, 4])], initializers)
+    return make_model(nodes, [("x", [1, steps, features])], [("y", [1, 4])], initializers,
+                      opset=14 if "layout" in attributes else 13)  # (layout came in opset 14)
 
 
 def log_power_model(with_mask: bool = False) -> onnx.ModelProto:

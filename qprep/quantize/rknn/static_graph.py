@@ -15,6 +15,9 @@ Facts (rknn-toolkit2 2.5.0, measured on tiny graphs and on the zoo models named)
 - An optional output left out ('' among a node's outputs: torch's LSTM export when only the last hidden state is
   used, Resemblyzer): the toolkit's constant folding fails in ONNX Runtime ("Could not find OrtValue with name
   ''"). Named, the node computes that output for nobody, and the model builds.
+- An LSTM/GRU/RNN with its `layout` attribute written out at the default 0 (torch's dynamo exporter): the
+  toolkit's recurrent-op shape inference writes the node into an older-opset model that the onnx checker then
+  rejects ("Unrecognized attribute: layout for operator GRU"). The attribute is dropped (0 is the default).
 - Loop (SLANet's table decoder: a constant trip count with an early-exit condition): refused by the toolkit after
   a minute of work ("The Loop('Loop.0') will cause the graph to be a dynamic graph! Remove it manually"); refused
   here before any work, naming the node (unrolling a loop that may exit early would change the model).
@@ -55,12 +58,14 @@ def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     """A copy of `model` with its If nodes and run-time BatchNormalization statistics rewritten and its omitted
     optional outputs named → (model, record {rewrite: [node names]}), unverified; ModelError for what cannot be."""
     constants = constant_names(model.graph)
-    if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output for n in model.graph.node):
+    if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output or _default_layout(n)
+               for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
     result.CopyFrom(model)
     record = {"if_as_both_branches": _ifs_as_both_branches(result), "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result),
-              "omitted_outputs_named": _omitted_outputs_named(result)}
+              "omitted_outputs_named": _omitted_outputs_named(result),
+              "default_layout_dropped": _default_layouts_dropped(result)}
     return result, {name: nodes for name, nodes in record.items() if nodes}
 
 
@@ -82,7 +87,8 @@ def carried(float_set: set[str], model: onnx.ModelProto, record: dict) -> set[st
     """`float_set` in the rewritten `model`: a rewritten node's replacement nodes (named under `<node>/`) stay
     float where it was (keep_float puts a LayerNorm's BatchNormalization there: magika)."""
     # a node whose omitted output was named is still itself: only rewritten nodes have replacements
-    replaced = {name for key, names in record.items() if key not in ("verified_on", "omitted_outputs_named")
+    replaced = {name for key, names in record.items()
+                if key not in ("verified_on", "omitted_outputs_named", "default_layout_dropped")
                 for name in names} & float_set
     if not replaced:
         return float_set
@@ -266,6 +272,28 @@ def _omitted_outputs_named(model: onnx.ModelProto) -> list[str]:
                 node.output[index] = unique_name(f"{node.name or node.op_type}/unused_{index}", taken)
                 named.append(node.name)
     return list(dict.fromkeys(named))
+
+
+# ------------------------------------------------------------------------------ recurrent ops' layout
+
+
+RECURRENT = {"LSTM", "GRU", "RNN"}
+
+
+def _default_layout(node: onnx.NodeProto) -> bool:
+    return node.op_type in RECURRENT and any(a.name == "layout" and a.i == 0 for a in node.attribute)
+
+
+def _default_layouts_dropped(model: onnx.ModelProto) -> list[str]:
+    """Each LSTM/GRU/RNN's `layout: 0` attribute removed (the same node: 0 is the default)."""
+    dropped = []
+    for node in model.graph.node:
+        if _default_layout(node):
+            kept = [a for a in node.attribute if a.name != "layout"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            dropped.append(node.name)
+    return dropped
 
 
 # ------------------------------------------------------------------------------------------------ helpers

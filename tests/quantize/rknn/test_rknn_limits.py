@@ -196,6 +196,19 @@ def test_an_lstm_whose_sequence_output_is_left_out_builds_with_the_toolkit(tmp_p
 
 
 @pytest.mark.slow
+def test_an_lstm_with_its_default_layout_written_out_builds_with_the_toolkit(tmp_path):
+    """torch's dynamo exporter writes `layout: 0` on LSTM/GRU; the toolkit's recurrent shape inference then fails
+    the onnx checker ("Unrecognized attribute: layout for operator GRU"). Dropped (static_graph.py), it builds."""
+    pytest.importorskip("rknn.api")
+    import qprep
+
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 6, 5)).astype(np.float32)} for i in range(4)]
+    report = qprep.run(_write(tmp_path, last_state_lstm_model(layout=0), samples), output_dir=str(tmp_path / "out"))
+    assert report["status"] == "ok" and report["stages"][0]["static_graph"]["default_layout_dropped"] == ["lstm"]
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.99
+
+
+@pytest.mark.slow
 def test_the_toolkit_s_reason_for_a_random_op_reaches_the_error(tmp_path):
     """The toolkit's own refusal (what a user of the Toolkit client sees when an op is not refused up front)."""
     pytest.importorskip("rknn.api")

@@ -126,3 +126,15 @@ def test_ir_names_map_a_renamed_output_back_to_the_users_node(tmp_path):
     names = IRNames(str(tmp_path / "m.model"), cfg, {"y/original": "y_new"})
     user_node = helper.make_node("Relu", ["x"], ["y/original"], name="relu")
     assert names.map_node(user_node) == (["y_new_rs"], "output name")
+
+
+def test_a_recurrent_op_s_default_layout_is_dropped_and_the_node_stays_itself():
+    model = last_state_lstm_model(layout=0)
+    static, record = rewritten(model)
+    assert record == {"omitted_outputs_named": ["lstm"], "default_layout_dropped": ["lstm"]}
+    lstm = next(n for n in static.graph.node if n.op_type == "LSTM")
+    assert "layout" not in {a.name for a in lstm.attribute}
+    assert carried({"lstm"}, static, record) == {"lstm"}
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 6, 5)).astype(np.float32)} for i in range(2)]
+    for a, b in zip(run_model(model, samples), run_model(static, samples)):
+        np.testing.assert_array_equal(a["y"], b["y"])
