@@ -18,6 +18,10 @@ Facts (rknn-toolkit2 2.5.0, measured on tiny graphs and on the zoo models named)
 - An LSTM/GRU/RNN with its `layout` attribute written out at the default 0 (torch's dynamo exporter): the
   toolkit's recurrent-op shape inference writes the node into an older-opset model that the onnx checker then
   rejects ("Unrecognized attribute: layout for operator GRU"). The attribute is dropped (0 is the default).
+- Einsum (a batched matmul written as `nid,njd->nij`): the build fails in the toolkit's own shape inference
+  (KeyError on a value its Einsum conversion made, then in every rule disabled after it). A two-operand Einsum
+  that is one batched matmul (one contracted letter, one free letter per operand, the rest shared batch letters)
+  is rewritten as Transposes and a MatMul; other equations are left to the toolkit.
 - Loop (SLANet's table decoder: a constant trip count with an early-exit condition): refused by the toolkit after
   a minute of work ("The Loop('Loop.0') will cause the graph to be a dynamic graph! Remove it manually"); refused
   here before any work, naming the node (unrolling a loop that may exit early would change the model).
@@ -59,13 +63,14 @@ def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     optional outputs named → (model, record {rewrite: [node names]}), unverified; ModelError for what cannot be."""
     constants = constant_names(model.graph)
     if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output or _default_layout(n)
-               for n in model.graph.node):
+               or _matmul_plan(n) for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
     result.CopyFrom(model)
     record = {"if_as_both_branches": _ifs_as_both_branches(result), "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result),
               "omitted_outputs_named": _omitted_outputs_named(result),
-              "default_layout_dropped": _default_layouts_dropped(result)}
+              "default_layout_dropped": _default_layouts_dropped(result),
+              "einsum_as_matmul": _einsums_as_matmul(result)}
     return result, {name: nodes for name, nodes in record.items() if nodes}
 
 
@@ -272,6 +277,61 @@ def _omitted_outputs_named(model: onnx.ModelProto) -> list[str]:
                 node.output[index] = unique_name(f"{node.name or node.op_type}/unused_{index}", taken)
                 named.append(node.name)
     return list(dict.fromkeys(named))
+
+
+# ------------------------------------------------------------------------------------- Einsum → MatMul
+
+
+def _matmul_plan(node: onnx.NodeProto) -> tuple[list[int], list[int], list[int]] | None:
+    """(perm of A to [batch…, i, k], perm of B to [batch…, k, j], perm of [batch…, i, j] to the output) when the
+    Einsum is one batched matmul; else None."""
+    if node.op_type != "Einsum" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    equation = next((a.s.decode() for a in node.attribute if a.name == "equation"), "").replace(" ", "")
+    if "..." in equation or equation.count("->") != 1:
+        return None
+    terms, out = equation.split("->")
+    if terms.count(",") != 1:
+        return None
+    a, b = terms.split(",")
+    if any(len(set(t)) != len(t) for t in (a, b, out)):
+        return None
+    batch = [c for c in out if c in a and c in b]
+    contracted = [c for c in a if c in b and c not in out]
+    free_a, free_b = [c for c in a if c not in b], [c for c in b if c not in a]
+    if len(contracted) != 1 or len(free_a) != 1 or len(free_b) != 1 or sorted(out) != sorted(batch + free_a + free_b):
+        return None
+    product = batch + free_a + free_b
+    return ([a.index(c) for c in batch + free_a + contracted], [b.index(c) for c in batch + contracted + free_b],
+            [product.index(c) for c in out])
+
+
+def _einsums_as_matmul(model: onnx.ModelProto) -> list[str]:
+    """Each batched-matmul Einsum of the main graph → Transpose(A), Transpose(B), MatMul, Transpose (identity
+    Transposes left out), in its place."""
+    graph, done = model.graph, []
+    taken = all_names(model) | {n.name for n in iter_nodes(graph)}
+    for index in reversed([i for i, n in enumerate(graph.node) if _matmul_plan(n)]):  # later ones first: the
+        # indices of those before stay valid
+        node = graph.node[index]
+        perm_a, perm_b, perm_out = _matmul_plan(node)
+        prefix, replacement, operands = f"{node.name}/", [], []
+        for operand, perm, label in ((node.input[0], perm_a, "a"), (node.input[1], perm_b, "b")):
+            if perm != sorted(perm):
+                moved = unique_name(f"{prefix}{label}", taken)
+                replacement.append(helper.make_node("Transpose", [operand], [moved], perm=perm, name=moved))
+                operand = moved
+            operands.append(operand)
+        product = node.output[0] if perm_out == sorted(perm_out) else unique_name(f"{prefix}product", taken)
+        replacement.append(helper.make_node("MatMul", operands, [product], name=unique_name(f"{prefix}matmul", taken)))
+        if product != node.output[0]:
+            replacement.append(helper.make_node("Transpose", [product], [node.output[0]], perm=perm_out,
+                                                name=unique_name(f"{prefix}out", taken)))
+        graph.node.remove(node)
+        for offset, new in enumerate(replacement):
+            graph.node.insert(index + offset, new)
+        done.insert(0, node.name)
+    return done
 
 
 # ------------------------------------------------------------------------------ recurrent ops' layout

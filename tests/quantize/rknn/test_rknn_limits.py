@@ -209,6 +209,25 @@ def test_an_lstm_with_its_default_layout_written_out_builds_with_the_toolkit(tmp
 
 
 @pytest.mark.slow
+def test_an_attention_written_with_einsum_builds_with_the_toolkit(tmp_path):
+    """Before: `build: KeyError` in the toolkit's shape inference, and again in each rule disabled after it; after:
+    the two Einsums rewritten as MatMuls (static_graph.py), built and evaluated."""
+    pytest.importorskip("rknn.api")
+    import qprep
+
+    weight = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32) * 0.3
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["q"]),
+                        helper.make_node("Einsum", ["q", "x"], ["scores"], equation="nid,njd->nij"),
+                        helper.make_node("Softmax", ["scores"], ["attention"], axis=-1),
+                        helper.make_node("Einsum", ["attention", "x"], ["y"], equation="nij,njd->nid")],
+                       [("x", [1, 6, 8])], [("y", [1, 6, 8])], {"w": weight})
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 6, 8)).astype(np.float32)} for i in range(4)]
+    report = qprep.run(_write(tmp_path, model, samples), output_dir=str(tmp_path / "out"))
+    assert report["status"] == "ok" and len(report["stages"][0]["static_graph"]["einsum_as_matmul"]) == 2
+    assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.99
+
+
+@pytest.mark.slow
 def test_the_toolkit_s_reason_for_a_random_op_reaches_the_error(tmp_path):
     """The toolkit's own refusal (what a user of the Toolkit client sees when an op is not refused up front)."""
     pytest.importorskip("rknn.api")
