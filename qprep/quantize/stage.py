@@ -96,6 +96,11 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
             reason = "nothing to quantize (the model computes no float tensors)"
             return StageResult(model=model, status="skipped", reason=reason,
                                warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
+    if backend == "fp16" and float16_model.holds_float16(model):  # onnxconverter-common refuses to convert again
+        reason = ("the model already holds float16 (weights, casts or inputs): nothing left for the fp16 backend to "
+                  "convert; start from the float32 model for a fresh conversion")
+        return StageResult(model=model, status="skipped", reason=reason,
+                           warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
     upcast = None
     if backend in CALIBRATED and float16_model.holds_float16(model):
         model, upcast = _float16_computed_in_float32(model, ctx)

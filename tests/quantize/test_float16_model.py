@@ -109,3 +109,20 @@ def test_a_float16_control_flow_body_is_left_as_it_is_with_the_reason():
 def test_a_float32_model_holds_no_float16():
     assert not float16_model.holds_float16(classifier())
     assert float16_model.holds_float16(float16.convert_float_to_float16(classifier(), keep_io_types=True))
+
+
+def test_the_fp16_backend_passes_a_float16_model_through_with_the_reason(tmp_path):
+    """onnxconverter-common refuses to convert a model that holds float16 ("already converted"): it was an
+    internal error (exit 3)."""
+    import qprep
+
+    onnx.save(float16.convert_float_to_float16(classifier(), keep_io_types=True), str(tmp_path / "m.onnx"))
+    (tmp_path / "eval").mkdir()
+    for i, sample in enumerate(samples(np.float32, 4)):
+        np.savez(tmp_path / "eval" / f"{i}.npz", **sample)
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "evaluation": {"source": str(tmp_path / "eval"),
+                        "layers": False, "latency": {"runs": 0}}, "pipeline": [{"quantize": {"backend": "fp16"}}]},
+                       output_dir=str(tmp_path / "out"))
+    stage = next(s for s in report["stages"] if s["name"] == "quantize")
+    assert stage["status"] == "skipped" and "already holds float16" in stage["reason"]
+    assert report["status"] == "ok"
