@@ -48,6 +48,7 @@ def refuse_unsupported(model: onnx.ModelProto) -> None:
             raise ModelError(f"quantize.rknn: node '{node.name}' is {node.op_type}, and rknn-toolkit2 refuses random "
                              "ops; remove it from the export (e.g. export in eval mode, or feed the noise as an input)")
     refuse_custom_domains(model)
+    refuse_uint8_inputs(model)
     static_graph.refuse_unrewritable(model)
     if default_opset(model) > RKNN_MAX_OPSET:
         try:
@@ -69,6 +70,17 @@ def refuse_custom_domains(model: onnx.ModelProto) -> None:
         ops = ", ".join(f"{op} ({len(names)}× e.g. '{names[0]}')" for op, names in sorted(custom.items()))
         raise ModelError(f"quantize.rknn: rknn-toolkit2 runs only standard ONNX ops, and the model has {ops}; export "
                          "it without ONNX Runtime's graph optimizations (the float export, not an ORT-optimized one)")
+
+
+def refuse_uint8_inputs(model: onnx.ModelProto) -> None:
+    """A uint8 graph input (an image model that casts its pixels itself): rknn-toolkit2 2.5.0's build aborts the
+    process on it (SIGABRT, "Not Support Dtype: 2. please check precision!", measured on a Cast → Conv model);
+    named here instead. The NPU takes uint8 pixels for a float32 input on the board by itself."""
+    for spec in graph_inputs(model):
+        if spec.dtype == "uint8":
+            raise ModelError(f"quantize.rknn: input '{spec.name}' is uint8, and rknn-toolkit2 aborts on uint8 "
+                             "inputs (\"Not Support Dtype\"); export the model with a float32 input (drop its Cast: "
+                             "the RKNN runtime converts uint8 pixels on the board), or use backend ort")
 
 
 def require_fixed_dims(model: onnx.ModelProto) -> None:

@@ -430,3 +430,12 @@ def test_a_toolkit_rule_that_fails_and_names_itself_is_disabled_and_the_build_ma
     result, calls, builder = attempts(ToolkitError("build failed: no rule"))
     assert result is None and calls == [[]] and "disable_rules" not in builder.config
     assert attempts(ToolkitError("crashed (SIGSEGV)", crashed=True, rule="x"))[0] is None
+
+
+def test_a_uint8_input_is_refused_before_the_toolkit_aborts_on_it():
+    """rknn-toolkit2 2.5.0 aborted the process (SIGABRT, "Not Support Dtype: 2") on a uint8 image input."""
+    model = make_model([helper.make_node("Cast", ["pixels"], ["x"], to=onnx.TensorProto.FLOAT),
+                        helper.make_node("Relu", ["x"], ["y"])], [("pixels", [1, 3, 4, 4], np.uint8)],
+                       [("y", [1, 3, 4, 4])])
+    with pytest.raises(ModelError, match="input 'pixels' is uint8.*float32 input"):
+        refuse_unsupported(model)
