@@ -47,9 +47,12 @@ def to_float32(model: onnx.ModelProto, samples: list[dict], threads: int) -> tup
                                                 "does not rewrite: convert the model to float32 before qprep"}
     upcast = _rewritten(model)
     agreement = _agreement(model, upcast, samples[:CHECKED_SAMPLES], threads) if samples else None
-    record = {"applied": True, "weights": sum(t.data_type == FP16 for t in model.graph.initializer)
-              - sum(t.data_type == FP16 for t in upcast.graph.initializer), "interface_casts": sum(
-                  n.name.endswith(("/to_float32", "/to_float16")) for n in upcast.graph.node)}
+    def half_weights(graph: onnx.GraphProto) -> int:
+        return sum(t.data_type == FP16 for t in graph.initializer)
+
+    casts = sum(n.name.endswith(("/to_float32", "/to_float16")) for n in upcast.graph.node)
+    record = {"applied": True, "weights": half_weights(model.graph) - half_weights(upcast.graph),
+              "interface_casts": casts}
     if agreement is not None:
         record["cosine_min"] = round(agreement, 6)
         if agreement < AGREEMENT:
