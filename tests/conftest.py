@@ -59,6 +59,26 @@ def run_config(tmp_path: Path, config: dict):
     return done, report
 
 
+def run_on_samples(tmp_path: Path, model: onnx.ModelProto, samples: list[dict], pipeline: list,
+                   evaluate: bool = True, latency_runs: int = 0) -> dict:
+    """qprep.run of `model` (saved in tmp_path) with `samples` as .npz files for calibration and, with `evaluate`,
+    evaluation (no per-layer error) → the report."""
+    import numpy as np
+
+    import qprep
+
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    (tmp_path / "samples").mkdir()
+    for i, sample in enumerate(samples):
+        np.savez(tmp_path / "samples" / f"{i:04d}.npz", **sample)
+    config = {"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "samples")},
+              "pipeline": pipeline}
+    if evaluate:
+        config["evaluation"] = {"source": str(tmp_path / "samples"), "layers": False,
+                                "latency": {"runs": latency_runs}}
+    return qprep.run(config, output_dir=str(tmp_path / "out"))
+
+
 OCR_DATA = {"ppocr_cls": ("ocr_cls", [1, 3, 48, 192]), "ppocrv4_rec": ("ocr_rec", [1, 3, 48, 320])}
 
 

@@ -519,8 +519,7 @@ def test_the_reference_session_that_computed_its_outputs_is_the_one_timed(tmp_pa
 def test_a_reference_ort_cannot_optimize_runs_as_written_with_a_note(tmp_path, monkeypatch):
     """ONNX Runtime 1.26's fusions fail on some valid models (onnxconverter-common's float16 MiniLM:
     SimplifiedLayerNormFusion); the reference then runs as written instead of failing the run."""
-    import onnx
-    import qprep
+    from conftest import run_on_samples
     from graphs import rand, tiny_conv_model
     from qprep.evaluate import reference
 
@@ -532,13 +531,8 @@ def test_a_reference_ort_cannot_optimize_runs_as_written_with_a_note(tmp_path, m
         return built(model, threads=threads, optimize=optimize, **kwargs)
 
     monkeypatch.setattr(reference, "ort_session", failing_fusion)
-    onnx.save(tiny_conv_model(batch=1), str(tmp_path / "m.onnx"))
-    for role in ("calib", "eval"):
-        (tmp_path / role).mkdir()
-        for i in range(4):
-            np.savez(tmp_path / role / f"{i}.npz", x=rand(1, 3, 8, 8, seed=i))
-    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
-                        "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 2}},
-                        "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
+    samples = [{"x": rand(1, 3, 8, 8, seed=i)} for i in range(4)]
+    report = run_on_samples(tmp_path, tiny_conv_model(batch=1), samples, [{"quantize": {"backend": "ort"}}],
+                            latency_runs=2)
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.99
     assert any("ran as written" in note and "fusion failed" in note for note in report["evaluation"]["notes"])

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxconverter_common import float16
 
+from conftest import run_on_samples
 from graphs import make_model, rand
 from qprep.model.runtime import run_model
 from qprep.quantize import float16_model
@@ -34,18 +35,9 @@ def samples(dtype, count=8):
 
 @pytest.mark.parametrize("keep_io_types", [False, True])
 def test_a_float16_model_is_quantized_with_its_interface_kept(tmp_path, keep_io_types):
-    import qprep
-
     model = float16.convert_float_to_float16(classifier(), keep_io_types=keep_io_types)
     io_type = np.float32 if keep_io_types else np.float16
-    onnx.save(model, str(tmp_path / "m.onnx"))
-    for role in ("calib", "eval"):
-        (tmp_path / role).mkdir()
-        for i, sample in enumerate(samples(io_type)):
-            np.savez(tmp_path / role / f"{i:04d}.npz", **sample)
-    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
-                        "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
-                        "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
+    report = run_on_samples(tmp_path, model, samples(io_type), [{"quantize": {"backend": "ort"}}])
     stage = next(s for s in report["stages"] if s["name"] == "quantize")
     assert stage["float16_model"]["applied"] and stage["float16_model"]["weights"] == 3
     assert stage["op_counts_after"].get("QuantizeLinear", 0) >= 2  # before: none (the model came back float16)
@@ -114,15 +106,8 @@ def test_a_float32_model_holds_no_float16():
 def test_the_fp16_backend_passes_a_float16_model_through_with_the_reason(tmp_path):
     """onnxconverter-common refuses to convert a model that holds float16 ("already converted"): it was an
     internal error (exit 3)."""
-    import qprep
-
-    onnx.save(float16.convert_float_to_float16(classifier(), keep_io_types=True), str(tmp_path / "m.onnx"))
-    (tmp_path / "eval").mkdir()
-    for i, sample in enumerate(samples(np.float32, 4)):
-        np.savez(tmp_path / "eval" / f"{i}.npz", **sample)
-    report = qprep.run({"model": str(tmp_path / "m.onnx"), "evaluation": {"source": str(tmp_path / "eval"),
-                        "layers": False, "latency": {"runs": 0}}, "pipeline": [{"quantize": {"backend": "fp16"}}]},
-                       output_dir=str(tmp_path / "out"))
+    model = float16.convert_float_to_float16(classifier(), keep_io_types=True)
+    report = run_on_samples(tmp_path, model, samples(np.float32, 4), [{"quantize": {"backend": "fp16"}}])
     stage = next(s for s in report["stages"] if s["name"] == "quantize")
     assert stage["status"] == "skipped" and "already holds float16" in stage["reason"]
     assert report["status"] == "ok"

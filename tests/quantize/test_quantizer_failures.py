@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from conftest import run_on_samples
 from graphs import make_model, rand
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
@@ -98,22 +99,13 @@ def test_layers_only_inside_an_if_are_refused_not_returned_float(tmp_path):
 
 def test_a_model_with_only_integer_outputs_quantizes(tmp_path):
     """Conv → ArgMax: no float output to measure bias correction by (it crashed: `by_waves` unbound)."""
-    import onnx
-
-    import qprep
-
     rng = np.random.default_rng(0)
     model = make_model([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
                         helper.make_node("ArgMax", ["c"], ["label"], axis=1, keepdims=0)],
                        [("x", [1, 3, 8, 8])], [("label", [1, 8, 8], np.int64)],
                        {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32)})
-    onnx.save(model, tmp_path / "m.onnx")
-    (tmp_path / "calib").mkdir()
-    for i in range(4):
-        np.savez(tmp_path / "calib" / f"{i}.npz", x=rand(1, 3, 8, 8, seed=i))
-    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
-                        "pipeline": [{"quantize": {"backend": "ort", "ort": {"activations": "static"}}}]},
-                       output_dir=str(tmp_path / "out"))
+    report = run_on_samples(tmp_path, model, [{"x": rand(1, 3, 8, 8, seed=i)} for i in range(4)],
+                            [{"quantize": {"backend": "ort", "ort": {"activations": "static"}}}], evaluate=False)
     stage = next(s for s in report["stages"] if s["name"] == "quantize")
     assert stage["op_counts_after"].get("QuantizeLinear", 0) >= 1
     assert report["status"] == "ok"
@@ -148,8 +140,6 @@ def test_a_sequence_output_quantizes(tmp_path):
     import onnx
     from onnx import TensorProto
 
-    import qprep
-
     rng = np.random.default_rng(0)
     sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
     graph = helper.make_graph(
@@ -158,13 +148,7 @@ def test_a_sequence_output_quantizes(tmp_path):
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
         [helper.make_value_info("seq", sequence), helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 8, 8])],
         [onnx.numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
-    for role in ("calib", "eval"):
-        (tmp_path / role).mkdir()
-        for i in range(4):
-            np.savez(tmp_path / role / f"{i}.npz", x=rand(1, 3, 8, 8, seed=i))
-    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
-                        "evaluation": {"source": str(tmp_path / "eval"), "layers": False, "latency": {"runs": 0}},
-                        "pipeline": [{"optimize": {}}, {"quantize": {"backend": "ort"}}]},
-                       output_dir=str(tmp_path / "out"))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    report = run_on_samples(tmp_path, model, [{"x": rand(1, 3, 8, 8, seed=i)} for i in range(4)],
+                            [{"optimize": {}}, {"quantize": {"backend": "ort"}}])
     assert report["evaluation"]["outputs"]["r"]["cosine_mean"] > 0.99
