@@ -111,3 +111,22 @@ def test_the_fp16_backend_passes_a_float16_model_through_with_the_reason(tmp_pat
     stage = next(s for s in report["stages"] if s["name"] == "quantize")
     assert stage["status"] == "skipped" and "already holds float16" in stage["reason"]
     assert report["status"] == "ok"
+
+
+def test_a_copy_that_computes_something_else_is_not_used(monkeypatch):
+    """The check behind the rewrite: a copy whose outputs differ from the float16 model's (here a rewrite that
+    lost a weight's sign) is left unused, with the figure. (ONNX Runtime's CPU runs float16 ops in float32 and
+    drops the casts between them, so float16 rounding alone does not move the outputs there.)"""
+    rewrite = float16_model._rewritten
+
+    def sign_lost(model):
+        copy = rewrite(model)
+        weight = next(t for t in copy.graph.initializer if t.name == "fc")
+        weight.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(weight), "fc"))
+        return copy
+
+    monkeypatch.setattr(float16_model, "_rewritten", sign_lost)
+    model = float16.convert_float_to_float16(classifier(), keep_io_types=False)
+    kept, record = float16_model.to_float32(model, samples(np.float16, 2), threads=1)
+    assert kept is model and not record["applied"]
+    assert record["cosine_min"] < 0.99 and "differ from the float16 model" in record["why"]
