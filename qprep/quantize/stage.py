@@ -93,16 +93,13 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
             raise QprepError("quantize.rknn: the model computes no float tensors, nothing to quantize; drop the "
                              "quantize stage (or set quantize.rknn.do_quantization: false for a .rknn without int8)")
         if backend != "rknn":  # ort and fp16 would return the model as it is and call it quantized
-            reason = "nothing to quantize (the model computes no float tensors)"
-            return StageResult(model=model, status="skipped", reason=reason,
-                               warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
-    if backend == "fp16" and float16_model.holds_float16(model):  # onnxconverter-common refuses to convert again
-        reason = ("the model already holds float16 (weights, casts or inputs): nothing left for the fp16 backend to "
-                  "convert; start from the float32 model for a fresh conversion")
-        return StageResult(model=model, status="skipped", reason=reason,
-                           warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
+            return _passed_through(model, "nothing to quantize (the model computes no float tensors)")
     upcast = None
-    if backend in CALIBRATED and float16_model.holds_float16(model):
+    if float16_model.holds_float16(model):
+        if backend == "fp16":  # onnxconverter-common refuses to convert again
+            return _passed_through(model, "the model already holds float16 (weights, casts or inputs): nothing left "
+                                          "for the fp16 backend to convert; start from the float32 model for a fresh "
+                                          "conversion")
         model, upcast = _float16_computed_in_float32(model, ctx)
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
@@ -135,6 +132,11 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
                        closers=[result.close] if result.close is not None else [],
                        float_set=set(job.extremes.nodes),
                        fallback_target=dict(options["fallback"]["target"]) if options["fallback"] else {})
+
+
+def _passed_through(model: onnx.ModelProto, reason: str) -> StageResult:
+    return StageResult(model=model, status="skipped", reason=reason,
+                       warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
 
 
 LAYERS = {"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "RNN", "Einsum", "Attention"}
