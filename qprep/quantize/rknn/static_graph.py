@@ -311,10 +311,9 @@ def _einsums_as_matmul(model: onnx.ModelProto) -> list[str]:
     Transposes left out), in its place."""
     graph, done = model.graph, []
     taken = all_names(model) | {n.name for n in iter_nodes(graph)}
-    for index in reversed([i for i, n in enumerate(graph.node) if _matmul_plan(n)]):  # later ones first: the
-        # indices of those before stay valid
+    plans = [(i, plan) for i, plan in enumerate(map(_matmul_plan, graph.node)) if plan]
+    for index, (perm_a, perm_b, perm_out) in reversed(plans):  # later ones first: earlier indices stay valid
         node = graph.node[index]
-        perm_a, perm_b, perm_out = _matmul_plan(node)
         prefix, replacement, operands = f"{node.name}/", [], []
         for operand, perm, label in ((node.input[0], perm_a, "a"), (node.input[1], perm_b, "b")):
             if perm != sorted(perm):
