@@ -335,7 +335,8 @@ class RknnBuilder:
             except ToolkitError as exc:
                 disabled = list(self.config.get("disable_rules", []))
                 if exc.crashed or not exc.rule or exc.rule in disabled or len(disabled) >= MAX_RULES_DISABLED:
-                    kept = [rule for rule in disabled if rule not in {rule for rule, _ in added}]
+                    tried = {rule for rule, _ in added}
+                    kept = [rule for rule in disabled if rule not in tried]
                     self._set_rules(kept)
                     raise
                 self._set_rules([*disabled, exc.rule])
@@ -354,6 +355,15 @@ class RknnBuilder:
         else:
             self.config.pop("disable_rules", None)
 
+    def _call_or_release(self, rknn: int, method: str, **kwargs) -> None:
+        """`rknn.method(**kwargs)` in the toolkit; the object is released when the call fails (a build the caller
+        would have kept)."""
+        try:
+            self.toolkit.call(method, rknn, method, **kwargs)
+        except BaseException:
+            self._release(rknn)
+            raise
+
     def _release(self, rknn: int) -> None:
         """Release an RKNN object, unless the worker that held it has died (then it is gone already)."""
         if self.toolkit.running:
@@ -369,13 +379,8 @@ class RknnBuilder:
             cfg_path = Path(f"{stem}.quantization.cfg")
             cfg_path.write_text(with_custom_layers(cfg_text, tensors))
             rknn = self.toolkit.new()
-            try:
-                self.toolkit.call("hybrid_quantization_step2", rknn, "hybrid_quantization_step2",
-                                  model_input=f"{stem}.model", data_input=f"{stem}.data",
-                                  model_quantization_cfg=str(cfg_path))
-            except BaseException:
-                self._release(rknn)
-                raise
+            self._call_or_release(rknn, "hybrid_quantization_step2", model_input=f"{stem}.model",
+                                  data_input=f"{stem}.data", model_quantization_cfg=str(cfg_path))
             self.details["float16_layers"] = {"requested_nodes": len(float_set), "mapped": mapping,
                                               "unmapped": unmapped, "ir_tensors": tensors}
             if unmapped:
@@ -383,12 +388,8 @@ class RknnBuilder:
                             ", ".join(unmapped[:10]))
         else:
             rknn = self._loaded()
-            try:
-                self.toolkit.call("build", rknn, "build", do_quantization=self.options["do_quantization"],
+            self._call_or_release(rknn, "build", do_quantization=self.options["do_quantization"],
                                   dataset=str(self.dataset))
-            except BaseException:
-                self._release(rknn)
-                raise
             self.details.pop("float16_layers", None)
         return rknn
 
