@@ -88,13 +88,14 @@ def static_graph(model: onnx.ModelProto, samples: list[dict], threads: int = 2) 
     return result, record
 
 
+REPLACED = ("if_as_both_branches", "batchnorm_as_arithmetic", "einsum_as_matmul")  # rewrites that replace a node
+# (a named omitted output or a dropped default layout leaves the node itself)
+
+
 def carried(float_set: set[str], model: onnx.ModelProto, record: dict) -> set[str]:
     """`float_set` in the rewritten `model`: a rewritten node's replacement nodes (named under `<node>/`) stay
     float where it was (keep_float puts a LayerNorm's BatchNormalization there: magika)."""
-    # a node whose omitted output was named is still itself: only rewritten nodes have replacements
-    replaced = {name for key, names in record.items()
-                if key not in ("verified_on", "omitted_outputs_named", "default_layout_dropped")
-                for name in names} & float_set
+    replaced = {name for key in REPLACED for name in record.get(key, ())} & float_set
     if not replaced:
         return float_set
     prefixes = tuple(f"{name}/" for name in replaced)
