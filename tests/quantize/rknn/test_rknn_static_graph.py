@@ -158,7 +158,8 @@ def test_a_batched_matmul_einsum_becomes_transposes_and_a_matmul(equation, a_sha
     assert record == ({"einsum_as_matmul": ["mix"]} if rewritable else {})
     if rewritable:
         assert "Einsum" not in {n.op_type for n in static.graph.node}
-        assert all(n.name.startswith("mix/") for n in static.graph.node)  # carried() keeps it float if asked
+        assert all(n.name.startswith("mix/") for n in static.graph.node)
+        assert carried({"mix"}, static, record) == {n.name for n in static.graph.node}  # float if it was
     samples = [{"a": np.random.default_rng(1).standard_normal(a_shape).astype(np.float32),
                 "b": np.random.default_rng(2).standard_normal(b_shape).astype(np.float32)}]
     np.testing.assert_allclose(run_model(static, samples)[0]["y"], run_model(model, samples)[0]["y"], rtol=1e-5,
