@@ -54,6 +54,9 @@ def load_model_and_data_files(path: str | os.PathLike) -> tuple[onnx.ModelProto,
     if not model.graph.node and not model.graph.output:
         raise ModelError(f"{path} holds no ONNX graph (empty or not an ONNX file); re-export or re-download it")
     data_files = _load_external_data(model, path)
+    from qprep.model.ort_optimized import lift_layernorm_opset
+
+    model = lift_layernorm_opset(model, path)
     _check(model, path)
     return model, data_files
 
@@ -105,6 +108,12 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
         else:  # a heavy model's weights are not serialized for it (BERT-large's load peaked at 5× its size)
             onnx.checker.check_model(weightless(model, placeholder="empty")[0] if is_heavy(model) else model)
     except onnx.checker.ValidationError as exc:
+        from qprep.model.ort_optimized import ort_only_op
+
+        only = ort_only_op(model)
+        if only:
+            raise ModelError(f"{path} uses {only}, which ONNX Runtime's transformer optimizer writes and no ONNX "
+                             "opset has: quantize the export from before that optimizer") from None
         raise ModelError(f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
 
 

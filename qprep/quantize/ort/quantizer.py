@@ -30,6 +30,7 @@ from qprep.model.info import default_opset, graph_inputs
 from qprep.quantize.ort import int32_bias, uint8_weights
 from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.model.io import compacted, is_large, save_model
+from qprep.model.ort_optimized import with_runtime_types
 from qprep.model.runtime import ort_session, run_model, session_outputs, short_ort_message
 from qprep.qdq import remove_redundant
 from qprep.quantize import bias_correction, channel_spread, gptq, nonfinite
@@ -92,6 +93,7 @@ class OrtQuantizer:
             self.extremes.tensors.update({name: stats for name, stats in nonfinite.extreme_constants(model).items()
                                           if name not in self.extremes.tensors})
         self.options, self.weights = weight_range(options)  # weight_type and reduce_range "auto" resolved here
+        model = with_runtime_types(model, threads)  # com.microsoft ops: ORT's quantizer needs the types behind them
         self.model, self.samples, self.work_dir, self.threads = model, samples, work_dir, threads
         self.progress = progress
         self.node_names = {n.name for n in model.graph.node}

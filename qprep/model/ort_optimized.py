@@ -1,0 +1,133 @@
+"""Models written by ONNX Runtime's transformer optimizer (HF Optimum's "optimized" exports, `optimize_model`).
+
+Why: such a model is what ONNX Runtime's own docs advise to quantize, and it breaks two tools qprep relies on.
+- It writes `LayerNormalization` in the ONNX domain at the model's opset (14 for most BERTs), where ONNX only
+  has it from 17: ONNX Runtime registers it there for itself, onnx's checker refuses the model. Converted to
+  opset 17 (ONNX's op is ORT's: same attributes, outputs and kernel), the model is valid ONNX and computes the
+  same (tests/test_ort_optimized.py, on MiniLM).
+- Its com.microsoft ops (SkipLayerNormalization, BiasGelu, Attention, …) have no ONNX schema, so ONNX's shape
+  inference types nothing after the first of them, and ORT's quantizer then fails on every MatMul behind it
+  ("Unable to find data type for weight_name"). ONNX Runtime knows those types: `with_runtime_types` asks a
+  session for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import onnx
+from onnx import helper
+
+log = logging.getLogger("qprep")
+
+LAYERNORM_OPSET = 17  # LayerNormalization's first ONNX opset
+_HELD = "qprep.held"  # the domain LayerNormalization waits in while the rest of the model is converted
+# ops ONNX Runtime registers in the ONNX domain that ONNX does not have (at any opset)
+ORT_ONLY_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"})
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    from qprep.model.io import subgraphs
+
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for body in subgraphs(attribute):
+                yield from _all_nodes(body)
+
+
+def ort_layernorm_below_17(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """ONNX-domain LayerNormalization nodes in a model below opset 17 (ONNX Runtime's own registration)."""
+    if _default_opset(model) >= LAYERNORM_OPSET:
+        return []
+    return [n for n in _all_nodes(model.graph) if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")]
+
+
+def lift_layernorm_opset(model: onnx.ModelProto, path) -> onnx.ModelProto:
+    """`model` converted to opset 17 when it holds ONNX Runtime's below-17 LayerNormalization, else as it is.
+    onnx's converter has no adapter for an op that did not exist at the source opset, so those nodes wait in a
+    domain of their own while the rest is converted."""
+    from qprep.errors import ModelError
+
+    held = ort_layernorm_below_17(model)
+    if not held:
+        return model
+    source = _default_opset(model)
+    for node in held:
+        node.domain = _HELD
+    model.opset_import.append(helper.make_opsetid(_HELD, 1))
+    try:
+        lifted = onnx.version_converter.convert_version(model, LAYERNORM_OPSET)
+    except Exception as exc:  # the converter raises bare RuntimeErrors naming the op it could not adapt
+        raise ModelError(f"{path} uses ONNX Runtime's LayerNormalization at opset {source} (ONNX has it from 17) "
+                         f"and onnx's converter cannot take the model to 17 ({str(exc).splitlines()[0][:200]}): "
+                         "export at opset 17, or quantize the export from before ONNX Runtime's optimizer") from None
+    finally:
+        for node in held:
+            node.domain = ""
+        del model.opset_import[-1]
+    for node in _all_nodes(lifted.graph):
+        if node.domain == _HELD:
+            node.domain = ""
+    kept = [o for o in lifted.opset_import if o.domain != _HELD]
+    del lifted.opset_import[:]
+    lifted.opset_import.extend(kept)
+    log.warning("model: %d LayerNormalization nodes at opset %d, which only ONNX Runtime runs (its transformer "
+                "optimizer writes them): the model was converted to opset %d, where ONNX has the op",
+                len(held), source, LAYERNORM_OPSET)
+    return lifted
+
+
+def ort_only_op(model: onnx.ModelProto) -> str | None:
+    """The first ONNX-domain op only ONNX Runtime knows (none of ONNX's opsets has it), for a refusal that says
+    where it comes from instead of the checker's "No Op registered"."""
+    return next((f"'{n.name or n.output[0]}' ({n.op_type})" for n in _all_nodes(model.graph)
+                 if n.domain in ("", "ai.onnx") and n.op_type in ORT_ONLY_ONNX_DOMAIN_OPS), None)
+
+
+def with_runtime_types(model: onnx.ModelProto, threads: int = 1) -> onnx.ModelProto:
+    """`model` with a value_info for each node output (main graph) that ONNX's shape inference leaves untyped
+    behind an op it has no schema for, its type and shape as an ONNX Runtime session reports them. Unchanged
+    (the same object) when the model has no such op or nothing is missing."""
+    from qprep.model.io import inferred_shapes
+    from qprep.model.runtime import ort_session
+
+    if not any(n.domain not in ("", "ai.onnx") for n in model.graph.node):
+        return model
+    inferred = inferred_shapes(model, shapes_only=True)
+    typed = {v.name for v in (*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output)
+             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+    typed |= {t.name for t in model.graph.initializer}
+    missing = [name for node in model.graph.node for name in node.output if name and name not in typed]
+    if not missing:
+        return model
+    session = ort_session(model, threads, extra_outputs=missing, log_severity=4)
+    known = {value.name: value for value in session.get_outputs()}
+    infos = [info for info in (_value_info(known[name]) for name in missing if name in known) if info is not None]
+    del session
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    result.graph.value_info.extend(infos)
+    return result
+
+
+_ORT_TYPE = re.compile(r"^tensor\((\w+)\)$")
+
+
+def _value_info(value) -> onnx.ValueInfoProto | None:
+    """An ORT NodeArg's type and shape as a value_info; ORT's invented dims (unk__N) stay unnamed."""
+    match = _ORT_TYPE.match(value.type)
+    if not match:  # a sequence or map: nothing to quantize there
+        return None
+    try:
+        elem_type = onnx.TensorProto.DataType.Value(match.group(1).upper())
+    except ValueError:
+        return None
+    shape = None if value.shape is None else [
+        None if dim is None or (isinstance(dim, str) and dim.startswith("unk__")) else dim for dim in value.shape]
+    return helper.make_tensor_value_info(value.name, elem_type, shape)
