@@ -90,9 +90,22 @@ def ort_only_op(model: onnx.ModelProto) -> str | None:
                  if n.domain in ("", "ai.onnx") and n.op_type in ORT_ONLY_ONNX_DOMAIN_OPS), None)
 
 
+def refuse_session_layouts(model: onnx.ModelProto, path) -> None:
+    """A model saved from an ONNX Runtime session at ORT_ENABLE_ALL holds com.microsoft.nchwc ops: a blocked
+    memory layout for the CPU it was saved on (ORT warns so when it writes it), which ORT's quantizer cannot take
+    apart (its calibration then failed: "com.microsoft.nchwc:Mul(-1) is not a registered function/op")."""
+    from qprep.errors import ModelError
+
+    found = next((n for n in _all_nodes(model.graph) if n.domain == "com.microsoft.nchwc"), None)
+    if found is not None:
+        raise ModelError(f"{path} holds com.microsoft.nchwc ops (e.g. '{found.name or found.output[0]}' "
+                         f"{found.op_type}): it was saved from an ONNX Runtime session at ORT_ENABLE_ALL, for the "
+                         "CPU it ran on; quantize the export from before, or save it at ORT_ENABLE_EXTENDED")
+
+
 def with_runtime_types(model: onnx.ModelProto, threads: int = 1) -> onnx.ModelProto:
     """`model` with a value_info for each node output (main graph) that ONNX's shape inference leaves untyped
-    behind an op it has no schema for, its type and shape as an ONNX Runtime session reports them. Unchanged
+    behind an op it has no schema for, its element type as an ONNX Runtime session reports it. Unchanged
     (the same object) when the model has no such op or nothing is missing."""
     from qprep.model.io import inferred_shapes
     from qprep.model.runtime import ort_session
@@ -120,7 +133,9 @@ _ORT_TYPE = re.compile(r"^tensor\((\w+)\)$")
 
 
 def _value_info(value) -> onnx.ValueInfoProto | None:
-    """An ORT NodeArg's type and shape as a value_info; ORT's invented dims (unk__N) stay unnamed."""
+    """An ORT NodeArg's element type as a value_info, without a shape: ORT reports an unknown shape as [] (a
+    scalar's), which written out made a Gemm's input rank 0 to ONNX's inference (EfficientNet-Lite0 saved from
+    an ORT session)."""
     match = _ORT_TYPE.match(value.type)
     if not match:  # a sequence or map: nothing to quantize there
         return None
@@ -128,6 +143,4 @@ def _value_info(value) -> onnx.ValueInfoProto | None:
         elem_type = onnx.TensorProto.DataType.Value(match.group(1).upper())
     except ValueError:
         return None
-    shape = None if value.shape is None else [
-        None if dim is None or (isinstance(dim, str) and dim.startswith("unk__")) else dim for dim in value.shape]
-    return helper.make_tensor_value_info(value.name, elem_type, shape)
+    return helper.make_tensor_value_info(value.name, elem_type, None)
