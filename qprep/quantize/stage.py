@@ -17,7 +17,7 @@ import onnx
 from qprep.model import info as model_info
 from qprep.model.info import iter_nodes
 from qprep.model.io import subgraphs
-from qprep.quantize import float16_model, nonfinite, search
+from qprep.quantize import float32_copy, nonfinite, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
@@ -94,13 +94,18 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
                              "quantize stage (or set quantize.rknn.do_quantization: false for a .rknn without int8)")
         if backend != "rknn":  # ort and fp16 would return the model as it is and call it quantized
             return _passed_through(model, "nothing to quantize (the model computes no float tensors)")
-    upcast = None
-    if float16_model.holds_float16(model):
-        if backend == "fp16":  # onnxconverter-common refuses to convert again
-            return _passed_through(model, "the model already holds float16 (weights, casts or inputs): nothing left "
-                                          "for the fp16 backend to convert; start from the float32 model for a fresh "
-                                          "conversion")
-        model, upcast = _float16_computed_in_float32(model, ctx)
+    copied = None
+    floats = float32_copy.other_floats(model)
+    if floats:
+        if backend == "fp16" and "float16" in floats:  # onnxconverter-common refuses to convert again
+            return _passed_through(model, "the model already holds float16 (weights, casts or inputs): nothing "
+                                          "left for the fp16 backend to convert; start from the float32 model for a "
+                                          "fresh conversion")
+        if backend == "fp16":  # onnxconverter-common converts float32 only: float64 weights came back unconverted
+            return _passed_through(model, "the model computes in float64 and the fp16 backend converts float32 "
+                                          "models: export it in float32 (or use backend ort, which quantizes a "
+                                          "float32 copy)")
+        model, copied = _computed_in_float32(model, ctx)
     job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
                        float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
                        progress=ctx.progress, threads=ctx.config["threads"], started=started)
@@ -113,10 +118,10 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     if job.extremes.tensors:
         result.details["nonfinite"] = {**job.extremes.record(), **result.details.get("nonfinite", {})}
     warnings = list(result.warnings)
-    if upcast is not None:
-        result.details["float16_model"] = upcast
-        if not upcast["applied"]:
-            warnings.append(f"quantize: the model computes in float16 and was left so: {upcast['why']}")
+    if copied is not None:
+        result.details["float32_copy"] = copied
+        if not copied["applied"]:
+            warnings.append(f"quantize: the model computes in {copied['from']} and was left so: {copied['why']}")
     if backend == "ort" and result.model is not None and model_info.model_kind(result.model) == model_info.FLOAT:
         refuse_layers_only_in_bodies(model)
         warnings.append("quantize: ONNX Runtime quantized nothing (no op it quantizes lies outside the float set and "
@@ -155,14 +160,14 @@ def refuse_layers_only_in_bodies(model: onnx.ModelProto) -> None:
                          "loop count or branch, e.g. torch.onnx.export(..., dynamo=True)) or use backend fp16")
 
 
-def _float16_computed_in_float32(model: onnx.ModelProto, ctx: RunContext) -> tuple[onnx.ModelProto, dict]:
-    """A float16 model computes in float32 before it is calibrated (float16_model.py), checked on calibration
-    samples; its inputs and outputs stay float16."""
+def _computed_in_float32(model: onnx.ModelProto, ctx: RunContext) -> tuple[onnx.ModelProto, dict]:
+    """A float16 or float64 model computes in float32 before it is calibrated (float32_copy.py), checked on
+    calibration samples; its inputs and outputs keep their type."""
     samples = ctx.calibration.samples if ctx.calibration is not None else []
-    upcast, record = float16_model.to_float32(model, samples, ctx.config["threads"])
-    log.info("quantize: float16 model %s: %s", "computes in float32" if record["applied"] else "left as it is",
-             record)
-    return upcast, record
+    copy, record = float32_copy.to_float32(model, samples, ctx.config["threads"])
+    log.info("quantize: %s model %s: %s", record["from"],
+             "computes in float32" if record["applied"] else "left as it is", record)
+    return copy, record
 
 
 def _kept_out_of_calibration(job: BackendInput) -> nonfinite.Extremes:

@@ -16,24 +16,26 @@ def decision_lines(stage: dict) -> list[str]:
     """The decisions of one quantize stage record (empty for other stages)."""
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
-    return [line for line in (_float16_model(stage), _activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
+    return [line for line in (_float32_copy(stage), _activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
                               _spread(stage), _float_nodes(stage),
                               *_fitting(stage), *_rules_disabled(stage)) if line]
 
 
-def _float16_model(stage: dict) -> str:
-    """A float16 input model: quantized from its float32 copy, or left float16 (why)."""
-    upcast = stage.get("float16_model")
-    if not upcast:
+def _float32_copy(stage: dict) -> str:
+    """A float16 or float64 input model: quantized from its float32 copy, or left as it was (why)."""
+    copy = stage.get("float32_copy")
+    if not copy:
         return ""
-    if not upcast["applied"]:
-        return f"float16 model **left float16** (not quantized): {upcast['why']}"
-    agreement = f"; outputs agree with the float16 model to cosine {upcast['cosine_min']:.5f}" \
-        if "cosine_min" in upcast else ""
-    casts = upcast["interface_casts"]
-    interface = f"; its {casts} float16 inputs/outputs stay float16 (a Cast each)" if casts else ""
-    return (f"float16 model: quantized from its float32 copy ({upcast['weights']} float16 weights, exact in "
-            f"float32{agreement}){interface}")
+    source = copy["from"]
+    if not copy["applied"]:
+        return f"{source} model **left {source}** (not quantized): {copy['why']}"
+    agreement = f"; outputs agree with the {source} model to cosine {copy['cosine_min']:.5f}" \
+        if "cosine_min" in copy else ""
+    casts = copy["interface_casts"]
+    interface = f"; its {casts} {source} inputs/outputs stay {source} (a Cast each)" if casts else ""
+    rounding = "exact in float32" if source == "float16" else "rounded to float32"
+    return f"{source} model: quantized from its float32 copy ({copy['weights']} {source} weights, {rounding}" \
+           f"{agreement}){interface}"
 
 
 def _rules_disabled(stage: dict) -> list[str]:
