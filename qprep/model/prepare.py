@@ -125,6 +125,19 @@ def _ort_refusal(model: onnx.ModelProto) -> str | None:
     return None
 
 
+def drop_initializer_value_info(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (changed in place) without value_info entries for its initializers, which declare their own type
+    and shape. Why: ONNX Runtime's dynamic quantizer transposes a Gemm's weight in place to make it a MatMul;
+    a value_info left with the old shape then fails its shape inference ("Inferred shape and existing shape
+    differ in dimension 0: (64) vs (10)" on a ViT's head: onnx-ir writes such entries)."""
+    weights = {t.name for t in model.graph.initializer}
+    kept = [v for v in model.graph.value_info if v.name not in weights]
+    if len(kept) < len(model.graph.value_info):
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(kept)
+    return model
+
+
 def infer_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     """ONNX shape inference with data propagation; never fatal. Returns (model, warning or None)."""
     try:

@@ -18,6 +18,7 @@ import onnx
 import onnx_ir as ir
 
 from qprep.model import info as model_info
+from qprep.model.prepare import drop_initializer_value_info
 from qprep.errors import QprepError
 from qprep.optimize.passes import PassSettings, all_passes
 from qprep.optimize.dynamic_samples import dynamic_variant, named_dynamic_dims
@@ -114,7 +115,7 @@ def _round_at_once(active: list[str], current: ir.Model, settings: PassSettings,
         pending.append((name, outcome, counts, after))
         counts = after
     changed = [name for name, outcome, _, _ in pending if outcome.matches]
-    candidate = ir.to_proto(current) if changed else None
+    candidate = drop_initializer_value_info(ir.to_proto(current)) if changed else None
     if changed:
         problem, verdict = _check(candidate, verifier, checks)
         if problem or not verdict.ok:
@@ -141,7 +142,7 @@ def _round_pass_by_pass(active: list[str], model: onnx.ModelProto, settings: Pas
         start = time.perf_counter()
         try:
             outcome = all_passes()[name].apply(current, settings)
-            candidate = ir.to_proto(current) if outcome.matches else None
+            candidate = drop_initializer_value_info(ir.to_proto(current)) if outcome.matches else None
         except Exception as exc:  # a pass that breaks on an unusual graph must not end the run
             record["seconds"] += time.perf_counter() - start
             reason = f"the pass raised {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"

@@ -21,16 +21,18 @@ import numpy as np
 
 import onnx
 import onnx.version_converter
+from onnx import numpy_helper
 
 from qprep.errors import QprepError
 from qprep.third_party import (calibrate_all_but, ort_quantization, shapes_inferred_already,
                                 weight_quantization_memo)
 from qprep.evaluate.metrics import aligned, sqnr_db
-from qprep.model.info import default_opset, graph_inputs
+from qprep.model.info import default_opset, graph_inputs, iter_nodes, unique_name
 from qprep.quantize.ort import int32_bias, uint8_weights
 from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.model.io import compacted, is_large, save_model
 from qprep.model.ort_optimized import with_runtime_types
+from qprep.model.prepare import drop_initializer_value_info
 from qprep.model.runtime import ort_session, run_model, session_outputs, short_ort_message
 from qprep.qdq import remove_redundant
 from qprep.quantize import bias_correction, channel_spread, gptq, nonfinite
@@ -94,6 +96,9 @@ class OrtQuantizer:
                                           if name not in self.extremes.tensors})
         self.options, self.weights = weight_range(options)  # weight_type and reduce_range "auto" resolved here
         model = with_runtime_types(model, threads)  # com.microsoft ops: ORT's quantizer needs the types behind them
+        drop_initializer_value_info(model)  # in place: entries that only repeat what the initializers declare
+        if self.dynamic:
+            model = shared_gemm_weights_transposed(model)
         self.model, self.samples, self.work_dir, self.threads = model, samples, work_dir, threads
         self.progress = progress
         self.node_names = {n.name for n in model.graph.node}
@@ -276,8 +281,7 @@ class OrtQuantizer:
     def _quantize(self, ranges, excluded: list[str], settings: OrtSettings) -> onnx.ModelProto:
         if self._reuse:  # shape inference once, a copy per build (ORT's quantizer changes the model it is given)
             self._inferred = self._inferred or self._shape_inferred()
-            model = onnx.ModelProto()
-            model.CopyFrom(self._inferred)
+            model = _copied(self._inferred)
         else:
             model = ORT.save_and_reload_model_with_shape_infer(self.model)
         common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
@@ -325,8 +329,7 @@ class OrtQuantizer:
         then told not to: third_party.shapes_inferred_already)."""
         if not self.dynamic:
             return ORT.save_and_reload_model_with_shape_infer(self.model)
-        model = onnx.ModelProto()
-        model.CopyFrom(self.model)
+        model = _copied(self.model)
         ORT.ONNXModel(model).replace_gemm_with_matmul()
         return ORT.save_and_reload_model_with_shape_infer(model)
 
@@ -474,6 +477,51 @@ def _with_16_bit(extra_options: dict, wide: frozenset[str], activation_type: str
         overrides.setdefault(name, [{"quant_type": wide_type}])
     extra["TensorQuantOverrides"] = overrides
     return extra
+
+
+def shared_gemm_weights_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with each Gemm(transB=1) whose weight another node also reads given one transposed copy of that
+    weight (transB=0), shared by those Gemms; the model itself when no weight is shared (exact either way).
+
+    Why: ORT's dynamic quantizer makes each Gemm a MatMul first, transposing its weight initializer in place and
+    assuming nothing else reads it ("assume B is not used by any other node", onnx_model.py). A weight two Gemms
+    share (ALBERT's shared layers, a tied head, two layers with equal weights that cleanup merged) was then
+    transposed twice and the second Gemm computed with the wrong matrix: a ViT's output went to cosine 0.41."""
+    weights = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in iter_nodes(model.graph):
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    shared = [i for i, n in enumerate(model.graph.node) if n.op_type == "Gemm" and len(n.input) > 1
+              and n.input[1] in weights and readers[n.input[1]] > 1 and _attribute(n, "transB", 0) == 1]
+    if not shared:
+        return model
+    model = _copied(model)
+    taken = {t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output}
+    transposed: dict[str, str] = {}
+    for node in (model.graph.node[i] for i in shared):
+        weight = node.input[1]
+        if weight not in transposed:
+            transposed[weight] = unique_name(f"{weight}/transposed", taken)
+            model.graph.initializer.append(numpy_helper.from_array(
+                np.ascontiguousarray(numpy_helper.to_array(weights[weight]).T), transposed[weight]))
+        node.input[1] = transposed[weight]
+        kept = [a for a in node.attribute if a.name != "transB"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+    log.info("ort: %d Gemms share %d weights with other nodes: each weight transposed once for them (ORT's dynamic "
+             "quantizer transposes a Gemm's weight in place)", len(shared), len(transposed))
+    return model
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
 
 
 def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
