@@ -16,9 +16,15 @@ def decision_lines(stage: dict) -> list[str]:
     """The decisions of one quantize stage record (empty for other stages)."""
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
-    return [line for line in (_float32_copy(stage), _activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
+    return [line for line in (_qat(stage), _float32_copy(stage), _activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
                               _spread(stage), _float_nodes(stage),
                               *_fitting(stage), *_rules_disabled(stage)) if line]
+
+
+def _qat(stage: dict) -> str:
+    """A QAT model built by rknn-toolkit2 from its own Q/DQ scales."""
+    qat = stage.get("qat")
+    return f"QAT model: int8 from {qat['scales']}; {qat['layers']}" if qat else ""
 
 
 def _float32_copy(stage: dict) -> str:

@@ -366,11 +366,13 @@ class MatMulToInteger(RewriteRuleClassBase):
 
 def rule_sets(log: RewriteLog, options: dict) -> list[RewriteRuleSet]:
     """Two phases: epilogue folds first (a Conv must be clean before a fusion rule decides on it), then the
-    fusions."""
+    fusions (none with format qdq)."""
     integer = options["format"] == "integer"
     epilogue = [EpilogueAffine.rule(log, "Div"), *EpilogueAffine.rule(log, "Mul").commute(),
                 *EpilogueAffine.rule(log, "Add").commute(), EpilogueAffine.rule(log, "Sub"),
                 EpilogueBatchNorm.rule(log)]
+    if options["format"] == "qdq":  # the Convs stay between their Q/DQ, cleaned for a toolkit that reads them
+        return [RewriteRuleSet(epilogue)]
     fusions = [] if integer else [ConvToQLinear.rule(log)]
     fusions.append(ConvToInteger.rule(log, integer))
     if options["matmul"]:

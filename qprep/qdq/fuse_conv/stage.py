@@ -72,10 +72,13 @@ def _convertible(model: onnx.ModelProto, matmul: bool) -> int:
 
 @stage("fuse_conv_qdq",
        summary="DQ→Conv→Q into QLinearConv (or ConvInteger + rescale), optionally MatMul; each within one step",
-       format=Key("str", default="qlinear", choices=("qlinear", "integer"),
+       format=Key("str", default="qlinear", choices=("qlinear", "integer", "qdq"),
                   doc="qlinear: QLinearConv where the output is requantized (ConvInteger + float rescale where "
                       "not); integer: ConvInteger + float rescale everywhere, the Q after it kept (for runtimes "
-                      "without QLinearConv: ONNX Runtime's CPU ConvInteger is slow, 26x on EfficientNet-Lite0)"),
+                      "without QLinearConv: ONNX Runtime's CPU ConvInteger is slow, 26x on EfficientNet-Lite0); "
+                      "qdq: only the Div/BatchNorm a QAT export leaves after a Conv folded into its weight scales "
+                      "and bias, the Conv kept between its Q/DQ (before quantize backend rknn, which builds a QAT "
+                      "model from its own Q/DQ)"),
        matmul=Key("bool", default=False, doc="also fuse DQ→MatMul→Q into QLinearMatMul (MatMulInteger + rescale "
                                               "where not requantized or with format: integer)"),
        min_cosine=Key("float", default=DEFAULT_MIN_COSINE, minimum=-1,

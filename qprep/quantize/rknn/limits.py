@@ -72,6 +72,28 @@ def refuse_custom_domains(model: onnx.ModelProto) -> None:
                          "it without ONNX Runtime's graph optimizations (the float export, not an ORT-optimized one)")
 
 
+EPILOGUES = ("Div", "Mul", "Add", "Sub", "BatchNormalization")
+
+
+def refuse_qat_epilogues(model: onnx.ModelProto) -> None:
+    """A QAT Conv followed by a Div or BatchNormalization outside its Q/DQ (PyTorch eager QAT exports leave
+    Conv → Div(scale factor) → BatchNormalization): rknn-toolkit2 2.5.0 fails its build on it ("Invalid
+    w_par['dtype'] = float16", measured), and fuse_conv_qdq's `format: qdq` folds exactly that."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    for node in model.graph.node:
+        weight = producers.get(node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 else None
+        after = readers.get(node.output[0], [])
+        if weight is not None and weight.op_type == "DequantizeLinear" and len(after) == 1 \
+                and after[0].op_type in EPILOGUES:
+            raise ModelError(f"quantize.rknn: QAT Conv '{node.name}' is followed by {after[0].op_type} "
+                             f"'{after[0].name}' outside its Q/DQ, on which rknn-toolkit2's build fails; add "
+                             "`- fuse_conv_qdq: {format: qdq}` before quantize (it folds it into the Conv)")
+
+
 def refuse_uint8_inputs(model: onnx.ModelProto) -> None:
     """A uint8 graph input (an image model that casts its pixels itself): rknn-toolkit2 2.5.0's build aborts the
     process on it (SIGABRT, "Not Support Dtype: 2. please check precision!", measured on a Cast → Conv model);
