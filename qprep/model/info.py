@@ -114,6 +114,20 @@ def node_index(graph: onnx.GraphProto, node: onnx.NodeProto) -> int:
     return next(i for i, other in enumerate(graph.node) if other is node)
 
 
+LAYERS = {"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "RNN", "Einsum", "Attention"}
+
+
+def layers_in_bodies(model: onnx.ModelProto) -> dict[str, int]:
+    """{main-graph If/Loop/Scan node: how many layers (LAYERS) its bodies hold}, for those that hold any: what a
+    quantizer that never enters bodies (ONNX Runtime's) leaves float, and what `integer_share` cannot count."""
+    held = {}
+    for node in model.graph.node:
+        count = sum(n.op_type in LAYERS for a in node.attribute for g in subgraphs(a) for n in iter_nodes(g))
+        if count:
+            held[node.name] = count
+    return held
+
+
 def iter_nodes(graph: onnx.GraphProto):
     """Every node, including those inside If/Loop/Scan bodies."""
     for node in graph.node:

@@ -190,6 +190,9 @@ def _save_result(run: Run, model: onnx.ModelProto) -> None:
     quantized = products.prepared_model is not None and model_info.model_kind(model) != model_info.FLOAT
     if quantized and not products.deployable:  # (RKNN's model.onnx is the float model it was built from)
         report["result"]["integer_share"] = model_info.integer_share(products.prepared_model, model)
+        in_bodies = sum(model_info.layers_in_bodies(model).values())
+        if in_bodies:  # not in the share: their shapes are the bodies' own, and no quantizer here entered them
+            report["result"]["float_layers_in_bodies"] = in_bodies
     if products.deployable:  # e.g. the .rknn; model.onnx is then the float model it was built from
         report["result"]["deployable"] = {
             "path": products.deployable, "bytes": (directory / products.deployable).stat().st_size,

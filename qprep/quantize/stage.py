@@ -15,8 +15,6 @@ import time
 import onnx
 
 from qprep.model import info as model_info
-from qprep.model.info import iter_nodes
-from qprep.model.io import subgraphs
 from qprep.quantize import float32_copy, nonfinite, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
@@ -166,15 +164,12 @@ def _passed_through(model: onnx.ModelProto, reason: str) -> StageResult:
                        warnings=[f"quantize: skipped, {reason}; the model passes through unchanged"])
 
 
-LAYERS = {"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "RNN", "Einsum", "Attention"}
-
-
 def refuse_layers_only_in_bodies(model: onnx.ModelProto) -> None:
     """ONNX Runtime's quantizer never enters If/Loop/Scan bodies. When it quantized nothing and the model's layers
     lie in such bodies, an INT8 run would hand back the float model as its result (Silero VAD v4/v5: its LSTMs sit
     in an If on the sample rate; the run said `ok` with 1.0000): refused, naming the control-flow nodes."""
-    holders = [node for node in model.graph.node
-               if any(n.op_type in LAYERS for a in node.attribute for g in subgraphs(a) for n in iter_nodes(g))]
+    held = model_info.layers_in_bodies(model)
+    holders = [node for node in model.graph.node if node.name in held]
     if holders:
         names = ", ".join(f"{n.op_type} '{n.name}'" for n in holders[:3]) + (" …" if len(holders) > 3 else "")
         raise QprepError(f"quantize: the model's layers lie inside control flow ({names}), which ONNX Runtime's "

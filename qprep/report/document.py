@@ -257,7 +257,10 @@ def _result(result: dict | None, model: dict) -> list:
     blocks.append(Text(f"`{result['path']}`: {result['kind']}, {result['nodes']} nodes, "
                        f"{result['bytes'] / 1e6:.2f} MB"
                        + (f"; {share:.0%} of the multiply-adds (Conv, MatMul, Gemm) run on integers"
-                          if share is not None else "")))
+                          if share is not None else "")
+                       + (f"; **{result['float_layers_in_bodies']} layers inside If/Loop/Scan bodies run float** "
+                          "(not counted in that share: the quantizer does not enter control flow)"
+                          if result.get("float_layers_in_bodies") else "")))
     before, after = model.get("op_counts", {}), result.get("op_counts", {})
     ordered = sorted(set(before) | set(after), key=lambda o: (-after.get(o, 0), -before.get(o, 0), o))
     blocks.append(Table(["op", "input model", "result"], [[op, str(before.get(op, 0)), str(after.get(op, 0))]

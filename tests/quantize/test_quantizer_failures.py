@@ -66,35 +66,65 @@ def test_a_model_ort_quantizes_nothing_in_says_so(tmp_path):
     assert any("ONNX Runtime quantized nothing" in w for w in report["warnings"])
 
 
-def test_layers_only_inside_an_if_are_refused_not_returned_float(tmp_path):
-    """A MatMul in each branch of an If on a data input (Silero VAD v4/v5: LSTMs in an If on the sample rate):
-    ORT's quantizer does not enter the branches, so the run would return the float model as its INT8 result
-    (it said `ok`, cosine 1.0000). Refused in one line naming the If."""
+def if_model(head: bool = False):
+    """x[1,4], flag → If 'by_rate' with a MatMul in each branch → y[1,4] (with `head`: → MatMul → z[1,4])."""
     import onnx
     from onnx import TensorProto
-
-    import qprep
-    from qprep.errors import QprepError
 
     def branch(name: str, scale: float) -> onnx.GraphProto:
         weight = onnx.numpy_helper.from_array(np.full((4, 4), scale, np.float32), f"w_{name}")
         return helper.make_graph([helper.make_node("MatMul", ["x", f"w_{name}"], [f"y_{name}"])], name, [],
                                  [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, [1, 4])], [weight])
 
-    graph = helper.make_graph(
-        [helper.make_node("If", ["flag"], ["y"], name="by_rate", then_branch=branch("a", 0.5),
-                          else_branch=branch("b", 2.0))], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
-         helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
-    (tmp_path / "calib").mkdir()
+    nodes = [helper.make_node("If", ["flag"], ["y"], name="by_rate", then_branch=branch("a", 0.5),
+                              else_branch=branch("b", 2.0))]
+    weights = []
+    if head:
+        nodes.append(helper.make_node("MatMul", ["y", "w_head"], ["z"], name="head"))
+        weights.append(onnx.numpy_helper.from_array(np.random.default_rng(0).random((4, 4), np.float32), "w_head"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+                                           helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("z" if head else "y", TensorProto.FLOAT, [1, 4])],
+                              weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def if_samples(folder):
+    folder.mkdir()
     for i in range(4):
-        np.savez(tmp_path / "calib" / f"{i}.npz", x=np.random.default_rng(i).random((1, 4), dtype=np.float32),
+        np.savez(folder / f"{i}.npz", x=np.random.default_rng(i).random((1, 4), dtype=np.float32),
                  flag=np.array(i % 2 == 0))
+
+
+def test_layers_only_inside_an_if_are_refused_not_returned_float(tmp_path):
+    """A MatMul in each branch of an If on a data input (Silero VAD v4/v5: LSTMs in an If on the sample rate):
+    ORT's quantizer does not enter the branches, so the run would return the float model as its INT8 result
+    (it said `ok`, cosine 1.0000). Refused in one line naming the If."""
+    import onnx
+
+    import qprep
+    from qprep.errors import QprepError
+
+    onnx.save(if_model(), tmp_path / "m.onnx")
+    if_samples(tmp_path / "calib")
     with pytest.raises(QprepError, match="inside control flow \\(If 'by_rate'\\).*backend fp16"):
         qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
                    "pipeline": [{"quantize": {}}]}, output_dir=str(tmp_path / "out"))
+
+
+def test_layers_left_float_inside_control_flow_are_counted_in_the_result(tmp_path):
+    """With a layer outside the If quantized, the report said "100% of the multiply-adds run on integers" of a
+    Keras LSTM exported as a Loop (tf2onnx): the share cannot count the bodies, so the report says they run float."""
+    import onnx
+
+    import qprep
+
+    onnx.save(if_model(head=True), tmp_path / "m.onnx")
+    if_samples(tmp_path / "calib")
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                        "pipeline": [{"quantize": {}}]}, output_dir=str(tmp_path / "out"))
+    assert report["result"]["float_layers_in_bodies"] == 2
+    assert "2 layers inside If/Loop/Scan bodies run float" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_a_model_with_only_integer_outputs_quantizes(tmp_path):
