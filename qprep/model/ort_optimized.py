@@ -19,6 +19,8 @@ import re
 import onnx
 from onnx import helper
 
+from qprep.model.info import default_opset, iter_nodes
+
 log = logging.getLogger("qprep")
 
 LAYERNORM_OPSET = 17  # LayerNormalization's first ONNX opset
@@ -27,25 +29,11 @@ _HELD = "qprep.held"  # the domain LayerNormalization waits in while the rest of
 ORT_ONLY_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"})
 
 
-def _default_opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
-def _all_nodes(graph: onnx.GraphProto):
-    from qprep.model.io import subgraphs
-
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            for body in subgraphs(attribute):
-                yield from _all_nodes(body)
-
-
 def ort_layernorm_below_17(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """ONNX-domain LayerNormalization nodes in a model below opset 17 (ONNX Runtime's own registration)."""
-    if _default_opset(model) >= LAYERNORM_OPSET:
+    if default_opset(model) >= LAYERNORM_OPSET:
         return []
-    return [n for n in _all_nodes(model.graph) if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")]
+    return [n for n in iter_nodes(model.graph) if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")]
 
 
 def lift_layernorm_opset(model: onnx.ModelProto, path) -> onnx.ModelProto:
@@ -57,7 +45,7 @@ def lift_layernorm_opset(model: onnx.ModelProto, path) -> onnx.ModelProto:
     held = ort_layernorm_below_17(model)
     if not held:
         return model
-    source = _default_opset(model)
+    source = default_opset(model)
     for node in held:
         node.domain = _HELD
     model.opset_import.append(helper.make_opsetid(_HELD, 1))
@@ -71,7 +59,7 @@ def lift_layernorm_opset(model: onnx.ModelProto, path) -> onnx.ModelProto:
         for node in held:
             node.domain = ""
         del model.opset_import[-1]
-    for node in _all_nodes(lifted.graph):
+    for node in iter_nodes(lifted.graph):
         if node.domain == _HELD:
             node.domain = ""
     kept = [o for o in lifted.opset_import if o.domain != _HELD]
@@ -86,7 +74,7 @@ def lift_layernorm_opset(model: onnx.ModelProto, path) -> onnx.ModelProto:
 def ort_only_op(model: onnx.ModelProto) -> str | None:
     """The first ONNX-domain op only ONNX Runtime knows (none of ONNX's opsets has it), for a refusal that says
     where it comes from instead of the checker's "No Op registered"."""
-    return next((f"'{n.name or n.output[0]}' ({n.op_type})" for n in _all_nodes(model.graph)
+    return next((f"'{n.name or n.output[0]}' ({n.op_type})" for n in iter_nodes(model.graph)
                  if n.domain in ("", "ai.onnx") and n.op_type in ORT_ONLY_ONNX_DOMAIN_OPS), None)
 
 
@@ -96,7 +84,7 @@ def refuse_session_layouts(model: onnx.ModelProto, path) -> None:
     apart (its calibration then failed: "com.microsoft.nchwc:Mul(-1) is not a registered function/op")."""
     from qprep.errors import ModelError
 
-    found = next((n for n in _all_nodes(model.graph) if n.domain == "com.microsoft.nchwc"), None)
+    found = next((n for n in iter_nodes(model.graph) if n.domain == "com.microsoft.nchwc"), None)
     if found is not None:
         raise ModelError(f"{path} holds com.microsoft.nchwc ops (e.g. '{found.name or found.output[0]}' "
                          f"{found.op_type}): it was saved from an ONNX Runtime session at ORT_ENABLE_ALL, for the "
