@@ -115,7 +115,21 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
         if only:
             raise ModelError(f"{path} uses {only}, which ONNX Runtime's transformer optimizer writes and no ONNX "
                              "opset has: quantize the export from before that optimizer") from None
+        unknown = _not_onnx_op(model)
+        if unknown:
+            raise ModelError(f"{path} holds {unknown}, which is no ONNX op at any opset: the exporter left it "
+                             "unconverted (tf2onnx does so for a TensorFlow op it has no handler for); re-export "
+                             "without it or with a newer exporter") from None
         raise ModelError(f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
+
+
+def _not_onnx_op(model: onnx.ModelProto) -> str | None:
+    """The first node of the ONNX domain whose op type no ONNX opset defines (tf2onnx 1.17 left `Erfc` and
+    `StatefulPartitionedCall` in Keras models), for a refusal that says where it comes from."""
+    from qprep.model.info import iter_nodes
+
+    return next((f"'{n.name or n.output[0]}' ({n.op_type})" for n in iter_nodes(model.graph)
+                 if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)), None)
 
 
 def _checker_message(exc: Exception) -> str:

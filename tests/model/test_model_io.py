@@ -229,3 +229,13 @@ def test_a_heavy_model_is_checked_at_load_without_serializing_its_weights(tmp_pa
     save_model(model, path)
     with pytest.raises(ModelError, match="NoSuchOp"):
         load_model(path)
+
+
+def test_an_op_no_onnx_opset_has_is_named_as_the_exporters_leftover(tmp_path):
+    """tf2onnx 1.17 left `Erfc` (a Keras gelu) in the graph: the checker's "No Op registered" now says why."""
+    from onnx import helper
+
+    onnx.save(make_model([helper.make_node("Erfc", ["x"], ["y"], name="gelu/Erfc")], [("x", [2])], [("y", [2])],
+                         infer_shapes=False), str(tmp_path / "m.onnx"))
+    with pytest.raises(ModelError, match=r"'gelu/Erfc' \(Erfc\), which is no ONNX op at any opset: the exporter"):
+        load_model(tmp_path / "m.onnx")
