@@ -109,27 +109,28 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
         else:  # a heavy model's weights are not serialized for it (BERT-large's load peaked at 5× its size)
             onnx.checker.check_model(weightless(model, placeholder="empty")[0] if is_heavy(model) else model)
     except onnx.checker.ValidationError as exc:
-        from qprep.model.ort_optimized import ort_only_op
-
-        only = ort_only_op(model)
-        if only:
-            raise ModelError(f"{path} uses {only}, which ONNX Runtime's transformer optimizer writes and no ONNX "
-                             "opset has: quantize the export from before that optimizer") from None
-        unknown = _not_onnx_op(model)
-        if unknown:
-            raise ModelError(f"{path} holds {unknown}, which is no ONNX op at any opset: the exporter left it "
-                             "unconverted (tf2onnx does so for a TensorFlow op it has no handler for); re-export "
-                             "without it or with a newer exporter") from None
-        raise ModelError(f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
+        raise ModelError(_not_onnx_op(model, path) or
+                         f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
 
 
-def _not_onnx_op(model: onnx.ModelProto) -> str | None:
-    """The first node of the ONNX domain whose op type no ONNX opset defines (tf2onnx 1.17 left `Erfc` and
-    `StatefulPartitionedCall` in Keras models), for a refusal that says where it comes from."""
+def _not_onnx_op(model: onnx.ModelProto, path: Path) -> str | None:
+    """The refusal of the first ONNX-domain node whose op type no ONNX opset defines, saying where it comes from
+    instead of the checker's "No Op registered": ONNX Runtime's transformer optimizer (its own
+    SimplifiedLayerNormalization), or an exporter that left an op unconverted (tf2onnx 1.17: `Erfc`,
+    `StatefulPartitionedCall` in Keras models)."""
     from qprep.model.info import iter_nodes
+    from qprep.model.ort_optimized import ORT_ONLY_ONNX_DOMAIN_OPS
 
-    return next((f"'{n.name or n.output[0]}' ({n.op_type})" for n in iter_nodes(model.graph)
-                 if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)), None)
+    node = next((n for n in iter_nodes(model.graph) if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)),
+                None)
+    if node is None:
+        return None
+    named = f"'{node.name or node.output[0]}' ({node.op_type})"
+    if node.op_type in ORT_ONLY_ONNX_DOMAIN_OPS:
+        return (f"{path} uses {named}, which ONNX Runtime's transformer optimizer writes and no ONNX opset has: "
+                "quantize the export from before that optimizer")
+    return (f"{path} holds {named}, which is no ONNX op at any opset: the exporter left it unconverted (tf2onnx "
+            "does so for a TensorFlow op it has no handler for); re-export without it or with a newer exporter")
 
 
 def _checker_message(exc: Exception) -> str:

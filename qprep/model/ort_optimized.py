@@ -71,13 +71,6 @@ def lift_layernorm_opset(model: onnx.ModelProto, path) -> onnx.ModelProto:
     return lifted
 
 
-def ort_only_op(model: onnx.ModelProto) -> str | None:
-    """The first ONNX-domain op only ONNX Runtime knows (none of ONNX's opsets has it), for a refusal that says
-    where it comes from instead of the checker's "No Op registered"."""
-    return next((f"'{n.name or n.output[0]}' ({n.op_type})" for n in iter_nodes(model.graph)
-                 if n.domain in ("", "ai.onnx") and n.op_type in ORT_ONLY_ONNX_DOMAIN_OPS), None)
-
-
 def refuse_session_layouts(model: onnx.ModelProto, path) -> None:
     """A model saved from an ONNX Runtime session at ORT_ENABLE_ALL holds com.microsoft.nchwc ops: a blocked
     memory layout for the CPU it was saved on (ORT warns so when it writes it), which ORT's quantizer cannot take

@@ -219,6 +219,9 @@ def test_a_qat_model_is_built_for_rknn_from_its_own_qdq(tmp_path, qdq_fixtures, 
               "inputs": {"input": [1, 3, 224, 224]},
               "evaluation": {**QAT_DATA, "source": QAT_DATA["source"].rsplit("/calib", 1)[0] + "/eval", "max_samples": 16,
                              "reference_model": str(qdq_fixtures / "qat_cnn.fp32.onnx"), "latency": {"runs": 0}}}
+    with pytest.raises(QprepError, match="the model is QAT .* nothing to search"):  # trained scales: no search
+        fallback = {"quantize": {"backend": "rknn", "fallback": {"target": {"cosine_mean": 0.99}}}}
+        qprep.run({**config, "pipeline": [*pipeline[:-1], fallback]}, output_dir=str(tmp_path / "fb"), force=True)
     if not folded:  # the toolkit's build fails on Conv → Div outside the Q/DQ: named before it runs
         with pytest.raises(QprepError, match=r"fuse_conv_qdq: \{format: qdq\}"):
             qprep.run(config, output_dir=str(tmp_path / "run"), force=True)

@@ -27,7 +27,7 @@ from qprep.errors import QprepError
 from qprep.third_party import (calibrate_all_but, ort_quantization, shapes_inferred_already,
                                 weight_quantization_memo)
 from qprep.evaluate.metrics import aligned, sqnr_db
-from qprep.model.info import default_opset, graph_inputs, iter_nodes, unique_name
+from qprep.model.info import Links, default_opset, graph_inputs, unique_name
 from qprep.quantize.ort import int32_bias, uint8_weights
 from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
 from qprep.model.io import compacted, is_large, save_model
@@ -487,13 +487,10 @@ def shared_gemm_weights_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     assuming nothing else reads it ("assume B is not used by any other node", onnx_model.py). A weight two Gemms
     share (ALBERT's shared layers, a tied head, two layers with equal weights that cleanup merged) was then
     transposed twice and the second Gemm computed with the wrong matrix: a ViT's output went to cosine 0.41."""
-    weights = {t.name: t for t in model.graph.initializer}
-    readers: dict[str, int] = {}
-    for node in iter_nodes(model.graph):
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    links = Links(model)
     shared = [i for i, n in enumerate(model.graph.node) if n.op_type == "Gemm" and len(n.input) > 1
-              and n.input[1] in weights and readers[n.input[1]] > 1 and _attribute(n, "transB", 0) == 1]
+              and n.input[1] in links.initializers and not links.own_constant(n.input[1], n)
+              and _attribute(n, "transB", 0) == 1]
     if not shared:
         return model
     model = _copied(model)
@@ -504,7 +501,7 @@ def shared_gemm_weights_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
         if weight not in transposed:
             transposed[weight] = unique_name(f"{weight}/transposed", taken)
             model.graph.initializer.append(numpy_helper.from_array(
-                np.ascontiguousarray(numpy_helper.to_array(weights[weight]).T), transposed[weight]))
+                np.ascontiguousarray(numpy_helper.to_array(links.initializers[weight]).T), transposed[weight]))
         node.input[1] = transposed[weight]
         kept = [a for a in node.attribute if a.name != "transB"]
         del node.attribute[:]

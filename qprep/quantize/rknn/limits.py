@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from qprep.errors import ModelError
-from qprep.model.info import default_opset, graph_inputs
+from qprep.model.info import Links, default_opset, graph_inputs
 from qprep.model.prepare import convert_down
 from qprep.optimize.stage import RKNN_MAX_OPSET
 from qprep.verify import Tolerance, compare
@@ -79,14 +79,10 @@ def refuse_qat_epilogues(model: onnx.ModelProto) -> None:
     """A QAT Conv followed by a Div or BatchNormalization outside its Q/DQ (PyTorch eager QAT exports leave
     Conv → Div(scale factor) → BatchNormalization): rknn-toolkit2 2.5.0 fails its build on it ("Invalid
     w_par['dtype'] = float16", measured), and fuse_conv_qdq's `format: qdq` folds exactly that."""
-    producers = {o: n for n in model.graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
+    links = Links(model)
     for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    for node in model.graph.node:
-        weight = producers.get(node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 else None
-        after = readers.get(node.output[0], [])
+        weight = links.producers.get(node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 else None
+        after = links.readers.get(node.output[0], [])
         if weight is not None and weight.op_type == "DequantizeLinear" and len(after) == 1 \
                 and after[0].op_type in EPILOGUES:
             raise ModelError(f"quantize.rknn: QAT Conv '{node.name}' is followed by {after[0].op_type} "
