@@ -147,8 +147,8 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
 
 def _from_its_own_qdq(model: onnx.ModelProto, options: dict) -> dict:
     """A QAT (QDQ) model on rknn: the toolkit builds it from the model's own Q/DQ scales (do_quantization
-    false; measured on a PyTorch QAT CNN: the simulator agrees with ONNX Runtime's run of the QDQ model to
-    cosine 0.99928 vs 0.99928 against the float network). Nothing is calibrated, so no fallback."""
+    false; measured on configs/qat_rknn.yaml's held-out samples: the simulator's figures against the float
+    network are ONNX Runtime's for the QDQ model, 0.9991 / 94.5% top-1). Nothing is calibrated, so no fallback."""
     from qprep.quantize.rknn.limits import refuse_qat_epilogues
 
     if options["fallback"]:
