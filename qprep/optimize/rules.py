@@ -94,6 +94,23 @@ def unique_value_name(graph: ir.Graph, wanted: str) -> str:
     return names_in_use(graph).value(wanted)
 
 
+def take_over(old: ir.Value, new: ir.Value) -> None:
+    """`new` replaces `old`: its uses, its place among the graph outputs, its name, type and shape (the value
+    keeps the name users and value_info know; `old`'s producer is left to die unused)."""
+    if new.type is None:
+        new.type = old.type
+    if new.shape is None:
+        new.shape = old.shape
+    graph = old.graph if old.graph is not None else old.producer().graph
+    name = old.name
+    if old.is_graph_output():
+        index = list(graph.outputs).index(old)
+        old.name = None
+        graph.outputs[index] = new
+    ir.convenience.replace_all_uses_with(old, new)
+    new.name = name
+
+
 def all_nodes(container: ir.Model | ir.Graph) -> Iterator[ir.Node]:
     """Nodes of the graph and its subgraphs, and of a model's functions: everywhere apply_to_model rewrites."""
     if isinstance(container, ir.Graph):

@@ -65,9 +65,10 @@ class GraphPass:
     default: bool = True  # part of the default pass list
 
 
-# Canonical order: cleanup first (fewer nodes to match), then folds that expose constants, then fusions.
-PASS_MODULES: tuple[str, ...] = ("cleanup", "fold_constants", "simplify_shapes", "fold_into_conv",
-                                 "layernorm", "gelu", "softmax", "fuse_gemm")
+# Canonical order: ONNX Runtime's fused ops apart (so the rest sees ONNX ops), cleanup (fewer nodes to match),
+# then folds that expose constants, then fusions.
+PASS_MODULES: tuple[str, ...] = ("split_ort_fusions", "cleanup", "fold_constants", "simplify_shapes",
+                                 "fold_into_conv", "layernorm", "gelu", "softmax", "fuse_gemm")
 
 
 def all_passes() -> dict[str, GraphPass]:

@@ -42,7 +42,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from qprep.optimize.ir_utils import constant_array, default_opset, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import OpsetUpgrade, all_nodes, unique_node_name
+from qprep.optimize.rules import OpsetUpgrade, all_nodes, take_over, unique_node_name
 
 REL_TOL = 1e-4  # relative tolerance on every coefficient (see the module docstring)
 GELU_OPSET = 20  # ONNX Gelu's first opset
@@ -324,20 +324,9 @@ def _replace(match: Match, mode: str, replaced: dict[ir.Value, ir.Value]) -> Non
         attributes = {"alpha": float(match.alpha)} if match.form == "sigmoid" else {}
     node = ir.node(op_type, [replaced.get(match.x, match.x)], attributes=attributes, domain=domain, version=version,
                    name=_name_near(match.core, op_type))
-    out = node.outputs[0]
-    if match.y.type is not None:
-        out.type, out.shape = match.y.type, match.y.shape
     graph.insert_before(match.y.producer(), node)
-    if match.y.is_graph_output():
-        index = list(graph.outputs).index(match.y)
-        name = match.y.name
-        match.y.name = None
-        graph.outputs[index] = out
-        out.name = name
-    ir.convenience.replace_all_uses_with(match.y, out)
-    if out.name is None:
-        out.name = match.y.name
-    replaced[match.y] = out
+    take_over(match.y, node.outputs[0])
+    replaced[match.y] = node.outputs[0]
 
 
 def _name_near(node: ir.Node, op_type: str) -> str:
