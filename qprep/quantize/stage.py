@@ -59,7 +59,7 @@ def check_model(options: dict, model: onnx.ModelProto) -> None:
     if options["backend"] == "rknn":
         from qprep.quantize.rknn.limits import refuse_unsupported
 
-        refuse_unsupported(model)
+        refuse_unsupported(model, at_load=True)
 
 
 @stage(

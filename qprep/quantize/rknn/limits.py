@@ -38,16 +38,17 @@ REFUSED_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUnifo
 MASK_BOUND = 10000.0
 
 
-def refuse_unsupported(model: onnx.ModelProto) -> None:
+def refuse_unsupported(model: onnx.ModelProto, at_load: bool = False) -> None:
     """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an If
     static_graph.py cannot rewrite, an opset that cannot be converted down to RKNN_MAX_OPSET (named by the op
-    that blocks it)."""
+    that blocks it). `at_load`: the input model, before the optimize stage has taken ONNX Runtime's fused ops
+    apart (the build checks again what is left)."""
     require_fixed_dims(model)
     for node in model.graph.node:
         if node.op_type in REFUSED_OPS and node.domain in ("", "ai.onnx"):
             raise ModelError(f"quantize.rknn: node '{node.name}' is {node.op_type}, and rknn-toolkit2 refuses random "
                              "ops; remove it from the export (e.g. export in eval mode, or feed the noise as an input)")
-    refuse_custom_domains(model)
+    refuse_custom_domains(model, at_load)
     refuse_uint8_inputs(model)
     static_graph.refuse_unrewritable(model)
     if default_opset(model) > RKNN_MAX_OPSET:
@@ -57,19 +58,30 @@ def refuse_unsupported(model: onnx.ModelProto) -> None:
             raise ModelError(f"quantize.rknn: rknn-toolkit2 takes opset {RKNN_MAX_OPSET} at most, and {exc}") from None
 
 
-def refuse_custom_domains(model: onnx.ModelProto) -> None:
-    """Ops outside the ONNX domain (ONNX Runtime's com.microsoft Gelu, Attention, SkipLayerNormalization from its
+def refuse_custom_domains(model: onnx.ModelProto, at_load: bool = False) -> None:
+    """Ops outside the ONNX domain (ONNX Runtime's com.microsoft Attention, EmbedLayerNormalization from its
     transformer optimizer; onnxruntime-extensions ops) are ops rknn-toolkit2 has no kernel for: it fails deep in
     its build with "TypeError: 'NoneType' object is not iterable" (measured with com.microsoft Gelu), so they are
-    named here instead."""
+    named here instead. The fused ops the optimize stage takes apart (FusedConv, SkipLayerNormalization, ...:
+    optimize/passes/split_ort_fusions.py) pass at load; at the build, one left says how to split it."""
+    from qprep.optimize.passes.split_ort_fusions import MS_DOMAIN, SPLITS
+
     custom: dict[str, list[str]] = {}
+    splittable = set()
     for node in model.graph.node:
         if node.domain not in ("", "ai.onnx"):
+            if node.domain == MS_DOMAIN and node.op_type in SPLITS:
+                if at_load:
+                    continue
+                splittable.add(node.op_type)
             custom.setdefault(f"{node.domain} {node.op_type}", []).append(node.name or node.output[0])
     if custom:
         ops = ", ".join(f"{op} ({len(names)}× e.g. '{names[0]}')" for op, names in sorted(custom.items()))
-        raise ModelError(f"quantize.rknn: rknn-toolkit2 runs only standard ONNX ops, and the model has {ops}; export "
-                         "it without ONNX Runtime's graph optimizations (the float export, not an ORT-optimized one)")
+        way_out = ("run the optimize stage before quantize (its split_ort_fusions pass takes "
+                   f"{', '.join(sorted(splittable))} apart; its record says why one was left)" if splittable else
+                   "export it without ONNX Runtime's graph optimizations (the float export, not an ORT-optimized one)")
+        raise ModelError(f"quantize.rknn: rknn-toolkit2 runs only standard ONNX ops, and the model has {ops}; "
+                         f"{way_out}")
 
 
 EPILOGUES = ("Div", "Mul", "Add", "Sub", "BatchNormalization")

@@ -4,7 +4,7 @@ down and verified before the toolkit sees it; a toolkit error whose reason sits 
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
 from qprep.model.prepare import convert_down, ops_newer_than
@@ -76,6 +76,23 @@ def test_ops_outside_the_onnx_domain_are_refused_by_name():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     with pytest.raises(ModelError, match=r"runs only standard ONNX ops, and the model has com.microsoft Gelu "
                                          r"\(1× e.g. 'ffn_gelu'\)"):
+        refuse_unsupported(model)
+
+
+def test_fused_ops_the_optimize_stage_splits_pass_at_load_and_are_named_with_the_way_out_at_the_build():
+    nodes = [helper.make_node("FusedConv", ["x", "w"], ["c"], name="conv", domain="com.microsoft", activation="Relu"),
+             helper.make_node("Attention", ["c"], ["y"], name="attn", domain="com.microsoft")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    with pytest.raises(ModelError, match=r"has com.microsoft Attention \(1× e.g. 'attn'\); export it without"):
+        refuse_unsupported(model, at_load=True)  # FusedConv is not named: optimize splits it
+    del model.graph.node[1]
+    model.graph.node[0].output[0] = "y"
+    refuse_unsupported(model, at_load=True)
+    with pytest.raises(ModelError, match=r"com.microsoft FusedConv \(1× e.g. 'conv'\); run the optimize stage "
+                                         r"before quantize \(its split_ort_fusions pass takes FusedConv apart"):
         refuse_unsupported(model)
 
 
