@@ -65,8 +65,8 @@ def lift_layernorm_opset(model: onnx.ModelProto, path) -> onnx.ModelProto:
     kept = [o for o in lifted.opset_import if o.domain != _HELD]
     del lifted.opset_import[:]
     lifted.opset_import.extend(kept)
-    log.warning("model: %d LayerNormalization nodes at opset %d, which only ONNX Runtime runs (its transformer "
-                "optimizer writes them): the model was converted to opset %d, where ONNX has the op",
+    log.warning("model: %d LayerNormalization nodes at opset %d, which only ONNX Runtime runs (its graph "
+                "optimizers write them): the model was converted to opset %d, where ONNX has the op",
                 len(held), source, LAYERNORM_OPSET)
     return lifted
 

@@ -175,7 +175,8 @@ def test_a_session_of_a_heavy_model_takes_its_weights_from_memory(monkeypatch):
     del scribble
     np.testing.assert_allclose(runtime.run_model(model, samples)[0]["y"], plain[0]["y"], rtol=1e-6)
     inside = next(runtime.intermediate_values(model, ["h"], samples))["h"]  # an intermediate tensor, same way
-    np.testing.assert_allclose(inside, samples[0]["x"] @ weight, rtol=1e-5)
+    # ORT's and numpy's float32 sums of 64 products differ in order: a few ulp (3.8e-6 on values near 1 here)
+    np.testing.assert_allclose(inside, samples[0]["x"] @ weight, rtol=1e-5, atol=1e-4)
     assert not any(o.name == "h" for o in model.graph.output)  # the caller's model is not changed
 
 
