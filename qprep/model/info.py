@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from qprep.model.io import inferred_shapes, subgraphs, weights_bytes
 
@@ -135,6 +135,58 @@ def iter_nodes(graph: onnx.GraphProto):
         for attr in node.attribute:
             for sub in subgraphs(attr):
                 yield from iter_nodes(sub)
+
+
+RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
+                        "Multinomial"})
+
+
+def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
+    """(node, what makes it random) for each main-graph node whose output is drawn at random and reaches a graph
+    output: a random op, or a Dropout in training mode (its training_mode input a constant true and its ratio not
+    0: torch's dynamo exporter writes one for a model left in train mode). Such outputs differ run to run, so
+    no comparison with the float model can judge a quantized one."""
+    graph = model.graph
+    constants = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = node.attribute[0].t
+
+    def value(name: str):
+        tensor = constants.get(name)
+        return None if tensor is None else numpy_helper.to_array(tensor)
+
+    found = []
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in RANDOM_OPS:
+            found.append((node, node.op_type))
+        elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
+            training, ratio = value(node.input[2]), value(node.input[1]) if node.input[1] else np.float32(0.5)
+            if training is not None and bool(training) and (ratio is None or float(ratio) != 0):
+                found.append((node, "Dropout in training mode"))
+    if not found:
+        return []
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+
+    def reaches_output(start: onnx.NodeProto) -> bool:
+        seen, todo = set(), list(start.output)
+        while todo:
+            name = todo.pop()
+            if name in outputs:
+                return True
+            for reader in readers.get(name, ()):
+                if id(reader) not in seen:
+                    seen.add(id(reader))
+                    todo.extend(reader.output)
+        return False
+
+    return [(node, why) for node, why in found if reaches_output(node)]
 
 
 def op_counts(model: onnx.ModelProto) -> dict[str, int]:

@@ -198,6 +198,13 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
         raise ModelError(f"model: '{maps[0]}' is a map or a sequence of maps (a ZipMap's output), which qprep's "
                          "graph library cannot read; export without it (skl2onnx: options={'zipmap': False}) or "
                          "remove the ZipMap and keep its input tensor as the output")
+    random = model_info.random_nodes(model)
+    if random and config.stages:
+        node, why = random[0]
+        way_out = ("export the model in eval mode (`model.eval()` before `torch.onnx.export`)" if why.startswith("Dropout")
+                   else "remove it from the export, or feed the values it draws as an input")
+        raise ModelError(f"model: node '{node.name or node.output[0]}' ({why}) draws random values that reach the "
+                         f"outputs, so no comparison with the float model can judge a quantized one; {way_out}")
     named = name_nodes(model.graph)
     fixed, refused = fix_input_dims_ort_accepts(model, config["inputs"] or {})
     model, warning = infer_shapes(model)
