@@ -54,10 +54,10 @@ def load_model_and_data_files(path: str | os.PathLike) -> tuple[onnx.ModelProto,
     if not model.graph.node and not model.graph.output:
         raise ModelError(f"{path} holds no ONNX graph (empty or not an ONNX file); re-export or re-download it")
     data_files = _load_external_data(model, path)
-    from qprep.model.ort_optimized import lift_layernorm_opset, refuse_session_layouts
+    from qprep.model.ort_optimized import lift_layernorm_opset, refuse_session_layouts, split_simplified_layernorm
 
     refuse_session_layouts(model, path)
-    model = lift_layernorm_opset(model, path)
+    model = split_simplified_layernorm(lift_layernorm_opset(model, path))
     _check(model, path)
     return model, data_files
 

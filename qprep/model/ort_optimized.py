@@ -5,6 +5,8 @@ Why: such a model is what ONNX Runtime's own docs advise to quantize, and it bre
   has it from 17: ONNX Runtime registers it there for itself, onnx's checker refuses the model. Converted to
   opset 17 (ONNX's op is ORT's: same attributes, outputs and kernel), the model is valid ONNX and computes the
   same (tests/test_ort_optimized.py, on MiniLM).
+- It writes RMS norms (LLaMA's, T5's) as `SimplifiedLayerNormalization` in the ONNX domain, an op no ONNX opset
+  has: written out at load as the ONNX ops torch exports for them, each checked against ONNX Runtime's kernel.
 - Its com.microsoft ops (SkipLayerNormalization, BiasGelu, Attention, …) have no ONNX schema, so ONNX's shape
   inference types nothing after the first of them, and ORT's quantizer then fails on every MatMul behind it
   ("Unable to find data type for weight_name"). ONNX Runtime knows those types: `with_runtime_types` asks a
@@ -16,8 +18,9 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from qprep.model.info import default_opset, iter_nodes
 
@@ -69,6 +72,102 @@ def lift_layernorm_opset(model: onnx.ModelProto, path) -> onnx.ModelProto:
                 "optimizers write them): the model was converted to opset %d, where ONNX has the op",
                 len(held), source, LAYERNORM_OPSET)
     return lifted
+
+
+def split_simplified_layernorm(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with each main-graph SimplifiedLayerNormalization (ONNX Runtime's RMS norm, ONNX domain) written
+    out as x / sqrt(mean(x², normalized axes) + ε) · scale, computed in float32 as its stash_type says; unchanged
+    (the same object) without one. A node whose replacement ONNX Runtime's own kernel does not confirm on random
+    input, or that it cannot take (scale not a constant, inv_std_var read), stays: the checker then refuses it."""
+    nodes = [n for n in model.graph.node if n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx")]
+    if not nodes:
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    constants = {t.name: t for t in graph.initializer}
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    opset = default_opset(result)
+    split = 0
+    for index in reversed(range(len(graph.node))):
+        node = graph.node[index]
+        if node.op_type != "SimplifiedLayerNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        scale = constants.get(node.input[1]) if len(node.input) > 1 else None
+        if scale is None or not scale.dims or (len(node.output) > 1 and node.output[1] in read):
+            continue
+        replacement, initializers = _rms_norm(node, scale, opset)
+        if not _same_as_kernel(node, scale, replacement, initializers, opset):
+            continue
+        del graph.node[index]
+        for offset, new in enumerate(replacement):
+            graph.node.insert(index + offset, new)
+        graph.initializer.extend(initializers)
+        split += 1
+    if split:
+        log.warning("model: %d SimplifiedLayerNormalization nodes (ONNX Runtime's RMS norm, which no ONNX opset has) "
+                    "written out as ONNX ops, each checked against ONNX Runtime's kernel", split)
+    return result if split else model
+
+
+def _rms_norm(node: onnx.NodeProto, scale: onnx.TensorProto, opset: int):
+    """(nodes, initializers) computing the node's Y from its X and scale, named under the node."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    axis, epsilon = attributes.get("axis", -1), attributes.get("epsilon", 1e-5)
+    count = -axis if axis < 0 else len(scale.dims)  # the axes from `axis` to the last, which the scale spans
+    prefix = f"{node.name or node.output[0]}/"
+    dtype = helper.tensor_dtype_to_np_dtype(scale.data_type)
+    stash = attributes.get("stash_type", 1) == 1 and dtype != np.float32
+    x, nodes = node.input[0], []
+    if stash:
+        nodes.append(helper.make_node("Cast", [x], [prefix + "x_float"], to=onnx.TensorProto.FLOAT, name=prefix + "cast"))
+        x = prefix + "x_float"
+    work = np.float32 if stash else dtype
+    initializers = [numpy_helper.from_array(np.array(2, work), prefix + "two"),
+                    numpy_helper.from_array(np.array(epsilon, work), prefix + "epsilon")]
+    axes = list(range(-count, 0))
+    mean_inputs = [prefix + "square"]
+    mean_attributes = {"keepdims": 1}
+    if opset >= 18:
+        initializers.append(numpy_helper.from_array(np.array(axes, np.int64), prefix + "axes"))
+        mean_inputs.append(prefix + "axes")
+    else:
+        mean_attributes["axes"] = axes
+    normalized = prefix + "normalized"
+    nodes += [helper.make_node("Pow", [x, prefix + "two"], [prefix + "square"], name=prefix + "pow"),
+              helper.make_node("ReduceMean", mean_inputs, [prefix + "mean_square"], name=prefix + "mean",
+                               **mean_attributes),
+              helper.make_node("Add", [prefix + "mean_square", prefix + "epsilon"], [prefix + "shifted"],
+                               name=prefix + "add_epsilon"),
+              helper.make_node("Sqrt", [prefix + "shifted"], [prefix + "rms"], name=prefix + "sqrt"),
+              helper.make_node("Div", [x, prefix + "rms"], [normalized], name=prefix + "div")]
+    if stash:
+        nodes.append(helper.make_node("Cast", [normalized], [prefix + "normalized_back"], to=scale.data_type,
+                                      name=prefix + "cast_back"))
+        normalized = prefix + "normalized_back"
+    nodes.append(helper.make_node("Mul", [normalized, node.input[1]], [node.output[0]], name=prefix + "scale"))
+    return nodes, initializers
+
+
+def _same_as_kernel(node: onnx.NodeProto, scale: onnx.TensorProto, replacement, initializers, opset: int) -> bool:
+    """ONNX Runtime's SimplifiedLayerNormalization and `replacement` agree on x ~ N(0, 3) of shape [2, 3, *scale]."""
+    from qprep.model.runtime import run_model
+
+    elem = scale.data_type
+    shape = [2, 3, *scale.dims]
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape) * 3).astype(helper.tensor_dtype_to_np_dtype(elem))
+    outputs = []
+    for nodes, extra in (([node], []), (replacement, initializers)):
+        graph = helper.make_graph(list(nodes), "check", [helper.make_tensor_value_info(node.input[0], elem, shape)],
+                                  [helper.make_tensor_value_info(node.output[0], elem, None)], [scale, *extra])
+        check = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        try:
+            outputs.append(run_model(check, [{node.input[0]: x}])[0][node.output[0]].astype(np.float64))
+        except Exception:  # noqa: BLE001 - a node ORT cannot run alone stays as it was
+            return False
+    reference, ours = outputs
+    return bool(np.allclose(ours, reference, rtol=1e-3 if elem != onnx.TensorProto.FLOAT else 1e-5, atol=1e-5))
 
 
 def refuse_session_layouts(model: onnx.ModelProto, path) -> None:

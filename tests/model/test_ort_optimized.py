@@ -48,8 +48,30 @@ def test_ort_layernorm_below_17_is_loaded_at_opset_17_with_the_same_numbers(tmp_
         np.testing.assert_array_equal(a["y"], b["y"])
 
 
-def test_an_op_only_onnx_runtime_has_is_refused_naming_it(tmp_path):
-    onnx.save(ort_optimized_block(norm="SimplifiedLayerNormalization"), str(tmp_path / "m.onnx"))
+@pytest.mark.parametrize("opset, dtype", [(14, np.float32), (18, np.float32), (14, np.float16)])
+def test_onnx_runtimes_rms_norm_is_written_out_as_onnx_ops_with_the_same_numbers(tmp_path, opset, dtype):
+    """SimplifiedLayerNormalization (LLaMA's and T5's RMS norm in every ORT-optimized export) is no ONNX op: it
+    was refused at load. Written out (in float32 for a float16 model, as its stash_type says), the model loads
+    and computes what ORT's kernel did."""
+    model = ort_optimized_block(opset, norm="SimplifiedLayerNormalization")
+    if dtype == np.float16:
+        from onnxconverter_common.float16 import convert_float_to_float16
+
+        model = convert_float_to_float16(model, keep_io_types=True)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    loaded = load_model(tmp_path / "m.onnx")
+    assert "SimplifiedLayerNormalization" not in {n.op_type for n in loaded.graph.node}
+    assert {"Pow", "ReduceMean", "Sqrt", "Div"} <= {n.op_type for n in loaded.graph.node}
+    for a, b in zip(run_model(model, samples(2)), run_model(loaded, samples(2))):
+        np.testing.assert_allclose(b["y"], a["y"], rtol=1e-2 if dtype == np.float16 else 1e-5, atol=1e-3)
+
+
+def test_an_op_only_onnx_runtime_has_and_qprep_cannot_write_out_is_refused_naming_it(tmp_path):
+    model = ort_optimized_block(norm="SimplifiedLayerNormalization")
+    gamma = model.graph.initializer[0]
+    model.graph.input.append(helper.make_tensor_value_info(gamma.name, gamma.data_type, list(gamma.dims)))
+    del model.graph.initializer[0]  # the scale a graph input: not a constant qprep can check against the kernel
+    onnx.save(model, str(tmp_path / "m.onnx"))
     with pytest.raises(ModelError, match=r"SimplifiedLayerNormalization.*transformer optimizer"):
         load_model(tmp_path / "m.onnx")
 
