@@ -120,7 +120,8 @@ def _rms_norm(node: onnx.NodeProto, scale: onnx.TensorProto, opset: int):
     stash = attributes.get("stash_type", 1) == 1 and dtype != np.float32
     x, nodes = node.input[0], []
     if stash:
-        nodes.append(helper.make_node("Cast", [x], [prefix + "x_float"], to=onnx.TensorProto.FLOAT, name=prefix + "cast"))
+        nodes.append(helper.make_node("Cast", [x], [prefix + "x_float"], to=onnx.TensorProto.FLOAT,
+                                      name=prefix + "cast"))
         x = prefix + "x_float"
     work = np.float32 if stash else dtype
     initializers = [numpy_helper.from_array(np.array(2, work), prefix + "two"),

@@ -37,10 +37,10 @@ import onnx_ir as ir
 from qprep.optimize.ir_utils import default_opset, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.optimize.passes.gelu import resolve_mode
+from qprep.optimize.passes.layernorm import LAYERNORM_OPSET
 from qprep.optimize.rules import Names, all_nodes, names_in_use, take_over
 
 MS_DOMAIN = "com.microsoft"
-LAYERNORM_OPSET = 17
 
 # activation name → the ONNX attributes its parameters are, in order (Clip's are its min/max inputs)
 ACTIVATIONS: dict[str, tuple[str, ...]] = {
@@ -70,22 +70,20 @@ class _Builder:
         return node.outputs[0]
 
     def scalar(self, value: float, label: str) -> ir.Value:
-        name = self.names.value(f"{self.node.name or self.node.op_type}/{label}")
-        tensor = ir.tensor(np.array(value, dtype=self.dtype.numpy()), name=name)
-        constant = ir.Value(name=name, shape=ir.Shape([]), type=ir.TensorType(self.dtype), const_value=tensor)
-        self.node.graph.register_initializer(constant)
-        return constant
+        return self._constant(np.array(value, dtype=self.dtype.numpy()), label)
 
     def axes(self, op_type: str, x: ir.Value, axes: list[int], **attributes) -> ir.Value:
         """ReduceMean over `axes`: an attribute below opset 18, an input from it."""
         if self.opset >= 18:
-            name = self.names.value(f"{self.node.name or self.node.op_type}/axes")
-            tensor = ir.tensor(np.array(axes, dtype=np.int64), name=name)
-            constant = ir.Value(name=name, shape=ir.Shape([len(axes)]), type=ir.TensorType(ir.DataType.INT64),
-                                const_value=tensor)
-            self.node.graph.register_initializer(constant)
-            return self.op(op_type, x, constant, **attributes)
+            return self.op(op_type, x, self._constant(np.array(axes, dtype=np.int64), "axes"), **attributes)
         return self.op(op_type, x, axes=axes, **attributes)
+
+    def _constant(self, array: np.ndarray, label: str) -> ir.Value:
+        name = self.names.value(f"{self.node.name or self.node.op_type}/{label}")
+        dtype = ir.TensorType(ir.DataType.from_numpy(array.dtype))
+        constant = ir.Value(name=name, shape=ir.Shape(array.shape), type=dtype, const_value=ir.tensor(array, name=name))
+        self.node.graph.register_initializer(constant)
+        return constant
 
     def activation(self, x: ir.Value, name: str, params: dict[str, float]) -> ir.Value:
         if name == "Clip":
