@@ -202,7 +202,8 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
     if random and config.stages:
         node, why = random[0]
         way_out = ("export the model in eval mode (`model.eval()` before `torch.onnx.export`)"
-                   if why.startswith("Dropout") else "remove it from the export, or feed the values it draws as an input")
+                   if why.startswith("Dropout") else
+                   "remove it from the export, or feed the values it draws as an input")
         raise ModelError(f"model: node '{node.name or node.output[0]}' ({why}) draws random values that reach the "
                          f"outputs, so no comparison with the float model can judge a quantized one; {way_out}")
     named = name_nodes(model.graph)
