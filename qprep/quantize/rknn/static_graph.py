@@ -35,7 +35,7 @@ from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
 from qprep.model.info import constant_names, iter_nodes, unique_name
-from qprep.model.io import inferred_shapes
+from qprep.model.io import inferred_shapes, subgraphs
 from qprep.model.runtime import run_model
 from qprep.quantize.rknn.io_names import all_names, rename_values
 from qprep.verify import Tolerance, compare
@@ -45,11 +45,9 @@ def refuse_unrewritable(model: onnx.ModelProto) -> None:
     """ModelError for a Loop, or an If whose branches give outputs of different shapes: checked on the input model,
     before any work (BatchNormalization is judged at quantize time: on the input model its statistics may still
     be computed from constants that optimize folds)."""
-    loop = next((node for node in model.graph.node if node.op_type == "Loop" and node.domain in ("", "ai.onnx")), None)
-    if loop is not None:
-        raise ModelError(f"quantize.rknn: node '{loop.name}' is a Loop, and rknn-toolkit2 compiles static graphs only "
-                         "(\"will cause the graph to be a dynamic graph\"); export the model with the loop unrolled to "
-                         "a fixed length, or use backend ort")
+    for node in model.graph.node:
+        if _is_loop(node):
+            _refuse_data_dependent_stop(model, node)
     ifs = [i for i, node in enumerate(model.graph.node) if _is_if(node)]
     if ifs:
         inferred = inferred_shapes(model, shapes_only=True)
@@ -58,16 +56,20 @@ def refuse_unrewritable(model: onnx.ModelProto) -> None:
             _branch_outputs(model.graph.node[index], branches["then_branch"], branches["else_branch"])
 
 
-def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
-    """A copy of `model` with its If nodes and run-time BatchNormalization statistics rewritten and its omitted
-    optional outputs named → (model, record {rewrite: [node names]}), unverified; ModelError for what cannot be."""
+def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.ModelProto, dict]:
+    """A copy of `model` with its Loops unrolled, its If nodes and run-time BatchNormalization statistics
+    rewritten and its omitted optional outputs named → (model, record {rewrite: [node names]}), unverified;
+    ModelError for what cannot be. `samples`: a Loop whose stop is computed in its body runs once on the first
+    to count its iterations."""
     constants = constant_names(model.graph)
-    if not any(_is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output or _default_layout(n)
-               or _matmul_plan(n) for n in model.graph.node):
+    if not any(_is_loop(n) or _is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output
+               or _default_layout(n) or _matmul_plan(n) for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    record = {"if_as_both_branches": _ifs_as_both_branches(result), "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result),
+    record = {"loops_unrolled": _loops_unrolled(result, samples[:1]),
+              "if_as_both_branches": _ifs_as_both_branches(result),
+              "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result),
               "omitted_outputs_named": _omitted_outputs_named(result),
               "default_layout_dropped": _default_layouts_dropped(result),
               "einsum_as_matmul": _einsums_as_matmul(result)}
@@ -76,7 +78,7 @@ def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
 
 def static_graph(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, dict]:
     """`rewritten(model)`, verified on `samples` with ONNX Runtime: refused in one line when the outputs change."""
-    result, record = rewritten(model)
+    result, record = rewritten(model, samples)
     if not record:
         return model, {}
     if samples:
@@ -88,8 +90,8 @@ def static_graph(model: onnx.ModelProto, samples: list[dict], threads: int = 2) 
     return result, record
 
 
-REPLACED = ("if_as_both_branches", "batchnorm_as_arithmetic", "einsum_as_matmul")  # rewrites that replace a node
-# (a named omitted output or a dropped default layout leaves the node itself)
+# rewrites that replace a node (a named omitted output or a dropped default layout leaves the node itself)
+REPLACED = ("loops_unrolled", "if_as_both_branches", "batchnorm_as_arithmetic", "einsum_as_matmul")
 
 
 def carried(float_set: set[str], model: onnx.ModelProto, record: dict) -> set[str]:
@@ -179,12 +181,13 @@ def _selection(node: onnx.NodeProto, condition: str, condition_shape: list | Non
                     helper.make_node("Add", [chosen_then, chosen_else], [output], name=name("selected"))]
 
 
-def _inlined(branch: onnx.GraphProto, prefix: str, taken: set[str],
-             graph: onnx.GraphProto) -> tuple[list[onnx.NodeProto], list[str]]:
-    """The branch's nodes with its own values renamed under `prefix` (outer values keep their names), its
-    initializers moved into `graph` → (nodes, the branch's output names after renaming)."""
+def _inlined(branch: onnx.GraphProto, prefix: str, taken: set[str], graph: onnx.GraphProto,
+             bound: dict[str, str] | None = None) -> tuple[list[onnx.NodeProto], list[str]]:
+    """The branch's nodes with its own values renamed under `prefix` (outer values keep their names; `bound`
+    names what its inputs become: a loop body's), its initializers moved into `graph` → (nodes, the branch's
+    output names after renaming)."""
     local = [t.name for t in branch.initializer] + [o for n in branch.node for o in n.output if o]
-    renames = {name: unique_name(prefix + name, taken) for name in local}
+    renames = {name: unique_name(prefix + name, taken) for name in local} | (bound or {})
     copy = onnx.GraphProto()
     copy.CopyFrom(branch)
     rename_values(copy, renames)
@@ -194,6 +197,166 @@ def _inlined(branch: onnx.GraphProto, prefix: str, taken: set[str],
         node.name = unique_name(prefix + (node.name or node.op_type), taken)
         nodes.append(node)
     return nodes, [o.name for o in copy.output]
+
+
+# ----------------------------------------------------------------------------------- Loop → its body n times
+
+
+MAX_UNROLLED_NODES = 20000  # the toolkit's build time grows with the graph: beyond this, export it unrolled
+
+
+def _is_loop(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Loop" and node.domain in ("", "ai.onnx")
+
+
+def _data_values(model: onnx.ModelProto) -> set[str]:
+    """Main-graph values that depend on a graph input (a node with a subgraph counts as depending on it)."""
+    initializers = {t.name for t in model.graph.initializer}
+    data = {v.name for v in model.graph.input if v.name not in initializers}
+    for node in model.graph.node:
+        if any(name in data for name in node.input) or any(True for a in node.attribute for _ in subgraphs(a)):
+            data.update(node.output)
+    return data
+
+
+def _data_dependent_stop(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
+    """Whether the loop's stop condition, as its body computes it, depends on the model's input (a decoder that
+    stops at its end token) rather than on the iteration number, constants and loop-carried values that start
+    from constants and are updated from such values only (a counter)."""
+    body = next(a.g for a in node.attribute if a.name == "body")
+    outer_data = _data_values(model)
+    carried = len(node.input) - 2
+    inputs = [i.name for i in body.input]
+    data = {name for inner in body.node for name in inner.input if name in outer_data}
+    if len(node.input) > 1 and node.input[1] in outer_data:
+        data.add(inputs[1])
+    data.update(inputs[2 + j] for j in range(carried) if node.input[2 + j] in outer_data)
+    while True:
+        seen = set(data)
+        for inner in body.node:
+            if any(name in seen for name in inner.input) or any(True for a in inner.attribute for _ in subgraphs(a)):
+                seen.update(inner.output)
+        grown = {inputs[2 + j] for j in range(carried) if body.output[1 + j].name in seen} - data
+        if not grown:
+            return body.output[0].name in seen
+        data |= grown
+
+
+def _refuse_data_dependent_stop(model: onnx.ModelProto, node: onnx.NodeProto) -> None:
+    if _data_dependent_stop(model, node):
+        raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop whose stop depends on the input (as a decoder "
+                         "stopping at its end token), and rknn-toolkit2 compiles static graphs only (\"will cause "
+                         "the graph to be a dynamic graph\"); qprep unrolls only loops that run a fixed number of "
+                         "times: export the model with a fixed length, or use backend ort")
+
+
+def _iterations(model: onnx.ModelProto, index: int, samples: list[dict]) -> int:
+    """How many times the Loop at `index` runs: its trip count when its body passes the condition on unchanged
+    (or computes none), else counted on one sample through an added scan output of the iteration number."""
+    node = model.graph.node[index]
+    body = next(a.g for a in node.attribute if a.name == "body")
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    constants |= {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
+                  if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    trip = constants.get(node.input[0]) if node.input and node.input[0] else None
+    start = constants.get(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(True)
+    if start is None or not bool(start):
+        raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop whose first condition is not a constant "
+                         "true; export the model with the loop unrolled, or use backend ort")
+    passed_on = body.output[0].name == body.input[1].name
+    if passed_on:
+        if trip is None:
+            raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop with no trip count that qprep can read "
+                             "(not a constant); export the model with a fixed length, or use backend ort")
+        return int(trip)
+    if not samples:
+        raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop that computes its own stop, and qprep "
+                         "counts its iterations on a calibration sample: give calibration samples")
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    loop = probe.graph.node[index]
+    inner = next(a.g for a in loop.attribute if a.name == "body")
+    counter = unique_name(f"{node.name}/iteration", all_names(model))
+    inner.node.append(helper.make_node("Identity", [inner.input[0].name], [counter]))
+    inner.output.append(helper.make_tensor_value_info(counter, onnx.TensorProto.INT64, None))
+    loop.output.append(counter)
+    probe.graph.output.append(helper.make_tensor_value_info(counter, onnx.TensorProto.INT64, None))
+    return len(run_model(probe, samples)[0][counter])
+
+
+def _loops_unrolled(model: onnx.ModelProto, samples: list[dict]) -> list[str]:
+    """Each Loop of the main graph → its body, inlined once per iteration: the iteration number and condition
+    constants, each carried value the previous copy's, each scan output the Concat of every copy's (Unsqueezed
+    on a new first axis); the body's own initializers moved out once, shared by every copy."""
+    done = []
+    while True:
+        graph = model.graph
+        index = next((i for i, n in enumerate(graph.node) if _is_loop(n)), None)
+        if index is None:
+            return done
+        node = graph.node[index]
+        _refuse_data_dependent_stop(model, node)
+        count = _iterations(model, index, samples)
+        body = onnx.GraphProto()
+        body.CopyFrom(next(a.g for a in node.attribute if a.name == "body"))
+        if count < 1 or count * len(body.node) > MAX_UNROLLED_NODES:
+            raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop that runs {count} times, which qprep "
+                             f"would unroll into {count * len(body.node)} nodes (at most {MAX_UNROLLED_NODES}); "
+                             "export the model with a fixed, shorter length, or use backend ort")
+        taken = all_names(model) | {n.name for n in iter_nodes(graph)}
+        shared = {t.name: unique_name(f"{node.name}/{t.name}", taken) for t in body.initializer}
+        for tensor in body.initializer:
+            tensor.name = shared[tensor.name]
+        graph.initializer.extend(body.initializer)
+        del body.initializer[:]
+        scalar = [d.dim_value for d in body.input[0].type.tensor_type.shape.dim]
+        scalar = scalar if all(scalar) else []  # the iteration number's declared shape ([] or [1])
+        carried = list(node.input[2:])
+        scans: list[list[str]] = [[] for _ in range(len(body.output) - 1 - len(carried))]
+        replacement = []
+        for step in range(count):
+            prefix = f"{node.name}/{step}/"
+            number, condition = unique_name(prefix + "iteration", taken), unique_name(prefix + "condition", taken)
+            graph.initializer.append(numpy_helper.from_array(np.full(scalar, step, np.int64), number))
+            graph.initializer.append(numpy_helper.from_array(np.array(True), condition))
+            bound = shared | {body.input[0].name: number, body.input[1].name: condition}
+            bound |= {value.name: outer for value, outer in zip(body.input[2:], carried)}
+            nodes, outputs = _inlined(body, prefix, taken, graph, bound)
+            replacement += nodes
+            carried = outputs[1:1 + len(carried)]
+            for k, name in enumerate(outputs[1 + len(carried):]):
+                scans[k].append(name)
+        for final, value in zip(node.output, carried):
+            if final:
+                replacement.append(helper.make_node("Identity", [value], [final],
+                                                    name=unique_name(f"{node.name}/final", taken)))
+        replacement += _stacked(node, scans, node.output[len(carried):], model, taken)
+        del graph.node[index]
+        for offset, new in enumerate(replacement):
+            graph.node.insert(index + offset, new)
+        done.append(node.name)
+
+
+def _stacked(node: onnx.NodeProto, scans: list[list[str]], finals: list[str], model: onnx.ModelProto,
+             taken: set[str]) -> list[onnx.NodeProto]:
+    """Each scan output: its per-iteration values Unsqueezed on a new first axis and concatenated."""
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    axes = unique_name(f"{node.name}/axis_0", taken)
+    if opset >= 13 and any(finals):
+        model.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), axes))
+    nodes = []
+    for k, final in enumerate(finals):
+        if not final:
+            continue
+        stacked = []
+        for step, name in enumerate(scans[k]):
+            stacked.append(unique_name(f"{name}/stacked", taken))
+            inputs, attributes = ([name, axes], {}) if opset >= 13 else ([name], {"axes": [0]})
+            nodes.append(helper.make_node("Unsqueeze", inputs, [stacked[-1]], **attributes,
+                                          name=unique_name(f"{node.name}/{step}/stack_{k}", taken)))
+        nodes.append(helper.make_node("Concat", stacked, [final], axis=0,
+                                      name=unique_name(f"{node.name}/scan_{k}", taken)))
+    return nodes
 
 
 # -------------------------------------------------------- BatchNormalization over run-time statistics

@@ -384,17 +384,21 @@ def test_a_mask_without_a_softmax_node_stays_float16_at_minus_10000():
     assert without_float16_overflow(clipped, set(extremes.nodes), extremes, samples) == ({"mask_add", "exp"}, {})
 
 
-def test_a_loop_is_refused_before_any_work_naming_the_node():
-    """SLANet's decoder Loop: the toolkit refused it after 90 s ("will cause the graph to be a dynamic graph")."""
+def test_a_loop_whose_stop_depends_on_the_input_is_refused_before_any_work_naming_the_node():
+    """SLANet's decoder Loop stops at its end token: the toolkit refused it after 90 s ("will cause the graph to be a
+    dynamic graph"), and unrolling it to its trip count would change the model."""
     from graphs import make_graph
 
-    body = make_graph([helper.make_node("Identity", ["cond_in"], ["cond_out"]),
-                       helper.make_node("Add", ["v_in", "one"], ["v_out"])],
+    body = make_graph([helper.make_node("Add", ["v_in", "one"], ["v_out"]),
+                       helper.make_node("ReduceSum", ["v_out"], ["total"], keepdims=0),
+                       helper.make_node("Less", ["total", "limit"], ["cond_out"])],
                       [("i", [], np.int64), ("cond_in", [], np.bool_), ("v_in", [1])],
-                      [("cond_out", [], np.bool_), ("v_out", [1])], {"one": np.ones(1, np.float32)}, name="body")
+                      [("cond_out", [], np.bool_), ("v_out", [1])],
+                      {"one": np.ones(1, np.float32), "limit": np.float32(10)}, name="body")
     model = make_model([helper.make_node("Loop", ["trips", "cond", "x"], ["y"], name="decoder", body=body)],
-                       [("x", [1])], [("y", [1])], {"trips": np.int64(4), "cond": np.bool_(True)}, infer_shapes=False)
-    with pytest.raises(ModelError, match="node 'decoder' is a Loop.*unrolled to a fixed length, or use backend ort"):
+                       [("x", [1])], [("y", [1])], {"trips": np.int64(40), "cond": np.bool_(True)}, infer_shapes=False)
+    with pytest.raises(ModelError, match="node 'decoder' is a Loop whose stop depends on the input.*fixed length, or "
+                                         "use backend ort"):
         refuse_unsupported(model)
 
 

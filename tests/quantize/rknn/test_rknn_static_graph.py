@@ -164,3 +164,63 @@ def test_a_batched_matmul_einsum_becomes_transposes_and_a_matmul(equation, a_sha
                 "b": np.random.default_rng(2).standard_normal(b_shape).astype(np.float32)}]
     np.testing.assert_allclose(run_model(static, samples)[0]["y"], run_model(model, samples)[0]["y"], rtol=1e-5,
                                atol=1e-5)
+
+
+def _recurrent_loop(stop: str):
+    """x[4, 3] → a Loop over its rows: h = tanh(h·W + x[i]) (W a body initializer), scanning every h → (h, hs).
+    `stop`: "passed" (trip count 4, the condition passed on: TorchScript's), "counter" (no usable trip count; a
+    carried counter from 0 and `counter + 1 < 4` as the condition: tf2onnx's while loops), "input" (a sum of h
+    under a bound: a decoder's end token)."""
+    from graphs import make_graph
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gather", ["x", "i"], ["row"], axis=0),
+             helper.make_node("MatMul", ["h_in", "w"], ["hw"]), helper.make_node("Add", ["hw", "row"], ["pre"]),
+             helper.make_node("Tanh", ["pre"], ["h_out"]), helper.make_node("Identity", ["h_out"], ["h_scan"])]
+    inputs = [("i", [], np.int64), ("cond_in", [], np.bool_), ("h_in", [3])]
+    outputs = [("cond_out", [], np.bool_), ("h_out", [3])]
+    constants = {"w": rng.standard_normal((3, 3)).astype(np.float32)}
+    loop_inputs, trips = ["trips", "cond", "h0"], np.int64(4)
+    if stop == "passed":
+        nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"]))
+    elif stop == "counter":
+        nodes += [helper.make_node("Add", ["c_in", "one"], ["c_out"]), helper.make_node("Less", ["c_out", "four"], ["cond_out"])]
+        inputs.append(("c_in", [], np.int64))
+        outputs.append(("c_out", [], np.int64))
+        constants |= {"one": np.int64(1), "four": np.int64(4)}
+        loop_inputs.append("c0")
+        trips = np.int64(np.iinfo(np.int64).max)
+    else:
+        nodes += [helper.make_node("ReduceSum", ["h_out"], ["total"], keepdims=0),
+                  helper.make_node("Less", ["total", "bound"], ["cond_out"])]
+        constants["bound"] = np.float32(1.0)
+    outputs.append(("h_scan", [3]))
+    body = make_graph(nodes, inputs, outputs, constants, name="body")
+    loop_outputs = ["h", "c"][:len(loop_inputs) - 2] + ["hs"]
+    return make_model([helper.make_node("Loop", loop_inputs, loop_outputs, name="loop", body=body)],
+                      [("x", [4, 3])], [("h", [3]), ("hs", [4, 3])],
+                      {"trips": trips, "cond": np.bool_(True), "h0": np.zeros(3, np.float32), "c0": np.int64(0)},
+                      infer_shapes=False)
+
+
+@pytest.mark.parametrize("stop", ["passed", "counter"])
+def test_a_loop_that_runs_a_fixed_number_of_times_is_unrolled(stop):
+    """rknn-toolkit2 refuses every Loop ("will cause the graph to be a dynamic graph"): a Keras LSTM exported by
+    tf2onnx, or a scripted torch loop, could not reach the NPU."""
+    model = _recurrent_loop(stop)
+    samples = [{"x": np.random.default_rng(i).standard_normal((4, 3)).astype(np.float32)} for i in range(3)]
+    refuse_unsupported(model)  # passes the checks before any work
+    static, record = static_graph(model, samples)
+    assert record == {"loops_unrolled": ["loop"], "verified_on": 3}
+    ops = [n.op_type for n in static.graph.node]
+    assert "Loop" not in ops and ops.count("Tanh") == 4 and ops.count("Concat") == 1
+    assert sum(t.name.endswith("/w") for t in static.graph.initializer) == 1  # the weight shared, not copied 4 times
+    onnx.checker.check_model(static, full_check=True)
+    for a, b in zip(run_model(model, samples), run_model(static, samples)):
+        for name in ("h", "hs"):
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-6)
+
+
+def test_a_loop_that_stops_on_its_data_is_refused_at_the_build_too():
+    with pytest.raises(ModelError, match="node 'loop' is a Loop whose stop depends on the input"):
+        rewritten(_recurrent_loop("input"))
