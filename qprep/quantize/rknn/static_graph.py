@@ -22,9 +22,12 @@ Facts (rknn-toolkit2 2.5.0, measured on tiny graphs and on the zoo models named)
   (KeyError on a value its Einsum conversion made, then in every rule disabled after it). A two-operand Einsum
   that is one batched matmul (one contracted letter, one free letter per operand, the rest shared batch letters)
   is rewritten as Transposes and a MatMul; other equations are left to the toolkit.
-- Loop (SLANet's table decoder: a constant trip count with an early-exit condition): refused by the toolkit after
-  a minute of work ("The Loop('Loop.0') will cause the graph to be a dynamic graph! Remove it manually"); refused
-  here before any work, naming the node (unrolling a loop that may exit early would change the model).
+- Loop: refused by the toolkit after a minute of work ("The Loop('Loop.0') will cause the graph to be a dynamic
+  graph! Remove it manually"). A Loop that runs a fixed number of times (its trip count, the condition passed on
+  as TorchScript writes it; or a stop computed from a counter that starts from a constant, as tf2onnx writes a
+  Keras LSTM/GRU) is unrolled: its body inlined once per iteration, the body's weights shared, scan outputs
+  concatenated. One whose stop depends on the input (SLANet's table decoder stops at its end token) cannot be,
+  and is refused before any work, naming the node.
 """
 
 from __future__ import annotations
