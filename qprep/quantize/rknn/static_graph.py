@@ -37,7 +37,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.info import constant_names, iter_nodes, unique_name
+from qprep.model.info import constant_names, iter_nodes, node_index, unique_name
 from qprep.model.io import inferred_shapes, subgraphs
 from qprep.model.runtime import run_model
 from qprep.quantize.rknn.io_names import all_names, rename_values
@@ -65,12 +65,13 @@ def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.Mo
     ModelError for what cannot be. `samples`: a Loop whose stop is computed in its body runs once on the first
     to count its iterations."""
     constants = constant_names(model.graph)
-    if not any(_is_loop(n) or _is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output
+    if not any(_is_loop(n) or n.op_type == "ConcatFromSequence" or _is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output
                or _default_layout(n) or _matmul_plan(n) for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
     result.CopyFrom(model)
     record = {"loops_unrolled": _loops_unrolled(result, samples[:1]),
+              "sequence_as_concat": _sequences_as_concat(result),
               "if_as_both_branches": _ifs_as_both_branches(result),
               "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result),
               "omitted_outputs_named": _omitted_outputs_named(result),
@@ -94,7 +95,7 @@ def static_graph(model: onnx.ModelProto, samples: list[dict], threads: int = 2) 
 
 
 # rewrites that replace a node (a named omitted output or a dropped default layout leaves the node itself)
-REPLACED = ("loops_unrolled", "if_as_both_branches", "batchnorm_as_arithmetic", "einsum_as_matmul")
+REPLACED = ("loops_unrolled", "sequence_as_concat", "if_as_both_branches", "batchnorm_as_arithmetic", "einsum_as_matmul")
 
 
 def carried(float_set: set[str], model: onnx.ModelProto, record: dict) -> set[str]:
@@ -360,6 +361,71 @@ def _stacked(node: onnx.NodeProto, scans: list[list[str]], finals: list[str], mo
         nodes.append(helper.make_node("Concat", stacked, [final], axis=0,
                                       name=unique_name(f"{node.name}/scan_{k}", taken)))
     return nodes
+
+
+# ------------------------------------------------------- a sequence appended to, then concatenated → Concat
+
+
+def _sequence_chain(graph: onnx.GraphProto, concat: onnx.NodeProto) -> tuple[list[str], list[onnx.NodeProto]] | None:
+    """(the tensors in order, the nodes that built the sequence) when `concat`'s sequence was built only by
+    SequenceEmpty/SequenceConstruct and appending SequenceInserts (through Identities), each step read by the
+    next alone: a torch list appended to in a loop, once the loop is unrolled."""
+    producers = {o: node for node in graph.node for o in node.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    tensors, chain, value = [], [], concat.input[0]
+    while True:
+        node = producers.get(value)
+        if node is None or value in outputs or readers.get(value, 0) != 1:
+            return None
+        chain.append(node)
+        if node.op_type == "SequenceEmpty":
+            return tensors[::-1], chain
+        if node.op_type == "SequenceConstruct":
+            return list(node.input) + tensors[::-1], chain
+        if node.op_type == "SequenceInsert" and len(node.input) == 2:
+            tensors.append(node.input[1])
+        elif node.op_type != "Identity":
+            return None
+        value = node.input[0]
+
+
+def _sequences_as_concat(model: onnx.ModelProto) -> list[str]:
+    """Each ConcatFromSequence over such a chain → Concat of its tensors (each Unsqueezed first for new_axis)."""
+    graph, done = model.graph, []
+    taken = all_names(model) | {n.name for n in iter_nodes(graph)}
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    for concat in [n for n in graph.node if n.op_type == "ConcatFromSequence" and n.domain in ("", "ai.onnx")]:
+        found = _sequence_chain(graph, concat)
+        if not found or not found[0]:
+            continue
+        tensors, chain = found
+        attributes = {a.name: a.i for a in concat.attribute}
+        axis, replacement = attributes.get("axis", 0), []
+        if attributes.get("new_axis", 0):
+            axes = unique_name(f"{concat.name}/axes", taken)
+            if opset >= 13:
+                graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), axes))
+            stacked = []
+            for k, tensor in enumerate(tensors):
+                stacked.append(unique_name(f"{concat.name}/{k}", taken))
+                inputs, extra = ([tensor, axes], {}) if opset >= 13 else ([tensor], {"axes": [axis]})
+                replacement.append(helper.make_node("Unsqueeze", inputs, [stacked[-1]], **extra,
+                                                    name=unique_name(f"{concat.name}/unsqueeze_{k}", taken)))
+            tensors = stacked
+        replacement.append(helper.make_node("Concat", tensors, [concat.output[0]], axis=axis,
+                                            name=unique_name(f"{concat.name}/concat", taken)))
+        index = node_index(graph, concat)
+        graph.node.remove(concat)
+        for offset, new in enumerate(replacement):
+            graph.node.insert(index + offset, new)
+        for node in chain:
+            graph.node.remove(node)
+        done.append(concat.name)
+    return done
 
 
 # -------------------------------------------------------- BatchNormalization over run-time statistics

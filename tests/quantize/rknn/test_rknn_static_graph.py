@@ -224,3 +224,30 @@ def test_a_loop_that_runs_a_fixed_number_of_times_is_unrolled(stop):
 def test_a_loop_that_stops_on_its_data_is_refused_at_the_build_too():
     with pytest.raises(ModelError, match="node 'loop' is a Loop whose stop depends on the input"):
         rewritten(_recurrent_loop("input"))
+
+
+def test_a_list_appended_to_in_a_scripted_loop_becomes_a_concat():
+    """torch.jit.script of `outs.append(h)` in a loop, then torch.stack(outs, 1): a sequence carried through the
+    Loop (SequenceEmpty, SequenceInsert) and ConcatFromSequence(new_axis=1). Unrolled, the toolkit still failed
+    on the sequence ("initializer '/SequenceEmpty_output_0' has element type tensor(double)"): now a Concat."""
+    from graphs import make_graph
+
+    body = make_graph([helper.make_node("Gather", ["x", "i"], ["row"], axis=1),
+                       helper.make_node("Tanh", ["row"], ["t"]),
+                       helper.make_node("SequenceInsert", ["seq_in", "t"], ["seq_out"]),
+                       helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+                      [("i", [], np.int64), ("cond_in", [], np.bool_),
+                       helper.make_tensor_sequence_value_info("seq_in", onnx.TensorProto.FLOAT, None)],
+                      [("cond_out", [], np.bool_),
+                       helper.make_tensor_sequence_value_info("seq_out", onnx.TensorProto.FLOAT, None)], name="body")
+    model = make_model([helper.make_node("SequenceEmpty", [], ["empty"], dtype=onnx.TensorProto.FLOAT),
+                        helper.make_node("Loop", ["trips", "cond", "empty"], ["seq"], name="loop", body=body),
+                        helper.make_node("ConcatFromSequence", ["seq"], ["y"], axis=1, new_axis=1, name="stack")],
+                       [("x", [2, 5, 3])], [("y", [2, 5, 3])], {"trips": np.int64(5), "cond": np.bool_(True)},
+                       infer_shapes=False)
+    samples = [{"x": np.random.default_rng(i).standard_normal((2, 5, 3)).astype(np.float32)} for i in range(2)]
+    static, record = static_graph(model, samples)
+    assert record == {"loops_unrolled": ["loop"], "sequence_as_concat": ["stack"], "verified_on": 2}
+    assert not {"Loop", "SequenceEmpty", "SequenceInsert", "ConcatFromSequence"} & {n.op_type for n in static.graph.node}
+    for a, b in zip(run_model(model, samples), run_model(static, samples)):
+        np.testing.assert_array_equal(b["y"], a["y"])
