@@ -65,7 +65,8 @@ def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.Mo
     ModelError for what cannot be. `samples`: a Loop whose stop is computed in its body runs once on the first
     to count its iterations."""
     constants = constant_names(model.graph)
-    if not any(_is_loop(n) or n.op_type == "ConcatFromSequence" or _is_if(n) or _is_runtime_batchnorm(n, constants) or "" in n.output
+    if not any(_is_loop(n) or n.op_type == "ConcatFromSequence" or _is_if(n) or _is_runtime_batchnorm(n, constants)
+               or "" in n.output
                or _default_layout(n) or _matmul_plan(n) for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
@@ -95,7 +96,8 @@ def static_graph(model: onnx.ModelProto, samples: list[dict], threads: int = 2) 
 
 
 # rewrites that replace a node (a named omitted output or a dropped default layout leaves the node itself)
-REPLACED = ("loops_unrolled", "sequence_as_concat", "if_as_both_branches", "batchnorm_as_arithmetic", "einsum_as_matmul")
+REPLACED = ("loops_unrolled", "sequence_as_concat", "if_as_both_branches", "batchnorm_as_arithmetic",
+            "einsum_as_matmul")
 
 
 def carried(float_set: set[str], model: onnx.ModelProto, record: dict) -> set[str]:

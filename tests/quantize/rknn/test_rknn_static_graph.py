@@ -184,7 +184,8 @@ def _recurrent_loop(stop: str):
     if stop == "passed":
         nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"]))
     elif stop == "counter":
-        nodes += [helper.make_node("Add", ["c_in", "one"], ["c_out"]), helper.make_node("Less", ["c_out", "four"], ["cond_out"])]
+        nodes += [helper.make_node("Add", ["c_in", "one"], ["c_out"]),
+                  helper.make_node("Less", ["c_out", "four"], ["cond_out"])]
         inputs.append(("c_in", [], np.int64))
         outputs.append(("c_out", [], np.int64))
         constants |= {"one": np.int64(1), "four": np.int64(4)}
@@ -248,6 +249,7 @@ def test_a_list_appended_to_in_a_scripted_loop_becomes_a_concat():
     samples = [{"x": np.random.default_rng(i).standard_normal((2, 5, 3)).astype(np.float32)} for i in range(2)]
     static, record = static_graph(model, samples)
     assert record == {"loops_unrolled": ["loop"], "sequence_as_concat": ["stack"], "verified_on": 2}
-    assert not {"Loop", "SequenceEmpty", "SequenceInsert", "ConcatFromSequence"} & {n.op_type for n in static.graph.node}
+    left = {n.op_type for n in static.graph.node}
+    assert not {"Loop", "SequenceEmpty", "SequenceInsert", "ConcatFromSequence"} & left
     for a, b in zip(run_model(model, samples), run_model(static, samples)):
         np.testing.assert_array_equal(b["y"], a["y"])
