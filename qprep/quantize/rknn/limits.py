@@ -40,7 +40,7 @@ MASK_BOUND = 10000.0
 
 def refuse_unsupported(model: onnx.ModelProto, at_load: bool = False) -> None:
     """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an If
-    static_graph.py cannot rewrite, an opset that cannot be converted down to RKNN_MAX_OPSET (named by the op
+    or Loop static_graph.py cannot rewrite, an opset that cannot be converted down to RKNN_MAX_OPSET (named by the op
     that blocks it). `at_load`: the input model, before the optimize stage has taken ONNX Runtime's fused ops
     apart (the build checks again what is left)."""
     require_fixed_dims(model)
