@@ -46,9 +46,8 @@ from qprep.verify import Tolerance, compare
 
 def refuse_unrewritable(model: onnx.ModelProto) -> None:
     """ModelError for a Loop whose stop depends on the input, or an If whose branches give outputs of different
-    shapes: checked on the input model,
-    before any work (BatchNormalization is judged at quantize time: on the input model its statistics may still
-    be computed from constants that optimize folds)."""
+    shapes: checked on the input model, before any work (BatchNormalization is judged at quantize time: on the
+    input model its statistics may still be computed from constants that optimize folds)."""
     for node in model.graph.node:
         if _is_loop(node):
             _refuse_data_dependent_stop(model, node)
