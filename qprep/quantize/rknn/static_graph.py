@@ -136,9 +136,7 @@ def _ifs_as_both_branches(model: onnx.ModelProto) -> list[str]:
                 shape, elem_type = outputs[position]
                 replacement += _selection(node, node.input[0], condition_shape, then_names[position],
                                           else_names[position], output, shape, elem_type, taken, graph)
-        del graph.node[index]
-        for offset, new in enumerate(replacement):
-            graph.node.insert(index + offset, new)
+        _replace_node(graph, index, replacement)
         done.append(node.name)
 
 
@@ -337,9 +335,7 @@ def _loops_unrolled(model: onnx.ModelProto, samples: list[dict]) -> list[str]:
                 replacement.append(helper.make_node("Identity", [value], [final],
                                                     name=unique_name(f"{node.name}/final", taken)))
         replacement += _stacked(node, scans, node.output[len(carried):], model, taken)
-        del graph.node[index]
-        for offset, new in enumerate(replacement):
-            graph.node.insert(index + offset, new)
+        _replace_node(graph, index, replacement)
         done.append(node.name)
 
 
@@ -420,10 +416,7 @@ def _sequences_as_concat(model: onnx.ModelProto) -> list[str]:
             tensors = stacked
         replacement.append(helper.make_node("Concat", tensors, [concat.output[0]], axis=axis,
                                             name=unique_name(f"{concat.name}/concat", taken)))
-        index = node_index(graph, concat)
-        graph.node.remove(concat)
-        for offset, new in enumerate(replacement):
-            graph.node.insert(index + offset, new)
+        _replace_node(graph, node_index(graph, concat), replacement)
         for node in chain:
             graph.node.remove(node)
         done.append(concat.name)
@@ -462,9 +455,7 @@ def _batchnorms_as_arithmetic(model: onnx.ModelProto) -> list[str]:
                              "at run time, which crashes rknn-toolkit2, and qprep cannot rewrite this one (training "
                              "mode, running-statistics outputs or an input of unknown rank): export it in eval mode")
         replacement = _arithmetic(node, rank, attributes.get("epsilon", 1e-5), taken, graph)
-        del graph.node[index]
-        for offset, new in enumerate(replacement):
-            graph.node.insert(index + offset, new)
+        _replace_node(graph, index, replacement)
         done.append(node.name)
     return done[::-1]
 
@@ -561,9 +552,7 @@ def _einsums_as_matmul(model: onnx.ModelProto) -> list[str]:
         if product != node.output[0]:
             replacement.append(helper.make_node("Transpose", [product], [node.output[0]], perm=perm_out,
                                                 name=unique_name(f"{prefix}out", taken)))
-        graph.node.remove(node)
-        for offset, new in enumerate(replacement):
-            graph.node.insert(index + offset, new)
+        _replace_node(graph, index, replacement)
         done.insert(0, node.name)
     return done
 
@@ -591,6 +580,13 @@ def _default_layouts_dropped(model: onnx.ModelProto) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+def _replace_node(graph: onnx.GraphProto, index: int, replacement: list[onnx.NodeProto]) -> None:
+    """The node at `index` replaced by `replacement`, in its place (the graph stays topologically sorted)."""
+    del graph.node[index]
+    for offset, new in enumerate(replacement):
+        graph.node.insert(index + offset, new)
 
 
 def _value_shapes(inferred: onnx.ModelProto) -> dict[str, list | None]:
