@@ -32,6 +32,8 @@ Facts (rknn-toolkit2 2.5.0, measured on tiny graphs and on the zoo models named)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -116,11 +118,8 @@ def carried(float_set: set[str], model: onnx.ModelProto, record: dict) -> set[st
 def _ifs_as_both_branches(model: onnx.ModelProto) -> list[str]:
     """Every If of the main graph (an inlined branch's own If included) → its branches' nodes + a selection."""
     done = []
-    while True:
+    for index in _one_by_one(model, _is_if):
         graph = model.graph
-        index = next((i for i, n in enumerate(graph.node) if _is_if(n)), None)
-        if index is None:
-            return done
         node = graph.node[index]
         inferred = onnx.shape_inference.infer_shapes(model)  # node order kept: the same If at `index`
         branches = {a.name: a.g for a in node.attribute}
@@ -138,6 +137,7 @@ def _ifs_as_both_branches(model: onnx.ModelProto) -> list[str]:
                                           else_names[position], output, shape, elem_type, taken, graph)
         _replace_node(graph, index, replacement)
         done.append(node.name)
+    return done
 
 
 def _branch_outputs(node: onnx.NodeProto, then: onnx.GraphProto, other: onnx.GraphProto) -> list[tuple[list, int]]:
@@ -293,11 +293,8 @@ def _loops_unrolled(model: onnx.ModelProto, samples: list[dict]) -> list[str]:
     constants, each carried value the previous copy's, each scan output the Concat of every copy's (Unsqueezed
     on a new first axis); the body's own initializers moved out once, shared by every copy."""
     done = []
-    while True:
+    for index in _one_by_one(model, _is_loop):
         graph = model.graph
-        index = next((i for i, n in enumerate(graph.node) if _is_loop(n)), None)
-        if index is None:
-            return done
         node = graph.node[index]
         _refuse_data_dependent_stop(model, node)
         count = _iterations(model, index, samples)
@@ -337,6 +334,7 @@ def _loops_unrolled(model: onnx.ModelProto, samples: list[dict]) -> list[str]:
         replacement += _stacked(node, scans, node.output[len(carried):], model, taken)
         _replace_node(graph, index, replacement)
         done.append(node.name)
+    return done
 
 
 def _stacked(node: onnx.NodeProto, scans: list[list[str]], finals: list[str], model: onnx.ModelProto,
@@ -580,6 +578,16 @@ def _default_layouts_dropped(model: onnx.ModelProto) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+def _one_by_one(model: onnx.ModelProto, wanted: Callable[[onnx.NodeProto], bool]) -> Iterator[int]:
+    """The index of the first main-graph node `wanted` holds for, found again after each rewrite (an inlined
+    body may hold more)."""
+    while True:
+        index = next((i for i, n in enumerate(model.graph.node) if wanted(n)), None)
+        if index is None:
+            return
+        yield index
 
 
 def _replace_node(graph: onnx.GraphProto, index: int, replacement: list[onnx.NodeProto]) -> None:
