@@ -53,6 +53,10 @@ def refuse_unrewritable(model: onnx.ModelProto) -> None:
     for node in model.graph.node:
         if _is_loop(node):
             _refuse_data_dependent_stop(model, node)
+        if node.op_type == "Scan" and node.domain in ("", "ai.onnx"):
+            raise ModelError(f"quantize.rknn: node '{node.name}' is a Scan, and rknn-toolkit2 compiles static graphs "
+                             "only; export the model with the recurrence unrolled (or as an LSTM/GRU op), or use "
+                             "backend ort")
     ifs = [i for i, node in enumerate(model.graph.node) if _is_if(node)]
     if ifs:
         inferred = inferred_shapes(model, shapes_only=True)
@@ -67,9 +71,8 @@ def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.Mo
     ModelError for what cannot be. `samples`: a Loop whose stop is computed in its body runs once on the first
     to count its iterations."""
     constants = constant_names(model.graph)
-    if not any(_is_loop(n) or n.op_type == "ConcatFromSequence" or _is_if(n) or _is_runtime_batchnorm(n, constants)
-               or "" in n.output
-               or _default_layout(n) or _matmul_plan(n) for n in model.graph.node):
+    if not any(_is_loop(n) or "Sequence" in n.op_type or _is_if(n) or _is_runtime_batchnorm(n, constants)
+               or "" in n.output or _default_layout(n) or _matmul_plan(n) for n in model.graph.node):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
     result.CopyFrom(model)
@@ -80,6 +83,7 @@ def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.Mo
               "omitted_outputs_named": _omitted_outputs_named(result),
               "default_layout_dropped": _default_layouts_dropped(result),
               "einsum_as_matmul": _einsums_as_matmul(result)}
+    _refuse_sequences(result)
     return result, {name: nodes for name, nodes in record.items() if nodes}
 
 
@@ -419,6 +423,16 @@ def _sequences_as_concat(model: onnx.ModelProto) -> list[str]:
             graph.node.remove(node)
         done.append(concat.name)
     return done
+
+
+def _refuse_sequences(model: onnx.ModelProto) -> None:
+    """A sequence op left after the rewrites (one read other than by a concatenation of appends): the toolkit
+    has no sequence type and fails inside its own constant folding."""
+    node = next((n for n in model.graph.node if "Sequence" in n.op_type), None)
+    if node is not None:
+        raise ModelError(f"quantize.rknn: node '{node.name or node.output[0]}' is {node.op_type}, and rknn-toolkit2 "
+                         "takes no sequence ops (qprep rewrites only a list appended to and then concatenated or "
+                         "stacked); export the model with tensors instead of a list, or use backend ort")
 
 
 # -------------------------------------------------------- BatchNormalization over run-time statistics

@@ -253,3 +253,24 @@ def test_a_list_appended_to_in_a_scripted_loop_becomes_a_concat():
     assert not {"Loop", "SequenceEmpty", "SequenceInsert", "ConcatFromSequence"} & left
     for a, b in zip(run_model(model, samples), run_model(static, samples)):
         np.testing.assert_array_equal(b["y"], a["y"])
+
+
+def test_a_sequence_read_otherwise_and_a_scan_are_refused_naming_them():
+    """The toolkit has no sequence type (it failed on a SequenceEmpty with a traceback from its own constant
+    folding) and compiles static graphs only: named before the build instead."""
+    from graphs import make_graph
+
+    sequence = make_model([helper.make_node("SequenceConstruct", ["x", "x"], ["s"], name="pair"),
+                           helper.make_node("SequenceAt", ["s", "one"], ["y"], name="second")],
+                          [("x", [2, 3])], [("y", [2, 3])], {"one": np.int64(1)}, infer_shapes=False)
+    with pytest.raises(ModelError, match="node 'pair' is SequenceConstruct, and rknn-toolkit2 takes no sequence ops"):
+        rewritten(sequence)
+    body = make_graph([helper.make_node("Add", ["acc_in", "row"], ["acc_out"]),
+                       helper.make_node("Identity", ["acc_out"], ["scan_out"])],
+                      [("acc_in", [3]), ("row", [3])], [("acc_out", [3]), ("scan_out", [3])], name="body")
+    scan = make_model([helper.make_node("Scan", ["zero", "x"], ["total", "sums"], num_scan_inputs=1, body=body,
+                                        name="cumsum")],
+                      [("x", [4, 3])], [("total", [3]), ("sums", [4, 3])], {"zero": np.zeros(3, np.float32)},
+                      infer_shapes=False)
+    with pytest.raises(ModelError, match="node 'cumsum' is a Scan, and rknn-toolkit2 compiles static graphs only"):
+        refuse_unsupported(scan)
