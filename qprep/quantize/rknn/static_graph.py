@@ -217,22 +217,30 @@ def _is_loop(node: onnx.NodeProto) -> bool:
     return node.op_type == "Loop" and node.domain in ("", "ai.onnx")
 
 
-def _data_values(model: onnx.ModelProto) -> set[str]:
-    """Main-graph values that depend on a graph input (a node with a subgraph counts as depending on it)."""
-    initializers = {t.name for t in model.graph.initializer}
-    data = {v.name for v in model.graph.input if v.name not in initializers}
-    for node in model.graph.node:
-        if any(name in data for name in node.input) or any(True for a in node.attribute for _ in subgraphs(a)):
-            data.update(node.output)
-    return data
+SHAPE_OPS = ("Shape", "Size")  # their outputs are fixed: the NPU model has fixed input dims
+
+
+def _reached(nodes, sources: set[str]) -> set[str]:
+    """`sources` and every value computed from them by `nodes` (in order), except through Shape/Size; a node
+    with a subgraph counts as reading them."""
+    reached = set(sources)
+    for node in nodes:
+        if node.op_type in SHAPE_OPS:
+            continue
+        if any(name in reached for name in node.input) or any(True for a in node.attribute for _ in subgraphs(a)):
+            reached.update(node.output)
+    return reached
 
 
 def _data_dependent_stop(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
-    """Whether the loop's stop condition, as its body computes it, depends on the model's input (a decoder that
-    stops at its end token) rather than on the iteration number, constants and loop-carried values that start
-    from constants and are updated from such values only (a counter)."""
+    """Whether the loop's trip count or its stop condition, as its body computes it, depends on the values of
+    the model's input (a decoder that stops at its end token) rather than on the iteration number, constants,
+    shapes and loop-carried values that start from such values and are updated from them only (a counter)."""
+    initializers = {t.name for t in model.graph.initializer}
+    outer_data = _reached(model.graph.node, {v.name for v in model.graph.input if v.name not in initializers})
+    if node.input and node.input[0] in outer_data:
+        return True
     body = next(a.g for a in node.attribute if a.name == "body")
-    outer_data = _data_values(model)
     carried = len(node.input) - 2
     inputs = [i.name for i in body.input]
     data = {name for inner in body.node for name in inner.input if name in outer_data}
@@ -240,10 +248,7 @@ def _data_dependent_stop(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
         data.add(inputs[1])
     data.update(inputs[2 + j] for j in range(carried) if node.input[2 + j] in outer_data)
     while True:
-        seen = set(data)
-        for inner in body.node:
-            if any(name in seen for name in inner.input) or any(True for a in inner.attribute for _ in subgraphs(a)):
-                seen.update(inner.output)
+        seen = _reached(body.node, data)
         grown = {inputs[2 + j] for j in range(carried) if body.output[1 + j].name in seen} - data
         if not grown:
             return body.output[0].name in seen
@@ -259,8 +264,9 @@ def _refuse_data_dependent_stop(model: onnx.ModelProto, node: onnx.NodeProto) ->
 
 
 def _iterations(model: onnx.ModelProto, index: int, samples: list[dict]) -> int:
-    """How many times the Loop at `index` runs: its trip count when its body passes the condition on unchanged
-    (or computes none), else counted on one sample through an added scan output of the iteration number."""
+    """How many times the Loop at `index` runs: its trip count when it is a constant and the body passes the
+    condition on unchanged, else counted on one sample through an added scan output of the iteration number
+    (the count depends on no input value: _data_dependent_stop)."""
     node = model.graph.node[index]
     body = next(a.g for a in node.attribute if a.name == "body")
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -272,10 +278,10 @@ def _iterations(model: onnx.ModelProto, index: int, samples: list[dict]) -> int:
         raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop whose first condition is not a constant "
                          "true; export the model with the loop unrolled, or use backend ort")
     passed_on = body.output[0].name == body.input[1].name
-    if passed_on:
-        if trip is None:
-            raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop with no trip count that qprep can read "
-                             "(not a constant); export the model with a fixed length, or use backend ort")
+    if passed_on and not (node.input and node.input[0]):
+        raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop with neither a trip count nor a stop; "
+                         "export the model with a fixed length, or use backend ort")
+    if passed_on and trip is not None:
         return int(trip)
     if not samples:
         raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop that computes its own stop, and qprep "

@@ -274,3 +274,27 @@ def test_a_sequence_read_otherwise_and_a_scan_are_refused_naming_them():
                       infer_shapes=False)
     with pytest.raises(ModelError, match="node 'cumsum' is a Scan, and rknn-toolkit2 compiles static graphs only"):
         refuse_unsupported(scan)
+
+
+@pytest.mark.parametrize("source", ["shape", "values"])
+def test_a_trip_count_read_from_a_shape_is_counted_and_one_read_from_the_values_refused(source):
+    model = _recurrent_loop("passed")
+    graph = model.graph
+    if source == "shape":  # Shape(x)[0]: fixed, as the NPU model's dims are
+        computed = [helper.make_node("Shape", ["x"], ["dims"]),
+                    helper.make_node("Gather", ["dims", "zero"], ["trips_x"])]
+        graph.initializer.append(onnx.numpy_helper.from_array(np.int64(0), "zero"))
+    else:  # a count read from the input's values
+        computed = [helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
+                    helper.make_node("Cast", ["top"], ["trips_x"], to=onnx.TensorProto.INT64)]
+    for offset, node in enumerate(computed):
+        graph.node.insert(offset, node)
+    graph.node[-1].input[0] = "trips_x"
+    samples = [{"x": np.random.default_rng(i).standard_normal((4, 3)).astype(np.float32)} for i in range(2)]
+    if source == "values":
+        with pytest.raises(ModelError, match="node 'loop' is a Loop whose stop depends on the input"):
+            refuse_unsupported(model)
+        return
+    refuse_unsupported(model)
+    static, record = static_graph(model, samples)
+    assert record["loops_unrolled"] == ["loop"] and [n.op_type for n in static.graph.node].count("Tanh") == 4
