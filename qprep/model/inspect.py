@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from qprep.model import info as model_info
@@ -16,13 +17,17 @@ def inspect_model(path: str) -> dict:
     the matchers `optimize` fuses with, and the candidates they refuse with the reason."""
     from qprep.optimize.passes.gelu import count_gelus
     from qprep.optimize.passes.layernorm import find_layernorms
+    from qprep.optimize.passes.split_ort_fusions import MS_DOMAIN, SPLITS
 
     model = load_model(path)
     summary = model_info.summary(model)
     layernorms = {"fused": summary["op_counts"].get("LayerNormalization", 0), **find_layernorms(model)}
     gelus = {"fused": sum(summary["op_counts"].get(op, 0) for op in FUSED_GELU_OPS), **count_gelus(model)}
+    ort_fused = Counter(n.op_type for n in model_info.iter_nodes(model.graph)
+                        if n.domain == MS_DOMAIN and n.op_type in SPLITS)
     return {"path": str(path), "bytes": Path(path).stat().st_size, **summary, "layernorms": layernorms,
-            "gelus": gelus, "decomposed_layernorms": sum(layernorms["decomposed"].values())}
+            "gelus": gelus, "decomposed_layernorms": sum(layernorms["decomposed"].values()),
+            "ort_fused_ops": dict(sorted(ort_fused.items()))}
 
 
 def _found(name: str, found: dict) -> list[str]:
@@ -48,6 +53,10 @@ def render_inspection(info: dict) -> str:
     lines.append("  outputs:")
     lines += [f"    {s['name']}: {s['dtype']} {shape(s)}" for s in info["outputs"]]
     lines += _found("LayerNorm", info["layernorms"]) + _found("GELU", info["gelus"])
+    if info["ort_fused_ops"]:
+        ops = ", ".join(f"{op} {n}" for op, n in info["ort_fused_ops"].items())
+        lines.append(f"  ONNX Runtime's fused ops: {sum(info['ort_fused_ops'].values())} ({ops}; `optimize` takes "
+                     "them apart)")
     lines.append(f"  nodes: {info['nodes']} ({len(info['op_counts'])} op types), initializers: {info['initializers']}")
     width = max((len(op) for op in info["op_counts"]), default=0)
     lines += [f"    {op:<{width}}  {count}" for op, count in info["op_counts"].items()]

@@ -78,6 +78,24 @@ def test_inspect_counts_layernorms_and_gelus_fused_decomposed_and_refused(tmp_pa
     assert "LayerNorm: 1 fused, 1 decomposed (jax 1; fusable by `optimize`)" in text
     assert "refused 1: gamma is not a constant" in text
     assert "GELU: 0 fused, 1 decomposed (tanh 1; fusable by `optimize`)" in text
+    assert info["ort_fused_ops"] == {} and "ONNX Runtime's fused ops" not in text
+
+
+def test_inspect_counts_onnx_runtimes_fused_ops_that_optimize_takes_apart(tmp_path):
+    from onnx import helper
+
+    from graphs import rand
+
+    model = make_model([helper.make_node("FusedConv", ["x", "w"], ["c"], domain="com.microsoft", activation="Relu"),
+                        helper.make_node("BiasGelu", ["c", "b"], ["y"], domain="com.microsoft")],
+                       [("x", [1, 3, 4, 4])], [("y", [1, 2, 4, 4])], {"w": rand(2, 3, 1, 1), "b": rand(1)}, opset=17,
+                       infer_shapes=False)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save(model, tmp_path / "m.onnx")
+    info = inspect_model(str(tmp_path / "m.onnx"))
+    assert info["ort_fused_ops"] == {"BiasGelu": 1, "FusedConv": 1}
+    text = render_inspection(info)
+    assert "ONNX Runtime's fused ops: 2 (BiasGelu 1, FusedConv 1; `optimize` takes them apart)" in text
 
 
 def test_integer_share_counts_the_multiply_adds_fed_by_dequantize_or_replaced_by_integer_ops():
