@@ -94,7 +94,8 @@ def split_simplified_layernorm(model: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type != "SimplifiedLayerNormalization" or node.domain not in ("", "ai.onnx"):
             continue
         scale = constants.get(node.input[1]) if len(node.input) > 1 else None
-        if scale is None or not scale.dims or (len(node.output) > 1 and node.output[1] in read):
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        if scale is None or not scale.dims or axis >= 0 or (len(node.output) > 1 and node.output[1] in read):
             continue
         replacement, initializers = _rms_norm(node, scale, opset)
         if not _same_as_kernel(node, scale, replacement, initializers, opset):
@@ -114,7 +115,7 @@ def _rms_norm(node: onnx.NodeProto, scale: onnx.TensorProto, opset: int):
     """(nodes, initializers) computing the node's Y from its X and scale, named under the node."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     axis, epsilon = attributes.get("axis", -1), attributes.get("epsilon", 1e-5)
-    count = -axis if axis < 0 else len(scale.dims)  # the axes from `axis` to the last, which the scale spans
+    count = -axis  # the axes from `axis` to the last (a positive axis, which needs the rank, is left as it is)
     prefix = f"{node.name or node.output[0]}/"
     dtype = helper.tensor_dtype_to_np_dtype(scale.data_type)
     stash = attributes.get("stash_type", 1) == 1 and dtype != np.float32

@@ -217,15 +217,16 @@ def _is_loop(node: onnx.NodeProto) -> bool:
     return node.op_type == "Loop" and node.domain in ("", "ai.onnx")
 
 
-SHAPE_OPS = ("Shape", "Size")  # their outputs are fixed: the NPU model has fixed input dims
+SHAPE_OPS = ("Shape", "Size")
 
 
 def _reached(nodes, sources: set[str]) -> set[str]:
-    """`sources` and every value computed from them by `nodes` (in order), except through Shape/Size; a node
-    with a subgraph counts as reading them."""
+    """`sources` and every value computed from them by `nodes` (in order), except through the Shape/Size of a
+    value in `sources` itself (a graph input: fixed dims on the NPU; the shape of a computed value, e.g. of a
+    NonZero, may follow the data); a node with a subgraph counts as reading them."""
     reached = set(sources)
     for node in nodes:
-        if node.op_type in SHAPE_OPS:
+        if node.op_type in SHAPE_OPS and node.input and node.input[0] in sources:
             continue
         if any(name in reached for name in node.input) or any(True for a in node.attribute for _ in subgraphs(a)):
             reached.update(node.output)

@@ -276,7 +276,7 @@ def test_a_sequence_read_otherwise_and_a_scan_are_refused_naming_them():
         refuse_unsupported(scan)
 
 
-@pytest.mark.parametrize("source", ["shape", "values"])
+@pytest.mark.parametrize("source", ["shape", "values", "nonzero"])
 def test_a_trip_count_read_from_a_shape_is_counted_and_one_read_from_the_values_refused(source):
     model = _recurrent_loop("passed")
     graph = model.graph
@@ -284,14 +284,19 @@ def test_a_trip_count_read_from_a_shape_is_counted_and_one_read_from_the_values_
         computed = [helper.make_node("Shape", ["x"], ["dims"]),
                     helper.make_node("Gather", ["dims", "zero"], ["trips_x"])]
         graph.initializer.append(onnx.numpy_helper.from_array(np.int64(0), "zero"))
-    else:  # a count read from the input's values
+    elif source == "values":  # a count read from the input's values
         computed = [helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
                     helper.make_node("Cast", ["top"], ["trips_x"], to=onnx.TensorProto.INT64)]
+    else:  # the size of something the values decide: Size(NonZero(x > 0)) (the review's counterexample)
+        graph.initializer.append(onnx.numpy_helper.from_array(np.float32(0), "zero_f"))
+        computed = [helper.make_node("Greater", ["x", "zero_f"], ["positive"]),
+                    helper.make_node("NonZero", ["positive"], ["where"]),
+                    helper.make_node("Size", ["where"], ["trips_x"])]
     for offset, node in enumerate(computed):
         graph.node.insert(offset, node)
     graph.node[-1].input[0] = "trips_x"
     samples = [{"x": np.random.default_rng(i).standard_normal((4, 3)).astype(np.float32)} for i in range(2)]
-    if source == "values":
+    if source != "shape":
         with pytest.raises(ModelError, match="node 'loop' is a Loop whose stop depends on the input"):
             refuse_unsupported(model)
         return
