@@ -308,9 +308,10 @@ def sqnr_of(signal: float, noise: float) -> float:
 
 
 def _topk_hits(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
-    """Per row of one sample: is the reference's top-1 class among the result's top-k?"""
+    """Per row of one sample: is the reference's top-1 class among the result's top-k? Ties rank by index, as
+    argmax does (an INT8 model's dequantized scores tie often; quicksort would break them at random)."""
     a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-    top = np.argsort(-b2, axis=-1)[:, :k]
+    top = np.argsort(-b2, axis=-1, kind="stable")[:, :k]
     return (top == a2.argmax(-1)[:, None]).any(-1)
 
 

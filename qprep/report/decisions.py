@@ -17,7 +17,7 @@ def decision_lines(stage: dict) -> list[str]:
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
     return [line for line in (_qat(stage), _float32_copy(stage), _activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
-                              _spread(stage), _float_nodes(stage),
+                              _spread(stage), _float_nodes(stage), _fast_kernels(stage),
                               *_fitting(stage), *_rules_disabled(stage)) if line]
 
 
@@ -177,6 +177,24 @@ def _float_nodes(stage: dict) -> str:
     if unmatched:
         parts.append(f"{len(unmatched)} asked-for node(s) no longer in the model (run keep_float after optimize)")
     return "float nodes: " + "; ".join(parts) if parts else ""
+
+
+def _fast_kernels(stage: dict) -> str:
+    """ORT: what was done for its fast int8 convolution kernels (quantize/ort/channel_padding.py, input_convs.py)."""
+    parts = []
+    narrow = stage.get("float_for_speed") or []
+    if narrow:
+        parts.append(f"{len(narrow)} Conv(s) reading the model's input kept float (too few channels for ONNX "
+                     f"Runtime's fast int8 kernels: `{narrow[0]}`{', …' if len(narrow) > 1 else ''})")
+    padding = stage.get("channel_padding") or {}
+    if padding.get("spaces"):
+        spaces = padding["spaces"]
+        examples = ", ".join(f"{s['channels']} → {s['padded_to']}" for s in spaces[:3])
+        timing = f": {padding['ms_before']:.3f} → {padding['ms_after']:.3f} ms per run" if "ms_before" in padding else ""
+        outcome = "kept" if padding["kept"] else f"not kept ({padding.get('why', '')})"
+        parts.append(f"{len(spaces)} channel counts padded with zero channels to multiples of 16 for them "
+                     f"({examples}{', …' if len(spaces) > 3 else ''}; the same outputs){timing}, {outcome}")
+    return "fast kernels: " + "; ".join(parts) if parts else ""
 
 
 def _fitting(stage: dict) -> list[str]:

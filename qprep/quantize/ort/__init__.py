@@ -60,6 +60,10 @@ OPTIONS = section(
                            "scale (BatchNorm folded into depthwise convolutions; channel_spread.py): float — their "
                            "producer and consumers left float; int16 — 16-bit QDQ, for NPU execution providers "
                            "that run it (ONNX Runtime's CPU runs it in float, slower than float); off"),
+    fast_kernels=Key("bool", default=True,
+                     doc="fit ONNX Runtime's fast int8 convolution kernels: channel counts padded to multiples of 16 "
+                         "(exact; kept if faster, channel_padding.py) and Convs reading the model's input over a "
+                         "channel count not a multiple of 4 kept float (input_convs.py)"),
     smooth_layernorm=smooth_layernorm.OPTION,
     bias_correction=Key("bool", default=True,
                         doc="move each layer's integer bias by the drift of its output channels' means measured on "
@@ -74,7 +78,9 @@ def quantize(job: BackendInput) -> Quantized:
     # imports this package for OPTIONS on every run, whatever the backend
     import onnxruntime
 
+    from qprep.quantize.ort import channel_padding
     from qprep.quantize.ort.activations import choose as choose_activations
+    from qprep.quantize.ort.input_convs import narrow_input_convs
     from qprep.quantize.ort.quantizer import OrtQuantizer
     from qprep.quantize.ort.search import fallback
 
@@ -98,6 +104,10 @@ def quantize(job: BackendInput) -> Quantized:
                              many_builds=bool(job.fallback))
     float_set = float_set | smooth_layernorm.restoring_muls(smoothed)
     excluded = (set(options["nodes_to_exclude"]) | float_set) & quantizer.node_names
+    speed_float = set()
+    if options["fast_kernels"] and not quantizer.dynamic:
+        speed_float = set(narrow_input_convs(job.model)) - excluded
+        excluded |= speed_float
     settings, details = quantizer.settings, {}
     if job.fallback:
         outcome, settings = fallback(quantizer, excluded, job)
@@ -105,6 +115,8 @@ def quantize(job: BackendInput) -> Quantized:
     quantized = quantizer.build(excluded, settings)
     if not quantizer.dynamic:  # exact, for speed: ORT would run these MaxPools on uint8 with a slow kernel
         quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
+        if options["fast_kernels"] and options["format"] == "qdq":
+            quantized, details["channel_padding"] = channel_padding.apply(quantized, job.samples[:8], job.threads)
     details.update({"activations": activations, "weights": quantizer.weights, "excluded_nodes": sorted(excluded),
                     "calibration_samples": len(job.samples),
                     "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,
@@ -112,7 +124,7 @@ def quantize(job: BackendInput) -> Quantized:
                     "float_op_types": sorted(settings.float_op_types),
                     "spread_tensors": {"as": options["spread_tensors"], "tensors": sorted(settings.spread_tensors),
                                        "float_nodes": sorted(quantizer.spread_nodes(settings))},
-                    "qdq_simplified": quantizer.simplified})
+                    "qdq_simplified": quantizer.simplified, "float_for_speed": sorted(speed_float)})
     if smoothed:
         details["smoothed_layernorms"] = smoothed
     if quantizer.unquantizable:  # ORT's quantizer failed on them: kept float, with its message
