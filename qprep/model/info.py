@@ -122,7 +122,7 @@ def layers_in_bodies(model: onnx.ModelProto) -> dict[str, int]:
     quantizer that never enters bodies (ONNX Runtime's) leaves float, and what `integer_share` cannot count."""
     held = {}
     for node in model.graph.node:
-        count = sum(n.op_type in LAYERS for a in node.attribute for g in subgraphs(a) for n in iter_nodes(g))
+        count = sum(n.op_type in LAYERS for n in _body_nodes(node))
         if count:
             held[node.name] = count
     return held
@@ -142,13 +142,14 @@ RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "Ra
 
 
 def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
-    """(node, what makes it random) for each main-graph node whose output is drawn at random and reaches a graph
-    output: a random op, or a Dropout in training mode (its training_mode input a constant true and its ratio not
-    0: torch's dynamo exporter writes one for a model left in train mode). Such outputs differ run to run, so
-    no comparison with the float model can judge a quantized one."""
+    """(node, what makes it random) for each node whose output is drawn at random and reaches a graph output: a
+    random op, or a Dropout in training mode (its training_mode input a constant true and its ratio not 0:
+    torch's dynamo exporter writes one for a model left in train mode). Such outputs differ run to run, so no
+    comparison with the float model can judge a quantized one. A node inside an If/Loop/Scan body counts as
+    reaching an output when the main-graph node holding it does (its body's outputs are that node's)."""
     graph = model.graph
-    constants = {t.name: t for t in graph.initializer}
-    for node in graph.node:
+    constants = {t.name: t for g in _graphs(graph) for t in g.initializer}
+    for node in iter_nodes(graph):
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             constants[node.output[0]] = node.attribute[0].t
 
@@ -157,20 +158,16 @@ def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
         return None if tensor is None else numpy_helper.to_array(tensor)
 
     found = []
-    for node in graph.node:
-        if node.domain not in ("", "ai.onnx"):
-            continue
-        if node.op_type in RANDOM_OPS:
-            found.append((node, node.op_type))
-        elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
-            training, ratio = value(node.input[2]), value(node.input[1]) if node.input[1] else np.float32(0.5)
-            if training is not None and bool(training) and (ratio is None or float(ratio) != 0):
-                found.append((node, "Dropout in training mode"))
+    for top in graph.node:
+        for node in (top, *_body_nodes(top)):
+            why = _random(node, value)
+            if why:
+                found.append((node, top, why))
     if not found:
         return []
     readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
+    for node in graph.node:  # a node reads its inputs and whatever its bodies read from outside them
+        for name in {*node.input, *(i for inner in _body_nodes(node) for i in inner.input)}:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
 
@@ -186,7 +183,36 @@ def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
                     todo.extend(reader.output)
         return False
 
-    return [(node, why) for node, why in found if reaches_output(node)]
+    return [(node, why) for node, top, why in found if reaches_output(top)]
+
+
+def _random(node: onnx.NodeProto, value) -> str | None:
+    """What makes `node` draw random values, or None."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in RANDOM_OPS:
+        return node.op_type
+    if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
+        training, ratio = value(node.input[2]), value(node.input[1]) if node.input[1] else np.float32(0.5)
+        if training is not None and bool(training) and (ratio is None or float(ratio) != 0):
+            return "Dropout in training mode"
+    return None
+
+
+def _body_nodes(node: onnx.NodeProto):
+    """Every node inside `node`'s If/Loop/Scan bodies."""
+    for attr in node.attribute:
+        for sub in subgraphs(attr):
+            yield from iter_nodes(sub)
+
+
+def _graphs(graph: onnx.GraphProto):
+    """The graph and every body inside it."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in subgraphs(attr):
+                yield from _graphs(sub)
 
 
 def op_counts(model: onnx.ModelProto) -> dict[str, int]:

@@ -53,3 +53,26 @@ def test_a_run_on_a_model_left_in_training_mode_is_refused_before_any_work(tmp_p
         qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
                    "pipeline": [{"optimize": {}}, {"quantize": {}}]}, output_dir=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def _branch(name: str, nodes, output: str):
+    from graphs import make_graph
+    return make_graph(nodes, [], [(output, [2, 8])], name=name)
+
+
+def test_a_random_op_inside_an_if_branch_that_feeds_an_output_is_found():
+    noisy = _branch("then", [helper.make_node("RandomUniformLike", ["x"], ["u"], name="draw"),
+                             helper.make_node("Add", ["x", "u"], ["t"], name="noisy")], "t")
+    clean = _branch("else", [helper.make_node("Identity", ["x"], ["e"], name="clean")], "e")
+    nodes = [helper.make_node("If", ["flag"], ["y"], name="if", then_branch=noisy, else_branch=clean)]
+    model = make_model(nodes, [("x", [2, 8]), ("flag", [], np.bool_)], [("y", [2, 8])], opset=13)
+    assert [(n.name, why) for n, why in random_nodes(model)] == [("draw", "RandomUniformLike")]
+
+
+def test_a_random_value_read_only_inside_a_branch_reaches_the_output_through_it():
+    reads = _branch("then", [helper.make_node("Add", ["x", "noise"], ["t"], name="add")], "t")
+    clean = _branch("else", [helper.make_node("Identity", ["x"], ["e"], name="clean")], "e")
+    nodes = [helper.make_node("RandomNormalLike", ["x"], ["noise"], name="noise"),
+             helper.make_node("If", ["flag"], ["y"], name="if", then_branch=reads, else_branch=clean)]
+    model = make_model(nodes, [("x", [2, 8]), ("flag", [], np.bool_)], [("y", [2, 8])], opset=13)
+    assert [(n.name, why) for n, why in random_nodes(model)] == [("noise", "RandomNormalLike")]

@@ -57,10 +57,11 @@ class Left(Exception):
 class _Builder:
     """Writes one node's replacement: ops named after the node, scalar constants in the node's float type."""
 
-    def __init__(self, node: ir.Node, names: Names, opset: int):
+    def __init__(self, node: ir.Node, names: Names, opset: int, model_float: ir.DataType, in_function: bool):
         self.node, self.names, self.opset = node, names, opset
         self.nodes: list[ir.Node] = []
-        self.dtype = _float_type(node)
+        self.dtype = _float_type(node, model_float)
+        self.in_function = in_function  # a function holds no initializers: constants are Constant nodes there
 
     def op(self, op_type: str, *inputs: ir.Value | None, **attributes) -> ir.Value:
         node = ir.node(op_type, list(inputs), attributes={k: v for k, v in attributes.items() if v is not None},
@@ -79,6 +80,8 @@ class _Builder:
         return self.op(op_type, x, axes=axes, **attributes)
 
     def _constant(self, array: np.ndarray, label: str) -> ir.Value:
+        if self.in_function:
+            return self.op("Constant", value=ir.tensor(array))
         name = self.names.value(f"{self.node.name or self.node.op_type}/{label}")
         dtype = ir.TensorType(ir.DataType.from_numpy(array.dtype))
         constant = ir.Value(name=name, shape=ir.Shape(array.shape), type=dtype, const_value=ir.tensor(array, name=name))
@@ -95,12 +98,22 @@ class _Builder:
         return self.op(name, x, **params)
 
 
-def _float_type(node: ir.Node) -> ir.DataType:
-    """The node's float type: its first typed float input's (weights are always typed), else float32."""
+FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
+
+
+def _float_type(node: ir.Node, model_float: ir.DataType) -> ir.DataType:
+    """The node's float type: its first typed float input's (weights are always typed), else the model's."""
     for value in node.inputs:
-        if value is not None and value.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE):
+        if value is not None and value.dtype in FLOATS:
             return value.dtype
-    return ir.DataType.FLOAT
+    return model_float
+
+
+def _model_float(model: ir.Model) -> ir.DataType:
+    """The float type most of the model's weights have (float32 without any): a float16 model's untyped
+    intermediate values are float16, and a float32 constant beside them fails the checker."""
+    types = Counter(v.dtype for v in model.graph.initializers.values() if v.dtype in FLOATS)
+    return types.most_common(1)[0][0] if types else ir.DataType.FLOAT
 
 
 def _input(node: ir.Node, index: int) -> ir.Value | None:
@@ -234,8 +247,8 @@ SPLITS: dict[str, Callable[[_Builder, ir.Node], list[ir.Value]]] = {
 GELU_OPS = frozenset({"Gelu", "FastGelu", "QuickGelu"})  # what the GELU pass writes in its microsoft mode
 
 
-def _split(node: ir.Node, names: Names, opset: int) -> None:
-    builder = _Builder(node, names, opset)
+def _split(node: ir.Node, names: Names, opset: int, model_float: ir.DataType, in_function: bool) -> None:
+    builder = _Builder(node, names, opset, model_float, in_function)
     outputs = SPLITS[node.op_type](builder, node)
     node.graph.insert_before(node, builder.nodes)
     for old, new in zip(node.outputs, outputs):
@@ -258,11 +271,14 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
     # contrib ops before it are ONNX ops
     candidates.sort(key=lambda n: n.op_type == "FusedMatMul")
     inferred = False
+    model_float = _model_float(model)
+    in_functions = {id(n) for function in model.functions.values()
+                    for n in ir.traversal.RecursiveGraphIterator(function)}
     for node in candidates:
         if node.op_type == "FusedMatMul" and not inferred:
             inferred = infer_shapes(model) or True
         try:
-            _split(node, names, opset)
+            _split(node, names, opset, model_float, id(node) in in_functions)
             split[node.op_type] += 1
         except Left as reason:
             left[str(reason)] += 1

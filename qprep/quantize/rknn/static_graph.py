@@ -76,13 +76,20 @@ def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.Mo
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    record = {"loops_unrolled": _loops_unrolled(result, samples[:1]),
-              "sequence_as_concat": _sequences_as_concat(result),
-              "if_as_both_branches": _ifs_as_both_branches(result),
-              "batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result),
+    record = {"loops_unrolled": [], "sequence_as_concat": [], "if_as_both_branches": []}
+    while True:  # an inlined branch may hold a Loop, an unrolled body an If: until neither is left
+        rounds = {"loops_unrolled": _loops_unrolled(result, samples[:1]),
+                  "sequence_as_concat": _sequences_as_concat(result),
+                  "if_as_both_branches": _ifs_as_both_branches(result)}
+        if not any(rounds.values()):
+            break
+        for key, nodes in rounds.items():
+            record[key] += nodes
+    refuse_unrewritable(result)  # a Scan an inlined branch brought into the main graph
+    record.update({"batchnorm_as_arithmetic": _batchnorms_as_arithmetic(result),
               "omitted_outputs_named": _omitted_outputs_named(result),
               "default_layout_dropped": _default_layouts_dropped(result),
-              "einsum_as_matmul": _einsums_as_matmul(result)}
+              "einsum_as_matmul": _einsums_as_matmul(result)})
     _refuse_sequences(result)
     return result, {name: nodes for name, nodes in record.items() if nodes}
 
@@ -291,7 +298,11 @@ def _iterations(model: onnx.ModelProto, index: int, samples: list[dict]) -> int:
     probe.CopyFrom(model)
     loop = probe.graph.node[index]
     inner = next(a.g for a in loop.attribute if a.name == "body")
-    counter = unique_name(f"{node.name}/iteration", all_names(model))
+    taken = all_names(model)
+    for position, name in enumerate(loop.output):  # ORT cannot run a '' output before the one added below
+        if not name:
+            loop.output[position] = unique_name(f"{node.name}/unused_{position}", taken)
+    counter = unique_name(f"{node.name}/iteration", taken)
     inner.node.append(helper.make_node("Identity", [inner.input[0].name], [counter]))
     inner.output.append(helper.make_tensor_value_info(counter, onnx.TensorProto.INT64, None))
     loop.output.append(counter)
@@ -321,16 +332,19 @@ def _loops_unrolled(model: onnx.ModelProto, samples: list[dict]) -> list[str]:
             tensor.name = shared[tensor.name]
         graph.initializer.extend(body.initializer)
         del body.initializer[:]
-        scalar = [d.dim_value for d in body.input[0].type.tensor_type.shape.dim]
-        scalar = scalar if all(scalar) else []  # the iteration number's declared shape ([] or [1])
+        # the iteration number is one element: [] or [1] as declared (a symbolic dim can only be 1)
+        number_shape = [1] * len(body.input[0].type.tensor_type.shape.dim)
+        read = {name for inner in iter_nodes(body) for name in inner.input} | {o.name for o in body.output}
         carried = list(node.input[2:])
         scans: list[list[str]] = [[] for _ in range(len(body.output) - 1 - len(carried))]
         replacement = []
         for step in range(count):
             prefix = f"{node.name}/{step}/"
             number, condition = unique_name(prefix + "iteration", taken), unique_name(prefix + "condition", taken)
-            graph.initializer.append(numpy_helper.from_array(np.full(scalar, step, np.int64), number))
-            graph.initializer.append(numpy_helper.from_array(np.array(True), condition))
+            if body.input[0].name in read:  # a body that never reads them gets no per-step constants
+                graph.initializer.append(numpy_helper.from_array(np.full(number_shape, step, np.int64), number))
+            if body.input[1].name in read:
+                graph.initializer.append(numpy_helper.from_array(np.array(True), condition))
             bound = shared | {body.input[0].name: number, body.input[1].name: condition}
             bound |= {value.name: outer for value, outer in zip(body.input[2:], carried)}
             nodes, outputs = _inlined(body, prefix, taken, graph, bound)

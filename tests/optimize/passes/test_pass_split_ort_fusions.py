@@ -183,3 +183,31 @@ def test_a_model_onnx_runtime_saved_optimizes_to_what_its_plain_export_does(tmp_
     assert not {"FusedConv", "FusedMatMul", "BiasGelu", "SkipLayerNormalization"} & set(from_ort)
     for op in ("Conv", "MatMul", "Gemm", "LayerNormalization", "Gelu", "Erf", "Clip"):
         assert from_ort.get(op, 0) == plain.get(op, 0), (op, plain, from_ort)
+
+
+def test_constants_take_the_model_float_type_where_the_node_has_no_typed_input():
+    """A float16 model's intermediate values carry no type before inference: float32 constants beside them made
+    the checker fail, and the stage rolled the whole pass back."""
+    model = with_ms(make_model([helper.make_node("Mul", ["x", "w"], ["m"]), contrib("QuickGelu", ["m"], alpha=1.702)],
+                               [("x", [2, 8], np.float16)], [("y", [2, 8], np.float16)],
+                               {"w": rand(8).astype(np.float16)}, infer_shapes=False))
+    split, outcome = apply_pass(PASS, model, RKNN)  # (gelu: microsoft would leave QuickGelu to ORT)
+    assert outcome.matches == 1 and "QuickGelu" not in ops(split)
+    assert {t.data_type for t in split.graph.initializer} == {onnx.TensorProto.FLOAT16}
+    onnx.checker.check_model(split, full_check=True)
+    feeds = {"x": rand(2, 8).astype(np.float16)}
+    assert max_diff(model, split, feeds) < 1e-2
+
+
+def test_a_fused_op_inside_a_model_local_function_gets_constant_nodes():
+    """A function holds no initializers: the GELU's constants were lost, and the stage rolled the pass back."""
+    function = helper.make_function("local", "Block", ["a", "b"], ["c"], [contrib("BiasGelu", ["a", "b"], ["c"])],
+                                    [helper.make_opsetid("", 13), helper.make_opsetid(MS, 1)])
+    model = with_ms(make_model([helper.make_node("Block", ["x", "bias"], ["y"], domain="local")],
+                               [("x", [2, 8])], [("y", [2, 8])], {"bias": rand(8, seed=5)}, infer_shapes=False))
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    model.functions.append(function)
+    split, outcome = apply_pass(PASS, model)
+    body = split.functions[0].node
+    assert outcome.matches == 1 and "BiasGelu" not in {n.op_type for n in body} and "Constant" in {n.op_type for n in body}
+    assert max_diff(model, split, {"x": rand(2, 8)}) < 1e-5

@@ -303,3 +303,29 @@ def test_a_trip_count_read_from_a_shape_is_counted_and_one_read_from_the_values_
     refuse_unsupported(model)
     static, record = static_graph(model, samples)
     assert record["loops_unrolled"] == ["loop"] and [n.op_type for n in static.graph.node].count("Tanh") == 4
+
+
+def test_a_loop_inside_an_if_branch_is_unrolled_once_the_branch_is_inlined():
+    """Each rewrite ran once: the If's inlined branch brought its Loop into the main graph after the Loops had been
+    unrolled, and the toolkit got a Loop."""
+    from graphs import make_graph
+
+    looped = _recurrent_loop("passed")
+    loop = looped.graph.node[0]
+    loop.output[:] = ["h", "hs"]  # hs read by nobody
+    then = make_graph([loop], [], [("h", [3])], name="then")
+    other = make_graph([helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=0)], [], [("m", [3])],
+                       name="else")
+    nodes = [helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+             helper.make_node("Greater", ["total", "zero"], ["flag"]),
+             helper.make_node("If", ["flag"], ["y"], name="if", then_branch=then, else_branch=other)]
+    initializers = [*looped.graph.initializer, onnx.numpy_helper.from_array(np.float32(0), "zero")]
+    model = make_model(nodes, [("x", [4, 3])], [("y", [3])], initializers, infer_shapes=False)
+    samples = [{"x": np.random.default_rng(i).standard_normal((4, 3)).astype(np.float32) + shift}
+               for i, shift in enumerate((-2, 2, 2))]
+    static, record = static_graph(model, samples)
+    assert record["if_as_both_branches"] == ["if"] and len(record["loops_unrolled"]) == 1
+    ops = [n.op_type for n in static.graph.node]
+    assert "If" not in ops and "Loop" not in ops and ops.count("Tanh") == 4
+    for a, b in zip(run_model(model, samples), run_model(static, samples)):
+        np.testing.assert_allclose(b["y"], a["y"], rtol=1e-6, atol=1e-6)
