@@ -94,6 +94,14 @@ def graph_outputs(model: onnx.ModelProto) -> list[TensorSpec]:
     return [tensor_spec(v) for v in model.graph.output]
 
 
+def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializers and Constant nodes' values of `graph`, by name (read with numpy_helper.to_array when needed)."""
+    tensors = {t.name: t for t in graph.initializer}
+    tensors.update({n.output[0]: n.attribute[0].t for n in graph.node
+                    if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    return tensors
+
+
 def constant_names(graph: onnx.GraphProto) -> set[str]:
     """Initializers and Constant outputs of `graph`: the values known before it runs."""
     return {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
@@ -148,10 +156,7 @@ def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
     comparison with the float model can judge a quantized one. A node inside an If/Loop/Scan body counts as
     reaching an output when the main-graph node holding it does (its body's outputs are that node's)."""
     graph = model.graph
-    constants = {t.name: t for g in _graphs(graph) for t in g.initializer}
-    for node in iter_nodes(graph):
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            constants[node.output[0]] = node.attribute[0].t
+    constants = {name: t for g in _graphs(graph) for name, t in constant_tensors(g).items()}
 
     def value(name: str):
         tensor = constants.get(name)

@@ -17,7 +17,8 @@ def inspect_model(path: str) -> dict:
     the matchers `optimize` fuses with, and the candidates they refuse with the reason."""
     from qprep.optimize.passes.gelu import count_gelus
     from qprep.optimize.passes.layernorm import find_layernorms
-    from qprep.optimize.passes.split_ort_fusions import MS_DOMAIN, SPLITS
+    from qprep.optimize.ir_utils import MS_DOMAIN
+    from qprep.optimize.passes.split_ort_fusions import SPLITS
 
     model = load_model(path)
     summary = model_info.summary(model)

@@ -22,8 +22,9 @@ def default_opset(model: ir.Model) -> int:
 # ONNX Runtime contrib ops the optimize passes write whose output has the input's shape and type. ONNX's shape
 # inference does not know them and would stop there (every shape after a fused GELU unknown), so during
 # inference they stand in as Identity.
-SHAPE_KEEPING_CONTRIB_OPS = frozenset({("com.microsoft", "Gelu"), ("com.microsoft", "FastGelu"),
-                                       ("com.microsoft", "QuickGelu")})
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+SHAPE_KEEPING_CONTRIB_OPS = frozenset({(MS_DOMAIN, "Gelu"), (MS_DOMAIN, "FastGelu"), (MS_DOMAIN, "QuickGelu")})
 
 
 def infer_shapes(model: ir.Model) -> bool:

@@ -40,7 +40,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from qprep.optimize.ir_utils import constant_array, default_opset, infer_shapes
+from qprep.optimize.ir_utils import FLOAT_TYPES, MS_DOMAIN, constant_array, default_opset, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.optimize.rules import OpsetUpgrade, all_nodes, take_over, unique_node_name
 
@@ -48,9 +48,7 @@ REL_TOL = 1e-4  # relative tolerance on every coefficient (see the module docstr
 GELU_OPSET = 20  # ONNX Gelu's first opset
 UPGRADE = OpsetUpgrade(GELU_OPSET, forbidden="gelu: {found} GELU(s) need opset {target} for ONNX Gelu but max_opset "
                                           "is {max_opset}", failed="gelu: converting opset {opset} → {target} failed")
-MS_DOMAIN = "com.microsoft"
 MODES = ("auto", "onnx", "microsoft", "off")
-FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 POLYNOMIAL_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Pow"})
 MAX_STEPS = 6  # nodes between the core op and y; exporters use 2-4
 

@@ -34,13 +34,11 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from qprep.optimize.ir_utils import default_opset, infer_shapes
+from qprep.optimize.ir_utils import FLOAT_TYPES, MS_DOMAIN, default_opset, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.optimize.passes.gelu import resolve_mode
 from qprep.optimize.passes.layernorm import LAYERNORM_OPSET
 from qprep.optimize.rules import Names, all_nodes, names_in_use, take_over
-
-MS_DOMAIN = "com.microsoft"
 
 # activation name → the ONNX attributes its parameters are, in order (Clip's are its min/max inputs)
 ACTIVATIONS: dict[str, tuple[str, ...]] = {
@@ -98,13 +96,10 @@ class _Builder:
         return self.op(name, x, **params)
 
 
-FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
-
-
 def _float_type(node: ir.Node, model_float: ir.DataType) -> ir.DataType:
     """The node's float type: its first typed float input's (weights are always typed), else the model's."""
     for value in node.inputs:
-        if value is not None and value.dtype in FLOATS:
+        if value is not None and value.dtype in FLOAT_TYPES:
             return value.dtype
     return model_float
 
@@ -112,7 +107,7 @@ def _float_type(node: ir.Node, model_float: ir.DataType) -> ir.DataType:
 def _model_float(model: ir.Model) -> ir.DataType:
     """The float type most of the model's weights have (float32 without any): a float16 model's untyped
     intermediate values are float16, and a float32 constant beside them fails the checker."""
-    types = Counter(v.dtype for v in model.graph.initializers.values() if v.dtype in FLOATS)
+    types = Counter(v.dtype for v in model.graph.initializers.values() if v.dtype in FLOAT_TYPES)
     return types.most_common(1)[0][0] if types else ir.DataType.FLOAT
 
 

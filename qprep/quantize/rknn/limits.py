@@ -64,7 +64,8 @@ def refuse_custom_domains(model: onnx.ModelProto, at_load: bool = False) -> None
     its build with "TypeError: 'NoneType' object is not iterable" (measured with com.microsoft Gelu), so they are
     named here instead. The fused ops the optimize stage takes apart (FusedConv, SkipLayerNormalization, ...:
     optimize/passes/split_ort_fusions.py) pass at load; at the build, one left says how to split it."""
-    from qprep.optimize.passes.split_ort_fusions import MS_DOMAIN, SPLITS
+    from qprep.optimize.ir_utils import MS_DOMAIN
+    from qprep.optimize.passes.split_ort_fusions import SPLITS
 
     custom: dict[str, list[str]] = {}
     splittable = set()

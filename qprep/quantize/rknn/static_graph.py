@@ -39,7 +39,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
-from qprep.model.info import constant_names, iter_nodes, node_index, unique_name
+from qprep.model.info import constant_names, constant_tensors, default_opset, iter_nodes, node_index, unique_name
 from qprep.model.io import inferred_shapes, subgraphs
 from qprep.model.runtime import run_model
 from qprep.quantize.rknn.io_names import all_names, rename_values
@@ -277,11 +277,13 @@ def _iterations(model: onnx.ModelProto, index: int, samples: list[dict]) -> int:
     (the count depends on no input value: _data_dependent_stop)."""
     node = model.graph.node[index]
     body = next(a.g for a in node.attribute if a.name == "body")
-    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    constants |= {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
-                  if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
-    trip = constants.get(node.input[0]) if node.input and node.input[0] else None
-    start = constants.get(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(True)
+    constants = constant_tensors(model.graph)
+
+    def value(name: str) -> np.ndarray | None:
+        return numpy_helper.to_array(constants[name]) if name in constants else None
+
+    trip = value(node.input[0]) if node.input and node.input[0] else None
+    start = value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(True)
     if start is None or not bool(start):
         raise ModelError(f"quantize.rknn: node '{node.name}' is a Loop whose first condition is not a constant "
                          "true; export the model with the loop unrolled, or use backend ort")
@@ -365,7 +367,7 @@ def _loops_unrolled(model: onnx.ModelProto, samples: list[dict]) -> list[str]:
 def _stacked(node: onnx.NodeProto, scans: list[list[str]], finals: list[str], model: onnx.ModelProto,
              taken: set[str]) -> list[onnx.NodeProto]:
     """Each scan output: its per-iteration values Unsqueezed on a new first axis and concatenated."""
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    opset = default_opset(model)
     axes = unique_name(f"{node.name}/axis_0", taken)
     if opset >= 13 and any(finals):
         model.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), axes))
@@ -418,7 +420,7 @@ def _sequences_as_concat(model: onnx.ModelProto) -> list[str]:
     """Each ConcatFromSequence over such a chain → Concat of its tensors (each Unsqueezed first for new_axis)."""
     graph, done = model.graph, []
     taken = all_names(model) | {n.name for n in iter_nodes(graph)}
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    opset = default_opset(model)
     for concat in [n for n in graph.node if n.op_type == "ConcatFromSequence" and n.domain in ("", "ai.onnx")]:
         found = _sequence_chain(graph, concat)
         if not found or not found[0]:
