@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qprep.errors import ModelError
 from qprep.evaluate.latency import interleaved
 from qprep.model.info import Links, tensor_shapes
 from qprep.model.runtime import run_model
@@ -38,6 +39,9 @@ CHANNEL_PRESERVING = frozenset({
     "GlobalAveragePool", "GlobalMaxPool", "MaxPool", "AveragePool",
     "QuantizeLinear", "DequantizeLinear",
 })
+# reductions that keep the channel axis when they reduce only spatial axes with keepdims (timm's squeeze-excite:
+# x.mean((2, 3), keepdim=True))
+SPATIAL_REDUCTIONS = frozenset({"ReduceMean", "ReduceMax"})
 
 
 class _Spaces:
@@ -65,7 +69,12 @@ def apply(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tupl
         return model, {}
     record = {"spaces": spaces, "kept": False}
     expected = run_model(model, samples, threads, optimize=True)
-    actual = run_model(padded, samples, threads, optimize=True)
+    try:
+        actual = run_model(padded, samples, threads, optimize=True)
+    except ModelError as exc:  # a form the analysis missed: never worth failing the run over
+        record["why"] = f"ONNX Runtime refused the padded model ({exc})"
+        log.warning("channel padding: ONNX Runtime refused the padded model; left unpadded")
+        return model, record
     if any(not np.array_equal(e[name], a[name]) for e, a in zip(expected, actual) for name in e):
         record["why"] = "the padded model's outputs differ"
         log.warning("channel padding: the padded model's outputs differ; left unpadded")
@@ -107,11 +116,18 @@ def pad(model: onnx.ModelProto, multiple: int = MULTIPLE) -> tuple[onnx.ModelPro
                 writers.setdefault(y, []).append((node, "write"))
                 writers.setdefault(x, []).append((node, "read"))
                 spaces.find(x), spaces.find(y)
+                if node.input[1] in links.initializers:  # a float Conv: ORT's FP32 kernel for another channel
+                    blocked.add(spaces.find(x))          # count sums in another order (not bit-identical)
             elif in_per_group == 1 and out_channels == group:
                 spaces.union(x, y)
                 writers.setdefault(y, []).append((node, "depthwise"))
             else:
                 blocked.update({spaces.find(x), spaces.find(y)})
+        elif node.op_type in SPATIAL_REDUCTIONS:
+            if _spatial_reduction(node, constant, shapes.get(node.input[0], (0, None))[1]):
+                spaces.union(node.input[0], node.output[0])
+            else:
+                blocked.update({spaces.find(node.input[0]), spaces.find(node.output[0])})
         elif node.op_type in CHANNEL_PRESERVING and node.output and node.output[0]:
             if node.op_type in ("QuantizeLinear", "DequantizeLinear") and constant.get(node.input[0]) is not None:
                 continue  # a weight's or a constant's DequantizeLinear: read through `constant`
@@ -138,7 +154,8 @@ def pad(model: onnx.ModelProto, multiple: int = MULTIPLE) -> tuple[onnx.ModelPro
                     blocked.update({spaces.find(name), spaces.find(out)})
                 spaces.union(name, out)
     # every other reader or writer of a space's tensor, and graph inputs/outputs, block it
-    handled = {id(n) for n in model.graph.node if n.op_type == "Conv" or n.op_type in CHANNEL_PRESERVING}
+    handled = {id(n) for n in model.graph.node
+               if n.op_type == "Conv" or n.op_type in CHANNEL_PRESERVING or n.op_type in SPATIAL_REDUCTIONS}
     members: dict[str, list[str]] = {}
     for name in list(spaces.parent):
         members.setdefault(spaces.find(name), []).append(name)
@@ -176,15 +193,34 @@ def pad(model: onnx.ModelProto, multiple: int = MULTIPLE) -> tuple[onnx.ModelPro
         changed.update(names)
         records.append({"channels": count, "padded_to": to,
                         "convs": sorted({c.name or c.output[0] for c, _ in convs})})
-    read = {name for node in padded.graph.node for name in node.input}
-    unread = [t for t in padded.graph.initializer if t.name not in read and t.name in links.readers]
+    after = Links(padded)
+    unread = [t for t in padded.graph.initializer if t.name in links.readers and not after.readers.get(t.name)
+              and t.name not in after.in_subgraphs and t.name not in after.outputs]
     for tensor in unread:  # every reader now has its own padded copy
         padded.graph.initializer.remove(tensor)
+    dims = {t.name: list(t.dims) for t in padded.graph.initializer}
+    for value in padded.graph.input:  # a weight also declared as a graph input (IR < 4 exports) keeps up
+        if value.name in dims and value.type.tensor_type.HasField("shape"):
+            del value.type.tensor_type.shape.dim[:]
+            for size in dims[value.name]:
+                value.type.tensor_type.shape.dim.add().dim_value = size
     # shapes of the padded tensors (and of the weights' DequantizeLinear outputs) are stale: ORT infers them again
     keep = [v for v in padded.graph.value_info if v.name not in changed]
     del padded.graph.value_info[:]
     padded.graph.value_info.extend(keep)
     return padded, records
+
+
+def _spatial_reduction(node: onnx.NodeProto, constant: dict, dims: list | None) -> bool:
+    """A reduction over axes that exclude the channel axis, keeping the reduced dims (so axis 1 stays axis 1)."""
+    keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+    axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), None)
+    if axes is None and len(node.input) > 1 and node.input[1]:
+        value = constant.get(node.input[1])
+        axes = None if value is None else [int(v) for v in np.asarray(value).ravel()]
+    if not keepdims or not axes or not dims:
+        return False
+    return all((axis % len(dims)) != 1 for axis in axes)
 
 
 def _per_channel(value: np.ndarray, out_dims: list | None) -> bool:
@@ -203,16 +239,16 @@ def _reads_as_data(reader: onnx.NodeProto, name: str, handled: set[int]) -> bool
     Q/DQ's scale (whose shapes padding would break)."""
     if id(reader) not in handled:
         return False
-    if reader.op_type in ("Conv", "QuantizeLinear", "DequantizeLinear"):
+    if reader.op_type in ("Conv", "QuantizeLinear", "DequantizeLinear", *SPATIAL_REDUCTIONS):
         return name not in reader.input[1:]
     return True
 
 
 def _constants(model: onnx.ModelProto, links: Links) -> dict[str, np.ndarray]:
-    """Initializers, and DequantizeLinear outputs of initializers (a quantized constant), by tensor name."""
+    """Initializers, and Q/DQ outputs of constants (a quantized constant, same shape), by tensor name."""
     values = {name: numpy_helper.to_array(t) for name, t in links.initializers.items()}
-    for node in model.graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0] in links.initializers:
+    for node in model.graph.node:  # in order: a QuantizeLinear → DequantizeLinear of a constant is one too
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.input[0] in values:
             values[node.output[0]] = values[node.input[0]]
     return values
 

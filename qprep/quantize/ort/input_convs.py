@@ -22,9 +22,9 @@ _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Clip"
 
 
 def narrow_input_convs(model: onnx.ModelProto) -> list[str]:
-    """Names of the Convs whose data input is a model input (through element-wise ops only) with a channel
-    count per group that is not a multiple of ALIGNMENT; none if they hold more than MAX_SHARE of the model's
-    multiply-adds (or their share is unknown)."""
+    """Names of the Convs whose data input is a model input (through element-wise ops only) of static shape, with
+    a channel count per group that is not a multiple of ALIGNMENT; none if they hold more than MAX_SHARE of the
+    model's multiply-adds (or their share is unknown)."""
     links = Links(model)
     inputs = {i.name for i in model.graph.input} - set(links.initializers)
     shapes = tensor_shapes(model)
@@ -36,7 +36,9 @@ def narrow_input_convs(model: onnx.ModelProto) -> list[str]:
         if len(weight.dims) < 3 or weight.dims[1] % ALIGNMENT == 0 or not _from_input(node.input[0], links, inputs):
             continue
         dims = shapes.get(node.input[0], (0, None))[1]
-        if dims and len(dims) >= 2 and dims[1] is not None and dims[1] % ALIGNMENT == 0:
+        if not dims or None in dims:  # symbolic dims count as 1 in the multiply-adds: its share would be wrong
+            continue
+        if dims[1] % ALIGNMENT == 0:
             continue
         found.append(node.name)
     macs = multiply_adds(model)
