@@ -187,6 +187,8 @@ def _fast_kernels(stage: dict) -> str:
         parts.append(f"{len(narrow)} Conv(s) reading the model's input kept float (too few channels for ONNX "
                      f"Runtime's fast int8 kernels: `{narrow[0]}`{', …' if len(narrow) > 1 else ''})")
     padding = stage.get("channel_padding") or {}
+    if "why" in padding and not padding.get("spaces"):
+        parts.append(f"channel padding not applied ({padding['why']})")
     if padding.get("spaces"):
         spaces = padding["spaces"]
         examples = ", ".join(f"{s['channels']} → {s['padded_to']}" for s in spaces[:3])

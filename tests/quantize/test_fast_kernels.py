@@ -260,3 +260,17 @@ def test_an_input_conv_of_symbolic_size_is_left_to_int8():
     model = _input_conv(3, False)
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
     assert narrow_input_convs(onnx.shape_inference.infer_shapes(model)) == []
+
+
+def test_a_padding_that_fails_leaves_the_model_and_says_why(monkeypatch):
+    from qprep.report.decisions import decision_lines
+
+    def fails(model):
+        raise KeyError("w_dw")
+
+    monkeypatch.setattr(channel_padding, "pad", fails)
+    quantized = _quantized(_block())
+    result, record = channel_padding.apply(quantized, _samples(1))
+    assert result is quantized and record["why"] == "padding failed: KeyError: 'w_dw'"
+    lines = decision_lines({"name": "quantize", "status": "ok", "channel_padding": record})
+    assert any("channel padding not applied (padding failed" in line for line in lines)

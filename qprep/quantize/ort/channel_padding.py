@@ -64,7 +64,11 @@ class _Spaces:
 def apply(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tuple[onnx.ModelProto, dict]:
     """(the padded model if its outputs equal the model's on `samples` and it runs faster, else `model`; the
     record: spaces padded, the timing, kept or why not)."""
-    padded, spaces = pad(model)
+    try:
+        padded, spaces = pad(model)
+    except Exception as exc:  # noqa: BLE001 - a speed rewrite never fails a run; the unpadded model is right
+        log.warning("channel padding failed (%s: %s); left unpadded", type(exc).__name__, exc)
+        return model, {"spaces": [], "kept": False, "why": f"padding failed: {type(exc).__name__}: {exc}"}
     if not spaces:
         return model, {}
     record = {"spaces": spaces, "kept": False}
