@@ -67,7 +67,7 @@ class GraphPass:
 
 # Canonical order: ONNX Runtime's fused ops apart (so the rest sees ONNX ops), cleanup (fewer nodes to match),
 # then folds that expose constants, then fusions.
-PASS_MODULES: tuple[str, ...] = ("split_ort_fusions", "cleanup", "fold_constants", "simplify_shapes",
+PASS_MODULES: tuple[str, ...] = ("split_ort_fusions", "hardswish", "cleanup", "fold_constants", "simplify_shapes",
                                  "fold_into_conv", "layernorm", "gelu", "softmax", "fuse_gemm")
 
 
