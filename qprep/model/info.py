@@ -153,34 +153,41 @@ def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
     """(node, what makes it random) for each node whose output is drawn at random and reaches a graph output: a
     random op, or a Dropout in training mode (its training_mode input a constant true and its ratio not 0:
     torch's dynamo exporter writes one for a model left in train mode). Such outputs differ run to run, so no
-    comparison with the float model can judge a quantized one. A node inside an If/Loop/Scan body counts as
-    reaching an output when the main-graph node holding it does (its body's outputs are that node's)."""
-    graph = model.graph
-    constants = {name: t for g in _graphs(graph) for name, t in constant_tensors(g).items()}
+    comparison with the float model can judge a quantized one. Inside an If/Loop/Scan body a node counts when it
+    reaches its body's outputs and the node holding the body reaches the outputs in turn; of an If whose
+    condition is a constant, only the branch it takes."""
+    constants = {name: t for g in _graphs(model.graph) for name, t in constant_tensors(g).items()}
 
     def value(name: str):
         tensor = constants.get(name)
         return None if tensor is None else numpy_helper.to_array(tensor)
 
-    found = []
-    for top in graph.node:
-        for node in (top, *_body_nodes(top)):
-            why = _random(node, value)
-            if why:
-                found.append((node, top, why))
+    return _random_reaching(model.graph, [o.name for o in model.graph.output], value)
+
+
+def _random_reaching(graph: onnx.GraphProto, outputs: list[str], value) -> list[tuple[onnx.NodeProto, str]]:
+    """random_nodes within one graph whose values reach `outputs` (its own outputs, for a body)."""
+    found = []  # (node of this graph, [(random node, why)])
+    for node in graph.node:
+        why = _random(node, value)
+        inner = [(node, why)] if why else []
+        for body in _bodies_run(node, value):
+            inner += _random_reaching(body, [o.name for o in body.output], value)
+        if inner:
+            found.append((node, inner))
     if not found:
         return []
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:  # a node reads its inputs and whatever its bodies read from outside them
         for name in {*node.input, *(i for inner in _body_nodes(node) for i in inner.input)}:
             readers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
+    wanted = set(outputs)
 
     def reaches_output(start: onnx.NodeProto) -> bool:
         seen, todo = set(), list(start.output)
         while todo:
             name = todo.pop()
-            if name in outputs:
+            if name in wanted:
                 return True
             for reader in readers.get(name, ()):
                 if id(reader) not in seen:
@@ -188,7 +195,18 @@ def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
                     todo.extend(reader.output)
         return False
 
-    return [(node, why) for node, top, why in found if reaches_output(top)]
+    return [pair for node, inner in found if reaches_output(node) for pair in inner]
+
+
+def _bodies_run(node: onnx.NodeProto, value) -> list[onnx.GraphProto]:
+    """The bodies `node` may run: an If with a constant condition runs one branch, other nodes all theirs."""
+    branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+    if node.op_type == "If" and node.domain in ("", "ai.onnx") and node.input:
+        condition = value(node.input[0])
+        if condition is not None and condition.size == 1:
+            taken = branches.get("then_branch" if bool(condition.ravel()[0]) else "else_branch")
+            return [taken] if taken is not None else []
+    return [sub for a in node.attribute for sub in subgraphs(a)]
 
 
 def _random(node: onnx.NodeProto, value) -> str | None:

@@ -76,3 +76,25 @@ def test_a_random_value_read_only_inside_a_branch_reaches_the_output_through_it(
              helper.make_node("If", ["flag"], ["y"], name="if", then_branch=reads, else_branch=clean)]
     model = make_model(nodes, [("x", [2, 8]), ("flag", [], np.bool_)], [("y", [2, 8])], opset=13)
     assert [(n.name, why) for n, why in random_nodes(model)] == [("noise", "RandomNormalLike")]
+
+
+def test_random_ops_that_cannot_reach_an_output_are_not_found():
+    """A branch a constant condition never takes (a converted graph's train/eval switch), and a random value
+    a Loop body computes for nobody: both models give the same outputs on every run."""
+    from graphs import make_graph
+
+    noisy = _branch("then", [helper.make_node("RandomUniformLike", ["x"], ["u"], name="draw"),
+                             helper.make_node("Add", ["x", "u"], ["t"], name="noisy")], "t")
+    clean = _branch("else", [helper.make_node("Identity", ["x"], ["e"], name="clean")], "e")
+    switch = make_model([helper.make_node("If", ["training"], ["y"], name="if", then_branch=noisy,
+                                          else_branch=clean)],
+                        [("x", [2, 8])], [("y", [2, 8])], {"training": np.array(False)}, opset=13)
+    assert random_nodes(switch) == []
+    body = make_graph([helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+                       helper.make_node("RandomNormalLike", ["h_in"], ["unused"], name="dead_draw"),
+                       helper.make_node("Relu", ["h_in"], ["h_out"])],
+                      [("i", [], np.int64), ("cond_in", [], np.bool_), ("h_in", [2, 8])],
+                      [("cond_out", [], np.bool_), ("h_out", [2, 8])], name="body")
+    loop = make_model([helper.make_node("Loop", ["trips", "", "x"], ["y"], name="loop", body=body)],
+                      [("x", [2, 8])], [("y", [2, 8])], {"trips": np.int64(3)}, opset=13, infer_shapes=False)
+    assert random_nodes(loop) == []

@@ -77,12 +77,17 @@ def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.Mo
     result = onnx.ModelProto()
     result.CopyFrom(model)
     record = {"loops_unrolled": [], "sequence_as_concat": [], "if_as_both_branches": []}
+    before = len(result.graph.node)
     while True:  # an inlined branch may hold a Loop, an unrolled body an If: until neither is left
         rounds = {"loops_unrolled": _loops_unrolled(result, samples[:1]),
                   "sequence_as_concat": _sequences_as_concat(result),
                   "if_as_both_branches": _ifs_as_both_branches(result)}
         if not any(rounds.values()):
             break
+        if len(result.graph.node) - before > MAX_UNROLLED_NODES:  # nested Loops multiply: bound them all
+            raise ModelError(f"quantize.rknn: unrolling the Loops {', '.join(rounds['loops_unrolled'][:3])} "
+                             f"(nested) made {len(result.graph.node) - before} more nodes (at most "
+                             f"{MAX_UNROLLED_NODES}); export the model with fixed, shorter lengths, or use backend ort")
         for key, nodes in rounds.items():
             record[key] += nodes
     refuse_unrewritable(result)  # a Scan an inlined branch brought into the main graph

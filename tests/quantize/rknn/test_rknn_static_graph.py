@@ -329,3 +329,27 @@ def test_a_loop_inside_an_if_branch_is_unrolled_once_the_branch_is_inlined():
     assert "If" not in ops and "Loop" not in ops and ops.count("Tanh") == 4
     for a, b in zip(run_model(model, samples), run_model(static, samples)):
         np.testing.assert_allclose(b["y"], a["y"], rtol=1e-6, atol=1e-6)
+
+
+def test_nested_loops_are_bounded_together(monkeypatch):
+    """A Loop (3 times) whose body's If holds a Loop (10 times): each within the limit alone, 73 nodes together."""
+    from graphs import make_graph
+    from qprep.quantize.rknn import static_graph as module
+
+    monkeypatch.setattr(module, "MAX_UNROLLED_NODES", 30)
+    inner = make_graph([helper.make_node("Add", ["w", "one"], ["w2"], name="inc"),
+                        helper.make_node("Identity", ["ci"], ["co"], name="ic")],
+                       [("j", [], np.int64), ("ci", [], np.bool_), ("w", [4])], [("co", [], np.bool_), ("w2", [4])],
+                       name="inner")
+    then = make_graph([helper.make_node("Loop", ["ten", "", "v"], ["t"], body=inner, name="inner_loop")], [],
+                      [("t", [4])], name="then")
+    other = make_graph([helper.make_node("Identity", ["v"], ["e"], name="same")], [], [("e", [4])], name="else")
+    body = make_graph([helper.make_node("If", ["yes"], ["v2"], then_branch=then, else_branch=other, name="if"),
+                       helper.make_node("Identity", ["c"], ["c2"], name="pass_on")],
+                      [("i", [], np.int64), ("c", [], np.bool_), ("v", [4])], [("c2", [], np.bool_), ("v2", [4])],
+                      name="body")
+    model = make_model([helper.make_node("Loop", ["n", "", "x"], ["y"], body=body, name="loop")], [("x", [4])],
+                       [("y", [4])], {"n": np.int64(3), "ten": np.int64(10), "one": np.float32(1),
+                                      "yes": np.array(True)}, infer_shapes=False)
+    with pytest.raises(ModelError, match=r"unrolling the Loops .*\(nested\) made \d+ more nodes \(at most 30\)"):
+        static_graph(model, [{"x": np.zeros(4, np.float32)}])
