@@ -21,7 +21,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass
 from onnxscript.version_converter import ConvertVersionPass
 
-from qprep.optimize.ir_utils import default_opset
+from qprep.optimize.ir_utils import FLOAT_TYPES, default_opset
 
 
 class IdentityElimination(IdentityEliminationPass):
@@ -214,3 +214,49 @@ def per_channel(array: np.ndarray | None, channels: int, rank: int) -> np.ndarra
     if any(d != 1 for i, d in enumerate(shape) if i != 1) or (rank > 1 and shape[1] not in (1, channels)):
         return f"constant shape {array.shape} is not per-channel for {channels} channels"
     return np.broadcast_to(array.reshape(-1), (channels,))
+
+
+class ReplacementBuilder:
+    """Writes one node's replacement: ops named after the node, scalar constants in the node's float type
+    (initializers, or Constant nodes inside a function, which holds no initializers). `nodes` are the new ops in
+    order, for `graph.insert_before(node, builder.nodes)`."""
+
+    def __init__(self, node: ir.Node, names: Names, opset: int, model_float: ir.DataType = ir.DataType.FLOAT,
+                 in_function: bool = False):
+        self.node, self.names, self.opset = node, names, opset
+        self.nodes: list[ir.Node] = []
+        self.dtype = float_type(node, model_float)
+        self.in_function = in_function  # a function holds no initializers: constants are Constant nodes there
+
+    def op(self, op_type: str, *inputs: ir.Value | None, **attributes) -> ir.Value:
+        node = ir.node(op_type, list(inputs), attributes={k: v for k, v in attributes.items() if v is not None},
+                       name=self.names.node(f"{self.node.name or self.node.op_type}/{op_type}"))
+        node.outputs[0].name = self.names.value(f"{self.node.name or self.node.op_type}/{op_type}_output")
+        self.nodes.append(node)
+        return node.outputs[0]
+
+    def scalar(self, value: float, label: str) -> ir.Value:
+        return self._constant(np.array(value, dtype=self.dtype.numpy()), label)
+
+    def axes(self, op_type: str, x: ir.Value, axes: list[int], **attributes) -> ir.Value:
+        """ReduceMean over `axes`: an attribute below opset 18, an input from it."""
+        if self.opset >= 18:
+            return self.op(op_type, x, self._constant(np.array(axes, dtype=np.int64), "axes"), **attributes)
+        return self.op(op_type, x, axes=axes, **attributes)
+
+    def _constant(self, array: np.ndarray, label: str) -> ir.Value:
+        if self.in_function:
+            return self.op("Constant", value=ir.tensor(array))
+        name = self.names.value(f"{self.node.name or self.node.op_type}/{label}")
+        dtype = ir.TensorType(ir.DataType.from_numpy(array.dtype))
+        constant = ir.Value(name=name, shape=ir.Shape(array.shape), type=dtype, const_value=ir.tensor(array, name=name))
+        self.node.graph.register_initializer(constant)
+        return constant
+
+
+def float_type(node: ir.Node, model_float: ir.DataType) -> ir.DataType:
+    """The node's float type: its first typed float input's (weights are always typed), else the model's."""
+    for value in node.inputs:
+        if value is not None and value.dtype in FLOAT_TYPES:
+            return value.dtype
+    return model_float

@@ -38,7 +38,7 @@ from qprep.optimize.ir_utils import FLOAT_TYPES, MS_DOMAIN, default_opset, infer
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.optimize.passes.gelu import resolve_mode
 from qprep.optimize.passes.layernorm import LAYERNORM_OPSET
-from qprep.optimize.rules import Names, all_nodes, names_in_use, take_over
+from qprep.optimize.rules import Names, ReplacementBuilder, all_nodes, names_in_use, take_over
 
 # activation name → the ONNX attributes its parameters are, in order (Clip's are its min/max inputs)
 ACTIVATIONS: dict[str, tuple[str, ...]] = {
@@ -52,56 +52,14 @@ class Left(Exception):
     """This node stays as it is, for the reason given."""
 
 
-class _Builder:
-    """Writes one node's replacement: ops named after the node, scalar constants in the node's float type."""
-
-    def __init__(self, node: ir.Node, names: Names, opset: int, model_float: ir.DataType, in_function: bool):
-        self.node, self.names, self.opset = node, names, opset
-        self.nodes: list[ir.Node] = []
-        self.dtype = _float_type(node, model_float)
-        self.in_function = in_function  # a function holds no initializers: constants are Constant nodes there
-
-    def op(self, op_type: str, *inputs: ir.Value | None, **attributes) -> ir.Value:
-        node = ir.node(op_type, list(inputs), attributes={k: v for k, v in attributes.items() if v is not None},
-                       name=self.names.node(f"{self.node.name or self.node.op_type}/{op_type}"))
-        node.outputs[0].name = self.names.value(f"{self.node.name or self.node.op_type}/{op_type}_output")
-        self.nodes.append(node)
-        return node.outputs[0]
-
-    def scalar(self, value: float, label: str) -> ir.Value:
-        return self._constant(np.array(value, dtype=self.dtype.numpy()), label)
-
-    def axes(self, op_type: str, x: ir.Value, axes: list[int], **attributes) -> ir.Value:
-        """ReduceMean over `axes`: an attribute below opset 18, an input from it."""
-        if self.opset >= 18:
-            return self.op(op_type, x, self._constant(np.array(axes, dtype=np.int64), "axes"), **attributes)
-        return self.op(op_type, x, axes=axes, **attributes)
-
-    def _constant(self, array: np.ndarray, label: str) -> ir.Value:
-        if self.in_function:
-            return self.op("Constant", value=ir.tensor(array))
-        name = self.names.value(f"{self.node.name or self.node.op_type}/{label}")
-        dtype = ir.TensorType(ir.DataType.from_numpy(array.dtype))
-        constant = ir.Value(name=name, shape=ir.Shape(array.shape), type=dtype, const_value=ir.tensor(array, name=name))
-        self.node.graph.register_initializer(constant)
-        return constant
-
-    def activation(self, x: ir.Value, name: str, params: dict[str, float]) -> ir.Value:
-        if name == "Clip":
-            if self.opset < 11:
-                return self.op("Clip", x, min=params.get("min"), max=params.get("max"))
-            low = self.scalar(params["min"], "clip_min") if "min" in params else None
-            high = self.scalar(params["max"], "clip_max") if "max" in params else None
-            return self.op("Clip", x, low, high)
-        return self.op(name, x, **params)
-
-
-def _float_type(node: ir.Node, model_float: ir.DataType) -> ir.DataType:
-    """The node's float type: its first typed float input's (weights are always typed), else the model's."""
-    for value in node.inputs:
-        if value is not None and value.dtype in FLOAT_TYPES:
-            return value.dtype
-    return model_float
+def _activation(b: ReplacementBuilder, x: ir.Value, name: str, params: dict[str, float]) -> ir.Value:
+    if name == "Clip":
+        if b.opset < 11:
+            return b.op("Clip", x, min=params.get("min"), max=params.get("max"))
+        low = b.scalar(params["min"], "clip_min") if "min" in params else None
+        high = b.scalar(params["max"], "clip_max") if "max" in params else None
+        return b.op("Clip", x, low, high)
+    return b.op(name, x, **params)
 
 
 def _model_float(model: ir.Model) -> ir.DataType:
@@ -132,7 +90,7 @@ def _activation_params(name: str, values: list) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _fused_conv(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _fused_conv(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     conv_attributes = {k: _attr(node, k) for k in ("auto_pad", "dilations", "group", "kernel_shape", "pads",
                                                     "strides")}
     activation = _attr(node, "activation")
@@ -140,20 +98,20 @@ def _fused_conv(b: _Builder, node: ir.Node) -> list[ir.Value]:
     y = b.op("Conv", *[v for v in node.inputs[:3]], **conv_attributes)
     if _input(node, 3) is not None:
         y = b.op("Add", y, node.inputs[3])
-    return [b.activation(y, activation, params) if activation else y]
+    return [_activation(b, y, activation, params) if activation else y]
 
 
-def _fused_gemm(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _fused_gemm(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     activation = _attr(node, "activation")
     if activation == "Clip":
         raise Left("FusedGemm with Clip: its bounds are in no attribute")
     given = {k: _attr(node, f"activation_{k}") for k in ("alpha", "beta", "gamma")}
     params = _activation_params(activation, [given[k] for k in ACTIVATIONS.get(activation, ())]) if activation else {}
     y = b.op("Gemm", *node.inputs[:3], **{k: _attr(node, k) for k in ("alpha", "beta", "transA", "transB")})
-    return [b.activation(y, activation, params) if activation else y]
+    return [_activation(b, y, activation, params) if activation else y]
 
 
-def _fused_matmul(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _fused_matmul(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     if _attr(node, "transBatchA", 0) or _attr(node, "transBatchB", 0):
         raise Left("FusedMatMul with transBatchA/transBatchB")
     operands = []
@@ -169,13 +127,13 @@ def _fused_matmul(b: _Builder, node: ir.Node) -> list[ir.Value]:
     return [y if alpha == 1.0 else b.op("Mul", y, b.scalar(alpha, "alpha"))]
 
 
-def _gelu_erf(b: _Builder, x: ir.Value) -> ir.Value:
+def _gelu_erf(b: ReplacementBuilder, x: ir.Value) -> ir.Value:
     """0.5 * x * (1 + erf(x / sqrt 2)), as PyTorch exports it (the GELU pass reads it back)."""
     t = b.op("Erf", b.op("Mul", x, b.scalar(math.sqrt(0.5), "one_over_sqrt2")))
     return b.op("Mul", b.op("Mul", x, b.op("Add", t, b.scalar(1.0, "one"))), b.scalar(0.5, "half"))
 
 
-def _gelu_tanh(b: _Builder, x: ir.Value) -> ir.Value:
+def _gelu_tanh(b: ReplacementBuilder, x: ir.Value) -> ir.Value:
     """0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
     cube = b.op("Mul", b.op("Mul", x, x), x)
     inner = b.op("Add", x, b.op("Mul", cube, b.scalar(0.044715, "cubic")))
@@ -183,26 +141,26 @@ def _gelu_tanh(b: _Builder, x: ir.Value) -> ir.Value:
     return b.op("Mul", b.op("Mul", x, b.op("Add", t, b.scalar(1.0, "one"))), b.scalar(0.5, "half"))
 
 
-def _bias_gelu(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _bias_gelu(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     return [_gelu_erf(b, b.op("Add", node.inputs[0], node.inputs[1]))]
 
 
-def _gelu(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _gelu(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     return [_gelu_erf(b, node.inputs[0])]
 
 
-def _fast_gelu(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _fast_gelu(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     x = node.inputs[0] if _input(node, 1) is None else b.op("Add", node.inputs[0], node.inputs[1])
     return [_gelu_tanh(b, x)]
 
 
-def _quick_gelu(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _quick_gelu(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     x, alpha = node.inputs[0], float(_attr(node, "alpha", 1.702))
     u = x if alpha == 1.0 else b.op("Mul", x, b.scalar(alpha, "alpha"))
     return [b.op("Mul", x, b.op("Sigmoid", u))]
 
 
-def _skip_sum(b: _Builder, node: ir.Node, bias_index: int) -> ir.Value:
+def _skip_sum(b: ReplacementBuilder, node: ir.Node, bias_index: int) -> ir.Value:
     for unread in (1, 2):  # mean, inv_std_var: statistics for training
         output = node.outputs[unread] if unread < len(node.outputs) else None
         if output is not None and (output.uses() or output.is_graph_output()):
@@ -211,7 +169,7 @@ def _skip_sum(b: _Builder, node: ir.Node, bias_index: int) -> ir.Value:
     return total if _input(node, bias_index) is None else b.op("Add", total, node.inputs[bias_index])
 
 
-def _skip_layernorm(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _skip_layernorm(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     total = _skip_sum(b, node, bias_index=4)
     epsilon = float(_attr(node, "epsilon", 1e-12))
     gamma, beta = node.inputs[2], _input(node, 3)
@@ -226,7 +184,7 @@ def _skip_layernorm(b: _Builder, node: ir.Node) -> list[ir.Value]:
     return [y, None, None, total]
 
 
-def _skip_rmsnorm(b: _Builder, node: ir.Node) -> list[ir.Value]:
+def _skip_rmsnorm(b: ReplacementBuilder, node: ir.Node) -> list[ir.Value]:
     total = _skip_sum(b, node, bias_index=3)
     epsilon = float(_attr(node, "epsilon", 1e-12))
     mean_square = b.axes("ReduceMean", b.op("Mul", total, total), [-1], keepdims=1)
@@ -234,7 +192,7 @@ def _skip_rmsnorm(b: _Builder, node: ir.Node) -> list[ir.Value]:
     return [b.op("Mul", b.op("Div", total, rms), node.inputs[2]), None, None, total]
 
 
-SPLITS: dict[str, Callable[[_Builder, ir.Node], list[ir.Value]]] = {
+SPLITS: dict[str, Callable[[ReplacementBuilder, ir.Node], list[ir.Value]]] = {
     "FusedConv": _fused_conv, "FusedGemm": _fused_gemm, "FusedMatMul": _fused_matmul,
     "BiasGelu": _bias_gelu, "FastGelu": _fast_gelu, "Gelu": _gelu, "QuickGelu": _quick_gelu,
     "SkipLayerNormalization": _skip_layernorm, "SkipSimplifiedLayerNormalization": _skip_rmsnorm,
@@ -243,7 +201,7 @@ GELU_OPS = frozenset({"Gelu", "FastGelu", "QuickGelu"})  # what the GELU pass wr
 
 
 def _split(node: ir.Node, names: Names, opset: int, model_float: ir.DataType, in_function: bool) -> None:
-    builder = _Builder(node, names, opset, model_float, in_function)
+    builder = ReplacementBuilder(node, names, opset, model_float, in_function)
     outputs = SPLITS[node.op_type](builder, node)
     node.graph.insert_before(node, builder.nodes)
     for old, new in zip(node.outputs, outputs):

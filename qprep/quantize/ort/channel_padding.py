@@ -24,10 +24,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qprep.errors import ModelError
 from qprep.evaluate.latency import interleaved
 from qprep.model.info import Links, tensor_shapes
-from qprep.model.runtime import run_model
+from qprep.model.runtime import model_error, ort_session, session_outputs
 
 log = logging.getLogger("qprep")
 
@@ -72,18 +71,21 @@ def apply(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tupl
     if not spaces:
         return model, {}
     record = {"spaces": spaces, "kept": False}
-    expected = run_model(model, samples, threads, optimize=True)
+    # one session per model, for the comparison and the timing alike
+    reference = ort_session(model, threads=threads, optimize=True)
     try:
-        actual = run_model(padded, samples, threads, optimize=True)
-    except ModelError as exc:  # a form the analysis missed: never worth failing the run over
-        record["why"] = f"ONNX Runtime refused the padded model ({exc})"
+        candidate = ort_session(padded, threads=threads, optimize=True)
+        actual = session_outputs(candidate, samples)
+    except Exception as exc:  # noqa: BLE001 - ORT's own types; a form the analysis missed fails no run
+        record["why"] = f"ONNX Runtime refused the padded model ({model_error(exc)})"
         log.warning("channel padding: ONNX Runtime refused the padded model; left unpadded")
         return model, record
+    expected = session_outputs(reference, samples)
     if any(not np.array_equal(e[name], a[name]) for e, a in zip(expected, actual) for name in e):
         record["why"] = "the padded model's outputs differ"
         log.warning("channel padding: the padded model's outputs differ; left unpadded")
         return model, record
-    timing = interleaved({"unpadded": (model, samples[0]), "padded": (padded, samples[0])}, threads,
+    timing = interleaved({"unpadded": (reference, samples[0]), "padded": (candidate, samples[0])}, threads,
                          runs=100, warmup=20, rounds=3, seconds=4.0)
     before, after = timing["unpadded"]["median_ms"], timing["padded"]["median_ms"]
     record.update(ms_before=round(before, 4), ms_after=round(after, 4), kept=after < before)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import onnx
 
-from qprep.model.info import Links, multiply_adds, tensor_shapes
+from qprep.model.info import Links, constant_names, multiply_adds, tensor_shapes
 
 ALIGNMENT = 4  # input channels per group that MLAS's symmetric int8 convolution needs
 MAX_SHARE = 0.1  # of the model's multiply-adds, at most, kept float this way (PP-OCR classifier: 3%)
@@ -27,13 +27,14 @@ def narrow_input_convs(model: onnx.ModelProto) -> list[str]:
     model's multiply-adds (or their share is unknown)."""
     links = Links(model)
     inputs = {i.name for i in model.graph.input} - set(links.initializers)
-    shapes = tensor_shapes(model)
+    shapes, constants = tensor_shapes(model), constant_names(model.graph)
     found = []
     for node in model.graph.node:
         if node.op_type != "Conv" or not node.name or node.input[1] not in links.initializers:
             continue
         weight = links.initializers[node.input[1]]
-        if len(weight.dims) < 3 or weight.dims[1] % ALIGNMENT == 0 or not _from_input(node.input[0], links, inputs):
+        if len(weight.dims) < 3 or weight.dims[1] % ALIGNMENT == 0 or not _from_input(node.input[0], links, inputs,
+                                                                                       constants):
             continue
         dims = shapes.get(node.input[0], (0, None))[1]
         if not dims or None in dims:  # symbolic dims count as 1 in the multiply-adds: its share would be wrong
@@ -41,14 +42,16 @@ def narrow_input_convs(model: onnx.ModelProto) -> list[str]:
         if dims[1] % ALIGNMENT == 0:
             continue
         found.append(node.name)
+    if not found:
+        return []
     macs = multiply_adds(model)
     total = sum(macs.values())
-    if not found or not total or sum(macs.get(name, total) for name in found) > MAX_SHARE * total:
+    if not total or sum(macs.get(name, total) for name in found) > MAX_SHARE * total:
         return []
     return found
 
 
-def _from_input(name: str, links: Links, inputs: set[str]) -> bool:
+def _from_input(name: str, links: Links, inputs: set[str], constants: set[str]) -> bool:
     """`name` is a model input, or computed from exactly one by element-wise ops with constant operands."""
     for _ in range(8):
         if name in inputs:
@@ -56,14 +59,9 @@ def _from_input(name: str, links: Links, inputs: set[str]) -> bool:
         producer = links.producers.get(name)
         if producer is None or producer.op_type not in _ELEMENTWISE:
             return False
-        variable = [i for i in producer.input if i and i not in links.initializers and not _constant(i, links)]
+        variable = [i for i in producer.input if i and i not in constants]
         if len(variable) != 1:
             return False
         name = variable[0]
     return False
-
-
-def _constant(name: str, links: Links) -> bool:
-    producer = links.producers.get(name)
-    return producer is not None and producer.op_type == "Constant"
 
