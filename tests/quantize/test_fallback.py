@@ -251,6 +251,56 @@ def test_fallback_config_errors_are_one_line():
         load_config({"model": "m.onnx", "pipeline": [{"quantize": {"fallback": {"max_float_nodes": 3}}}]})
 
 
+def test_the_gains_needed_are_read_from_the_samples_the_search_chooses_on_not_the_ranking_samples():
+    """The first samples (those a ranking runs on) can meet the target's cosine while all the samples do not
+    (PP-OCRv4 rec: 0.99296 on 32, 0.98824 on 96): round 1 still stops once its gains cover twice what all the
+    samples lack, instead of building all 12 candidates."""
+    damage = {"n0": 0.006, "n1": 0.005, **{f"n{i}": 0.0005 for i in range(2, 12)}}
+    on_all, _ = _scripted(damage)
+
+    def evaluate(float_nodes, samples):  # the two ranking samples are 0.009 better than all four
+        score = on_all(float_nodes, samples)["y"]["cosine_mean"]
+        return {"y": {"cosine_mean": score + (0.009 if len(samples) == 2 else 0.0)}}
+
+    outcome = run_search(evaluate, list(damage), set(), [{}] * 4,
+                         {**OPTIONS, "target": {"cosine_mean": 0.9905}, "max_candidates": 12})
+    assert outcome.passed and outcome.float_nodes == ["n0", "n1"]
+    assert outcome.record["rank_trials"] == 8 + 1
+
+
+def test_float_sets_that_differ_only_in_nodes_no_build_quantizes_are_one_build(tmp_path):
+    """Conv → Add → Conv → Sigmoid: with Add left float as an op type, excluding the Add (or the Sigmoid, whose
+    type ORT quantizes) changes nothing, and the build key says so; excluding a Conv is another build."""
+    from qprep.model.prepare import name_nodes
+    from qprep.quantize import ort
+    from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
+    from qprep.schema import validate
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c1", "bias"], ["a"]),
+             helper.make_node("Conv", ["a", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c2"], ["y"])]
+    model = make_model(nodes, [("x", [1, 4, 8, 8])], [("y", [1, 4, 8, 8])],
+                       {"w1": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
+                        "bias": rng.standard_normal((1, 4, 1, 1)).astype(np.float32),
+                        "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32)}, infer_shapes=False)
+    name_nodes(model.graph)
+    samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
+    options = validate({"weight_rounding": "nearest", "bias_correction": False}, ort.OPTIONS, "quantize.ort",
+                       tmp_path)
+    quantizer = OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
+    settings = OrtSettings("minmax", bias_correction=False, float_op_types=frozenset({"Add"}))
+    names = {n.op_type: n.name for n in model.graph.node if n.op_type != "Conv"}
+    assert quantizer.build_key({names["Add"]}, settings) == quantizer.build_key(set(), settings) == frozenset()
+    assert quantizer.build_key({names["Sigmoid"]}, settings) == {names["Sigmoid"]}  # ORT quantizes Sigmoid
+    assert quantizer.build_key({"Conv_0", names["Add"]}, settings) == {"Conv_0"}
+    as_key = quantizer.build({names["Add"]}, settings).SerializeToString()
+    quantizer._last = None  # build again, not from the last build kept
+    assert quantizer.build(set(), settings).SerializeToString() == as_key
+    assert quantizer.build({"Conv_0"}, settings).SerializeToString() != as_key
+
+
 def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps():
     """Hardswish as Add → Clip → Mul: one type left float only adds Q/DQ pairs; all of them at once pays."""
     from types import SimpleNamespace

@@ -15,6 +15,7 @@ started, bias correction stops between its waves, and the time of one build is k
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import replace
 from typing import Callable
@@ -43,13 +44,15 @@ class Trials(search.SearchBackend):
     (settings, float set, number of samples), as the range trial, the op-type phase and the search's base share
     builds."""
 
-    def __init__(self, settings: OrtSettings, measure: Callable[[set[str], list[dict], OrtSettings], dict]):
-        self.settings = settings
+    def __init__(self, settings: OrtSettings, measure: Callable[[set[str], list[dict], OrtSettings], dict],
+                 build_key: Callable[[set[str], OrtSettings], frozenset[str]] = lambda nodes, settings: nodes):
+        self.settings, self.build_key = settings, build_key
         self.remembered = search.remembered(lambda nodes, samples: measure(nodes, samples, self.settings),
                                             lambda: self.settings)
 
     def evaluate(self, float_nodes: set[str], samples: list[dict]) -> dict:
-        return self.remembered(float_nodes, samples)
+        """(float sets that make the same build are measured once: OrtQuantizer.build_key)"""
+        return self.remembered(set(self.build_key(float_nodes, self.settings)), samples)
 
     def use(self, **changes) -> None:
         self.settings = replace(self.settings, **changes)
@@ -63,12 +66,19 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     ops = {n.name: n.op_type for n in quantizer.model.graph.node}
     every = len(job.evaluation_samples)
 
-    def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
-        with budget.timed(build_kind(quantizer, settings, len(samples) == every)):
-            return job.measure(samples, run_model(quantizer.build(float_nodes, settings), samples, job.threads,
-                                                  optimize=True))
+    measured: dict = {}  # (built model's digest, samples) → metrics
 
-    trials = Trials(quantizer.settings, measure)
+    def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
+        """Metrics of a build, run once per distinct model: float sets that differ only where the build does not
+        look (beyond OrtQuantizer.build_key) give the same bytes (PP-OCRv4 rec: 6 of 85 builds)."""
+        with budget.timed(build_kind(quantizer, settings, len(samples) == every)):
+            model = quantizer.build(float_nodes, settings)
+            key = (hashlib.sha1(model.SerializeToString()).digest(), id(samples[0]) if samples else None, len(samples))
+            if key not in measured:
+                measured[key] = job.measure(samples, run_model(model, samples, job.threads, optimize=True))
+            return measured[key]
+
+    trials = Trials(quantizer.settings, measure, quantizer.build_key)
     wanted = trials.settings.bias_correction
     trials.use(bias_correction=False)
     base = trials.evaluate(excluded, job.evaluation_samples)  # the base: calibration and GPTQ, needed by every step
