@@ -148,23 +148,32 @@ def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic)
     assert first == plain and second == plain
     assert len(calls) == 6  # one per output channel, the second build from the memo
     assert sum(key[0] == "weight" for key in memo) == (1 if dynamic else 0)  # one whole-weight entry, hit again
+    assert sum(key[0] == "initializer" for key in memo) == (0 if dynamic else 1)  # QDQ: the integers, whole
 
 
-def test_the_weight_quantization_memo_quantizes_a_changed_weight_of_the_same_name_again():
-    """The dynamic builds' memo knows a weight by its name and settings, then compares its bytes: a weight changed
-    under the same name (GPTQ or bias correction in one build, say) is quantized again, not answered from the
-    memo with the old weight's integers."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_weight_quantization_memo_quantizes_a_changed_weight_of_the_same_name_again(dynamic):
+    """The memo knows a weight by its name and settings, then compares its bytes: a weight changed under the same
+    name (GPTQ or bias correction in one build, say) is quantized again, not answered from the memo with the old
+    weight's integers (dynamic builds: the whole weight's initializers; QDQ builds: its integers)."""
     ort = third_party.ort_quantization()
     rng = np.random.default_rng(0)
 
     def build(weight):
         model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 8])], [("y", [2, 6])],
                            {"w": weight}, opset=17)
-        quantizer = ort.ONNXQuantizer(ort.save_and_reload_model_with_shape_infer(model),
-                                      mode=ort.QuantizationMode.IntegerOps, static=False, tensors_range=None,
-                                      per_channel=True, reduce_range=False, weight_qType=ort.QuantType.QInt8,
-                                      activation_qType=ort.QuantType.QUInt8, nodes_to_quantize=[],
-                                      nodes_to_exclude=[], op_types_to_quantize=["MatMul"], extra_options={})
+        options = dict(per_channel=True, reduce_range=False, weight_qType=ort.QuantType.QInt8,
+                       activation_qType=ort.QuantType.QUInt8, nodes_to_quantize=[], nodes_to_exclude=[],
+                       op_types_to_quantize=["MatMul"], extra_options={})
+        if dynamic:
+            quantizer = ort.ONNXQuantizer(ort.save_and_reload_model_with_shape_infer(model),
+                                          mode=ort.QuantizationMode.IntegerOps, static=False, tensors_range=None,
+                                          **options)
+        else:
+            ranges = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
+                                     {n: (np.array(-4.0, np.float32), np.array(4.0, np.float32)) for n in "xy"})
+            quantizer = ort.QDQQuantizer(ort.save_and_reload_model_with_shape_infer(model), tensors_range=ranges,
+                                         **options)
         quantizer.quantize_model()
         return {t.name: t.SerializeToString() for t in quantizer.model.model.graph.initializer}
 
@@ -174,6 +183,36 @@ def test_the_weight_quantization_memo_quantizes_a_changed_weight_of_the_same_nam
         with_memo = build(old), build(new)
     assert with_memo == (build(old), build(new))
     assert with_memo[0] != with_memo[1]
+
+
+def test_renaming_inputs_only_in_their_readers_writes_the_model_onnxruntime_writes():
+    """ORT's QDQ quantizer renames each quantized tensor in every node (`replace_input_of_all_nodes`); within
+    `input_renaming_by_readers` only readers are visited. The model is the same, and ORT's method is back after."""
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    ort = third_party.ort_quantization()
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+                        helper.make_node("Add", ["r", "h"], ["a"]), helper.make_node("MatMul", ["a", "w"], ["y"])],
+                       [("x", [2, 8])], [("y", [2, 8])], {"w": rng.standard_normal((8, 8)).astype(np.float32)},
+                       opset=17)
+
+    def build():
+        ranges = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
+                                 {n: (np.array(-4.0, np.float32), np.array(4.0, np.float32)) for n in "xhray"})
+        quantizer = ort.QDQQuantizer(ort.save_and_reload_model_with_shape_infer(model), tensors_range=ranges,
+                                     per_channel=True, reduce_range=False, weight_qType=ort.QuantType.QInt8,
+                                     activation_qType=ort.QuantType.QUInt8, nodes_to_quantize=[], nodes_to_exclude=[],
+                                     op_types_to_quantize=["MatMul", "Relu", "Add"], extra_options={})
+        quantizer.quantize_model()
+        return quantizer.model.model.SerializeToString()
+
+    original = ONNXModel.replace_input_of_all_nodes
+    plain = build()
+    with third_party.input_renaming_by_readers():
+        assert ONNXModel.replace_input_of_all_nodes is not original
+        renamed = build()
+    assert renamed == plain and ONNXModel.replace_input_of_all_nodes is original
 
 
 def test_a_dynamic_build_skips_onnxruntimes_second_shape_inference_with_the_same_result():

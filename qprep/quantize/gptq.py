@@ -121,8 +121,10 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     for values in intermediate_values(qdq_model, sorted({layer.activation for layer in layers}), samples, threads):
         for layer in layers:
             columns = _input_columns(np.asarray(values[layer.activation], dtype=np.float32), layer)
-            h = np.matmul(columns, columns.transpose(0, 2, 1)).astype(np.float64)
-            moments[layer.node] = moments.get(layer.node, 0) + h
+            h = np.matmul(columns, columns.transpose(0, 2, 1))
+            if layer.node not in moments:
+                moments[layer.node] = np.zeros(h.shape, np.float64)
+            np.add(moments[layer.node], h, out=moments[layer.node])  # in float64, without a float64 copy of h
             rows_seen[layer.node] += columns.shape[2]
     return {node: h for node, h in moments.items() if determined(rows_seen[node], h.shape[-1])}
 

@@ -13,6 +13,8 @@ model's outputs before keeping it (quantize/ort/search.py).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import onnx
 
@@ -29,16 +31,25 @@ def mse_ranges(model: onnx.ModelProto, ranges: dict[str, tuple[float, float]], s
     Tensors the model does not compute or that are not float keep their range."""
     histograms = {name: np.zeros(BINS) for name, (low, high) in ranges.items()
                   if high > low and np.isfinite(low) and np.isfinite(high)}  # ±inf: a float tensor, no grid
-    for values in intermediate_values(model, list(histograms), samples, threads):
-        for name, value in values.items():
-            if value.dtype.kind == "f":
-                low, high = ranges[name]
-                histograms[name] += np.histogram(value, bins=BINS, range=(low, high))[0]
+    with ThreadPoolExecutor(max(1, threads)) as pool:  # numpy's loops release the GIL: 1.7x on 2 cores
+        for values in intermediate_values(model, list(histograms), samples, threads):
+            floats = [name for name, value in values.items() if value.dtype.kind == "f"]
+            for name, counts in zip(floats, pool.map(lambda n: _histogram(values[n], *ranges[n]), floats)):
+                histograms[name] += counts
     chosen = dict(ranges)
     for name, counts in histograms.items():
         if counts.sum():
             chosen[name] = best_range(counts, *ranges[name], levels)
     return chosen
+
+
+def _histogram(value: np.ndarray, low: float, high: float) -> np.ndarray:
+    """Counts of `value` in BINS equal bins over [low, high] (values outside counted in the end bins: the ranges
+    are the same samples' min/max). Not np.histogram: its exact-edge corrections made it 2.8x slower, 12 s of
+    PP-OCRv4 rec's mse ranges; here a value within float32 rounding of an edge may fall in the next bin (24 of
+    245760 values), 1/8 of an int8 step from where it belongs."""
+    bins = ((value.ravel() - np.float32(low)) * np.float32(BINS / (high - low))).astype(np.intp)
+    return np.bincount(np.clip(bins, 0, BINS - 1, out=bins), minlength=BINS)
 
 
 def best_range(counts: np.ndarray, low: float, high: float, levels: int) -> tuple[float, float]:

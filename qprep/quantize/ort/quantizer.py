@@ -24,7 +24,7 @@ import onnx.version_converter
 from onnx import numpy_helper
 
 from qprep.errors import QprepError
-from qprep.third_party import (calibrate_all_but, ort_quantization, shapes_inferred_already,
+from qprep.third_party import (calibrate_all_but, input_renaming_by_readers, ort_quantization, shapes_inferred_already,
                                 weight_quantization_memo)
 from qprep.evaluate.metrics import aligned, sqnr_db
 from qprep.model.info import Links, default_opset, graph_inputs, unique_name
@@ -321,7 +321,8 @@ class OrtQuantizer:
         root = logging.getLogger()
         root.addFilter(self._said)
         try:
-            with weight_quantization_memo(self._weight_memo) if self._reuse else contextlib.nullcontext():
+            with (weight_quantization_memo(self._weight_memo) if self._reuse else contextlib.nullcontext(),
+                  input_renaming_by_readers()):
                 quantizer.quantize_model()
         finally:
             root.removeFilter(self._said)
