@@ -301,8 +301,39 @@ def test_float_sets_that_differ_only_in_nodes_no_build_quantizes_are_one_build(t
     assert quantizer.build({"Conv_0"}, settings).SerializeToString() != as_key
 
 
+def test_a_build_for_ranking_leaves_out_the_exact_qdq_rules_and_computes_the_same_values(tmp_path):
+    """Conv → Transpose → Transpose → Conv: ORT's quantizer wraps each Transpose in Q/DQ pairs that the exact
+    rules remove (remove_redundant); a ranking trial's build skips them and gives the same outputs."""
+    from qprep.model.prepare import name_nodes
+    from qprep.model.runtime import run_model
+    from qprep.quantize import ort
+    from qprep.quantize.ort.quantizer import OrtQuantizer
+    from qprep.schema import validate
+
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Transpose", ["c1"], ["t1"], perm=[0, 1, 3, 2]),
+             helper.make_node("Transpose", ["t1"], ["t2"], perm=[0, 1, 3, 2]),
+             helper.make_node("Conv", ["t2", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [("x", [1, 4, 8, 8])], [("y", [1, 4, 8, 8])],
+                       {"w1": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
+                        "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32)}, infer_shapes=False)
+    name_nodes(model.graph)
+    samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
+    options = validate({"weight_rounding": "nearest", "bias_correction": False}, ort.OPTIONS, "quantize.ort",
+                       tmp_path)
+    quantizer = OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
+    plain = quantizer.build(set(), simplify=False)
+    simplified = quantizer.build(set())
+    count = lambda m: sum(n.op_type == "QuantizeLinear" for n in m.graph.node)  # noqa: E731
+    assert count(simplified) < count(plain) and quantizer.build(set(), simplify=False) is not simplified
+    for a, b in zip(run_model(plain, samples), run_model(simplified, samples)):
+        assert np.array_equal(a["y"], b["y"])
+
+
 def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps():
-    """Hardswish as Add → Clip → Mul: one type left float only adds Q/DQ pairs; all of them at once pays."""
+    """Hardswish as Add → Clip → Mul: one type left float only adds Q/DQ pairs; all of them at once pays. A
+    Transpose is not tried (its values are only moved: int8 or float, the same numbers)."""
     from types import SimpleNamespace
 
     from qprep.quantize.ort.quantizer import OrtSettings
@@ -310,9 +341,10 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
 
     scores = {frozenset(): 0.90, frozenset({"Add"}): 0.89, frozenset({"Clip"}): 0.895, frozenset({"Mul"}): 0.89,
               frozenset({"Add", "Clip", "Mul"}): 0.95}
-    nodes = [SimpleNamespace(name=f"n{i}", op_type=t) for i, t in enumerate(["Conv", "Add", "Clip", "Mul", "Conv"])]
+    nodes = [SimpleNamespace(name=f"n{i}", op_type=t)
+             for i, t in enumerate(["Conv", "Add", "Clip", "Mul", "Transpose", "Conv"])]
     quantizer = SimpleNamespace(model=SimpleNamespace(graph=SimpleNamespace(node=nodes)),
-                                op_types=["Add", "Clip", "Conv", "Mul"])
+                                op_types=["Add", "Clip", "Conv", "Mul", "Transpose"])  # scores has no Transpose
     job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4, acceptance_samples=[],
                           progress=None)
 

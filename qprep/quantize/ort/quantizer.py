@@ -113,7 +113,8 @@ class OrtQuantizer:
         self._float_outputs: list | None = None  # the float model's outputs on the calibration samples
         self.bias: dict = {"applied": False}  # what bias correction did on the last build
         self._bias: dict = {}  # (float set, settings) → {shifts, layers, …, kept}
-        self._last: tuple | None = None  # ((float set, settings), model) of the last build
+        self._last: tuple | None = None  # (((float set, settings), simplified), model) of the last build
+        self._simplify_verified = False  # the exact Q/DQ rules were checked against ORT on a build of this model
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
         self.budget = None  # the fallback's Budget (quantize/budget.py): bias correction stops between waves
         self.unquantizable: dict[str, str] = {}  # node ORT's quantizer fails on → its message; kept float
@@ -191,16 +192,18 @@ class OrtQuantizer:
             del calibrator
         return self._ranges[method]
 
-    def build(self, excluded: set[str], settings: OrtSettings | None = None) -> onnx.ModelProto:
+    def build(self, excluded: set[str], settings: OrtSettings | None = None, simplify: bool = True) -> onnx.ModelProto:
         """The quantized model with `excluded` nodes (and their edges) left float, built with `settings` (the
         configured ones by default). The fallback asks for the same build several times in a row (ranking base,
-        candidates, search base): the last build is kept."""
+        candidates, search base): the last build is kept. `simplify=False` leaves out the exact Q/DQ rules
+        (remove_redundant): they change no value, only which kernels ORT runs, so the fallback's ranking trials,
+        which compare builds made alike, do without them (a third of each build's time)."""
         if settings is None:
             settings = self.settings
         if settings.bias_correction and not self.settings.bias_correction:
             raise ValueError("bias correction was not configured, or the format is not static QDQ")
         key = (self.build_key(excluded, settings), settings)
-        if self._last is not None and self._last[0] == key:
+        if self._last is not None and self._last[0] == (key, simplify):
             return self._last[1]
         try:
             quantized = self._quantize_around_failures(self.calibrate(settings.calibrate_method), key[0], settings)
@@ -218,10 +221,11 @@ class OrtQuantizer:
             quantized = self._correct_biases(quantized, key)
         else:
             self.bias = {"applied": False}
-        if self.options["format"] == "qdq" and not self.dynamic:  # exact rules: verified on the first build only
+        if simplify and self.options["format"] == "qdq" and not self.dynamic:  # exact rules, verified once
             quantized, self.simplified = remove_redundant.simplify(quantized, self.samples[:8], self.threads,
-                                                                   verify=self._last is None)
-        self._last = (key, quantized)
+                                                                   verify=not self._simplify_verified)
+            self._simplify_verified = True
+        self._last = ((key, simplify), quantized)
         return quantized
 
     def build_key(self, excluded: set[str], settings: OrtSettings) -> frozenset[str]:

@@ -35,6 +35,10 @@ log = logging.getLogger("qprep")
 # Ops without weights whose int8 version only re-rounds an activation (elementwise, data movement, softmax).
 # Conv/MatMul/Gemm are where INT8 pays; these are judged as whole op types before nodes are ranked.
 _COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
+# Ops that only reshape: their output holds the input's values, so it calibrates to the same range and ORT's
+# quantizer puts it on the input's grid; left float they give the same numbers. Not ranked as op types (each
+# rank is a build and a run: 3 of PP-OCRv4 rec's 14).
+_RESHAPING = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"}
 
 
 class Trials(search.SearchBackend):
@@ -71,8 +75,9 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
         """Metrics of a build, run once per distinct model: float sets that differ only where the build does not
         look (beyond OrtQuantizer.build_key) give the same bytes (PP-OCRv4 rec: 6 of 85 builds)."""
+        ranking = bool(samples) and samples[0] is job.evaluation_samples[0] and len(samples) < every
         with budget.timed(build_kind(quantizer, settings, len(samples) == every)):
-            model = quantizer.build(float_nodes, settings)
+            model = quantizer.build(float_nodes, settings, simplify=not ranking)
             key = (hashlib.sha1(model.SerializeToString()).digest(), id(samples[0]) if samples else None, len(samples))
             if key not in measured:
                 measured[key] = job.measure(samples, run_model(model, samples, job.threads, optimize=True))
@@ -239,7 +244,7 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
         return {"chosen": [], "trials": [], "nodes": 0}
     current = search.score_of(outputs, target)
     present = {n.op_type for n in quantizer.model.graph.node if n.name not in excluded}
-    types = [t for t in quantizer.op_types if t in present and t not in _COMPUTE]
+    types = [t for t in quantizer.op_types if t in present and t not in _COMPUTE | _RESHAPING]
     rank_samples = job.evaluation_samples[: job.fallback["rank_samples"]]
     base = search.score_of(trials.evaluate(excluded, rank_samples), target)
     gains = {}
