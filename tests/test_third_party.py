@@ -100,6 +100,26 @@ def test_a_histogram_calibrator_leaves_out_the_tensors_it_is_told_to(tmp_path, m
         "onnxruntime's histogram calibrators no longer keep only `tensors_to_calibrate`"
 
 
+def _matmul_initializers(weight: np.ndarray, dynamic: bool) -> dict[str, bytes]:
+    """x → MatMul(w) → y quantized by ORT's own quantizer (per channel; dynamic or QDQ) → its initializers' bytes."""
+    ort = third_party.ort_quantization()
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 8])], [("y", [2, 6])],
+                       {"w": weight}, opset=17)
+    options = dict(per_channel=True, reduce_range=False, weight_qType=ort.QuantType.QInt8,
+                   activation_qType=ort.QuantType.QUInt8, nodes_to_quantize=[], nodes_to_exclude=[],
+                   op_types_to_quantize=["MatMul"], extra_options={})
+    if dynamic:
+        quantizer = ort.ONNXQuantizer(ort.save_and_reload_model_with_shape_infer(model),
+                                      mode=ort.QuantizationMode.IntegerOps, static=False, tensors_range=None, **options)
+    else:
+        ranges = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
+                                 {n: (np.array(-4.0, np.float32), np.array(4.0, np.float32)) for n in "xy"})
+        quantizer = ort.QDQQuantizer(ort.save_and_reload_model_with_shape_infer(model), tensors_range=ranges,
+                                     **options)
+    quantizer.quantize_model()
+    return {t.name: t.SerializeToString() for t in quantizer.model.model.graph.initializer}
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic):
     """Built twice inside `weight_quantization_memo`, a per-channel MatMul weight is quantized by ORT's own
@@ -109,26 +129,10 @@ def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic)
     the fallback's builds would then quantize every weight again (slower, not wrong)."""
     from onnxruntime.quantization import base_quantizer, qdq_quantizer
 
-    ort = third_party.ort_quantization()
-    rng = np.random.default_rng(0)
-    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 8])], [("y", [2, 6])],
-                       {"w": rng.standard_normal((8, 6)).astype(np.float32)}, opset=17)
+    weight = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
 
     def build():
-        options = dict(per_channel=True, reduce_range=False, weight_qType=ort.QuantType.QInt8,
-                       activation_qType=ort.QuantType.QUInt8, nodes_to_quantize=[], nodes_to_exclude=[],
-                       op_types_to_quantize=["MatMul"], extra_options={})
-        if dynamic:
-            quantizer = ort.ONNXQuantizer(ort.save_and_reload_model_with_shape_infer(model),
-                                          mode=ort.QuantizationMode.IntegerOps, static=False, tensors_range=None,
-                                          **options)
-        else:
-            ranges = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
-                                     {n: (np.array(-4.0, np.float32), np.array(4.0, np.float32)) for n in "xy"})
-            quantizer = ort.QDQQuantizer(ort.save_and_reload_model_with_shape_infer(model), tensors_range=ranges,
-                                         **options)
-        quantizer.quantize_model()
-        return {t.name: t.SerializeToString() for t in quantizer.model.model.graph.initializer}
+        return _matmul_initializers(weight, dynamic)
 
     module, name = (base_quantizer, "quantize_data") if dynamic else (qdq_quantizer, "compute_data_quant_params")
     original, calls = getattr(module, name), []
@@ -156,26 +160,10 @@ def test_the_weight_quantization_memo_quantizes_a_changed_weight_of_the_same_nam
     """The memo knows a weight by its name and settings, then compares its bytes: a weight changed under the same
     name (GPTQ or bias correction in one build, say) is quantized again, not answered from the memo with the old
     weight's integers (dynamic builds: the whole weight's initializers; QDQ builds: its integers)."""
-    ort = third_party.ort_quantization()
     rng = np.random.default_rng(0)
 
     def build(weight):
-        model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 8])], [("y", [2, 6])],
-                           {"w": weight}, opset=17)
-        options = dict(per_channel=True, reduce_range=False, weight_qType=ort.QuantType.QInt8,
-                       activation_qType=ort.QuantType.QUInt8, nodes_to_quantize=[], nodes_to_exclude=[],
-                       op_types_to_quantize=["MatMul"], extra_options={})
-        if dynamic:
-            quantizer = ort.ONNXQuantizer(ort.save_and_reload_model_with_shape_infer(model),
-                                          mode=ort.QuantizationMode.IntegerOps, static=False, tensors_range=None,
-                                          **options)
-        else:
-            ranges = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
-                                     {n: (np.array(-4.0, np.float32), np.array(4.0, np.float32)) for n in "xy"})
-            quantizer = ort.QDQQuantizer(ort.save_and_reload_model_with_shape_infer(model), tensors_range=ranges,
-                                         **options)
-        quantizer.quantize_model()
-        return {t.name: t.SerializeToString() for t in quantizer.model.model.graph.initializer}
+        return _matmul_initializers(weight, dynamic)
 
     old, new = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal((8, 6)).astype(np.float32)
     memo = {}

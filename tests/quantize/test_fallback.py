@@ -268,13 +268,24 @@ def test_the_gains_needed_are_read_from_the_samples_the_search_chooses_on_not_th
     assert outcome.record["rank_trials"] == 8 + 1
 
 
+def _nearest_quantizer(model, rng, tmp_path):
+    """(OrtQuantizer for the fallback's many builds, nearest rounding and no bias correction; 4 samples of x)."""
+    from qprep.model.prepare import name_nodes
+    from qprep.quantize import ort
+    from qprep.quantize.ort.quantizer import OrtQuantizer
+    from qprep.schema import validate
+
+    name_nodes(model.graph)
+    samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
+    options = validate({"weight_rounding": "nearest", "bias_correction": False}, ort.OPTIONS, "quantize.ort",
+                       tmp_path)
+    return OrtQuantizer(model, samples, options, tmp_path, many_builds=True), samples
+
+
 def test_float_sets_that_differ_only_in_nodes_no_build_quantizes_are_one_build(tmp_path):
     """Conv → Add → Conv → Sigmoid: with Add left float as an op type, excluding the Add (or the Sigmoid, whose
     type ORT quantizes) changes nothing, and the build key says so; excluding a Conv is another build."""
-    from qprep.model.prepare import name_nodes
-    from qprep.quantize import ort
-    from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
-    from qprep.schema import validate
+    from qprep.quantize.ort.quantizer import OrtSettings
 
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
@@ -285,11 +296,7 @@ def test_float_sets_that_differ_only_in_nodes_no_build_quantizes_are_one_build(t
                        {"w1": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
                         "bias": rng.standard_normal((1, 4, 1, 1)).astype(np.float32),
                         "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32)}, infer_shapes=False)
-    name_nodes(model.graph)
-    samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
-    options = validate({"weight_rounding": "nearest", "bias_correction": False}, ort.OPTIONS, "quantize.ort",
-                       tmp_path)
-    quantizer = OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
+    quantizer, samples = _nearest_quantizer(model, rng, tmp_path)
     settings = OrtSettings("minmax", bias_correction=False, float_op_types=frozenset({"Add"}))
     names = {n.op_type: n.name for n in model.graph.node if n.op_type != "Conv"}
     assert quantizer.build_key({names["Add"]}, settings) == quantizer.build_key(set(), settings) == frozenset()
@@ -304,11 +311,7 @@ def test_float_sets_that_differ_only_in_nodes_no_build_quantizes_are_one_build(t
 def test_a_build_for_ranking_leaves_out_the_exact_qdq_rules_and_computes_the_same_values(tmp_path):
     """Conv → Transpose → Transpose → Conv: ORT's quantizer wraps each Transpose in Q/DQ pairs that the exact
     rules remove (remove_redundant); a ranking trial's build skips them and gives the same outputs."""
-    from qprep.model.prepare import name_nodes
     from qprep.model.runtime import run_model
-    from qprep.quantize import ort
-    from qprep.quantize.ort.quantizer import OrtQuantizer
-    from qprep.schema import validate
 
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
@@ -318,11 +321,7 @@ def test_a_build_for_ranking_leaves_out_the_exact_qdq_rules_and_computes_the_sam
     model = make_model(nodes, [("x", [1, 4, 8, 8])], [("y", [1, 4, 8, 8])],
                        {"w1": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
                         "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32)}, infer_shapes=False)
-    name_nodes(model.graph)
-    samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
-    options = validate({"weight_rounding": "nearest", "bias_correction": False}, ort.OPTIONS, "quantize.ort",
-                       tmp_path)
-    quantizer = OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
+    quantizer, samples = _nearest_quantizer(model, rng, tmp_path)
     plain = quantizer.build(set(), simplify=False)
     simplified = quantizer.build(set())
     count = lambda m: sum(n.op_type == "QuantizeLinear" for n in m.graph.node)  # noqa: E731
