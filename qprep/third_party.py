@@ -216,14 +216,13 @@ def _memoized_initializer(function, memo: dict):
     time: 0.4 s of each PP-OCRv4 rec build. Recognised by name, shape, type and the scales and zero points asked
     for, then its bytes compared with the ones kept (as _memoized_weight); the integers are handed out as a copy."""
 
-    def call(weight, quant_type, zero_point, scale, axis=None, quant_weight_name=None):
-        key = ("initializer", weight.name, tuple(weight.dims), weight.data_type, quant_type, axis, quant_weight_name,
-               np.asarray(zero_point).tobytes(), np.asarray(zero_point).dtype.str, np.asarray(scale).tobytes(),
-               np.asarray(scale).dtype.str)
+    def call(weight, *args, **kwargs):  # its other arguments as ORT passes them (1.32 added block_size)
+        key = ("initializer", weight.name, tuple(weight.dims), weight.data_type, tuple(_exact(a) for a in args),
+               tuple(sorted((k, _exact(v)) for k, v in kwargs.items())))
         values = weight.raw_data or weight.SerializeToString()
         kept = memo.get(key)
         if kept is None or kept[0] != values:
-            kept = memo[key] = (values, function(weight, quant_type, zero_point, scale, axis, quant_weight_name))
+            kept = memo[key] = (values, function(weight, *args, **kwargs))
         return _copied(kept[1])
 
     return call
@@ -233,6 +232,14 @@ def _copied(tensor: onnx.TensorProto) -> onnx.TensorProto:
     copy = onnx.TensorProto()
     copy.CopyFrom(tensor)
     return copy
+
+
+def _exact(value):
+    """A key for `value` that tells apart every value it could hold (arrays by bytes, type and shape)."""
+    if isinstance(value, np.ndarray | np.generic):
+        array = np.asarray(value)
+        return (array.tobytes(), array.dtype.str, array.shape)
+    return value
 
 
 def _hashable(value):

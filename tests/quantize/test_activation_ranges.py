@@ -49,3 +49,10 @@ def test_the_histogram_counts_as_numpy_does_but_for_values_at_a_bin_edge():
     counts, expected = _histogram(values, low, high), np.histogram(values, bins=BINS, range=(low, high))[0]
     assert counts.sum() == values.size and np.abs(counts - expected).sum() <= values.size * 1e-3
     assert counts[0] >= 1 and counts[-1] >= 1
+    # values outside the range (a moving-average calibrator's), NaN and ±inf are left out, as np.histogram does
+    extra = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 2 * high, low - 1.0], np.float32)
+    assert np.array_equal(_histogram(np.concatenate([values.ravel(), extra]), low, high), counts)
+    # a float16 tensor is binned in float32 (numpy 1.x would compute its bins in float16)
+    half = values.astype(np.float16)
+    reference = np.histogram(half.astype(np.float32), bins=BINS, range=(low, high))[0]
+    assert np.abs(_histogram(half, low, high) - reference).sum() <= values.size * 1e-3

@@ -332,31 +332,39 @@ def test_a_build_for_ranking_leaves_out_the_exact_qdq_rules_and_computes_the_sam
 
 def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps():
     """Hardswish as Add → Clip → Mul: one type left float only adds Q/DQ pairs; all of them at once pays. A
-    Transpose is not tried (its values are only moved: int8 or float, the same numbers)."""
+    Transpose is not ranked alone (its values are only moved: int8 or float, the same numbers) unless ORT is told
+    to quantize it after float producers too; it is part of "all at once"."""
     from types import SimpleNamespace
 
     from qprep.quantize.ort.quantizer import OrtSettings
     from qprep.quantize.ort.search import Trials, choose_float_op_types
 
+    chain_types = frozenset({"Add", "Clip", "Mul", "Transpose"})
     scores = {frozenset(): 0.90, frozenset({"Add"}): 0.89, frozenset({"Clip"}): 0.895, frozenset({"Mul"}): 0.89,
-              frozenset({"Add", "Clip", "Mul"}): 0.95}
+              chain_types: 0.95}  # no Transpose alone: ranking it fails the test
     nodes = [SimpleNamespace(name=f"n{i}", op_type=t)
              for i, t in enumerate(["Conv", "Add", "Clip", "Mul", "Transpose", "Conv"])]
-    quantizer = SimpleNamespace(model=SimpleNamespace(graph=SimpleNamespace(node=nodes)),
-                                op_types=["Add", "Clip", "Conv", "Mul", "Transpose"])  # scores has no Transpose
-    job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4, acceptance_samples=[],
-                          progress=None)
+
+    def quantizer(extra_options):
+        return SimpleNamespace(model=SimpleNamespace(graph=SimpleNamespace(node=nodes)),
+                               op_types=["Add", "Clip", "Conv", "Mul", "Transpose"],
+                               options={"extra_options": extra_options})
+
+    job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4,
+                          acceptance_samples=[], progress=None)
 
     def trials():
         return Trials(OrtSettings("minmax", bias_correction=False),
                       lambda excluded, samples, settings: {"y": {"cosine_mean": scores[settings.float_op_types]}})
 
     chain = trials()
-    record = choose_float_op_types(quantizer, chain, set(), job, Budget(600))
-    assert record["chosen"] == ["Add", "Clip", "Mul"] and record["nodes"] == 3
-    assert chain.settings.float_op_types == {"Add", "Clip", "Mul"}
-    scores[frozenset({"Add", "Clip", "Mul"})] = 0.85  # worse together: nothing is left float
-    assert choose_float_op_types(quantizer, trials(), set(), job, Budget(600))["chosen"] == []
+    record = choose_float_op_types(quantizer({}), chain, set(), job, Budget(600))
+    assert record["chosen"] == sorted(chain_types) and record["nodes"] == 4
+    assert chain.settings.float_op_types == chain_types
+    with pytest.raises(KeyError):  # told to quantize reshaping ops after float producers: Transpose is ranked
+        choose_float_op_types(quantizer({"ForceQuantizeNoInputCheck": True}), trials(), set(), job, Budget(600))
+    scores[chain_types] = 0.85  # worse together: nothing is left float
+    assert choose_float_op_types(quantizer({}), trials(), set(), job, Budget(600))["chosen"] == []
 
 
 def test_choose_setting_keeps_the_better_value_and_stops_at_the_target():

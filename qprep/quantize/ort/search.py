@@ -35,10 +35,11 @@ log = logging.getLogger("qprep")
 # Ops without weights whose int8 version only re-rounds an activation (elementwise, data movement, softmax).
 # Conv/MatMul/Gemm are where INT8 pays; these are judged as whole op types before nodes are ranked.
 _COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
-# Ops that only reshape: their output holds the input's values, so it calibrates to the same range and ORT's
-# quantizer puts it on the input's grid; left float they give the same numbers. Not ranked as op types (each
-# rank is a build and a run: 3 of PP-OCRv4 rec's 14).
-_RESHAPING = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"}
+# Ops that only reshape: ORT's quantizer quantizes one only when its input is quantized, and puts its output on
+# the input's grid; left float, its output holds the same values. So they are not ranked alone as op types (each
+# rank is a build and a run: 3 of PP-OCRv4 rec's 14), unless extra_options ForceQuantizeNoInputCheck makes ORT
+# quantize them after float producers too.
+_RESHAPING = {"Reshape", "Transpose", "Squeeze", "Unsqueeze"}
 
 
 class Trials(search.SearchBackend):
@@ -244,11 +245,12 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
         return {"chosen": [], "trials": [], "nodes": 0}
     current = search.score_of(outputs, target)
     present = {n.op_type for n in quantizer.model.graph.node if n.name not in excluded}
-    types = [t for t in quantizer.op_types if t in present and t not in _COMPUTE | _RESHAPING]
+    types = [t for t in quantizer.op_types if t in present and t not in _COMPUTE]
+    exact = set() if quantizer.options["extra_options"].get("ForceQuantizeNoInputCheck") else _RESHAPING
     rank_samples = job.evaluation_samples[: job.fallback["rank_samples"]]
     base = search.score_of(trials.evaluate(excluded, rank_samples), target)
     gains = {}
-    for op_type in types:
+    for op_type in (t for t in types if t not in exact):
         if not budget.allows(f"op type {op_type} ranked", budget.predict("rank") + budget.predict("trial")):
             break
         trials.use(float_op_types=frozenset({op_type}))
