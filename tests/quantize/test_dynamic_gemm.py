@@ -59,3 +59,22 @@ def test_a_value_info_on_a_gemm_weight_does_not_stop_dynamic_quantization(tmp_pa
     model.graph.value_info.append(helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [8, 16]))
     report = run_on_samples(tmp_path, model, samples(), DYNAMIC)
     assert report["status"] == "ok"  # before: "Inferred shape and existing shape differ in dimension 0: (16) vs (8)"
+
+
+def test_a_gemm_kept_float_stays_float_in_a_dynamic_build(tmp_path):
+    """ORT's dynamic quantizer writes each Gemm as a MatMul named <gemm>_MatMul before it reads nodes_to_exclude:
+    a Gemm in the float set is excluded under that name too, so only the other Gemm becomes MatMulInteger."""
+    from qprep.model.prepare import name_nodes
+    from qprep.quantize import ort
+    from qprep.quantize.ort.quantizer import OrtQuantizer
+    from qprep.schema import validate
+
+    model = two_gemms(shared=False)
+    name_nodes(model.graph)
+    first, second = [n.name for n in model.graph.node if n.op_type == "Gemm"]
+    options = validate({"activations": "dynamic"}, ort.OPTIONS, "quantize.ort", tmp_path)
+    for reuse in (False, True):  # one build, and the fallback's builds from a kept shape-inferred copy
+        built = OrtQuantizer(model, samples(), options, tmp_path, many_builds=reuse).build({first})
+        integer = [n.name for n in built.graph.node if n.op_type == "MatMulInteger"]
+        assert integer and not any(name.startswith(first) for name in integer), integer
+        assert any(name.startswith(second) for name in integer)

@@ -314,6 +314,10 @@ class OrtQuantizer:
         else:
             common["nodes_to_exclude"] = sorted(set(excluded) | self.spread_nodes(settings))
         if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
+            # ORT writes each Gemm as a MatMul named <gemm>_MatMul before it reads nodes_to_exclude: a float Gemm
+            # is excluded under that name too (it was quantized all the same)
+            gemms = {f"{n}_MatMul" for n in common["nodes_to_exclude"] if self._op_type.get(n) == "Gemm"}
+            common["nodes_to_exclude"] = sorted({*common["nodes_to_exclude"], *gemms})
             extra = {"MatMulConstBOnly": True, **common.pop("extra_options")}
             common.update(activation_qType=ORT.QuantType.QUInt8, tensors_range=None, extra_options=extra)
             with shapes_inferred_already() if self._reuse else contextlib.nullcontext():
