@@ -175,6 +175,12 @@ class SearchBackend:
         samples, so their number names them)."""
         raise NotImplementedError
 
+    def evaluate_candidate(self, start: set[str], float_nodes: set[str], samples: list[dict]) -> dict:
+        """A ranking trial: `float_nodes` is `start` (measured on `samples` just before) with one candidate
+        added. A backend may derive its model from start's build instead of building (ORT: derived_builds.py);
+        by default it builds."""
+        return self.evaluate(float_nodes, samples)
+
     def rank(self, chosen: tuple[str, ...]) -> list[dict]:
         """[{node, gain}] for the candidates not in `chosen`, most harmful first (when `ranks_itself`)."""
         raise NotImplementedError
@@ -387,7 +393,11 @@ class Search:
     def trial(self, phase: str, start: tuple[str, ...], added: tuple[str, ...], samples: list[dict]) -> Trial:
         t0 = time.perf_counter()
         made_float = self.candidates.nodes(start + added, self.base_float)
-        outputs = self.backend.evaluate(self.base_float | made_float, samples)
+        if phase == "rank" and added:
+            outputs = self.backend.evaluate_candidate(self.base_float | self.candidates.nodes(start, self.base_float),
+                                                      self.base_float | made_float, samples)
+        else:
+            outputs = self.backend.evaluate(self.base_float | made_float, samples)
         gate = ({"passed": False} if samples is not self.samples else
                 judge(self.target, outputs, self.base_float | made_float, self.backend.evaluate, self.acceptance))
         result = Trial(phase, start + added, added, len(made_float), score_of(outputs, self.target),

@@ -1,0 +1,83 @@
+"""A ranking trial's model derived from the build it adds a candidate to (quantize/ort/derived_builds.py) must be
+the model ONNX Runtime's quantizer writes for that float set: compared output for output, as the search runs it."""
+
+import numpy as np
+from onnx import helper
+
+from graphs import make_model
+from qprep.model.prepare import name_nodes
+from qprep.model.runtime import run_model
+from qprep.quantize import search
+from qprep.quantize.ort.derived_builds import Derivation
+from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
+from qprep.quantize.ort.search import edges
+from qprep.schema import validate
+
+
+def _branchy_quantizer(tmp_path):
+    """x → Conv → Clip (removed by ORT's quantizer: its Q/DQ clips) → Conv → Relu (removed) → Add (with the
+    Clip's output) → Conv → y (a graph output ORT rounds). 8 samples."""
+    from qprep.quantize import ort
+
+    rng = np.random.default_rng(3)
+    weight = lambda: rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.4  # noqa: E731
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["c1", "low", "high"], ["k1"]),
+             helper.make_node("Conv", ["k1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Add", ["r2", "k1"], ["a"]),
+             helper.make_node("Conv", ["a", "w3"], ["y"], pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [("x", [1, 4, 8, 8])], [("y", [1, 4, 8, 8])],
+                       {"w1": weight(), "w2": weight(), "w3": weight(),
+                        "b1": rng.standard_normal(4).astype(np.float32),
+                        "b2": rng.standard_normal(4).astype(np.float32),
+                        "low": np.float32(0), "high": np.float32(6)})
+    name_nodes(model.graph)
+    samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32) * 2} for _ in range(8)]
+    options = validate({"bias_correction": False}, ort.OPTIONS, "quantize.ort", tmp_path)  # GPTQ as by default
+    return OrtQuantizer(model, samples, options, tmp_path, many_builds=True), samples
+
+
+def test_each_edge_made_float_by_edits_gives_the_outputs_of_its_build(tmp_path):
+    quantizer, samples = _branchy_quantizer(tmp_path)
+    settings = OrtSettings("minmax", bias_correction=False)
+    names = [n.name for n in quantizer.model.graph.node]
+    for start in (set(), {names[2]}):  # from the all-quantized build, and from one with the middle Conv float
+        reference = quantizer.build(start, settings, simplify=False)
+        derivation = Derivation(quantizer.model, reference,
+                                lambda removed: quantizer.build(start | removed, settings, simplify=False))
+        assert derivation.removed, "ORT's quantizer should have removed the Clip/Relu (the case put back)"
+        candidates = [set(members) - start for members in edges(quantizer.model, names).values()]
+        candidates += [{name} for name in names if name not in start]
+        for nodes in candidates:
+            derived = derivation.derive(nodes)
+            assert derived is not None, nodes
+            built = quantizer.build(start | nodes, settings, simplify=False)
+            for a, b in zip(run_model(built, samples, optimize=True), run_model(derived, samples, optimize=True)):
+                assert np.array_equal(a["y"], b["y"]), (start, nodes)
+
+
+def test_a_node_the_reference_does_not_have_is_not_derived(tmp_path):
+    quantizer, _ = _branchy_quantizer(tmp_path)
+    settings = OrtSettings("minmax", bias_correction=False)
+    derivation = Derivation(quantizer.model, quantizer.build(set(), settings, simplify=False), lambda removed: None)
+    assert derivation.derive({"no such node"}) is None
+
+
+def test_ranking_trials_ask_for_a_candidate_on_top_of_the_float_set_they_rank_from():
+    """The search's ranking trials go through evaluate_candidate with the set measured just before as start."""
+    calls = []
+
+    class Backend(search.SearchBackend):
+        def evaluate(self, float_nodes, samples):
+            return {"y": {"cosine_mean": 0.9 + 0.01 * len(float_nodes), "score": 0.9 + 0.01 * len(float_nodes)}}
+
+        def evaluate_candidate(self, start, float_nodes, samples):
+            calls.append((frozenset(start), frozenset(float_nodes)))
+            return self.evaluate(float_nodes, samples)
+
+    samples = [{"x": np.zeros(1)} for _ in range(4)]
+    options = {"target": {"cosine_mean": 0.925}, "time_budget_s": 60.0, "rank_samples": 2, "accept_share": 0.0,
+               "max_candidates": 8, "block": 1, "max_float_nodes": 4}
+    search.Search(Backend(), search.Candidates(["a", "b", "c"]), {"fixed"}, samples, options).run()
+    assert calls and all(start < nodes and len(nodes - start) == 1 and "fixed" in start for start, nodes in calls)
