@@ -81,3 +81,38 @@ def test_ranking_trials_ask_for_a_candidate_on_top_of_the_float_set_they_rank_fr
                "max_candidates": 8, "block": 1, "max_float_nodes": 4}
     search.Search(Backend(), search.Candidates(["a", "b", "c"]), {"fixed"}, samples, options).run()
     assert calls and all(start < nodes and len(nodes - start) == 1 and "fixed" in start for start, nodes in calls)
+
+
+def test_a_candidate_that_decides_a_following_op_or_a_shared_weight_anew_is_built_or_derived_alike(tmp_path):
+    """x → Conv(w) → {Conv(w) (the same weight), MaxPool} → Add → Conv → y. A MaxPool is quantized only while
+    its input is; with both Convs float nothing else rounds the first Conv's output, and the build leaves the
+    MaxPool float. The shared weight: ORT names and scales its copies in build order. Either is built (None)
+    or derived to the same outputs."""
+    from qprep.quantize import ort
+
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c1", "w"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("MaxPool", ["c1"], ["m"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c2", "m"], ["a"]),
+             helper.make_node("Conv", ["a", "w3"], ["y"], pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [("x", [1, 4, 8, 8])], [("y", [1, 4, 8, 8])],
+                       {"w": rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.4,
+                        "w3": rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.4})
+    name_nodes(model.graph)
+    samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
+    options = validate({"bias_correction": False}, ort.OPTIONS, "quantize.ort", tmp_path)
+    quantizer = OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
+    settings = OrtSettings("minmax", bias_correction=False)
+    names = [n.name for n in quantizer.model.graph.node]
+    reference = quantizer.build(set(), settings, simplify=False)
+    derivation = Derivation(quantizer.model, reference, lambda removed: quantizer.build(removed, settings,
+                                                                                       simplify=False))
+    assert derivation.derive({"Conv_0", "Conv_1"}) is None  # the MaxPool's (and the weight's) fate changes
+    for nodes in [set(m) for m in edges(quantizer.model, names).values()] + [{name} for name in names]:
+        derived = derivation.derive(nodes)
+        if derived is None:
+            continue
+        built = quantizer.build(nodes, settings, simplify=False)
+        for a, b in zip(run_model(built, samples, optimize=True), run_model(derived, samples, optimize=True)):
+            assert np.array_equal(a["y"], b["y"]), nodes

@@ -47,17 +47,30 @@ class Derivation:
         self.float_nodes = {n.name: n for n in float_model.graph.node}
         self.float_weights = {t.name: t for t in float_model.graph.initializer}
         self.external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in float_model.graph.initializer)
-        self.touchers: dict[str, set[str]] = {}  # float-model tensor → nodes producing or reading it
+        self.touchers: dict[str, set[str]] = {}  # float-model tensor → nodes that round it when quantized
         for node in float_model.graph.node:
             for name in [*node.input, *node.output]:
                 if name:
                     self.touchers.setdefault(name, set()).add(node.name)
         self.float_producer = {o: n.name for n in float_model.graph.node for o in n.output}
+        self.readers: dict[str, list[str]] = {}
+        for node in float_model.graph.node:
+            for name in node.input:
+                self.readers.setdefault(name, []).append(node.name)
+        # a FOLLOWS_INPUT node does not round its output by itself: its readers decide (mediapipe face detection:
+        # a MaxPool's output went unrounded once the Pad reading it was float)
+        for node in float_model.graph.node:
+            if node.op_type in FOLLOWS_INPUT:
+                for name in node.output:
+                    self.touchers.get(name, set()).discard(node.name)
         present = {n.name for n in reference.graph.node}
         dequantized = {o for n in reference.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
         # quantized in the reference: a node reading a DequantizeLinear, or one the quantizer removed (absorbed)
         self.removed = set(self.float_nodes) - present
         reading = {n.name for n in reference.graph.node if n.op_type not in QDQ_OPS and set(n.input) & dequantized}
+        self.quantized_weights = {original for n in reference.graph.node if n.name in self.float_nodes
+                                  for original, name in zip(self.float_nodes[n.name].input, n.input)
+                                  if original in self.float_weights and name in dequantized}
         self.quantized = (reading if quantizable is None else reading & quantizable) | self.removed
 
     def derive(self, nodes: set[str]) -> onnx.ModelProto | None:
@@ -67,7 +80,7 @@ class Derivation:
             return None
         nodes = self._with_freed_activations(nodes)
         still_quantized = self.quantized - nodes
-        if not self._input_grids_kept(nodes, still_quantized):
+        if not self._decided_alike(nodes, still_quantized):
             return None
         edit = _Edit(self.reference)
         for name in sorted(nodes):  # weights back to float; removed activations put back
@@ -91,7 +104,7 @@ class Derivation:
     def _unround(self, tensor: str, edit: "_Edit") -> None:
         """Its readers read `tensor` itself, not its DequantizeLinear; a graph output is written by its producer
         again."""
-        for reader in self.touchers[tensor] - {self.float_producer.get(tensor)}:
+        for reader in self.touchers.get(tensor, set()) - {self.float_producer.get(tensor)}:
             node = edit.by_name.get(reader)
             for index, name in enumerate(node.input if node is not None else []):
                 if index < len(self.float_nodes[reader].input) and self.float_nodes[reader].input[index] == tensor:
@@ -102,18 +115,22 @@ class Derivation:
                 edit.dropped.add(id(edit.producer[tensor]))
                 edit.renamed[source] = tensor
 
-    def _input_grids_kept(self, nodes: set[str], still_quantized: set[str]) -> bool:
-        """No FOLLOWS_INPUT node whose quantization the change decides anew: one left quantized that reads a node
-        made float, or one made float whose output stays rounded (the build rounds it on a scale of its own)."""
-        for name in still_quantized:
-            node = self.float_nodes.get(name)
-            if node is not None and node.op_type in FOLLOWS_INPUT and node.input \
-                    and self.float_producer.get(node.input[0]) in nodes:
-                return False
+    def _decided_alike(self, nodes: set[str], still_quantized: set[str]) -> bool:
+        """No weight of `nodes` shared with another node, and no FOLLOWS_INPUT node whose quantization the change decides anew: one left quantized whose input only
+        it would still round (the build leaves it float: mediapipe face detection's MaxPool after a Relu once the
+        depthwise Conv beside it was float), or one made float whose output stays rounded (the build rounds it on
+        a scale of its own)."""
         for name in nodes:
-            node = self.float_nodes.get(name)
-            if node is not None and node.op_type in FOLLOWS_INPUT \
-                    and any(self.touchers.get(o, set()) & still_quantized for o in node.output):
+            node = self.float_nodes[name]
+            if any(len(self.readers.get(t, ())) > 1 for t in node.input if t in self.quantized_weights):
+                return False  # a weight shared with another node: ORT names and scales its copies in build order
+            for tensor in [*node.input, *node.output]:
+                rounding = self.touchers.get(tensor, set()) & still_quantized
+                followers = {n for n in rounding if self.float_nodes[n].op_type in FOLLOWS_INPUT}
+                if followers and not rounding - followers:
+                    return False
+            if node.op_type in FOLLOWS_INPUT and any(self.touchers.get(o, set()) & still_quantized
+                                                     for o in node.output):
                 return False
         return True
 
