@@ -174,8 +174,8 @@ def _memoized(function, memo: dict):
     def call(data, *args, **kwargs):
         array = np.ascontiguousarray(data)
         key = (function.__name__, hashlib.blake2b(array.tobytes(), digest_size=16).digest(), array.dtype.str,
-               array.shape, tuple(_hashable(a) for a in args),
-               tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+               array.shape, tuple(_exact(a) for a in args),
+               tuple(sorted((k, _exact(v)) for k, v in kwargs.items())))
         if key not in memo:
             memo[key] = tuple(function(data, *args, **kwargs))
         return [np.copy(value) for value in memo[key]]
@@ -235,17 +235,14 @@ def _copied(tensor: onnx.TensorProto) -> onnx.TensorProto:
 
 
 def _exact(value):
-    """A key for `value` that tells apart every value it could hold (arrays by bytes, type and shape)."""
+    """A memo key for an argument that tells apart every value it could hold: arrays (and numpy scalars) by bytes,
+    type and shape, lists and tuples item by item."""
     if isinstance(value, np.ndarray | np.generic):
         array = np.asarray(value)
         return (array.tobytes(), array.dtype.str, array.shape)
+    if isinstance(value, list | tuple):
+        return tuple(_exact(item) for item in value)
     return value
-
-
-def _hashable(value):
-    if isinstance(value, (np.ndarray, list, tuple)):
-        return tuple(np.asarray(value, np.float64).ravel().tolist())
-    return value.item() if isinstance(value, np.generic) else value
 
 
 @contextmanager

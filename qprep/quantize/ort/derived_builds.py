@@ -42,7 +42,7 @@ class Derivation:
 
     def __init__(self, float_model: onnx.ModelProto, reference: onnx.ModelProto,
                  split: Callable[[set[str]], onnx.ModelProto], quantizable: set[str] | None = None):
-        self.float_model, self.reference, self._build_split = float_model, reference, split
+        self.reference, self._build_split = reference, split
         self._split: dict[str, tuple[onnx.NodeProto, onnx.NodeProto, list[onnx.TensorProto]]] | None = None
         self.float_nodes = {n.name: n for n in float_model.graph.node}
         self.float_weights = {t.name: t for t in float_model.graph.initializer}

@@ -101,8 +101,8 @@ class OrtQuantizer:
             model = shared_gemm_weights_transposed(model)
         self.model, self.samples, self.work_dir, self.threads = model, samples, work_dir, threads
         self.progress = progress
-        self.node_names = {n.name for n in model.graph.node}
-        self._op_type = {n.name: n.op_type for n in model.graph.node}
+        self.op_type_of = {n.name: n.op_type for n in model.graph.node}
+        self.node_names = frozenset(self.op_type_of)
         self.settings = OrtSettings(  # as configured: what builds use unless the fallback measured better
             calibrate_method=options["calibrate_method"],
             bias_correction=bool(options["bias_correction"]) and options["format"] == "qdq" and not self.dynamic)
@@ -236,7 +236,7 @@ class OrtQuantizer:
         types = set(self.op_types) - settings.float_op_types
         spread = self.spread_nodes(settings)
         return frozenset(name for name in excluded & self.node_names
-                         if self._op_type[name] in types and name not in spread)
+                         if self.op_type_of[name] in types and name not in spread)
 
     def _quantize_around_failures(self, ranges, excluded: frozenset[str], settings: OrtSettings) -> onnx.ModelProto:
         """ORT's quantizer, with the nodes it fails on kept float. Why: it raises bare errors on constructs it
@@ -316,7 +316,7 @@ class OrtQuantizer:
         if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
             # ORT writes each Gemm as a MatMul named <gemm>_MatMul before it reads nodes_to_exclude: a float Gemm
             # is excluded under that name too (it was quantized all the same)
-            gemms = {f"{n}_MatMul" for n in common["nodes_to_exclude"] if self._op_type.get(n) == "Gemm"}
+            gemms = {f"{n}_MatMul" for n in common["nodes_to_exclude"] if self.op_type_of.get(n) == "Gemm"}
             common["nodes_to_exclude"] = sorted({*common["nodes_to_exclude"], *gemms})
             extra = {"MatMulConstBOnly": True, **common.pop("extra_options")}
             common.update(activation_qType=ORT.QuantType.QUInt8, tensors_range=None, extra_options=extra)

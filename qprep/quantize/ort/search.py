@@ -82,7 +82,6 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     budget = Budget(job.fallback["time_budget_s"], job.started)  # from the stage's start: everything counts
     # until a plain trial has run, the first build (calibration, GPTQ and a run) stands for one: an over-estimate
     budget.stand_ins.update({"trial": "first build", "rank": "trial"})
-    ops = {n.name: n.op_type for n in quantizer.model.graph.node}
     every = len(job.evaluation_samples)
 
     measured: dict = {}  # (built model's digest, samples) → metrics
@@ -164,7 +163,7 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     macs = multiply_adds(quantizer.model)
     total = sum(macs.values()) or 1
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
-    outcome = search.Search(trials, search.Candidates(candidates, groups, cost, ops), excluded,
+    outcome = search.Search(trials, search.Candidates(candidates, groups, cost, quantizer.op_type_of), excluded,
                             job.evaluation_samples, channel_spread.search_options(job.fallback, spread),
                             job.progress, budget, job.acceptance_samples).run()
     outcome.record.update(float_op_types=op_types, ranges=ranges, spread_tensors=spread)
