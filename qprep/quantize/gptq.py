@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qprep.model.runtime import intermediate_values
+from qprep.model.runtime import intermediate_values, ort_session
 
 MAX_ROWS_PER_SAMPLE = 65536  # input positions per sample and group used for H (strided subsample beyond)
 MIN_ROWS_PER_INPUT = 2  # H from fewer rows than this × the layer's inputs is not trusted (see above)
@@ -118,15 +118,27 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     layers = [layer for layer in layers if not too_wide(layer)]
     if not layers:
         return moments
+    gram = _gram_session(threads)
     for values in intermediate_values(qdq_model, sorted({layer.activation for layer in layers}), samples, threads):
         for layer in layers:
             columns = _input_columns(np.asarray(values[layer.activation], dtype=np.float32), layer)
-            h = np.matmul(columns, columns.transpose(0, 2, 1))
+            h = gram.run(None, {"x": columns})[0]
             if layer.node not in moments:
                 moments[layer.node] = np.zeros(h.shape, np.float64)
             np.add(moments[layer.node], h, out=moments[layer.node])  # in float64, without a float64 copy of h
             rows_seen[layer.node] += columns.shape[2]
     return {node: h for node, h in moments.items() if determined(rows_seen[node], h.shape[-1])}
+
+
+def _gram_session(threads: int):
+    """An ORT session computing x xᵀ per group ([groups, d, rows] → [groups, d, d]). Why not numpy's batched
+    matmul: its many small products (a depthwise layer's d is 9 or 25) run 5–8× slower here (EfficientNet-Lite0's
+    moments 6.9 of GPTQ's 10 s; 672 groups × 25 × 196 rows: 9.2 ms, ORT's MatMul 1.2 ms)."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["groups", "d", "rows"])
+    h = onnx.helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, ["groups", "d", "d"])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+                                    onnx.helper.make_node("MatMul", ["x", "xt"], ["h"])], "gram", [x], [h])
+    return ort_session(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)]), threads)
 
 
 def inputs_per_output(layer: Layer) -> int:

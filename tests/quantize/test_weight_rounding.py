@@ -84,6 +84,47 @@ def test_gptq_lowers_the_output_error_and_stays_in_the_quantizers_range(case, tm
     assert np.abs(after.astype(int) - before.astype(int)).max() <= 8  # re-rounded, not scrambled
 
 
+def _naive_moment(x: np.ndarray, layer) -> np.ndarray:
+    """Σ over output positions of the inputs one output's weights multiply, times themselves: loop by loop."""
+    if layer.kind != "conv":
+        rows = x.reshape(-1, x.shape[-1])
+        return (rows.T.astype(np.float64) @ rows.astype(np.float64))[None]
+    weight, attrs = layer.float_weight, layer.conv
+    if weight.ndim == 3:
+        x, weight = x[:, :, None], weight[:, :, None]
+        attrs = {"pads": [0, attrs.get("pads", [0, 0])[0], 0, attrs.get("pads", [0, 0])[1]],
+                 "strides": [1, *attrs.get("strides", [1])], "dilations": [1, *attrs.get("dilations", [1])]}
+    pads, strides = attrs.get("pads", [0, 0, 0, 0]), attrs.get("strides", [1, 1])
+    dilations = attrs.get("dilations", [1, 1])
+    x = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    per_group, (kh, kw) = x.shape[1] // layer.groups, weight.shape[2:]
+    moment = np.zeros((layer.groups, per_group * kh * kw, per_group * kh * kw))
+    for g in range(layer.groups):
+        for top in range(0, x.shape[2] - (kh - 1) * dilations[0], strides[0]):
+            for left in range(0, x.shape[3] - (kw - 1) * dilations[1], strides[1]):
+                patch = x[0, g * per_group:(g + 1) * per_group, top:top + (kh - 1) * dilations[0] + 1:dilations[0],
+                          left:left + (kw - 1) * dilations[1] + 1:dilations[1]].ravel()
+                moment[g] += np.outer(patch, patch)
+    return moment
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_input_moments_are_the_sum_of_each_output_positions_input_products(case, tmp_path):
+    """H per group, as GPTQ reads it, against loops over output positions (pads, strides, dilations, groups)."""
+    from qprep.model.runtime import intermediate_values
+
+    kind, shape, x_shape, attrs = CASES[case]
+    model = _model(kind, np.random.default_rng(3).standard_normal(shape), x_shape, **attrs)
+    samples = _samples(x_shape, count=3)
+    options = validate({"reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)
+    quantized = OrtQuantizer(model, samples, options, tmp_path).build(set())
+    layer = gptq.find_layers(quantized, model)[0]
+    moments = gptq.input_moments(quantized, [layer], samples * 40)  # rows enough for any case's inputs
+    values = [v[layer.activation] for v in intermediate_values(quantized, [layer.activation], samples)]
+    expected = 40 * sum(_naive_moment(v, layer) for v in values)
+    np.testing.assert_allclose(moments[layer.node], expected, rtol=1e-5, atol=1e-3)
+
+
 def test_conv_padding_gptq_cannot_rebuild_is_left_alone():
     def form(**attrs):
         return gptq.weighted_form(helper.make_node("Conv", ["x", "w"], ["y"], **attrs), 4)
