@@ -176,9 +176,9 @@ class SearchBackend:
         raise NotImplementedError
 
     def evaluate_candidate(self, start: set[str], float_nodes: set[str], samples: list[dict]) -> dict:
-        """A ranking trial: `float_nodes` is `start` (measured on `samples` just before) with one candidate
-        added. A backend may derive its model from start's build instead of building (ORT: derived_builds.py);
-        by default it builds."""
+        """A ranking or promotion trial: `float_nodes` is `start` (the float set the round ranked on) with
+        candidates added. A backend may derive its model from start's build instead of building (ORT:
+        derived_builds.py); by default it builds."""
         return self.evaluate(float_nodes, samples)
 
     def rank(self, chosen: tuple[str, ...]) -> list[dict]:
@@ -235,6 +235,7 @@ class Search:
         self.budget = budget or Budget(options["time_budget_s"])
         self.trials: list[Trial] = []
         self.chosen: tuple[str, ...] = ()  # candidates accepted so far
+        self.round_start: tuple[str, ...] | None = None  # the candidates float when this round ranked
         self.gains: dict[str, float] = {}  # promoted candidate → its gain in the round that promoted it
         self.fast_from: int | None = None  # index of the first trial built the faster way
         self.ask_faster = True
@@ -303,6 +304,7 @@ class Search:
         rank_samples = self.samples[: self.options["rank_samples"]]
         self.ranking_cut = self.ranked_part = False
         base = self.trial("rank", self.chosen, (), rank_samples)
+        self.round_start = self.chosen
         self.say(f"round {round_index}: ranking {len(pool)} candidates on {len(rank_samples)} samples")
         enough = self.enough_gain(self.current.score) if round_index == 1 else None
         rows = []
@@ -393,13 +395,17 @@ class Search:
     def trial(self, phase: str, start: tuple[str, ...], added: tuple[str, ...], samples: list[dict]) -> Trial:
         t0 = time.perf_counter()
         made_float = self.candidates.nodes(start + added, self.base_float)
-        if phase == "rank" and added:
-            outputs = self.backend.evaluate_candidate(self.base_float | self.candidates.nodes(start, self.base_float),
-                                                      self.base_float | made_float, samples)
-        else:
-            outputs = self.backend.evaluate(self.base_float | made_float, samples)
+        evaluate = self.backend.evaluate
+        if added and phase in ("rank", "promote") and self.round_start is not None:
+            # from the build the round ranked on (promotions add to it too: one build per round, not per trial)
+            reference = self.base_float | self.candidates.nodes(self.round_start, self.base_float)
+
+            def evaluate(float_nodes: set[str], samples: list[dict]) -> dict:
+                return self.backend.evaluate_candidate(reference, float_nodes, samples)
+
+        outputs = evaluate(self.base_float | made_float, samples)
         gate = ({"passed": False} if samples is not self.samples else
-                judge(self.target, outputs, self.base_float | made_float, self.backend.evaluate, self.acceptance))
+                judge(self.target, outputs, self.base_float | made_float, evaluate, self.acceptance))
         result = Trial(phase, start + added, added, len(made_float), score_of(outputs, self.target),
                        gate_metrics(gate), gate["passed"], time.perf_counter() - t0, unseen=gate.get("unseen"))
         if result.unseen and not result.passed:

@@ -64,8 +64,9 @@ def test_a_node_the_reference_does_not_have_is_not_derived(tmp_path):
     assert derivation.derive({"no such node"}) is None
 
 
-def test_ranking_trials_ask_for_a_candidate_on_top_of_the_float_set_they_rank_from():
-    """The search's ranking trials go through evaluate_candidate with the set measured just before as start."""
+def test_ranking_and_promotion_trials_ask_for_candidates_on_top_of_the_set_the_round_ranked_on():
+    """The search's ranking trials, and its promotions, go through evaluate_candidate with the float set the
+    round ranked on as start (so one build per round serves them all); a promotion adds to what was promoted."""
     calls = []
 
     class Backend(search.SearchBackend):
@@ -73,14 +74,19 @@ def test_ranking_trials_ask_for_a_candidate_on_top_of_the_float_set_they_rank_fr
             return {"y": {"cosine_mean": 0.9 + 0.01 * len(float_nodes), "score": 0.9 + 0.01 * len(float_nodes)}}
 
         def evaluate_candidate(self, start, float_nodes, samples):
-            calls.append((frozenset(start), frozenset(float_nodes)))
+            calls.append((frozenset(start), frozenset(float_nodes), len(samples)))
             return self.evaluate(float_nodes, samples)
 
     samples = [{"x": np.zeros(1)} for _ in range(4)]
-    options = {"target": {"cosine_mean": 0.925}, "time_budget_s": 60.0, "rank_samples": 2, "accept_share": 0.0,
+    options = {"target": {"cosine_mean": 0.935}, "time_budget_s": 60.0, "rank_samples": 2, "accept_share": 0.0,
                "max_candidates": 8, "block": 1, "max_float_nodes": 4}
-    search.Search(Backend(), search.Candidates(["a", "b", "c"]), {"fixed"}, samples, options).run()
-    assert calls and all(start < nodes and len(nodes - start) == 1 and "fixed" in start for start, nodes in calls)
+    outcome = search.Search(Backend(), search.Candidates(["a", "b", "c"]), {"fixed"}, samples, options).run()
+    assert outcome.passed and len(outcome.float_nodes) == 4  # fixed + 3: the last promotion meets 0.935
+    ranking = [(start, nodes) for start, nodes, n in calls if n == 2]
+    promotions = [(start, nodes) for start, nodes, n in calls if n == 4]
+    assert ranking and all(start < nodes and len(nodes - start) == 1 and "fixed" in start for start, nodes in ranking)
+    assert [len(nodes - start) for start, nodes in promotions] == [1, 2, 3]
+    assert all(start == {"fixed"} for start, _ in promotions)
 
 
 def test_a_candidate_that_decides_a_following_op_or_a_shared_weight_anew_is_built_or_derived_alike(tmp_path):

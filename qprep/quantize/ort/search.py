@@ -100,11 +100,12 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     derived: dict = {}  # the last ranking reference: {"key", "derivation"}
 
     def measure_candidate(start: set[str], float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
-        """A ranking trial's model derived from the build of `start` (derived_builds.py: ~0.01 s where a build
-        takes ~0.5 s on EfficientNet-Lite0); built like any trial where it cannot be derived."""
+        """A ranking or promotion trial's model derived from the build of `start` (derived_builds.py: ~0.01 s
+        where a build takes ~0.5 s on EfficientNet-Lite0); built like any trial where it cannot be derived. Timed
+        apart from builds ("derived" on all samples): the time kept for the final build is a build's."""
         if quantizer.dynamic or quantizer.options["format"] != "qdq" or settings.bias_correction:
             return measure(float_nodes, samples, settings)
-        with budget.timed("rank"):
+        with budget.timed("rank" if len(samples) < every else "derived"):
             if derived.get("key") != (frozenset(start), settings):
                 reference = quantizer.build(start, settings, simplify=False)
                 quantizable = (quantizer.build_key(quantizer.node_names, settings) - start
