@@ -77,15 +77,31 @@ def find_layers(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto) -> lis
     return list(layers.values())
 
 
-def corrections(qdq_model: onnx.ModelProto, float_model: onnx.ModelProto, layers: list[BiasLayer],
+class FloatMeans:
+    """The float model's per-channel output means on the samples, measured once per tensor: every bias
+    correction of a search (one per float set) compares its layers with the same float model."""
+
+    def __init__(self, float_model: onnx.ModelProto, samples: list[dict], threads: int = 2):
+        self.float_model, self.samples, self.threads = float_model, samples, threads
+        self.means: dict[str, np.ndarray] = {}
+
+    def of(self, layers: list[BiasLayer]) -> dict[str, np.ndarray]:
+        axes = {layer.float_output: layer.axis for layer in layers if layer.float_output not in self.means}
+        if axes:
+            self.means.update(_channel_means(intermediate_values(self.float_model, list(axes), self.samples,
+                                                                 self.threads), axes))
+        return {layer.float_output: self.means[layer.float_output] for layer in layers
+                if layer.float_output in self.means}
+
+
+def corrections(qdq_model: onnx.ModelProto, float_means: FloatMeans, layers: list[BiasLayer],
                 samples: list[dict], threads: int = 2, budget=None) -> dict[str, np.ndarray]:
     """{node: bias shift in float units} that brings each layer's per-channel output mean on `samples` to the
-    float model's, with every upstream correction applied before a layer is measured. With a `budget`
-    (quantize/budget.py), a wave is started only if it and the caller's check (two more runs of the whole model:
-    kind "bias check", which the caller records) fit: the layers corrected so far are a valid correction on
-    their own (their upstream layers are all among them)."""
-    expected = _channel_means(intermediate_values(float_model, [layer.float_output for layer in layers], samples,
-                                                  threads), {layer.float_output: layer.axis for layer in layers})
+    float model's (`float_means`, on the same samples), with every upstream correction applied before a layer is
+    measured. With a `budget` (quantize/budget.py), a wave is started only if it and the caller's check (two
+    more runs of the whole model: kind "bias check", which the caller records) fit: the layers corrected so far
+    are a valid correction on their own (their upstream layers are all among them)."""
+    expected = float_means.of(layers)
     biases = {t.name: numpy_helper.to_array(t).astype(np.int64) for t in qdq_model.graph.initializer
               if t.name in {layer.bias for layer in layers}}
     stepwise = Stepwise(qdq_model, samples, threads)
@@ -176,6 +192,6 @@ def _channel_means(values, axes: dict[str, int]) -> dict[str, np.ndarray]:
         for name, value in sample.items():
             if name in axes:
                 axis = axes[name] % value.ndim
-                sums[name] = sums.get(name, 0) + value.astype(np.float64).mean(
-                    axis=tuple(i for i in range(value.ndim) if i != axis))
+                sums[name] = sums.get(name, 0) + value.mean(  # summed in float64 without a float64 copy
+                    axis=tuple(i for i in range(value.ndim) if i != axis), dtype=np.float64)
     return {name: total / count for name, total in sums.items()}

@@ -78,8 +78,7 @@ def test_correction_removes_the_drift_of_every_layer_and_lowers_the_output_error
     samples = _samples()
     quantized = _quantized(model, tmp_path, bias_correction=False).build(set())
     layers = bias_correction.find_layers(quantized, model)
-    corrected = bias_correction.apply(quantized, layers, bias_correction.corrections(quantized, model, layers,
-                                                                                     samples))
+    corrected = bias_correction.apply(quantized, layers, bias_correction.corrections(quantized, bias_correction.FloatMeans(model, samples), layers, samples))
     for layer in layers:
         before, after = (_drift(model, m, layer, samples) for m in (quantized, corrected))
         assert after < 0.2 * before, f"{layer.node}: drift {before:.4f} → {after:.4f}"
@@ -174,10 +173,10 @@ def test_a_wave_that_would_not_end_within_the_budget_is_not_started(tmp_path, mo
     monkeypatch.setattr(bias_correction, "_channel_means", slow_means)
     budget = Budget(200, started=-50.0)  # the float model's means (one run) ended at 50 s of the budget
     budget.record("bias check", 30.0)
-    shifts = bias_correction.corrections(quantized, model, layers, _samples(), budget=budget)
+    shifts = bias_correction.corrections(quantized, bias_correction.FloatMeans(model, _samples()), layers, _samples(), budget=budget)
     assert list(shifts) == [layers[0].node]
     assert budget.durations["bias wave"] == [50.0] and budget.skipped[0].startswith("bias correction waves 2+")
-    full = bias_correction.corrections(quantized, model, layers, _samples(), budget=Budget(1000, started=clock[0]))
+    full = bias_correction.corrections(quantized, bias_correction.FloatMeans(model, _samples()), layers, _samples(), budget=Budget(1000, started=clock[0]))
     assert list(full) == [layer.node for layer in layers]
 
 
@@ -253,7 +252,7 @@ def test_wave_by_wave_runs_of_the_parts_match_whole_model_runs_of_the_corrected_
     samples = _samples()
     quantized = _quantized(model, tmp_path, bias_correction=False).build(set())
     layers = bias_correction.find_layers(quantized, model)
-    shifts = bias_correction.corrections(quantized, model, layers, samples)
+    shifts = bias_correction.corrections(quantized, bias_correction.FloatMeans(model, samples), layers, samples)
     reference = _whole_model_shifts(quantized, model, layers, samples)
     assert set(shifts) == set(reference) == {layer.node for layer in layers}
     for node, shift in shifts.items():
@@ -291,7 +290,23 @@ def test_a_layer_read_inside_an_if_branch_is_upstream_of_the_layers_after_the_if
     samples = [{"x": x} for x in np.random.default_rng(1).standard_normal((4, 1, 2, 3, 3)).astype(np.float32)]
     layers = bias_correction.find_layers(quantized, model)
     assert [[layer.node for layer in wave] for wave in bias_correction.waves(layers)] == [["K"], ["L"], ["M"]]
-    shifts = bias_correction.corrections(quantized, model, layers, samples)
+    shifts = bias_correction.corrections(quantized, bias_correction.FloatMeans(model, samples), layers, samples)
     reference = _whole_model_shifts(quantized, model, layers, samples)
     for node in "KLM":
         np.testing.assert_allclose(shifts[node], reference[node], rtol=1e-4, atol=1e-6)
+
+
+def test_the_float_models_means_are_measured_once_per_tensor_across_corrections(tmp_path, monkeypatch):
+    """Each float set's correction compares with the same float model: its means are run for once, and a
+    second correction (another float set) computes the same shifts without running the float model again."""
+    model, samples = _chain(), _samples()
+    quantized = _quantized(model, tmp_path, bias_correction=False).build(set())
+    layers = bias_correction.find_layers(quantized, model)
+    means = bias_correction.FloatMeans(model, samples)
+    first = bias_correction.corrections(quantized, means, layers, samples)
+    runs = []
+    real = bias_correction.intermediate_values
+    monkeypatch.setattr(bias_correction, "intermediate_values", lambda m, *a: runs.append(m) or real(m, *a))
+    second = bias_correction.corrections(quantized, means, layers, samples)
+    assert not any(m is model for m in runs)  # (the QDQ model runs part by part: Stepwise)
+    assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)

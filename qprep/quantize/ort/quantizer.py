@@ -113,6 +113,7 @@ class OrtQuantizer:
         self._float_outputs: list | None = None  # the float model's outputs on the calibration samples
         self.bias: dict = {"applied": False}  # what bias correction did on the last build
         self._bias: dict = {}  # (float set, settings) → {shifts, layers, …, kept}
+        self._float_means = bias_correction.FloatMeans(model, samples, threads)
         self._last: tuple | None = None  # (((float set, settings), simplified), model) of the last build
         self._simplify_verified = False  # the exact Q/DQ rules were checked against ORT on a build of this model
         self.simplified: dict = {}  # exact Q/DQ rewrites on the last build (qdq/remove_redundant.py), by kind
@@ -410,7 +411,7 @@ class OrtQuantizer:
             if before_db is None:  # nothing to judge the correction by: not worth its time
                 shifts, after_db, chosen, by_waves = {}, None, {}, {}
             else:
-                shifts = bias_correction.corrections(quantized, self.model, layers, self.samples, self.threads,
+                shifts = bias_correction.corrections(quantized, self._float_means, layers, self.samples, self.threads,
                                                      budget=self.budget)
                 chosen, after_db, by_waves = self._best_prefix(quantized, layers, shifts)
             kept, why = better(before_db, after_db, "no correction", bias_correction.MIN_GAIN_DB)
