@@ -57,6 +57,23 @@ def test_each_edge_made_float_by_edits_gives_the_outputs_of_its_build(tmp_path):
                 assert np.array_equal(a["y"], b["y"]), (start, nodes)
 
 
+def test_an_op_type_left_float_builds_what_its_nodes_made_float_build(tmp_path):
+    """The op-type phase ranks a type as its nodes made float (derived from the base's build) and keeps it as
+    the op-type setting: both must make the same model, for each op type and for all at once."""
+    quantizer, samples = _branchy_quantizer(tmp_path)
+    by_type: dict = {}
+    for node in quantizer.model.graph.node:
+        by_type.setdefault(node.op_type, set()).add(node.name)
+    groups = [{t} for t in by_type] + [{"Clip", "Relu", "Add"}]
+    for types in groups:
+        as_type = quantizer.build(set(), OrtSettings("minmax", bias_correction=False, float_op_types=frozenset(types)),
+                                  simplify=False)
+        as_nodes = quantizer.build(set().union(*(by_type[t] for t in types)),
+                                   OrtSettings("minmax", bias_correction=False), simplify=False)
+        for a, b in zip(run_model(as_type, samples, optimize=True), run_model(as_nodes, samples, optimize=True)):
+            assert np.array_equal(a["y"], b["y"]), types
+
+
 def test_a_node_the_reference_does_not_have_is_not_derived(tmp_path):
     quantizer, _ = _branchy_quantizer(tmp_path)
     settings = OrtSettings("minmax", bias_correction=False)

@@ -353,9 +353,14 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
     job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4,
                           acceptance_samples=[], progress=None)
 
+    def float_types(float_nodes, settings):
+        """The types left float, as the op-type setting or as all their nodes float (the same build)."""
+        return settings.float_op_types | {t for t in chain_types
+                                          if all(n.name in float_nodes for n in nodes if n.op_type == t)}
+
     def trials():
-        return Trials(OrtSettings("minmax", bias_correction=False),
-                      lambda excluded, samples, settings: {"y": {"cosine_mean": scores[settings.float_op_types]}})
+        return Trials(OrtSettings("minmax", bias_correction=False), lambda float_nodes, samples, settings: {
+            "y": {"cosine_mean": scores[frozenset(float_types(float_nodes, settings))]}})
 
     chain = trials()
     record = choose_float_op_types(quantizer({}), chain, set(), job, Budget(600))

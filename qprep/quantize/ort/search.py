@@ -2,9 +2,11 @@
 only ORT's second-long builds can afford.
 
 A trial is a re-quantization (ranges and GPTQ cached by the quantizer) and an ORT run on the evaluation
-samples. Before any node is made float, four settings are measured at the outputs: bias correction on the
-base float set, mse activation ranges, the tensors whose channels spread too far for one int8 scale
-(channel_spread.py) kept float, and op types left float as a whole. Candidates are then activation
+samples; with static QDQ, a trial that only adds float nodes to a built set (an op type's rank, a candidate's
+rank, a promotion) is derived from that build instead (derived_builds.py). Before any node is made float, four
+settings are measured at the outputs: bias correction on the base float set, mse activation ranges, the tensors
+whose channels spread too far for one int8 scale (channel_spread.py) kept float, and op types left float as a
+whole. Candidates are then activation
 edges (`edges`; MatMul nodes with dynamic quantization), those losing most accuracy first, promoted by gain
 per multiply-add. Last, bias correction is measured again on the float set the search chose.
 
@@ -289,12 +291,17 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
     rank_samples = job.evaluation_samples[: job.fallback["rank_samples"]]
     base = search.score_of(trials.evaluate(excluded, rank_samples), target)
     gains = {}
+
+    def with_types(chosen) -> set[str]:
+        return {n.name for n in quantizer.model.graph.node if n.op_type in chosen} | excluded
+
     for op_type in (t for t in types if t not in exact):
         if not budget.allows(f"op type {op_type} ranked", budget.predict("rank") + budget.predict("trial")):
             break
-        trials.use(float_op_types=frozenset({op_type}))
-        gains[op_type] = search.score_of(trials.evaluate(excluded, rank_samples), target) - base
-    trials.use(float_op_types=frozenset())
+        # ranked as its nodes made float, derived from the base's build like the search's ranking trials (the
+        # same build as the op type left float: ORT checks the op type and the node name in one place)
+        gains[op_type] = search.score_of(trials.evaluate_candidate(excluded, with_types({op_type}), rank_samples),
+                                         target) - base
     attempts = []
 
     def attempt(chosen: frozenset[str], label: str, rank_gain) -> None:
@@ -303,8 +310,13 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
         if not budget.allows(f"op types {label} tried", budget.predict("trial")):
             return
         previous = trials.settings.float_op_types
-        trials.use(float_op_types=chosen)
-        score = search.score_of(trials.evaluate(excluded, job.evaluation_samples), target)
+        if previous:
+            trials.use(float_op_types=chosen)
+            score = search.score_of(trials.evaluate(excluded, job.evaluation_samples), target)
+        else:  # derived from the base's build, as the ranks were
+            score = search.score_of(trials.evaluate_candidate(excluded, with_types(chosen), job.evaluation_samples),
+                                    target)
+            trials.use(float_op_types=chosen)
         kept = score > current
         attempts.append({"op_type": label, "rank_gain": rank_gain, "score": score, "kept": kept})
         if kept:
