@@ -13,6 +13,7 @@ from onnxscript.rewriter import RewriteRuleSet
 
 from graphs import make_graph, make_model
 from qprep import third_party
+from qprep.model.prepare import name_nodes
 
 
 def test_onnx_all_tensors_yields_initializers_and_tensor_attributes_of_subgraphs_too():
@@ -153,6 +154,40 @@ def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic)
     assert len(calls) == 6  # one per output channel, the second build from the memo
     assert sum(key[0] == "weight" for key in memo) == (1 if dynamic else 0)  # one whole-weight entry, hit again
     assert sum(key[0] == "initializer" for key in memo) == (0 if dynamic else 1)  # QDQ: the integers, whole
+    assert sum(key[0] == "params" for key in memo) == (0 if dynamic else 1)  # QDQ: its scales, whole
+
+
+def test_the_scale_memo_gives_the_model_onnxruntime_writes_with_biases_and_a_tensor_left_float():
+    """Two Convs with biases (ORT may widen a weight's scale for its bias, after the memo handed it out), built
+    again with the first Conv float and then all quantized: each build's bytes are the ones ORT writes alone."""
+    ort = third_party.ort_quantization()
+    rng = np.random.default_rng(1)
+    model = make_model([helper.make_node("Conv", ["x", "w1", "b1"], ["h"]),
+                        helper.make_node("Conv", ["h", "w2", "b2"], ["y"])], [("x", [1, 3, 6, 6])],
+                       [("y", [1, 4, 4, 4])],
+                       {"w1": rng.standard_normal((5, 3, 3, 1)).astype(np.float32) * 1e-4,
+                        "b1": rng.standard_normal(5).astype(np.float32) * 1e4,  # beyond int32 on w1's scales
+                        "w2": rng.standard_normal((4, 5, 1, 3)).astype(np.float32),
+                        "b2": rng.standard_normal(4).astype(np.float32)}, opset=17)
+    name_nodes(model.graph)
+    ranges = ort.TensorsData(__import__("onnxruntime").quantization.CalibrationMethod.MinMax,
+                             {n: (np.array(-4.0, np.float32), np.array(4.0, np.float32)) for n in "xhy"})
+
+    def build(exclude):
+        quantizer = ort.QDQQuantizer(
+            ort.save_and_reload_model_with_shape_infer(model), per_channel=True, reduce_range=False,
+            weight_qType=ort.QuantType.QInt8, activation_qType=ort.QuantType.QUInt8, tensors_range=ranges,
+            nodes_to_quantize=[], nodes_to_exclude=exclude, op_types_to_quantize=["Conv"], extra_options={})
+        quantizer.quantize_model()
+        return quantizer.model.model.SerializeToString()
+
+    first = model.graph.node[0].name
+    plain = [build([]), build([first]), build([])]
+    memo = {}
+    with third_party.weight_quantization_memo(memo):
+        memoized = [build([]), build([first]), build([])]
+    assert memoized == plain and plain[0] != plain[1]
+    assert sum(key[0] == "params" for key in memo) == 2
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
