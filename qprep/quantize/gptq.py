@@ -29,6 +29,7 @@ would need a 34 GB H. The widest layer of the zoo's other models and the demo mo
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,15 +119,22 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     layers = [layer for layer in layers if not too_wide(layer)]
     if not layers:
         return moments
-    gram = _gram_session(threads)
-    for values in intermediate_values(qdq_model, sorted({layer.activation for layer in layers}), samples, threads):
-        for layer in layers:
-            columns = _input_columns(np.asarray(values[layer.activation], dtype=np.float32), layer)
-            h = gram.run(None, {"x": columns})[0]
-            if layer.node not in moments:
-                moments[layer.node] = np.zeros(h.shape, np.float64)
-            np.add(moments[layer.node], h, out=moments[layer.node])  # in float64, without a float64 copy of h
-            rows_seen[layer.node] += columns.shape[2]
+    gram = _gram_session(1)
+
+    def add(layer: Layer, value: np.ndarray) -> None:
+        columns = _input_columns(np.asarray(value, dtype=np.float32), layer)
+        h = gram.run(None, {"x": columns})[0]
+        if layer.node not in moments:
+            moments[layer.node] = np.zeros(h.shape, np.float64)
+        np.add(moments[layer.node], h, out=moments[layer.node])  # in float64, without a float64 copy of h
+        rows_seen[layer.node] += columns.shape[2]
+
+    # layers side by side, one thread each (numpy's copies and ORT's run free the GIL): each layer's sums are
+    # added in sample order, as one at a time would
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for values in intermediate_values(qdq_model, sorted({layer.activation for layer in layers}), samples,
+                                          threads):
+            list(pool.map(lambda layer: add(layer, values[layer.activation]), layers))
     return {node: h for node, h in moments.items() if determined(rows_seen[node], h.shape[-1])}
 
 
