@@ -459,15 +459,19 @@ class Search:
 def remembered(evaluate: Callable[[set[str], list[dict]], dict], setting: Callable[[], object]):
     """`evaluate` remembered per (backend setting, float set, samples): the range trial, the op-type phase and
     the search's base all ask for the same build on the same samples. Samples are a prefix of the samples the
-    search chooses on, or those kept apart: their first sample and number name them."""
+    search chooses on, or those kept apart: their first sample and number name them. `evaluate_once.store`
+    records outputs known otherwise (a model derived to equal that build)."""
     results: dict = {}
 
-    def evaluate_once(float_nodes: set[str], samples: list[dict]) -> dict:
-        key = (setting(), frozenset(float_nodes), id(samples[0]) if samples else None, len(samples))
-        if key not in results:
-            results[key] = evaluate(float_nodes, samples)
-        return results[key]
+    def key(float_nodes: set[str], samples: list[dict]) -> tuple:
+        return setting(), frozenset(float_nodes), id(samples[0]) if samples else None, len(samples)
 
+    def evaluate_once(float_nodes: set[str], samples: list[dict]) -> dict:
+        if key(float_nodes, samples) not in results:
+            results[key(float_nodes, samples)] = evaluate(float_nodes, samples)
+        return results[key(float_nodes, samples)]
+
+    evaluate_once.store = lambda float_nodes, samples, outputs: results.__setitem__(key(float_nodes, samples), outputs)
     return evaluate_once
 
 

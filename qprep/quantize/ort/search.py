@@ -75,6 +75,10 @@ class Trials(search.SearchBackend):
             self.candidates[key] = self.measure_candidate(start, nodes, samples, self.settings)
         return self.candidates[key]
 
+    def remember(self, float_nodes: set[str], samples: list[dict], outputs: dict) -> None:
+        """What `evaluate` would measure for `float_nodes` at the current settings, known from a derived model."""
+        self.remembered.store(set(self.build_key(float_nodes, self.settings)), samples, outputs)
+
     def use(self, **changes) -> None:
         self.settings = replace(self.settings, **changes)
 
@@ -313,10 +317,11 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
         if previous:
             trials.use(float_op_types=chosen)
             score = search.score_of(trials.evaluate(excluded, job.evaluation_samples), target)
-        else:  # derived from the base's build, as the ranks were
-            score = search.score_of(trials.evaluate_candidate(excluded, with_types(chosen), job.evaluation_samples),
-                                    target)
+        else:  # derived from the base's build, as the ranks were: the build with these types left float
+            outputs = trials.evaluate_candidate(excluded, with_types(chosen), job.evaluation_samples)
             trials.use(float_op_types=chosen)
+            trials.remember(excluded, job.evaluation_samples, outputs)  # (kept: the search's base, not built again)
+            score = search.score_of(outputs, target)
         kept = score > current
         attempts.append({"op_type": label, "rank_gain": rank_gain, "score": score, "kept": kept})
         if kept:
