@@ -456,23 +456,27 @@ class Search:
         return record
 
 
-def remembered(evaluate: Callable[[set[str], list[dict]], dict], setting: Callable[[], object]):
+class Remembered:
     """`evaluate` remembered per (backend setting, float set, samples): the range trial, the op-type phase and
     the search's base all ask for the same build on the same samples. Samples are a prefix of the samples the
-    search chooses on, or those kept apart: their first sample and number name them. `evaluate_once.store`
-    records outputs known otherwise (a model derived to equal that build)."""
-    results: dict = {}
+    search chooses on, or those kept apart: their first sample and number name them. A backend that reaches the
+    same outputs another way (ORT: a model derived to equal the build) passes that way as `measure`, or `store`s
+    what it measured: one memo, whichever way a result was made."""
 
-    def key(float_nodes: set[str], samples: list[dict]) -> tuple:
-        return setting(), frozenset(float_nodes), id(samples[0]) if samples else None, len(samples)
+    def __init__(self, evaluate: Callable[[set[str], list[dict]], dict], setting: Callable[[], object]):
+        self.evaluate, self.setting, self.results = evaluate, setting, {}
 
-    def evaluate_once(float_nodes: set[str], samples: list[dict]) -> dict:
-        if key(float_nodes, samples) not in results:
-            results[key(float_nodes, samples)] = evaluate(float_nodes, samples)
-        return results[key(float_nodes, samples)]
+    def _key(self, float_nodes: set[str], samples: list[dict]) -> tuple:
+        return self.setting(), frozenset(float_nodes), id(samples[0]) if samples else None, len(samples)
 
-    evaluate_once.store = lambda float_nodes, samples, outputs: results.__setitem__(key(float_nodes, samples), outputs)
-    return evaluate_once
+    def __call__(self, float_nodes: set[str], samples: list[dict], measure: Callable[[], dict] | None = None) -> dict:
+        key = self._key(float_nodes, samples)
+        if key not in self.results:
+            self.results[key] = measure() if measure is not None else self.evaluate(float_nodes, samples)
+        return self.results[key]
+
+    def store(self, float_nodes: set[str], samples: list[dict], outputs: dict) -> None:
+        self.results[self._key(float_nodes, samples)] = outputs
 
 
 def choose_setting(setting: str, configured: str, alternatives: list[str], use: Callable[[str], None],

@@ -450,7 +450,7 @@ def test_remembered_evaluates_each_build_once_per_setting_and_sample_count():
         calls.append((setting["value"], frozenset(float_nodes), len(samples)))
         return {"y": {"cosine_mean": 0.9}}
 
-    once = search.remembered(evaluate, lambda: setting["value"])
+    once = search.Remembered(evaluate, lambda: setting["value"])
     samples = [{}] * 4
     for _ in range(3):
         once({"a"}, samples)
@@ -621,3 +621,24 @@ def test_candidates_named_first_are_tried_first_and_kept_only_if_they_pay():
     promoted = [(t["added"], t["accepted"]) for t in outcome.record["trials"] if t["phase"] == "promote"]
     assert promoted[:3] == [(["noise"], False), (["out"], True), (["a"], True)]
     assert sorted(outcome.float_nodes) == ["a", "b", "out"]
+
+
+def test_ort_trials_remember_derived_and_built_outputs_in_one_memo():
+    """A float set measured once, derived or built: a derived result answers a later build of the same set (and
+    settings, and samples), a built one a later derivation."""
+    from qprep.quantize.ort.quantizer import OrtSettings
+    from qprep.quantize.ort.search import Trials
+
+    made = []
+    trials = Trials(OrtSettings("minmax", bias_correction=False),
+                    lambda nodes, samples, settings: made.append(("built", frozenset(nodes))) or {"y": {}},
+                    measure_candidate=lambda start, nodes, samples, settings: made.append(
+                        ("derived", frozenset(nodes))) or {"y": {}})
+    samples = [{}] * 4
+    trials.evaluate_candidate(set(), {"a"}, samples)
+    trials.evaluate({"a"}, samples)
+    trials.evaluate({"b"}, samples)
+    trials.evaluate_candidate(set(), {"b"}, samples)
+    trials.use(calibrate_method="mse")  # another setting: measured again
+    trials.evaluate({"a"}, samples)
+    assert made == [("derived", frozenset({"a"})), ("built", frozenset({"b"})), ("built", frozenset({"a"}))]

@@ -57,23 +57,20 @@ class Trials(search.SearchBackend):
                  build_key: Callable[[set[str], OrtSettings], frozenset[str]] = lambda nodes, settings: nodes,
                  measure_candidate: Callable[[set[str], set[str], list[dict], OrtSettings], dict] | None = None):
         self.settings, self.build_key, self.measure_candidate = settings, build_key, measure_candidate
-        self.remembered = search.remembered(lambda nodes, samples: measure(nodes, samples, self.settings),
+        self.remembered = search.Remembered(lambda nodes, samples: measure(nodes, samples, self.settings),
                                             lambda: self.settings)
-        self.candidates: dict = {}  # derived ranking trials, apart from the builds: (settings, float set, samples)
 
     def evaluate(self, float_nodes: set[str], samples: list[dict]) -> dict:
         """(float sets that make the same build are measured once: OrtQuantizer.build_key)"""
         return self.remembered(set(self.build_key(float_nodes, self.settings)), samples)
 
     def evaluate_candidate(self, start: set[str], float_nodes: set[str], samples: list[dict]) -> dict:
-        """Derived from start's build by `measure_candidate` (derived_builds.py) when given, else built."""
+        """Derived from start's build by `measure_candidate` (derived_builds.py) when given, else built; either
+        way the same outputs, remembered with the builds'."""
         if self.measure_candidate is None:
             return self.evaluate(float_nodes, samples)
         start, nodes = set(self.build_key(start, self.settings)), set(self.build_key(float_nodes, self.settings))
-        key = (self.settings, frozenset(nodes), id(samples[0]) if samples else None, len(samples))
-        if key not in self.candidates:
-            self.candidates[key] = self.measure_candidate(start, nodes, samples, self.settings)
-        return self.candidates[key]
+        return self.remembered(nodes, samples, lambda: self.measure_candidate(start, nodes, samples, self.settings))
 
     def remember(self, float_nodes: set[str], samples: list[dict], outputs: dict) -> None:
         """What `evaluate` would measure for `float_nodes` at the current settings, known from a derived model."""

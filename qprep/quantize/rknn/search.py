@@ -50,7 +50,7 @@ class RknnTrials(search.SearchBackend):
         self.builder, self.job, self.base_float, self.budget = builder, job, base_float, budget
         self.analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
         self.best_score = float("-inf")  # on the evaluation samples the search chooses on, so far
-        self.remembered = search.remembered(self.measure, lambda: builder.setting)
+        self.remembered = search.Remembered(self.measure, lambda: builder.setting)
         self.groups: dict[str, tuple[str, ...]] = {}  # candidate name → its nodes (LayerNorm chains)
         self._ir_tensors: dict[str, tuple[str, ...]] = {}  # node → its IR tensors (count)
         self._nodes = {n.name: n for n in job.model.graph.node}
