@@ -108,30 +108,26 @@ def calibrate_all_but(calibrator, tensors: set[str]) -> bool:
 @contextmanager
 def weight_quantization_memo(memo: dict):
     """Within it, ONNX Runtime's quantizer takes a weight's quantization from `memo` when it quantized the same
-    values with the same settings before. Its per-channel weight loops run in Python, once per channel: QDQ builds
-    call `qdq_quantizer.compute_data_quant_params` per channel (memoized per channel), QOperator and dynamic builds
-    `BaseQuantizer.quantize_weight_per_channel_impl` per weight (memoized whole: its loop cost ~40 µs a channel
-    even with each channel memoized). Why: the fallback rebuilds the model for every trial from the same weights;
-    on all-MiniLM-L6-v2 that loop was 124 s of a 200 s search (922k calls over 46 builds). Keyed by every argument and
-    the values (a channel's digest; a whole weight's bytes, compared), so a changed weight is quantized again;
-    results are handed out as copies. QDQ builds also quantize each weight whole (`quantize_onnx_initializer`,
-    memoized whole)."""
+    values with the same settings before. Its weight loops run in Python, once per channel: QDQ builds compute
+    scales in `QDQQuantizer._calc_initializer_quant_params` and integers in `quantize_onnx_initializer`,
+    QOperator and dynamic builds both in `BaseQuantizer.quantize_weight_per_channel_impl`; each is memoized a
+    whole tensor at a time (a memo per channel still cost ~40 µs a channel: ~0.45 s per EfficientNet-Lite0 build).
+    Why: the fallback rebuilds the model for every trial from the same weights; on all-MiniLM-L6-v2 that loop was
+    124 s of a 200 s search (922k calls over 46 builds). Keyed by every argument and the weight's bytes (compared),
+    so a changed weight is quantized again; results are handed out as copies. An ORT without one of these methods
+    builds without its memo (slower, not wrong)."""
     from onnxruntime.quantization import base_quantizer, qdq_quantizer
 
-    patched = [(qdq_quantizer, "compute_data_quant_params"),
-               (base_quantizer.BaseQuantizer, "quantize_weight_per_channel_impl"),
-               (qdq_quantizer, "quantize_onnx_initializer")]
-    if hasattr(qdq_quantizer.QDQQuantizer, "_calc_initializer_quant_params"):
-        patched.append((qdq_quantizer.QDQQuantizer, "_calc_initializer_quant_params"))
-    wraps = {"quantize_weight_per_channel_impl": _memoized_weight, "quantize_onnx_initializer": _memoized_initializer,
-             "_calc_initializer_quant_params": _memoized_quant_params}
-    originals = [getattr(module, name) for module, name in patched]
-    for (module, name), original in zip(patched, originals):
-        setattr(module, name, wraps.get(name, _memoized)(original, memo))
+    wraps = [(base_quantizer.BaseQuantizer, "quantize_weight_per_channel_impl", _memoized_weight),
+             (qdq_quantizer, "quantize_onnx_initializer", _memoized_initializer),
+             (qdq_quantizer.QDQQuantizer, "_calc_initializer_quant_params", _memoized_quant_params)]
+    present = [(module, name, wrap, getattr(module, name)) for module, name, wrap in wraps if hasattr(module, name)]
+    for module, name, wrap, original in present:
+        setattr(module, name, wrap(original, memo))
     try:
         yield
     finally:
-        for (module, name), original in zip(patched, originals):
+        for module, name, _, original in present:
             setattr(module, name, original)
 
 
@@ -173,21 +169,6 @@ def shapes_inferred_already():
         onnx_quantizer.save_and_reload_model_with_shape_infer = original
 
 
-def _memoized(function, memo: dict):
-    import hashlib
-
-    def call(data, *args, **kwargs):
-        array = np.ascontiguousarray(data)
-        key = (function.__name__, hashlib.blake2b(array.tobytes(), digest_size=16).digest(), array.dtype.str,
-               array.shape, tuple(_exact(a) for a in args),
-               tuple(sorted((k, _exact(v)) for k, v in kwargs.items())))
-        if key not in memo:
-            memo[key] = tuple(function(data, *args, **kwargs))
-        return [np.copy(value) for value in memo[key]]
-
-    return call
-
-
 def _memoized_weight(method, memo: dict):
     """ORT's per-channel weight quantization (QOperator and dynamic builds), whole weight at a time: the
     initializers it adds to the model (integers, scales, zero points) are kept and added again as copies, and its
@@ -218,8 +199,8 @@ def _memoized_weight(method, memo: dict):
 
 def _memoized_quant_params(method, memo: dict):
     """ORT's QDQ scales and zero points of the initializers it quantizes (`_calc_initializer_quant_params`: a
-    Python loop over channels), a whole tensor at a time: even with each channel memoized (compute_data_quant_params
-    above), its ~20k channels cost EfficientNet-Lite0 ~0.45 s a build. A tensor is recognised by name, shape, type,
+    Python loop over channels), a whole tensor at a time: memoized per channel, its ~20k channels still cost
+    EfficientNet-Lite0 ~0.45 s a build. A tensor is recognised by name, shape, type,
     its quantization info and the quantizer's settings, then its bytes compared with the ones kept; one with
     overrides, or not kept yet, goes to ORT's own method. The parameters are handed out as copies (ORT adjusts a
     weight's for its bias afterwards), in ORT's order."""

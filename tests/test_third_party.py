@@ -124,9 +124,9 @@ def _matmul_initializers(weight: np.ndarray, dynamic: bool) -> dict[str, bytes]:
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_the_weight_quantization_memo_answers_what_onnxruntime_computes(dynamic):
     """Built twice inside `weight_quantization_memo`, a per-channel MatMul weight is quantized by ORT's own
-    function once (QDQ: compute_data_quant_params, dynamic: quantize_data, once per channel; the dynamic build's
-    second time takes the whole weight's initializers from the memo), and both models hold the same bytes as one
-    built without the memo. A failure means ORT moved or renamed those functions:
+    function once (QDQ: compute_data_quant_params, dynamic: quantize_data, once per channel; the second build takes
+    the whole weight's scales and integers, or initializers, from the memo), and both models hold the same bytes
+    as one built without the memo. A failure means ORT moved or renamed those functions:
     the fallback's builds would then quantize every weight again (slower, not wrong)."""
     from onnxruntime.quantization import base_quantizer, qdq_quantizer
 
