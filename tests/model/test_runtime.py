@@ -29,22 +29,29 @@ def test_a_recipe_builds_the_same_session_without_its_model_and_only_once(monkey
         ort_session(recipe)
 
 
-def test_samples_run_side_by_side_come_back_in_their_order_and_failures_as_one_line():
-    """run_model runs 2 samples at once on a light model (one thread each): outputs stay in sample order, equal
-    to one run at a time, and a sample the model refuses is a ModelError, not a worker's traceback."""
+def test_samples_run_side_by_side_come_back_in_their_order_and_failures_as_one_line(monkeypatch):
+    """run_model runs 2 samples at once on a light model (one thread each), one at a time on a heavy one: outputs
+    stay in sample order, equal to one run at a time, and a sample the model refuses is a ModelError, not a
+    worker's traceback."""
     from qprep.errors import ModelError
-    from qprep.model.runtime import session_outputs
+    from qprep.model import runtime
 
     rng = np.random.default_rng(1)
     model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [1, 64])], [("y", [1, 64])],
                        {"w": rng.standard_normal((64, 64)).astype(np.float32)})
     samples = [{"x": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(9)]
+    session_outputs, workers = runtime.session_outputs, []
+    monkeypatch.setattr(runtime, "session_outputs", lambda session, samples, n=1: workers.append(n) or
+                        session_outputs(session, samples, n))
     together = run_model(model, samples, threads=2)
     alone = session_outputs(ort_session(model, threads=1), samples)
     assert [s["y"].tobytes() for s in together] == [s["y"].tobytes() for s in alone]
     assert len({s["y"].tobytes() for s in together}) == 9
     with pytest.raises(ModelError, match="cannot run"):
         run_model(model, samples[:3] + [{"x": np.zeros((1, 3), np.float32)}], threads=2)
+    monkeypatch.setattr(io, "HEAVY_BYTES", 1024)  # the same model taken for a heavy one
+    run_model(model, samples, threads=2)
+    assert workers == [2, 2, 1]
 
 
 def test_intermediates_run_only_the_part_that_computes_them():
