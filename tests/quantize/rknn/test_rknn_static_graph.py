@@ -128,6 +128,24 @@ def test_ir_names_map_a_renamed_output_back_to_the_users_node(tmp_path):
     assert names.map_node(user_node) == (["y_new_rs"], "output name")
 
 
+def test_a_float16_output_layer_takes_the_toolkits_int8_copy_of_the_output_with_it(tmp_path):
+    """rknn-toolkit2 2.5.0's IR of EfficientNet-Lite0's head: the Gemm (`logits_mm`), a Reshape to `logits_int8`
+    and a convert to the output `logits`. The Gemm float16 alone leaves the output on int8's grid; its
+    copies go with it. A node that computes no graph output maps to its own tensors only."""
+    ir = make_model([helper.make_node("Relu", ["x"], ["h"], name="relu#1"),
+                     helper.make_node("Relu", ["h"], ["logits_mm"], name="/_fc/Gemm#2"),
+                     helper.make_node("Identity", ["logits_mm"], ["logits_int8"], name="logits_mm_tp_rs"),
+                     helper.make_node("Identity", ["logits_int8"], ["logits"], name="logits__cvt_int8_to_float16")],
+                    [("x", [1, 4])], [("logits", [1, 4])])
+    onnx.save(ir, str(tmp_path / "m.model"))
+    cfg = "custom_quantize_layers: {}\nquantize_parameters:\n" + "".join(
+        f"    {name}:\n        dtype: int8\n" for name in ("h", "logits_mm", "logits_int8", "logits"))
+    names = IRNames(str(tmp_path / "m.model"), cfg)
+    gemm = helper.make_node("Gemm", ["r", "w"], ["logits"], name="/_fc/Gemm")
+    assert names.map_node(gemm) == (["logits_mm", "logits_int8", "logits"], "node name")
+    assert names.map_node(helper.make_node("Relu", ["x"], ["h"], name="relu")) == (["h"], "node name")
+
+
 def test_a_recurrent_op_s_default_layout_is_dropped_and_the_node_stays_itself():
     model = last_state_lstm_model(layout=0)
     static, record = rewritten(model)
