@@ -195,17 +195,20 @@ def output_notes(outputs: dict) -> list[str]:
 
 def worst_samples(per_sample: dict, files: list[str]) -> dict:
     """The five worst samples by the output's per-sample figure (`worst_by` names it); a sample that matches the
-    reference exactly (an error of 0, an agreement or cosine of 1) is no worst sample, so none may be listed."""
+    reference exactly (an error of 0, an agreement or cosine of 1) is no worst sample, so none may be listed.
+    Class scores also list every sample whose top-1 changed, nearest tie first (`top1_changed`, metrics._flips)."""
     higher = per_sample.get("higher_is_better", True)
     perfect = 1.0 if higher else 0.0
     texts = per_sample.get("texts") or [None] * len(files)  # ctc: (reference ids, result ids) per sample
     rated = [(v, Path(f).name, t) for f, v, t in zip(files, per_sample["values"], texts)
              if v is not None and v != perfect]
     rated.sort(key=lambda row: (row[0] if higher else -row[0], row[1]))
+    flips = [{"sample": Path(f).name, **flip} for f, flip in zip(files, per_sample.get("flips") or []) if flip]
     return {"worst_by": per_sample["metric"],
             "worst_samples": [{"sample": name, "value": value,
                                **({"reference_ids": list(t[0]), "result_ids": list(t[1])} if t else {})}
-                              for value, name, t in rated[:5]]}
+                              for value, name, t in rated[:5]],
+            **({"top1_changed": sorted(flips, key=lambda f: (f["float_gap"], f["sample"]))} if flips else {})}
 
 
 def worst_tensors(gate: dict, outputs: dict, layers: list[dict] | None) -> list[str]:

@@ -103,9 +103,10 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], kind: 
             metrics = _cosine_metrics(usable, kind)
         per_sample = iter(metrics.pop("per_sample_values", []))
         metrics["per_sample"]["values"] = [None if p is None else next(per_sample, None) for p in pairs]
-        if "texts" in metrics["per_sample"]:  # ctc: the decoded texts, aligned with the samples the same way
-            texts = iter(metrics["per_sample"]["texts"])
-            metrics["per_sample"]["texts"] = [None if p is None else next(texts, None) for p in pairs]
+        for key in ("texts", "flips"):  # ctc's decoded texts, changed top-1s: aligned with the samples the same way
+            if key in metrics["per_sample"]:
+                values = iter(metrics["per_sample"][key])
+                metrics["per_sample"][key] = [None if p is None else next(values, None) for p in pairs]
         if changed:
             metrics["shape_changed"] = changed
         if len(usable) < len(pairs):
@@ -191,7 +192,10 @@ def _cosine_metrics(pairs: list, kind: str) -> dict:
     values = cosines
     scores = [(_ranked(a), _ranked(b)) for a, b in pairs if a.size]  # argmax sees -inf masks, never NaN
     if kind == "classification" and scores:
-        metrics.update(_agreement("top1", [_topk_hits(a, b, 1) for a, b in scores]))
+        hits = [_topk_hits(a, b, 1) for a, b in scores]
+        metrics.update(_agreement("top1", hits))
+        if len(scores) == len(pairs):  # aligned with the samples (none empty)
+            per_sample["flips"] = _flips([a for a, _ in scores], hits)
         if scores[0][0].shape[-1] >= 10:
             metrics.update(_agreement("top5", [_topk_hits(a, b, 5) for a, b in scores]))
     elif kind in ("sequence", "ctc") and scores:
@@ -315,17 +319,46 @@ def _topk_hits(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
     return (top == a2.argmax(-1)[:, None]).any(-1)
 
 
+def _flips(reference: list[np.ndarray], hits: list[np.ndarray]) -> list[dict | None]:
+    """Per sample, None where every row kept the reference's top-1, else how near a tie that row was in the
+    reference: `float_gap` (its top two scores apart) and `closer_than` (the share of all rows whose top two are
+    further apart). A changed top-1 at a near tie (EfficientNet-Lite0: the flipped samples' gaps sit in the
+    smallest 3% of 128) is noise any rounding can cause; one at a clear margin is damage."""
+    gaps = [_top_gaps(a) for a in reference]
+    every = np.sort(np.concatenate(gaps)) if gaps else np.zeros(0)
+    flips = []
+    for gap, hit in zip(gaps, hits):
+        if hit.all():
+            flips.append(None)
+            continue
+        row = int(np.argmin(np.where(hit, np.inf, gap)))
+        flips.append({"float_gap": float(gap[row]),
+                      "closer_than": float(1.0 - np.searchsorted(every, gap[row], side="right") / every.size)})
+    return flips
+
+
+def _top_gaps(scores: np.ndarray) -> np.ndarray:
+    rows = scores.reshape(-1, scores.shape[-1])
+    if rows.shape[-1] < 2:
+        return np.full(rows.shape[0], np.inf)
+    top = np.partition(rows, -2, axis=-1)[:, -2:]
+    return top[:, 1] - top[:, 0]
+
+
 def _agreement(prefix: str, hits: list[np.ndarray]) -> dict:
     """The agreement of one sample set from each sample's hits (its rows, steps, pixels or elements).
 
     The samples are the independent draws, not their steps: the 40 steps of one text line or the pixels of
     one image err together. So the figure is the mean over samples of each sample's share of hits, and its
     95% interval is the Wilson interval of that share with n = samples (each sample one observation; wider
-    than counting steps, and honest at 100%). None (not measured) when no sample has a hit to count."""
+    than counting steps, and honest at 100%). `_se` is the standard error of that mean (the search's margin,
+    quantize/search.judge). None (not measured) when no sample has a hit to count."""
     shares = [float(h.mean()) for h in hits if h.size]
     rate = float(np.mean(shares)) if shares else None
     low, high = wilson_interval(sum(shares), len(shares))
-    return {f"{prefix}_agreement": rate, f"{prefix}_agreement_ci95": [low, high], f"{prefix}_count": len(shares)}
+    error = float(np.std(shares, ddof=1) / math.sqrt(len(shares))) if len(shares) > 1 else None
+    return {f"{prefix}_agreement": rate, f"{prefix}_agreement_ci95": [low, high],
+            f"{prefix}_agreement_se": error, f"{prefix}_count": len(shares)}
 
 
 def wilson_interval(successes: float, total: int, z: float = 1.96) -> tuple[float | None, float | None]:

@@ -15,6 +15,8 @@ from qprep.report.fallback import fallback_tables
 from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, worst_first
 from qprep.report.verdict import INTERVAL_NOTE, agreement_text, distinct, num, task_lines, verdict
 
+NEAR_TIE = 0.9  # a changed top-1 whose FP32 top two are nearer than on 90% of the rows is a near tie
+
 
 @dataclass
 class Heading:
@@ -45,7 +47,6 @@ class LayerChart:
     """Every tensor's error (layer_chart.py; HTML only, Markdown has the table of the worst beside it)."""
 
     layers: list[dict]
-
 
 def build(report: dict) -> list:
     model = report.get("model", {})
@@ -130,7 +131,20 @@ def _evaluation(evaluation: dict | None) -> list:
         elif rows:
             blocks.append(Text(f"Worst {which} for {name} ({m.get('worst_by', 'cosine')}): "
                                + ", ".join(f"{r['sample']} ({_value(r):.4g})" for r in rows)))
+        if m.get("top1_changed"):
+            blocks.append(Text(changed_text(m["top1_changed"], m.get("samples"), which, name)))
     return blocks
+
+
+def changed_text(changed: list[dict], samples: int | None, which: str, name: str) -> str:
+    """The samples whose top-1 changed, nearest tie first, and how many were near ties in FP32 (metrics._flips):
+    those flip under any rounding, so a few of them say little about the quantization."""
+    near = sum(c["closer_than"] >= NEAR_TIE for c in changed)
+    listed = ", ".join(f"{c['sample']} (top two {c['float_gap']:.3g} apart, nearer than "
+                       f"{100 * c['closer_than']:.0f}% of the rows)" for c in changed[:8])
+    more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+    return (f"Top-1 of {name} changed on {len(changed)} of {samples or '?'} {which}: {listed}{more}; {near} of them "
+            f"among FP32's {100 * (1 - NEAR_TIE):.0f}% nearest ties.")
 
 
 def _quoted(text: str) -> str:

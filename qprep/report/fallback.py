@@ -26,6 +26,10 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
         verdict += (f" Chosen on {split['chosen_on']} evaluation samples, accepted on {split['kept_apart']} others"
                     + (f" ({_numbers(unseen['metrics'])}{_margin(unseen)}: {'held' if unseen['passed'] else 'missed'})."
                        if unseen else " (never reached: the target was not met on the first)."))
+    if any(key.endswith("_agreement") for key in record["target"]):
+        verdict += (f" An agreement counts as met with one standard error to spare on the {split.get('chosen_on')} "
+                    "samples chosen on: the search stops at the first float set that meets it, and one flip more "
+                    "on the next samples would miss it.")
     spread = record.get("spread_tensors") or {}
     if len(spread.get("scores", {})) > 1:
         verdict += (f" Tensors whose channels spread too far for one int8 scale, kept "
@@ -58,7 +62,7 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
                        ["added", "float nodes", "score", "metrics", "kept", "s"],
                        [[", ".join(t.get("added") or []), str(t["float_nodes"]), f"{t['score']:.5f}",
                          _numbers(t["metrics"]),
-                         "yes" if t["accepted"] else "no", f"{t['seconds']:.1f}"] for t in trials]))
+                         _kept(t), f"{t['seconds']:.1f}"] for t in trials]))
     ranking = record.get("ranking", [])[:15]
     if ranking:
         tables.append(("Most harmful nodes or edges (gain when kept float alone, first round)", ["candidate", "op", "gain"],
@@ -68,6 +72,15 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
 
 def _numbers(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)))
+
+
+def _kept(trial: dict) -> str:
+    if trial["accepted"]:
+        return "yes"
+    if trial.get("margin"):  # met, but by less than its standard error (search.judge)
+        return "no: met by less than its standard error (" + ", ".join(f"{k} ±{v:.4f}" for k, v in
+                                                                     trial["margin"].items()) + ")"
+    return "no"
 
 
 def _margin(unseen: dict) -> str:

@@ -163,6 +163,31 @@ def test_agreement_interval_counts_samples_not_steps():
     assert metrics["step_agreement"] == pytest.approx(1 - 18 * 10 / (128 * 40))
     assert low < metrics["step_agreement"] < high
     assert high - low > 0.04  # 5120 independent steps would give ~0.01
+    shares = [0.75] * 18 + [1.0] * 110  # the search's margin (search.judge): the error of the mean over lines
+    assert metrics["step_agreement_se"] == pytest.approx(np.std(shares, ddof=1) / np.sqrt(128))
+
+
+def test_changed_top1s_are_listed_with_how_near_a_tie_they_were_in_the_reference():
+    """A top-1 that changes where the reference's top two were 0.01 apart is a near tie, one at 2.0 apart is
+    damage: both are listed, nearest tie first, with the share of samples whose top two are further apart."""
+    from qprep.evaluate import worst_samples
+    from qprep.report.document import changed_text
+    gaps = [1.0] * 20
+    gaps[3], gaps[7] = 0.01, 2.0  # class 0 leads class 1 by 1.0, except on a near tie and a clear lead
+    ref = [np.array([[gap, 0.0] + [-1.0] * 8]) for gap in gaps]
+    res = [r.copy() for r in ref]
+    res[3][0, 1] += 0.02  # the near tie turns
+    res[7][0, 1] += 2.5  # the clear lead is lost
+    metrics = compare_output(ref, res, "classification")
+    assert metrics["top1_agreement"] == pytest.approx(18 / 20)
+    files = [f"/data/{i:02d}.jpg" for i in range(20)]
+    changed = worst_samples(metrics["per_sample"], files)["top1_changed"]
+    assert [c["sample"] for c in changed] == ["03.jpg", "07.jpg"]
+    assert changed[0]["float_gap"] == pytest.approx(0.01) and changed[0]["closer_than"] == pytest.approx(0.95)
+    assert changed[1]["float_gap"] == pytest.approx(2.0) and changed[1]["closer_than"] == 0.0
+    text = changed_text(changed, 20, "held-out samples", "logits")
+    assert "changed on 2 of 20 held-out samples" in text and "1 of them among FP32's 10% nearest ties" in text
+    assert "top1_changed" not in worst_samples(compare_output(ref, ref, "classification")["per_sample"], files)
 
 
 def test_speed_ratio_keeps_its_rounds_and_flags_a_machine_that_changed_speed():

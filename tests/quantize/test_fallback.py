@@ -518,6 +518,24 @@ def test_on_the_samples_kept_apart_a_cosine_mean_needs_its_standard_error_to_spa
                         kept_apart)["passed"]
 
 
+def test_on_the_samples_chosen_on_an_agreement_needs_its_standard_error_to_spare():
+    """EfficientNet-Lite0 on RKNN met 97% as 94 of 96 (97.9%, standard error 1.5%) and held 96.9% on 128
+    held-out samples: two flips of 96 do not pass a 97% target on the samples chosen on, one does; the gate
+    keeps the measured rate and says what margin it missed."""
+    def chosen(flips, n=96):
+        shares = [0.0] * flips + [1.0] * (n - flips)
+        return {"y": {"top1_agreement": float(np.mean(shares)),
+                      "top1_agreement_se": float(np.std(shares, ddof=1) / np.sqrt(n)), "top1_count": n}}
+
+    target = {"top1_agreement": 0.97}
+    two, one = search.judge(target, chosen(2), set(), None, []), search.judge(target, chosen(1), set(), None, [])
+    assert not two["passed"] and two["margin"]["y.top1_agreement"] == pytest.approx(0.0147, abs=1e-4)
+    assert search.gate_metrics(two)["top1_agreement"] == pytest.approx(94 / 96)
+    assert one["passed"] and "margin" not in one
+    assert search.judge(target, chosen(0), set(), None, [])["passed"]  # no flip: nothing to take off
+    assert not search.judge({"top1_agreement": 1.0}, chosen(1), set(), None, [])["passed"]
+
+
 def test_budget_predicts_a_step_from_the_slowest_recent_run_and_keeps_the_reserve(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
