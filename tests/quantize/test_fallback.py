@@ -518,6 +518,20 @@ def test_on_the_samples_kept_apart_a_cosine_mean_needs_its_standard_error_to_spa
                         kept_apart)["passed"]
 
 
+def test_a_later_round_ranks_until_a_candidate_clearly_helps():
+    """Round 1 ranks every candidate; round 2 stops after MIN_RANKED once one of them removes MIN_GAIN of the
+    error left, and promotes from those: "n1" (second in the pool, helpful once "a" is float) rather than the
+    better "z" at the end of the pool, which a full ranking would have found first."""
+    names = ["a"] + [f"n{i}" for i in range(1, 11)] + ["z"]
+    evaluate, builds = _scripted({"a": 0.006, "fixed": 0.003},
+                                 {frozenset({"a", "n1"}): -0.0015, frozenset({"a", "z"}): -0.0025})
+    outcome = run_search(evaluate, names, set(), [{}] * 4,
+                         {**OPTIONS, "target": {"cosine_mean": 0.998}, "max_candidates": 12})
+    assert outcome.passed and outcome.float_nodes == ["a", "n1"]
+    assert outcome.record["rounds"] == 2
+    assert outcome.record["rank_trials"] == (1 + 12) + (1 + search.MIN_RANKED)
+
+
 def test_on_the_samples_chosen_on_an_agreement_needs_its_standard_error_to_spare():
     """EfficientNet-Lite0 on RKNN met 97% as 94 of 96 (97.9%, standard error 1.5%) and held 96.9% on 128
     held-out samples: two flips of 96 do not pass a 97% target on the samples chosen on, one does; the gate
