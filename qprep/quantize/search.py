@@ -260,6 +260,7 @@ class Search:
         self.ranking_cut = False  # the last ranking stopped for time, not for lack of candidates
         self.ranked_part = False  # the last ranking stopped once its gains were enough (ENOUGH_GAIN, MIN_GAIN)
         self.rank_all = False  # the next ranking goes through every candidate (a partial one promoted nothing)
+        self.last_ranked: set[str] = set()  # the candidates the last ranking measured
         self.best = self.current = None
 
     def run(self) -> Outcome:
@@ -322,6 +323,8 @@ class Search:
         candidates already float, because harm interacts: an edge between two quantized nodes is only float
         when both are."""
         rank_samples = self.samples[: self.options["rank_samples"]]
+        if self.ranked_part:  # after a partial ranking, go on where it stopped (its unhelpful first nodes last)
+            pool = ([n for n in pool if n not in self.last_ranked] + [n for n in pool if n in self.last_ranked])
         self.ranking_cut = self.ranked_part = False
         base = self.trial("rank", self.chosen, (), rank_samples)
         self.round_start = self.chosen
@@ -354,6 +357,7 @@ class Search:
                 break
             t = self.trial("rank", self.chosen, (name,), rank_samples)
             rows.append({"node": name, "gain": t.score - base.score})
+        self.last_ranked = {row["node"] for row in rows}
         return sorted(rows, key=lambda row: -row["gain"])
 
     def enough_gain(self, score: float) -> float | None:

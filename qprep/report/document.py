@@ -141,7 +141,7 @@ def changed_text(changed: list[dict], samples: int | None, which: str, name: str
     those flip under any rounding, so a few of them say little about the quantization."""
     near = sum(c["closer_than"] >= NEAR_TIE for c in changed)
     listed = ", ".join(f"{c['sample']} (top two {c['float_gap']:.3g} apart, nearer than "
-                       f"{100 * c['closer_than']:.0f}% of the rows)" for c in changed[:8])
+                       f"{100 * c['closer_than']:.0f}% of FP32's top-two gaps)" for c in changed[:8])
     more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
     return (f"Top-1 of {name} changed on {len(changed)} of {samples or '?'} {which}: {listed}{more}; {near} of them "
             f"among FP32's {100 * (1 - NEAR_TIE):.0f}% nearest ties.")

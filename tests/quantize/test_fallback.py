@@ -532,6 +532,22 @@ def test_a_later_round_ranks_until_a_candidate_clearly_helps():
     assert outcome.record["rank_trials"] == (1 + 12) + (1 + search.MIN_RANKED)
 
 
+def test_a_round_after_a_partial_ranking_goes_on_where_it_stopped():
+    """Round 2 ranks n1..n8 and promotes n1; round 3 starts at n9, not again at n2 (mediapipe face detection
+    re-ranked its pool's unhelpful head in each of 8 rounds: 128 ranking trials where one full round took 53)."""
+    names = ["a"] + [f"n{i}" for i in range(1, 11)] + ["z"]
+    evaluate, builds = _scripted({"a": 0.006, "fixed": 0.004},
+                                 {frozenset({"a", "n1"}): -0.001, frozenset({"n1", "n10"}): -0.002})
+    outcome = run_search(evaluate, names, set(), [{}] * 4,
+                         {**OPTIONS, "target": {"cosine_mean": 0.998}, "max_candidates": 12})
+    assert outcome.passed and outcome.float_nodes == ["a", "n1", "n10"]
+    assert outcome.record["rounds"] == 3
+    round_3 = builds[builds.index({"a", "n1"}) + 1:]  # after round 3's base (the last build of {a, n1} alone)
+    while {"a", "n1"} in round_3:
+        round_3 = round_3[round_3.index({"a", "n1"}) + 1:]
+    assert [sorted(b - {"a", "n1"}) for b in round_3[:3]] == [["n9"], ["n10"], ["z"]]
+
+
 def test_on_the_samples_chosen_on_an_agreement_needs_its_standard_error_to_spare():
     """EfficientNet-Lite0 on RKNN met 97% as 94 of 96 (97.9%, standard error 1.5%) and held 96.9% on 128
     held-out samples: two flips of 96 do not pass a 97% target on the samples chosen on, one does; the gate
