@@ -101,12 +101,13 @@ def judge(target: dict, outputs: dict, float_nodes: set[str], evaluate: Callable
       apart, 0.9896 on 128 held-out; with the margin the search went on to 0.99112 − 0.00068 there, 0.9907
       held-out, 15 float16 layers)."""
     gate = check_gate(target, outputs)
-    lowered, margin = _less_one_standard_error(outputs, "agreement")
-    if gate["passed"] and margin and not check_gate(target, lowered)["passed"]:
-        gate = {**gate, "passed": False, "margin": margin}
+    if gate["passed"]:
+        lowered, margin = _agreements_less_one_standard_error(outputs)
+        if margin and not check_gate(target, lowered)["passed"]:
+            gate = {**gate, "passed": False, "margin": margin}
     if gate["passed"] and acceptance:
         measured = evaluate(float_nodes, acceptance)
-        lowered, errors = _less_one_standard_error(measured, "cosine")
+        lowered, errors = _cosines_less_one_standard_error(measured)
         unseen = check_gate(target, lowered, undecided_passes=True)
         gate = {**gate, "passed": unseen["passed"],
                 "unseen": {"passed": unseen["passed"], "metrics": gate_metrics(check_gate(target, measured)),
@@ -114,25 +115,29 @@ def judge(target: dict, outputs: dict, float_nodes: set[str], evaluate: Callable
     return gate
 
 
-def _less_one_standard_error(outputs: dict, kind: str) -> tuple[dict, dict[str, float]]:
-    """`outputs` with each cosine_mean (kind "cosine": the standard error of its per-sample cosines) or each
-    agreement (kind "agreement": of its per-sample shares, metrics._agreement) lowered by its standard error →
-    (outputs, {"output.metric": standard error})."""
+def _cosines_less_one_standard_error(outputs: dict) -> tuple[dict, dict[str, float]]:
+    """`outputs` with each cosine_mean lowered by the standard error of its per-sample cosines → (outputs,
+    {output: standard error})."""
     lowered, errors = {}, {}
     for name, metrics in outputs.items():
-        metrics = dict(metrics)
-        if kind == "cosine":
-            per_sample = metrics.get("per_sample") or {}
-            values = [v for v in per_sample.get("values", []) if v is not None]
-            if "cosine_mean" in metrics and per_sample.get("metric") == "cosine" and len(values) > 1:
-                errors[name] = statistics.stdev(values) / math.sqrt(len(values))
-                metrics["cosine_mean"] -= errors[name]
-        else:
-            for key in [k for k in metrics if k.endswith("_agreement") and metrics[k] is not None]:
-                error = metrics.get(f"{key}_se")
-                if error:
-                    errors[f"{name}.{key}"] = error
-                    metrics[key] -= error
+        per_sample = metrics.get("per_sample") or {}
+        values = [v for v in per_sample.get("values", []) if v is not None]
+        if "cosine_mean" in metrics and per_sample.get("metric") == "cosine" and len(values) > 1:
+            errors[name] = statistics.stdev(values) / math.sqrt(len(values))
+            metrics = {**metrics, "cosine_mean": metrics["cosine_mean"] - errors[name]}
+        lowered[name] = metrics
+    return lowered, errors
+
+
+def _agreements_less_one_standard_error(outputs: dict) -> tuple[dict, dict[str, float]]:
+    """`outputs` with each agreement lowered by the standard error of its per-sample shares (metrics._agreement's
+    `_se`) → (outputs, {"output.metric": standard error})."""
+    lowered, errors = {}, {}
+    for name, metrics in outputs.items():
+        for key in [k for k, v in metrics.items() if k.endswith("_agreement") and v is not None]:
+            if metrics.get(f"{key}_se"):
+                errors[f"{name}.{key}"] = metrics[f"{key}_se"]
+                metrics = {**metrics, key: metrics[key] - metrics[f"{key}_se"]}
         lowered[name] = metrics
     return lowered, errors
 
