@@ -15,15 +15,17 @@ from qprep.model.io import computing, is_heavy, reads, weightless
 
 
 def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
-              optimize: bool = False) -> list[dict[str, np.ndarray]]:
-    """Outputs of `model` for every sample (only the inputs the model declares are fed). `optimize=True` runs
-    it as deployed (ORT_ENABLE_ALL: QDQ fused into integer kernels); False runs the graph exactly as written."""
+              optimize: bool = False, extra_outputs=()) -> list[dict[str, np.ndarray]]:
+    """Outputs of `model` for every sample (only the inputs the model declares are fed), with the tensors
+    `extra_outputs` too. `optimize=True` runs it as deployed (ORT_ENABLE_ALL: QDQ fused into integer kernels);
+    False runs the graph exactly as written."""
     # samples side by side, one thread each: a small model's run does not fill 2 cores (EfficientNet-Lite0 INT8,
     # 32 samples: 135 ms with 2 threads per run, 95 ms with 2 runs at once); a heavy model keeps one run at a time
     # (each run's memory) and its threads
     workers = threads if threads > 1 and len(samples) > 1 and not is_heavy(model) else 1
     try:
-        session = ort_session(model, threads=1 if workers > 1 else threads, optimize=optimize)
+        session = ort_session(model, threads=1 if workers > 1 else threads, optimize=optimize,
+                              extra_outputs=extra_outputs)
         return session_outputs(session, samples, workers)
     except Exception as exc:  # ORT raises its own exception types
         raise model_error(exc) from None

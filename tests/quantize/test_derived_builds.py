@@ -2,7 +2,8 @@
 the model ONNX Runtime's quantizer writes for that float set: compared output for output, as the search runs it."""
 
 import numpy as np
-from onnx import helper
+import onnx
+from onnx import helper, numpy_helper
 
 from graphs import make_model
 from qprep.model.prepare import name_nodes
@@ -139,3 +140,65 @@ def test_a_candidate_that_decides_a_following_op_or_a_shared_weight_anew_is_buil
         built = quantizer.build(nodes, settings, simplify=False)
         for a, b in zip(run_model(built, samples, optimize=True), run_model(derived, samples, optimize=True)):
             assert np.array_equal(a["y"], b["y"]), nodes
+
+
+def test_a_derived_model_run_from_the_tensors_of_the_one_before_gives_its_whole_run_s_outputs(tmp_path, monkeypatch):
+    """derived_runs.py: each edge made float, run only from its first edit on with the reference's QuantizeLinear
+    outputs, gives what the whole derived model gives, to the bit, and so does each of a chain of promotions run
+    from the one before; the last Conv's edge runs only a part."""
+    from qprep.quantize.ort import derived_runs
+    from qprep.quantize.ort.derived_runs import DerivedRuns, _Held
+
+    quantizer, samples = _branchy_quantizer(tmp_path)
+    settings = OrtSettings("minmax", bias_correction=False)
+    names = [n.name for n in quantizer.model.graph.node]
+    reference = quantizer.build(set(), settings, simplify=False)
+    derivation = Derivation(quantizer.model, reference, lambda removed: quantizer.build(removed, settings,
+                                                                                       simplify=False))
+    held = _Held.run(reference, samples, 1)[1]
+    runs, partial = DerivedRuns(threads=1), 0
+    for members in edges(quantizer.model, names).values():
+        derived = derivation.derive(set(members))
+        partial += held.run_derived(derived, samples, 1, keep=False) is not None
+        whole = run_model(derived, samples, 1, optimize=True)
+        for a, b in zip(whole, runs.run("reference", reference, derived, samples)):
+            assert np.array_equal(a["y"], b["y"]), members
+    assert partial and runs.trusted
+    promoted, sizes = set(), {}
+    ran = derived_runs.run_model
+    monkeypatch.setattr(derived_runs, "run_model", lambda model, *a, **k: sizes[name].append(
+        len(model.graph.node)) or ran(model, *a, **k))
+    for name in names:  # promotions down the graph: each one's edit after the one before's
+        promoted.add(name)
+        derived = derivation.derive(set(promoted))
+        sizes[name] = []
+        got = runs.run("reference", reference, derived, samples, from_last=True)
+        for a, b in zip(run_model(derived, samples, 1, optimize=True), got):
+            assert np.array_equal(a["y"], b["y"]), promoted
+    assert runs.trusted
+    # Conv_1 runs from k1's QuantizeLinear output, held from the first promotion's run; Relu_0 (put back with
+    # Conv_1 float already) gives the same model: only y's DequantizeLinear runs, from what Conv_1's part exposed
+    assert len(sizes["Conv_1"]) == 1 and sizes["Conv_1"][0] < 15 and sizes["Relu_0"] == [1]
+
+
+def test_derived_runs_whose_held_tensors_do_not_match_run_whole_from_then_on(tmp_path):
+    """The first partial run of a reference is checked against the whole run: tensors held from another build
+    (as if ORT's fusions differed across the cut) are caught, and every later run is whole."""
+    from qprep.quantize.ort.derived_runs import DerivedRuns
+
+    quantizer, samples = _branchy_quantizer(tmp_path)
+    settings = OrtSettings("minmax", bias_correction=False)
+    names = [n.name for n in quantizer.model.graph.node]
+    reference = quantizer.build(set(), settings, simplify=False)
+    other = onnx.ModelProto()  # the same nodes, every activation rounded on a twice coarser grid
+    other.CopyFrom(reference)
+    for node in other.graph.node:
+        if node.op_type == "QuantizeLinear":
+            scale = next(t for t in other.graph.initializer if t.name == node.input[1])
+            scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * np.float32(2), scale.name))
+    derived = Derivation(quantizer.model, reference, lambda removed: None).derive({names[-1]})
+    runs = DerivedRuns(threads=1)
+    got = runs.run("reference", other, derived, samples)
+    assert not runs.trusted
+    for a, b in zip(run_model(derived, samples, 1, optimize=True), got):
+        assert np.array_equal(a["y"], b["y"])

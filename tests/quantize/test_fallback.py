@@ -227,6 +227,8 @@ def test_ort_fallback_finds_the_outlier_edge_and_meets_the_target(outlier_config
                      r"error \([0-9.]+\) to spare: held\)", (tmp_path / "out" / "report.md").read_text())
     assert {n["node"] for n in record["float_nodes"]} == {"outlier", "second"}
     assert all(n["via"].startswith("m (") and n["gain"] > 0.5 for n in record["float_nodes"])
+    # bias correction (on by default) is not measured once the float nodes met the target
+    assert record["bias_correction"]["why"] == "not measured: the target was met without it"
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ settings are measured at the outputs: bias correction on the base float set, mse
 whose channels spread too far for one int8 scale (channel_spread.py) kept float, and op types left float as a
 whole. Candidates are then activation
 edges (`edges`; MatMul nodes with dynamic quantization), those losing most accuracy first, promoted by gain
-per multiply-add. Last, bias correction is measured again on the float set the search chose.
+per multiply-add. Last, if the target is still missed, bias correction is measured on the float set the search
+chose.
 
 Every step is bounded by the time budget (quantize/budget.py): builds are timed (the first one, which
 calibrates and runs GPTQ, apart from the later ones that reuse both), a step that would not end in time is not
@@ -32,6 +33,7 @@ from qprep.quantize import channel_spread, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.budget import Budget
 from qprep.quantize.ort.derived_builds import Derivation
+from qprep.quantize.ort.derived_runs import DerivedRuns
 from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
 
 log = logging.getLogger("qprep")
@@ -100,7 +102,8 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
                 measured[key] = job.measure(samples, run_model(model, samples, job.threads, optimize=True))
             return measured[key]
 
-    derived: dict = {}  # the last ranking reference: {"key", "derivation"}
+    derived: dict = {}  # the last ranking reference: {"key", "reference", "derivation"}
+    runs = DerivedRuns(job.threads)
 
     def measure_candidate(start: set[str], float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
         """A ranking or promotion trial's model derived from the build of `start` (derived_builds.py: ~0.01 s
@@ -113,12 +116,16 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
                 reference = quantizer.build(start, settings, simplify=False)
                 quantizable = (quantizer.build_key(quantizer.node_names, settings) - start
                                - set(quantizer.unquantizable))
-                derived.update(key=(frozenset(start), settings), derivation=Derivation(
+                derived.update(key=(frozenset(start), settings), reference=reference, derivation=Derivation(
                     quantizer.model, reference,
                     lambda removed: quantizer.build(set(start) | removed, settings, simplify=False), quantizable))
             model = derived["derivation"].derive(float_nodes - start)
             try:
-                outputs = None if model is None else run_model(model, samples, job.threads, optimize=True)
+                # from its first edit on (derived_runs.py): a ranking trial from the reference's tensors, a
+                # promotion (all samples, or those kept apart) from the last promotion's
+                ranking = bool(samples) and samples[0] is job.evaluation_samples[0] and len(samples) < every
+                outputs = None if model is None else runs.run(derived["key"], derived["reference"], model, samples,
+                                                              from_last=not ranking)
             except ModelError as exc:  # an edit ORT refuses: built instead
                 log.debug("fallback: derived ranking model not run (%s): built instead", exc)
                 outputs = None
@@ -224,12 +231,18 @@ def _corrected_base(trials: Trials, excluded: set[str], job: BackendInput, budge
 
 def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, job: BackendInput,
                    budget: Budget) -> dict:
-    """Bias correction on the float set the search chose (measured again unless that is the base's set, if the
-    budget has room for its build, a few of its waves and the final build) and kept if the score goes up."""
+    """Bias correction on the float set the search chose, when the search missed its target (measured again
+    unless that is the base's set, if the budget has room for its build, a few of its waves and the final build)
+    and kept if the score goes up. Not measured once the target is met: like a float node, it is added only while
+    the target needs it (PP-OCRv4 rec: 14 of its 101 s went to a correction that its calibration check then
+    refused; EfficientNet-Lite0: 5 s for one that missed the agreement)."""
     target, float_set = job.fallback["target"], set(outcome.float_nodes)
     record = {"base": {"score": base["score"], "passed": base["passed"]}} if base else {}
     if base and base["passed"]:
         record["kept"] = True
+        return record
+    if outcome.passed:
+        record.update(kept=False, why="not measured: the target was met without it")
         return record
     cost = 2 * budget.predict("trial") + 3 * budget.predict("bias wave")  # its build + the final build + waves
     if ((base is None or float_set != base["float_set"])
