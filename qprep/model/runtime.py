@@ -19,16 +19,20 @@ def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
     """Outputs of `model` for every sample (only the inputs the model declares are fed), with the tensors
     `extra_outputs` too. `optimize=True` runs it as deployed (ORT_ENABLE_ALL: QDQ fused into integer kernels);
     False runs the graph exactly as written."""
-    # samples side by side, one thread each: a small model's run does not fill 2 cores (EfficientNet-Lite0 INT8,
-    # 32 samples: 135 ms with 2 threads per run, 95 ms with 2 runs at once); a heavy model keeps one run at a time
-    # (each run's memory) and its threads
-    workers = threads if threads > 1 and len(samples) > 1 and not is_heavy(model) else 1
+    workers = side_by_side(model, samples, threads)
     try:
         session = ort_session(model, threads=1 if workers > 1 else threads, optimize=optimize,
                               extra_outputs=extra_outputs)
         return session_outputs(session, samples, workers)
     except Exception as exc:  # ORT raises its own exception types
         raise model_error(exc) from None
+
+
+def side_by_side(model: onnx.ModelProto, samples: list, threads: int) -> int:
+    """How many samples run at once, one ORT thread each: a small model's run does not fill 2 cores
+    (EfficientNet-Lite0 INT8, 32 samples: 135 ms with 2 threads per run, 95 ms with 2 runs at once); a heavy
+    model keeps one run at a time (each run's memory) and its threads."""
+    return threads if threads > 1 and len(samples) > 1 and not is_heavy(model) else 1
 
 
 def model_error(exc: Exception) -> ModelError:
@@ -38,11 +42,12 @@ def model_error(exc: Exception) -> ModelError:
                       f"{_advice(message)}")
 
 
-def session_outputs(session, samples: list[dict], workers: int = 1) -> list[dict[str, np.ndarray]]:
-    """Every output of a built session for every sample (only the inputs it declares are fed), in order;
-    `workers` runs that many samples at once (a session's run is thread-safe and frees the GIL)."""
+def session_outputs(session, samples: list[dict], workers: int = 1, fetch=None) -> list[dict[str, np.ndarray]]:
+    """Every output of a built session (or those named in `fetch`) for every sample (only the inputs it
+    declares are fed), in order; `workers` runs that many samples at once (a session's run is thread-safe and
+    frees the GIL)."""
     names = [i.name for i in session.get_inputs()]
-    outputs = [o.name for o in session.get_outputs()]
+    outputs = list(fetch) if fetch is not None else [o.name for o in session.get_outputs()]
 
     def one(sample: dict) -> dict[str, np.ndarray]:
         return dict(zip(outputs, session.run(outputs, {n: sample[n] for n in names})))
@@ -157,12 +162,23 @@ class Stepwise:
         later = [o for index in sorted(running) for o in self.model.graph.node[index].output
                  if o and o not in targets and self.readers.get(o, set()) - self.ran]
         part.graph.output.extend(onnx.ValueInfoProto(name=name) for name in later)
-        session = ort_session(part, threads=self.threads) if part.graph.node else None
+        workers = side_by_side(part, self.samples, self.threads)  # (a part is often a few small ops)
+        session = ort_session(part, threads=1 if workers > 1 else self.threads) if part.graph.node else None
         fed = [i.name for i in session.get_inputs()] if session is not None else []
         outputs = [o.name for o in part.graph.output]
-        for index, sample in enumerate(self.samples):
+
+        def one(index: int) -> list:
+            sample = self.samples[index]
             feeds = {name: self.held[name][index] if name in self.held else sample[name] for name in fed}
-            for name, value in zip(outputs, session.run(outputs, feeds) if session is not None else []):
+            return session.run(outputs, feeds) if session is not None else []
+
+        if workers > 1 and session is not None:
+            with ThreadPoolExecutor(workers) as pool:
+                results = list(pool.map(one, range(len(self.samples))))
+        else:
+            results = [one(index) for index in range(len(self.samples))]
+        for result in results:
+            for name, value in zip(outputs, result):
                 if not isinstance(value, np.ndarray):
                     return None
                 self.held.setdefault(name, []).append(value)

@@ -17,8 +17,8 @@ How:
   when nothing else reads its output.
 - Every node downstream of a changed one runs, from the exposed tensors that nothing changed computes
   (io.computing stops there).
-- Checked, not assumed: the first partial run of each round and sample set is also run whole. A single
-  differing value and this search runs every model whole from then on.
+- Checked, not assumed: the first partial run on each sample set (ranking, all, kept apart) is also run whole.
+  A single differing value and this search runs every model whole from then on.
 - Not for graphs with subgraphs (If, Loop, Scan), nor past MAX_HELD_BYTES of exposed tensors (run whole).
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 
 from qprep.model.io import computing
-from qprep.model.runtime import run_model
+from qprep.model.runtime import model_error, ort_session, run_model, session_outputs, side_by_side
 
 log = logging.getLogger("qprep")
 
@@ -45,7 +45,8 @@ class DerivedRuns:
         self.threads = threads
         self.trusted = True  # until a partial run differs from the whole one
         self.key = None  # the reference build the held tensors belong to
-        self.sets: dict[tuple, dict] = {}  # (first sample's id, count) → {"reference"/"last": _Held | None, …}
+        self.sets: dict[tuple, dict] = {}  # (first sample's id, count) → {"reference"/"last": _Held | None}
+        self.checked: set[tuple] = set()  # the sample sets a partial run was checked on
 
     def run(self, reference_key, reference: onnx.ModelProto, derived: onnx.ModelProto, samples: list[dict],
             from_last: bool = False) -> list[dict[str, np.ndarray]]:
@@ -56,7 +57,8 @@ class DerivedRuns:
             return run_model(derived, samples, self.threads, optimize=True)
         if reference_key != self.key:
             self.key, self.sets = reference_key, {}
-        state = self.sets.setdefault((id(samples[0]), len(samples)), {})
+        set_key = (id(samples[0]), len(samples))
+        state = self.sets.setdefault(set_key, {})
         if from_last:
             base = state.get("last")
         else:
@@ -69,8 +71,8 @@ class DerivedRuns:
                              (run_model(derived, samples, self.threads, optimize=True), None))
         else:
             outputs, held = ran
-            if not state.get("checked"):  # the first of this round and sample set: the whole model must agree
-                state["checked"] = True
+            if set_key not in self.checked:  # the first on these samples: the whole model must agree
+                self.checked.add(set_key)
                 whole = run_model(derived, samples, self.threads, optimize=True)
                 if not _same(whole, outputs):
                     log.info("fallback: a model run from the tensors of the one before differed from its whole "
@@ -94,14 +96,17 @@ class _Held:
     @classmethod
     def run(cls, model: onnx.ModelProto, samples: list[dict], threads: int) -> tuple[list[dict], "_Held | None"]:
         """(the outputs of `model`, its tensors held; None past MAX_HELD_BYTES or with nothing to expose)."""
-        exposed = _quantized(model, model.graph.node)
-        first = run_model(model, samples[:1], threads, optimize=True, extra_outputs=exposed)
-        rest = samples[1:]
-        if not exposed or sum(first[0][name].nbytes for name in exposed) * len(samples) > MAX_HELD_BYTES:
-            outputs = _declared(model, first) + (run_model(model, rest, threads, optimize=True) if rest else [])
-            return outputs, None
-        values = first + (run_model(model, rest, threads, optimize=True, extra_outputs=exposed) if rest else [])
-        return _declared(model, values), cls(model, [{name: v[name] for name in exposed} for v in values])
+        exposed, declared = _quantized(model, model.graph.node), [o.name for o in model.graph.output]
+        workers = side_by_side(model, samples, threads)
+        try:  # one session: the first sample tells whether the rest's tensors can be held
+            session = ort_session(model, threads=1 if workers > 1 else threads, optimize=True, extra_outputs=exposed)
+            first = session_outputs(session, samples[:1])
+            held = bool(exposed) and sum(first[0][name].nbytes for name in exposed) * len(samples) <= MAX_HELD_BYTES
+            values = first + session_outputs(session, samples[1:], workers, fetch=None if held else declared)
+        except Exception as exc:  # ORT raises its own exception types
+            raise model_error(exc) from None
+        return _declared(model, values), cls(model, [{name: v[name] for name in exposed} for v in values]) if held \
+            else None
 
     def run_derived(self, derived: onnx.ModelProto, samples: list[dict], threads: int,
                     keep: bool) -> tuple[list[dict], "_Held | None"] | None:
