@@ -142,6 +142,18 @@ def _agreements_less_one_standard_error(outputs: dict) -> tuple[dict, dict[str, 
     return lowered, errors
 
 
+def allowed_disagreement(threshold: float, samples: int) -> float:
+    """The largest disagreement share d that an agreement meets `threshold` with, one standard error to spare
+    on `samples` samples (judge: 1 − d − √(d(1 − d)/n) ≥ threshold, the binomial standard error): 97% on 96
+    samples allows 1.7% (one flip passes, two do not), 100% allows none."""
+    room, n = max(0.0, 1.0 - threshold), max(1, samples)
+    if room == 0.0:
+        return 0.0
+    # the smaller root of (room − d)² = d(1 − d)/n
+    a, b = 1.0 + 1.0 / n, 2.0 * room + 1.0 / n
+    return (b - math.sqrt(max(0.0, b * b - 4.0 * a * room * room))) / (2.0 * a)
+
+
 def gate_metrics(gate: dict) -> dict:
     return {c["metric"]: c["value"] for c in gate.get("checks", [])}
 

@@ -634,7 +634,14 @@ def test_bias_correction_is_tried_on_the_base_only_near_the_target():
     target = {"cosine_mean": 0.998}
     assert _near_target({"y": {"cosine_mean": 0.9973}}, target)  # EfficientNet-Lite0: its minutes pay
     assert not _near_target({"y": {"cosine_mean": 0.56}}, target)  # PP-PicoDet: the search needs them
-    assert _near_target({"y": {"top1_agreement": 0.5}}, {"top1_agreement": 0.97})  # no cosine to judge by
+    # an agreement: near while it misses at most twice what the gate allows on its samples (97% on 96: 1.7%)
+    agreement = {"cosine_mean": 0.998, "top1_agreement": 0.97}
+    assert not _near_target({"y": {"cosine_mean": 0.9973, "top1_agreement": 0.948, "top1_count": 96}}, agreement)
+    assert _near_target({"y": {"cosine_mean": 0.9973, "top1_agreement": 0.969, "top1_count": 96}}, agreement)
+    assert not _near_target({"y": {"top1_agreement": 0.99, "top1_count": 96}}, {"top1_agreement": 1.0})
+    assert _near_target({"y": {"top1_agreement": 0.95, "top1_count": 96}}, {"z.top1_agreement": 0.99})  # not y's
+    assert search.allowed_disagreement(1.0, 96) == 0.0
+    assert 1 / 96 < search.allowed_disagreement(0.97, 96) < 2 / 96  # one flip passes the gate's margin, two do not
 
 
 def test_the_cap_counts_what_the_backend_counts_and_a_promoted_group_s_nodes_are_not_tried_again():
