@@ -202,3 +202,41 @@ def test_derived_runs_whose_held_tensors_do_not_match_run_whole_from_then_on(tmp
     assert not runs.trusted
     for a, b in zip(run_model(derived, samples, 1, optimize=True), got):
         assert np.array_equal(a["y"], b["y"])
+
+
+def test_derived_runs_with_a_second_input_read_late_and_samples_of_different_sizes(tmp_path):
+    """x[1,4,H,W] → Conv → Relu → Mul(gain[1,4,1,1], a second graph input read only after it) → Conv → y, with
+    samples of two image sizes: a part that starts after the Relu reads the held tensor of each sample's own size
+    and `gain` from the sample; every partial run equals the whole one."""
+    from qprep.quantize import ort
+    from qprep.quantize.ort.derived_runs import DerivedRuns
+
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Mul", ["r1", "gain"], ["m"]),
+             helper.make_node("Conv", ["m", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [("x", [1, 4, "H", "W"]), ("gain", [1, 4, 1, 1])], [("y", [1, 4, "H", "W"])],
+                       {"w1": rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.4,
+                        "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.4})
+    name_nodes(model.graph)
+    samples = [{"x": rng.standard_normal((1, 4, size, size)).astype(np.float32),
+                "gain": rng.uniform(0.5, 2, (1, 4, 1, 1)).astype(np.float32)} for size in (8, 12, 8, 12)]
+    options = validate({"bias_correction": False}, ort.OPTIONS, "quantize.ort", tmp_path)
+    quantizer = OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
+    settings = OrtSettings("minmax", bias_correction=False)
+    names = [n.name for n in quantizer.model.graph.node]
+    reference = quantizer.build(set(), settings, simplify=False)
+    derivation = Derivation(quantizer.model, reference, lambda removed: quantizer.build(removed, settings,
+                                                                                       simplify=False))
+    runs, tried = DerivedRuns(threads=2), 0
+    for nodes in [set(m) for m in edges(quantizer.model, names).values()] + [{name} for name in names]:
+        derived = derivation.derive(nodes)
+        if derived is None:
+            continue
+        tried += 1
+        for from_last in (False, True):
+            got = runs.run("reference", reference, derived, samples, from_last=from_last)
+            for a, b in zip(run_model(derived, samples, optimize=True), got):
+                assert a["y"].shape == b["y"].shape and np.array_equal(a["y"], b["y"]), (nodes, from_last)
+    assert tried >= 3 and runs.trusted
