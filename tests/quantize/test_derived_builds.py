@@ -18,8 +18,6 @@ from qprep.schema import validate
 def _branchy_quantizer(tmp_path):
     """x → Conv → Clip (removed by ORT's quantizer: its Q/DQ clips) → Conv → Relu (removed) → Add (with the
     Clip's output) → Conv → y (a graph output ORT rounds). 8 samples."""
-    from qprep.quantize import ort
-
     rng = np.random.default_rng(3)
     weight = lambda: rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.4  # noqa: E731
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
@@ -35,8 +33,22 @@ def _branchy_quantizer(tmp_path):
                         "low": np.float32(0), "high": np.float32(6)})
     name_nodes(model.graph)
     samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32) * 2} for _ in range(8)]
+    return _quantizer(model, samples, tmp_path), samples
+
+def _quantizer(model, samples, tmp_path) -> OrtQuantizer:
+    from qprep.quantize import ort
+
     options = validate({"bias_correction": False}, ort.OPTIONS, "quantize.ort", tmp_path)  # GPTQ as by default
-    return OrtQuantizer(model, samples, options, tmp_path, many_builds=True), samples
+    return OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
+
+
+def _from_the_base(quantizer):
+    """(node names, the all-quantized build, a Derivation from it that builds where it must) at minmax ranges."""
+    settings = OrtSettings("minmax", bias_correction=False)
+    reference = quantizer.build(set(), settings, simplify=False)
+    derivation = Derivation(quantizer.model, reference, lambda removed: quantizer.build(removed, settings,
+                                                                                       simplify=False))
+    return [n.name for n in quantizer.model.graph.node], reference, derivation
 
 
 def test_each_edge_made_float_by_edits_gives_the_outputs_of_its_build(tmp_path):
@@ -112,8 +124,6 @@ def test_a_candidate_that_decides_a_following_op_or_a_shared_weight_anew_is_buil
     its input is; with both Convs float nothing else rounds the first Conv's output, and the build leaves the
     MaxPool float. The shared weight: ORT names and scales its copies in build order. Either is built (None)
     or derived to the same outputs."""
-    from qprep.quantize import ort
-
     rng = np.random.default_rng(4)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c1"], pads=[1, 1, 1, 1]),
              helper.make_node("Conv", ["c1", "w"], ["c2"], pads=[1, 1, 1, 1]),
@@ -125,19 +135,14 @@ def test_a_candidate_that_decides_a_following_op_or_a_shared_weight_anew_is_buil
                         "w3": rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.4})
     name_nodes(model.graph)
     samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
-    options = validate({"bias_correction": False}, ort.OPTIONS, "quantize.ort", tmp_path)
-    quantizer = OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
-    settings = OrtSettings("minmax", bias_correction=False)
-    names = [n.name for n in quantizer.model.graph.node]
-    reference = quantizer.build(set(), settings, simplify=False)
-    derivation = Derivation(quantizer.model, reference, lambda removed: quantizer.build(removed, settings,
-                                                                                       simplify=False))
+    quantizer = _quantizer(model, samples, tmp_path)
+    names, reference, derivation = _from_the_base(quantizer)
     assert derivation.derive({"Conv_0", "Conv_1"}) is None  # the MaxPool's (and the weight's) fate changes
     for nodes in [set(m) for m in edges(quantizer.model, names).values()] + [{name} for name in names]:
         derived = derivation.derive(nodes)
         if derived is None:
             continue
-        built = quantizer.build(nodes, settings, simplify=False)
+        built = quantizer.build(nodes, OrtSettings("minmax", bias_correction=False), simplify=False)
         for a, b in zip(run_model(built, samples, optimize=True), run_model(derived, samples, optimize=True)):
             assert np.array_equal(a["y"], b["y"]), nodes
 
@@ -150,11 +155,7 @@ def test_a_derived_model_run_from_the_tensors_of_the_one_before_gives_its_whole_
     from qprep.quantize.ort.derived_runs import DerivedRuns, _Held
 
     quantizer, samples = _branchy_quantizer(tmp_path)
-    settings = OrtSettings("minmax", bias_correction=False)
-    names = [n.name for n in quantizer.model.graph.node]
-    reference = quantizer.build(set(), settings, simplify=False)
-    derivation = Derivation(quantizer.model, reference, lambda removed: quantizer.build(removed, settings,
-                                                                                       simplify=False))
+    names, reference, derivation = _from_the_base(quantizer)
     held = _Held.run(reference, samples, 1)[1]
     runs, partial = DerivedRuns(threads=1), 0
     for members in edges(quantizer.model, names).values():
@@ -208,7 +209,6 @@ def test_derived_runs_with_a_second_input_read_late_and_samples_of_different_siz
     """x[1,4,H,W] → Conv → Relu → Mul(gain[1,4,1,1], a second graph input read only after it) → Conv → y, with
     samples of two image sizes: a part that starts after the Relu reads the held tensor of each sample's own size
     and `gain` from the sample; every partial run equals the whole one."""
-    from qprep.quantize import ort
     from qprep.quantize.ort.derived_runs import DerivedRuns
 
     rng = np.random.default_rng(5)
@@ -222,13 +222,8 @@ def test_derived_runs_with_a_second_input_read_late_and_samples_of_different_siz
     name_nodes(model.graph)
     samples = [{"x": rng.standard_normal((1, 4, size, size)).astype(np.float32),
                 "gain": rng.uniform(0.5, 2, (1, 4, 1, 1)).astype(np.float32)} for size in (8, 12, 8, 12)]
-    options = validate({"bias_correction": False}, ort.OPTIONS, "quantize.ort", tmp_path)
-    quantizer = OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
-    settings = OrtSettings("minmax", bias_correction=False)
-    names = [n.name for n in quantizer.model.graph.node]
-    reference = quantizer.build(set(), settings, simplify=False)
-    derivation = Derivation(quantizer.model, reference, lambda removed: quantizer.build(removed, settings,
-                                                                                       simplify=False))
+    quantizer = _quantizer(model, samples, tmp_path)
+    names, reference, derivation = _from_the_base(quantizer)
     runs, tried = DerivedRuns(threads=2), 0
     for nodes in [set(m) for m in edges(quantizer.model, names).values()] + [{name} for name in names]:
         derived = derivation.derive(nodes)
