@@ -14,21 +14,29 @@ from qprep.errors import ModelError
 from qprep.model.io import computing, is_heavy, reads, weightless
 
 
-def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
-              optimize: bool = False, extra_outputs=()) -> list[dict[str, np.ndarray]]:
+def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2, optimize: bool = False,
+              extra_outputs=(), max_extra_bytes: int | None = None) -> list[dict[str, np.ndarray]]:
     """Outputs of `model` for every sample (only the inputs the model declares are fed), with the tensors
-    `extra_outputs` too. `optimize=True` runs it as deployed (ORT_ENABLE_ALL: QDQ fused into integer kernels);
-    False runs the graph exactly as written."""
-    workers = side_by_side(model, samples, threads)
+    `extra_outputs` too — for every sample while they add up to at most `max_extra_bytes` (judged on the first
+    sample), else for none. `optimize=True` runs it as deployed (ORT_ENABLE_ALL: QDQ fused into integer
+    kernels); False runs the graph exactly as written."""
+    workers = _side_by_side(model, samples, threads)
     try:
         session = ort_session(model, threads=1 if workers > 1 else threads, optimize=optimize,
                               extra_outputs=extra_outputs)
-        return session_outputs(session, samples, workers)
+        if max_extra_bytes is None or not extra_outputs or not samples:
+            return session_outputs(session, samples, workers)
+        first = session_outputs(session, samples[:1])  # one session: the first sample tells what the rest fetch
+        if sum(first[0][name].nbytes for name in extra_outputs if name in first[0]) * len(samples) <= max_extra_bytes:
+            return first + session_outputs(session, samples[1:], workers)
+        declared = [o.name for o in model.graph.output]
+        return [{name: first[0][name] for name in declared}] + session_outputs(session, samples[1:], workers,
+                                                                               fetch=declared)
     except Exception as exc:  # ORT raises its own exception types
         raise model_error(exc) from None
 
 
-def side_by_side(model: onnx.ModelProto, samples: list, threads: int) -> int:
+def _side_by_side(model: onnx.ModelProto, samples: list, threads: int) -> int:
     """How many samples run at once, one ORT thread each: a small model's run does not fill 2 cores
     (EfficientNet-Lite0 INT8, 32 samples: 135 ms with 2 threads per run, 95 ms with 2 runs at once); a heavy
     model keeps one run at a time (each run's memory) and its threads."""
@@ -162,23 +170,13 @@ class Stepwise:
         later = [o for index in sorted(running) for o in self.model.graph.node[index].output
                  if o and o not in targets and self.readers.get(o, set()) - self.ran]
         part.graph.output.extend(onnx.ValueInfoProto(name=name) for name in later)
-        workers = side_by_side(part, self.samples, self.threads)  # (a part is often a few small ops)
+        workers = _side_by_side(part, self.samples, self.threads)  # (a part is often a few small ops)
         session = ort_session(part, threads=1 if workers > 1 else self.threads) if part.graph.node else None
         fed = [i.name for i in session.get_inputs()] if session is not None else []
-        outputs = [o.name for o in part.graph.output]
-
-        def one(index: int) -> list:
-            sample = self.samples[index]
-            feeds = {name: self.held[name][index] if name in self.held else sample[name] for name in fed}
-            return session.run(outputs, feeds) if session is not None else []
-
-        if workers > 1 and session is not None:
-            with ThreadPoolExecutor(workers) as pool:
-                results = list(pool.map(one, range(len(self.samples))))
-        else:
-            results = [one(index) for index in range(len(self.samples))]
-        for result in results:
-            for name, value in zip(outputs, result):
+        feeds = [{name: self.held[name][index] if name in self.held else sample[name] for name in fed}
+                 for index, sample in enumerate(self.samples)]
+        for result in session_outputs(session, feeds, workers) if session is not None else []:
+            for name, value in result.items():
                 if not isinstance(value, np.ndarray):
                     return None
                 self.held.setdefault(name, []).append(value)

@@ -54,6 +54,21 @@ def test_samples_run_side_by_side_come_back_in_their_order_and_failures_as_one_l
     assert workers == [2, 2, 1]
 
 
+def test_extra_outputs_come_for_every_sample_or_for_none_past_their_byte_cap():
+    """run_model's `max_extra_bytes`, judged on the first sample: h is 4×128 float32 = 2 KB a sample; 3 samples
+    fit in 6 KB and not in 5 KB, where every sample has y alone, as without extra outputs."""
+    rng = np.random.default_rng(2)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+                       [("x", [4, 64])], [("y", [4, 128])], {"w": rng.standard_normal((64, 128)).astype(np.float32)})
+    samples = [{"x": rng.standard_normal((4, 64)).astype(np.float32)} for _ in range(3)]
+    plain = run_model(model, samples, threads=2)
+    held = run_model(model, samples, threads=2, extra_outputs=["h"], max_extra_bytes=6 * 1024)
+    assert all(set(s) == {"y", "h"} and np.array_equal(np.maximum(s["h"], 0), s["y"]) for s in held)
+    over = run_model(model, samples, threads=2, extra_outputs=["h"], max_extra_bytes=5 * 1024)
+    assert [set(s) for s in over] == [{"y"}] * 3
+    assert all(np.array_equal(a["y"], b["y"]) for a, b in zip(plain, over))
+
+
 def test_intermediates_run_only_the_part_that_computes_them():
     """An early tensor is read from the nodes it depends on: the Relu and the second MatMul are not in the
     session (ONNX Runtime would run them whatever a run fetches), and the value is the same."""

@@ -30,12 +30,12 @@ import numpy as np
 import onnx
 
 from qprep.model.io import computing
-from qprep.model.runtime import model_error, ort_session, run_model, session_outputs, side_by_side
+from qprep.model.runtime import run_model
 
 log = logging.getLogger("qprep")
 
 MAX_HELD_BYTES = 1 << 30  # per sample set (ranking, all, kept apart: at most three); beyond, that set runs whole
-# (EfficientNet-Lite0: 5.5 MB a sample, 530 MB for the 96 samples a search chooses on)
+# (EfficientNet-Lite0, measured: up to 6.55 MB a sample, 600 MiB for the 96 samples a search chooses on)
 
 
 class DerivedRuns:
@@ -88,24 +88,21 @@ class DerivedRuns:
 class _Held:
     """A model's exposed QuantizeLinear outputs on one sample set, and what its nodes look like."""
 
-    def __init__(self, model: onnx.ModelProto, values: list[dict[str, np.ndarray]]):
+    def __init__(self, model: onnx.ModelProto, values: list[dict[str, np.ndarray]],
+                 nodes: set[bytes] | None = None, readers: dict | None = None):
+        """`nodes` (each node serialized) and `readers` (_readers): the model's, when the caller has them."""
         self.values = values
-        self.nodes = {node.SerializeToString() for node in model.graph.node}
-        self.readers = _readers(model)
+        self.nodes = nodes if nodes is not None else {node.SerializeToString() for node in model.graph.node}
+        self.readers = readers if readers is not None else _readers(model)
         self.types = {name: onnx.helper.np_dtype_to_tensor_dtype(value.dtype) for name, value in values[0].items()}
 
     @classmethod
     def run(cls, model: onnx.ModelProto, samples: list[dict], threads: int) -> tuple[list[dict], "_Held | None"]:
         """(the outputs of `model`, its tensors held; None past MAX_HELD_BYTES or with nothing to expose)."""
-        exposed, declared = _quantized(model, model.graph.node), [o.name for o in model.graph.output]
-        workers = side_by_side(model, samples, threads)
-        try:  # one session: the first sample tells whether the rest's tensors can be held
-            session = ort_session(model, threads=1 if workers > 1 else threads, optimize=True, extra_outputs=exposed)
-            first = session_outputs(session, samples[:1])
-            held = bool(exposed) and sum(first[0][name].nbytes for name in exposed) * len(samples) <= MAX_HELD_BYTES
-            values = first + session_outputs(session, samples[1:], workers, fetch=None if held else declared)
-        except Exception as exc:  # ORT raises its own exception types
-            raise model_error(exc) from None
+        exposed = _quantized(model, model.graph.node)
+        values = run_model(model, samples, threads, optimize=True, extra_outputs=exposed,
+                           max_extra_bytes=MAX_HELD_BYTES)
+        held = bool(exposed) and all(name in values[-1] for name in exposed)
         return _declared(model, values), cls(model, [{name: v[name] for name in exposed} for v in values]) if held \
             else None
 
@@ -113,8 +110,8 @@ class _Held:
                     keep: bool) -> tuple[list[dict], "_Held | None"] | None:
         """(the outputs of `derived` run from these tensors, with `keep` its own tensors held), or None when its
         edits leave nothing to skip."""
-        readers = _readers(derived)
-        changed = [node for node in derived.graph.node if node.SerializeToString() not in self.nodes
+        readers, serialized = _readers(derived), [node.SerializeToString() for node in derived.graph.node]
+        changed = [node for node, text in zip(derived.graph.node, serialized) if text not in self.nodes
                    or any(readers.get(o, set()) != self.readers.get(o, set()) for o in node.output if o)]
         downstream = _downstream(derived, changed)
         produced = {o for node in derived.graph.node for o in node.output}  # (a Q/DQ pair an edit removed: gone)
@@ -129,7 +126,7 @@ class _Held:
         if keep:
             values_held = [{**{name: old[name] for name in given}, **{name: new[name] for name in exposed}}
                            for old, new in zip(self.values, values)]
-            held = _Held(derived, values_held)
+            held = _Held(derived, values_held, set(serialized), readers)
         return _declared(derived, values), held
 
 
