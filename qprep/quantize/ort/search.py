@@ -91,12 +91,15 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
 
     measured: dict = {}  # (built model's digest, samples) → metrics
 
+    def ranking(samples: list[dict]) -> bool:
+        """Whether `samples` are the ranking samples (a prefix of those the search chooses on, not all of them)."""
+        return bool(samples) and samples[0] is job.evaluation_samples[0] and len(samples) < every
+
     def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
         """Metrics of a build, run once per distinct model: float sets that differ only where the build does not
         look (beyond OrtQuantizer.build_key) give the same bytes (PP-OCRv4 rec: 6 of 85 builds)."""
-        ranking = bool(samples) and samples[0] is job.evaluation_samples[0] and len(samples) < every
         with budget.timed(build_kind(quantizer, settings, len(samples) == every)):
-            model = quantizer.build(float_nodes, settings, simplify=not ranking)
+            model = quantizer.build(float_nodes, settings, simplify=not ranking(samples))
             key = (hashlib.sha1(model.SerializeToString()).digest(), id(samples[0]) if samples else None, len(samples))
             if key not in measured:
                 measured[key] = job.measure(samples, run_model(model, samples, job.threads, optimize=True))
@@ -123,9 +126,8 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
             try:
                 # from its first edit on (derived_runs.py): a ranking trial from the reference's tensors, a
                 # promotion (all samples, or those kept apart) from the last promotion's
-                ranking = bool(samples) and samples[0] is job.evaluation_samples[0] and len(samples) < every
                 outputs = None if model is None else runs.run(derived["key"], derived["reference"], model, samples,
-                                                              from_last=not ranking)
+                                                              from_last=not ranking(samples))
             except ModelError as exc:  # an edit ORT refuses: built instead
                 log.debug("fallback: derived ranking model not run (%s): built instead", exc)
                 outputs = None
@@ -214,15 +216,14 @@ def _near_target(outputs: dict, target: dict) -> bool:
     thresholds = [v for k, v in target.items() if k.rpartition(".")[2] in ("cosine_mean", "cosine_min")]
     if thresholds and 1.0 - search.score_of(outputs, target) > NEAR * (1.0 - min(thresholds)):
         return False
-    named = {key.rpartition(".")[0] for key in target} - {""}
     for key, threshold in target.items():
         output, _, metric = key.rpartition(".")
         if not metric.endswith("_agreement"):
             continue
-        for name, metrics in outputs.items():
+        for name in [output] if output else list(outputs):  # the outputs the gate judges by this key
+            metrics = outputs.get(name) or {}
             value, count = metrics.get(metric), metrics.get(f"{metric.removesuffix('_agreement')}_count")
-            if (output in ("", name) and (output or not named or name in named) and value is not None and count
-                    and 1.0 - value > NEAR * search.allowed_disagreement(threshold, count)):
+            if value is not None and count and 1.0 - value > NEAR * search.allowed_disagreement(threshold, count):
                 return False
     return True
 
@@ -248,8 +249,8 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
     """Bias correction on the float set the search chose, when the search missed its target (measured again
     unless that is the base's set, if the budget has room for its build, a few of its waves and the final build)
     and kept if the score goes up. Not measured once the target is met: like a float node, it is added only while
-    the target needs it (PP-OCRv4 rec: 14 of its 101 s went to a correction that its calibration check then
-    refused; EfficientNet-Lite0: 5 s for one that missed the agreement)."""
+    the target needs it (PP-OCRv4 rec: 14 s of a 143 s run went to a correction that its calibration check
+    then refused; EfficientNet-Lite0: 5 s for one that missed the agreement)."""
     target, float_set = job.fallback["target"], set(outcome.float_nodes)
     record = {"base": {"score": base["score"], "passed": base["passed"]}} if base else {}
     if base and base["passed"]:
