@@ -27,26 +27,26 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a config's pipeline on one model",
                          description="Run the stages a YAML config lists and write a run directory "
                                      "(model.onnx, report.json/md, manifest.json, qprep.log).")
-    run.add_argument("config", help="YAML config file")
-    run.add_argument("--model", help="input model (overrides `model:`; relative to the current directory)")
-    run.add_argument("--out", help="run directory (overrides `output_dir:`)")
+    run.add_argument("config", type=_input("the config"), help="YAML config file")
+    run.add_argument("--model", type=_input("the model"), help="input model (overrides `model:`; relative to the current directory)")
+    run.add_argument("--out", type=_output_folder("--out"), help="run directory (overrides `output_dir:`)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. calibration.max_samples=16 or pipeline.quantize.backend=ort")
-    run.add_argument("--overlay", metavar="FILE", help="a YAML file merged over the config (paths relative to it), "
+    run.add_argument("--overlay", type=_input("the overlay"), metavar="FILE", help="a YAML file merged over the config (paths relative to it), "
                                                        "e.g. one model's input dims and samples")
     run.add_argument("--force", action="store_true", help="replace a previous run in a non-empty run directory")
     run.add_argument("--strict", action="store_true", help="exit 2 when any rewrite was rolled back")
     _common(run)
 
     validate = sub.add_parser("validate", help="check a config (keys, types, files) without running it")
-    validate.add_argument("config", help="YAML config file")
+    validate.add_argument("config", type=_input("the config"), help="YAML config file")
     validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                           help="override a config key, as in `run`")
-    validate.add_argument("--overlay", metavar="FILE", help="a YAML file merged over the config")
+    validate.add_argument("--overlay", type=_input("the overlay"), metavar="FILE", help="a YAML file merged over the config")
     _common(validate)
 
     inspect = sub.add_parser("inspect", help="describe a model: kind, inputs/outputs, op histogram, opsets")
-    inspect.add_argument("model", help="the ONNX model")
+    inspect.add_argument("model", type=_input("the model"), help="the ONNX model")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     _common(inspect)
 
@@ -54,11 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Reads the model (inputs, dims, layout, whether it normalizes its input, "
                                       "LayerNorms, output kinds) and, with --data, the sample folders, and writes "
                                       "a config to review and run.")
-    init.add_argument("model", help="the ONNX model")
+    init.add_argument("model", type=_input("the model"), help="the ONNX model")
     init.add_argument("--backend", choices=("ort", "rknn", "fp16"), default="ort",
                       help="ort: ONNX Runtime INT8 (default); rknn: Rockchip NPU; fp16: float16")
-    init.add_argument("--data", help="folder of samples, or holding calib/ eval/ heldout/ folders")
-    init.add_argument("--out", help="config file to write (default: ./<model name>.yaml)")
+    init.add_argument("--data", type=_input("the data folder"), help="folder of samples, or holding calib/ eval/ heldout/ folders")
+    init.add_argument("--out", type=_output_file("--out"), help="config file to write (default: ./<model name>.yaml)")
     init.add_argument("--force", action="store_true", help="replace an existing config file")
     _common(init)
 
@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "summary.json/csv/md/html list them worst first. A NAME.qprep.yaml beside "
                                        "NAME.onnx is merged over the config for that model (run --overlay). "
                                        "Exit 2 if any model failed, else 1 if any missed its gate.")
-    batch.add_argument("config", help="YAML config applied to every model (its `model:` is replaced)")
-    batch.add_argument("folder", help="folder of .onnx models")
-    batch.add_argument("--out", required=True, help="batch directory (one run directory per model)")
+    batch.add_argument("config", type=_input("the config"), help="YAML config applied to every model (its `model:` is replaced)")
+    batch.add_argument("folder", type=_input("the models folder"), help="folder of .onnx models")
+    batch.add_argument("--out", required=True, type=_output_folder("--out"), help="batch directory (one run directory per model)")
     batch.add_argument("--jobs", type=int, help="local executor: worker processes (default: from cores, threads "
                                                 "and memory)")
     batch.add_argument("--executor", choices=("local", "ray"), default="local",
@@ -88,21 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     _common(batch)
 
     compare = sub.add_parser("compare", help="compare runs (INT8 vs FP32, run vs run, batch vs batch)")
-    compare.add_argument("runs", nargs="+", help="run directories, report.json or summary.json files")
+    compare.add_argument("runs", nargs="+", type=_input("the compared run"), help="run directories, report.json or summary.json files")
     compare.add_argument("--fail-on-regression", action="append", default=[], metavar="METRIC=THRESHOLD",
                          help="exit 1 when a later run is worse than the first by more than THRESHOLD")
-    compare.add_argument("--markdown", help="also write the table as Markdown to this file")
-    compare.add_argument("--html", help="also write the table as HTML to this file")
+    compare.add_argument("--markdown", type=_output_file("--markdown"), help="also write the table as Markdown to this file")
+    compare.add_argument("--html", type=_output_file("--html"), help="also write the table as HTML to this file")
     _common(compare)
 
     evaluate = sub.add_parser("evaluate", help="measure a finished run's result again on other (held-out) samples",
                               description="Re-runs the run's evaluation (its reference, input fixes, metrics, "
                                           "tasks and gate, from manifest.json) on another sample folder; the run "
                                           "directory is not touched. Exit 1 if the gate is missed on them.")
-    evaluate.add_argument("run_dir", help="run directory of a finished run (ONNX result)")
-    evaluate.add_argument("--samples", required=True, help="folder (or list file) of samples, as evaluation.source")
-    evaluate.add_argument("--labels", help="ground-truth labels for these samples (as evaluation.labels)")
-    evaluate.add_argument("--json", dest="json_out", metavar="FILE", help="also write the result as JSON")
+    evaluate.add_argument("run_dir", type=_input("the run directory"), help="run directory of a finished run (ONNX result)")
+    evaluate.add_argument("--samples", required=True, type=_input("the samples"), help="folder (or list file) of samples, as evaluation.source")
+    evaluate.add_argument("--labels", type=_input("the labels"), help="ground-truth labels for these samples (as evaluation.labels)")
+    evaluate.add_argument("--json", dest="json_out", type=_output_file("--json"), metavar="FILE", help="also write the result as JSON")
     evaluate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                           help="override an evaluation key, e.g. evaluation.max_samples=16")
     _common(evaluate)
@@ -130,6 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _input(option: str):
+    from qprep.disk.guard import INPUT, path_arg
+
+    return path_arg(INPUT, option)
+
+
+def _output_file(option: str):
+    from qprep.disk.guard import OUTPUT_FILE, path_arg
+
+    return path_arg(OUTPUT_FILE, option)
+
+
+def _output_folder(option: str):
+    from qprep.disk.guard import OUTPUT_FOLDER, path_arg
+
+    return path_arg(OUTPUT_FOLDER, option)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -149,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
+    from qprep.disk.guard import Guard
+
     try:
+        # Every path the command writes is checked against every path it reads before it starts; the command
+        # writes through args.guard, which checks again against inputs it learns later (qprep/disk/guard.py).
+        args.guard, outputs = Guard.of_args(args)
+        args.guard.check(outputs)
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
         return code
@@ -259,7 +283,8 @@ def cmd_inspect(args) -> int:
 def cmd_init(args) -> int:
     from qprep.starter import write_starter
 
-    out = write_starter(args.model, args.out or f"{Path(args.model).stem}.yaml", args.backend, args.data, args.force)
+    out = write_starter(args.model, args.out or f"{Path(args.model).stem}.yaml", args.backend, args.data, args.force,
+                        args.guard)
     if not args.quiet:
         print(f"qprep: wrote {out}: review the lines marked FILL IN and the preprocess comment, then "
               f"`qprep run {out}`")
@@ -299,7 +324,7 @@ def cmd_batch(args) -> int:
 
     summary = run_batch(args.config, args.folder, args.out, jobs=args.jobs, recursive=args.recursive,
                         resume=args.resume, timeout=args.timeout, sets=args.sets, quiet=args.quiet,
-                        executor=args.executor, address=args.address)
+                        executor=args.executor, address=args.address, guard=args.guard)
     counts = summary["counts"]
     print(f"qprep batch: {counts['ok']} ok, {counts['gate missed']} gate missed, {counts['refused']} refused, "
           f"{counts['failed']} failed — {Path(args.out) / 'summary.md'}")
@@ -310,14 +335,14 @@ def cmd_evaluate(args) -> int:
     from qprep import jsonfile
     from qprep.config import parse_set
     from qprep.evaluate.rerun import reevaluate
-    from qprep.model.io import atomic_write_text
+    from qprep.pipeline.run_dir import recorded_inputs
 
+    args.guard.add_inputs(recorded_inputs(Path(args.run_dir)))  # the run's model, config and data
+    if args.json_out:
+        args.guard.output_file(args.json_out, "--json")  # before minutes of evaluation, not after
     result = reevaluate(args.run_dir, args.samples, args.labels, dict(parse_set(s) for s in args.sets), args.quiet)
     if args.json_out:
-        try:
-            atomic_write_text(args.json_out, jsonfile.dumps(result) + "\n")
-        except OSError as exc:
-            raise QprepError(f"--json {args.json_out}: cannot write it ({exc.strerror}); choose another path") from None
+        args.guard.write_text(args.json_out, jsonfile.dumps(result) + "\n", "--json")
     count = result["samples"]["count"]
     for name, metrics in result["outputs"].items():
         print(f"{name}: cosine_mean {_fmt(metrics.get('cosine_mean'))}"
@@ -334,7 +359,6 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from qprep.model.io import atomic_write_text
     from qprep.report.compare import compare, render_html, render_markdown, render_text
 
     thresholds = {}
@@ -348,10 +372,7 @@ def cmd_compare(args) -> int:
     print(render_text(result), end="")
     for option, path, render in (("--markdown", args.markdown, render_markdown), ("--html", args.html, render_html)):
         if path:
-            try:
-                atomic_write_text(path, render(result))
-            except OSError as exc:  # permission denied, a file where a folder should be, disk full
-                raise QprepError(f"{option} {path}: cannot write it ({exc.strerror}); choose another path") from None
+            args.guard.write_text(path, render(result), option)
     return EXIT_GATE_MISSED if result["regressions"] else EXIT_OK
 
 

@@ -17,6 +17,7 @@ import onnx
 
 from qprep.data.images import IMAGE_SUFFIXES, guess_layout
 from qprep.data.pitfalls import normalizes_itself
+from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, DataError
 from qprep.model import info as model_info
 from qprep.model.info import TensorSpec
@@ -215,11 +216,15 @@ def _flow(mapping: dict) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
 
 
-def write_starter(model_path: str, config_path: str, backend: str, data: str | None, force: bool) -> Path:
+def write_starter(model_path: str, config_path: str, backend: str, data: str | None, force: bool,
+                  guard: Guard | None = None) -> Path:
+    """The starter config at `config_path`, written through the command's guard (never over the model, into
+    the data folder or through a symlink; `force` replaces only a file that is none of those)."""
     out = Path(config_path)
-    if out.exists() and not force:
+    guard = guard or Guard({"the model": model_path, "the data folder": data})
+    guard.output_file(out, "--out")
+    if os.path.lexists(out) and not force:
         raise ConfigError(f"init: {out} exists; choose another --out or add --force to replace it")
     text = starter_config(model_path, str(out), backend, data)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    guard.write_text(out, text, "--out")
     return out

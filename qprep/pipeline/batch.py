@@ -9,19 +9,26 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qprep import jsonfile
 from qprep.config import load_config, run_overrides
-from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError
+from qprep.disk import owned
+from qprep.disk.guard import Guard, special_kind
+from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError, signal_handlers
 from qprep.model.info import unique_name
 from qprep.model.io import atomic_write_text, sha256_file
 from qprep.pipeline.batch_worker import RunSpec, Task, sidecar
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 
 
+SUMMARY_FILES = ("summary.json", "summary.csv", "summary.md", "summary.html")
+# Names of the batch's own at the top of --out: no model's run directory may take one (`summary.json.onnx`).
+BATCH_FILES = (*SUMMARY_FILES, owned.MANIFEST, ".qprep-batch-token")
 STATUSES = ("ok", "gate missed", "refused", "failed")  # refused: a one-line QprepError (exit 2) naming what is not taken
 CANCELLED = "cancelled: the batch was interrupted before this model finished; rerun with --resume"
 
@@ -32,14 +39,26 @@ def dir_name(name: str, used: set[str]) -> str:
     return unique_name(name.removesuffix(".onnx").replace(os.sep, "__"), used, separator="-")
 
 
-def find_models(folder: Path, recursive: bool) -> list[Path]:
+def find_models(folder: Path, recursive: bool) -> tuple[list[Path], dict[str, str]]:
+    """The models to run, and the entries named *.onnx skipped with why (a FIFO would block the batch on its
+    first read, a device or socket is no model)."""
     if not folder.is_dir():
         raise QprepError(f"batch: model folder not found: {folder}")
-    models = sorted(folder.rglob("*.onnx") if recursive else folder.glob("*.onnx"))
-    models = [m for m in models if not m.name.startswith(".")]
+    models, skipped = [], {}
+    for entry in sorted(folder.rglob("*.onnx") if recursive else folder.glob("*.onnx")):
+        if entry.name.startswith("."):
+            continue
+        try:
+            kind = special_kind(os.stat(entry).st_mode)  # through a symlink: what would be read
+        except OSError:
+            kind = None  # dangling or looping: refused with its own row when read
+        if kind:
+            skipped[str(entry.relative_to(folder))] = f"{kind}, not a model file"
+        else:
+            models.append(entry)
     if not models:
         raise QprepError(f"batch: no .onnx files in {folder}{'' if recursive else ' (try --recursive)'}")
-    return models
+    return models, skipped
 
 
 def default_jobs(threads: int) -> int:
@@ -54,68 +73,131 @@ def default_jobs(threads: int) -> int:
 
 def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, recursive: bool = False,
               resume: bool = False, timeout: float | None = None, sets: list[str] = (), quiet: bool = False,
-              executor: str = "local", address: str | None = None) -> dict:
+              executor: str = "local", address: str | None = None, guard: Guard | None = None) -> dict:
+    """Every model of `folder` into its run directory under `out`, the summary after each (and on any
+    interrupt); `out` is claimed for the whole batch (one batch at a time per --out)."""
     if jobs is not None and jobs < 1:
         raise QprepError(f"batch --jobs {jobs}: needs at least 1 worker; omit --jobs for a default from cores "
                          "and memory")
     if address and executor != "ray":
         raise QprepError("batch --address: only the Ray executor joins a cluster; add --executor ray")
     folder_path, out_path = Path(folder).resolve(), Path(out).resolve()
-    models = find_models(folder_path, recursive)
+    guard = guard or Guard()
+    guard.add_inputs({"the config": config_path, "the models folder": folder})
+    guard.output_folder(out, "batch --out")
+    models, skipped = find_models(folder_path, recursive)
     base = load_config(config_path, run_overrides(sets, models[0], out_path / "_check"))  # threads, backend
-    _make_batch_dir(out_path)
-    spec = RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd(), base["threads"])
-    twins: dict[str, Path] = {}
-    tasks, rows = [], {}
-    used_dirs: set[str] = set()
+    for name, why in skipped.items():
+        if not quiet:
+            print(f"qprep batch: skipped {name}: {why}", file=sys.stderr, flush=True)
+    claimed = owned.claim(out_path, "batch", "batch --out", reserved=BATCH_FILES)
+    state = _Batch(claimed.path, skipped, executor)
+    try:
+        _plan(state, claimed, config_path, folder_path, models, sets, resume, quiet)
+        return _run(state, RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd(),
+                                   base["threads"]), len(models), jobs, base, address, quiet)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, wherever it came: stop what runs, keep what finished
+        with _signals_deferred():  # a second Ctrl-C must not cost the summary: it is written first, then kept
+            state.cancelled()
+            state.write()
+        if state.pool:
+            with signal_handlers(_say_stopping, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                for task, outcome in state.pool.cancel():  # the running models write their reports (SIGTERM)
+                    state.finished(task, outcome)
+                with _signals_deferred():
+                    state.write()
+        raise
+    finally:
+        with _signals_deferred():
+            if state.pool:
+                state.pool.close()
+            claimed.release()
+
+
+@dataclass
+class _Batch:
+    """A batch as it goes: the summary's rows so far, the models still to run, the executor once started."""
+
+    out: Path
+    skipped: dict[str, str]
+    executor: str
+    rows: dict[str, dict] = field(default_factory=dict)
+    twins: dict[str, Path] = field(default_factory=dict)
+    tasks: list[Task] = field(default_factory=list)
+    pool: object = None
+
+    def finished(self, task: Task, outcome) -> None:
+        self.rows[task.name] = summary_row(task.name, task.run_dir, seconds=outcome.seconds, error=outcome.error,
+                                           status=outcome.status, note=outcome.note)
+
+    def cancelled(self) -> None:
+        for task in self.tasks:
+            self.rows.setdefault(task.name, summary_row(task.name, task.run_dir, seconds=None, error=CANCELLED,
+                                                        status="failed"))
+
+    def write(self) -> dict:
+        where = (self.pool.name, self.pool.where) if self.pool else (self.executor, "not started")
+        return _write_summary(self.out, self.rows, self.twins, where, self.skipped)
+
+
+def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Path, models: list[Path], sets,
+          resume: bool, quiet: bool) -> None:
+    """Each model's row (unreadable, duplicate, resumed) or task; then the batch's manifest lists every run
+    directory it may write before any is."""
+    used_dirs: set[str] = set(BATCH_FILES)
     for model in models:
         name = str(model.relative_to(folder_path))
         try:
             digest = sha256_file(model)
         except OSError as exc:  # a symlink loop, a dangling symlink, a folder named *.onnx: this entry fails alone
-            rows[name] = _unreadable_row(name, model, exc)
+            state.rows[name] = _unreadable_row(name, model, exc)
             if not quiet:
-                print(f"qprep batch: {name}: refused — {rows[name]['error']}", file=sys.stderr, flush=True)
+                print(f"qprep batch: {name}: refused — {state.rows[name]['error']}", file=sys.stderr, flush=True)
             continue
-        if digest in twins:
-            rows[name] = {"model": name, "status": "duplicate", "note": f"identical to {twins[digest]}",
-                          "twin": str(twins[digest])}
+        if digest in state.twins:
+            state.rows[name] = {"model": name, "status": "duplicate", "note": f"identical to {state.twins[digest]}",
+                                "twin": str(state.twins[digest])}
             continue
-        twins[digest] = Path(name)
-        run_dir = out_path / dir_name(name, used_dirs)
+        state.twins[digest] = Path(name)
+        run_dir = state.out / dir_name(name, used_dirs)
         if resume and _complete(run_dir, digest, config_path, sets, model, sidecar(model)):
-            rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
+            state.rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
             continue
-        tasks.append(Task(name, model, run_dir))
+        state.tasks.append(Task(name, model, run_dir))
+    claimed.write_manifest({"status": "running", "pid": os.getpid(), "files": sorted(
+        {*owned.listed_files(claimed.previous), *BATCH_FILES, *(task.run_dir.name for task in state.tasks)})})
 
+
+def _run(state: _Batch, spec: RunSpec, total: int, jobs: int | None, base, address: str | None,
+         quiet: bool) -> dict:
+    tasks = state.tasks
     # nothing left to run (all resumed): no cluster is started for it
-    pool = _executor(executor if tasks else "local", jobs or default_jobs(base["threads"]), address, base, out_path,
-                     quiet)
+    state.pool = _executor(state.executor if tasks else "local", jobs or default_jobs(base["threads"]), address,
+                           base, state.out, quiet)
     if not quiet:
-        print(f"qprep batch: {len(tasks)} model{'s' if len(tasks) != 1 else ''} to run on {pool.where}",
+        print(f"qprep batch: {len(tasks)} model{'s' if len(tasks) != 1 else ''} to run on {state.pool.where}",
               file=sys.stderr, flush=True)
-    progress = _Progress(len(models), len(rows), len(tasks), pool.slots, quiet)
+    progress = _Progress(total, len(state.rows), len(tasks), state.pool.slots, quiet)
     started = time.perf_counter()
-    try:
-        for task, outcome in pool.results(spec, tasks):
-            rows[task.name] = summary_row(task.name, task.run_dir, seconds=outcome.seconds, error=outcome.error,
-                                          status=outcome.status, note=outcome.note)
-            progress.finished(task.name, rows[task.name])
-            _write_summary(out_path, rows, twins, pool)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop what runs, keep what finished, say what did not
-        for task, outcome in pool.cancel():
-            rows.setdefault(task.name, summary_row(task.name, task.run_dir, seconds=outcome.seconds,
-                                                   error=outcome.error, status=outcome.status, note=outcome.note))
-        for task in tasks:
-            rows.setdefault(task.name, summary_row(task.name, task.run_dir, seconds=None, error=CANCELLED,
-                                                   status="failed"))
-        _write_summary(out_path, rows, twins, pool)
-        raise
-    finally:
-        pool.close()
-    summary = _write_summary(out_path, rows, twins, pool)
+    for task, outcome in state.pool.results(spec, tasks):
+        state.finished(task, outcome)
+        progress.finished(task.name, state.rows[task.name])
+        with _signals_deferred():
+            state.write()
+    with _signals_deferred():
+        summary = state.write()
     summary["seconds"] = round(time.perf_counter() - started, 1)
     return summary
+
+
+def _signals_deferred():
+    """Ctrl-C, SIGTERM and SIGHUP ignored while a summary is written (well under a second)."""
+    return signal_handlers(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _say_stopping(signum, frame) -> None:
+    """A further interrupt while the running models write their reports: they are already stopping."""
+    print("qprep batch: stopping: the running models are writing their reports", file=sys.stderr, flush=True)
 
 
 def _executor(kind: str, jobs: int, address: str | None, base, out: Path, quiet: bool):
@@ -160,18 +242,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _make_batch_dir(path: Path) -> None:
-    """The batch directory may exist (--resume) but must be a folder qprep can write in."""
-    try:
-        if path.exists() and not path.is_dir():
-            raise QprepError(f"batch --out {path} is a file; choose a folder for the run directories")
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise QprepError(f"batch --out {path}: cannot create it ({exc.strerror}); choose another --out") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise QprepError(f"batch --out {path}: Permission denied; choose another --out")
-
-
 def _unreadable_row(name: str, model: Path, exc: OSError) -> dict:
     """The summary row of a folder entry that cannot be read as a file; it never gets a run directory."""
     what = "symlink" if model.is_symlink() else "entry"
@@ -194,7 +264,7 @@ def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, o
             and report.get("model", {}).get("sha256") == digest)
 
 
-def _write_summary(out: Path, rows: dict, twins: dict, pool) -> dict:
+def _write_summary(out: Path, rows: dict, twins: dict, executor: tuple[str, str], skipped: dict) -> dict:
     for row in rows.values():  # a duplicate shows its twin's outcome
         if row["status"] == "duplicate" and row["twin"] in rows and rows[row["twin"]]["status"] != "duplicate":
             twin = rows[row["twin"]]
@@ -202,11 +272,12 @@ def _write_summary(out: Path, rows: dict, twins: dict, pool) -> dict:
             row["status"] = twin["status"]
     ordered = sorted(rows.values(), key=_worst_first)
     summary = {"models": ordered, "counts": {s: sum(r["status"] == s for r in ordered) for s in STATUSES},
-               "executor": {"name": pool.name, "where": pool.where}}
+               "executor": {"name": executor[0], "where": executor[1]},
+               **({"skipped": [{"entry": k, "why": v} for k, v in sorted(skipped.items())]} if skipped else {})}
     atomic_write_text(out / "summary.json", jsonfile.dumps(summary) + "\n")
     atomic_write_text(out / "summary.csv", render_summary_csv(ordered))
-    atomic_write_text(out / "summary.md", render_summary_md(ordered, pool.where))
-    atomic_write_text(out / "summary.html", render_summary_html(ordered, pool.where))
+    atomic_write_text(out / "summary.md", render_summary_md(ordered, executor[1]))
+    atomic_write_text(out / "summary.html", render_summary_html(ordered, executor[1]))
     return summary
 
 

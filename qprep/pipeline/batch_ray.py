@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import socket
 import sys
@@ -30,10 +29,11 @@ from pathlib import Path
 from qprep.errors import Interrupted, QprepError, raise_interrupted
 from qprep.model.io import atomic_write_bytes
 from qprep.pipeline.batch_worker import TERMINATE_GRACE_S, Outcome, RunSpec, Task, run_one
+from qprep.pipeline.run_dir import claim
 
 RETRIES = 2  # Ray re-runs a task this many times after losing its worker process or node
 PROBE = ".qprep-batch-token"  # in --out: a node that reads the driver's token shares the driver's storage
-NOT_RETURNED = ("work", ".qprep.lock")  # intermediates stay on the node when results travel back
+NOT_RETURNED = ("work",)  # intermediates stay on the node when results travel back
 MEMORY_BASE = 1 << 30  # declared memory per model: 1 GiB + 9 × the model's bytes (BERT-large: 12 GB for 1.34)
 MEMORY_PER_MODEL_BYTE = 9
 
@@ -71,11 +71,14 @@ def collect(run_dir: Path) -> dict[str, bytes]:
 
 
 def write_returned(run_dir: Path, files: dict[str, bytes]) -> None:
-    """The driver's copy of a run directory a node sent back, replacing an older one as `run --force` would."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    for relative, data in files.items():
-        atomic_write_bytes(run_dir / relative, data)
+    """The driver's copy of a run directory a node sent back, replacing an older one exactly as `run --force`
+    would: claimed first, so a folder of the user's named like the model is refused, never removed."""
+    claimed = claim(run_dir, force=True)
+    try:
+        for relative, data in files.items():
+            atomic_write_bytes(run_dir / relative, data)
+    finally:
+        claimed.release()
 
 
 class RayCluster:
@@ -209,7 +212,10 @@ class RayCluster:
         if result.files is None:
             self._storage["shared"] += 1
             return Outcome(result.status, result.seconds, result.error, f"node {result.node}")
-        write_returned(task.run_dir, result.files)
+        try:
+            write_returned(task.run_dir, result.files)
+        except QprepError as exc:  # the driver's run directory is not the batch's to write
+            return Outcome("refused", result.seconds, str(exc), f"node {result.node}")
         self._storage["returned"] += 1
         return Outcome(result.status, result.seconds, result.error,
                        f"node {result.node}; results returned ({sum(map(len, result.files.values())) >> 20} MB)")

@@ -4,7 +4,7 @@ Why: a mistyped `--model`, a missing evaluation folder or NaN in the evaluation 
 cleared the previous run (or after minutes of stage work) costs the user a good result or their time. So the
 model, the calibration and evaluation samples, the labels, the reference model and what each stage needs
 (calibration data, an installed toolkit) are loaded and checked first, and the run reuses what was loaded.
-An input that lies inside the run directory is refused: `--force` would delete it.
+A run directory that holds an input, lies inside one or is home or the current directory is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from qprep.model import info as model_info
 from qprep.config import Config
 from qprep.data import SampleSet, load_samples
 from qprep.data.pitfalls import data_warnings
+from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, ModelError, Problems, QprepError
 from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, left_symbolic_warning, name_nodes
 from qprep.model.io import load_model, load_model_and_data_files, sha256_file
@@ -65,7 +66,7 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     progress = progress or Progress(enabled=False)
     found = _Collector(every_problem)
     with found.attempt():
-        refuse_inputs_inside_run_dir(config)
+        check_run_dir(config)
     for name, options in config.stages:  # cheap, config-only checks before any file is read
         stage = registry()[name]
         if stage.check:
@@ -78,7 +79,7 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
         found.raise_found()
     model, record, warnings, data_files = loaded
     with found.attempt():
-        refuse_inputs_inside_run_dir(config, data_files)  # the external data files are known once it is read
+        check_run_dir(config, data_files)  # the external data files are known once it is read
     calibration = evaluation = heldout = reference = None
     if config["calibration"]:
         with found.attempt(), progress.step("load calibration data"):
@@ -87,6 +88,9 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     if config["evaluation"]:
         with progress.step("load evaluation data"):
             evaluation, heldout, reference = _evaluation_data(config["evaluation"], model, found)
+        if reference is not None:  # the manifest keeps its digest: `qprep evaluate` must judge against the same
+            path = config["evaluation"]["reference_model"]
+            record["reference_model"] = {"path": path, "sha256": sha256_file(path)}
     compiled_by, unfixable = _fixed_dims_stage(config), None
     if compiled_by:
         model, fixed_warnings = _dims_from_samples(model, record, (calibration, evaluation, heldout))
@@ -192,6 +196,7 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
     path = config["model"]
     model, data_files = load_model_and_data_files(path)
     record = {"model": {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
+                        **({"data_files": {f.name: sha256_file(f) for f in data_files}} if data_files else {}),
                         **model_info.summary(model)}}
     maps = model_info.map_valued(model)
     if maps and config.stages:
@@ -245,13 +250,8 @@ def input_paths(config: Config, data_files=()) -> dict[str, Path]:
     return paths
 
 
-def refuse_inputs_inside_run_dir(config: Config, data_files=()) -> None:
-    """The run directory is cleared by --force and written by the run: no input may live in it (or be it)."""
-    if not config["output_dir"]:
-        return
-    out = Path(config["output_dir"]).resolve()
-    for what, path in input_paths(config, data_files).items():
-        resolved = path.resolve()
-        if resolved == out or out in resolved.parents:
-            raise ConfigError(f"output_dir {config['output_dir']} would overwrite {what} ({path}), which lies "
-                              "inside it; choose another --out or move the input out of the run directory")
+def check_run_dir(config: Config, data_files=()) -> None:
+    """The run directory is written by the run and cleared by --force: never an input, inside one, holding
+    one, nor home, the current directory or `/` (qprep/disk/guard.py)."""
+    if config["output_dir"]:
+        Guard(input_paths(config, data_files)).output_folder(config["output_dir"], "output_dir")

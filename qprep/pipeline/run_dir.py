@@ -1,122 +1,55 @@
-"""The run directory: refusing to overwrite, the log file, and the manifest of what went in and came out.
+"""The run directory: claiming it, the log file, and the manifest of what went in and came out.
 
 Every file a run writes lives here (never the caller's current directory) and is listed in manifest.json,
-so `--force` can remove exactly the previous run's files and nothing else of the user's. One run at a time
-uses a run directory: it holds an flock on `.qprep.lock` inside it while it runs.
+so `--force` can remove exactly the previous run's files and nothing else of the user's (qprep/disk/owned.py
+proves the ownership and holds the lock: one run at a time per run directory).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
 import os
 import platform
-import re
-import shutil
 import signal
 import sys
 from importlib import metadata
 from pathlib import Path
 
-from qprep import jsonfile
+from qprep.disk import owned
+from qprep.disk.owned import MANIFEST
 from qprep.errors import RunDirError, signal_handlers
-from qprep.model.io import atomic_write_text
 
-MANIFEST = "manifest.json"
 LOG = "qprep.log"
 VERSIONED_PACKAGES = ("qprep", "onnx", "onnxruntime", "numpy", "protobuf", "onnxconverter-common",
                       "rknn-toolkit2", "torch")
 
 
-LOCK = ".qprep.lock"
-# What a run writes besides the files its manifest lists: removed by --force even when the manifest is missing
-# or corrupt (a run killed with SIGKILL writes none).
-OWN_FILES = ("model.onnx", "model.onnx.data", "report.json", "report.md", "report.html", MANIFEST, LOG, "work")
-STAGE_FILE = re.compile(r"^\d{2}_\w+\.onnx(\.data)?$")  # stages/<index>_<stage>.onnx
+# Every name a run may write at the top of its run directory (artifacts are added as they come, run.will_write):
+# listed in the manifest before the run writes any, so even a run killed outright is one `--force` can replace.
+OWN_FILES = ("model.onnx", "model.onnx.data", "report.json", "report.md", "report.html", MANIFEST, LOG, "work",
+             "stages")
 
 
-class RunLock:
-    """An exclusive flock on <run dir>/.qprep.lock, held for the whole run; the kernel releases it when the
-    process ends however it ends (SIGKILL included), so a stale lock cannot block the next run."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def claim(path: Path, force: bool) -> tuple[Path, RunLock]:
-    """Lock the run directory (created if needed), then check it is free to use: a non-empty one needs
-    `force`, which removes the previous run's files; a folder that holds no qprep run is never cleared."""
-    path = Path(path)
+def claim(path: Path, force: bool) -> owned.Owned:
+    """Lock the run directory and prove it is free: new, empty, or a previous run's (its manifest), which
+    `force` replaces by removing exactly what that manifest lists. Anything else is refused, leaving the
+    folder as it was."""
+    run = owned.claim(path, "run", "--out", reserved=OWN_FILES)
     try:
-        if path.exists() and not path.is_dir():
-            raise RunDirError(f"output directory {path} is a file; choose another --out")
-        path.mkdir(parents=True, exist_ok=True)
-        was_run_dir = any((path / name).exists() for name in (LOCK, MANIFEST, LOG))
-        if not os.access(path, os.W_OK | os.X_OK):  # an existing read-only folder: refuse before writing
-            raise PermissionError(13, "Permission denied")
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:  # e.g. permission denied on it or a folder above it
-        raise RunDirError(f"cannot use output directory {path}: {exc.strerror}; choose another --out") from None
-    lock = RunLock(fd)
-    try:
-        _take(fd, path)
-        entries = [p for p in path.iterdir() if p.name != LOCK]
-        if entries and not force:
-            raise RunDirError(f"output directory {path} is not empty; pass --force to replace the previous run "
+        if run.previous is not None and not force:
+            raise RunDirError(f"output directory {path} holds a previous qprep run; pass --force to replace it "
                               "or choose another --out")
-        if entries and not was_run_dir:
-            raise RunDirError(f"output directory {path} holds files that are not a qprep run (no {MANIFEST} or "
-                              f"{LOG}); --force only replaces a previous run: choose another --out")
-        if entries:
-            _remove_previous_run(path)
+        if run.previous is not None:
+            run.clear_previous()
+        run.write_manifest({"status": "running", "pid": os.getpid(), "files": list(OWN_FILES)})
     except OSError as exc:
-        lock.release()
+        run.release()
         raise RunDirError(f"cannot use output directory {path}: {exc.strerror}; choose another --out") from None
     except BaseException:
-        lock.release()
+        run.release()
         raise
-    return path, lock
-
-
-def _take(fd: int, path: Path) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        raise RunDirError(f"output directory {path} is in use by pid {holder} (another qprep run); wait for it "
-                          "to finish or choose another --out") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-
-
-def _remove_previous_run(path: Path) -> None:
-    try:
-        listed = json.loads((path / MANIFEST).read_text()).get("files", [])
-        listed = [name for name in listed if isinstance(name, str)]
-    except (OSError, ValueError, AttributeError):
-        listed = []
-    stages = path / "stages"
-    staged = [f"stages/{p.name}" for p in stages.iterdir() if STAGE_FILE.match(p.name)] if stages.is_dir() else []
-    root = path.resolve()
-    for name in dict.fromkeys([*listed, *OWN_FILES, *staged]):
-        target = (path / name).resolve()
-        if root not in target.parents:
-            continue  # never follow a manifest entry out of the run directory
-        if target.is_dir():
-            shutil.rmtree(target, ignore_errors=True)
-        elif target.exists():
-            target.unlink()
-        parent = target.parent
-        while parent != root and parent.is_dir() and not any(parent.iterdir()):
-            parent.rmdir()  # a folder the previous run made and that is now empty (stages/)
-            parent = parent.parent
+    return run
 
 
 # Libraries whose INFO records (one line per pass over the graph) drowned the run log: warnings only.
@@ -184,9 +117,9 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def write_manifest(path: Path, manifest: dict) -> None:
-    manifest = {"command": sys.argv, **manifest, "versions": versions()}
-    atomic_write_text(path / MANIFEST, jsonfile.dumps(manifest) + "\n")
+def write_manifest(run: owned.Owned, manifest: dict) -> None:
+    """The run's final manifest: what went in, what came out (`files`: what `--force` may remove)."""
+    run.write_manifest({"command": sys.argv, **manifest, "versions": versions()})
 
 
 class _LogWriter:
@@ -205,3 +138,15 @@ class _LogWriter:
 
     def flush(self) -> None:
         pass
+
+
+def recorded_inputs(path: Path) -> dict[str, str]:
+    """What a finished run read, from its manifest (described → path): what a command reading the run (evaluate)
+    must not write over either. Empty for a folder without a qprep manifest (the command refuses it itself)."""
+    manifest = owned.read_manifest(path) or {}
+    inputs, config = manifest.get("inputs") or {}, manifest.get("config") or {}
+    found = {f"the run's {what}": (inputs.get(what) or {}).get("path")
+             for what in ("model", "config", "overlay", "reference_model")}
+    for role in ("calibration", "evaluation"):
+        found[f"the run's {role} data"] = (config.get(role) or {}).get("source")
+    return {what: where for what, where in found.items() if isinstance(where, str) and where}

@@ -50,6 +50,7 @@ class Run:
     written: list[str] = field(default_factory=list)
     products: Products = field(default_factory=Products)
     ctx: RunContext | None = None  # set once the run directory is claimed
+    claimed: run_dir.owned.Owned | None = None  # the run directory's lock and identity (qprep/disk/owned.py)
 
 
 def execute(config: Config, force: bool = False, quiet: bool = False, progress: Progress | None = None) -> dict:
@@ -65,9 +66,10 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     started = time.time()
     checked = preflight.check(config, progress)  # before the run directory is claimed
     load_seconds = time.time() - started
-    directory, lock = run_dir.claim(Path(out), force)
+    claimed = run_dir.claim(Path(out), force)
+    directory = claimed.path
     handler = run_dir.attach_log(directory)
-    run = Run(config, directory, _new_report(directory, checked), timings={"load": load_seconds})
+    run = Run(config, directory, _new_report(directory, checked), timings={"load": load_seconds}, claimed=claimed)
     report = run.report
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
@@ -97,7 +99,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
             _write_record(run)
             log.info("run finished: %s", report["status"])
             run_dir.detach_log(handler)
-            lock.release()
+            claimed.release()
 
 
 def _new_report(directory: Path, checked: preflight.Checked) -> dict:
@@ -180,11 +182,10 @@ def _save_result(run: Run, model: onnx.ModelProto) -> None:
     directory, products, report = run.directory, run.products, run.report
     written = save_model(model, directory / "model.onnx")
     run.written.append("model.onnx")
+    _will_write(run, list(products.artifacts))
     for name, source in products.artifacts.items():
         os.replace(source, directory / name)
         run.written.append(name)
-    if (directory / "work").exists():
-        run.written.append("work")  # toolkits' working files (dataset, logs): listed so --force removes them
     report["result"] = {"path": "model.onnx", "bytes": written,  # with its external data (over 2 GB)
                         "artifacts": sorted(products.artifacts), **model_info.summary(model)}
     quantized = products.prepared_model is not None and model_info.model_kind(model) != model_info.FLOAT
@@ -198,6 +199,17 @@ def _save_result(run: Run, model: onnx.ModelProto) -> None:
             "path": products.deployable, "bytes": (directory / products.deployable).stat().st_size,
             "note": f"model.onnx is the prepared float model {products.deployable} was built from"}
     report["float_set"] = sorted(run.ctx.float_set)
+
+
+def _will_write(run: Run, names: list[str]) -> None:
+    """Names beyond run_dir.OWN_FILES go into the running manifest before they are written (a run killed
+    between the two still lists them for `--force`); one that exists now is not this run's: refused."""
+    for name in names:
+        if os.path.lexists(run.directory / name):
+            raise QprepError(f"{run.directory / name} exists and was not written by this run; move it out of the "
+                             "run directory and rerun")
+    run_dir.write_manifest(run.claimed, {"status": "running", "pid": os.getpid(),
+                                         "files": sorted({*run_dir.OWN_FILES, *run.written, *names})})
 
 
 def _evaluate(run: Run, model: onnx.ModelProto) -> None:
@@ -228,17 +240,23 @@ def _write_record(run: Run) -> None:
         report.pop("step", None)  # where the run was: kept only when it did not finish
     report["seconds"] = round(run.timings["total"], 3)
     run.written += write_report(run.directory, report)
-    run_dir.write_manifest(run.directory, {
+    # Every OWN_FILES name present now is this run's: claim() proved each absent (or the previous run's, removed).
+    present = [name for name in run_dir.OWN_FILES if os.path.lexists(run.directory / name)]
+    run_dir.write_manifest(run.claimed, {
+        "status": report["status"],
         "qprep_version": __version__,
         "inputs": {
             "config": {"path": str(config.path) if config.path else None,
                        "sha256": sha256_file(config.path) if config.path else None},
             **({"overlay": {"path": str(config.overlay), "sha256": sha256_file(config.overlay)}}
                if config.overlay else {}),
-            "model": {"path": config["model"], "sha256": report.get("model", {}).get("sha256")},
+            "model": {"path": config["model"], "sha256": report.get("model", {}).get("sha256"),
+                      **({"data_files": report["model"]["data_files"]} if report.get("model", {}).get("data_files")
+                         else {})},
+            **({"reference_model": report["reference_model"]} if report.get("reference_model") else {}),
             "calibration": report.get("calibration"),
         },
         "config": config.resolved(),
         "timings_s": {k: round(v, 3) for k, v in run.timings.items()},
-        "files": sorted(set(run.written + [run_dir.LOG])),
+        "files": sorted({*run.written, *present, run_dir.LOG}),
     })

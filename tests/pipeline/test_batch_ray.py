@@ -14,6 +14,7 @@ import pytest
 from conftest import CALIBRATION, demo_model
 from graphs import tiny_conv_model
 from test_batch_compare import endless_loop_model
+from qprep.disk import owned
 from qprep.errors import QprepError
 from qprep.pipeline.batch import run_batch
 from qprep.pipeline.batch_ray import NOT_RETURNED, run_on_node, write_returned
@@ -159,7 +160,10 @@ def test_a_node_without_shared_storage_returns_the_run_directory(tmp_path):
     assert result.status == "ok" and result.files and not (out / "tiny").exists()  # nothing written here
     assert {"report.json", "manifest.json", "model.onnx"} <= set(result.files)
     assert not any(name.split("/")[0] in NOT_RETURNED for name in result.files)
+    batch = owned.claim(out, "batch", "--out")  # as the driver does before any task runs
+    batch.write_manifest({"files": ["tiny"]})
     write_returned(out / "tiny", result.files)
+    batch.release()
     summary = run_batch(str(config), str(models), str(out), resume=True, quiet=True)
     assert summary["models"][0]["note"] == "resumed: result reused"
 

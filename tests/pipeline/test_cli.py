@@ -42,13 +42,14 @@ def test_run_writes_run_directory_and_refuses_to_overwrite(tmp_path, save, cli):
     code, out, err = cli("run", config, "--quiet")
     assert code == 0, err
     run = tmp_path / "run"
-    assert sorted(p.name for p in run.iterdir()) == [".qprep.lock", "manifest.json", "model.onnx", "qprep.log", "report.html",
+    assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "model.onnx", "qprep.log", "report.html",
                                                      "report.json", "report.md"]
     report = json.loads((run / "report.json").read_text())
     assert report["status"] == "ok" and report["stages"] == [] and report["result"]["nodes"] == 2
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["inputs"]["model"]["sha256"] == report["model"]["sha256"]
     assert manifest["versions"]["onnx"] and "model.onnx" in manifest["files"]
+    assert manifest["kind"] == "run" and manifest["run_id"] and manifest["status"] == "ok"
     assert model.read_bytes() == before  # the input model is never written to
     one_line_error(*cli("run", config, "--quiet")[::2])  # non-empty run dir without --force
     first = (run / "model.onnx").read_bytes()
@@ -144,7 +145,7 @@ def test_an_output_dir_that_would_overwrite_the_input_model_is_refused(tmp_path,
     before = (folder / "model.onnx").read_bytes()
     code, _, err = cli("run", write_config(tmp_path, folder / "model.onnx"), "--out", folder, "--force")
     one_line_error(code, err)
-    assert "would overwrite the input model" in err and (folder / "model.onnx").read_bytes() == before
+    assert "holds the input model" in err and (folder / "model.onnx").read_bytes() == before
 
 
 def test_same_config_and_data_give_the_same_bytes_through_optimize_and_quantize(tmp_path, save, cli):

@@ -108,13 +108,13 @@ def test_compare_markdown_into_a_path_that_cannot_be_a_file(tmp_path):
 @pytest.mark.parametrize("args", [["--jobs", "-1"], ["--jobs", "0"], ["--out-is-a-file"]],
                          ids=["jobs -1", "jobs 0", "out is a file"])
 def test_batch_arguments(tmp_path, args):
-    p = project(tmp_path, pipeline=())
+    p = project(tmp_path / "models", pipeline=())
     out = tmp_path / "out"
     if args == ["--out-is-a-file"]:
         out.write_text("not a folder\n")
         args = []
     before = {**p.inputs(), **digests(out)}
-    outcome = qprep("batch", p.config, tmp_path, "--out", out, "--quiet", *args)
+    outcome = qprep("batch", p.config, p.root, "--out", out, "--quiet", *args)
     assert_one_line(outcome, 2, *(["--jobs"] if args else [str(out)]))
     assert {**p.inputs(), **digests(out)} == before
 

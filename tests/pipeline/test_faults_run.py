@@ -37,7 +37,7 @@ def test_force_never_deletes_an_input_that_lies_in_the_run_directory(finished, i
     p = finished
     before = previous_run(p.out)
     outcome = qprep("run", p.config, "--model", p.out / inside, "--force")
-    assert_one_line(outcome, 2, "would overwrite the input model", "choose another --out")
+    assert_one_line(outcome, 2, "holds the input model", "elsewhere")
     assert previous_run(p.out) == before
 
 
@@ -51,7 +51,7 @@ def test_force_never_deletes_data_that_lies_in_the_run_directory(tmp_path, key):
     before = previous_run(p.out)
     config = p.write_config(**{key: {"source": str(data)}})
     outcome = qprep("run", config, "--force")
-    assert_one_line(outcome, 2, f"would overwrite the {key} data")
+    assert_one_line(outcome, 2, f"holds the {key} data")
     assert previous_run(p.out) == before
 
 
@@ -135,16 +135,31 @@ def test_force_refuses_a_folder_that_holds_no_qprep_run(tmp_path):
     (folder / "report.json").write_text("{}")
     before = digests(folder)
     outcome = qprep("run", p.config, "--out", folder, "--force")
-    assert_one_line(outcome, 2, "not a qprep run")
+    assert_one_line(outcome, 2, "no qprep run wrote")
     assert previous_run(folder) == before
 
 
-def test_force_after_a_corrupt_manifest_leaves_no_stale_stage_models(tmp_path):
-    """Issue #18.11: the stage models of the previous run survived a --force run whose manifest was unreadable."""
+def test_force_after_a_corrupt_manifest_removes_nothing(tmp_path):
+    """Ownership is proven by the manifest, never inferred from names (issue #57): a folder whose manifest is
+    unreadable is not known to be a run, so --force refuses it and everything in it stays."""
     p = project(tmp_path)
     assert qprep("run", p.config, "--quiet", "--set", "save_stage_models=true").code == 0
-    assert sorted(f.name for f in (p.out / "stages").iterdir()) == ["00_optimize.onnx", "01_quantize.onnx"]
     (p.out / "manifest.json").write_text("{")
+    before = previous_run(p.out)
+    outcome = qprep("run", p.config, "--force")
+    assert_one_line(outcome, 2, "no qprep run wrote")
+    assert previous_run(p.out) == before
+
+
+def test_force_after_a_killed_run_replaces_it(tmp_path):
+    """A run killed outright wrote no final manifest; its first one (written before anything else) lists what it
+    may write, so --force still replaces it, stage models included."""
+    p = project(tmp_path)
+    assert qprep("run", p.config, "--quiet", "--set", "save_stage_models=true").code == 0
+    manifest = json.loads((p.out / "manifest.json").read_text())
+    (p.out / "manifest.json").write_text(json.dumps({**manifest, "status": "running", "files": [
+        "model.onnx", "model.onnx.data", "report.json", "report.md", "report.html", "manifest.json", "qprep.log",
+        "work", "stages"]}))
     outcome = qprep("run", p.config, "--quiet", "--force")
     assert outcome.code == 0, outcome.err
     assert not (p.out / "stages").exists()
@@ -157,7 +172,7 @@ def test_force_after_a_stage_models_run_leaves_no_empty_stages_folder(tmp_path):
     assert outcome.code == 0, outcome.err
     assert not (p.out / "stages").exists()
     assert json.loads((p.out / "manifest.json").read_text())["files"] == [
-        "model.onnx", "qprep.log", "report.html", "report.json", "report.md", "work"]
+        "manifest.json", "model.onnx", "qprep.log", "report.html", "report.json", "report.md", "work"]
 
 
 @pytest.mark.parametrize("force", [False, True])
@@ -167,11 +182,15 @@ def test_a_run_directory_in_use_is_refused(tmp_path, force):
     p = project(tmp_path)
     assert qprep("run", p.config, "--quiet").code == 0
     before = previous_run(p.out)
-    with open(p.out / ".qprep.lock", "r+") as holder:
+    manifest = json.loads((p.out / "manifest.json").read_text())
+    (p.out / "manifest.json").write_text(json.dumps({**manifest, "pid": 4242}))  # as a running run's says
+    before = previous_run(p.out)
+    holder = os.open(p.out, os.O_RDONLY | os.O_DIRECTORY)  # a run locks its folder itself (qprep/disk/owned.py)
+    try:
         fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        holder.write("4242\n")
-        holder.flush()
         outcome = qprep("run", p.config, *(["--force"] if force else []))
+    finally:
+        os.close(holder)
     assert_one_line(outcome, 2, "in use by pid 4242")
     assert previous_run(p.out) == before
 
@@ -264,5 +283,5 @@ def test_force_never_deletes_external_data_that_lies_in_the_run_directory(tmp_pa
     onnx.save(model, str(p.model))
     before = p.inputs()
     outcome = qprep("run", p.config, "--force")
-    assert_one_line(outcome, 2, "would overwrite the input model's external data weights.bin")
+    assert_one_line(outcome, 2, "holds the input model's external data weights.bin")
     assert p.inputs() == before and (p.out / "weights.bin").is_file()

@@ -1,0 +1,183 @@
+"""Folders qprep owns: ownership is proven by a manifest qprep wrote, never inferred from what a folder holds.
+
+A run (or batch) directory is claimed before anything is written in it:
+1. lock it: an flock on the folder itself, so a refused attempt leaves no file behind and the kernel drops the
+   lock however the process ends (a lock *file* used to stay, and made a user's folder look like a run);
+2. prove what is there: nothing, or a manifest.json a qprep run of the same kind wrote (`kind`, `files`);
+   a folder with anything else is refused, `--force` or not;
+3. write a manifest first ("status: running", the names the run may write: they are absent now, so whatever of
+   them exists later is the run's own), so a run killed outright is still a run `--force` can replace.
+
+Removal (`clear_previous`) takes exactly the previous manifest's `files` (plus qprep's temporary names) and
+never follows a symlink: a listed link is unlinked, its target untouched; a listed entry that leads outside the
+folder is skipped.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import stat
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qprep import __version__
+from qprep import jsonfile
+from qprep.errors import RunDirError
+
+MANIFEST = "manifest.json"
+LEGACY_LOCK = ".qprep.lock"  # the lock file qprep once kept inside a run directory
+# What an interrupted atomic write or model save leaves (model/io.py): qprep's own names in an owned folder.
+TEMPORARY = re.compile(r"^(\.tmp-.+|\..+\.tmp)$")
+
+
+@dataclass
+class Owned:
+    """A claimed folder: locked while this object lives, its manifest identifying this run or batch."""
+
+    path: Path
+    kind: str  # "run" | "batch"
+    fd: int | None
+    previous: dict | None  # the manifest of the run or batch that used the folder before, if any
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: bool = False  # the folder did not exist: this claim made it
+
+    def identity(self) -> dict:
+        """The fields every manifest this claim writes starts with: what proves the folder is qprep's."""
+        return {"kind": self.kind, "run_id": self.run_id, "qprep_version": __version__}
+
+    def write_manifest(self, manifest: dict) -> None:
+        from qprep.model.io import atomic_write_text
+
+        atomic_write_text(self.path / MANIFEST, jsonfile.dumps({**self.identity(), **manifest}) + "\n")
+
+    def clear_previous(self) -> None:
+        """Remove what the previous manifest lists, and qprep's temporary names; nothing else."""
+        root = Path(os.path.realpath(self.path))
+        names = [*listed_files(self.previous), MANIFEST, LEGACY_LOCK]
+        names += [p.name for p in self.path.iterdir() if TEMPORARY.match(p.name)]
+        for name in dict.fromkeys(names):
+            _remove_inside(root, name)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def listed_files(manifest: dict | None) -> list[str]:
+    """The manifest's `files` that name something inside the folder (relative, no `..`)."""
+    names = (manifest or {}).get("files") or []
+    return [n for n in names if isinstance(n, str) and n and not os.path.isabs(n) and ".." not in Path(n).parts]
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest a qprep run or batch wrote in `folder`, or None (absent, unreadable, or not qprep's:
+    a qprep manifest is a JSON object with `qprep_version` and a `files` list)."""
+    path = folder / MANIFEST
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list) \
+            or not isinstance(manifest.get("qprep_version"), str):
+        return None
+    return manifest
+
+
+def claim(path: Path, kind: str, option: str, reserved: tuple[str, ...] = ()) -> Owned:
+    """Lock `path` (made if missing) and prove it is free or the previous `kind`'s: raises a one-line
+    RunDirError otherwise, leaving the folder as it was. `reserved`: the names this kind writes; one of them
+    present but not listed by the previous manifest is the user's, and refused."""
+    path = Path(path)
+    created = not os.path.lexists(path)
+    try:
+        if created:
+            path.mkdir(parents=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise RunDirError(f"cannot use {option} {path}: {_reason(exc)}; choose another {option}") from None
+    owned = Owned(path, kind, fd, previous=None, created=created)
+    try:
+        _lock(owned, option)
+        if not created:
+            owned.previous = _prove(path, kind, option, reserved)
+        if not os.access(path, os.W_OK | os.X_OK):  # a read-only folder: refuse before writing anything
+            raise RunDirError(f"cannot use {option} {path}: permission denied; choose another {option}")
+    except BaseException:
+        owned.release()
+        if created:
+            _rmdir_quietly(path)
+        raise
+    return owned
+
+
+def _lock(owned: Owned, option: str) -> None:
+    try:
+        fcntl.flock(owned.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = (read_manifest(owned.path) or {}).get("pid")
+        by = f"pid {holder}" if isinstance(holder, int) else "another process"
+        raise RunDirError(f"{option} {owned.path} is in use by {by} (another qprep {owned.kind}); wait for it to "
+                          f"finish or choose another {option}") from None
+
+
+def _prove(path: Path, kind: str, option: str, reserved: tuple[str, ...]) -> dict | None:
+    """The previous manifest of this kind, None for an empty folder; refuses anything else."""
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return None
+    manifest = read_manifest(path)
+    if manifest is None:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise RunDirError(f"{option} {path} holds files no qprep {kind} wrote ({shown}); qprep writes only into "
+                          f"a new or empty folder or a previous {kind}'s: choose another {option}")
+    found = manifest.get("kind", "run")  # manifests from before `kind` are runs'
+    if found != kind:
+        raise RunDirError(f"{option} {path} holds a qprep {found}, not a {kind}; choose another {option}")
+    listed = {Path(name).parts[0] for name in listed_files(manifest)} | {MANIFEST, LEGACY_LOCK}
+    foreign = [name for name in entries if name not in listed and not TEMPORARY.match(name)
+               and name in reserved]
+    if foreign:
+        raise RunDirError(f"{option} {path} holds {foreign[0]}, which its previous qprep {kind} did not write and "
+                          f"a new one would; move it out or choose another {option}")
+    return manifest
+
+
+def _remove_inside(root: Path, name: str) -> None:
+    """Remove root/name without following a symlink anywhere on the way; prune the folders it leaves empty."""
+    target = root / name
+    if Path(os.path.realpath(target.parent)) != target.parent:  # a listed path through a symlinked folder
+        return
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(target, ignore_errors=True)  # unlinks the links inside, never follows them
+    else:
+        os.unlink(target)
+    parent = target.parent
+    while parent != root and parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()  # a folder the previous run made and that is now empty (stages/)
+        parent = parent.parent
+
+
+def _rmdir_quietly(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno == errno.ENOTDIR:
+        return "not a folder"
+    return (exc.strerror or str(exc)).lower()
