@@ -1,5 +1,6 @@
 """The command line as users meet it: exit codes, one-line errors, run directories, inspect."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -220,3 +221,20 @@ def test_validate_lists_every_independent_problem_and_run_stops_at_the_first(tmp
         "calibration.source", "evaluation.source", "evaluation.heldout.source"]
     code, _, err = cli("run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run"))
     assert code == 2 and len(err.splitlines()) == 1 and "calibration.source" in err
+
+
+# Options that are not paths (values, choices, flags); every other argument of every command names a path and must
+# say whether the command reads or writes it, so the CLI's guard sees it (qprep/disk/guard.py).
+NOT_PATHS = {"help", "version", "command", "sets", "force", "strict", "json", "backend", "jobs", "executor", "address",
+             "recursive", "resume", "timeout", "fail_on_regression", "torch", "torch_index", "dry_run", "shell",
+             "schema", "debug", "quiet"}
+
+
+def test_every_path_argument_of_every_command_is_typed_input_or_output():
+    from qprep.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    untyped = [f"{name} {action.dest}" for name, sub in commands.items() for action in sub._actions
+               if action.dest not in NOT_PATHS and getattr(action.type, "role", None) is None]
+    assert untyped == []
