@@ -185,6 +185,8 @@ def _dispatch(args) -> int:
         print(f"qprep: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # exiting: a second Ctrl-C must not cut it short
+            signal.signal(sig, signal.SIG_IGN)
         signum = getattr(exc, "signum", signal.SIGINT)
         print(f"qprep: interrupted by {signal.Signals(signum).name}; files already written are complete, nothing "
               "half-written was left (a run's report.json says where it stopped)", file=sys.stderr)
@@ -320,8 +322,11 @@ def cmd_config(args) -> int:
 
 
 def cmd_batch(args) -> int:
+    from qprep.errors import unwind_once
     from qprep.pipeline.batch import exit_code, run_batch
 
+    unwind_once(lambda: print("qprep batch: stopping: the summary and the running models' reports are being "
+                              "written", file=sys.stderr, flush=True))
     summary = run_batch(args.config, args.folder, args.out, jobs=args.jobs, recursive=args.recursive,
                         resume=args.resume, timeout=args.timeout, sets=args.sets, quiet=args.quiet,
                         executor=args.executor, address=args.address, guard=args.guard)

@@ -76,6 +76,30 @@ def raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
+class InterruptOnce:
+    """A signal handler that unwinds on the first Ctrl-C, SIGTERM or SIGHUP and only notes the ones after it:
+    a second Ctrl-C 30 ms later must not cut short the cleanup the first one started (a batch's summary)."""
+
+    def __init__(self, say=None):
+        self.fired, self.say = False, say
+
+    def __call__(self, signum, frame):
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
+        if self.say:
+            self.say()
+
+
+def unwind_once(say=None) -> None:
+    """From here to the end of the process, the first interrupt unwinds and later ones are only noted (a
+    command that writes its record on the way out: the process ends right after, so nothing is restored)."""
+    if threading.current_thread() is threading.main_thread():
+        handler = InterruptOnce(say)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, handler)
+
+
 class ToolkitError(QprepError):
     """A third-party toolkit (rknn-toolkit2) failed on a model qprep handed it: an error of its own (a
     traceback, a non-zero return), or its process died from a signal (SIGABRT from a C++ assertion, SIGSEGV,

@@ -64,6 +64,20 @@ def resolved(path: str | os.PathLike, follow_last: bool = True) -> Path:
     return Path(os.path.realpath(path.parent if path.name else path)) / path.name
 
 
+def _personal_places() -> list[tuple[str, Path]]:
+    """Home and the current directory: folders of the user's that a run must never take over (nor those above)."""
+    places = []
+    try:
+        places.append(("your home folder", resolved(Path.home())))
+    except (RuntimeError, KeyError):  # no HOME and no passwd entry
+        pass
+    try:
+        places.append(("the current directory", resolved(Path.cwd())))
+    except OSError:  # the current directory was deleted
+        pass
+    return places
+
+
 class Guard:
     """The inputs of one command (described → path), and the checks of what it may write."""
 
@@ -127,14 +141,16 @@ class Guard:
             kind = special_kind(mode) or "a file"
             raise OutputError(f"{where} is {kind}, not a folder; choose a folder for {option}")
         target = resolved(path)
-        for name, place in (("your home folder", resolved(Path.home())), ("the current directory", resolved(Path.cwd()))):
+        for name, place in _personal_places():
             if target == place or target in place.parents:
                 what = name if target == place else f"a folder above {name} ({place})"
                 raise OutputError(f"{where} is {what}; give the run a folder of its own, e.g. {target / 'qprep-out'}")
         if target == Path(target.anchor):
             raise OutputError(f"{where} is the root folder; give the run a folder of its own")
         for what, source in self.inputs.items():
-            if target == source or source in target.parents:
+            if target == source:
+                raise OutputError(f"{where} is {what}, which the command reads; choose another {option}")
+            if source in target.parents:
                 raise OutputError(f"{where} lies inside {what} ({source}), which the command reads; choose "
                                   f"{option} outside it")
             if target in source.parents:

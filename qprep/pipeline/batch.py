@@ -100,12 +100,11 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
         with _signals_deferred():  # a second Ctrl-C must not cost the summary: it is written first, then kept
             state.cancelled()
             state.write()
-        if state.pool:
-            with signal_handlers(_say_stopping, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                for task, outcome in state.pool.cancel():  # the running models write their reports (SIGTERM)
-                    state.finished(task, outcome)
-                with _signals_deferred():
-                    state.write()
+        if state.pool:  # (further Ctrl-C only print a line: cli.cmd_batch, errors.unwind_once)
+            for task, outcome in state.pool.cancel():  # the running models write their reports (SIGTERM)
+                state.finished(task, outcome)
+            with _signals_deferred():
+                state.write()
         raise
     finally:
         with _signals_deferred():
@@ -193,11 +192,6 @@ def _run(state: _Batch, spec: RunSpec, total: int, jobs: int | None, base, addre
 def _signals_deferred():
     """Ctrl-C, SIGTERM and SIGHUP ignored while a summary is written (well under a second)."""
     return signal_handlers(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def _say_stopping(signum, frame) -> None:
-    """A further interrupt while the running models write their reports: they are already stopping."""
-    print("qprep batch: stopping: the running models are writing their reports", file=sys.stderr, flush=True)
 
 
 def _executor(kind: str, jobs: int, address: str | None, base, out: Path, quiet: bool):

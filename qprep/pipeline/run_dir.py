@@ -31,18 +31,19 @@ OWN_FILES = ("model.onnx", "model.onnx.data", "report.json", "report.md", "repor
              "stages")
 
 
-def claim(path: Path, force: bool) -> owned.Owned:
+def claim(path: Path, force: bool, artifacts: tuple[str, ...] = ()) -> owned.Owned:
     """Lock the run directory and prove it is free: new, empty, or a previous run's (its manifest), which
     `force` replaces by removing exactly what that manifest lists. Anything else is refused, leaving the
-    folder as it was."""
-    run = owned.claim(path, "run", "--out", reserved=OWN_FILES)
+    folder as it was. `artifacts`: what the stages add beside OWN_FILES (model.rknn)."""
+    names = (*OWN_FILES, *artifacts)
+    run = owned.claim(path, "run", "--out", reserved=names)
     try:
         if run.previous is not None and not force:
             raise RunDirError(f"output directory {path} holds a previous qprep run; pass --force to replace it "
                               "or choose another --out")
         if run.previous is not None:
             run.clear_previous()
-        run.write_manifest({"status": "running", "pid": os.getpid(), "files": list(OWN_FILES)})
+        run.write_manifest({"status": "running", "pid": os.getpid(), "files": list(names)})
     except OSError as exc:
         run.release()
         raise RunDirError(f"cannot use output directory {path}: {exc.strerror}; choose another --out") from None

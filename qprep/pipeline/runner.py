@@ -66,7 +66,9 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     started = time.time()
     checked = preflight.check(config, progress)  # before the run directory is claimed
     load_seconds = time.time() - started
-    claimed = run_dir.claim(Path(out), force)
+    artifacts = tuple(name for stage, options in config.stages if registry()[stage].artifacts
+                      for name in registry()[stage].artifacts(options))
+    claimed = run_dir.claim(Path(out), force, artifacts)
     directory = claimed.path
     handler = run_dir.attach_log(directory)
     run = Run(config, directory, _new_report(directory, checked), timings={"load": load_seconds}, claimed=claimed)

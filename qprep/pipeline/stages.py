@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # qprep.config imports this module
 StageCheck = Callable[[dict, "Config"], None]  # (options, config): refuses, before the run starts, what would fail
 ModelCheck = Callable[[dict, "onnx.ModelProto"], None]  # (options, the loaded model): the same, for the model
 FixedDims = Callable[[dict], bool]  # (options): the stage compiles for one input size (open dims taken from samples)
+Artifacts = Callable[[dict], tuple]  # (options): the files the stage adds to the run directory (model.rknn)
 
 # Modules that define stages (imported on first use; each registers itself).
 STAGE_MODULES: tuple[str, ...] = ("qprep.optimize.stage", "qprep.quantize.stage", "qprep.qdq.remove_redundant", "qprep.keep_float", "qprep.qdq.fuse_conv")
@@ -37,20 +38,23 @@ class Stage:
     check: StageCheck | None = None
     check_model: ModelCheck | None = None
     fixed_dims: FixedDims | None = None
+    artifacts: Artifacts | None = None
 
 
 REGISTRY: dict[str, Stage] = {}  # filled by @stage as the stage modules are imported; read it through registry()
 
 
 def stage(name: str, summary: str, check: StageCheck | None = None, check_model: ModelCheck | None = None,
-          fixed_dims: FixedDims | None = None, **options: Key) -> Callable[[StageFunction], StageFunction]:
+          fixed_dims: FixedDims | None = None, artifacts: Artifacts | None = None,
+          **options: Key) -> Callable[[StageFunction], StageFunction]:
     """Register a stage function under its YAML name with the schema of its options; `check` refuses, from the
     config alone, what would make the stage fail after the run started, `check_model` the same from the loaded
-    model, `fixed_dims` says the stage needs every input dim fixed (qprep/preflight.py calls all three)."""
+    model, `fixed_dims` says the stage needs every input dim fixed (qprep/preflight.py calls all three);
+    `artifacts` names the files it adds to the run directory (claimed with it: qprep/pipeline/run_dir.py)."""
 
     def register(func: StageFunction) -> StageFunction:
         REGISTRY[name] = Stage(name=name, run=func, options=section(**options), summary=summary, check=check,
-                               check_model=check_model, fixed_dims=fixed_dims)
+                               check_model=check_model, fixed_dims=fixed_dims, artifacts=artifacts)
         return func
 
     return register

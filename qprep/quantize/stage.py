@@ -35,6 +35,10 @@ def _backend(name: str):
     return importlib.import_module(BACKENDS[name])
 
 
+def _backend_artifacts(name: str) -> tuple[str, ...]:
+    return getattr(_backend(name), "ARTIFACTS", ())
+
+
 def check(options: dict, config) -> None:
     """What the run would otherwise find out after the stages before this one: data it needs, a toolkit."""
     backend = options["backend"]
@@ -67,6 +71,7 @@ def check_model(options: dict, model: onnx.ModelProto) -> None:
     check=check,
     check_model=check_model,
     fixed_dims=lambda options: options["backend"] == "rknn",  # the NPU model is compiled for one input size
+    artifacts=lambda options: _backend_artifacts(options["backend"]),
     summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
     backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
     max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),

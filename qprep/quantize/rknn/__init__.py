@@ -20,6 +20,10 @@ from __future__ import annotations
 
 __all__ = ["OPTIONS", "RknnBuilder", "quantize"]
 
+# What a build leaves in the run directory beside model.onnx (builder.py, contract.py): claimed with the run
+# directory before the run starts, so a file of the user's under one of these names is refused, never replaced.
+ARTIFACTS = ("model.rknn", "input_contract.json", "run_on_board.py")
+
 
 def __getattr__(name: str):
     if name in __all__:
