@@ -18,6 +18,7 @@ import yaml
 
 from qprep.errors import ConfigError
 from qprep.evaluate.metrics import KINDS, OUTPUT_METRICS
+from qprep.disk.reading import require_regular_file
 from qprep.schema import Key, closest, section, validate
 from qprep.pipeline.stages import registry
 
@@ -171,7 +172,7 @@ def merge_overlay(raw: dict, overlay_path: Path) -> None:
     Mappings merge key by key, any other value replaces; a `pipeline:` list in the overlay merges each
     `- stage: {options}` into the config's stage of that name. Relative paths resolve against the overlay's
     folder (the config's own against its folder), so the overlay can live beside the model it describes."""
-    overlay = _read_yaml(overlay_path)
+    overlay = _read_yaml(overlay_path, "overlay file")
     if not isinstance(overlay, dict):
         raise ConfigError(f"{overlay_path}: an overlay must be a mapping of config keys (inputs:, calibration:, …)")
     folder = overlay_path.resolve().parent
@@ -228,11 +229,7 @@ def _floor(value: Any) -> dict[str, float]:
         return {}
     if not isinstance(value, dict):
         raise ConfigError(f"evaluation.floor: expected a mapping like {{cosine_mean: 0.9}} or none, got {value!r}")
-    floor = {}
-    for key, threshold in value.items():
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-            raise ConfigError(f"evaluation.floor.{key}: expected a number, got {threshold!r}")
-        floor[str(key)] = float(threshold)
+    floor = validate(value, Key("mapping", item=Key("float")), "evaluation.floor", Path())  # finite numbers
     check_metric_names(floor, "evaluation.floor")
     return floor
 
@@ -266,9 +263,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read_yaml(path: Path) -> Any:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+def _read_yaml(path: Path, what: str = "config file") -> Any:
+    require_regular_file(path, what, ConfigError, f"check the {what}'s path")
     try:
         with open(path, encoding="utf-8") as f:
             return yaml.load(f, Loader=UniqueKeyLoader) or {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,13 @@ def _scalar(value: Any, key: Key, where: str, base_dir: Path) -> Any:
     elif kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {_describe(value)}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond every float
+            value = math.inf
+        if not math.isfinite(value):  # a NaN compares false both ways: a gate at NaN judges nothing. No key takes inf
+            raise ConfigError(f"{where}: expected a finite number, got {value}; set a number (NaN and infinity "
+                              "are not allowed)")
     elif kind in ("str", "path"):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where}: expected {_TYPE_NAMES[kind]}, got {_describe(value)}")

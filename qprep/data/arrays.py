@@ -9,10 +9,12 @@ import numpy as np
 
 from qprep.errors import DataError
 from qprep.model.info import TensorSpec
+from qprep.disk.reading import require_regular_file
 from qprep.schema import closest
 
 
 def read_array_sample(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    require_regular_file(path, "sample file", DataError, "store each sample as a regular .npy or .npz file")
     try:
         if path.suffix.lower() == ".npy":
             return _from_npy(path, inputs)

@@ -6,13 +6,15 @@ go to `RKNN.config(mean_values, std_values)` and become the deployed input contr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from qprep.errors import DataError
 from qprep.model.info import TensorSpec
+from qprep.disk.reading import require_regular_file
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 
@@ -27,6 +29,7 @@ class ImagePreprocess:
     std: np.ndarray | None
     channel_order: str
     resize: str
+    deep_files: list[str] = field(default_factory=list)  # images read at 16 bits per channel (a warning)
 
     @classmethod
     def for_model(cls, cfg: dict, inputs: list[TensorSpec], role: str) -> "ImagePreprocess":
@@ -61,6 +64,8 @@ class ImagePreprocess:
 
     def read(self, path: Path) -> np.ndarray:
         """The model input: resized, channel-ordered, normalized, laid out, batch axis added."""
+        if self.input.numpy_dtype.kind != "f":  # an integer input takes no mean/std (for_model): its raw pixels
+            return self.read_raw(path).astype(self.input.numpy_dtype)
         pixels = self.read_pixels(path).astype(np.float32)
         if self.mean is not None:
             pixels = pixels - self.mean
@@ -70,21 +75,36 @@ class ImagePreprocess:
 
     def read_raw(self, path: Path) -> np.ndarray:
         """uint8 pixels laid out like the model input but not normalized: what an NPU that normalizes on
-        chip (RKNN's mean_values/std_values) is fed."""
-        return self._layout(self.read_pixels(path))
+        chip (RKNN's mean_values/std_values) is fed.
+
+        A 16-bit image is rounded to 8 bits here (v·255/65535), not refused: the deployed model takes uint8
+        pixels (the input contract), so the board is fed 8-bit frames whatever its camera gives, and calibrating
+        on them rounded the same way is calibrating on what the board sees. Refusing would also come too late:
+        this runs in the quantize stage, after the run directory is taken. The samples' warnings say so."""
+        pixels = self.read_pixels(path)
+        if pixels.dtype != np.uint8:
+            pixels = np.clip(np.rint(pixels), 0, 255).astype(np.uint8)
+        return self._layout(pixels)
 
     def read_pixels(self, path: Path) -> np.ndarray:
-        """HWC uint8 pixels at the model's size, in the model's channel order."""
+        """HWC pixels at the model's size, in the model's channel order, in 0..255 units: uint8 from an 8-bit
+        image, float32 from a 16-bit one (resized at its depth and scaled, never clipped)."""
         from PIL import Image, UnidentifiedImageError
 
+        require_regular_file(path, "image", DataError, "store each sample as a regular image file")
         try:
             with Image.open(path) as img:
-                img = img.convert("L" if self.channels == 1 else "RGB")
-                pixels = np.asarray(self._resize(img, path), dtype=np.uint8)
+                full_scale = _full_scale(img, path)
+                if full_scale is None:
+                    img = img.convert("L" if self.channels == 1 else "RGB")
+                    pixels = np.asarray(self._resize(img, path), dtype=np.uint8)
+                else:  # "F": 32-bit float pixels, exact for 16-bit values and resized without rounding
+                    pixels = np.asarray(self._resize(img.convert("F"), path), dtype=np.float32) * 255 / full_scale
+                    self.deep_files.append(str(path))
         except (UnidentifiedImageError, OSError, SyntaxError) as exc:
             raise DataError(f"{path}: not a readable image ({str(exc).splitlines()[0][:160]})") from None
         if pixels.ndim == 2:
-            pixels = pixels[:, :, None]
+            pixels = np.repeat(pixels[:, :, None], self.channels, axis=2)  # gray: as convert("RGB") gives it
         return pixels[:, :, ::-1] if self.channel_order == "bgr" else pixels
 
     def _layout(self, pixels: np.ndarray) -> np.ndarray:
@@ -110,6 +130,30 @@ class ImagePreprocess:
             left, top = (img.width - w) // 2, (img.height - h) // 2
             return img.crop((left, top, left + w, top + h))
         return img if (img.height, img.width) == (h, w) else img.resize((w, h), Image.BILINEAR)
+
+
+def _full_scale(img, path: Path) -> float | None:
+    """None for an image of 8 bits per channel; else the value of full white, for an image Pillow gives at a
+    greater depth (16-bit gray: mode I;16, or I holding 0..65535). Refused in one line: an image stored at more
+    bits than Pillow gives (48/64-bit RGB(A) PNGs open as RGB/RGBA keeping each value's high byte) and float
+    or wider integer images, whose scale is unknown. Why: convert("RGB") clipped every 16-bit value to 255."""
+    from PIL import ImageMode
+
+    typestr = ImageMode.getmode(img.mode).typestr
+    eight_bit = typestr in ("|u1", "|b1")
+    stored = [str(tile.args) for tile in img.tile]  # the raw modes Pillow decodes, e.g. "RGB;16B" (before load)
+    if eight_bit and not any(re.search(r";16[BLN]\b", raw) for raw in stored):
+        return None
+    if typestr.endswith("u2"):
+        return 65535.0
+    if typestr.endswith("i4"):
+        low, high = img.getextrema()
+        if 0 <= low and high <= 65535:
+            return 65535.0
+    why = "is stored at 16 bits per channel, which Pillow reads only at 8 bits" if eight_bit else \
+        "holds values of no known pixel scale"
+    raise DataError(f"{path}: the image (Pillow mode {img.mode}) {why}; save it as an 8-bit image or a 16-bit "
+                    "grayscale PNG, or as .npy/.npz arrays already normalized")
 
 
 def guess_layout(shape: list, role: str) -> str:

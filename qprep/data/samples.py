@@ -12,6 +12,7 @@ from qprep.data.arrays import read_array_sample
 from qprep.data.images import IMAGE_SUFFIXES, ImagePreprocess
 from qprep.errors import DataError
 from qprep.model.info import TensorSpec
+from qprep.disk.reading import require_regular_file
 
 FORMAT_SUFFIXES = {"npy": {".npy"}, "npz": {".npz"}, "images": IMAGE_SUFFIXES}
 
@@ -40,7 +41,7 @@ class SampleSet:
 def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration") -> SampleSet:
     """Load the samples a config section (`source`, `format`, `max_samples`, `seed`, …) points to."""
     source = Path(cfg["source"])
-    if source.is_file() or cfg["format"] == "list":
+    if cfg["format"] == "list" or (source.exists() and not source.is_dir()):  # a file: a list, if regular
         return _load_list(source, cfg, inputs, role)
     if not source.is_dir():
         raise DataError(f"{role}.source: folder not found: {source}")
@@ -51,7 +52,7 @@ def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration")
     for path, sample in zip(chosen, samples):
         check_sample(sample, inputs, f"{role} sample {path.name}")
     return SampleSet(samples=samples, files=[str(p) for p in chosen], source=str(source), format=fmt,
-                     sha256=_hash_files(chosen), warnings=warnings,
+                     sha256=_hash_files(chosen), warnings=warnings + _depth_warning(reader, role),
                      preprocess=reader.describe() if reader else None, image_reader=reader)
 
 
@@ -64,8 +65,8 @@ def _read(path: Path, inputs: list[TensorSpec], reader: ImagePreprocess | None) 
 def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> SampleSet:
     """An RKNN-style dataset.txt: one sample per line, one file per model input (space-separated, in input
     order), paths relative to the list's folder; .npy arrays or, for single-input image models, images."""
-    if not path.is_file():
-        raise DataError(f"{role}.source: list file not found: {path}")
+    require_regular_file(path, f"{role}.source: list file", DataError,
+                         "point source at a folder of samples or at a dataset.txt list")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:  # e.g. one image or .npy given where its folder was meant
@@ -83,10 +84,8 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
         if len(entries) != len(inputs):
             raise DataError(f"{path} line {number}: {len(entries)} files for {len(inputs)} model inputs "
                             f"({', '.join(s.name for s in inputs)}); list one file per input, in that order")
-        paths = [(path.parent / e).resolve() for e in entries]
-        for p in paths:
-            if not p.is_file():
-                raise DataError(f"{path} line {number}: file not found: {p}")
+        paths = [require_regular_file(path.parent / e, f"{path} line {number}: file", DataError,
+                                      "fix the path in the list").resolve() for e in entries]
         if reader is not None:
             sample = {reader.input.name: reader.read(paths[0])}
         else:
@@ -95,12 +94,24 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
         samples.append(sample)
         files.append(str(paths[0]))
         every_file += paths
-    return SampleSet(samples=samples, files=files, source=str(path), format="list", warnings=warnings,
+    return SampleSet(samples=samples, files=files, source=str(path), format="list",
+                     warnings=warnings + _depth_warning(reader, role),
                      sha256=_hash_files(every_file),  # every input's file: a changed mask changes the hash
                      preprocess=reader.describe() if reader else None, image_reader=reader)
 
 
+def _depth_warning(reader: ImagePreprocess | None, role: str) -> list[str]:
+    """Images read at 16 bits per channel: said, as a model fed uint8 pixels gets them rounded to 8 bits."""
+    if reader is None or not reader.deep_files:
+        return []
+    example = Path(reader.deep_files[0]).name
+    return [f"{role}: {len(reader.deep_files)} images have 16 bits per channel (e.g. {example}), read at "
+            "that depth scaled to 0..255 (v*255/65535); a model fed uint8 pixels (an integer input, rknn's on-chip "
+            "normalization) gets them rounded to 8 bits: convert the deployed model's input the same way"]
+
+
 def _pick_files(folder: Path, fmt: str, role: str) -> tuple[str, list[Path]]:
+    # is_file(): regular files (links followed) only; a FIFO, device or socket among the samples is no sample
     files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     by_format = {name: [p for p in files if p.suffix.lower() in suffixes] for name, suffixes in FORMAT_SUFFIXES.items()}
     if fmt == "auto":

@@ -17,6 +17,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from qprep.disk.reading import special_kind
 from qprep.errors import QprepError
 
 INPUT, OUTPUT_FILE, OUTPUT_FOLDER = "input", "output file", "output folder"
@@ -43,17 +44,6 @@ def path_arg(role: str, option: str):
 
     make.role = role  # read by the test that every path option of every command is typed
     return make
-
-
-def special_kind(mode: int) -> str | None:
-    """'a FIFO', 'a device', 'a socket' for a special file's st_mode; None for files, folders and links."""
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return None
 
 
 def resolved(path: str | os.PathLike, follow_last: bool = True) -> Path:

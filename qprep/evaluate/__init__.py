@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
+from qprep.disk.reading import require_regular_file
 from qprep.model import info as model_info
 from qprep.evaluate import ctc
 from qprep.evaluate.gate import check_gate
@@ -227,8 +228,7 @@ def worst_tensors(gate: dict, outputs: dict, layers: list[dict] | None) -> list[
 
 def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[int]:
     """One class index per evaluation sample, from `<file name> <label>` lines."""
-    if not path.is_file():
-        raise DataError(f"evaluation.labels: file not found: {path}")
+    require_regular_file(path, "evaluation.labels: file", DataError, "give a text file of `<file name> <label>` lines")
     table = {}
     for line in path.read_text().splitlines():
         parts = line.split()

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qprep.config import load_config
-from qprep.errors import ConfigError
+from qprep.config import Config, load_config
+from qprep.errors import ConfigError, ModelError
 from qprep.evaluate import evaluate
 from qprep.evaluate.reference import ReferenceOutputs
-from qprep.model.io import load_model
+from qprep.disk.reading import require_regular_file
+from qprep.model.io import load_model, sha256_file
 from qprep.pipeline import preflight
 from qprep.pipeline.context import Products, RunContext
 from qprep.progress import Progress
@@ -39,6 +40,7 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     if labels:
         overrides["evaluation.labels"] = str(Path(labels).resolve())
     config = load_config(manifest["config"], {**overrides, **(sets or {})})
+    _check_unchanged(run_dir, manifest.get("inputs") or {}, config)
     progress = Progress(enabled=False if quiet else None)
     checked = preflight.check(config, progress)
     ctx = RunContext(config=config, run_dir=run_dir, calibration=checked.calibration, verifier=None,
@@ -48,7 +50,34 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     return {"run_dir": str(run_dir), "status": "gate missed" if gate and not gate["passed"] else "ok", **result}
 
 
+def _check_unchanged(run_dir: Path, inputs: dict, config: Config) -> None:
+    """The input model (its external data files too) and the reference model the evaluation loads must be the
+    files the run read, by the sha256 its manifest records: the result is judged against them, and a model
+    replaced since gave other figures without a word (cosine 0.39, "gate missed"). A file the user points
+    elsewhere with --set, or a run that recorded no digest, is judged as it is."""
+    model, reference = inputs.get("model") or {}, inputs.get("reference_model") or {}
+    recorded = []
+    if model.get("path") == config["model"]:
+        recorded.append(("input model", config["model"], model.get("sha256")))
+        recorded += [("input model's external data file", str(Path(config["model"]).parent / name), digest)
+                     for name, digest in (model.get("data_files") or {}).items()]
+    if reference.get("path") and reference["path"] == (config["evaluation"] or {}).get("reference_model"):
+        recorded.append(("reference model", reference["path"], reference.get("sha256")))
+    fix = "restore the file the run read, or run qprep again to judge the new one"
+    for what, path, digest in recorded:
+        if not digest:
+            continue
+        now = sha256_file(require_regular_file(path, f"evaluate {run_dir}: the {what}", ModelError, fix))
+        if now != digest:
+            raise ModelError(f"evaluate {run_dir}: the {what} {path} changed since the run (sha256 {now[:12]}…, the "
+                             f"run read {digest[:12]}…); {fix}")
+
+
 def _read_run(run_dir: Path) -> tuple[dict, dict]:
+    for name in ("report.json", "manifest.json"):
+        if (run_dir / name).exists():  # a missing one is said below
+            require_regular_file(run_dir / name, f"evaluate {run_dir}: the run's record", ConfigError,
+                                 "give the run directory of a finished qprep run")
     try:
         report = json.loads((run_dir / "report.json").read_text())
         manifest = json.loads((run_dir / "manifest.json").read_text())

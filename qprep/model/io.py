@@ -18,15 +18,15 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
-from qprep.errors import ModelError
+from qprep.disk.reading import require_regular_file
+from qprep.errors import ModelError, QprepError
 
 # Above this a ModelProto cannot be serialized in one piece: use external data.
 PROTOBUF_LIMIT = 2**31 - 2**24
 
-
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(require_regular_file(path, "file"), "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
@@ -39,9 +39,7 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
 
 def load_model_and_data_files(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[Path]]:
     """`load_model`, and the external data files it read (what must survive the run, as the model itself)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"model file not found: {path}; check `model:` in the config or pass --model")
+    path = require_regular_file(path, "model file", ModelError, "check `model:` in the config or pass --model")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except PermissionError:
@@ -71,28 +69,33 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> list[Path]:
     for tensor in all_tensors(model):
         if uses_external_data(tensor):
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-            if _escapes_folder(location):  # a model file must not make qprep read files elsewhere
-                raise ModelError(
-                    f"{path} stores tensor '{tensor.name}' in '{location}', outside the model's folder; qprep "
-                    "reads external data only from beside the model: re-save it with the data file next to it"
-                )
-            if not (path.parent / location).is_file():
-                raise ModelError(
-                    f"{path} stores tensor '{tensor.name}' in external file '{location}', which is missing; "
-                    f"keep the data file next to the model"
-                )
+            if location not in locations:
+                _check_data_file(path, tensor.name, location)
             locations.add(location)
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
-    except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # onnx refuses e.g. symlinks out
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:
         raise ModelError(f"{path}: cannot read its external data ({_first_line(exc)})") from None
     return [path.parent / location for location in sorted(locations)]
 
 
-def _escapes_folder(location: str) -> bool:
-    """An external-data location that is absolute or climbs out with `..`: ONNX allows only files beside the
-    model, and a downloaded model must not point qprep at other files of the user's."""
-    return Path(location).is_absolute() or ".." in Path(os.path.normpath(location)).parts
+def _check_data_file(path: Path, tensor: str, location: str) -> None:
+    """An external data file is read only if it is a regular file in the model's folder once links are resolved:
+    a downloaded model must not make qprep read other files of the user's (their bytes would become weights of
+    the quantized model), whether by `..`, an absolute location or a link. The model's folder is the one it is
+    named in or, for a model that is itself a link, the one it really is in (the Hugging Face cache links
+    model and data into one blobs/ folder)."""
+    stored = f"{path} stores tensor '{tensor}' in '{location}'"
+    if Path(location).is_absolute() or ".." in Path(os.path.normpath(location)).parts:
+        raise ModelError(f"{stored}, outside the model's folder; qprep reads external data only from beside the "
+                         "model: re-save it with the data file next to it")
+    require_regular_file(path.parent / location, f"{stored}: its external data file", ModelError,
+                         "keep the data file, a regular file, next to the model")
+    real = os.path.realpath(path.parent / location)
+    folders = {os.path.realpath(path.parent), os.path.dirname(os.path.realpath(path))}
+    if not any(os.path.commonpath([real, folder]) == folder for folder in folders):
+        raise ModelError(f"{stored}, which is a link to {real}, outside the model's folder; qprep reads external "
+                         "data only from beside the model: copy the data file next to the model")
 
 
 def _check(model: onnx.ModelProto, path: Path) -> None:

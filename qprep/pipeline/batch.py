@@ -18,7 +18,8 @@ from pathlib import Path
 from qprep import jsonfile
 from qprep.config import load_config, run_overrides
 from qprep.disk import owned
-from qprep.disk.guard import Guard, special_kind
+from qprep.disk.guard import Guard
+from qprep.disk.reading import require_regular_file, special_kind
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError, signal_handlers
 from qprep.model.info import unique_name
 from qprep.model.io import atomic_write_text, sha256_file
@@ -147,9 +148,9 @@ def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Pa
     for model in models:
         name = str(model.relative_to(folder_path))
         try:
-            digest = sha256_file(model)
-        except OSError as exc:  # a symlink loop, a dangling symlink, a folder named *.onnx: this entry fails alone
-            state.rows[name] = _unreadable_row(name, model, exc)
+            digest = sha256_file(require_regular_file(model, "this entry", fix="fix it or move it out of the folder"))
+        except QprepError as exc:  # a symlink loop, a dangling symlink, a folder named *.onnx: this entry fails alone
+            state.rows[name] = _unreadable_row(name, exc)
             if not quiet:
                 print(f"qprep batch: {name}: refused — {state.rows[name]['error']}", file=sys.stderr, flush=True)
             continue
@@ -236,11 +237,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _unreadable_row(name: str, model: Path, exc: OSError) -> dict:
+def _unreadable_row(name: str, exc: QprepError) -> dict:
     """The summary row of a folder entry that cannot be read as a file; it never gets a run directory."""
-    what = "symlink" if model.is_symlink() else "entry"
-    return {"model": name, "status": "refused", "run_dir": "", "note": "", "seconds": None,
-            "error": f"cannot read this {what}: {exc.strerror}; fix it or move it out of the folder"}
+    return {"model": name, "status": "refused", "run_dir": "", "note": "", "seconds": None, "error": str(exc)}
 
 
 def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, overlay: Path | None) -> bool:

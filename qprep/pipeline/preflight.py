@@ -10,6 +10,7 @@ A run directory that holds an input, lies inside one or is home or the current d
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,7 +197,8 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
     path = config["model"]
     model, data_files = load_model_and_data_files(path)
     record = {"model": {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
-                        **({"data_files": {f.name: sha256_file(f) for f in data_files}} if data_files else {}),
+                        **({"data_files": {os.path.relpath(f, Path(path).parent): sha256_file(f) for f in data_files}}
+                           if data_files else {}),
                         **model_info.summary(model)}}
     maps = model_info.map_valued(model)
     if maps and config.stages:

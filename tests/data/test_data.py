@@ -124,3 +124,66 @@ def test_random_samples_give_a_named_dim_one_size_across_inputs():
     sample = random_samples(specs, 1).samples[0]
     assert sample["positions"].shape[0] == sample["ids"].shape[1]
     assert sample["ids"].shape[0] == 1 and sample["image"].shape == (1, 3, 32, 32)
+
+
+def png16(path, pixels: np.ndarray) -> None:
+    """A 16-bit-per-channel PNG of HxW (gray), HxWx3 (RGB) or HxWx4 (RGBA) uint16 pixels, written by hand:
+    Pillow writes 16-bit gray only."""
+    import struct
+    import zlib
+
+    height, width = pixels.shape[:2]
+    rows = b"".join(b"\x00" + pixels[y].astype(">u2").tobytes() for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    color_type = {1: 0, 3: 2, 4: 6}[1 if pixels.ndim == 2 else pixels.shape[2]]  # gray, RGB, RGBA
+    header = struct.pack(">IIBBBBB", width, height, 16, color_type, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
+                     + chunk(b"IEND", b""))
+
+
+GRAY16 = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000 + 300)  # 300..63300: all but one above 255
+
+
+@pytest.mark.parametrize("writer", ["pillow", "by hand"])
+def test_16_bit_gray_images_keep_their_depth_in_0_to_255_units(tmp_path, writer):
+    """Issue #57: convert("RGB") clipped every 16-bit value to 255 (an all-white image, silently)."""
+    if writer == "pillow":
+        Image.fromarray(GRAY16).save(tmp_path / "a.png")
+        assert Image.open(tmp_path / "a.png").mode == "I;16"
+    else:
+        png16(tmp_path / "a.png", GRAY16)
+    samples = load_samples(source(tmp_path), CONV_INPUTS)
+    x = samples.samples[0]["x"]
+    expected = GRAY16.astype(np.float32) * 255 / 65535
+    assert x.dtype == np.float32 and np.allclose(x[0], expected[None].repeat(3, 0), atol=1e-4)
+    assert any("16 bits per channel" in w and "a.png" in w for w in samples.warnings)
+
+
+def test_16_bit_images_are_resized_at_their_depth(tmp_path):
+    big = np.kron(GRAY16, np.ones((2, 2), np.uint16))  # 16x16 → the model's 8x8
+    Image.fromarray(big).save(tmp_path / "a.png")
+    x = load_samples(source(tmp_path), CONV_INPUTS).samples[0]["x"]
+    resized = np.asarray(Image.fromarray(big.astype(np.float32)).resize((8, 8), Image.BILINEAR))
+    assert np.allclose(x[0, 0], resized * 255 / 65535, atol=1e-3) and x.max() > 200 and x.min() < 10
+
+
+def test_raw_pixels_of_a_16_bit_image_are_rounded_not_clipped(tmp_path):
+    """read_raw feeds an NPU that takes uint8 pixels (rknn, normalizing on chip): v·255/65535 rounded."""
+    Image.fromarray(GRAY16).save(tmp_path / "a.png")
+    samples = load_samples(source(tmp_path), CONV_INPUTS)
+    raw = samples.image_reader.read_raw(tmp_path / "a.png")
+    assert raw.dtype == np.uint8 and raw.shape == (1, 3, 8, 8)
+    assert np.array_equal(raw[0, 1], np.rint(GRAY16.astype(np.float64) * 255 / 65535).astype(np.uint8))
+
+
+@pytest.mark.parametrize("channels", [3, 4])
+def test_16_bit_color_images_pillow_reads_at_8_bits_are_refused(tmp_path, channels):
+    """Pillow opens a 48/64-bit PNG as RGB/RGBA holding each value's high byte: depth lost without a word."""
+    png16(tmp_path / "a.png", np.stack([GRAY16] * channels, axis=-1))
+    assert Image.open(tmp_path / "a.png").mode == ("RGB" if channels == 3 else "RGBA")
+    with pytest.raises(DataError, match=r"^[^\n]*a.png: [^\n]*16 bits per channel[^\n]*Pillow reads only "
+                                        r"at 8 bits[^\n]*$"):
+        load_samples(source(tmp_path), CONV_INPUTS)

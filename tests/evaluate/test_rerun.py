@@ -7,10 +7,9 @@ import onnx
 import pytest
 
 from graphs import tiny_conv_model
-from qprep.errors import ConfigError
+from qprep.errors import ConfigError, ModelError
 from qprep.evaluate.rerun import reevaluate
-
-pytestmark = pytest.mark.slow  # a real (tiny) pipeline run with ORT quantization in the fixture
+from qprep.model.io import sha256_file
 
 
 def samples(folder, count, seed, scale=1.0):
@@ -38,6 +37,7 @@ def finished_run(tmp_path_factory):
     return root, run_dir
 
 
+@pytest.mark.slow  # a real (tiny) pipeline run with ORT quantization in the fixture
 def test_reevaluate_measures_the_result_on_the_new_samples_only(finished_run):
     root, run_dir = finished_run
     before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
@@ -53,6 +53,7 @@ def test_reevaluate_measures_the_result_on_the_new_samples_only(finished_run):
     assert far["status"] == "gate missed" and not far["gate"]["passed"]
 
 
+@pytest.mark.slow
 def test_reevaluate_refuses_what_is_not_a_finished_onnx_run(finished_run, tmp_path):
     root, run_dir = finished_run
     with pytest.raises(ConfigError, match="no readable report.json and manifest.json"):
@@ -66,3 +67,60 @@ def test_reevaluate_refuses_what_is_not_a_finished_onnx_run(finished_run, tmp_pa
     (copy / "model.onnx").write_bytes((run_dir / "model.onnx").read_bytes())
     with pytest.raises(ConfigError, match="simulator runs only inside the process that built it"):
         reevaluate(copy, root / "eval")
+
+
+def recorded_run(root, reference=False, external=False):
+    """A finished run's folder as `qprep evaluate` reads it (its result: the input model itself), its manifest
+    recording the sha256 of the input model, of its external data file and of a reference model."""
+    model = root / "m.onnx"
+    onnx.save_model(tiny_conv_model(batch=1), str(model), save_as_external_data=external,
+                    all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    run = root / "run"
+    run.mkdir()
+    onnx.save(tiny_conv_model(batch=1), str(run / "model.onnx"))
+    config = {"model": str(model)}
+    inputs = {"model": {"path": str(model), "sha256": sha256_file(model)}}
+    if external:
+        inputs["model"]["data_files"] = {"m.data": sha256_file(root / "m.data")}
+    if reference:
+        onnx.save(tiny_conv_model(batch=1), str(root / "ref.onnx"))
+        config["evaluation"] = {"source": str(root), "reference_model": str(root / "ref.onnx")}
+        inputs["reference_model"] = {"path": str(root / "ref.onnx"), "sha256": sha256_file(root / "ref.onnx")}
+    (run / "report.json").write_text(json.dumps({"status": "ok", "result": {"path": "model.onnx"},
+                                                 "model": {"kind": "float"}}))
+    (run / "manifest.json").write_text(json.dumps({"config": config, "inputs": inputs}))
+    return run
+
+
+def replaced(path):
+    """`path` rewritten with other weights: another export of the same graph."""
+    if path.suffix == ".data":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+        return
+    model = onnx.load(str(path))
+    weight = model.graph.initializer[0]
+    weight.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(weight) * 2, weight.name))
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("which", ["m.onnx", "m.data", "ref.onnx"])
+def test_reevaluate_refuses_inputs_changed_since_the_run(tmp_path, which):
+    """Issue #57: the reference was loaded from the recorded path whatever it held now; a model replaced since
+    the run gave wrong figures (cosine 0.39, "gate missed") without a word."""
+    run = recorded_run(tmp_path, reference=which == "ref.onnx", external=which == "m.data")
+    heldout = samples(tmp_path / "heldout", 3, 2)
+    assert reevaluate(run, heldout)["status"] == "ok"  # unchanged: judged
+    replaced(tmp_path / which)
+    with pytest.raises(ModelError, match=rf"^evaluate {run}: the [^\n]* {tmp_path / which} changed since the run "
+                                         r"\(sha256 [0-9a-f]+…, the run read [0-9a-f]+…\); [^\n]*$"):
+        reevaluate(run, heldout)
+
+
+def test_reevaluate_judges_runs_that_recorded_no_digest(tmp_path):
+    run = recorded_run(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    del manifest["inputs"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert reevaluate(run, samples(tmp_path / "heldout", 3, 2))["status"] == "ok"

@@ -40,8 +40,46 @@ def test_external_data_loads_and_missing_data_file_is_named(tmp_path):
     w = {t.name: numpy_helper.to_array(t) for t in loaded.graph.initializer}["w"]
     assert np.array_equal(w, expected)
     (tmp_path / "ext.data").unlink()
-    with pytest.raises(ModelError, match=r"external file 'ext.data', which is missing"):
+    with pytest.raises(ModelError, match=r"in .ext.data.: its external data file not found: .*ext.data; keep"):
         load_model(path)
+
+
+def external_model(folder, location="ext.data"):
+    """tiny_conv_model saved in `folder` with its weights in `location` beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(tiny_conv_model(), str(folder / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=location, size_threshold=0)
+    return folder / "m.onnx"
+
+
+def test_external_data_behind_a_link_out_of_the_model_folder_is_refused(tmp_path):
+    """Issue #57: a downloaded model whose data file is a link to another of the user's files would put that
+    file's bytes into the quantized model; only the location's text (`..`, absolute) was checked."""
+    elsewhere = external_model(tmp_path / "elsewhere").parent / "ext.data"
+    path = external_model(tmp_path / "model")
+    (tmp_path / "model" / "ext.data").unlink()
+    os.symlink(elsewhere, tmp_path / "model" / "ext.data")
+    with pytest.raises(ModelError, match=r"^[^\n]*'ext.data'[^\n]*is a link to [^\n]*elsewhere/ext.data, outside "
+                                         r"the model's folder[^\n]*copy the data file next to the model$"):
+        load_model(path)
+
+
+def test_external_data_links_that_stay_beside_the_model_are_read(tmp_path):
+    """A link to a file in the model's folder, and the Hugging Face cache layout (model and data both links
+    into one blobs/ folder), are the model's own files."""
+    path = external_model(tmp_path / "a", location="real.data")
+    (tmp_path / "a" / "m.onnx").rename(tmp_path / "a" / "real.onnx")
+    model = onnx.load(str(tmp_path / "a" / "real.onnx"), load_external_data=False)
+    for tensor in model.graph.initializer:
+        next(e for e in tensor.external_data if e.key == "location").value = "link.data"
+    onnx.save(model, str(path))
+    os.symlink("real.data", tmp_path / "a" / "link.data")
+    assert load_model(path).graph.initializer[0].name == "w"
+    blobs = external_model(tmp_path / "blobs")
+    (tmp_path / "snapshot").mkdir()
+    for name in ("m.onnx", "ext.data"):
+        os.symlink(blobs.parent / name, tmp_path / "snapshot" / name)
+    assert load_model(tmp_path / "snapshot" / "m.onnx").graph.initializer[0].name == "w"
 
 
 def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):

@@ -122,3 +122,17 @@ def test_overlay_errors_name_the_file(tmp_path, fake_stage):
     overlay.write_text("- a list\n")
     with pytest.raises(ConfigError, match=r"o.yaml: an overlay must be a mapping"):
         load_config(base, overlay=overlay)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+@pytest.mark.parametrize("key", ["evaluation.gate.cosine_mean", "evaluation.floor.cosine_mean", "verify.atol",
+                                 "evaluation.decision_threshold", "calibration.preprocess.std",
+                                 "pipeline.quantize.fallback.target.top1_agreement"])
+def test_every_threshold_is_finite(tmp_path, key, value):
+    """Issue #57: `--set evaluation.gate.cosine_mean=.nan` was taken (a NaN compares false both ways, and the
+    hint then offered a fallback target of nan). Every float key goes through the schema's float kind."""
+    path = write(tmp_path, "model: m.onnx\ncalibration: {source: d}\nevaluation: {source: e}\n"
+                           "pipeline: [{quantize: {backend: ort, fallback: {target: {cosine_mean: 0.99}}}}]\n")
+    setting = f"{key}=[{value}]" if key.endswith(".std") else f"{key}={value}"
+    with pytest.raises(ConfigError, match=r"^[^\n]*: expected a finite number, got [-]?(nan|inf)[^\n]*$"):
+        load_config(path, dict([parse_set(setting)]))

@@ -213,7 +213,7 @@ def test_unreadable_batch_entries_fail_alone(tmp_path):
         "real.onnx": "ok", "loop.onnx": "refused", "dangling.onnx": "refused", "folder.onnx": "refused"}
     for name in ("loop.onnx", "dangling.onnx", "folder.onnx"):
         assert rows[name]["error"] and "\n" not in rows[name]["error"], rows[name]
-    assert "directory" in rows["folder.onnx"]["error"] and "symbolic link" in rows["loop.onnx"]["error"]
+    assert "a folder" in rows["folder.onnx"]["error"] and "symbolic link" in rows["loop.onnx"]["error"]
     assert {**p.inputs(), **digests(models)} == before
 
 
