@@ -21,7 +21,7 @@ from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, DataError
 from qprep.model import info as model_info
 from qprep.model.info import TensorSpec
-from qprep.model.io import load_model
+from qprep.model.io import load_model, load_model_and_data_files
 
 # Folder names `--data` may hold, per role (first match wins).
 SPLIT_NAMES = {"calibration": ("calib", "calibration", "train"), "evaluation": ("eval", "evaluation", "val"),
@@ -30,9 +30,10 @@ IMAGENET_MEAN, IMAGENET_STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
 BUDGET_S = {"ort": 600, "rknn": 1200}
 
 
-def starter_config(model_path: str, config_path: str, backend: str = "ort", data: str | None = None) -> str:
-    """The YAML text of a starter config for `model_path`, to be written at `config_path`."""
-    model = load_model(model_path)
+def starter_config(model_path: str, config_path: str, backend: str = "ort", data: str | None = None,
+                   model: onnx.ModelProto | None = None) -> str:
+    """The YAML text of a starter config for `model_path` (loaded, unless `model` is it), for `config_path`."""
+    model = model if model is not None else load_model(model_path)
     base = Path(os.path.abspath(config_path)).parent
     inputs = model_info.graph_inputs(model)
     splits = find_splits(Path(data)) if data else {}
@@ -222,9 +223,11 @@ def write_starter(model_path: str, config_path: str, backend: str, data: str | N
     the data folder or through a symlink; `force` replaces only a file that is none of those)."""
     out = Path(config_path)
     guard = guard or Guard({"the model": model_path, "the data folder": data})
+    model, data_files = load_model_and_data_files(model_path)
+    guard.add_inputs({f"the model's external data {f.name}": f for f in data_files})
     guard.output_file(out, "--out")
     if os.path.lexists(out) and not force:
         raise ConfigError(f"init: {out} exists; choose another --out or add --force to replace it")
-    text = starter_config(model_path, str(out), backend, data)
+    text = starter_config(model_path, str(out), backend, data, model)
     guard.write_text(out, text, "--out")
     return out

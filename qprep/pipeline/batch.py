@@ -150,7 +150,7 @@ def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Pa
         try:
             digest = sha256_file(require_regular_file(model, "this entry", fix="fix it or move it out of the folder"))
         except QprepError as exc:  # a symlink loop, a dangling symlink, a folder named *.onnx: this entry fails alone
-            state.rows[name] = _unreadable_row(name, exc)
+            state.rows[name] = _refused_row(name, str(exc))
             if not quiet:
                 print(f"qprep batch: {name}: refused — {state.rows[name]['error']}", file=sys.stderr, flush=True)
             continue
@@ -160,6 +160,10 @@ def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Pa
             continue
         state.twins[digest] = Path(name)
         run_dir = state.out / dir_name(name, used_dirs)
+        if os.path.islink(run_dir):  # not a folder the batch made: writing through it writes where no one pointed
+            state.rows[name] = _refused_row(name, f"{run_dir} is a symlink, not a run directory this batch made; "
+                                                  "remove it or choose another --out")
+            continue
         if resume and _complete(run_dir, digest, config_path, sets, model, sidecar(model)):
             state.rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
             continue
@@ -237,9 +241,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _unreadable_row(name: str, exc: QprepError) -> dict:
-    """The summary row of a folder entry that cannot be read as a file; it never gets a run directory."""
-    return {"model": name, "status": "refused", "run_dir": "", "note": "", "seconds": None, "error": str(exc)}
+def _refused_row(name: str, error: str) -> dict:
+    """The summary row of a model refused before it ran (unreadable, no run directory of its own)."""
+    return {"model": name, "status": "refused", "run_dir": "", "note": "", "seconds": None, "error": error}
 
 
 def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, overlay: Path | None) -> bool:

@@ -148,6 +148,9 @@ def recorded_inputs(path: Path) -> dict[str, str]:
     inputs, config = manifest.get("inputs") or {}, manifest.get("config") or {}
     found = {f"the run's {what}": (inputs.get(what) or {}).get("path")
              for what in ("model", "config", "overlay", "reference_model")}
+    model = (inputs.get("model") or {}).get("path")
+    for location in ((inputs.get("model") or {}).get("data_files") or {}) if isinstance(model, str) else ():
+        found[f"the run's model's external data {location}"] = str(Path(model).parent / location)
     for role in ("calibration", "evaluation"):
         found[f"the run's {role} data"] = (config.get(role) or {}).get("source")
     return {what: where for what, where in found.items() if isinstance(where, str) and where}
