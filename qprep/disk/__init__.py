@@ -6,4 +6,5 @@
 - `owned`: a folder qprep writes into is one it proved it owns: it is new or empty, or it holds a manifest a
   qprep run (or batch) wrote. Only what that manifest lists is ever removed; a refused attempt leaves nothing.
 - `reading`: files qprep reads are regular files; a FIFO, device or socket is refused without blocking.
+- `atomic`: every file is written whole or not at all (temp file + rename, which replaces a symlink there).
 """

@@ -17,6 +17,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from qprep.disk.atomic import atomic_write_text
 from qprep.disk.reading import special_kind
 from qprep.errors import QprepError
 
@@ -150,8 +151,6 @@ class Guard:
 
     def write_text(self, path: str | os.PathLike, text: str, option: str) -> None:
         """Check `path` against every input known now, then write it atomically (a symlink there is replaced)."""
-        from qprep.model.io import atomic_write_text
-
         self.output_file(path, option)
         try:
             atomic_write_text(path, text)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from qprep import __version__
 from qprep import jsonfile
+from qprep.disk.atomic import atomic_write_text
 from qprep.errors import RunDirError
 
 MANIFEST = "manifest.json"
@@ -52,8 +53,6 @@ class Owned:
         return {"kind": self.kind, "run_id": self.run_id, "qprep_version": __version__}
 
     def write_manifest(self, manifest: dict) -> None:
-        from qprep.model.io import atomic_write_text
-
         atomic_write_text(self.path / MANIFEST, jsonfile.dumps({**self.identity(), **manifest}) + "\n")
 
     def clear_previous(self) -> None:

@@ -1,13 +1,12 @@
 """Reading, writing and running ONNX models safely.
 
-Why one module: every file qprep writes goes through an atomic temp-file + rename (a killed run leaves no
-half-written model), models above protobuf's 2 GB limit need external data on every path (load, save, ORT
-session), and the input model must never be written to.
+Why one module: a model is written atomically (temp folder + rename: a killed run leaves no half-written
+model; other files: qprep/disk/atomic.py), models above protobuf's 2 GB limit need external data on every path
+(load, save, ORT session), and the input model must never be written to.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import os
@@ -354,28 +353,3 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> int:
         written += tmp_model.stat().st_size
         os.replace(tmp_model, path)
     return written
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; reports are shared like any written file
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

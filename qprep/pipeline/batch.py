@@ -22,7 +22,8 @@ from qprep.disk.guard import Guard
 from qprep.disk.reading import require_regular_file, special_kind
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError, signal_handlers
 from qprep.model.info import unique_name
-from qprep.model.io import atomic_write_text, sha256_file
+from qprep.disk.atomic import atomic_write_text
+from qprep.model.io import sha256_file
 from qprep.pipeline.batch_worker import RunSpec, Task, sidecar
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qprep.errors import Interrupted, QprepError, raise_interrupted
-from qprep.model.io import atomic_write_bytes
+from qprep.disk.atomic import atomic_write_bytes
 from qprep.pipeline.batch_worker import TERMINATE_GRACE_S, Outcome, RunSpec, Task, run_one
 from qprep.pipeline.run_dir import claim
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qprep import jsonfile
-from qprep.model.io import atomic_write_text
+from qprep.disk.atomic import atomic_write_text
 from qprep.report.html import render_html
 from qprep.report.markdown import render_markdown
 
