@@ -191,13 +191,15 @@ class RayCluster:
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def remember(signum, frame):
-            self._signal = signum
-            raise Interrupted(signum)
+        def remembering(handler):
+            def remember(signum, frame):
+                self._signal = signum
+                handler(signum, frame)
+            return remember
 
         for sig, handler in saved.items():
             if handler is not None:
-                signal.signal(sig, remember if handler is raise_interrupted else handler)
+                signal.signal(sig, remembering(handler) if callable(handler) else handler)
 
     def _outcome(self, ref, task: Task) -> Outcome:
         ray = self._ray
