@@ -28,12 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run the stages a YAML config lists and write a run directory "
                                      "(model.onnx, report.json/md, manifest.json, qprep.log).")
     run.add_argument("config", type=_input("the config"), help="YAML config file")
-    run.add_argument("--model", type=_input("the model"), help="input model (overrides `model:`; relative to the current directory)")
+    run.add_argument("--model", type=_input("the model"),
+                     help="input model (overrides `model:`; relative to the current directory)")
     run.add_argument("--out", type=_output_folder("--out"), help="run directory (overrides `output_dir:`)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. calibration.max_samples=16 or pipeline.quantize.backend=ort")
-    run.add_argument("--overlay", type=_input("the overlay"), metavar="FILE", help="a YAML file merged over the config (paths relative to it), "
-                                                       "e.g. one model's input dims and samples")
+    run.add_argument("--overlay", type=_input("the overlay"), metavar="FILE",
+                     help="a YAML file merged over the config (paths relative to it), "
+                          "e.g. one model's input dims and samples")
     run.add_argument("--force", action="store_true", help="replace a previous run in a non-empty run directory")
     run.add_argument("--strict", action="store_true", help="exit 2 when any rewrite was rolled back")
     _common(run)
@@ -42,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", type=_input("the config"), help="YAML config file")
     validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                           help="override a config key, as in `run`")
-    validate.add_argument("--overlay", type=_input("the overlay"), metavar="FILE", help="a YAML file merged over the config")
+    validate.add_argument("--overlay", type=_input("the overlay"), metavar="FILE",
+                          help="a YAML file merged over the config")
     _common(validate)
 
     inspect = sub.add_parser("inspect", help="describe a model: kind, inputs/outputs, op histogram, opsets")
@@ -57,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("model", type=_input("the model"), help="the ONNX model")
     init.add_argument("--backend", choices=("ort", "rknn", "fp16"), default="ort",
                       help="ort: ONNX Runtime INT8 (default); rknn: Rockchip NPU; fp16: float16")
-    init.add_argument("--data", type=_input("the data folder"), help="folder of samples, or holding calib/ eval/ heldout/ folders")
+    init.add_argument("--data", type=_input("the data folder"),
+                      help="folder of samples, or holding calib/ eval/ heldout/ folders")
     init.add_argument("--out", type=_output_file("--out"), help="config file to write (default: ./<model name>.yaml)")
     init.add_argument("--force", action="store_true", help="replace an existing config file")
     _common(init)
@@ -68,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "summary.json/csv/md/html list them worst first. A NAME.qprep.yaml beside "
                                        "NAME.onnx is merged over the config for that model (run --overlay). "
                                        "Exit 2 if any model failed, else 1 if any missed its gate.")
-    batch.add_argument("config", type=_input("the config"), help="YAML config applied to every model (its `model:` is replaced)")
+    batch.add_argument("config", type=_input("the config"),
+                       help="YAML config applied to every model (its `model:` is replaced)")
     batch.add_argument("folder", type=_input("the models folder"), help="folder of .onnx models")
-    batch.add_argument("--out", required=True, type=_output_folder("--out"), help="batch directory (one run directory per model)")
+    batch.add_argument("--out", required=True, type=_output_folder("--out"),
+                       help="batch directory (one run directory per model)")
     batch.add_argument("--jobs", type=int, help="local executor: worker processes (default: from cores, threads "
                                                 "and memory)")
     batch.add_argument("--executor", choices=("local", "ray"), default="local",
@@ -88,10 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(batch)
 
     compare = sub.add_parser("compare", help="compare runs (INT8 vs FP32, run vs run, batch vs batch)")
-    compare.add_argument("runs", nargs="+", type=_input("the compared run"), help="run directories, report.json or summary.json files")
+    compare.add_argument("runs", nargs="+", type=_input("the compared run"),
+                         help="run directories, report.json or summary.json files")
     compare.add_argument("--fail-on-regression", action="append", default=[], metavar="METRIC=THRESHOLD",
                          help="exit 1 when a later run is worse than the first by more than THRESHOLD")
-    compare.add_argument("--markdown", type=_output_file("--markdown"), help="also write the table as Markdown to this file")
+    compare.add_argument("--markdown", type=_output_file("--markdown"),
+                         help="also write the table as Markdown to this file")
     compare.add_argument("--html", type=_output_file("--html"), help="also write the table as HTML to this file")
     _common(compare)
 
@@ -99,10 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Re-runs the run's evaluation (its reference, input fixes, metrics, "
                                           "tasks and gate, from manifest.json) on another sample folder; the run "
                                           "directory is not touched. Exit 1 if the gate is missed on them.")
-    evaluate.add_argument("run_dir", type=_input("the run directory"), help="run directory of a finished run (ONNX result)")
-    evaluate.add_argument("--samples", required=True, type=_input("the samples"), help="folder (or list file) of samples, as evaluation.source")
-    evaluate.add_argument("--labels", type=_input("the labels"), help="ground-truth labels for these samples (as evaluation.labels)")
-    evaluate.add_argument("--json", dest="json_out", type=_output_file("--json"), metavar="FILE", help="also write the result as JSON")
+    evaluate.add_argument("run_dir", type=_input("the run directory"),
+                          help="run directory of a finished run (ONNX result)")
+    evaluate.add_argument("--samples", required=True, type=_input("the samples"),
+                          help="folder (or list file) of samples, as evaluation.source")
+    evaluate.add_argument("--labels", type=_input("the labels"),
+                          help="ground-truth labels for these samples (as evaluation.labels)")
+    evaluate.add_argument("--json", dest="json_out", type=_output_file("--json"), metavar="FILE",
+                          help="also write the result as JSON")
     evaluate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                           help="override an evaluation key, e.g. evaluation.max_samples=16")
     _common(evaluate)

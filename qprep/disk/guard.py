@@ -84,7 +84,8 @@ class Guard:
             for item in value if isinstance(value, list) else [value]:
                 if isinstance(item, PathArg):
                     if item.role == INPUT:
-                        guard.add_inputs({f"{item.option} {item}" if item.option in guard.inputs else item.option: item})
+                        what = f"{item.option} {item}" if item.option in guard.inputs else item.option
+                        guard.add_inputs({what: item})
                     else:
                         outputs.append(item)
         return guard, outputs
