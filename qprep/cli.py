@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 accuracy gate missed, 2 usage/config/input error, 3 internal
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -13,8 +14,8 @@ import traceback
 from pathlib import Path
 
 from qprep import __version__
-from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, Problems, QprepError,
-                          raise_interrupted, signal_handlers)
+from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, InterruptOnce, Problems,
+                          QprepError, signal_handlers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,8 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return EXIT_USAGE
-    with signal_handlers(raise_interrupted, signal.SIGTERM, signal.SIGHUP):  # the run still writes its report
+    # The first Ctrl-C, SIGTERM or SIGHUP unwinds (the run still writes its report, a batch its summary); the
+    # ones after it only say so: a second Ctrl-C 30 ms later must not cut that short.
+    with signal_handlers(InterruptOnce(_say_stopping), signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         return _dispatch(args)
+
+
+def _say_stopping() -> None:
+    print("qprep: stopping: writing what the first interrupt left to write (report, summary)", file=sys.stderr,
+          flush=True)
 
 
 def _dispatch(args) -> int:
@@ -197,12 +205,16 @@ def _dispatch(args) -> int:
         print(f"qprep: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # exiting: a second Ctrl-C must not cut it short
-            signal.signal(sig, signal.SIG_IGN)
         signum = getattr(exc, "signum", signal.SIGINT)
         print(f"qprep: interrupted by {signal.Signals(signum).name}; files already written are complete, nothing "
               "half-written was left (a run's report.json says where it stopped)", file=sys.stderr)
         return 128 + signum
+    except PermissionError as exc:  # a file or folder of the user's this user may not read or write: not a bug
+        if args.debug:
+            traceback.print_exc()
+        print(f"qprep: error: permission denied: {exc.filename or exc}; give this user access to it or choose "
+              "another path", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the CLI is the last place to turn a bug into a clear line
         if args.debug:
             traceback.print_exc()
@@ -334,11 +346,8 @@ def cmd_config(args) -> int:
 
 
 def cmd_batch(args) -> int:
-    from qprep.errors import unwind_once
     from qprep.pipeline.batch import exit_code, run_batch
 
-    unwind_once(lambda: print("qprep batch: stopping: the summary and the running models' reports are being "
-                              "written", file=sys.stderr, flush=True))
     summary = run_batch(args.config, args.folder, args.out, jobs=args.jobs, recursive=args.recursive,
                         resume=args.resume, timeout=args.timeout, sets=args.sets, quiet=args.quiet,
                         executor=args.executor, address=args.address, guard=args.guard)
@@ -357,7 +366,8 @@ def cmd_evaluate(args) -> int:
     args.guard.add_inputs(recorded_inputs(Path(args.run_dir)))  # the run's model, config and data
     if args.json_out:
         args.guard.output_file(args.json_out, "--json")  # before minutes of evaluation, not after
-    result = reevaluate(args.run_dir, args.samples, args.labels, dict(parse_set(s) for s in args.sets), args.quiet)
+    result = reevaluate(args.run_dir, args.samples, args.labels, dict(parse_set(s) for s in args.sets), args.quiet,
+                        args.guard)
     if args.json_out:
         args.guard.write_text(args.json_out, jsonfile.dumps(result) + "\n", "--json")
     count = result["samples"]["count"]
@@ -384,7 +394,15 @@ def cmd_compare(args) -> int:
         try:
             thresholds[metric.strip()] = float(value)
         except ValueError:
-            raise QprepError(f"--fail-on-regression {item}: expected METRIC=THRESHOLD, e.g. cosine_mean=0.005") from None
+            thresholds[metric.strip()] = math.nan
+        if not 0 <= thresholds[metric.strip()] < math.inf:  # a NaN threshold judges nothing, a negative one all
+            raise QprepError(f"--fail-on-regression {item}: expected METRIC=THRESHOLD with a finite threshold "
+                             "of 0 or more, e.g. cosine_mean=0.005")
+    # A report.json or summary.json stands for its run or batch folder: nothing is written into either.
+    args.guard.add_inputs({f"the compared run {run}": Path(run).parent for run in args.runs if Path(run).is_file()})
+    for option, path in (("--markdown", args.markdown), ("--html", args.html)):
+        if path:
+            args.guard.output_file(path, option)  # before the table is printed
     result = compare(args.runs, thresholds)
     print(render_text(result), end="")
     for option, path, render in (("--markdown", args.markdown, render_markdown), ("--html", args.html, render_html)):

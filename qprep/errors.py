@@ -71,11 +71,6 @@ def signal_handlers(handler, *signals: int):
             signal.signal(sig, previous)
 
 
-def raise_interrupted(signum, frame):
-    """A signal handler: SIGTERM/SIGHUP unwind like Ctrl-C."""
-    raise Interrupted(signum)
-
-
 class InterruptOnce:
     """A signal handler that unwinds on the first Ctrl-C, SIGTERM or SIGHUP and only notes the ones after it:
     a second Ctrl-C 30 ms later must not cut short the cleanup the first one started (a batch's summary)."""
@@ -89,15 +84,6 @@ class InterruptOnce:
             raise KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
         if self.say:
             self.say()
-
-
-def unwind_once(say=None) -> None:
-    """From here to the end of the process, the first interrupt unwinds and later ones are only noted (a
-    command that writes its record on the way out: the process ends right after, so nothing is restored)."""
-    if threading.current_thread() is threading.main_thread():
-        handler = InterruptOnce(say)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, handler)
 
 
 class ToolkitError(QprepError):

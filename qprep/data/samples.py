@@ -29,6 +29,7 @@ class SampleSet:
     warnings: list[str] = field(default_factory=list)
     preprocess: dict | None = None
     image_reader: ImagePreprocess | None = None  # for backends that normalize on chip (raw pixels)
+    every_file: list[str] = field(default_factory=list)  # every file read (a list's lines: one per input)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -53,7 +54,8 @@ def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration")
         check_sample(sample, inputs, f"{role} sample {path.name}")
     return SampleSet(samples=samples, files=[str(p) for p in chosen], source=str(source), format=fmt,
                      sha256=_hash_files(chosen), warnings=warnings + _depth_warning(reader, role),
-                     preprocess=reader.describe() if reader else None, image_reader=reader)
+                     preprocess=reader.describe() if reader else None, image_reader=reader,
+                     every_file=[str(p) for p in chosen])
 
 
 def _read(path: Path, inputs: list[TensorSpec], reader: ImagePreprocess | None) -> dict[str, np.ndarray]:
@@ -97,7 +99,8 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
     return SampleSet(samples=samples, files=files, source=str(path), format="list",
                      warnings=warnings + _depth_warning(reader, role),
                      sha256=_hash_files(every_file),  # every input's file: a changed mask changes the hash
-                     preprocess=reader.describe() if reader else None, image_reader=reader)
+                     preprocess=reader.describe() if reader else None, image_reader=reader,
+                     every_file=[str(p) for p in every_file])
 
 
 def _depth_warning(reader: ImagePreprocess | None, role: str) -> list[str]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+    """UTF-8; a file name that is not (Python keeps its bytes as lone surrogates) is written as `\\udcff`."""
+    atomic_write_bytes(path, text.encode("utf-8", errors="backslashreplace"))
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -3,8 +3,10 @@
 A run (or batch) directory is claimed before anything is written in it:
 1. lock it: an flock on the folder itself, so a refused attempt leaves no file behind and the kernel drops the
    lock however the process ends (a lock *file* used to stay, and made a user's folder look like a run);
-2. prove what is there: nothing, or a manifest.json a qprep run of the same kind wrote (`kind`, `files`);
-   a folder with anything else is refused, `--force` or not;
+2. prove what is there: nothing, or a manifest.json a qprep run of the same kind wrote *for this folder*
+   (`kind`, `files`, and `folder`: the device and inode it was written in, which a `mv` keeps and a copy does
+   not: a manifest copied into a user's folder proves nothing); a folder with anything else is refused,
+   `--force` or not;
 3. write a manifest first ("status: running", the names the run may write: they are absent now, so whatever of
    them exists later is the run's own), so a run killed outright is still a run `--force` can replace.
 
@@ -49,11 +51,12 @@ class Owned:
     created: bool = False  # the folder did not exist: this claim made it
 
     def identity(self) -> dict:
-        """The fields every manifest this claim writes starts with: what proves the folder is qprep's."""
-        return {"kind": self.kind, "run_id": self.run_id, "qprep_version": __version__}
+        """The fields every manifest this claim writes ends with: what proves the folder is qprep's."""
+        return {"kind": self.kind, "run_id": self.run_id, "qprep_version": __version__,
+                "folder": folder_identity(self.path)}
 
     def write_manifest(self, manifest: dict) -> None:
-        atomic_write_text(self.path / MANIFEST, jsonfile.dumps({**self.identity(), **manifest}) + "\n")
+        atomic_write_text(self.path / MANIFEST, jsonfile.dumps({**manifest, **self.identity()}) + "\n")
 
     def clear_previous(self) -> None:
         """Remove what the previous manifest lists, and qprep's temporary names; nothing else."""
@@ -70,9 +73,17 @@ class Owned:
 
 
 def listed_files(manifest: dict | None) -> list[str]:
-    """The manifest's `files` that name something inside the folder (relative, no `..`)."""
-    names = (manifest or {}).get("files") or []
-    return [n for n in names if isinstance(n, str) and n and not os.path.isabs(n) and ".." not in Path(n).parts]
+    """The manifest's `files` that name something inside the folder (relative, no `..`, not the folder itself),
+    normalized (`./a//b` → `a/b`)."""
+    names = [n for n in (manifest or {}).get("files") or [] if isinstance(n, str) and n and not os.path.isabs(n)]
+    normal = [os.path.normpath(n) for n in names]
+    return [n for n in normal if n != "." and ".." not in Path(n).parts]
+
+
+def folder_identity(path: Path) -> list[int]:
+    """(device, inode) of a folder: the same after a rename, another for a copy."""
+    info = os.stat(path)
+    return [info.st_dev, info.st_ino]
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -87,6 +98,8 @@ def read_manifest(folder: Path) -> dict | None:
         return None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list) \
             or not isinstance(manifest.get("qprep_version"), str):
+        return None
+    if manifest.get("folder") != folder_identity(folder):  # copied from elsewhere, or from a qprep before it
         return None
     return manifest
 
@@ -134,6 +147,10 @@ def _prove(path: Path, kind: str, option: str, reserved: tuple[str, ...]) -> dic
     if not entries:
         return None
     manifest = read_manifest(path)
+    if manifest is None and MANIFEST in entries:
+        raise RunDirError(f"{option} {path} holds a manifest.json no qprep {kind} wrote in this folder (a copy, or one "
+                          f"from an older qprep): qprep replaces only what it can prove its own; remove the folder "
+                          f"yourself or choose another {option}")
     if manifest is None:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise RunDirError(f"{option} {path} holds files no qprep {kind} wrote ({shown}); qprep writes only into "

@@ -16,6 +16,7 @@ from qprep.config import Config, load_config
 from qprep.errors import ConfigError, ModelError
 from qprep.evaluate import evaluate
 from qprep.evaluate.reference import ReferenceOutputs
+from qprep.disk.guard import Guard
 from qprep.disk.reading import require_regular_file
 from qprep.model.io import load_model, sha256_file
 from qprep.pipeline import preflight
@@ -24,7 +25,7 @@ from qprep.progress import Progress
 
 
 def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = None, sets: dict | None = None,
-               quiet: bool = True) -> dict:
+               quiet: bool = True, guard: Guard | None = None) -> dict:
     """The evaluation section a run would have written with `evaluation.source: samples` (plus `run_dir` and
     `status`); raises a one-line QprepError for a folder that holds no finished ONNX result."""
     run_dir = Path(run_dir)
@@ -40,9 +41,11 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     if labels:
         overrides["evaluation.labels"] = str(Path(labels).resolve())
     config = load_config(manifest["config"], {**overrides, **(sets or {})})
-    _check_unchanged(run_dir, manifest.get("inputs") or {}, config)
+    _check_unchanged(run_dir, manifest.get("inputs") or {}, manifest.get("results"), config)
     progress = Progress(enabled=False if quiet else None)
     checked = preflight.check(config, progress)
+    if guard is not None:  # what --json must not overwrite: every sample file read (a list's may lie anywhere)
+        guard.add_inputs(preflight.sample_files(checked.evaluation))
     ctx = RunContext(config=config, run_dir=run_dir, calibration=checked.calibration, verifier=None,
                      progress=progress, reference=ReferenceOutputs.of_run(config, checked, progress))
     result = evaluate(config, ctx, Products(), load_model(run_dir / "model.onnx"), report["model"]["kind"])
@@ -50,19 +53,19 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     return {"run_dir": str(run_dir), "status": "gate missed" if gate and not gate["passed"] else "ok", **result}
 
 
-def _check_unchanged(run_dir: Path, inputs: dict, config: Config) -> None:
-    """The input model (its external data files too) and the reference model the evaluation loads must be the
-    files the run read, by the sha256 its manifest records: the result is judged against them, and a model
-    replaced since gave other figures without a word (cosine 0.39, "gate missed"). A file the user points
-    elsewhere with --set, or a run that recorded no digest, is judged as it is."""
+def _check_unchanged(run_dir: Path, inputs: dict, results: dict | None, config: Config) -> None:
+    """The run's result, the input model and the reference model the evaluation loads (their external data
+    files too) must be the files the run wrote and read, by the sha256 its manifest records: a model replaced
+    since gave other figures without a word (cosine 0.39, "gate missed"). A file the user points elsewhere with
+    --set, or a run that recorded no digest, is judged as it is."""
     model, reference = inputs.get("model") or {}, inputs.get("reference_model") or {}
-    recorded = []
-    if model.get("path") == config["model"]:
-        recorded.append(("input model", config["model"], model.get("sha256")))
-        recorded += [("input model's external data file", str(Path(config["model"]).parent / name), digest)
-                     for name, digest in (model.get("data_files") or {}).items()]
-    if reference.get("path") and reference["path"] == (config["evaluation"] or {}).get("reference_model"):
-        recorded.append(("reference model", reference["path"], reference.get("sha256")))
+    recorded = [(f"run's {name}", str(run_dir / name), digest) for name, digest in (results or {}).items()]
+    for what, entry, used in (("input model", model, config["model"]),
+                              ("reference model", reference, (config["evaluation"] or {}).get("reference_model"))):
+        if entry.get("path") and entry["path"] == used:
+            recorded.append((what, used, entry.get("sha256")))
+            recorded += [(f"{what}'s external data file", str(Path(used).parent / name), digest)
+                         for name, digest in (entry.get("data_files") or {}).items()]
     fix = "restore the file the run read, or run qprep again to judge the new one"
     for what, path, digest in recorded:
         if not digest:

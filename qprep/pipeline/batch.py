@@ -25,6 +25,7 @@ from qprep.model.info import unique_name
 from qprep.disk.atomic import atomic_write_text
 from qprep.model.io import sha256_file
 from qprep.pipeline.batch_worker import RunSpec, Task, sidecar
+from qprep.pipeline.preflight import input_paths
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 
 
@@ -89,6 +90,8 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     guard.output_folder(out, "batch --out")
     models, skipped = find_models(folder_path, recursive)
     base = load_config(config_path, run_overrides(sets, models[0], out_path / "_check"))  # threads, backend
+    guard.add_inputs(input_paths(base))  # the config's data, labels, reference: --out must hold none of them
+    guard.output_folder(out, "batch --out")
     for name, why in skipped.items():
         if not quiet:
             print(f"qprep batch: skipped {name}: {why}", file=sys.stderr, flush=True)
@@ -102,7 +105,7 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
         with _signals_deferred():  # a second Ctrl-C must not cost the summary: it is written first, then kept
             state.cancelled()
             state.write()
-        if state.pool:  # (further Ctrl-C only print a line: cli.cmd_batch, errors.unwind_once)
+        if state.pool:  # (further Ctrl-C only print a line: errors.InterruptOnce, set by cli.main)
             for task, outcome in state.pool.cancel():  # the running models write their reports (SIGTERM)
                 state.finished(task, outcome)
             with _signals_deferred():
@@ -150,8 +153,10 @@ def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Pa
         name = str(model.relative_to(folder_path))
         try:
             digest = sha256_file(require_regular_file(model, "this entry", fix="fix it or move it out of the folder"))
-        except QprepError as exc:  # a symlink loop, a dangling symlink, a folder named *.onnx: this entry fails alone
-            state.rows[name] = _refused_row(name, str(exc))
+        except (QprepError, OSError) as exc:  # a symlink loop, a folder named *.onnx, no permission: it fails alone
+            state.rows[name] = _refused_row(name, str(exc) if isinstance(exc, QprepError) else
+                                            f"this entry cannot be read ({exc.strerror}); fix it or move it out of "
+                                            "the folder")
             if not quiet:
                 print(f"qprep batch: {name}: refused — {state.rows[name]['error']}", file=sys.stderr, flush=True)
             continue

@@ -15,6 +15,7 @@ be readable at the same path on every node.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -26,9 +27,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from qprep.errors import Interrupted, QprepError, raise_interrupted
+from qprep.errors import Interrupted, QprepError
 from qprep.disk.atomic import atomic_write_bytes
 from qprep.pipeline.batch_worker import TERMINATE_GRACE_S, Outcome, RunSpec, Task, run_one
+from qprep.disk.owned import MANIFEST
 from qprep.pipeline.run_dir import claim
 
 RETRIES = 2  # Ray re-runs a task this many times after losing its worker process or node
@@ -76,7 +78,12 @@ def write_returned(run_dir: Path, files: dict[str, bytes]) -> None:
     claimed = claim(run_dir, force=True)
     try:
         for relative, data in files.items():
-            atomic_write_bytes(run_dir / relative, data)
+            if relative != MANIFEST:
+                atomic_write_bytes(run_dir / relative, data)
+        if MANIFEST in files:  # the node's manifest, proving this folder (not the node's) the run's
+            manifest = json.loads(files[MANIFEST])
+            claimed.run_id = manifest.get("run_id", claimed.run_id)
+            claimed.write_manifest(manifest)
     finally:
         claimed.release()
 

@@ -59,7 +59,10 @@ class Outcome:
 def sidecar(model: Path) -> Path | None:
     """The model's own overlay (input dims, its samples), when there is one."""
     path = model.with_name(model.name.removesuffix(".onnx") + SIDECAR_SUFFIX)
-    return path if path.is_file() else None
+    try:
+        return path if path.is_file() else None
+    except OSError:  # e.g. the name grown past the file system's limit: there can be no such file
+        return None
 
 
 def run_one(spec: RunSpec, model: Path, run_dir: Path) -> tuple[str, float, str]:

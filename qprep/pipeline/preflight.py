@@ -23,7 +23,7 @@ from qprep.data.pitfalls import data_warnings
 from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, ModelError, Problems, QprepError
 from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, left_symbolic_warning, name_nodes
-from qprep.model.io import load_model, load_model_and_data_files, sha256_file
+from qprep.model.io import load_model_and_data_files, sha256_file
 from qprep.progress import Progress
 from qprep.pipeline.stages import registry
 
@@ -82,16 +82,16 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     with found.attempt():
         check_run_dir(config, data_files)  # the external data files are known once it is read
     calibration = evaluation = heldout = reference = None
+    reference_files: list[Path] = []
     if config["calibration"]:
         with found.attempt(), progress.step("load calibration data"):
             calibration = load_samples(config["calibration"], model_info.graph_inputs(model), role="calibration")
             warnings += calibration.warnings
     if config["evaluation"]:
         with progress.step("load evaluation data"):
-            evaluation, heldout, reference = _evaluation_data(config["evaluation"], model, found)
-        if reference is not None:  # the manifest keeps its digest: `qprep evaluate` must judge against the same
-            path = config["evaluation"]["reference_model"]
-            record["reference_model"] = {"path": path, "sha256": sha256_file(path)}
+            evaluation, heldout, reference, reference_files = _evaluation_data(config["evaluation"], model, found)
+        if reference is not None:  # the manifest keeps its digests: `qprep evaluate` must judge against the same
+            record["reference_model"] = digests(config["evaluation"]["reference_model"], reference_files)
     compiled_by, unfixable = _fixed_dims_stage(config), None
     if compiled_by:
         model, fixed_warnings = _dims_from_samples(model, record, (calibration, evaluation, heldout))
@@ -107,6 +107,10 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
         if stage.check_model:
             with found.attempt():
                 stage.check_model(options, model)
+    with found.attempt():  # a list file's samples may lie anywhere, the run directory included
+        check_run_dir(config, data_files, {**sample_files(calibration, evaluation, heldout),
+                                           **{f"the reference model's external data {f.name}": str(f)
+                                              for f in reference_files}})
     found.raise_found()
     warnings += data_warnings(model, calibration, evaluation, heldout)
     return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation, heldout=heldout,
@@ -160,17 +164,28 @@ def _dims_from_samples(model: onnx.ModelProto, record: dict, sets) -> tuple[onnx
         f"inputs: {said} fixed from the samples (RKNN compiles one input size; set `inputs:` to choose another)"]
 
 
+def digests(path: str, data_files: list[Path]) -> dict:
+    """A model file's path and sha256, and its external data files' (by location beside it): what the manifest
+    keeps so `qprep evaluate` can tell the model it judges against is the one the run read."""
+    found = {"path": path, "sha256": sha256_file(path)}
+    if data_files:
+        found["data_files"] = {os.path.relpath(f, Path(path).parent): sha256_file(f) for f in data_files}
+    return found
+
+
 def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector):
-    """(evaluation samples, held-out samples, reference model), each None where absent or failed."""
+    """(evaluation samples, held-out samples, reference model, its external data files), None where absent or
+    failed."""
     from qprep.evaluate import read_labels
 
     evaluation = heldout = reference = None
+    reference_files = []
     if cfg["reference_model"]:
         with found.attempt():
-            reference = load_model(cfg["reference_model"])
+            reference, reference_files = load_model_and_data_files(cfg["reference_model"])
             name_nodes(reference.graph)  # ORT refuses duplicate node names; names do not change numbers
         if reference is None:
-            return None, None, None  # the samples are checked against the reference's inputs
+            return None, None, None, []  # the samples are checked against the reference's inputs
     inputs = model_info.graph_inputs(reference or model)
     with found.attempt():
         evaluation = load_samples(cfg, inputs, role="evaluation")
@@ -188,7 +203,7 @@ def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector):
             with found.attempt():
                 raise ConfigError(f"evaluation.heldout shares {len(shared)} samples with evaluation.source "
                                   f"(e.g. {Path(sorted(shared)[0]).name}): held-out samples must be others")
-    return evaluation, heldout, reference
+    return evaluation, heldout, reference, reference_files
 
 
 def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[Path]]:
@@ -196,10 +211,7 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
     external data files it read."""
     path = config["model"]
     model, data_files = load_model_and_data_files(path)
-    record = {"model": {"path": path, "sha256": sha256_file(path), "bytes": Path(path).stat().st_size,
-                        **({"data_files": {os.path.relpath(f, Path(path).parent): sha256_file(f) for f in data_files}}
-                           if data_files else {}),
-                        **model_info.summary(model)}}
+    record = {"model": {**digests(path, data_files), "bytes": Path(path).stat().st_size, **model_info.summary(model)}}
     maps = model_info.map_valued(model)
     if maps and config.stages:
         raise ModelError(f"model: '{maps[0]}' is a map or a sequence of maps (a ZipMap's output), which qprep's "
@@ -252,8 +264,13 @@ def input_paths(config: Config, data_files=()) -> dict[str, Path]:
     return paths
 
 
-def check_run_dir(config: Config, data_files=()) -> None:
+def check_run_dir(config: Config, data_files=(), samples: dict[str, str] | None = None) -> None:
     """The run directory is written by the run and cleared by --force: never an input, inside one, holding
-    one, nor home, the current directory or `/` (qprep/disk/guard.py)."""
+    one, nor home, the current directory or `/` (qprep/disk/guard.py). `samples`: the sample files read."""
     if config["output_dir"]:
-        Guard(input_paths(config, data_files)).output_folder(config["output_dir"], "output_dir")
+        Guard({**input_paths(config, data_files), **(samples or {})}).output_folder(config["output_dir"], "output_dir")
+
+
+def sample_files(*sets: SampleSet | None) -> dict[str, str]:
+    """Every sample file the sets read (described → path), for the output guard."""
+    return {f"the sample {path}": path for samples in sets if samples is not None for path in samples.every_file}

@@ -8,6 +8,7 @@ proves the ownership and holds the lock: one run at a time per run directory).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import platform
@@ -59,7 +60,7 @@ CHATTY_LIBRARIES = ("onnx_ir", "onnxscript")
 
 def attach_log(path: Path) -> logging.Handler:
     """Send the `qprep` logger (and toolkits we capture) to <run dir>/qprep.log."""
-    handler = logging.FileHandler(path / LOG, encoding="utf-8")
+    handler = logging.FileHandler(path / LOG, encoding="utf-8", errors="backslashreplace")  # non-UTF-8 file names
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("qprep")
     logger.setLevel(logging.DEBUG)
@@ -143,8 +144,14 @@ class _LogWriter:
 
 def recorded_inputs(path: Path) -> dict[str, str]:
     """What a finished run read, from its manifest (described → path): what a command reading the run (evaluate)
-    must not write over either. Empty for a folder without a qprep manifest (the command refuses it itself)."""
-    manifest = owned.read_manifest(path) or {}
+    must not write over either. Read as it is, proven or not (a copied run protects its inputs too); empty for a
+    folder without a manifest (the command refuses it itself)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        manifest = {}
+    if not isinstance(manifest, dict):
+        manifest = {}
     inputs, config = manifest.get("inputs") or {}, manifest.get("config") or {}
     found = {f"the run's {what}": (inputs.get(what) or {}).get("path")
              for what in ("model", "config", "overlay", "reference_model")}

@@ -260,5 +260,8 @@ def _write_record(run: Run) -> None:
         },
         "config": config.resolved(),
         "timings_s": {k: round(v, 3) for k, v in run.timings.items()},
+        # what `qprep evaluate` reads back: a result edited or replaced since is refused, not judged
+        "results": {name: sha256_file(run.directory / name) for name in ("model.onnx", "model.onnx.data")
+                    if (run.directory / name).is_file()},
         "files": sorted({*run.written, *present, run_dir.LOG}),
     })

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -23,7 +24,8 @@ def previous_run(folder, files=("model.onnx", "report.json", "work"), **fields):
             (folder / "work" / "data.bin").write_bytes(b"w")
         else:
             (folder / name).write_text(name)
-    manifest = {"kind": "run", "qprep_version": "0", "files": [*files, "manifest.json"], **fields}
+    manifest = {"kind": "run", "qprep_version": "0", "files": [*files, "manifest.json"],
+                "folder": owned.folder_identity(folder), **fields}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
@@ -58,7 +60,15 @@ def user_folder(root, case: str):
     elif case == "a symlinked manifest":
         os.symlink(previous_run(root / "elsewhere") / "manifest.json", folder / "manifest.json")
     elif case == "a batch":
-        (folder / "manifest.json").write_text(json.dumps({"kind": "batch", "qprep_version": "0", "files": []}))
+        (folder / "manifest.json").write_text(json.dumps({"kind": "batch", "qprep_version": "0", "files": [],
+                                                          "folder": owned.folder_identity(folder)}))
+    elif case == "a run's manifest copied in":
+        (folder / "model.onnx").write_text("my model")
+        shutil.copy(previous_run(root / "elsewhere") / "manifest.json", folder / "manifest.json")
+    elif case == "a manifest from before folder identities":
+        previous_run(folder, files=("model.onnx",))
+        manifest = json.loads((folder / "manifest.json").read_text())
+        (folder / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "folder"}))
     elif case == "a run plus a user file with a name qprep writes":
         previous_run(folder, files=("model.onnx",))
         (folder / "report.json").write_text("my report")
@@ -69,7 +79,8 @@ def user_folder(root, case: str):
 
 USER_CASES = ["user files", "a lock file left by an older qprep", "a symlinked lock", "a corrupt manifest",
               "a manifest that is not qprep's", "a symlinked manifest", "a batch",
-              "a run plus a user file with a name qprep writes"]
+              "a run plus a user file with a name qprep writes", "a run's manifest copied in",
+              "a manifest from before folder identities"]
 
 
 @pytest.mark.parametrize("case", USER_CASES)
@@ -93,7 +104,8 @@ def test_force_removes_exactly_what_the_manifest_lists(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
 
 
-@pytest.mark.parametrize("entry", ["../outside.txt", "ABSOLUTE", "link.txt", "linked_dir", "linked_dir/inner.txt"])
+@pytest.mark.parametrize("entry", ["../outside.txt", "ABSOLUTE", "link.txt", "linked_dir", "linked_dir/inner.txt", ".",
+                                   "./", "", "a/../..", "linked_dir/../../outside.txt"])
 def test_removal_never_leaves_the_folder(tmp_path, entry):
     (tmp_path / "outside.txt").write_text("keep me")
     (tmp_path / "outside").mkdir()

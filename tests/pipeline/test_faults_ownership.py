@@ -339,6 +339,24 @@ def _input_external_data(w: World, command: str) -> Case:
     return Case(weights, run=run)
 
 
+def _copied_manifest(w: World) -> Path:
+    """A user's folder holding a real run's manifest, copied in: it proves nothing about this folder."""
+    shutil.copy(w.run / "manifest.json", w.user / "manifest.json")
+    return w.user
+
+
+def _previous_run_holding_a_listed_sample(w: World, command: str) -> Case:
+    """A finished run; the calibration is then a list file naming a sample kept in that run's work/: --force
+    would delete a file the run reads."""
+    out = w.previous_run()
+    (out / "work" / "mine").mkdir(parents=True)
+    shutil.copy(next(w.project.calibration.glob("*.npy")), out / "work" / "mine" / "0.npy")
+    listing = w.project.root / "listed.txt"
+    listing.write_text(f"{out / 'work' / 'mine' / '0.npy'}\n")
+    config = w.project.write_config("listed.yaml", calibration={"source": str(listing)}, output_dir=str(out))
+    return Case(None, config=config, flags=(("--force",),))
+
+
 def _input_folder(w: World, command: str) -> Path:
     return w.project.calibration if command == "run" else w.models
 
@@ -369,6 +387,11 @@ FOLDER_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Cas
     "previous_run_work_symlink": (("run",), lambda w, c: _run_with(w, _work_symlink, codes=(0, 2))),
     "previous_run_user_file": (("run",), lambda w, c: _run_with(
         w, _user_file, codes=(0, 2), kept=lambda out: (out / "notes.txt",))),
+    "user_folder_with_a_copied_manifest": (("run",), lambda w, c: Case(_copied_manifest(w))),
+    "previous_run_listing_itself": (("run",), lambda w, c: _run_with(w, _manifest_lists(lambda out: "."),
+                                                                     codes=(0, 2))),
+    "inside_a_config_data_folder": (("batch",), lambda w, c: Case(w.project.calibration / "b")),
+    "previous_run_holding_a_listed_sample": (("run",), _previous_run_holding_a_listed_sample),
     "previous_batch_user_folder": (("batch",), _previous_batch_with_user_folder),
     "previous_batch_run_dir_symlink": (("batch",), _previous_batch_run_dir_symlink),
 }
@@ -383,6 +406,17 @@ def _input_summary(w: World, command: str) -> Case:
     return Case(batch / "summary.json", inputs=(batch,))
 
 
+def _listed_sample(w: World, command: str) -> Case:
+    """--samples is a list file naming samples in a folder of the user's; --json names one of them."""
+    folder = w.user / "heldout"
+    folder.mkdir()
+    for sample in w.project.evaluation.glob("*.npy"):
+        shutil.copy(sample, folder / sample.name)
+    listing = w.user / "heldout.txt"
+    listing.write_text("".join(f"{p}\n" for p in sorted(folder.glob("*.npy"))))
+    return Case(sorted(folder.glob("*.npy"))[0], samples=listing)
+
+
 def _new_file(w: World, command: str) -> Case:
     path = w.user / {"compare_markdown": "table.md", "compare_html": "table.html", "evaluate_json": "eval.json",
                      "init": "starter.yaml"}[command]
@@ -392,6 +426,9 @@ def _new_file(w: World, command: str) -> Case:
 FILE_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Case]]] = {
     "input_report": (READS_A_RUN, lambda w, c: Case(w.run / "report.json")),
     "inside_input_run": (READS_A_RUN, lambda w, c: Case(w.run / "new_table")),
+    "inside_a_run_given_by_its_report": (COMPARE, lambda w, c: Case(w.run / "report.md",
+                                                                    inputs=(w.run / "report.json",))),
+    "a_listed_sample": (("evaluate_json",), _listed_sample),
     "input_summary": (COMPARE, _input_summary),
     "inside_samples": (("evaluate_json",), lambda w, c: Case(w.project.evaluation / "eval.json")),
     "input_model": (("init",), lambda w, c: Case(w.project.model)),
