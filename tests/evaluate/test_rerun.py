@@ -88,7 +88,8 @@ def recorded_run(root, reference=False, external=False):
         inputs["reference_model"] = {"path": str(root / "ref.onnx"), "sha256": sha256_file(root / "ref.onnx")}
     (run / "report.json").write_text(json.dumps({"status": "ok", "result": {"path": "model.onnx"},
                                                  "model": {"kind": "float"}}))
-    (run / "manifest.json").write_text(json.dumps({"config": config, "inputs": inputs}))
+    results = {"model.onnx": sha256_file(run / "model.onnx")}
+    (run / "manifest.json").write_text(json.dumps({"config": config, "inputs": inputs, "results": results}))
     return run
 
 
@@ -105,7 +106,7 @@ def replaced(path):
     onnx.save(model, str(path))
 
 
-@pytest.mark.parametrize("which", ["m.onnx", "m.data", "ref.onnx"])
+@pytest.mark.parametrize("which", ["m.onnx", "m.data", "ref.onnx", "run/model.onnx"])
 def test_reevaluate_refuses_inputs_changed_since_the_run(tmp_path, which):
     """Issue #57: the reference was loaded from the recorded path whatever it held now; a model replaced since
     the run gave wrong figures (cosine 0.39, "gate missed") without a word."""

@@ -498,13 +498,15 @@ def _named(name: str) -> Callable[[World], str]:
     def build(w: World) -> str:
         for model in w.models.iterdir():
             model.unlink()
-        _variant(w.project.model, w.models / name, name)
+        _variant(w.project.model, w.models / name, name.encode("utf-8", "backslashreplace").decode())
         return name
     return build
 
 
 BATCH_FOLDERS = {"fifo_model": _fifo_model, **{f"model_named_{stem}": _named(f"{stem}.onnx")
-                                               for stem in ("summary.json", "summary", "summary.md")}}
+                                               for stem in ("summary.json", "summary", "summary.md")},
+                 "model_named_250_characters": _named("x" * 250 + ".onnx"),  # its overlay's name: too long
+                 "model_named_in_no_encoding": _named(os.fsdecode(b"bad\xff.onnx"))}  # not UTF-8
 
 
 @pytest.mark.parametrize("kind", BATCH_FOLDERS, ids=[f"batch_folder-{k}" for k in BATCH_FOLDERS])
