@@ -48,6 +48,7 @@ def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration")
         raise DataError(f"{role}.source: folder not found: {source}")
     fmt, files = _pick_files(source, cfg["format"], role)
     chosen, warnings = _choose(files, cfg["max_samples"], cfg["seed"], role)
+    warnings = _not_files_warning(source, role) + warnings
     reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if fmt == "images" else None
     samples = [_read(path, inputs, reader) for path in chosen]
     for path, sample in zip(chosen, samples):
@@ -129,6 +130,19 @@ def _pick_files(folder: Path, fmt: str, role: str) -> tuple[str, list[Path]]:
     if not by_format[fmt]:
         raise DataError(f"{role}.source: {folder} holds no {fmt} samples; point it at a folder of samples")
     return fmt, by_format[fmt]
+
+
+def _not_files_warning(folder: Path, role: str) -> list[str]:
+    """Entries named like samples that are no regular files (a FIFO would block, a device never ends): skipped,
+    and said, never silently."""
+    suffixes = set().union(*FORMAT_SUFFIXES.values())
+    skipped = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in suffixes and not p.is_file()
+                     and not p.is_dir() and not p.name.startswith("."))
+    if not skipped:
+        return []
+    return [f"{role}: skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of {folder} that "
+            f"{'is' if len(skipped) == 1 else 'are'} no regular file (e.g. {skipped[0]}: a FIFO, device, socket or "
+            "dangling link)"]
 
 
 def _choose(files: list, cap: int, seed: int, role: str) -> tuple[list, list[str]]:

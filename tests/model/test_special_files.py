@@ -125,6 +125,7 @@ def test_a_folder_of_samples_skips_special_entries(tmp_path, special):
         samples = load_samples({"source": str(tmp_path), "format": "auto", "max_samples": 8, "seed": 0,
                                 "preprocess": PREPROCESS}, INPUTS)
     assert [os.path.basename(f) for f in samples.files] == ["b.npy"]
+    assert any("skipped 1 entry" in w and "a.npy" in w for w in samples.warnings), samples.warnings  # said
 
 
 def test_evaluate_run_files(tmp_path, special):
