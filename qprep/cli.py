@@ -177,8 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     # The first Ctrl-C, SIGTERM or SIGHUP unwinds (the run still writes its report, a batch its summary); the
     # ones after it only say so: a second Ctrl-C 30 ms later must not cut that short.
-    with signal_handlers(InterruptOnce(_say_stopping), signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        return _dispatch(args)
+    once = InterruptOnce(_say_stopping)
+    try:
+        with signal_handlers(once, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, keep=lambda: once.fired):
+            return _dispatch(args)
+    finally:
+        if once.fired:  # exiting after an interrupt: ignored, as Python's shutdown would put back SIG_DFL for a
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # handler, and a late Ctrl-C kill it (-2)
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _say_stopping() -> None:

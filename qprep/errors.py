@@ -57,9 +57,11 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def signal_handlers(handler, *signals: int):
-    """`handler` for `signals` while the block runs, the previous handlers after it. Only the main thread can
-    set handlers; elsewhere (qprep called from a worker thread) the block runs with the handlers it has."""
+def signal_handlers(handler, *signals: int, keep=lambda: False):
+    """`handler` for `signals` while the block runs, the previous handlers after it, unless `keep()` says the
+    process is on its way out (then the handler stays: a late signal must not kill it before it exits). Only
+    the main thread can set handlers; elsewhere (qprep called from a worker thread) the block runs with the
+    handlers it has."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -67,8 +69,9 @@ def signal_handlers(handler, *signals: int):
     try:
         yield
     finally:
-        for sig, previous in saved.items():
-            signal.signal(sig, previous)
+        if not keep():
+            for sig, previous in saved.items():
+                signal.signal(sig, previous)
 
 
 class InterruptOnce:
