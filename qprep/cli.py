@@ -224,6 +224,9 @@ def _dispatch(args) -> int:
     except Exception as exc:  # noqa: BLE001 - the CLI is the last place to turn a bug into a clear line
         if args.debug:
             traceback.print_exc()
+        if isinstance(exc, RuntimeError) and str(exc).startswith("Symlink loop"):  # pathlib, on a user's link
+            print(f"qprep: error: {str(exc).splitlines()[0]}; fix or remove the link", file=sys.stderr)
+            return EXIT_USAGE
         print(f"qprep: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
               "(rerun with --debug for the traceback and please report it)", file=sys.stderr)
         return EXIT_INTERNAL

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def _scalar(value: Any, key: Key, where: str, base_dir: Path) -> Any:
     if key.minimum is not None and value < key.minimum:
         raise ConfigError(f"{where}: {value} is below the minimum {key.minimum}")
     if kind == "path":
-        return str((base_dir / Path(value).expanduser()).resolve())
+        return os.path.realpath(base_dir / Path(value).expanduser())  # Path.resolve raises on a symlink loop
     return value
 
 

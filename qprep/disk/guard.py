@@ -84,8 +84,7 @@ class Guard:
             for item in value if isinstance(value, list) else [value]:
                 if isinstance(item, PathArg):
                     if item.role == INPUT:
-                        what = f"{item.option} {item}" if item.option in guard.inputs else item.option
-                        guard.add_inputs({what: item})
+                        guard.add_inputs({item.option: item})
                     else:
                         outputs.append(item)
         return guard, outputs
@@ -93,7 +92,10 @@ class Guard:
     def add_inputs(self, inputs: Mapping[str, str | os.PathLike] | Iterable[tuple[str, str | os.PathLike]]) -> None:
         for what, path in dict(inputs).items():
             if path:
-                self.inputs[what] = resolved(path)
+                place = resolved(path)
+                if self.inputs.get(what, place) != place:  # another model's calibration data, say: keep both
+                    what = f"{what} {path}"
+                self.inputs[what] = place
 
     def check(self, outputs: Iterable[PathArg]) -> None:
         for output in outputs:

@@ -35,8 +35,9 @@ from qprep.errors import RunDirError
 
 MANIFEST = "manifest.json"
 LEGACY_LOCK = ".qprep.lock"  # the lock file qprep once kept inside a run directory
-# What an interrupted atomic write or model save leaves (model/io.py): qprep's own names in an owned folder.
-TEMPORARY = re.compile(r"^(\.tmp-.+|\..+\.tmp)$")
+# What an interrupted atomic write (disk/atomic.py: `.NAME.XXXXXXXX.tmp`) or model save (model/io.py:
+# `.tmp-XXXXXXXX/`) leaves: exactly the names Python's tempfile makes there, nothing a user would name so.
+TEMPORARY = re.compile(r"^(\.tmp-[a-z0-9_]{8}|\..+\.[a-z0-9_]{8}\.tmp)$")
 
 
 @dataclass

@@ -6,6 +6,8 @@ a FIFO named a.onnx), and a device such as /dev/zero never ends.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import stat
 from pathlib import Path
@@ -43,3 +45,11 @@ def require_regular_file(path: str | os.PathLike, what: str, error: type[QprepEr
     if kind:
         raise error(f"{what} {path} is {kind}, not a regular file; {fix}")
     return Path(path)
+
+
+def read_json(path: str | os.PathLike):
+    """The JSON a regular file holds (a run's report.json, manifest.json): OSError for a missing or special file
+    (a FIFO would block the read), ValueError for text that is not JSON; callers already handle both."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return json.loads(Path(path).read_text())

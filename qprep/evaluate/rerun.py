@@ -9,7 +9,6 @@ not the samples, and the run's report has them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from qprep.config import Config, load_config
@@ -17,7 +16,7 @@ from qprep.errors import ConfigError, ModelError
 from qprep.evaluate import evaluate
 from qprep.evaluate.reference import ReferenceOutputs
 from qprep.disk.guard import Guard
-from qprep.disk.reading import require_regular_file
+from qprep.disk.reading import read_json, require_regular_file
 from qprep.model.io import load_model, sha256_file
 from qprep.pipeline import preflight
 from qprep.pipeline.context import Products, RunContext
@@ -77,13 +76,8 @@ def _check_unchanged(run_dir: Path, inputs: dict, results: dict | None, config: 
 
 
 def _read_run(run_dir: Path) -> tuple[dict, dict]:
-    for name in ("report.json", "manifest.json"):
-        if (run_dir / name).exists():  # a missing one is said below
-            require_regular_file(run_dir / name, f"evaluate {run_dir}: the run's record", ConfigError,
-                                 "give the run directory of a finished qprep run")
-    try:
-        report = json.loads((run_dir / "report.json").read_text())
-        manifest = json.loads((run_dir / "manifest.json").read_text())
+    try:  # read_json: a FIFO or device there is refused, not read forever
+        report, manifest = read_json(run_dir / "report.json"), read_json(run_dir / "manifest.json")
     except (OSError, ValueError):
         raise ConfigError(f"evaluate {run_dir}: no readable report.json and manifest.json; give the run directory "
                           "of a finished qprep run") from None

@@ -19,7 +19,7 @@ from qprep import jsonfile
 from qprep.config import load_config, run_overrides
 from qprep.disk import owned
 from qprep.disk.guard import Guard
-from qprep.disk.reading import require_regular_file, special_kind
+from qprep.disk.reading import read_json, require_regular_file, special_kind
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError, signal_handlers
 from qprep.model.info import unique_name
 from qprep.disk.atomic import atomic_write_text
@@ -91,6 +91,8 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     models, skipped = find_models(folder_path, recursive)
     base = load_config(config_path, run_overrides(sets, models[0], out_path / "_check"))  # threads, backend
     guard.add_inputs(input_paths(base))  # the config's data, labels, reference: --out must hold none of them
+    for model in models:  # and the data each model's own overlay names
+        guard.add_inputs(_overlay_inputs(config_path, sets, model, out_path))
     guard.output_folder(out, "batch --out")
     for name, why in skipped.items():
         if not quiet:
@@ -247,6 +249,17 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
+def _overlay_inputs(config_path: str, sets, model: Path, out: Path) -> dict[str, Path]:
+    """What a model's NAME.qprep.yaml makes its run read; an overlay that does not load is its run's to refuse."""
+    overlay = sidecar(model)
+    if overlay is None:
+        return {}
+    try:
+        return input_paths(load_config(config_path, run_overrides(sets, model, out / "_check"), overlay=overlay))
+    except QprepError:
+        return {}
+
+
 def _refused_row(name: str, error: str) -> dict:
     """The summary row of a model refused before it ran (unreadable, no run directory of its own)."""
     return {"model": name, "status": "refused", "run_dir": "", "note": "", "seconds": None, "error": error}
@@ -255,8 +268,7 @@ def _refused_row(name: str, error: str) -> dict:
 def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, overlay: Path | None) -> bool:
     """A finished run of the same model bytes with the same resolved config."""
     try:
-        manifest = json.loads((run_dir / "manifest.json").read_text())
-        report = json.loads((run_dir / "report.json").read_text())
+        manifest, report = read_json(run_dir / "manifest.json"), read_json(run_dir / "report.json")
     except (OSError, ValueError):
         return False
     wanted = json.loads(jsonfile.dumps(load_config(config_path, run_overrides(sets, model, run_dir),

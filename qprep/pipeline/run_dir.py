@@ -8,7 +8,6 @@ proves the ownership and holds the lock: one run at a time per run directory).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import platform
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from qprep.disk import owned
 from qprep.disk.owned import MANIFEST
+from qprep.disk.reading import read_json
 from qprep.errors import RunDirError, signal_handlers
 
 LOG = "qprep.log"
@@ -147,7 +147,7 @@ def recorded_inputs(path: Path) -> dict[str, str]:
     must not write over either. Read as it is, proven or not (a copied run protects its inputs too); empty for a
     folder without a manifest (the command refuses it itself)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_json(path / MANIFEST)
     except (OSError, ValueError, UnicodeDecodeError):
         manifest = {}
     if not isinstance(manifest, dict):

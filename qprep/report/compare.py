@@ -13,6 +13,7 @@ from html import escape
 from pathlib import Path
 
 from qprep import jsonfile
+from qprep.disk.reading import read_json
 from qprep.errors import QprepError
 from qprep.evaluate.metrics import OUTPUT_METRICS, higher_is_better
 
@@ -22,7 +23,7 @@ def load_record(path: str) -> tuple[str, dict]:
     for candidate in (target, target / "report.json", target / "summary.json"):
         if candidate.is_file():
             try:
-                data = json.loads(candidate.read_text())
+                data = read_json(candidate)
             except (ValueError, OSError) as exc:  # not JSON, not UTF-8, not readable
                 raise QprepError(f"compare: cannot read {candidate} as JSON ({_reason(exc)})") from None
             if not isinstance(data, dict):

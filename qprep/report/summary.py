@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from html import escape
 from pathlib import Path
 
+from qprep.disk.reading import read_json
 from qprep.evaluate.metrics import main_agreement
 from qprep.jsonfile import number
 
@@ -21,7 +21,7 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     row = {"model": name, "status": status or "ok", "run_dir": str(run_dir), "error": error, "note": note,
            "seconds": None if seconds is None else round(seconds, 1)}
     try:
-        report = json.loads((run_dir / "report.json").read_text())
+        report = read_json(run_dir / "report.json")
     except (OSError, ValueError):
         return row
     if status is None:

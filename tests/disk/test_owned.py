@@ -97,11 +97,12 @@ def test_a_folder_not_proven_a_previous_run_is_refused_and_left_as_it_was(tmp_pa
 def test_force_removes_exactly_what_the_manifest_lists(tmp_path):
     folder = previous_run(tmp_path / "run")
     (folder / "notes.txt").write_text("mine")  # added by the user after the run
-    (folder / ".report.json.abc123.tmp").write_text("x")  # an interrupted atomic write
+    (folder / ".report.json.ab12cd34.tmp").write_text("x")  # an interrupted atomic write
+    (folder / ".notes.tmp").write_text("mine")  # a name of the user's, not one qprep makes
     claim = owned.claim(folder, "run", "--out", RESERVED)
     claim.clear_previous()
     claim.release()
-    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in folder.iterdir()) == [".notes.tmp", "notes.txt"]
 
 
 @pytest.mark.parametrize("entry", ["../outside.txt", "ABSOLUTE", "link.txt", "linked_dir", "linked_dir/inner.txt", ".",

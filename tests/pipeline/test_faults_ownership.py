@@ -357,6 +357,27 @@ def _previous_run_holding_a_listed_sample(w: World, command: str) -> Case:
     return Case(None, config=config, flags=(("--force",),))
 
 
+def _symlink_loop(w: World) -> Path:
+    (w.tmp / "loop_a").symlink_to(w.tmp / "loop_b")
+    (w.tmp / "loop_b").symlink_to(w.tmp / "loop_a")
+    return w.tmp / "loop_a"
+
+
+def _temporary_like(out: Path) -> None:
+    """Names of the user's that look like temporary files (qprep removes only the exact ones it makes)."""
+    (out / ".tmp-photos").mkdir()
+    (out / ".tmp-photos" / "1.jpg").write_bytes(b"a photo")
+    (out / ".notes.tmp").write_text("mine\n")
+
+
+def _inside_sidecar_data(w: World, command: str) -> Case:
+    """a.onnx's own overlay (a.qprep.yaml) names a calibration folder; --out inside it."""
+    data = w.tmp / "a_calib"
+    shutil.copytree(w.project.calibration, data)
+    (w.models / "a.qprep.yaml").write_text(yaml.safe_dump({"calibration": {"source": str(data)}}))
+    return Case(data / "b")
+
+
 def _input_folder(w: World, command: str) -> Path:
     return w.project.calibration if command == "run" else w.models
 
@@ -392,6 +413,10 @@ FOLDER_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Cas
                                                                      codes=(0, 2))),
     "inside_a_config_data_folder": (("batch",), lambda w, c: Case(w.project.calibration / "b")),
     "previous_run_holding_a_listed_sample": (("run",), _previous_run_holding_a_listed_sample),
+    "symlink_loop": (BOTH, lambda w, c: Case(_symlink_loop(w))),
+    "previous_run_with_user_names_like_temporary_ones": (("run",), lambda w, c: _run_with(
+        w, _temporary_like, codes=(0, 2), kept=lambda out: (out / ".tmp-photos", out / ".notes.tmp"))),
+    "inside_a_sidecar_data_folder": (("batch",), _inside_sidecar_data),
     "previous_batch_user_folder": (("batch",), _previous_batch_with_user_folder),
     "previous_batch_run_dir_symlink": (("batch",), _previous_batch_run_dir_symlink),
 }
@@ -417,6 +442,15 @@ def _listed_sample(w: World, command: str) -> Case:
     return Case(sorted(folder.glob("*.npy"))[0], samples=listing)
 
 
+def _run_with_fifo_manifest(w: World, command: str) -> Case:
+    """A copy of the finished run whose manifest.json is a FIFO: read, it would block evaluate forever."""
+    run = w.tmp / "fifo_run"
+    shutil.copytree(w.run, run, symlinks=True)
+    (run / "manifest.json").unlink()
+    os.mkfifo(run / "manifest.json")
+    return Case(w.user / "eval.json", run=run)
+
+
 def _new_file(w: World, command: str) -> Case:
     path = w.user / {"compare_markdown": "table.md", "compare_html": "table.html", "evaluate_json": "eval.json",
                      "init": "starter.yaml"}[command]
@@ -429,6 +463,7 @@ FILE_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Case]
     "inside_a_run_given_by_its_report": (COMPARE, lambda w, c: Case(w.run / "report.md",
                                                                     inputs=(w.run / "report.json",))),
     "a_listed_sample": (("evaluate_json",), _listed_sample),
+    "a_run_whose_manifest_is_a_fifo": (("evaluate_json",), _run_with_fifo_manifest),
     "input_summary": (COMPARE, _input_summary),
     "inside_samples": (("evaluate_json",), lambda w, c: Case(w.project.evaluation / "eval.json")),
     "input_model": (("init",), lambda w, c: Case(w.project.model)),
