@@ -50,6 +50,7 @@ def require_regular_file(path: str | os.PathLike, what: str, error: type[QprepEr
 def read_json(path: str | os.PathLike):
     """The JSON a regular file holds (a run's report.json, manifest.json): OSError for a missing or special file
     (a FIFO would block the read), ValueError for text that is not JSON; callers already handle both."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    kind = file_kind(os.stat(path).st_mode)
+    if kind:
+        raise OSError(errno.EINVAL, f"{kind}, not a regular file", str(path))
     return json.loads(Path(path).read_text())

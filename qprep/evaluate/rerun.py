@@ -9,6 +9,7 @@ not the samples, and the run's report has them.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 from qprep.config import Config, load_config
@@ -78,9 +79,10 @@ def _check_unchanged(run_dir: Path, inputs: dict, results: dict | None, config: 
 def _read_run(run_dir: Path) -> tuple[dict, dict]:
     try:  # read_json: a FIFO or device there is refused, not read forever
         report, manifest = read_json(run_dir / "report.json"), read_json(run_dir / "manifest.json")
-    except (OSError, ValueError):
-        raise ConfigError(f"evaluate {run_dir}: no readable report.json and manifest.json; give the run directory "
-                          "of a finished qprep run") from None
+    except (OSError, ValueError) as exc:
+        what = (f"{exc.filename} is {exc.strerror}" if isinstance(exc, OSError) and exc.errno == errno.EINVAL
+                else "no readable report.json and manifest.json")
+        raise ConfigError(f"evaluate {run_dir}: {what}; give the run directory of a finished qprep run") from None
     if report.get("status") not in ("ok", "gate missed") or not (run_dir / "model.onnx").is_file():
         raise ConfigError(f"evaluate {run_dir}: the run did not finish (status {report.get('status')!r}); only a "
                           "finished run's model.onnx can be evaluated")
