@@ -54,3 +54,15 @@ def read_json(path: str | os.PathLike):
     if kind:
         raise OSError(errno.EINVAL, f"{kind}, not a regular file", str(path))
     return json.loads(Path(path).read_text())
+
+
+def read_text(path: str | os.PathLike, what: str, error: type[QprepError] = QprepError,
+              fix: str = "save it as UTF-8 text") -> str:
+    """The UTF-8 text of a user's regular file (labels, lists), or a one-line `error` saying why not."""
+    require_regular_file(path, what, error, fix)
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}); {fix}") from None
+    except OSError as exc:
+        raise error(f"{what} {path} cannot be read ({exc.strerror}); {fix}") from None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
-from qprep.disk.reading import require_regular_file
+from qprep.disk.reading import read_text
 from qprep.model import info as model_info
 from qprep.evaluate import ctc
 from qprep.evaluate.gate import check_gate
@@ -228,9 +228,9 @@ def worst_tensors(gate: dict, outputs: dict, layers: list[dict] | None) -> list[
 
 def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[int]:
     """One class index per evaluation sample, from `<file name> <label>` lines."""
-    require_regular_file(path, "evaluation.labels: file", DataError, "give a text file of `<file name> <label>` lines")
+    text = read_text(path, "evaluation.labels: file", DataError, "give a UTF-8 text file of `<file name> <label>` lines")
     table = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         parts = line.split()
         if len(parts) >= 2:
             table[parts[0]] = parts[-1]
