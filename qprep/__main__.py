@@ -1,3 +1,3 @@
-from qprep.cli import main
+from qprep.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -187,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(sig, signal.SIG_IGN)
 
 
+def entry() -> None:
+    """The `qprep` command (console script, `python -m qprep`): main, then the exit with interrupts ignored.
+    Why: Python's shutdown puts SIG_DFL back for a handler, so a Ctrl-C in it killed a run that had finished
+    and said so (exit -2, a KeyboardInterrupt traceback); main itself restores the handlers it found, for
+    callers in the same process."""
+    code = main()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
 def _say_stopping() -> None:
     print("qprep: stopping: writing what the first interrupt left to write (report, summary)", file=sys.stderr,
           flush=True)

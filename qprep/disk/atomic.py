@@ -21,7 +21,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # the name cut so that a 255-byte file name still leaves room for the temp name's 14 more
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:120]}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; reports are shared like any written file
         with os.fdopen(fd, "wb") as f:

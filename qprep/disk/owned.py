@@ -100,9 +100,24 @@ def read_manifest(folder: Path) -> dict | None:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list) \
             or not isinstance(manifest.get("qprep_version"), str):
         return None
-    if manifest.get("folder") != folder_identity(folder):  # copied from elsewhere, or from a qprep before it
+    if "folder" not in manifest and _report_names(folder):  # a run of a qprep from before folder identities
+        return manifest
+    if manifest.get("folder") != folder_identity(folder):  # copied from elsewhere
         return None
     return manifest
+
+
+def _report_names(folder: Path) -> bool:
+    """The folder's report.json (a regular file) gives this folder as its run directory: how a run written
+    before manifests held a folder identity proves it was written here (a copy or a moved run names another)."""
+    from qprep.disk.reading import read_json
+
+    try:
+        report = read_json(folder / "report.json")
+    except (OSError, ValueError):
+        return False
+    where = report.get("run_dir") if isinstance(report, dict) else None
+    return isinstance(where, str) and os.path.realpath(where) == os.path.realpath(folder)
 
 
 def claim(path: Path, kind: str, option: str, reserved: tuple[str, ...] = ()) -> Owned:
@@ -177,10 +192,14 @@ def _remove_inside(root: Path, name: str) -> None:
         mode = os.lstat(target).st_mode
     except OSError:
         return
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(target, ignore_errors=True)  # unlinks the links inside, never follows them
-    else:
-        os.unlink(target)
+    try:
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(target)  # unlinks the links inside, never follows them
+        else:
+            os.unlink(target)
+    except OSError as exc:  # said here, not later as a failure of whatever writes there next
+        raise RunDirError(f"cannot remove {exc.filename or target} of the previous run ({exc.strerror}); fix its "
+                          "permissions or choose another --out") from None
     parent = target.parent
     while parent != root and parent.is_dir() and not any(parent.iterdir()):
         parent.rmdir()  # a folder the previous run made and that is now empty (stages/)

@@ -47,6 +47,8 @@ def find_models(folder: Path, recursive: bool) -> tuple[list[Path], dict[str, st
     first read, a device or socket is no model)."""
     if not folder.is_dir():
         raise QprepError(f"batch: model folder not found: {folder}")
+    if not os.access(folder, os.R_OK | os.X_OK):  # else it would read as a folder without models
+        raise QprepError(f"batch: cannot list the model folder {folder} (permission denied); give this user access")
     models, skipped = [], {}
     for entry in sorted(folder.rglob("*.onnx") if recursive else folder.glob("*.onnx")):
         if entry.name.startswith("."):

@@ -59,8 +59,8 @@ class Outcome:
 def sidecar(model: Path) -> Path | None:
     """The model's own overlay (input dims, its samples), when there is one."""
     path = model.with_name(model.name.removesuffix(".onnx") + SIDECAR_SUFFIX)
-    try:
-        return path if path.is_file() else None
+    try:  # present but no regular file (a FIFO): the run refuses it in one line, not silently without it
+        return path if os.path.lexists(path) else None
     except OSError:  # e.g. the name grown past the file system's limit: there can be no such file
         return None
 

@@ -148,3 +148,19 @@ def test_the_manifest_written_says_whose_folder_it_is(tmp_path):
     claim.release()
     manifest = owned.read_manifest(tmp_path / "run")
     assert manifest["kind"] == "batch" and manifest["run_id"] == claim.run_id and manifest["files"] == ["a"]
+
+
+@pytest.mark.parametrize("where", ["this folder", "another folder"])
+def test_a_run_from_before_folder_identities_is_proven_by_its_report(tmp_path, where):
+    """An older qprep's manifest has no `folder`; its report.json's run_dir names the folder it was written in:
+    that one is replaceable, a copy of it elsewhere is not."""
+    folder = previous_run(tmp_path / "run", files=("model.onnx", "report.json"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "folder"}))
+    named = folder if where == "this folder" else tmp_path / "original"
+    (folder / "report.json").write_text(json.dumps({"run_dir": str(named)}))
+    if where == "this folder":
+        owned.claim(folder, "run", "--out", RESERVED).release()
+    else:
+        with pytest.raises(RunDirError, match="no qprep run wrote in this folder"):
+            owned.claim(folder, "run", "--out", RESERVED)
