@@ -141,12 +141,8 @@ class Guard:
                 raise OutputError(f"{where} is {what}; give the run a folder of its own, e.g. {target / 'qprep-out'}")
         if target == Path(target.anchor):
             raise OutputError(f"{where} is the root folder; give the run a folder of its own")
+        self._not_an_input(target, where)
         for what, source in self.inputs.items():
-            if target == source:
-                raise OutputError(f"{where} is {what}, which the command reads; choose another {option}")
-            if source in target.parents:
-                raise OutputError(f"{where} lies inside {what} ({source}), which the command reads; choose "
-                                  f"{option} outside it")
             if target in source.parents:
                 raise OutputError(f"{where} holds {what} ({source}), which the command reads; choose {option} "
                                   "elsewhere (a folder of its own)")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -31,6 +30,7 @@ from pathlib import Path
 from qprep import __version__
 from qprep import jsonfile
 from qprep.disk.atomic import atomic_write_text
+from qprep.disk.reading import read_json
 from qprep.errors import RunDirError
 
 MANIFEST = "manifest.json"
@@ -92,10 +92,10 @@ def read_manifest(folder: Path) -> dict | None:
     a qprep manifest is a JSON object with `qprep_version` and a `files` list)."""
     path = folder / MANIFEST
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
+        if stat.S_ISLNK(os.lstat(path).st_mode):  # a link proves nothing about this folder
             return None
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        manifest = read_json(path)
+    except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list) \
             or not isinstance(manifest.get("qprep_version"), str):
@@ -110,8 +110,6 @@ def read_manifest(folder: Path) -> dict | None:
 def _report_names(folder: Path) -> bool:
     """The folder's report.json (a regular file) gives this folder as its run directory: how a run written
     before manifests held a folder identity proves it was written here (a copy or a moved run names another)."""
-    from qprep.disk.reading import read_json
-
     try:
         report = read_json(folder / "report.json")
     except (OSError, ValueError):

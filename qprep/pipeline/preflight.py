@@ -68,6 +68,7 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     found = _Collector(every_problem)
     with found.attempt():
         check_run_dir(config)
+    run_dir_ok = not found.problems  # checked again below with what loading finds, and said once
     for name, options in config.stages:  # cheap, config-only checks before any file is read
         stage = registry()[name]
         if stage.check:
@@ -79,8 +80,6 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     if loaded is None:  # the samples are checked against the model's inputs: nothing more to check
         found.raise_found()
     model, record, warnings, data_files = loaded
-    with found.attempt():
-        check_run_dir(config, data_files)  # the external data files are known once it is read
     calibration = evaluation = heldout = reference = None
     reference_files: list[Path] = []
     if config["calibration"]:
@@ -107,10 +106,11 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
         if stage.check_model:
             with found.attempt():
                 stage.check_model(options, model)
-    with found.attempt():  # a list file's samples may lie anywhere, the run directory included
-        check_run_dir(config, data_files, {**sample_files(calibration, evaluation, heldout),
-                                           **{f"the reference model's external data {f.name}": str(f)
-                                              for f in reference_files}})
+    if run_dir_ok:  # the inputs known only now: external data, a list file's samples (anywhere, the run directory
+        with found.attempt():  # included), the reference's external data
+            check_run_dir(config, data_files, {**sample_files(calibration, evaluation, heldout),
+                                               **{f"the reference model's external data {f.name}": str(f)
+                                                  for f in reference_files}})
     found.raise_found()
     warnings += data_warnings(model, calibration, evaluation, heldout)
     return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation, heldout=heldout,

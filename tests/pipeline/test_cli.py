@@ -238,3 +238,15 @@ def test_every_path_argument_of_every_command_is_typed_input_or_output():
     untyped = [f"{name} {action.dest}" for name, sub in commands.items() for action in sub._actions
                if action.dest not in NOT_PATHS and getattr(action.type, "role", None) is None]
     assert untyped == []
+
+
+def test_validate_names_a_run_directory_problem_once(tmp_path, cli):
+    """The run directory is checked before the model is read and again with what reading finds (external data,
+    listed samples); `validate` lists every problem, so the same one must not come twice."""
+    import onnx
+
+    onnx.save(tiny_conv_model(), str(tmp_path / "model.onnx"))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tmp_path / 'model.onnx'}\noutput_dir: {tmp_path}\n")
+    code, _, err = cli("validate", config)
+    assert code == 2 and err.count("holds the input model") == 1, err
