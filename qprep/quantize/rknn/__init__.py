@@ -1,9 +1,11 @@
 """The RKNN backend (rknn-toolkit2 2.5.0; the x86 simulator unless a board runs the result).
 
 The flow of `quantize`, one module per step:
+    convert.py      OPTIONS and `quantize` itself: the model made compilable (limits.py, static_graph.py), the
+                    builder, the search when a fallback is configured, the export
     builder.py      RknnBuilder: model.onnx (GPTQ weights on the toolkit's grid: weights.py), builds, hybrid
                     step1/step2 with float16 layers (IR names: names.py), simulator sessions, range reuse
-                    (ranges.py); OPTIONS and `quantize` itself
+                    (ranges.py)
     dataset.py      dataset.txt, and the normalization the NPU applies for image inputs
     toolkit.py      Toolkit: every rknn-toolkit2 call, made in the worker process (worker.py); a crash → ToolkitError
     runner.py       Runner: a build on the simulator, and accuracy_analysis as per-layer rows
@@ -12,8 +14,8 @@ The flow of `quantize`, one module per step:
 
 The rest of qprep uses only OPTIONS and quantize. They are loaded on first use: worker.py runs as
 `python -m qprep.quantize.rknn.worker`, which imports this package first, and the worker must start on the
-toolkit's imports alone (builder.py pulls in onnx and qprep's data stack: measured here, importing the
-package and worker.py 0.02 s, builder.py 0.16-0.4 s on a shared machine).
+toolkit's imports alone (convert.py and builder.py pull in onnx and qprep's data stack, many times what the
+package and worker.py take to import).
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ ARTIFACTS = ("model.rknn", "input_contract.json", "run_on_board.py")
 
 
 def __getattr__(name: str):
-    if name in __all__:
+    if name == "RknnBuilder":
         from qprep.quantize.rknn import builder
 
-        return getattr(builder, name)
+        return builder.RknnBuilder
+    if name in __all__:
+        from qprep.quantize.rknn import convert
+
+        return getattr(convert, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
