@@ -2,11 +2,14 @@
 whose one outlier channel ruins a static activation range."""
 
 import re
+import time
+
 import numpy as np
 import pytest
 from onnx import helper
 
 from qprep.quantize import channel_spread, search
+from qprep.quantize.search import rounds
 from qprep.quantize.budget import Budget
 from qprep.errors import ConfigError
 from conftest import run_config
@@ -119,7 +122,7 @@ def test_an_unset_cap_gives_the_search_its_32_nodes_beside_the_spread_set():
 def test_when_no_slow_trial_fits_the_budget_the_rest_build_the_faster_way(monkeypatch, switches):
     """RKNN mmse: builds take minutes until the backend reuses the accepted build's ranges (seconds)."""
     clock, slow, asked = [0.0], [True], []
-    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     damage = {f"n{i}": 0.01 for i in range(6)}
     scripted, _ = _scripted(damage)
 
@@ -150,8 +153,8 @@ def test_a_search_that_starts_too_late_for_one_slow_trial_builds_the_faster_way_
     faster builds before its first trial (not 'time budget spent' at once), forgets the slow builds' times, and
     promotes with 1-s trials."""
     clock = [0.0]
-    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
-    budget = search.Budget(300.0, started=0.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    budget = Budget(300.0, started=0.0)
     budget.record("trial", 169.0)
     clock[0] = 190.0
     damage = {f"n{i}": 0.01 for i in range(3)}
@@ -531,7 +534,7 @@ def test_a_later_round_ranks_until_a_candidate_clearly_helps():
                          {**OPTIONS, "target": {"cosine_mean": 0.998}, "max_candidates": 12})
     assert outcome.passed and outcome.float_nodes == ["a", "n1"]
     assert outcome.record["rounds"] == 2
-    assert outcome.record["rank_trials"] == (1 + 12) + (1 + search.MIN_RANKED)
+    assert outcome.record["rank_trials"] == (1 + 12) + (1 + rounds.MIN_RANKED)
 
 
 def test_a_round_after_a_partial_ranking_goes_on_where_it_stopped():
@@ -570,7 +573,7 @@ def test_on_the_samples_chosen_on_an_agreement_needs_its_standard_error_to_spare
 
 def test_budget_predicts_a_step_from_the_slowest_recent_run_and_keeps_the_reserve(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     budget = Budget(100)
     assert budget.predict("trial") == 0.0 and budget.predict("trial", 7.0) == 7.0
     for seconds in (50.0, 10.0, 12.0, 11.0):
@@ -611,7 +614,7 @@ def test_the_search_starts_no_trial_that_would_end_past_the_budget(monkeypatch):
     """Trials of 30 s recorded by the backend, as ORT's and RKNN's do: with 200 s, ranking stops at half the
     budget, and the promotions that cannot finish are not started; the search ends within the budget."""
     clock = [0.0]
-    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     damage = {f"n{i}": 0.01 for i in range(6)}
     scripted, _ = _scripted(damage)
     budget = Budget(200)
