@@ -4,9 +4,8 @@ the calibration data, instead of its min/max.
 Why: a min/max range is set by the few largest values of the calibration set, so every other value is
 rounded on a coarser grid than it needs; shrinking the range trades a little clipping for finer rounding. The
 best trade is found per tensor from a histogram of its calibration values (one run of the float model), by
-trying shrunk low/high ends and scoring each by the expected squared error. Measured on EfficientNet-Lite0
-(ORT, everything quantized, 128 evaluation samples): cosine 0.99733 → 0.99751, top-1 agreement 91.4% → 93.8%.
-With 8-bit grids clipping pays only for rare outliers, so gains are small.
+trying shrunk low/high ends and scoring each by the expected squared error. With 8-bit grids clipping pays
+only for rare outliers, so gains are small (BENCHMARKS.md: "Least-squared-error activation ranges").
 A smaller per-tensor error does not always mean better outputs, so the fallback measures the choice at the
 model's outputs before keeping it (quantize/ort/search.py).
 """
@@ -34,7 +33,7 @@ def mse_ranges(model: onnx.ModelProto, ranges: dict[str, tuple[float, float]], s
     with ThreadPoolExecutor(max(1, threads)) as pool:  # numpy's loops release the GIL: 1.7x on 2 cores
         for values in intermediate_values(model, list(histograms), samples, threads):
             floats = [name for name, value in values.items() if value.dtype.kind == "f"]
-            for name, counts in zip(floats, pool.map(lambda n: _histogram(values[n], *ranges[n]), floats)):
+            for name, counts in zip(floats, pool.map(lambda n: histogram(values[n], *ranges[n]), floats)):
                 histograms[name] += counts
     chosen = dict(ranges)
     for name, counts in histograms.items():
@@ -43,11 +42,12 @@ def mse_ranges(model: onnx.ModelProto, ranges: dict[str, tuple[float, float]], s
     return chosen
 
 
-def _histogram(value: np.ndarray, low: float, high: float) -> np.ndarray:
+def histogram(value: np.ndarray, low: float, high: float) -> np.ndarray:
     """np.histogram(value, BINS, (low, high))'s counts: values outside the range (a moving-average calibrator's
-    ranges leave some out) and NaN not counted. Not np.histogram itself: its exact-edge corrections made it 2x
-    slower, 12 s of PP-OCRv4 rec's mse ranges; here a value within float32 rounding of an edge may fall in the next
-    bin (24 of 245760), 1/8 of an int8 step from where it belongs. Computed in float32 (a float16 tensor too)."""
+    ranges leave some out) and NaN not counted. Not np.histogram itself: its exact-edge corrections made it about
+    twice as slow, a large part of a big model's mse ranges; here a value within float32 rounding of an edge may
+    fall in the next bin, 1/8 of an int8 step from where it belongs. Computed in float32 (a float16 tensor too).
+    Offered on its own because it stands in for np.histogram: its counts are checked against numpy's."""
     values = value.ravel().astype(np.float32, copy=False)
     scale = np.float32(BINS / (high - low)) if high > low else np.float32(np.inf)
     if not np.isfinite(scale):  # a range narrower than float32 can scale

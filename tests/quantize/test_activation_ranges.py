@@ -42,17 +42,17 @@ def test_ranges_come_from_the_model_run_and_untouched_tensors_keep_theirs():
 def test_the_histogram_counts_as_numpy_does_but_for_values_at_a_bin_edge():
     """Its own binning (faster than np.histogram): every value counted once, at most a few in a neighbouring bin
     (float32 rounding at an edge), and the range's ends in the end bins."""
-    from qprep.quantize.ranges import _histogram
+    from qprep.quantize.ranges import histogram
 
     values = np.random.default_rng(0).standard_normal((1, 64, 24, 160)).astype(np.float32)
     low, high = float(values.min()), float(values.max())
-    counts, expected = _histogram(values, low, high), np.histogram(values, bins=BINS, range=(low, high))[0]
+    counts, expected = histogram(values, low, high), np.histogram(values, bins=BINS, range=(low, high))[0]
     assert counts.sum() == values.size and np.abs(counts - expected).sum() <= values.size * 1e-3
     assert counts[0] >= 1 and counts[-1] >= 1
     # values outside the range (a moving-average calibrator's), NaN and ±inf are left out, as np.histogram does
     extra = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 2 * high, low - 1.0], np.float32)
-    assert np.array_equal(_histogram(np.concatenate([values.ravel(), extra]), low, high), counts)
+    assert np.array_equal(histogram(np.concatenate([values.ravel(), extra]), low, high), counts)
     # a float16 tensor is binned in float32 (numpy 1.x would compute its bins in float16)
     half = values.astype(np.float16)
     reference = np.histogram(half.astype(np.float32), bins=BINS, range=(low, high))[0]
-    assert np.abs(_histogram(half, low, high) - reference).sum() <= values.size * 1e-3
+    assert np.abs(histogram(half, low, high) - reference).sum() <= values.size * 1e-3
