@@ -10,7 +10,9 @@ Python API mirroring the CLI:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from qprep.version import __version__
+
+__all__ = ["__version__", "run"]
 
 
 def run(config, *, force: bool = False, quiet: bool = True, **overrides) -> dict:

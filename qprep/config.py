@@ -17,10 +17,10 @@ from typing import Any
 import yaml
 
 from qprep.errors import ConfigError
-from qprep.evaluate.metrics import KINDS, OUTPUT_METRICS
+from qprep.measure.metrics import KINDS, OUTPUT_METRICS
 from qprep.disk.reading import require_regular_file
 from qprep.schema import Key, closest, section, validate
-from qprep.pipeline.stages import registry
+from qprep.stage_registry import registry
 
 
 def data_source(doc: str) -> Key:

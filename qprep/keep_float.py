@@ -29,12 +29,12 @@ import onnx_ir as ir
 from qprep.model import info as model_info
 from qprep.errors import ConfigError
 from qprep.optimize.passes.layernorm import decomposed_layernorm_nodes
-from qprep.verify import compare, Tolerance, Verifier
+from qprep.graph.verify import compare, Tolerance, Verifier
 from qprep.model.runtime import run_model
 from qprep.qdq.params import consumers, producer, remove_dead
 from qprep.schema import Key, closest
-from qprep.pipeline.context import RunContext, StageResult
-from qprep.pipeline.stages import stage
+from qprep.contract import RunContext, StageResult
+from qprep.stage_registry import stage
 
 LAYERNORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
                  "SkipSimplifiedLayerNormalization")
@@ -180,8 +180,8 @@ def keep_float(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageR
 def _against_reference(outputs: dict[str, list[dict]], reference_path: str, verifier: Verifier) -> dict:
     """Cosine of the QDQ model's outputs against the FP32 model it came from, before and after the float set
     lost its rounding: the number that says whether keeping these nodes float helped."""
-    from qprep.evaluate.metrics import compare_output
-    from qprep.model.io import load_model
+    from qprep.measure.metrics import compare_output
+    from qprep.model.load import load_model
 
     reference = run_model(load_model(reference_path), verifier.samples, verifier.threads)
     results = {}

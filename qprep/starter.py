@@ -21,7 +21,7 @@ from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, DataError
 from qprep.model import info as model_info
 from qprep.model.info import TensorSpec
-from qprep.model.io import load_model, load_model_and_data_files
+from qprep.model.load import load_model, load_model_and_data_files
 
 # Folder names `--data` may hold, per role (first match wins).
 SPLIT_NAMES = {"calibration": ("calib", "calibration", "train"), "evaluation": ("eval", "evaluation", "val"),

@@ -56,7 +56,7 @@ def load(name: str, samples: int):
 def facts(model: onnx.ModelProto, original_outputs, samples) -> dict:
     """What a tool left: nodes, LayerNorms fused / still decomposed / refused by reason, GELUs fused / left,
     BatchNorms left, and the max abs error of every output against the original on the same samples."""
-    from qprep.model.inspect import FUSED_GELU_OPS
+    from qprep.inspection import FUSED_GELU_OPS
     from qprep.optimize.passes.gelu import count_gelus
     from qprep.optimize.passes.layernorm import find_layernorms
 

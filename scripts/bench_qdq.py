@@ -2,7 +2,7 @@
 
 The QDQ model is scripts/build_qdq_fixtures.py's quantize_static EfficientNet-Lite0; "fused" is that model after
 `remove_redundant_qdq → fuse_conv_qdq` (format qlinear, and format integer). Every model is timed the same way
-(qprep.evaluate.latency: batch 1, 2 intra-op threads, ORT_ENABLE_ALL, median of N runs after a warm-up) on the
+(qprep.measure.latency: batch 1, 2 intra-op threads, ORT_ENABLE_ALL, median of N runs after a warm-up) on the
 same real sample, in interleaved rounds (the median of the rounds' medians is reported) so that load from other
 processes hits every model alike. Also the QAT CNN fixture before/after qat_cleanup's stages.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import qprep  # noqa: E402
 from qprep.config import data_source  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
-from qprep.evaluate.latency import interleaved  # noqa: E402
+from qprep.measure.latency import interleaved  # noqa: E402
 from qprep.model.info import graph_inputs, op_counts  # noqa: E402
 from qprep.schema import validate  # noqa: E402
 

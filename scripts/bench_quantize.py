@@ -1,6 +1,6 @@
 """ONNX Runtime's documented INT8 flow vs qprep's ORT pipeline, on the reference models, in one process.
 
-Both are evaluated with the same code (qprep.evaluate.metrics) on the same evaluation samples against the same
+Both are evaluated with the same code (qprep.measure.metrics) on the same evaluation samples against the same
 FP32 model, and timed the same way (batch 1, 2 intra-op threads, ORT_ENABLE_ALL, median of 200 runs after 10,
 FP32 and both INT8 models taking turns for 5 rounds, median of the rounds: with 50 runs × 3 rounds the
 0.8 ms PP-OCR classifier gave 1.18×, 1.10× and 1.04× in three runs of the same models).
@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 import qprep  # noqa: E402
 from qprep.config import data_source  # noqa: E402
 from qprep.data import load_samples  # noqa: E402
-from qprep.evaluate.latency import interleaved, speedups  # noqa: E402
-from qprep.evaluate.metrics import compare_output, main_agreement, output_task  # noqa: E402
+from qprep.measure.latency import interleaved, speedups  # noqa: E402
+from qprep.measure.metrics import compare_output, main_agreement, output_task  # noqa: E402
 from qprep.model.runtime import run_model# noqa: E402
 from qprep.model.info import graph_inputs  # noqa: E402
 from qprep.schema import validate  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import qprep  # noqa: E402
 from bench_quantize import agreement_text, heldout_text  # noqa: E402
-from qprep.evaluate.metrics import main_agreement  # noqa: E402
+from qprep.measure.metrics import main_agreement  # noqa: E402
 
 OCR = {"mean": [127.5], "std": [127.5], "channel_order": "bgr", "resize": "none"}
 MODELS = {  # name → (data set, preprocessing, input dims, has LayerNorm)

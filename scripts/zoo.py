@@ -293,7 +293,7 @@ COLUMNS = ("model", "exporter", "task", "status", "float set", "int8 MACs", "cos
 
 def measured(outputs: dict) -> tuple[float | None, str]:
     """(worst cosine_mean over the outputs, the first output's task figure): what qprep's summary shows."""
-    from qprep.evaluate.metrics import main_agreement
+    from qprep.measure.metrics import main_agreement
     from qprep.jsonfile import number
 
     if not outputs:

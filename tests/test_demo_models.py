@@ -50,7 +50,7 @@ def test_rknn_demo_config_runs_end_to_end_on_the_simulator(cli, tmp_path):
 def test_minilm_calibration_matches_its_three_integer_inputs(tmp_path):
     from qprep.data import load_samples
     from qprep.model.info import graph_inputs
-    from qprep.model.io import load_model
+    from qprep.model.load import load_model
 
     inputs = graph_inputs(load_model(demo_model("minilm_l6_v2.onnx")))
     cfg = {"source": str(CALIBRATION / "minilm" / "calib"), "format": "auto", "max_samples": 8, "seed": 0,

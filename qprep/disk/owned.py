@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qprep import __version__
+from qprep.version import __version__
 from qprep import jsonfile
 from qprep.disk.atomic import atomic_write_text
 from qprep.disk.reading import read_json

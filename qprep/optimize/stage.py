@@ -22,11 +22,11 @@ from qprep.model.prepare import drop_initializer_value_info
 from qprep.errors import QprepError
 from qprep.optimize.passes import PassSettings, all_passes
 from qprep.optimize.dynamic_samples import dynamic_variant, named_dynamic_dims
-from qprep.verify import Verifier, checker_problem
+from qprep.graph.verify import Verifier, checker_problem
 from qprep.schema import Key
 from qprep.third_party import forget_rewrite_matches
-from qprep.pipeline.context import RunContext, StageResult
-from qprep.pipeline.stages import stage
+from qprep.contract import RunContext, StageResult
+from qprep.stage_registry import stage
 
 log = logging.getLogger("qprep")
 

@@ -23,9 +23,10 @@ from qprep.data.pitfalls import data_warnings
 from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, ModelError, Problems, QprepError
 from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, left_symbolic_warning, name_nodes
-from qprep.model.io import load_model_and_data_files, sha256_file
+from qprep.model.load import load_model_and_data_files
+from qprep.model.io import sha256_file
 from qprep.progress import Progress
-from qprep.pipeline.stages import registry
+from qprep.stage_registry import registry
 
 
 @dataclass

@@ -8,7 +8,6 @@ proves the ownership and holds the lock: one run at a time per run directory).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import platform
 import signal
@@ -20,8 +19,8 @@ from qprep.disk import owned
 from qprep.disk.owned import MANIFEST
 from qprep.disk.reading import read_json
 from qprep.errors import RunDirError, signal_handlers
+from qprep.run_log import LOG
 
-LOG = "qprep.log"
 VERSIONED_PACKAGES = ("qprep", "onnx", "onnxruntime", "numpy", "protobuf", "onnxconverter-common",
                       "rknn-toolkit2", "torch")
 
@@ -54,59 +53,12 @@ def claim(path: Path, force: bool, artifacts: tuple[str, ...] = ()) -> owned.Own
     return run
 
 
-# Libraries whose INFO records (one line per pass over the graph) drowned the run log: warnings only.
-CHATTY_LIBRARIES = ("onnx_ir", "onnxscript")
-
-
-def attach_log(path: Path) -> logging.Handler:
-    """Send the `qprep` logger (and toolkits we capture) to <run dir>/qprep.log."""
-    handler = logging.FileHandler(path / LOG, encoding="utf-8", errors="backslashreplace")  # non-UTF-8 file names
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("qprep")
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False  # the terminal shows progress lines and errors, not the log
-    logger.addHandler(handler)
-    return handler
-
-
-@contextlib.contextmanager
-def toolkit_logging_to_run_log():
-    """Toolkits (ORT's quantizer, rknn-toolkit2) log through the root logger and would print to the
-    terminal; while they run, their warnings go to the run log instead. Not their INFO records: ORT's quantizer
-    writes one per tensor ("Quantization parameters for tensor ... not specified", "Ignore MatMul due to non
-    constant B"), hundreds of lines on a transformer that said nothing qprep's own lines do not."""
-    root = logging.getLogger()
-    run_handlers = logging.getLogger("qprep").handlers
-    saved, level = root.handlers[:], root.level
-    root.handlers = list(run_handlers)
-    root.setLevel(logging.WARNING)
-    quiet = [logging.getLogger(name) for name in CHATTY_LIBRARIES]
-    quiet_levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.WARNING)
-    logging.captureWarnings(True)  # Python warnings (e.g. onnxconverter-common's) go the same way
-    printed = _LogWriter(logging.getLogger("qprep.toolkit"))
-    try:
-        with contextlib.redirect_stdout(printed):  # ORT's calibrators print progress with print()
-            yield
-    finally:
-        logging.captureWarnings(False)
-        root.handlers, root.level = saved, level
-        for logger, saved_level in zip(quiet, quiet_levels):
-            logger.setLevel(saved_level)
-
-
 @contextlib.contextmanager
 def deferred_signals():
     """Ctrl-C and SIGTERM ignored while the final report and manifest are written (well under a second):
     a second Ctrl-C must not leave a run without its record."""
     with signal_handlers(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         yield
-
-
-def detach_log(handler: logging.Handler) -> None:
-    logging.getLogger("qprep").removeHandler(handler)
-    handler.close()
 
 
 def versions() -> dict[str, str | None]:
@@ -122,24 +74,6 @@ def versions() -> dict[str, str | None]:
 def write_manifest(run: owned.Owned, manifest: dict) -> None:
     """The run's final manifest: what went in, what came out (`files`: what `--force` may remove)."""
     run.write_manifest({"command": sys.argv, **manifest, "versions": versions()})
-
-
-class _LogWriter:
-    """A file-like object that turns print() output into log records, line by line."""
-
-    def __init__(self, logger: logging.Logger):
-        self.logger, self.buffer = logger, ""
-
-    def write(self, text: str) -> int:
-        self.buffer += text
-        *lines, self.buffer = self.buffer.split("\n")
-        for line in lines:
-            if line.strip():
-                self.logger.info(line.rstrip())
-        return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 def recorded_inputs(path: Path) -> dict[str, str]:

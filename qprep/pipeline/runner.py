@@ -3,7 +3,7 @@
 
 The runner owns what every stage has in common: timing, op counts before/after, the record, saving the
 per-stage model, turning a stage failure into a report that says where it failed, and applying what each
-stage hands back (its StageResult, the contract in qprep/pipeline/context.py) to the run.
+stage hands back (its StageResult, the contract in qprep/contract.py) to the run.
 """
 
 from __future__ import annotations
@@ -17,22 +17,24 @@ from typing import Callable
 
 import onnx
 
-from qprep import __version__
+from qprep.version import __version__
 from qprep.model import info as model_info
 from qprep.pipeline import preflight
 from qprep.pipeline import run_dir
+from qprep import run_log
 from qprep.config import Config
 from qprep.data import random_samples
 from qprep.errors import ConfigError, QprepError
 from qprep.evaluate import evaluate
-from qprep.evaluate.reference import ReferenceOutputs
-from qprep.verify import Tolerance, Verifier
+from qprep.measure.reference import ReferenceOutputs
+from qprep.graph.verify import Tolerance, Verifier
 from qprep.memory import return_freed_memory
 from qprep.model.io import save_model, sha256_file
 from qprep.progress import Progress
 from qprep.report import write_report, write_report_json
-from qprep.pipeline.context import Products, RunContext, StageResult
-from qprep.pipeline.stages import registry
+from qprep.contract import Products
+from qprep.contract import RunContext, StageResult
+from qprep.stage_registry import registry
 
 log = logging.getLogger("qprep")
 SCHEMA_VERSION = 1
@@ -70,7 +72,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
                       for name in registry()[stage].artifacts(options))
     claimed = run_dir.claim(Path(out), force, artifacts)
     directory = claimed.path
-    handler = run_dir.attach_log(directory)
+    handler = run_log.attach_log(directory)
     run = Run(config, directory, _new_report(directory, checked), timings={"load": load_seconds}, claimed=claimed)
     report = run.report
     try:
@@ -100,7 +102,7 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
         with run_dir.deferred_signals():  # an interrupt while the record is written would leave it half-done
             _write_record(run)
             log.info("run finished: %s", report["status"])
-            run_dir.detach_log(handler)
+            run_log.detach_log(handler)
             claimed.release()
 
 
@@ -134,7 +136,7 @@ def _run_stages(run: Run, model: onnx.ModelProto) -> onnx.ModelProto:
     """Every stage in config order, each on the model the one before handed back."""
     stages = run.config.stages
     for index, (name, options) in enumerate(stages):
-        with run.ctx.progress.step(f"[{index + 1}/{len(stages)}] {name}"), run_dir.toolkit_logging_to_run_log():
+        with run.ctx.progress.step(f"[{index + 1}/{len(stages)}] {name}"), run_log.toolkit_logging_to_run_log():
             model = _run_stage(run, index, name, options, model)
         run.timings[f"stage {index} {name}"] = run.report["stages"][-1]["seconds"]
     return model
@@ -263,5 +265,5 @@ def _write_record(run: Run) -> None:
         # what `qprep evaluate` reads back: a result edited or replaced since is refused, not judged
         "results": {name: sha256_file(run.directory / name) for name in ("model.onnx", "model.onnx.data")
                     if (run.directory / name).is_file()},
-        "files": sorted({*run.written, *present, run_dir.LOG}),
+        "files": sorted({*run.written, *present, run_log.LOG}),
     })

@@ -21,7 +21,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 
 from qprep.model.info import tensor_shapes
 from qprep.model.runtime import run_model
-from qprep.optimize.rules import unique_node_name, unique_value_name
+from qprep.graph.rules import unique_node_name, unique_value_name
 
 log = logging.getLogger("qprep")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from qprep.optimize.ir_utils import constant_array
+from qprep.graph.ir import constant_array
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # Integer types the QDQ stages handle, with their saturation range (int4/float8 are left alone).

@@ -30,10 +30,10 @@ from onnxscript.rewriter import MatchResult
 
 from qprep.errors import QprepError
 # onnx.checker's verdict exactly as the optimize stage applies it (ORT runs some invalid graphs, so numbers
-# alone do not prove validity). Private there today; see the report: it belongs in qprep/verify.py.
-from qprep.verify import checker_problem as invalid
+# alone do not prove validity). Private there today; see the report: it belongs in qprep/graph/verify.py.
+from qprep.graph.verify import checker_problem as invalid
 from qprep.model.prepare import name_nodes
-from qprep.verify import Tolerance, compare, cosine
+from qprep.graph.verify import Tolerance, compare, cosine
 from qprep.model.runtime import run_model
 from qprep.model.runtime import intermediate_values, ort_session
 from qprep.qdq.params import drop_identity, remove_dead

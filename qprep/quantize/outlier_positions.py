@@ -31,7 +31,7 @@ from onnx import helper, numpy_helper
 from qprep.model.info import constant_names, graph_outputs, iter_nodes, tensor_shapes, unique_name
 from qprep.model.runtime import intermediate_values
 from qprep.quantize.backend import carried_float_set
-from qprep.verify import rewrite_mismatch
+from qprep.graph.verify import rewrite_mismatch
 
 log = logging.getLogger("qprep")
 

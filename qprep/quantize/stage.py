@@ -19,10 +19,10 @@ from qprep.quantize import float32_copy, nonfinite, search
 from qprep.quantize.backend import BackendInput
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
-from qprep.pipeline.run_dir import toolkit_logging_to_run_log
+from qprep.run_log import toolkit_logging_to_run_log
 from qprep.schema import Key
-from qprep.pipeline.context import RunContext, StageResult
-from qprep.pipeline.stages import stage
+from qprep.contract import RunContext, StageResult
+from qprep.stage_registry import stage
 
 log = logging.getLogger("qprep")
 
@@ -209,7 +209,7 @@ def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> Non
     """The search measures every trial on the evaluation samples against the FP32 outputs; those are the run's
     shared ReferenceOutputs, computed here once (the final evaluation reuses them). The samples are split into
     those the search chooses on and those kept apart to accept its choice (search.split_samples)."""
-    from qprep.evaluate import output_metrics
+    from qprep.measure.outputs import output_metrics
 
     run = ctx.reference
     expected = run.expected

@@ -15,7 +15,7 @@ from pathlib import Path
 from qprep import jsonfile
 from qprep.disk.reading import read_json
 from qprep.errors import QprepError
-from qprep.evaluate.metrics import OUTPUT_METRICS, higher_is_better
+from qprep.measure.metrics import OUTPUT_METRICS, higher_is_better
 
 
 def load_record(path: str) -> tuple[str, dict]:

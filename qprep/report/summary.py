@@ -8,7 +8,7 @@ from html import escape
 from pathlib import Path
 
 from qprep.disk.reading import read_json
-from qprep.evaluate.metrics import main_agreement
+from qprep.measure.metrics import main_agreement
 from qprep.jsonfile import number
 
 COLUMNS = ["model", "status", "cosine_mean", "agreement", "heldout_cosine", "heldout_agreement", "speedup",

@@ -9,7 +9,8 @@ from onnx import numpy_helper
 
 from qprep.errors import ModelError
 from qprep.model import runtime
-from qprep.model.io import load_model, save_model, sha256_file
+from qprep.model.load import load_model
+from qprep.model.io import save_model, sha256_file
 from qprep.model import info as model_info
 from graphs import make_graph, make_model, tiny_conv_model
 
@@ -186,7 +187,7 @@ def test_shapes_of_a_heavy_model_are_inferred_on_a_skeleton_and_its_weights_stay
     assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim] == [2, 512]
     assert np.array_equal(numpy_helper.to_array(model.graph.initializer[0]), weight)
     assert len(model.graph.node) == 2 and model.opset_import[0].version == 17
-    from qprep.verify import checker_problem
+    from qprep.graph.verify import checker_problem
 
     assert checker_problem(model) is None
     model.graph.node[0].op_type = "NoSuchOp"

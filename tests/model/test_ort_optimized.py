@@ -10,7 +10,7 @@ from onnx import helper
 from conftest import demo_model, run_on_samples
 from graphs import make_model, rand
 from qprep.errors import ModelError
-from qprep.model.io import load_model
+from qprep.model.load import load_model
 from qprep.model.ort_optimized import with_runtime_types
 from qprep.model.runtime import run_model
 

@@ -20,9 +20,10 @@ from qprep.data import load_samples
 from qprep.data.arrays import read_array_sample
 from qprep.data.images import ImagePreprocess
 from qprep.errors import QprepError
-from qprep.evaluate.rerun import reevaluate
+from qprep.pipeline.reevaluate import reevaluate
 from qprep.model.info import graph_inputs
-from qprep.model.io import load_model, sha256_file
+from qprep.model.load import load_model
+from qprep.model.io import sha256_file
 
 INPUTS = graph_inputs(tiny_conv_model())
 PREPROCESS = {"mean": None, "std": None, "channel_order": "rgb", "layout": "auto", "resize": "stretch"}

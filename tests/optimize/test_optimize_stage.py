@@ -14,7 +14,7 @@ from qprep.errors import ConfigError
 from qprep.optimize import stage as optimize_module
 from qprep.optimize.passes import GraphPass, PassOutcome, all_passes
 from qprep.optimize.passes.layernorm import count_decomposed_layernorms
-from qprep.model.io import load_model
+from qprep.model.load import load_model
 from qprep.model import info as model_info
 from conftest import CALIBRATION, demo_model
 from graphs import make_model, tiny_conv_model
@@ -72,7 +72,7 @@ def conv_bn_identity_model():
 
 
 def count_checks(monkeypatch):
-    from qprep.verify import Verifier
+    from qprep.graph.verify import Verifier
 
     calls = []
     check = Verifier.check

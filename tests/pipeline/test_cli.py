@@ -189,7 +189,7 @@ def test_run_log_keeps_toolkit_warnings_but_not_library_chatter(tmp_path):
     tensor: only their warnings reach the log."""
     import logging
 
-    from qprep.pipeline.run_dir import attach_log, detach_log, toolkit_logging_to_run_log
+    from qprep.run_log import attach_log, detach_log, toolkit_logging_to_run_log
 
     handler = attach_log(tmp_path)
     try:

@@ -5,8 +5,8 @@ import pytest
 from qprep.config import load_config, parse_set
 from qprep.errors import ConfigError
 from qprep.schema import Key, section
-from qprep.pipeline import stages
-from qprep.pipeline.context import StageResult
+from qprep import stage_registry as stages
+from qprep.contract import StageResult
 
 
 @pytest.fixture

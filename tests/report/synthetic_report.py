@@ -7,7 +7,7 @@ import copy
 
 import numpy as np
 
-from qprep.evaluate.metrics import compare_output
+from qprep.measure.metrics import compare_output
 
 _BASE = {
     "schema_version": 1, "status": "ok", "seconds": 12.5,

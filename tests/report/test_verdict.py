@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from synthetic_report import report
 
-from qprep.evaluate.gate import check_gate
+from qprep.measure.gate import check_gate
 from qprep.report.html import render_html
 from qprep.report.markdown import render_markdown
 from qprep.report.verdict import MET, MISSED, NOT_MEASURED, check_text, deciding_check, verdict

@@ -19,9 +19,9 @@ The module docstring states its Forms, Preconditions and Math. Its tests build t
 `assert_fused` (same numbers with ONNX Runtime) or `assert_refused` (with the reason), as
 tests/optimize/passes/test_pass_layernorm.py does. Shared helpers, written once:
 
-    qprep/optimize/ir_utils.py   constant_array (initializer or Constant node, never a graph input),
+    qprep/graph/ir.py   constant_array (initializer or Constant node, never a graph input),
                                  default_opset, infer_shapes
-    qprep/optimize/rules.py      names_in_use / unique_node_name / unique_value_name (names for what a
+    qprep/graph/rules.py      names_in_use / unique_node_name / unique_value_name (names for what a
                                  replacement adds); OpsetUpgrade + count_matches (a replacement op newer than the
                                  model: dry run, then convert only when something matches and max_opset allows
                                  it); per_channel (a constant on a Conv output as one value per channel)

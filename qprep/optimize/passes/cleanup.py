@@ -16,9 +16,9 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 from onnxscript.rewriter.rules.common import (dropout_inference_rule, dropout_zero_rule, no_op_cast_rule,
                                               no_op_expand_rule, no_op_transpose_rule)
 
-from qprep.optimize.ir_utils import constant_array
+from qprep.graph.ir import constant_array
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import IdentityElimination, all_graphs
+from qprep.graph.rules import IdentityElimination, all_graphs
 
 
 class _NeutralOperand(RewriteRuleClassBase):

@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
 from onnxscript.optimizer import fold_constants
 
-from qprep.optimize.ir_utils import constant_array
+from qprep.graph.ir import constant_array
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.model.info import QDQ_OPS
 

@@ -27,8 +27,8 @@ from onnxscript.rewriter.rules.common import (fuse_batchnorm_into_conv_rule, fus
                                               fuse_batchnorm_into_gemm_rule, fuse_pad_into_conv_rule,
                                               normalize_pad_format_conv_rule)
 
-from qprep.optimize.ir_utils import constant_array, default_opset
-from qprep.optimize.rules import per_channel, unique_value_name
+from qprep.graph.ir import constant_array, default_opset
+from qprep.graph.rules import per_channel, unique_value_name
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 
 CLIP_INPUTS_OPSET = 11  # Clip's bounds became inputs in opset 11; older models keep their HardSigmoid

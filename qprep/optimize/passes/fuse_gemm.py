@@ -17,8 +17,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
-from qprep.optimize.ir_utils import constant_array, infer_shapes
-from qprep.optimize.rules import unique_value_name
+from qprep.graph.ir import constant_array, infer_shapes
+from qprep.graph.rules import unique_value_name
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 
 

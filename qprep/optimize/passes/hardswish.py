@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from qprep.optimize.ir_utils import default_opset
+from qprep.graph.ir import default_opset
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import ReplacementBuilder, all_graphs, names_in_use, take_over
+from qprep.graph.rules import ReplacementBuilder, all_graphs, names_in_use, take_over
 
 
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:

@@ -16,10 +16,10 @@ from onnxscript.rewriter import pattern as orp
 from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
                                               transpose_transpose_rule, unsqueeze_unsqueeze_rule)
 
-from qprep.optimize.dim_origin import DimOrigins, shape_element
-from qprep.optimize.ir_utils import constant_array, infer_shapes
+from qprep.graph.dim_origin import DimOrigins, shape_element
+from qprep.graph.ir import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import IdentityElimination, names_in_use
+from qprep.graph.rules import IdentityElimination, names_in_use
 from qprep.third_party import MaterializeReshapeShape, materialized_dims
 
 
@@ -39,7 +39,7 @@ class ReshapeKeepingOwnDims(_ReshapeRule):
 
     The `x.view(x.size(0), -1)` and attention-head idioms: a piece that reads a dim of some tensor y into
     position i is what Reshape's 0 means (allowzero=0) when that dim provably equals x's dim i (the same
-    origin, qprep/optimize/dim_origin.py); every other piece must be a constant. The shape subgraph then dies.
+    origin, qprep/graph/dim_origin.py); every other piece must be a constant. The shape subgraph then dies.
     """
 
     def check(self, context, x, shape, y, **_) -> MatchResult:

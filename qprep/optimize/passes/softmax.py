@@ -29,9 +29,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from qprep.optimize.ir_utils import constant_array, infer_shapes
+from qprep.graph.ir import constant_array, infer_shapes
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import all_graphs, unique_node_name
+from qprep.graph.rules import all_graphs, unique_node_name
 
 BOUNDS = {"Max", "Min"}  # a per-row value bounded by a constant stays per row (jax: max(−inf, row max))
 RESTORES = {"Reshape", "Unsqueeze"}

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from qprep.optimize.ir_utils import constant_array
-from qprep.optimize.rules import unique_value_name
+from qprep.graph.ir import constant_array
+from qprep.graph.rules import unique_value_name
 from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array, quantize_bias)
 from qprep.qdq.verified import Probe
-from qprep.quantize.ort.saturation import u8s8_saturates
+from qprep.model.saturation import u8s8_saturates
 
 
 

@@ -10,8 +10,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
 
-from qprep.optimize.ir_utils import constant_array
-from qprep.optimize.rules import per_channel, unique_node_name
+from qprep.graph.ir import constant_array
+from qprep.graph.rules import per_channel, unique_node_name
 from qprep.qdq.params import consumers, qparams
 from qprep.qdq.verified import Probe, Rewrite, RewriteLog
 

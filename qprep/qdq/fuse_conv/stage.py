@@ -13,10 +13,10 @@ from qprep.model import info as model_info
 from qprep.model.runtime import run_model
 from qprep.qdq.params import producer, qparams
 from qprep.qdq.verified import ProbeCheck, Rewrite, RewriteLog, apply_verified
-from qprep.quantize.ort.saturation import this_cpu, u8s8_saturates
+from qprep.model.saturation import this_cpu, u8s8_saturates
 from qprep.schema import Key
-from qprep.pipeline.context import RunContext, StageResult
-from qprep.pipeline.stages import stage
+from qprep.contract import RunContext, StageResult
+from qprep.stage_registry import stage
 
 from qprep.qdq.fuse_conv.rules import rule_sets
 

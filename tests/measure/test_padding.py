@@ -8,9 +8,9 @@ from onnx import helper
 
 from graphs import make_model, masked_attention_model, masked_attention_samples
 from qprep.errors import ConfigError
-from qprep.evaluate import output_metrics
-from qprep.evaluate.kinds import output_kinds
-from qprep.evaluate.padding import Padding, find
+from qprep.measure.outputs import output_metrics
+from qprep.measure.kinds import output_kinds
+from qprep.measure.padding import Padding, find
 from qprep.model.runtime import run_model
 
 SEQ, DIM = 6, 8
@@ -80,7 +80,7 @@ def test_a_mask_whose_reading_is_not_sure_is_not_taken_by_itself():
 
 def test_padding_rows_do_not_move_the_judged_figure_and_the_whole_tensor_figure_is_kept():
     """Noise on the padding rows only: the judged cosine stays 1; over every position it drops."""
-    from qprep.evaluate import padding_included
+    from qprep.measure.outputs import padding_included
 
     model, samples = typed_attention_model(), typed_samples()
     expected = run_model(model, samples)

@@ -6,7 +6,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from qprep.optimize.passes import fold_into_conv, layernorm
-from qprep.verify import Float32Noise, Tolerance, Verifier, compare, cosine, weights_one_ulp_away
+from qprep.graph.verify import Float32Noise, Tolerance, Verifier, compare, cosine, weights_one_ulp_away
 from graphs import apply_pass, make_model, ops, tiny_conv_model
 
 
@@ -216,7 +216,7 @@ def test_a_kernel_that_refuses_its_values_gets_no_input_dims_advice():
     """ORT 1.26's refusal of a QLinearConv whose per-channel weight zero points differ (newer releases run it):
     the message must keep ORT's explanation and not send the user to `inputs:` (it did); a shape error still
     does."""
-    from qprep.model.runtime import _advice, short_ort_message
+    from qprep.model.runtime import model_error, short_ort_message
 
     refused = ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running QLinearConv "
                "node. Name:'node_Conv_76_token_4' Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/"
@@ -228,7 +228,8 @@ def test_a_kernel_that_refuses_its_values_gets_no_input_dims_advice():
     short = short_ort_message(refused)
     assert "node_Conv_76_token_4" in short and "zero point of per-channel filter must be same" in short
     assert len(short) < 320
-    assert "inputs:" not in _advice(short) and "keep that node float" in _advice(short)
+    said = str(model_error(RuntimeError(refused)))  # what the user reads: the short message, then what to do
+    assert short in said and "inputs:" not in said and "keep that node float" in said
     shape = ("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: x for the following "
              "indices index: 2 Got: 7 Expected: 8")
-    assert "inputs:" in _advice(short_ort_message(shape))
+    assert "inputs:" in str(model_error(RuntimeError(shape)))

@@ -8,9 +8,10 @@ import onnx
 from onnx import helper
 
 from graphs import make_model
-from qprep.evaluate import ctc, worst_samples
-from qprep.evaluate.kinds import output_kinds
-from qprep.evaluate.metrics import compare_output
+from qprep.measure import ctc
+from qprep.evaluate import worst_samples
+from qprep.measure.kinds import output_kinds
+from qprep.measure.metrics import compare_output
 
 
 def steps(ids: list[int], classes: int = 5) -> np.ndarray:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from qprep.evaluate.metrics import higher_is_better, rel_error_for_cosine, sqnr_for_cosine
+from qprep.measure.metrics import higher_is_better, rel_error_for_cosine, sqnr_for_cosine
 
 COSINE = ("cosine_mean", "cosine_min")
 

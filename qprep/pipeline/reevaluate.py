@@ -15,12 +15,14 @@ from pathlib import Path
 from qprep.config import Config, load_config
 from qprep.errors import ConfigError, ModelError
 from qprep.evaluate import evaluate
-from qprep.evaluate.reference import ReferenceOutputs
+from qprep.measure.reference import ReferenceOutputs
 from qprep.disk.guard import Guard
 from qprep.disk.reading import read_json, require_regular_file
-from qprep.model.io import load_model, sha256_file
+from qprep.model.load import load_model
+from qprep.model.io import sha256_file
 from qprep.pipeline import preflight
-from qprep.pipeline.context import Products, RunContext
+from qprep.contract import Products
+from qprep.contract import RunContext
 from qprep.progress import Progress
 
 

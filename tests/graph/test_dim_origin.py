@@ -9,8 +9,8 @@ import onnx_ir as ir
 from onnx import helper
 
 from graphs import apply_pass, make_model, max_diff, ops, rand
-from qprep.optimize.dim_origin import DimOrigins
-from qprep.optimize.ir_utils import infer_shapes
+from qprep.graph.dim_origin import DimOrigins
+from qprep.graph.ir import infer_shapes
 from qprep.optimize.passes import cleanup, simplify_shapes
 
 I64 = {"zero": np.array(0, np.int64), "one": np.array(1, np.int64), "axes0": np.array([0], np.int64),

@@ -68,8 +68,8 @@ class ReferenceOutputs:
         held-out samples are judged alike. `tasks`, `padding`: the evaluation section's settings."""
         key = (repr(tasks), padding)
         if key not in self._judging:
-            from qprep.evaluate.kinds import output_kinds
-            from qprep.evaluate.padding import find
+            from qprep.measure.kinds import output_kinds
+            from qprep.measure.padding import find
 
             expected = self.expected  # first: running the reference may leave a heavy model weightless (session)
             self._judging[key] = (output_kinds(self.model, expected, tasks),

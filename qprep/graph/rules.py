@@ -21,7 +21,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass
 from onnxscript.version_converter import ConvertVersionPass
 
-from qprep.optimize.ir_utils import FLOAT_TYPES, default_opset
+from qprep.graph.ir import FLOAT_TYPES, default_opset
 
 
 class IdentityElimination(IdentityEliminationPass):

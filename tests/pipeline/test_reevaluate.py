@@ -8,7 +8,7 @@ import pytest
 
 from graphs import tiny_conv_model
 from qprep.errors import ConfigError, ModelError
-from qprep.evaluate.rerun import reevaluate
+from qprep.pipeline.reevaluate import reevaluate
 from qprep.model.io import sha256_file
 
 

@@ -1,4 +1,4 @@
-"""qprep/optimize/rules.py, the infrastructure every rule shares: names, the opset upgrade, per-channel constants."""
+"""qprep/graph/rules.py, the infrastructure every rule shares: names, the opset upgrade, per-channel constants."""
 
 import numpy as np
 import onnx_ir as ir
@@ -6,7 +6,7 @@ import pytest
 from onnx import helper
 
 from graphs import make_graph, make_model
-from qprep.optimize.rules import OpsetUpgrade, names_in_use, per_channel, unique_node_name, unique_value_name
+from qprep.graph.rules import OpsetUpgrade, names_in_use, per_channel, unique_node_name, unique_value_name
 
 UPGRADE = OpsetUpgrade(17, forbidden="{found} at opset {opset}: max_opset {max_opset} < {target}",
                        failed="converting {opset} → {target} failed")

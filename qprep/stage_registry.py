@@ -1,27 +1,23 @@
 """The stage registry: YAML stage names → the function that runs the stage and its option schema.
 
 A stage takes the current ModelProto, the run context and its validated options, and returns a StageResult:
-the new model, its record and everything later steps use (the contract: qprep/pipeline/context.py). Stage
-modules register themselves with `@stage(...)`; `registry()` imports them, so config validation and the
-runner see the same list.
+the new model, its record and everything later steps use (the contract: qprep/contract.py). Stage modules
+register themselves with `@stage(...)`; `registry()` imports them by name, so config validation and the runner
+see the same list. This module sits at the bottom of the package and imports neither the contract nor the
+config (both above it): the stages and the config name it, not the other way round.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
-from qprep.pipeline.context import StageFunction
 from qprep.schema import Key, section
 
-if TYPE_CHECKING:  # qprep.config imports this module
-    import onnx
-
-    from qprep.config import Config
-
-StageCheck = Callable[[dict, "Config"], None]  # (options, config): refuses, before the run starts, what would fail
-ModelCheck = Callable[[dict, "onnx.ModelProto"], None]  # (options, the loaded model): the same, for the model
+StageFunction = Callable[..., Any]  # qprep.contract.StageFunction: (model, RunContext, options) → StageResult
+StageCheck = Callable[[dict, Any], None]  # (options, config): refuses, before the run starts, what would fail
+ModelCheck = Callable[[dict, Any], None]  # (options, the loaded model): the same, for the model
 FixedDims = Callable[[dict], bool]  # (options): the stage compiles for one input size (open dims taken from samples)
 Artifacts = Callable[[dict], tuple]  # (options): the files the stage adds to the run directory (model.rknn)
 

@@ -17,19 +17,20 @@ import onnx
 
 from qprep.disk.reading import read_text
 from qprep.model import info as model_info
-from qprep.evaluate import ctc
-from qprep.evaluate.gate import check_gate
-from qprep.evaluate.latency import interleaved, speedups
-from qprep.evaluate.layers import LayerComparison
+from qprep.measure import ctc
+from qprep.measure.gate import check_gate
+from qprep.measure.latency import interleaved, speedups
+from qprep.measure.layers import LayerComparison
 from qprep.errors import DataError
-from qprep.evaluate.metrics import compare_output, wilson_interval
-from qprep.evaluate.padding import Padding
-from qprep.verify import is_numeric
+from qprep.measure.metrics import wilson_interval
+from qprep.measure.outputs import output_metrics, padding_included
+from qprep.measure.padding import Padding
 from qprep.model.runtime import run_model
 
 if TYPE_CHECKING:  # the pipeline imports this package
     from qprep.config import Config
-    from qprep.pipeline.context import Products, RunContext
+    from qprep.contract import Products
+    from qprep.contract import RunContext
 
 log = logging.getLogger("qprep")
 
@@ -131,37 +132,6 @@ def measure(samples, expected: list[dict], actual: list[dict], kinds: dict[str, 
             if metrics["kind"] == "classification":
                 metrics.update(task_accuracy([e[name] for e in expected], [a[name] for a in actual], labels))
     return outputs
-
-
-def output_metrics(expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]],
-                   threshold: float = 0.5, padding: Padding | None = None, inputs: list[dict] | None = None) -> dict:
-    """Per output of `kinds` (kinds.output_kinds, decided once on all evaluation samples, so the fallback's
-    trials on fewer samples judge each output the same way): compare_output over the samples, and why.
-    Outputs `padding` lays out along the attention mask are compared on the real positions of `inputs`."""
-    outputs = {}
-    for name, (kind, why) in kinds.items():
-        values = [e[name] for e in expected]
-        if not all(is_numeric(v) for v in values):
-            continue  # strings, sequences, maps: no accuracy figure (evaluate() notes which)
-        results = [a[name] for a in actual]
-        if padding is not None and name in padding.outputs:
-            pairs = [padding.rows(name, v, r, s) for v, r, s in zip(values, results, inputs)]
-            values, results = [v for v, _ in pairs], [r for _, r in pairs]
-            why += f"; judged on the positions '{padding.input}' marks real (padding rows are not used)"
-        outputs[name] = {**compare_output(values, results, kind, threshold), "why": why}
-    return outputs
-
-
-def padding_included(expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]],
-                     padding: Padding, inputs: list[dict], threshold: float) -> dict:
-    """The judged figures of the outputs `padding` trims, over every position: what a whole-tensor comparison
-    (another tool's, or `evaluation.padding: none`) reports, and how far the padding rows move it."""
-    figures = {}
-    for name in sorted(padding.outputs & set(kinds)):
-        whole = compare_output([e[name] for e in expected], [a[name] for a in actual], kinds[name][0], threshold)
-        figures[name] = {metric: whole[metric] for metric in whole["judged_by"] if whole[metric] is not None}
-    real, every = padding.real_share(inputs)
-    return {"input": padding.input, "real_positions": real, "positions": every, "outputs": figures}
 
 
 def padding_notes(whole: dict) -> list[str]:

@@ -10,7 +10,7 @@ import onnx
 from onnx import helper
 
 from graphs import make_model
-from qprep.model.inspect import inspect_model, render_inspection
+from qprep.inspection import inspect_model, render_inspection
 
 D = 8
 

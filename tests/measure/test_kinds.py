@@ -11,10 +11,10 @@ import yaml
 from onnx import helper
 
 from graphs import make_model, rand
-from qprep.evaluate import output_metrics
-from qprep.evaluate.gate import check_gate
-from qprep.evaluate.kinds import output_kinds, state_key
-from qprep.evaluate.metrics import compare_output, sqnr_db
+from qprep.measure.outputs import output_metrics
+from qprep.measure.gate import check_gate
+from qprep.measure.kinds import output_kinds, state_key
+from qprep.measure.metrics import compare_output, sqnr_db
 from qprep.model.runtime import run_model
 from qprep.quantize.search import score_of
 
@@ -165,7 +165,7 @@ def test_figures_on_no_comparable_pair_are_not_measured_never_inf():
 
 
 def test_weight_rounding_and_bias_correction_keep_the_safe_default_on_no_evidence():
-    from qprep.quantize.ort.quantizer import better, output_sqnr
+    from qprep.quantize.ort.output_check import better, output_sqnr
 
     expected = [{"y": np.ones((1, 4), np.float32)}]
     assert output_sqnr(expected, [{"y": np.ones((4,), np.float32)}]) is None

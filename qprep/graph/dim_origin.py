@@ -33,7 +33,7 @@ from collections.abc import Hashable
 import numpy as np
 import onnx_ir as ir
 
-from qprep.optimize.ir_utils import SHAPE_KEEPING_CONTRIB_OPS, constant_array
+from qprep.graph.ir import SHAPE_KEEPING_CONTRIB_OPS, constant_array
 
 SHAPE_KEEPING = frozenset({
     "Abs", "Cast", "CastLike", "Ceil", "Clip", "Cos", "Dropout", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid",

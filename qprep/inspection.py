@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from qprep.model import info as model_info
-from qprep.model.io import load_model
+from qprep.model.load import load_model
 
 
 FUSED_GELU_OPS = ("Gelu", "FastGelu", "QuickGelu", "BiasGelu")
@@ -17,7 +17,7 @@ def inspect_model(path: str) -> dict:
     the matchers `optimize` fuses with, and the candidates they refuse with the reason."""
     from qprep.optimize.passes.gelu import count_gelus
     from qprep.optimize.passes.layernorm import find_layernorms
-    from qprep.optimize.ir_utils import MS_DOMAIN
+    from qprep.graph.ir import MS_DOMAIN
     from qprep.optimize.passes.split_ort_fusions import SPLITS
 
     model = load_model(path)

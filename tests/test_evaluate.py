@@ -7,8 +7,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from qprep.evaluate.gate import check_gate
-from qprep.evaluate.metrics import compare_output, output_task, wilson_interval
+from qprep.measure.gate import check_gate
+from qprep.measure.metrics import compare_output, output_task, wilson_interval
 from conftest import CALIBRATION, ROOT, demo_model
 
 IMAGENET = {"mean": [127.0], "std": [128.0]}
@@ -50,7 +50,7 @@ def test_report_cosine_and_agreement_match_an_independent_recomputation(ort_run)
     report, out = ort_run
     from qprep.data import load_samples
     from qprep.model.info import graph_inputs
-    from qprep.model.io import load_model
+    from qprep.model.load import load_model
 
     model = load_model(out / "model.onnx")
     cfg = {"source": str(CALIBRATION / "imagenet" / "eval"), "format": "auto", "max_samples": 24, "seed": 0,
@@ -191,7 +191,7 @@ def test_changed_top1s_are_listed_with_how_near_a_tie_they_were_in_the_reference
 
 
 def test_speed_ratio_keeps_its_rounds_and_flags_a_machine_that_changed_speed():
-    from qprep.evaluate.latency import speedups
+    from qprep.measure.latency import speedups
 
     def timing(rounds):
         return {"median_ms": float(np.median(rounds)), "round_ms": rounds}
@@ -249,7 +249,7 @@ def test_wilson_interval_is_honest_at_full_agreement():
 @pytest.mark.slow
 def test_fp16_config_keeps_layernorm_float32_and_io_types(tmp_path):
     import qprep
-    from qprep.model.io import load_model
+    from qprep.model.load import load_model
 
     report = qprep.run(str(ROOT / "configs" / "fp16.yaml"), output_dir=str(tmp_path), force=True,
                        **{"calibration.max_samples": 4, "verify.max_samples": 2, "evaluation.max_samples": 8,
@@ -376,7 +376,7 @@ def test_heldout_samples_are_measured_apart_and_judge_the_gate(tmp_path):
 
 def test_an_agreement_target_inside_the_figures_interval_is_undecided_and_passes_only_where_asked():
     """47 of 48 top-1 agreeing (97.9%): a 97% target lies in its 95% interval; 40 of 48 (83%) is clearly below."""
-    from qprep.evaluate.metrics import wilson_interval
+    from qprep.measure.metrics import wilson_interval
 
     def outputs(hits):
         return {"y": {"top1_agreement": hits / 48, "top1_agreement_ci95": list(wilson_interval(hits, 48)),
@@ -396,7 +396,7 @@ def test_a_timing_round_stops_once_its_median_is_known_and_a_noisy_one_runs_to_t
     import itertools
     from types import SimpleNamespace
 
-    from qprep.evaluate import latency
+    from qprep.measure import latency
 
     clock = {"now": 0.0}
     steps = {"steady": itertools.repeat(0.001), "noisy": itertools.cycle([0.001, 0.003])}
@@ -419,8 +419,8 @@ def test_a_timing_round_stops_once_its_median_is_known_and_a_noisy_one_runs_to_t
 
 def test_a_tensors_drift_accumulated_sample_by_sample_equals_the_figures_over_all_samples():
     """layer_errors streams samples (Drift); its figures are compare_output's on the whole list."""
-    from qprep.evaluate.layers import Drift
-    from qprep.evaluate.metrics import compare_output
+    from qprep.measure.layers import Drift
+    from qprep.measure.metrics import compare_output
 
     rng = np.random.default_rng(0)
     ref = [rng.standard_normal((4, 16)).astype(np.float32) for _ in range(3)]
@@ -451,7 +451,7 @@ def test_the_reference_model_is_released_after_latency_and_before_the_per_layer_
     import qprep
     from graphs import make_model
     from qprep import evaluate as evaluation
-    from qprep.evaluate.reference import ReferenceOutputs
+    from qprep.measure.reference import ReferenceOutputs
 
     rng = np.random.default_rng(0)
     two_convs = make_model([helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
@@ -495,7 +495,7 @@ def test_latency_rounds_end_when_their_share_of_the_time_budget_is_spent(monkeyp
     import itertools
     from types import SimpleNamespace
 
-    from qprep.evaluate import latency
+    from qprep.measure import latency
 
     clock = {"now": 0.0}
     steps = itertools.cycle([1.0, 1.5, 0.8, 1.3])  # seconds per run, far from ±2%
@@ -524,7 +524,7 @@ def test_the_reference_session_that_computed_its_outputs_is_the_one_timed(tmp_pa
 
     import qprep
     from graphs import tiny_conv_model
-    from qprep.evaluate import latency
+    from qprep.measure import latency
 
     onnx.save(tiny_conv_model(batch=1), str(tmp_path / "m.onnx"))
     (tmp_path / "eval").mkdir()
@@ -546,7 +546,7 @@ def test_a_reference_ort_cannot_optimize_runs_as_written_with_a_note(tmp_path, m
     SimplifiedLayerNormFusion); the reference then runs as written instead of failing the run."""
     from conftest import run_on_samples
     from graphs import rand, tiny_conv_model
-    from qprep.evaluate import reference
+    from qprep.measure import reference
 
     built = reference.ort_session
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from qprep.evaluate.metrics import sqnr_of
+from qprep.measure.metrics import sqnr_of
 from qprep.model.runtime import Intermediates
-from qprep.verify import cosine, same_nonfinite
+from qprep.graph.verify import cosine, same_nonfinite
 
 QDQ_SUFFIX = "_DequantizeLinear_Output"
 

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import onnx
 
+from qprep.config import Config
 from qprep.data import SampleSet
-from qprep.evaluate.reference import ReferenceOutputs
+from qprep.measure.reference import ReferenceOutputs
 from qprep.progress import Progress
-from qprep.verify import Verifier
-
-if TYPE_CHECKING:  # qprep.config imports the stage registry, which imports this module
-    from qprep.config import Config
+from qprep.graph.verify import Verifier
 
 SampleRunner = Callable[[list[dict]], list[dict]]  # samples → one dict per sample (outputs, or per-layer rows)
 
