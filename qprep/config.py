@@ -63,7 +63,7 @@ def evaluation_section() -> Key:
         padding=Key("str", default="auto",
                     doc="outputs laid out along an attention mask ([batch, sequence, ...]) are judged on the positions "
                         "it marks real: auto finds the mask input (0/1 values reaching the attention's Softmax), "
-                        "an input's name names it, none judges every position (evaluate/padding.py)"),
+                        "an input's name names it, none judges every position (measure/padding.py)"),
         layers=Key("bool", default=True, doc="per-layer error against the prepared float model"),
         layer_samples=Key("int", default=8, minimum=1, doc="samples used for the per-layer error"),
         latency=section("latency of reference and result with ONNX Runtime (batch 1)",

@@ -175,7 +175,7 @@ def _memoized_weight(method, memo: dict):
     return value (their names) given back. Not memoized when the build has tensor overrides (they may name any
     weight). A weight is recognised by name, shape and settings, then its bytes compared with the ones kept: a
     compare runs at memory speed, where hashing every weight of every build took MiniLM's search from 72 to 78-83 s
-    (old and new code in turn, BENCHMARKS session 21)."""
+    (BENCHMARKS.md, Measured choices: "ORT's weight memo compares bytes")."""
 
     def call(self, weight_name, weight_qType, channel_axis, reduce_range=True, keep_float_weight=False):
         weight = next((t for t in self.model.initializer() if t.name == weight_name), None)

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("evaluate", ("qprep.evaluate",)),
     ("report", ("qprep.report",)),
     ("pipeline", ("qprep.pipeline",)),
-    ("commands", ("qprep.cli", "qprep.starter", "qprep.completion", "qprep.inspect", "qprep.__main__", "qprep")),
+    ("commands", ("qprep.cli", "qprep.starter", "qprep.completion", "qprep.inspection", "qprep.__main__", "qprep")),
 ]
 
 SESSION = re.compile(r"\bsessions? \d+", re.IGNORECASE)
@@ -91,7 +91,8 @@ def layer_of(name: str) -> int:
     best, index = -1, -1
     for i, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+            inside = name.startswith(prefix + ".") and prefix != "qprep"  # the package's face names itself alone
+            if (name == prefix or inside) and len(prefix) > best:
                 best, index = len(prefix), i
     return index
 

@@ -2,7 +2,8 @@
 
 Why: on shared (virtual) CPUs the speed changes in phases that do not slow every kernel alike: on this
 project's VM the FP32 PP-OCR classifier took 0.90 ms in some minutes and 2.06 ms in others while its INT8 model
-moved less, so an FP32 ÷ INT8 speed ratio depends on the minute it was measured in (BENCHMARKS.md, session 8).
+moved less, so an FP32 ÷ INT8 speed ratio depends on the minute it was measured in (BENCHMARKS.md, Measured
+choices: "the machine's speed phases").
 Run this before trusting a speed figure; spread across probes means the figure needs its rounds' range.
 
     .venv/bin/python scripts/latency_probe.py models/ppocr_cls.onnx --inputs x=1,3,48,192 [--probes 12]

@@ -50,7 +50,7 @@ def this_cpu() -> str:
     cpu = _cpu_name()
     if u8s8_saturates():
         return (f"this CPU ({cpu}) saturates ONNX Runtime's uint8 × int8 kernels (AVX2/AVX-512 without VNNI: "
-                "int16 pair sums clip): measured by the probe in quantize/ort/saturation.py")
+                "int16 pair sums clip): measured by the probe in model/saturation.py")
     return f"this CPU ({cpu}) computes ONNX Runtime's uint8 × int8 kernels exactly (probe: no saturation)"
 
 

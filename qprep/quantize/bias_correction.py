@@ -5,7 +5,7 @@ convolution sums only 9 products per output, so its channels' means drift, and t
 every layer after it. Moving each layer's integer bias by the drift measured on calibration data removes it
 at no inference cost. Measured on EfficientNet-Lite0 (ORT, min/max ranges, GPTQ): calibration output SQNR
 22.83 → 26.04 dB; on 128 evaluation samples cosine 0.99856, top-1 agreement 97.7% with nothing left float,
-where the fallback needed 4 float nodes for 0.99822 (BENCHMARKS.md, session 7).
+where the fallback needed 4 float nodes for 0.99822 (BENCHMARKS.md, Measured choices: "empirical bias correction").
 
 How: layers are corrected in waves, a wave being the layers whose upstream layers are all corrected; per wave,
 the QDQ model as written runs over the samples up to the wave's layers (runtime.Stepwise: only the nodes no
@@ -30,7 +30,7 @@ from qprep.model.runtime import Stepwise, intermediate_values
 
 LAYER_OPS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # op type → channel axis of its output
 # A smaller rise of the calibration SQNR is no evidence the correction helps: EfficientNet-Lite0 once gained
-# +0.003 dB and its figures moved both ways (BENCHMARKS.md, session 17)
+# +0.003 dB and its figures moved both ways (BENCHMARKS.md, Measured choices: "a correction kept only above 0.1 dB")
 MIN_GAIN_DB = 0.1
 INT32 = np.iinfo(np.int32)
 # Beyond this the tensors later waves read are let go and each remaining wave runs the corrected model again:

@@ -8,7 +8,7 @@ held-out cosine 0.83. Position-wise ops (a MatMul by a weight, element-wise ops 
 Add, LayerNorm over the features) compute each position independently, so the chain of them that ends in a
 LayerNorm can run as two copies, one on the outlier positions and one on the rest (Slice on the sequence axis
 before, Concat after), each copy calibrated with its own ranges. Exact in float32 (verified on samples),
-the same model, int8 then fits both: all int8, 0.83 → 0.95 on MiniLM (session 22's experiment).
+the same model, int8 then fits both: all int8, 0.83 → 0.95 on MiniLM.
 
 Pattern: a LayerNormalization over the last axis of a [batch, sequence, features] tensor; walking back from it
 through position-wise ops whose outputs feed only the chain, up to the tensors computed elsewhere (the

@@ -47,7 +47,7 @@ def _headline(outputs: dict | None) -> tuple[float | None, float | None]:
     first = next(iter(outputs.values()))  # the main output: the first one the model declares
     prefix = main_agreement(first)
     cosines = [number(m["cosine_mean"]) for m in outputs.values() if m.get("cosine_mean") is not None]
-    return (min(cosines) if cosines else None,  # outputs judged by cosine only (evaluate/kinds.py)
+    return (min(cosines) if cosines else None,  # outputs judged by cosine only (measure/kinds.py)
             number(first[f"{prefix}_agreement"]) if prefix else None)
 
 

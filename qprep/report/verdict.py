@@ -159,7 +159,7 @@ def task_text(m: dict) -> str:
     if kind in ("classification", "sequence", "tensor") or not parts:
         parts.append(f"cosine {num(m.get('cosine_mean'), '.4f')} (worst sample {num(m.get('cosine_min'), '.4f')})"
                      + (f", SQNR {m['sqnr_db']:.1f} dB" if m.get("sqnr_db") is not None else ""))
-    if "with_padding" in m:  # evaluate/padding.py: judged on real positions; the whole-tensor figure beside it
+    if "with_padding" in m:  # measure/padding.py: judged on real positions; the whole-tensor figure beside it
         parts[-1] += " on the real positions; with the padding rows " + ", ".join(
             f"{metric} {value:.4f}" for metric, value in m["with_padding"].items())
     return "; ".join(parts)

@@ -15,14 +15,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphs import make_model, value
 from qprep.errors import ConfigError
-from qprep.verify import Tolerance, Verifier
+from qprep.graph.verify import Tolerance, Verifier
 from qprep.model.runtime import run_model
 from qprep.qdq import params as qdq_params
 from qprep.qdq.fuse_conv import operands as fuse_conv_operands
 from qprep.qdq.params import QParams, quantize_array
-from qprep.quantize.ort.saturation import u8s8_saturates
+from qprep.model.saturation import u8s8_saturates
 from qprep.schema import validate
-from qprep.pipeline.stages import registry
+from qprep.stage_registry import registry
 
 RNG = np.random.default_rng(0)
 

@@ -234,7 +234,7 @@ def test_an_input_conv_that_is_much_of_the_model_is_quantized():
 
 
 def test_the_per_layer_error_reads_the_real_channels_of_padded_tensors():
-    from qprep.evaluate.layers import layer_errors
+    from qprep.measure.layers import layer_errors
 
     model = _block()
     quantized = _quantized(model)

@@ -7,7 +7,7 @@ import pytest
 
 import qprep
 from graphs import tiny_conv_model
-from qprep.quantize.ort import saturation
+from qprep.model import saturation
 from qprep.report.decisions import decision_lines
 
 
@@ -37,9 +37,9 @@ def test_the_probes_reference_is_exact_and_uint8_weights_never_saturate(probe):
 
 @pytest.mark.parametrize("saturates", [True, False])
 def test_weights_auto_follow_the_probe_and_the_report_says_why(tmp_path, save, monkeypatch, saturates):
-    from qprep.quantize.ort import quantizer
+    from qprep.quantize.ort import weight_type
 
-    monkeypatch.setattr(quantizer, "u8s8_saturates", lambda: saturates)
+    monkeypatch.setattr(weight_type, "u8s8_saturates", lambda: saturates)
     data = tmp_path / "data"
     data.mkdir()
     for i in range(4):

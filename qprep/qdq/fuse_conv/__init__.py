@@ -15,7 +15,7 @@ Rules, applied per Conv (the anchor: each one is checked and rolled back on its 
                    for every Conv with `format: integer`, and with `format: qlinear` for Convs whose output is
                    not requantized (QLinearConv needs an output scale) or that QLinearConv cannot take (the
                    reason is recorded as `why_not_qlinear`). A following Q/Relu stays as it is. Slow on ONNX
-                   Runtime's CPU kernels (measured 26x slower than QLinearConv on EfficientNet-Lite0, BENCHMARKS.md).
+                   Runtime's CPU kernels (BENCHMARKS.md, "INT8 speed against FP32").
     matmul         (option) Q(MatMul(DQ(a), DQ(b))) → QLinearMatMul; MatMul(DQ(a), DQ(b)) → MatMulInteger +
                    rescale where not requantized or with `format: integer`.
 

@@ -200,7 +200,7 @@ def weight_inputs(op, graph: ir.Graph, weight: WeightOperand, base: str,
 
 def widens(weight: WeightOperand, x_dtype: ir.DataType) -> bool:
     """Do int8 weights beside uint8 inputs go in as uint8? Where this CPU's U8S8 kernels saturate
-    (quantize/ort/saturation.py): the fused op would not compute what the QDQ graph does, while the same
+    (model/saturation.py): the fused op would not compute what the QDQ graph does, while the same
     values as uint8 run ORT's widening U8U8 kernel, exact on every CPU."""
     return weight.params.dtype == ir.DataType.INT8 and x_dtype == ir.DataType.UINT8 and u8s8_saturates()
 

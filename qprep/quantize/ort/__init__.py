@@ -43,7 +43,7 @@ OPTIONS = section(
     per_channel=Key("bool", default=True, doc="per-output-channel weight scales"),
     reduce_range=Key("any", default="auto", choices=("auto", True, False),
                      doc="7-bit int8 weights; auto: where this CPU's ONNX Runtime u8s8 kernels saturate (x86 without "
-                         "VNNI, measured by a probe: quantize/ort/saturation.py) and the weights are int8, else full "
+                         "VNNI, measured by a probe: model/saturation.py) and the weights are int8, else full "
                          "8-bit; true/false with weight_type auto means int8"),
     calibrate_method=Key("str", default="minmax", choices=("minmax", "mse", "entropy", "percentile", "distribution"),
                          doc="how activation ranges are chosen from the calibration data (mse: qprep's per-tensor "

@@ -31,7 +31,7 @@ def input_contract(inputs, normalization: dict | None, options: dict) -> dict:
 def write_board_files(work: Path, inputs, normalization: dict | None, options: dict,
                       characters: list[str] | None = None) -> dict[str, Path]:
     """input_contract.json and run_on_board.py in `work` → artifact name → path. `characters`: an OCR model's
-    CTC dictionary (its metadata, evaluate/ctc.py), so the board runner prints text, not class ids."""
+    CTC dictionary (its metadata, measure/ctc.py), so the board runner prints text, not class ids."""
     contract = input_contract(inputs, normalization, options)
     if characters:
         contract["ctc_characters"] = characters

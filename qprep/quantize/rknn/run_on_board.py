@@ -39,7 +39,7 @@ def image_input(spec, path):
 
 def ctc_text(steps, characters):
     """Greedy CTC: repeats collapsed, blank (class 0) dropped; class i is characters[i - 1], the next a space.
-    The rule of qprep's evaluate/ctc.py, written out here because this file runs on the board without qprep."""
+    The rule of qprep's measure/ctc.py, written out here because this file runs on the board without qprep."""
     kept = [int(s) for i, s in enumerate(steps) if s != 0 and (i == 0 or s != steps[i - 1])]
     return "".join(characters[s - 1] if s <= len(characters) else " " for s in kept)
 
