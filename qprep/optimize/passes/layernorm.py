@@ -33,7 +33,7 @@ Preconditions (any miss leaves the subgraph untouched; the reason goes to the re
     static dims), all with the same keepdims;
   - a statistic reduced with keepdims=0 or reshaped/expanded meets x with x's rank and, dim by dim, x's
     leading dims and 1 (or x's own) on the normalized ones — dims proved equal by their origin
-    (qprep/optimize/dim_origin.py), so a statistic broadcast along the wrong axis is refused;
+    (qprep/graph/dim_origin.py), so a statistic broadcast along the wrong axis is refused;
   - ReduceSum-based means divide by exactly the number of reduced elements (static dims needed);
   - eps is a positive scalar constant added to the variance under the square root; Pow exponents are 2
     (-0.5 for the inverse square root), a Div's numerator is 1, the variance guard is Max(·, 0);
@@ -42,6 +42,12 @@ Preconditions (any miss leaves the subgraph untouched; the reason goes to the re
   - no intermediate value is used outside the subgraph (the rewriter itself refuses those).
 LayerNormalization exists from opset 17: a model below it is converted first, only when something matches and
 `settings.max_opset` allows it.
+
+Where: this module holds the rules (each family's `pattern`, the shared `check` and `rewrite`), the pass, and
+the readers `qprep inspect`, `qprep init` and keep_float use (the same rules, nothing fused). The pieces every
+pattern is built from (how exporters spell mean, variance, inverse std, a restored broadcast) are in
+layernorm_pattern.py; the check's graph reading (reduced axes, scalar constants, gamma/beta, the new node's
+name) in layernorm_check.py.
 """
 
 from __future__ import annotations
@@ -56,10 +62,13 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
 
-from qprep.optimize.dim_origin import DimOrigins
-from qprep.optimize.ir_utils import constant_array, infer_shapes
+from qprep.graph.dim_origin import DimOrigins
+from qprep.graph.ir import infer_shapes
+from qprep.graph.rules import OpsetUpgrade, count_matches, names_in_use
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.rules import OpsetUpgrade, count_matches, names_in_use
+from qprep.optimize.passes.layernorm_check import (affine_follower, affine_param, reduced_axes, scalar, scope_name,
+                                                   static_dims)
+from qprep.optimize.passes.layernorm_pattern import Statistics, either, restored
 
 LAYERNORM_OPSET = 17
 UPGRADE = OpsetUpgrade(
@@ -120,9 +129,9 @@ class _FusionLog:
             out["forms"] = dict(sorted(Counter(f.form for f in self.fused).items()))
             out["epsilons"] = sorted({_readable(f.epsilon) for f in self.fused})
             out["axes"] = sorted({f.axis for f in self.fused})
-            restored = sum(1 for f in self.fused if f.restored)
-            if restored:
-                out["with_restored_broadcasts"] = restored
+            with_restored = sum(1 for f in self.fused if f.restored)
+            if with_restored:
+                out["with_restored_broadcasts"] = with_restored
         if refused:
             out["refused"] = dict(sorted(refused.items()))
         return out
@@ -131,67 +140,6 @@ class _FusionLog:
 def _readable(epsilon: float) -> float:
     """The shortest decimal that is the same float32 (1e-12, not 9.999999960041972e-13)."""
     return float(str(np.float32(epsilon)))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Sub-patterns shared by the families
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _either(make, a, b):
-    """make(a, b) or make(b, a): exporters differ in operand order.
-
-    A local choice costs one failed node match per wrong order. `RewriteRuleSet(commute=True)` would instead
-    copy the whole rule per combination of swapped nodes (2^k): 972 rules here, 3.6 s per run on MiniLM.
-    """
-    return orp.OrValue([make(a, b), make(b, a)])
-
-
-def _square(op, t, exponent: str):
-    """t², as Pow(t, exponent) or Mul(t, t); `check` proves the exponent is 2."""
-    return orp.OrValue([op.Pow(t, orp.Var(exponent)), op.Mul(t, t)])
-
-
-def _mean(op, t, tag: str):
-    """E[t] over the normalized axes: ReduceMean(t) (bound `{tag}_mean`), or jax2tf's ReduceSum(t) (bound
-    `{tag}_sum`) times 1/N or divided by N; `check` proves N."""
-    total = op.ReduceSum(t, _allow_other_inputs=True, _outputs=[f"{tag}_sum"])
-    return orp.OrValue([op.ReduceMean(t, _allow_other_inputs=True, _outputs=[f"{tag}_mean"]),
-                        _either(op.Mul, total, orp.Var(f"{tag}_factor")), op.Div(total, orp.Var(f"{tag}_divisor"))])
-
-
-def _restored(op, v, name: str):
-    """v where it meets the input: as it is, or brought back to the input's rank after a keepdims=0 reduction
-    (jax2tf): Reshape or Unsqueeze, each optionally followed by Expand (tf.broadcast_to), or Expand alone.
-    The value used is bound as `name`; `check` proves it has the statistic's shape [..., 1]."""
-    def lifted():
-        return orp.OrValue([op.Reshape(v, _allow_other_inputs=True), op.Unsqueeze(v, _allow_other_inputs=True)])
-    return orp.OrValue([v, lifted(), op.Expand(orp.OrValue([v, lifted()]), _allow_other_inputs=True)], name=name)
-
-
-def _variance(op, x, mean, deviation):
-    """Var[x]: E[(x - mean)²] (PyTorch, Paddle, TF's SquaredDifference) or Max(E[x²] - mean², 0) (Flax)."""
-    central = _mean(op, _square(op, deviation, "exponent"), "var")
-    moments = op.Sub(_mean(op, _square(op, x, "x_exponent"), "square"), _square(op, mean, "mean_exponent"))
-    return orp.OrValue([central, _either(op.Max, moments, orp.Var("zero"))])
-
-
-def _inverse_std(op, var_eps):
-    """1 / sqrt(var + eps): Reciprocal(Sqrt) (TF's Rsqrt), Pow(·, -0.5) or Div(1, Sqrt)."""
-    return orp.OrValue([op.Reciprocal(op.Sqrt(var_eps)), op.Pow(var_eps, orp.Var("inverse_exponent")),
-                        op.Div(orp.Var("numerator"), op.Sqrt(var_eps))])
-
-
-class _Statistics:
-    """The statistics subgraph every family shares, built once per pattern: mean, deviation, var + eps and
-    its inverse square root, each bound where it meets x-shaped data."""
-
-    def __init__(self, op, x, eps):
-        self.mean = _mean(op, x, "mean")
-        self.deviation = op.Sub(x, _restored(op, self.mean, "mean_used"))
-        variance = _variance(op, x, self.mean, self.deviation)
-        self.var_eps = _either(op.Add, _restored(op, variance, "var_used"), eps)
-        self.inverse_std = _restored(op, _inverse_std(op, self.var_eps), "inverse_used")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,7 +199,7 @@ class _LayerNormRule(RewriteRuleClassBase):
 
     def _verify(self, context, x, eps, gamma, beta, bindings) -> _Fusion | MatchResult:
         fail = MatchResult().fail
-        follower = _affine_follower(context.output_values[0], self._steps_of_longer_forms())
+        follower = affine_follower(context.output_values[0], self._steps_of_longer_forms())
         if follower is not None:  # first: a deferral is not a refusal, whatever else is wrong
             return fail(DEFERS_TO_AFFINE, follower)
         if x.dtype is None:
@@ -265,7 +213,7 @@ class _LayerNormRule(RewriteRuleClassBase):
                  for value in (bindings.get(f"{tag}_mean"), bindings.get(f"{tag}_sum")) if value is not None]
         axes, keepdims = set(), set()
         for mean in means:
-            reduced = _reduced_axes(mean.node, rank)
+            reduced = reduced_axes(mean.node, rank)
             if isinstance(reduced, str):
                 return fail(reduced, mean.node)
             axes.add(reduced)
@@ -286,7 +234,7 @@ class _LayerNormRule(RewriteRuleClassBase):
         problem = self._broadcast_problem(context, x, set(normalized), keepdims.pop(), bindings)
         if problem:
             return fail(problem, x)
-        norm_shape = _static_dims(x, normalized)
+        norm_shape = static_dims(x, normalized)
         if perm is not None and norm_shape is None:
             return fail(f"reduced axes {list(reduced)} are not trailing and their dims are not static", means[0].node)
 
@@ -296,21 +244,21 @@ class _LayerNormRule(RewriteRuleClassBase):
             if norm_shape is None:
                 return fail("ReduceSum-based mean needs static normalized dims to prove its 1/N", mean.node)
             count = int(np.prod(norm_shape))
-            value = _scalar(mean.factor if mean.factor is not None else mean.divisor, rank)
+            value = scalar(mean.factor if mean.factor is not None else mean.divisor, rank)
             expected = 1.0 / count if mean.factor is not None else float(count)
             if value is None or not np.isclose(value, expected, rtol=1e-6, atol=0.0):
                 return fail(f"ReduceSum scaled by {value}, not the mean over {count} elements", mean.node)
 
-        epsilon = _scalar(eps, rank)
+        epsilon = scalar(eps, rank)
         if epsilon is None or not np.isfinite(epsilon) or epsilon <= 0:
             return fail("epsilon is not a positive scalar constant", eps)
         for name, (expected, reason) in EXPECTED_CONSTANTS.items():
-            if bindings.get(name) is not None and _scalar(bindings[name], rank) != expected:
+            if bindings.get(name) is not None and scalar(bindings[name], rank) != expected:
                 return fail(reason, bindings[name])
 
         params = []
         for role, value, default in (("gamma", gamma, 1.0), ("beta", beta, 0.0)):
-            param = _affine_param(role, value, default, x, k, rank, norm_shape, perm)
+            param = affine_param(role, value, default, x, k, rank, norm_shape, perm)
             if isinstance(param, str):
                 return fail(param, value if value is not None else x)
             params.append(param)
@@ -318,7 +266,7 @@ class _LayerNormRule(RewriteRuleClassBase):
             return fail("new scale/bias initializers cannot be added inside a function", x)
 
         names = names_in_use(context.model)
-        name = names.node(_scope_name(context.nodes, means[0].node))
+        name = names.node(scope_name(context.nodes, means[0].node))
         new_names = {role: names.value(f"{name}.{role}")
                      for role, p in zip(("scale", "bias"), params) if isinstance(p, np.ndarray)}
         return _Fusion(self._spelling(bindings), -k, float(np.float32(epsilon)), *params, name, new_names,
@@ -330,7 +278,7 @@ class _LayerNormRule(RewriteRuleClassBase):
         Reductions with keepdims=1 used as they are broadcast correctly whatever the shapes. Otherwise (a
         keepdims=0 reduction, a Reshape/Unsqueeze/Expand between a statistic and its use) every statistic
         where it meets x must provably have the shape of x with the normalized dims 1 (or x's own: Expand
-        may broadcast all the way), dims compared by their origin (qprep/optimize/dim_origin.py).
+        may broadcast all the way), dims compared by their origin (qprep/graph/dim_origin.py).
         """
         restoring = [n for n in context.nodes if n.op_type in RESTORING_OPS]
         if keepdims == 1 and not restoring:
@@ -384,21 +332,21 @@ class CenteredLayerNorm(_LayerNormRule):
     form = "centered"
 
     def pattern(self, op, x, eps, gamma, beta):
-        stats = _Statistics(op, x, eps)
+        stats = Statistics(op, x, eps)
         d = stats.deviation
         if self.variant == "Div":  # plain
             return op.Div(d, op.Sqrt(stats.var_eps))
         if self.variant == "Mul":  # plain
             return self._root(op.Mul, d, stats.inverse_std)
         if self.variant == "gamma_inside" and not self.bias:
-            return self._root(op.Mul, d, _either(op.Mul, stats.inverse_std, gamma))
-        normalized = orp.OrValue([op.Div(d, op.Sqrt(stats.var_eps)), _either(op.Mul, d, stats.inverse_std)])
+            return self._root(op.Mul, d, either(op.Mul, stats.inverse_std, gamma))
+        normalized = orp.OrValue([op.Div(d, op.Sqrt(stats.var_eps)), either(op.Mul, d, stats.inverse_std)])
         if not self.scale:
             return self._root(op.Add, normalized, beta)
         if not self.bias:
             return self._root(op.Mul, normalized, gamma)
-        scaled = orp.OrValue([_either(op.Mul, normalized, gamma),
-                              _either(op.Mul, d, _either(op.Mul, stats.inverse_std, gamma))])
+        scaled = orp.OrValue([either(op.Mul, normalized, gamma),
+                              either(op.Mul, d, either(op.Mul, stats.inverse_std, gamma))])
         return self._root(op.Add, scaled, beta)
 
 
@@ -409,11 +357,11 @@ class FoldedScaleLayerNorm(_LayerNormRule):
     form = "tf"
 
     def pattern(self, op, x, eps, gamma, beta):
-        stats = _Statistics(op, x, eps)
-        s = orp.OrValue([_either(op.Mul, stats.inverse_std, gamma), stats.inverse_std])
-        scaled_mean = _either(op.Mul, _restored(op, stats.mean, "mean_scaled"), s)
+        stats = Statistics(op, x, eps)
+        s = orp.OrValue([either(op.Mul, stats.inverse_std, gamma), stats.inverse_std])
+        scaled_mean = either(op.Mul, restored(op, stats.mean, "mean_scaled"), s)
         shift = orp.OrValue([op.Sub(beta, scaled_mean), op.Neg(scaled_mean)])
-        return self._root(op.Add, _either(op.Mul, x, s), shift)
+        return self._root(op.Add, either(op.Mul, x, s), shift)
 
 
 def _rule_set(log: _FusionLog) -> RewriteRuleSet:
@@ -429,122 +377,6 @@ def _rule_set(log: _FusionLog) -> RewriteRuleSet:
             FoldedScaleLayerNorm.rule(log, swapped=swapped),
         ]
     return RewriteRuleSet(rules)
-
-# ---------------------------------------------------------------------------------------------------------
-# Graph reading helpers used by the check
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _scalar(value: ir.Value | None, rank: int | None) -> float | None:
-    """The constant's single element, if it is one and broadcasting it cannot raise the rank of the result."""
-    array = constant_array(value)
-    if array is None or array.size != 1 or array.ndim > (rank if rank is not None else 1):
-        return None
-    return float(array.reshape(()))
-
-
-def _reduced_axes(node: ir.Node, rank: int | None) -> tuple[int, ...] | str:
-    """The axes a ReduceMean/ReduceSum reduces, as sorted negative indices; a string says why they are unusable.
-
-    Axes are an attribute before opset 18 (ReduceSum: 13) and an input after; absent axes mean all axes.
-    """
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        array = constant_array(node.inputs[1])
-        if array is None:
-            return f"{node.op_type} axes are not constant"
-        axes = [int(a) for a in array.reshape(-1)]
-    else:
-        axes = list(node.attributes.get_ints("axes", []))
-    if not axes:
-        if node.attributes.get_int("noop_with_empty_axes", 0):
-            return f"{node.op_type} with empty axes is a no-op"
-        if rank is None:
-            return f"{node.op_type} reduces all axes of an input of unknown rank"
-        axes = list(range(rank))
-    if rank is None:
-        if any(a >= 0 for a in axes):
-            return f"{node.op_type} axes {axes} are positive and the input rank is unknown"
-    elif any(not -rank <= a < rank for a in axes):
-        return f"{node.op_type} axes {axes} out of range for rank {rank}"
-    else:
-        axes = [a - rank if a >= 0 else a for a in axes]
-    if len(set(axes)) != len(axes):
-        return f"{node.op_type} repeats axes {axes}"
-    return tuple(sorted(axes))
-
-
-def _static_dims(x: ir.Value, axes: list[int]) -> tuple[int, ...] | None:
-    """x's dims along the normalized `axes` (non-negative; empty when x's rank is unknown) when all are known
-    integers."""
-    if not axes or x.shape is None:
-        return None
-    dims = tuple(x.shape.dims[a] for a in axes)
-    return dims if all(isinstance(d, int) for d in dims) else None
-
-
-def _affine_param(role: str, value: ir.Value | None, default: float, x: ir.Value, k: int, rank: int | None,
-                  norm_shape: tuple[int, ...] | None, perm: tuple[int, ...] | None = None
-                  ) -> ir.Value | np.ndarray | str:
-    """gamma/beta as LayerNormalization needs them: the value itself, a reshaped copy, or a filled array.
-
-    Returns a string saying why not when the parameter is not a constant of x's dtype that varies only along
-    the normalized axes (a per-position gamma [S, D] with axes [-1] is not a LayerNorm parameter).
-    """
-    if value is None:
-        if norm_shape is None:
-            return f"no {role}: building one needs static normalized dims"
-        return np.full(norm_shape, default, dtype=x.dtype.numpy())
-    array = constant_array(value)
-    if array is None:
-        return f"{role} is not a constant (graph input or computed)"
-    if array.dtype != x.dtype.numpy():
-        return f"{role} dtype {array.dtype} differs from the input's {x.dtype.numpy()}"
-    if rank is not None and array.ndim > rank:
-        return f"{role} rank {array.ndim} exceeds the input rank {rank}"
-    given = array.shape
-    if perm is not None:  # normalized axes not trailing (norm_shape known): the constant moves with x
-        array = np.transpose(array.reshape((1,) * (len(perm) - array.ndim) + given), perm)
-    lead, tail = array.shape[: max(0, array.ndim - k)], array.shape[max(0, array.ndim - k):]
-    if any(d != 1 for d in lead):
-        return f"{role} shape {given} varies outside the normalized axes"
-    if norm_shape is None:
-        if len(tail) != k or 1 in tail:
-            return f"{role} shape {given} needs broadcasting but the normalized dims are unknown"
-        return value if array.shape == tail else np.ascontiguousarray(array.reshape(tail))
-    try:
-        full = np.broadcast_to(array.reshape(tail), norm_shape)
-    except ValueError:
-        return f"{role} shape {given} does not broadcast to the normalized shape {norm_shape}"
-    return value if perm is None and array.shape == norm_shape else np.ascontiguousarray(full)
-
-
-def _affine_follower(output: ir.Value, op_types: tuple[str, ...]) -> ir.Node | None:
-    """The single consumer of `output` when it is a Mul/Add by a parameter (initializer, Constant, input)."""
-    uses = output.uses()
-    if not op_types or len(uses) != 1 or output.is_graph_output():
-        return None
-    consumer = uses[0].node
-    if consumer.domain != "" or consumer.op_type not in op_types:
-        return None
-    others = [v for v in consumer.inputs if v is not output]
-    is_parameter = [v is not None and (v.producer() is None or v.producer().op_type == "Constant") for v in others]
-    return consumer if any(is_parameter) else None
-
-
-def _scope_name(nodes, anchor: ir.Node) -> str:
-    """'<common scope of the matched nodes>/LayerNormalization', e.g. '/bert/embeddings/LayerNorm/…'.
-
-    Exports without scopes (paddle2onnx: 'p2o.ReduceMean.0') anchor on the mean's node name instead.
-    """
-    scopes = [n.name.split("/")[:-1] for n in nodes if n.name and "/" in n.name]
-    common: list[str] = []
-    if scopes and len(scopes) == sum(1 for n in nodes if n.name):
-        for parts in zip(*scopes):
-            if len(set(parts)) != 1:
-                break
-            common.append(parts[0])
-    base = "/".join(common) if any(common) else (anchor.name or "")
-    return f"{base}/LayerNormalization" if base else "LayerNormalization"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from conftest import CALIBRATION, demo_model
 from graphs import make_model, value
 from qprep.optimize.passes import PassSettings
 from qprep.optimize.passes.layernorm import PASS, count_decomposed_layernorms
-from qprep.verify import cosine
+from qprep.graph.verify import cosine
 from qprep.model.runtime import ort_session
 
 SHAPE = [2, 8, 16]  # [batch, sequence, hidden]
