@@ -13,18 +13,33 @@ import sys
 import traceback
 from pathlib import Path
 
-from qprep import __version__
+from qprep.version import __version__
 from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, InterruptOnce, Problems,
                           QprepError, signal_handlers)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `qprep` command line: each subcommand's arguments come from its `_add_<command>`, in `--help`'s
+    order (bash completion reads them from this parser too)."""
     parser = argparse.ArgumentParser(
         prog="qprep", description="Prepare ONNX models for INT8 deployment (ONNX Runtime, RKNN, FP16) and "
                                   "report the accuracy lost against the float model.")
     parser.add_argument("--version", action="version", version=f"qprep {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    _add_validate(sub)
+    _add_inspect(sub)
+    _add_init(sub)
+    _add_batch(sub)
+    _add_compare(sub)
+    _add_evaluate(sub)
+    _add_setup(sub)
+    _add_completion(sub)
+    _add_config(sub)
+    return parser
 
+
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run a config's pipeline on one model",
                          description="Run the stages a YAML config lists and write a run directory "
                                      "(model.onnx, report.json/md, manifest.json, qprep.log).")
@@ -41,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strict", action="store_true", help="exit 2 when any rewrite was rolled back")
     _common(run)
 
+
+def _add_validate(sub) -> None:
     validate = sub.add_parser("validate", help="check a config (keys, types, files) without running it")
     validate.add_argument("config", type=_input("the config"), help="YAML config file")
     validate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -49,11 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a YAML file merged over the config")
     _common(validate)
 
+
+def _add_inspect(sub) -> None:
     inspect = sub.add_parser("inspect", help="describe a model: kind, inputs/outputs, op histogram, opsets")
     inspect.add_argument("model", type=_input("the model"), help="the ONNX model")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     _common(inspect)
 
+
+def _add_init(sub) -> None:
     init = sub.add_parser("init", help="write a commented starter config for a model",
                           description="Reads the model (inputs, dims, layout, whether it normalizes its input, "
                                       "LayerNorms, output kinds) and, with --data, the sample folders, and writes "
@@ -67,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--force", action="store_true", help="replace an existing config file")
     _common(init)
 
+
+def _add_batch(sub) -> None:
     batch = sub.add_parser("batch", help="run one config over every .onnx model in a folder",
                            description="Each model runs in its own process and run directory under --out, on "
                                        "this machine or as a Ray task (--executor ray); "
@@ -94,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config key for every model, as in `run`")
     _common(batch)
 
+
+def _add_compare(sub) -> None:
     compare = sub.add_parser("compare", help="compare runs (INT8 vs FP32, run vs run, batch vs batch)")
     compare.add_argument("runs", nargs="+", type=_input("the compared run"),
                          help="run directories, report.json or summary.json files")
@@ -104,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--html", type=_output_file("--html"), help="also write the table as HTML to this file")
     _common(compare)
 
+
+def _add_evaluate(sub) -> None:
     evaluate = sub.add_parser("evaluate", help="measure a finished run's result again on other (held-out) samples",
                               description="Re-runs the run's evaluation (its reference, input fixes, metrics, "
                                           "tasks and gate, from manifest.json) on another sample folder; the run "
@@ -120,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="override an evaluation key, e.g. evaluation.max_samples=16")
     _common(evaluate)
 
+
+def _add_setup(sub) -> None:
     setup = sub.add_parser("setup", help="install an optional backend's toolkit into this environment",
                            description="rknn: rknn-toolkit2 2.5.0 with its pins (numpy 1.26.4, onnx 1.18.0, "
                                        "protobuf 4.25.4, onnxruntime 1.26.0), its dependencies without torch's CUDA "
@@ -133,14 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--dry-run", action="store_true", help="print the pip commands without running them")
     _common(setup)
 
+
+def _add_completion(sub) -> None:
     completion = sub.add_parser("completion", help="print a shell completion script",
                                 description='bash (zsh with bashcompinit): eval "$(qprep completion bash)" in ~/.bashrc')
     completion.add_argument("shell", choices=["bash"], help="the shell (bash; zsh through bashcompinit)")
 
+
+def _add_config(sub) -> None:
     config = sub.add_parser("config", help="show the config reference")
     config.add_argument("--schema", action="store_true", help="every key with its type, default and meaning")
     _common(config)
-    return parser
 
 
 def _input(option: str):
@@ -319,7 +351,7 @@ def cmd_validate(args) -> int:
 
 def cmd_inspect(args) -> int:
     from qprep import jsonfile
-    from qprep.model.inspect import inspect_model, render_inspection
+    from qprep.inspection import inspect_model, render_inspection
 
     info = inspect_model(args.model)
     print(jsonfile.dumps(info) if args.json else render_inspection(info))
@@ -356,7 +388,7 @@ def cmd_completion(args) -> int:
 def cmd_config(args) -> int:
     from qprep.config import SCHEMA
     from qprep.schema import reference
-    from qprep.pipeline.stages import registry
+    from qprep.stage_registry import registry
 
     lines = ["# qprep config keys", ""] + reference(SCHEMA)
     for name, stage in sorted(registry().items()):
@@ -380,7 +412,7 @@ def cmd_batch(args) -> int:
 def cmd_evaluate(args) -> int:
     from qprep import jsonfile
     from qprep.config import parse_set
-    from qprep.evaluate.rerun import reevaluate
+    from qprep.pipeline.reevaluate import reevaluate
     from qprep.pipeline.run_dir import recorded_inputs
 
     args.guard.add_inputs(recorded_inputs(Path(args.run_dir)))  # the run's model, config and data
