@@ -96,7 +96,7 @@ def run_one(spec: RunSpec, model: Path, run_dir: Path) -> tuple[str, float, str]
                 _live.discard(worker)
     if stderr is None:
         return "failed", time.perf_counter() - start, f"timed out after {spec.timeout:g} s"
-    status, error = _outcome(worker.returncode, stderr)
+    status, error = run_outcome(worker.returncode, stderr)
     return status, time.perf_counter() - start, error
 
 
@@ -113,7 +113,12 @@ def _wait(worker: subprocess.Popen, start: float, timeout: float | None) -> str 
             continue
 
 
-def _outcome(returncode: int, stderr: str) -> tuple[str, str]:
+def run_outcome(returncode: int, stderr: str) -> tuple[str, str]:
+    """(status, one-line error) the batch summary shows for a `qprep run` that exited with `returncode` after
+    writing `stderr`: ok, gate missed (the miss's line), refused (a one-line usage refusal) or failed.
+
+    Public because it is the batch's whole reading of how a worker ended: tests pin it on a captured stderr
+    without starting a worker."""
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     error = lines[-1].removeprefix("qprep: error: ") if lines and returncode != EXIT_OK else ""
     if returncode == EXIT_OK:

@@ -154,9 +154,9 @@ def test_models_whose_names_flatten_alike_get_their_own_run_directories():
 
 
 def test_compare_shows_every_metric_the_gate_accepts():
-    """One metric list (evaluate/metrics.py): task accuracy and mse reach `compare`, and mse regresses upward."""
+    """One metric list (measure/metrics.py): task accuracy and mse reach `compare`, and mse regresses upward."""
     from qprep.config import GATE_METRICS
-    from qprep.evaluate.metrics import higher_is_better
+    from qprep.measure.metrics import higher_is_better
     from qprep.report.compare import metrics_of
 
     report = {"evaluation": {"outputs": {"y": {m: 0.5 for m in GATE_METRICS}}}}
@@ -193,10 +193,10 @@ def test_batch_merges_each_models_sidecar(tmp_path):
 
 def test_a_gate_miss_keeps_its_reason_when_what_to_do_follows_it():
     """A run that misses prints the miss, then how to run the fallback: the summary keeps the miss."""
-    from qprep.pipeline.batch_worker import _outcome
+    from qprep.pipeline.batch_worker import run_outcome
 
     stderr = ("qprep: gate missed: model.onnx in out (48 → 12 nodes, 35.9 s)\n"
               "qprep: accuracy floor missed: cosine_mean 0.5821 (needs >= 0.9) (report in out)\n"
               "qprep: to have qprep search which layers to keep float, run again with `--set …`\n")
-    assert _outcome(1, stderr) == ("gate missed", "accuracy floor missed: cosine_mean 0.5821 (needs >= 0.9) "
-                                                  "(report in out)")
+    assert run_outcome(1, stderr) == ("gate missed", "accuracy floor missed: cosine_mean 0.5821 (needs >= 0.9) "
+                                                     "(report in out)")
