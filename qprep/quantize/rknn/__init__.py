@@ -9,7 +9,9 @@ The flow of `quantize`, one module per step:
     dataset.py      dataset.txt, and the normalization the NPU applies for image inputs
     toolkit.py      Toolkit: every rknn-toolkit2 call, made in the worker process (worker.py); a crash → ToolkitError
     runner.py       Runner: a build on the simulator, and accuracy_analysis as per-layer rows
-    search.py       the accuracy-driven fallback with RKNN builds (ranked by accuracy_analysis)
+    search.py       the accuracy-driven fallback with RKNN builds: phases.py (range algorithm, spread set, mmse
+                    weight ranges, kl after a missed search) around the search, whose trials and ranking (by
+                    accuracy_analysis) are trials.py
     contract.py     input_contract.json and run_on_board.py (package data: the board's example runner)
 
 The rest of qprep uses only OPTIONS and quantize. They are loaded on first use: worker.py runs as

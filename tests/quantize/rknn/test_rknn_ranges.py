@@ -175,7 +175,7 @@ def test_after_a_slow_range_build_late_in_the_budget_the_phases_before_the_searc
     import time
 
     from qprep.quantize.budget import Budget
-    from qprep.quantize.rknn.search import _faster_if_late
+    from qprep.quantize.rknn.phases import faster_if_late
 
     class Builder:
         def __init__(self):
@@ -188,7 +188,7 @@ def test_after_a_slow_range_build_late_in_the_budget_the_phases_before_the_searc
     budget = Budget(300.0, started=time.perf_counter() - elapsed)
     budget.durations["trial"] = [220.0]
     builder = Builder()
-    assert _faster_if_late(builder, {"ln"}, budget) is reused
+    assert faster_if_late(builder, {"ln"}, budget) is reused
     assert ("trial" not in budget.durations) is reused and (builder.asked == [{"ln"}]) is reused
 
 
