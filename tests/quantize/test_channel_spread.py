@@ -122,7 +122,7 @@ def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_bef
     from types import SimpleNamespace
 
     from qprep.quantize.budget import Budget
-    from qprep.quantize.rknn.search import _spread_layers
+    from qprep.quantize.rknn.phases import spread_layers
 
     builds = []
 
@@ -134,7 +134,7 @@ def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_bef
                           fallback={"target": {"cosine_mean": 0.99}, "max_float_nodes": cap},
                           evaluation_samples=_samples(2, 5), acceptance_samples=[], progress=None)
     trials = SimpleNamespace(evaluate=evaluate, count=len)  # each node one layer here
-    record, base_float = _spread_layers(trials, job, {"kept"}, Budget(600))
+    record, base_float = spread_layers(trials, job, {"kept"}, Budget(600))
     if cap == 1:
         assert base_float == {"kept"} and record["chosen"] == "none" and record["over_max_float_nodes"]
         assert builds == [{"kept"}]
@@ -170,10 +170,10 @@ def test_rknn_measures_kl_divergence_ranges_again_once_a_spread_set_is_float16(a
     """After a spread set, `kl_divergence` ranges are one build away (PP-OCRv4 rec: 0.9854 → 0.9945 held-out) and
     kept when they score better; not tried without a set."""
     from qprep.quantize.budget import Budget
-    from qprep.quantize.rknn.search import _ranges_with_spread
+    from qprep.quantize.rknn.phases import ranges_with_spread
 
     builder, trials, builds, job = _scripted_rknn_ranges(algorithm, 0.996, 0.985)
-    record = _ranges_with_spread(builder, trials, job, {"spread", "second"}, {"tensors": tensors}, Budget(600))
+    record = ranges_with_spread(builder, trials, job, {"spread", "second"}, {"tensors": tensors}, Budget(600))
     assert builds == ([algorithm, "kl_divergence"] if tried else [])
     assert builder.algorithm == ("kl_divergence" if tried else algorithm)
     assert record.get("chosen") == ("kl_divergence" if tried else None)
@@ -185,10 +185,10 @@ def test_after_mmse_a_spread_set_measures_normal_and_kl_ranges_again(normal, kl,
     """mmse wins with every layer int8 and can lose once the spread set is float16 (MiniLM on RKNN: normal 0.940
     vs mmse 0.923 with 9 layers float16): both faster algorithms are measured, kept on any gain."""
     from qprep.quantize.budget import Budget
-    from qprep.quantize.rknn.search import _ranges_with_spread
+    from qprep.quantize.rknn.phases import ranges_with_spread
 
     builder, trials, builds, job = _scripted_rknn_ranges("mmse", kl, 0.92, {"normal": normal})
-    record = _ranges_with_spread(builder, trials, job, {"spread"}, {"tensors": ["m"]}, Budget(600))
+    record = ranges_with_spread(builder, trials, job, {"spread"}, {"tensors": ["m"]}, Budget(600))
     assert builds == ["mmse", "normal", "kl_divergence"]
     assert builder.algorithm == chosen and record["chosen"] == chosen
 
@@ -199,12 +199,12 @@ def test_rknn_measures_kl_divergence_ranges_on_the_float16_set_a_missed_search_e
     (all-MiniLM-L6-v2: 0.9013 → 0.9390 held-out); met by it here, the outcome says so. Not built after a met one."""
     from qprep.quantize import search
     from qprep.quantize.budget import Budget
-    from qprep.quantize.rknn.search import _ranges_after_search
+    from qprep.quantize.rknn.phases import ranges_after_search
 
     builder, trials, builds, job = _scripted_rknn_ranges("normal", 0.995, 0.95)
     outcome = search.Outcome(["a"], passed, {"passed": passed, "best": {"score": 0.95, "metrics": {}},
                                              **({} if passed else {"why": "time budget spent"})})
-    record = _ranges_after_search(builder, trials, job, outcome, Budget(600))
+    record = ranges_after_search(builder, trials, job, outcome, Budget(600))
     if passed:
         assert record == {} and builds == [] and builder.algorithm == "normal"
         return
@@ -225,7 +225,7 @@ def test_rknn_measures_mmse_weight_ranges_after_the_range_phases(algorithm, gptq
     """mmse's weight ranges (an mmse build on a few samples, then normal builds) are measured against GPTQ on the
     float16 set so far, kept on 5% of the error removed or the target met; the builder keeps the winner."""
     from qprep.quantize.budget import Budget
-    from qprep.quantize.rknn.search import _mmse_weights
+    from qprep.quantize.rknn.phases import mmse_weights
 
     builder, trials, builds, job = _scripted_rknn_ranges(algorithm, 0.95, 0.95)
     builder.weight_rounding = "gptq"
@@ -239,7 +239,7 @@ def test_rknn_measures_mmse_weight_ranges_after_the_range_phases(algorithm, gptq
 
     trials.evaluate = evaluate
     job.fallback = {"target": {"cosine_mean": 0.998}}
-    record = _mmse_weights(builder, trials, job, {"spread"}, Budget(600))
+    record = mmse_weights(builder, trials, job, {"spread"}, Budget(600))
     if chosen is None:
         assert record == {} and builds == [] and builder.weight_rounding == "gptq"
         return
@@ -258,7 +258,7 @@ def test_rknn_mmse_weight_ranges_are_predicted_from_the_first_trial(first_trial,
     import time
 
     from qprep.quantize.budget import Budget
-    from qprep.quantize.rknn.search import _mmse_weights
+    from qprep.quantize.rknn.phases import mmse_weights
 
     builder, trials, builds, job = _scripted_rknn_ranges("kl_divergence", 0.95, 0.95)
     builder.weight_rounding = "gptq"
@@ -274,6 +274,6 @@ def test_rknn_mmse_weight_ranges_are_predicted_from_the_first_trial(first_trial,
         budget.record("trial", seconds)
     budget.forget("trial")  # builds reusing an mmse build's ranges from here: the first trial still predicts
     budget.record("trial", 54.0)
-    record = _mmse_weights(builder, trials, job, {"spread"}, budget)
+    record = mmse_weights(builder, trials, job, {"spread"}, budget)
     assert ("mmse" in builds) is tried and (record["chosen"] == "mmse") is tried
     assert bool(budget.skipped) is not tried
