@@ -1,7 +1,7 @@
 """The RKNN backend (rknn-toolkit2 2.5.0; the x86 simulator unless a board runs the result).
 
 The flow of `quantize`, one module per step:
-    convert.py      OPTIONS and `quantize` itself: the model made compilable (limits.py, static_graph.py), the
+    convert.py      OPTIONS and `quantize` itself: the model made compilable (limits.py, static_graph/), the
                     builder, the search when a fallback is configured, the export
     builder.py      RknnBuilder: model.onnx (GPTQ weights on the toolkit's grid: weights.py), builds, hybrid
                     step1/step2 with float16 layers (IR names: names.py), simulator sessions, range reuse

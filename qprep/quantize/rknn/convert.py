@@ -1,5 +1,5 @@
 """The RKNN backend's entry point `quantize` and its config section OPTIONS: the model made into one the
-toolkit compiles (limits.py, static_graph, float16 ranges, the int8 rewrites), the builds (builder.py), the
+toolkit compiles (limits.py, static_graph/, float16 ranges, the int8 rewrites), the builds (builder.py), the
 fallback's search when one is configured (search.py), then model.rknn exported and the board's files written
 (contract.py). The search is handed the builder here: builder.py knows nothing of the search."""
 

@@ -10,7 +10,7 @@ float16 cannot hold (attention masks: finfo.min, -inf, -1e9) are clipped first: 
 fill to the smallest bound its scores allow (int8 attention keeps its scores), the rest to ±10000 as the toolkit
 itself does for ±3e38 at optimization_level 3, so the float16 layers that carry a mask stay finite; float-set
 nodes whose finite activations float16 cannot hold stay int8. An If or a BatchNormalization the toolkit cannot
-compile is rewritten by static_graph.py; an If it cannot rewrite is refused here.
+compile is rewritten by static_graph/; an If it cannot rewrite is refused here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from qprep.errors import ModelError
 from qprep.model.info import Links, default_opset, graph_inputs
 from qprep.model.prepare import convert_down
 from qprep.optimize.stage import RKNN_MAX_OPSET
-from qprep.verify import Tolerance, compare
+from qprep.graph.verify import Tolerance, compare
 from qprep.model.runtime import run_model
 from qprep.quantize import nonfinite
 from qprep.quantize.nonfinite import Extremes
@@ -40,7 +40,7 @@ MASK_BOUND = 10000.0
 
 def refuse_unsupported(model: onnx.ModelProto, at_load: bool = False) -> None:
     """A one-line ModelError for what the toolkit is known to fail on: dynamic input dims, random ops, an If
-    or Loop static_graph.py cannot rewrite, an opset that cannot be converted down to RKNN_MAX_OPSET (named by the op
+    or Loop static_graph/ cannot rewrite, an opset that cannot be converted down to RKNN_MAX_OPSET (named by the op
     that blocks it). `at_load`: the input model, before the optimize stage has taken ONNX Runtime's fused ops
     apart (the build checks again what is left)."""
     require_fixed_dims(model)
@@ -64,7 +64,7 @@ def refuse_custom_domains(model: onnx.ModelProto, at_load: bool = False) -> None
     its build with "TypeError: 'NoneType' object is not iterable" (measured with com.microsoft Gelu), so they are
     named here instead. The fused ops the optimize stage takes apart (FusedConv, SkipLayerNormalization, ...:
     optimize/passes/split_ort_fusions.py) pass at load; at the build, one left says how to split it."""
-    from qprep.optimize.ir_utils import MS_DOMAIN
+    from qprep.graph.ir import MS_DOMAIN
     from qprep.optimize.passes.split_ort_fusions import SPLITS
 
     custom: dict[str, list[str]] = {}

@@ -352,9 +352,9 @@ def test_a_loop_inside_an_if_branch_is_unrolled_once_the_branch_is_inlined():
 def test_nested_loops_are_bounded_together(monkeypatch):
     """A Loop (3 times) whose body's If holds a Loop (10 times): each within the limit alone, 73 nodes together."""
     from graphs import make_graph
-    from qprep.quantize.rknn import static_graph as module
+    from qprep.quantize.rknn.static_graph import loops
 
-    monkeypatch.setattr(module, "MAX_UNROLLED_NODES", 30)
+    monkeypatch.setattr(loops, "MAX_UNROLLED_NODES", 30)
     inner = make_graph([helper.make_node("Add", ["w", "one"], ["w2"], name="inc"),
                         helper.make_node("Identity", ["ci"], ["co"], name="ic")],
                        [("j", [], np.int64), ("ci", [], np.bool_), ("w", [4])], [("co", [], np.bool_), ("w2", [4])],
