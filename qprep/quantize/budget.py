@@ -1,7 +1,7 @@
 """The fallback's time budget as a limit: every step asks, before it starts, whether it can finish in time.
 
 Why a prediction and not a check of the clock: a check after each step lets the step that starts just before
-the deadline run to its end (PP-OCRv4 det: budget 240 s, stage 548 s: bias correction, range choices and the
+the deadline run to its end (a stage ran to more than twice its budget: bias correction, range choices and the
 final build all ran after the search's own check). So each kind of step is timed, its next run predicted from
 the measured ones (the slowest of the last few: later builds reuse caches, but samples differ), and a step
 that would end past the limit is not started. Time for what must still run after the search (the final

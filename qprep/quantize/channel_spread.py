@@ -2,15 +2,12 @@
 
 Why: a per-tensor activation range gives every channel of a tensor the same step. Where BatchNorm was folded
 into a convolution, each output channel is scaled by its own γ/σ, and in the depthwise blocks of mobile CNNs one
-channel's range can be 35× the median one's: the median channel then spans a handful of the 256 int8 levels.
-Measured with ONNX Runtime alone on 8 evaluation samples, PP-PicoDet (paddle2onnx) falls to cosine 0.56 and
-PP-OCRv3 rec to 0.71 when everything is int8, and to 0.9999 / 0.999 with 16-bit activations everywhere; 16 bits
-on the 20 rec tensors whose median channel spans under 16 levels alone bring it to 0.979, on 56 (under 48
-levels) to 0.994 (a first count that still took dead channels into the median), and keeping the edges of the 44
-the fallback chose float instead to 0.990 at 1.4× the float model's speed, one thread (16-bit QDQ runs in float
-on ONNX Runtime's CPU, slower than float). So the spread is measured once from the float model (one
-run over a few samples, no quantized trial) and ranks the tensors to keep out of int8 before any node is made
-float.
+channel's range can be tens of times the median one's: the median channel then spans a handful of the 256 int8
+levels. Models like PP-PicoDet and PP-OCRv3 rec lose most of their accuracy all int8 and get it back with 16-bit
+activations, and most of it with 16 bits (or float) on the few tensors whose median channel spans the fewest
+levels; float there is faster than 16-bit QDQ, which ONNX Runtime's CPU runs in float (BENCHMARKS.md: "channel
+spread"). So the spread is measured once from the float model (one run over a few samples, no quantized
+trial) and ranks the tensors to keep out of int8 before any node is made float.
 """
 
 from __future__ import annotations
@@ -150,8 +147,7 @@ def search_options(options: dict, record: dict) -> dict:
     """The fallback's options for its node search after the spread phase (`record`): max_float_nodes less the
     nodes the spread set took out of int8 (kept as `spread_nodes`, for the stop reason); max_float_nodes unset:
     search.SEARCHED_NODES beside them (a user who sets a cap caps everything; one who does not gets a search that
-    may keep a recognizer's whole spread set out of int8 — PP-OCRv3 rec with the cap at 32: 0.9861, target missed;
-    64: 0.994 held-out)."""
+    may keep a recognizer's whole spread set out of int8, which a cap of 32 would refuse and miss the target)."""
     spread = record.get("nodes", 0)
     if options.get("max_float_nodes") is None:
         return {**options, "max_float_nodes": search.SEARCHED_NODES, "spread_nodes": spread, "spread_counted": False}

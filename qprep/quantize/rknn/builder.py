@@ -32,12 +32,11 @@ from qprep.quantize.rknn.toolkit import Toolkit
 log = logging.getLogger("qprep")
 
 # calibration samples of the mmse build whose weight ranges `weight_rounding: mmse` takes. The toolkit's mmse gain
-# is in its weight ranges: EfficientNet-Lite0 all int8, 96 evaluation samples (rknn-toolkit2 2.5.0): normal
-# 0.99287, normal + GPTQ 0.99723, mmse 0.99824 (138 s a build), normal with mmse's weight ranges 0.99823 and with
-# its activation ranges 0.99216. From an mmse build on 8 samples (45 s): 0.99826, on 4 (26 s) 0.99814, on 1 0.99459.
-# GPTQ on mmse's grid was worse (0.99573) than nearest rounding on it. Which 8 matters: the first 8 of the 33
-# calibration lines 0.99826, the last 8 0.99827, 8 spread over them 0.99704 (below GPTQ) — so the fallback measures
-# the harvest against the weights as they are and keeps it only where it wins; the first 8 are the ones measured.
+# is in its weight ranges (normal builds with them score as an mmse build does, with its activation ranges they
+# do not), and a build on 8 samples gives them at a fraction of a full mmse build (fewer lose accuracy); nearest
+# rounding on mmse's grid beat GPTQ on it. Which 8 matters (8 spread over the calibration lines fell below GPTQ),
+# so the fallback measures the harvest against the weights as they are and keeps it only where it wins; the
+# first 8 are the ones measured (BENCHMARKS.md: "mmse's weight ranges without an mmse build per trial").
 MMSE_WEIGHT_SAMPLES = 8
 MAX_RULES_DISABLED = 4  # toolkit graph rules a build may switch off after they failed (_without_failing_rules)
 
@@ -77,7 +76,7 @@ class RknnBuilder:
         self._step1_kept: dict[tuple[str, str], str] = {}  # (its algorithm, its model file) → its cfg (_run_step1)
         self._step1_took: list[float] = []  # seconds of each step1 run
         self._ranges: dict | None = None  # a build's quantization table later builds reuse (ranges.py)
-        self.toolkit.start()  # its start-up (~2 s) overlaps the GPTQ weights
+        self.toolkit.start()  # its start-up (importing torch) overlaps the GPTQ weights
         try:
             self._save_model()
         except BaseException:
@@ -262,7 +261,7 @@ class RknnBuilder:
         cfg text. Its outputs are kept aside as they come out and copied back when the same step1 is wanted
         again: the fallback switches setting and back (kl tried against normal, mmse weight ranges against the
         weights as they were, ranges reused) and each step1 runs the calibration samples through the model again
-        (~50 s under kl on the zoo's PP-OCRv3 det 736×544); ranges.apply rewrites the data file in place."""
+        (up to a minute under kl on a large detector); ranges.apply rewrites the data file in place."""
         key = (algorithm, "gptq" if self._written is self._on_grid else "prepared")
         kept = self.toolkit.work_dir / "step1_{}_{}".format(*key)
         outputs = (Path(f"{stem}.model"), Path(f"{stem}.data"))

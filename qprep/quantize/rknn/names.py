@@ -68,8 +68,8 @@ class IRNames:
     def _output_copies(self, node: onnx.NodeProto, found: list[str]) -> list[str]:
         """The toolkit's copies of a graph output `node` computes (`logits_int8`, its reshape, and `logits`, the
         convert after it): step1 re-quantizes a model's outputs to int8 "for performance" after their float16
-        layer, which puts EfficientNet-Lite0's logits on a 0.0625 grid, ties its near top-2s (held-out, 2 of
-        4 changed top-1s were such ties) and made its cosine 0.99871 where 0.99885 with them float16."""
+        layer, which puts EfficientNet-Lite0's logits on a 0.0625 grid and ties its near top-2s (the top-1s it
+        changed on held-out samples were such ties); with them float16 its cosine is higher too."""
         copies = [t for out in node.output if out in self.graph_outputs
                   for t in self.tensors_by_base.get(out, []) if self.accepted(t)]
         return [t for t in dict.fromkeys(copies) if t not in found]

@@ -1,15 +1,14 @@
 """One RKNN build's quantization ranges reused by later hybrid builds (or only its weight ranges: builder.py's
 `weight_rounding: mmse`).
 
-Why: with `mmse` the toolkit searches every weight and activation range again inside each hybrid step2 (185 s
-on PP-OCRv4 rec), while a `normal` step2 takes the ranges it is given (1 s). So the fallback can pay for one mmse
-build, then build trials with `normal` on that build's ranges. Measured with rknn-toolkit2 2.5.0 on PP-OCRv4
-rec (LayerNorms float16, 128 evaluation samples): mmse build cosine 0.97909; normal step2 on its ranges 0.97925,
-the table equal to the mmse one on 289 of 319 tensors (the others float16, without scales); activation min/max
-alone 0.97696. But mmse's ranges depend on the float16 set: with Conv.5 + Conv.3 float16, their own mmse build
-gives 0.98835, a normal step2 on that build's ranges 0.98646 (0.98569 with min/max alone: `ori_min`/`ori_max`
-quantize the int8 conversion after a float16 layer), and on the all-int8 build's ranges 0.97711. So the
-fallback reuses ranges only for the trials of its budget's last quarter (FAST_SHARE in qprep/quantize/search.py).
+Why: with `mmse` the toolkit searches every weight and activation range again inside each hybrid step2
+(minutes), while a `normal` step2 takes the ranges it is given (a second). So the fallback can pay for one mmse
+build, then build trials with `normal` on that build's ranges: measured with rknn-toolkit2 2.5.0 on PP-OCRv4 rec,
+a normal step2 on an mmse build's ranges scores as that build does, its table equal to the mmse one on every
+int8 tensor (reusing the activation min/max alone scores lower: `ori_min`/`ori_max` quantize the int8
+conversion after a float16 layer). But mmse's ranges depend on the float16 set: a normal step2 on the
+all-int8 build's ranges scores well below the mmse build of the set it is given. So the fallback reuses ranges
+only for the trials of its budget's last quarter (FAST_SHARE in qprep/quantize/search/rounds.py).
 
 Toolkit internals this relies on (private, so checked: anything unexpected raises ValueError and the caller
 keeps building the slow way):

@@ -39,7 +39,7 @@ class Toolkit:
         self._worker: rknn_worker.Worker | None = None
 
     def start(self) -> None:
-        """Start the worker (it imports the toolkit, ~2 s, while the parent goes on until the first call).
+        """Start the worker (it imports the toolkit, seconds, while the parent goes on until the first call).
         Once per builder: a stopped or crashed worker is not restarted (the RKNN objects died with it)."""
         if self._worker is None:
             self._worker = rknn_worker.Worker(self.work_dir, self.log_path)

@@ -16,7 +16,7 @@ It is a fresh interpreter (`python -m qprep.quantize.rknn.worker`), not a fork: 
 thread pools, which a fork would copy mid-state. Not multiprocessing's "spawn" either: spawn re-runs the
 parent's main script in the child, so `qprep.run()` from a script without an `if __name__ == "__main__"` guard
 would fail, and its resource tracker would print the semaphores a crashed worker leaked onto the terminal.
-One worker per RknnBuilder: starting costs ~2 s, mostly `import rknn.api` importing torch. It must not outlive
+One worker per RknnBuilder: starting costs seconds, mostly `import rknn.api` importing torch. It must not outlive
 qprep: it asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG; strictly, when the parent thread
 that started it ends: qprep starts it from the thread that runs the pipeline), ignores SIGINT (a Ctrl-C
 reaches the whole process group; the parent decides and stops it) and exits when the pipe closes.
