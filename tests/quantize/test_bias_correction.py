@@ -11,7 +11,8 @@ from onnx import helper
 
 from qprep.quantize import bias_correction
 from qprep.quantize import ort
-from qprep.quantize.ort.quantizer import OrtQuantizer, output_sqnr
+from qprep.quantize.ort.output_check import OutputCheck, output_sqnr
+from qprep.quantize.ort.quantizer import OrtQuantizer
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
 from qprep.progress import Progress
@@ -185,7 +186,7 @@ def test_the_backend_keeps_a_correction_only_when_it_gains_the_minimum(tmp_path,
     """Calibration SQNR 10 dB before the correction, 10 + gain × MIN_GAIN_DB after: kept only above the bar (a
     smaller rise is within the estimate's noise)."""
     sqnrs = iter([10.0, 10.0 + gain * bias_correction.MIN_GAIN_DB, 9.0])  # before, both waves, the first wave
-    monkeypatch.setattr(OrtQuantizer, "_calibration_sqnr", lambda self, model: (next(sqnrs),))
+    monkeypatch.setattr(OutputCheck, "sqnr", lambda self, model: (next(sqnrs),))
     quantizer = _quantized(_chain(), tmp_path)
     quantizer.build(set())
     assert quantizer.bias["applied"] is (gain > 1)
@@ -211,7 +212,7 @@ def test_the_backend_keeps_the_prefix_of_waves_that_measures_best(tmp_path, monk
     """Calibration SQNR before, with both waves, with the first: the better correction is kept if it beats none
     (PP-LCNet orientation: all 32 waves 44.4 → 26.0 dB, the first alone 45.6)."""
     values = iter(sqnrs)
-    monkeypatch.setattr(OrtQuantizer, "_calibration_sqnr", lambda self, model: (next(values),))
+    monkeypatch.setattr(OutputCheck, "sqnr", lambda self, model: (next(values),))
     quantizer = _quantized(_chain(), tmp_path)
     model = quantizer.build(set())
     record = quantizer.bias

@@ -7,10 +7,11 @@ from onnx import helper
 
 from conftest import run_config
 from graphs import make_model
-from qprep.evaluate.metrics import compare_output
+from qprep.measure.metrics import compare_output
 from qprep.model.runtime import run_model
 from qprep.quantize import channel_spread, ort
-from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings, _with_16_bit
+from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
+from qprep.quantize.ort.raw_build import with_16_bit
 from qprep.schema import validate
 
 
@@ -74,13 +75,13 @@ def test_configured_overrides_of_a_tensor_win_over_the_fallbacks():
     from onnxruntime.quantization import QuantType
 
     mine = {"m": [{"quant_type": QuantType.QUInt8}]}
-    extra = _with_16_bit({"TensorQuantOverrides": mine, "ActivationSymmetric": False},
-                               frozenset({"m", "h"}), "uint8")
+    extra = with_16_bit({"TensorQuantOverrides": mine, "ActivationSymmetric": False},
+                        frozenset({"m", "h"}), "uint8")
     assert extra["TensorQuantOverrides"]["m"] == mine["m"] and extra["ActivationSymmetric"] is False
     assert extra["TensorQuantOverrides"]["h"] == [{"quant_type": QuantType.QUInt16}]
-    assert _with_16_bit({}, frozenset({"m"}), "int8")["TensorQuantOverrides"]["m"] == [
+    assert with_16_bit({}, frozenset({"m"}), "int8")["TensorQuantOverrides"]["m"] == [
         {"quant_type": QuantType.QInt16}]
-    assert _with_16_bit({"a": 1}, frozenset(), "uint8") == {"a": 1}
+    assert with_16_bit({"a": 1}, frozenset(), "uint8") == {"a": 1}
 
 
 @pytest.fixture

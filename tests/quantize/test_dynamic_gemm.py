@@ -9,7 +9,7 @@ from onnx import helper
 from conftest import run_on_samples
 from graphs import make_model, rand
 from qprep.model.runtime import run_model
-from qprep.quantize.ort.quantizer import shared_gemm_weights_transposed
+from qprep.quantize.ort.prepare import shared_gemm_weights_transposed
 
 DYNAMIC = [{"quantize": {"backend": "ort", "ort": {"activations": "dynamic"}}}]
 

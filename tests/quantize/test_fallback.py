@@ -632,17 +632,17 @@ def test_the_search_starts_no_trial_that_would_end_past_the_budget(monkeypatch):
 
 
 def test_bias_correction_is_tried_on_the_base_only_near_the_target():
-    from qprep.quantize.ort.search import _near_target
+    from qprep.quantize.ort.search import near_target
 
     target = {"cosine_mean": 0.998}
-    assert _near_target({"y": {"cosine_mean": 0.9973}}, target)  # EfficientNet-Lite0: its minutes pay
-    assert not _near_target({"y": {"cosine_mean": 0.56}}, target)  # PP-PicoDet: the search needs them
+    assert near_target({"y": {"cosine_mean": 0.9973}}, target)  # EfficientNet-Lite0: its minutes pay
+    assert not near_target({"y": {"cosine_mean": 0.56}}, target)  # PP-PicoDet: the search needs them
     # an agreement: near while it misses at most twice what the gate allows on its samples (97% on 96: 1.7%)
     agreement = {"cosine_mean": 0.998, "top1_agreement": 0.97}
-    assert not _near_target({"y": {"cosine_mean": 0.9973, "top1_agreement": 0.948, "top1_count": 96}}, agreement)
-    assert _near_target({"y": {"cosine_mean": 0.9973, "top1_agreement": 0.969, "top1_count": 96}}, agreement)
-    assert not _near_target({"y": {"top1_agreement": 0.99, "top1_count": 96}}, {"top1_agreement": 1.0})
-    assert _near_target({"y": {"top1_agreement": 0.95, "top1_count": 96}}, {"z.top1_agreement": 0.99})  # not y's
+    assert not near_target({"y": {"cosine_mean": 0.9973, "top1_agreement": 0.948, "top1_count": 96}}, agreement)
+    assert near_target({"y": {"cosine_mean": 0.9973, "top1_agreement": 0.969, "top1_count": 96}}, agreement)
+    assert not near_target({"y": {"top1_agreement": 0.99, "top1_count": 96}}, {"top1_agreement": 1.0})
+    assert near_target({"y": {"top1_agreement": 0.95, "top1_count": 96}}, {"z.top1_agreement": 0.99})  # not y's
     assert search.allowed_disagreement(1.0, 96) == 0.0
     assert 1 / 96 < search.allowed_disagreement(0.97, 96) < 2 / 96  # one flip passes the gate's margin, two do not
 

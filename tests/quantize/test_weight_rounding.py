@@ -8,7 +8,8 @@ from onnx import helper, numpy_helper
 from graphs import make_model
 from qprep.quantize import ort
 from qprep.quantize import gptq
-from qprep.quantize.ort.quantizer import OrtQuantizer, output_sqnr
+from qprep.quantize.ort.output_check import output_sqnr
+from qprep.quantize.ort.quantizer import OrtQuantizer
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
 from qprep.report.decisions import decision_lines

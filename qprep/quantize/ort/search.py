@@ -26,7 +26,7 @@ from typing import Callable
 import onnx
 
 from qprep.errors import ModelError
-from qprep.evaluate.layers import layer_errors
+from qprep.measure.layers import layer_errors
 from qprep.model.info import graph_inputs, multiply_adds
 from qprep.model.runtime import run_model
 from qprep.quantize import channel_spread, search
@@ -34,7 +34,8 @@ from qprep.quantize.backend import BackendInput
 from qprep.quantize.budget import Budget
 from qprep.quantize.ort.derived_builds import Derivation
 from qprep.quantize.ort.derived_runs import DerivedRuns
-from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
+from qprep.quantize.ort.quantizer import OrtQuantizer
+from qprep.quantize.ort.settings import OrtSettings
 
 log = logging.getLogger("qprep")
 
@@ -82,39 +83,45 @@ class Trials(search.SearchBackend):
         self.settings = replace(self.settings, **changes)
 
 
-def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> tuple[search.Outcome, OrtSettings]:
-    """The float set and the settings the final build uses, with the search's record."""
-    budget = Budget(job.fallback["time_budget_s"], job.started)  # from the stage's start: everything counts
-    # until a plain trial has run, the first build (calibration, GPTQ and a run) stands for one: an over-estimate
-    budget.stand_ins.update({"trial": "first build", "rank": "trial"})
-    every = len(job.evaluation_samples)
+class Measures:
+    """How the fallback measures a float set with settings: `measure` builds it (each distinct model run once),
+    `measure_candidate` derives a ranking or promotion trial's model from the build it adds to
+    (derived_builds.py) and runs it from its first edit on (derived_runs.py). Both are timed in the budget."""
 
-    measured: dict = {}  # (built model's digest, samples) → metrics
+    def __init__(self, quantizer: OrtQuantizer, job: BackendInput, budget: Budget):
+        self.quantizer, self.job, self.budget = quantizer, job, budget
+        self.every = len(job.evaluation_samples)
+        self.measured: dict = {}  # (built model's digest, samples) → metrics
+        self.derived: dict = {}  # the last ranking reference: {"key", "reference", "derivation"}
+        self.runs = DerivedRuns(job.threads)
 
-    def ranking(samples: list[dict]) -> bool:
+    def ranking(self, samples: list[dict]) -> bool:
         """Whether `samples` are the ranking samples (a prefix of those the search chooses on, not all of them)."""
-        return bool(samples) and samples[0] is job.evaluation_samples[0] and len(samples) < every
+        return bool(samples) and samples[0] is self.job.evaluation_samples[0] and len(samples) < self.every
 
-    def measure(float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
+    def measure(self, float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
         """Metrics of a build, run once per distinct model: float sets that differ only where the build does not
-        look (beyond OrtQuantizer.build_key) give the same bytes (PP-OCRv4 rec: 6 of 85 builds)."""
-        with budget.timed(build_kind(quantizer, settings, len(samples) == every)):
-            model = quantizer.build(float_nodes, settings, simplify=not ranking(samples))
+        look (beyond OrtQuantizer.build_key) give the same bytes."""
+        with self.budget.timed(build_kind(self.quantizer, settings, len(samples) == self.every)):
+            model = self.quantizer.build(float_nodes, settings, simplify=not self.ranking(samples),
+                                         budget=self.budget)
             key = (hashlib.sha1(model.SerializeToString()).digest(), id(samples[0]) if samples else None, len(samples))
-            if key not in measured:
-                measured[key] = job.measure(samples, run_model(model, samples, job.threads, optimize=True))
-            return measured[key]
+            if key not in self.measured:
+                self.measured[key] = self.job.measure(samples, run_model(model, samples, self.job.threads,
+                                                                         optimize=True))
+            return self.measured[key]
 
-    derived: dict = {}  # the last ranking reference: {"key", "reference", "derivation"}
-    runs = DerivedRuns(job.threads)
-
-    def measure_candidate(start: set[str], float_nodes: set[str], samples: list[dict], settings: OrtSettings) -> dict:
-        """A ranking or promotion trial's model derived from the build of `start` (derived_builds.py: ~0.01 s
-        where a build takes ~0.5 s on EfficientNet-Lite0); built like any trial where it cannot be derived. Timed
-        apart from builds ("derived" on all samples): the time kept for the final build is a build's."""
+    def measure_candidate(self, start: set[str], float_nodes: set[str], samples: list[dict],
+                          settings: OrtSettings) -> dict:
+        """A ranking or promotion trial's model derived from the build of `start` (much cheaper than a build:
+        BENCHMARKS.md, "ranking trials derived from the build they add to"); built like any trial where it cannot
+        be derived. Timed apart from builds ("derived" on all samples): the time kept for the final build is a
+        build's."""
+        quantizer = self.quantizer
         if quantizer.dynamic or quantizer.options["format"] != "qdq" or settings.bias_correction:
-            return measure(float_nodes, samples, settings)
-        with budget.timed("rank" if len(samples) < every else "derived"):
+            return self.measure(float_nodes, samples, settings)
+        with self.budget.timed("rank" if len(samples) < self.every else "derived"):
+            derived = self.derived
             if derived.get("key") != (frozenset(start), settings):
                 reference = quantizer.build(start, settings, simplify=False)
                 quantizable = (quantizer.build_key(quantizer.node_names, settings) - start
@@ -126,28 +133,33 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
             try:
                 # from its first edit on (derived_runs.py): a ranking trial from the reference's tensors, a
                 # promotion (all samples, or those kept apart) from the last promotion's
-                outputs = None if model is None else runs.run(derived["key"], derived["reference"], model, samples,
-                                                              from_last=not ranking(samples))
+                outputs = None if model is None else self.runs.run(derived["key"], derived["reference"], model,
+                                                                   samples, from_last=not self.ranking(samples))
             except ModelError as exc:  # an edit ORT refuses: built instead
                 log.debug("fallback: derived ranking model not run (%s): built instead", exc)
                 outputs = None
             if outputs is not None:
-                return job.measure(samples, outputs)
-        return measure(float_nodes, samples, settings)
+                return self.job.measure(samples, outputs)
+        return self.measure(float_nodes, samples, settings)
 
-    trials = Trials(quantizer.settings, measure, quantizer.build_key, measure_candidate)
+
+def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> tuple[search.Outcome, OrtSettings]:
+    """The float set and the settings the final build uses, with the search's record."""
+    budget = Budget(job.fallback["time_budget_s"], job.started)  # from the stage's start: everything counts
+    # until a plain trial has run, the first build (calibration, GPTQ and a run) stands for one: an over-estimate
+    budget.stand_ins.update({"trial": "first build", "rank": "trial"})
+    measures = Measures(quantizer, job, budget)
+    trials = Trials(quantizer.settings, measures.measure, quantizer.build_key, measures.measure_candidate)
     wanted = trials.settings.bias_correction
     trials.use(bias_correction=False)
     base = trials.evaluate(excluded, job.evaluation_samples)  # the base: calibration and GPTQ, needed by every step
     budget.reserve_kind = "trial"  # from now on, the time of one build is kept for the final one
-    quantizer.budget = budget
-    # bias correction is measured per float set (its waves: seconds to ~20 s), so not per trial: tried first on the
-    # configured ranges when the base is near the target (EfficientNet-Lite0 meets it so, not with mse ranges),
-    # or once the range and spread settings bring it near, else only on the float set the search chose; the
-    # search runs without it
-    near = _near_target(base, job.fallback["target"])
+    # bias correction is measured per float set (its waves take seconds), so not per trial: tried first on the
+    # configured ranges when the base is near the target, or once the range and spread settings bring it near
+    # (before the op-type phase, which can spend minutes for less: BENCHMARKS.md, "the search spent minutes on
+    # the wrong phase"), else only on the float set the search chose; the search runs without it
+    near = near_target(base, job.fallback["target"])
     corrected_base = _corrected_base(trials, excluded, job, budget) if wanted and near else None
-
     configured = trials.settings.calibrate_method
     ranges = search.choose_setting(
         "calibrate_method", configured, ["mse"] if configured == "minmax" and not quantizer.dynamic else [],
@@ -156,19 +168,31 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
         affordable=lambda method: budget.allows(f"calibrate_method {method}", budget.predict("first build")),
         acceptance=job.acceptance_samples)
     spread = choose_spread_tensors(quantizer, trials, excluded, job, budget)
-    if wanted and corrected_base is None and _near_target(trials.evaluate(excluded, job.evaluation_samples),
-                                                          job.fallback["target"]):
-        # the ranges or spread tensors brought the base near: bias correction before the op types and nodes
-        # (PP-OCRv4 rec: spread tensors 0.9634 → 0.9934, bias correction then 0.9957 — its 25 s met the target
-        # where the op-type phase spent 107 s for +0.0004)
+    if wanted and corrected_base is None and near_target(trials.evaluate(excluded, job.evaluation_samples),
+                                                         job.fallback["target"]):
         near, corrected_base = True, _corrected_base(trials, excluded, job, budget)
     op_types = choose_float_op_types(quantizer, trials, excluded, job, budget)
+    outcome = _search_nodes(quantizer, trials, excluded, job, budget, spread)
+    outcome.record.update(float_op_types=op_types, ranges=ranges, spread_tensors=spread)
+    if wanted:
+        outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, budget)
+        if not near:
+            outcome.record["bias_correction"]["base"] = "not tried: the base was far from the target"
+    outcome.record.update(seconds=round(budget.elapsed(), 1), budget=budget.record_dict())
+    return outcome, trials.settings
+
+
+def _search_nodes(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput, budget: Budget,
+                  spread: dict) -> search.Outcome:
+    """The search over nodes (qprep.quantize.search) at the settings chosen so far: candidates are activation
+    edges (MatMul nodes with dynamic quantization) ranked by the accuracy lost across them, when the target is
+    missed and the budget allows the ranking."""
     candidates = []
     met = search.judge(job.fallback["target"], trials.evaluate(excluded, job.evaluation_samples), excluded,
                        trials.evaluate, job.acceptance_samples)["passed"]  # (measured already: cached)
     if not met and budget.allows("ranking candidates by per-layer error",
                                  budget.predict("rank") + budget.predict("trial")):
-        candidates = _candidates(quantizer.model, quantizer.build(excluded, trials.settings),
+        candidates = _candidates(quantizer.model, quantizer.build(excluded, trials.settings, budget=budget),
                                  job.evaluation_samples[:8], excluded, job.threads)
     groups = {} if quantizer.dynamic else edges(quantizer.model, candidates)
     if groups:
@@ -176,17 +200,9 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     macs = multiply_adds(quantizer.model)
     total = sum(macs.values()) or 1
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
-    outcome = search.Search(trials, search.Candidates(candidates, groups, cost, quantizer.op_type_of), excluded,
-                            job.evaluation_samples, channel_spread.search_options(job.fallback, spread),
-                            job.progress, budget, job.acceptance_samples).run()
-    outcome.record.update(float_op_types=op_types, ranges=ranges, spread_tensors=spread)
-    if wanted:
-        outcome.record["bias_correction"] = _correct_final(trials, outcome, corrected_base, job, budget)
-        if not near:
-            outcome.record["bias_correction"]["base"] = "not tried: the base was far from the target"
-    quantizer.budget = None  # the final build reuses what the fallback measured
-    outcome.record.update(seconds=round(budget.elapsed(), 1), budget=budget.record_dict())
-    return outcome, trials.settings
+    return search.Search(trials, search.Candidates(candidates, groups, cost, quantizer.op_type_of), excluded,
+                         job.evaluation_samples, channel_spread.search_options(job.fallback, spread),
+                         job.progress, budget, job.acceptance_samples).run()
 
 
 def build_kind(quantizer: OrtQuantizer, settings: OrtSettings, all_samples: bool) -> str:
@@ -204,15 +220,15 @@ def build_kind(quantizer: OrtQuantizer, settings: OrtSettings, all_samples: bool
 NEAR = 2.0  # bias correction is tried on the base when its error is at most this many times the target's
 
 
-def _near_target(outputs: dict, target: dict) -> bool:
+def near_target(outputs: dict, target: dict) -> bool:
     """Whether the base's error (1 − score) is within NEAR times the target's, and what each agreement in the
-    target misses within NEAR times what the gate lets it miss on these samples (search.allowed_disagreement):
-    bias correction moves the score by a fraction of a percent (EfficientNet-Lite0 0.9973 → 0.9981), and far
-    from the target it rarely helps (the zoo's default runs: PP-PicoDet 9.2 → 4.5 dB, PP-LCNet orientation
-    44 → 26 dB, dropped); each try is a build and a run on every evaluation sample (the waves themselves: 19 s on
-    PP-PicoDet 800x608). EfficientNet-Lite0 with 97% top-1 agreement: on 96 samples the gate allows 1.7%
-    missed; the base's correction (cosine 0.9970 → 0.9985) still missed the agreement, 5 s of a ~55 s search
-    (the base with its ranges and spread tensors chosen missed 5.2%)."""
+    target misses within NEAR times what the gate lets it miss on these samples (search.allowed_disagreement).
+
+    Why: bias correction moves the score by a fraction of a percent, and far from the target it rarely helps;
+    each try is a build, its waves and a run on every evaluation sample. An agreement the base misses by more
+    than the gate can forgive is not met by a correction either. The measurements behind the rule:
+    BENCHMARKS.md, "bias correction only where it can decide" and "Bias correction keeps the best prefix".
+    Public for its tests: the cases it separates would each take a search to reach through `fallback`."""
     thresholds = [v for k, v in target.items() if k.rpartition(".")[2] in ("cosine_mean", "cosine_min")]
     if thresholds and 1.0 - search.score_of(outputs, target) > NEAR * (1.0 - min(thresholds)):
         return False

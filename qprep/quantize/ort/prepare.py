@@ -1,0 +1,100 @@
+"""The model as ONNX Runtime's quantizer needs it, made once before any calibration or build: at opset 13 or
+later, with the types behind com.microsoft ops declared, and for dynamic builds with no Gemm weight shared.
+Each step is exact: the model computes what it computed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+import onnx
+import onnx.version_converter
+from onnx import numpy_helper
+
+from qprep.errors import QprepError
+from qprep.model.info import Links, default_opset, unique_name
+from qprep.model.io import is_large
+from qprep.model.ort_optimized import with_runtime_types
+from qprep.model.prepare import drop_initializer_value_info
+from qprep.quantize import nonfinite
+
+log = logging.getLogger("qprep")
+
+# Per-channel DequantizeLinear (its `axis`) needs opset 13; ORT's quantizer would emit it anyway.
+MIN_OPSET = 13
+
+
+def at_min_opset(model: onnx.ModelProto, extremes: nonfinite.Extremes) -> tuple[onnx.ModelProto, int | None]:
+    """(the model at MIN_OPSET or later, the opset it was upgraded from or None). The converter writes
+    attributes as constants (an opset-10 Clip's max=+inf): those extreme constants join `extremes` (never
+    calibrated)."""
+    if default_opset(model) >= MIN_OPSET:
+        return model, None
+    upgraded_from, model = default_opset(model), _upgraded(model)
+    extremes.tensors.update({name: stats for name, stats in nonfinite.extreme_constants(model).items()
+                             if name not in extremes.tensors})
+    return model, upgraded_from
+
+
+def for_ort(model: onnx.ModelProto, threads: int, dynamic: bool) -> onnx.ModelProto:
+    """`model` with what ORT's quantizer needs: the types behind com.microsoft ops, no value_info that only
+    repeats an initializer's, and (dynamic) no Gemm weight that another node also reads."""
+    model = with_runtime_types(model, threads)  # com.microsoft ops: ORT's quantizer needs the types behind them
+    drop_initializer_value_info(model)  # in place: entries that only repeat what the initializers declare
+    if dynamic:
+        model = shared_gemm_weights_transposed(model)
+    return model
+
+
+def shared_gemm_weights_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with each Gemm(transB=1) whose weight another node also reads given one transposed copy of that
+    weight (transB=0), shared by those Gemms; the model itself when no weight is shared (exact either way).
+
+    Why: ORT's dynamic quantizer makes each Gemm a MatMul first, transposing its weight initializer in place and
+    assuming nothing else reads it ("assume B is not used by any other node", onnx_model.py). A weight two Gemms
+    share (ALBERT's shared layers, a tied head, two layers with equal weights that cleanup merged) was then
+    transposed twice and the second Gemm computed with the wrong matrix: a ViT's output went to cosine 0.41."""
+    links = Links(model)
+    shared = [i for i, n in enumerate(model.graph.node) if n.op_type == "Gemm" and len(n.input) > 1
+              and n.input[1] in links.initializers and not links.own_constant(n.input[1], n)
+              and _attribute(n, "transB", 0) == 1]
+    if not shared:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    model = copy
+    taken = {t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output}
+    transposed: dict[str, str] = {}
+    for node in (model.graph.node[i] for i in shared):
+        weight = node.input[1]
+        if weight not in transposed:
+            transposed[weight] = unique_name(f"{weight}/transposed", taken)
+            model.graph.initializer.append(numpy_helper.from_array(
+                np.ascontiguousarray(numpy_helper.to_array(links.initializers[weight]).T), transposed[weight]))
+        node.input[1] = transposed[weight]
+        kept = [a for a in node.attribute if a.name != "transB"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+    log.info("ort: %d Gemms share %d weights with other nodes: each weight transposed once for them (ORT's dynamic "
+             "quantizer transposes a Gemm's weight in place)", len(shared), len(transposed))
+    return model
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model at MIN_OPSET (ORT's quantizer needs it), or a one-line error when onnx's converter cannot."""
+    if is_large(model):
+        raise QprepError(f"the model is opset {default_opset(model)} and over 2 GB: ONNX Runtime's quantizer needs "
+                         f"opset {MIN_OPSET}+ and onnx's converter cannot upgrade models this large; re-export it "
+                         f"at opset {MIN_OPSET} or later")
+    try:
+        return onnx.version_converter.convert_version(model, MIN_OPSET)
+    except Exception as exc:  # the converter raises bare RuntimeErrors naming the op it could not adapt
+        raise QprepError(f"the model is opset {default_opset(model)}; ONNX Runtime's quantizer needs {MIN_OPSET}+ "
+                         f"and onnx's converter failed ({str(exc).splitlines()[0][:200]}): re-export it at opset "
+                         f"{MIN_OPSET} or later") from None
