@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qprep.evaluate.latency import interleaved
+from qprep.measure.latency import interleaved
 from qprep.model.info import Links, tensor_shapes
 from qprep.model.runtime import model_error, ort_session, session_outputs
 
@@ -98,37 +98,34 @@ def apply(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> tupl
 
 def pad(model: onnx.ModelProto, multiple: int = MULTIPLE) -> tuple[onnx.ModelProto, list[dict]]:
     """(a padded copy, one record per padded space: its channels before and after, the Convs changed);
-    `model` itself if nothing is padded."""
+    `model` itself if nothing is padded. The steps: the tensors each followed op ties to one channel axis are
+    joined into spaces (`_join`), a space anything else touches is blocked (`_block_outside`), the spaces whose
+    count is off the multiple and that a Conv writes are planned (`_plan`), and a copy is padded (`_padded`)."""
     links = Links(model)
     shapes = tensor_shapes(model)
+    spaces, blocked, writers = _join(model, links, shapes, _constants(model, links))
+    members = _block_outside(model, links, spaces, blocked)
+    plan = _plan(spaces, blocked, members, writers, shapes, multiple)
+    if not plan:
+        return model, []
+    return _padded(model, links, plan)
+
+
+def _channels(shapes: dict, name: str) -> int | None:
+    """The tensor's channel count (axis 1 of a rank-3+ tensor), None when unknown."""
+    dims = shapes.get(name, (0, None))[1]
+    return dims[1] if dims and len(dims) >= 3 and dims[1] else None
+
+
+def _join(model: onnx.ModelProto, links: Links, shapes: dict, constant: dict[str, np.ndarray]
+          ) -> tuple[_Spaces, set[str], dict[str, list]]:
+    """(the spaces: tensors joined where an op keeps their channel axis; the roots of spaces blocked so far;
+    tensor → [(conv, "write" | "depthwise" | "read")], the Convs that write or read it)."""
     spaces, blocked = _Spaces(), set()
-    writers: dict[str, list] = {}  # space → [(conv, "write" | "depthwise" | "read")]
-    constant = _constants(model, links)
-
-    def channels(name: str) -> int | None:
-        dims = shapes.get(name, (0, None))[1]
-        return dims[1] if dims and len(dims) >= 3 and dims[1] else None
-
+    writers: dict[str, list] = {}
     for node in model.graph.node:
         if node.op_type == "Conv":
-            weight = _weight(node, links)
-            group = next((a.i for a in node.attribute if a.name == "group"), 1)
-            x, y = node.input[0], node.output[0]
-            if weight is None or constant.get(x) is not None:
-                blocked.update({spaces.find(x), spaces.find(y)})
-                continue
-            out_channels, in_per_group = weight.shape[0], weight.shape[1]
-            if group == 1:
-                writers.setdefault(y, []).append((node, "write"))
-                writers.setdefault(x, []).append((node, "read"))
-                spaces.find(x), spaces.find(y)
-                if node.input[1] in links.initializers:  # a float Conv: ORT's FP32 kernel for another channel
-                    blocked.add(spaces.find(x))          # count sums in another order (not bit-identical)
-            elif in_per_group == 1 and out_channels == group:
-                spaces.union(x, y)
-                writers.setdefault(y, []).append((node, "depthwise"))
-            else:
-                blocked.update({spaces.find(x), spaces.find(y)})
+            _join_conv(node, links, constant, spaces, blocked, writers)
         elif node.op_type in SPATIAL_REDUCTIONS:
             if _spatial_reduction(node, constant, shapes.get(node.input[0], (0, None))[1]):
                 spaces.union(node.input[0], node.output[0])
@@ -155,11 +152,40 @@ def pad(model: onnx.ModelProto, multiple: int = MULTIPLE) -> tuple[onnx.ModelPro
                     if _per_channel(value, shapes.get(out, (0, None))[1]):
                         blocked.add(spaces.find(out))  # a per-channel constant: would need padding too
                     continue
-                if (channels(name) is None or channels(name) != channels(out)
+                if (_channels(shapes, name) is None or _channels(shapes, name) != _channels(shapes, out)
                         or (node.op_type == "Div" and position == 1)):  # a padded divisor would divide by 0
                     blocked.update({spaces.find(name), spaces.find(out)})
                 spaces.union(name, out)
-    # every other reader or writer of a space's tensor, and graph inputs/outputs, block it
+    return spaces, blocked, writers
+
+
+def _join_conv(node: onnx.NodeProto, links: Links, constant: dict, spaces: _Spaces, blocked: set[str],
+               writers: dict[str, list]) -> None:
+    """A Conv: a regular one writes its output's space and reads its input's, a depthwise one joins them; a
+    grouped one, or one whose weight or input is not what padding can follow, blocks both."""
+    weight = _weight(node, links)
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    x, y = node.input[0], node.output[0]
+    if weight is None or constant.get(x) is not None:
+        blocked.update({spaces.find(x), spaces.find(y)})
+        return
+    out_channels, in_per_group = weight.shape[0], weight.shape[1]
+    if group == 1:
+        writers.setdefault(y, []).append((node, "write"))
+        writers.setdefault(x, []).append((node, "read"))
+        spaces.find(x), spaces.find(y)
+        if node.input[1] in links.initializers:  # a float Conv: ORT's FP32 kernel for another channel
+            blocked.add(spaces.find(x))          # count sums in another order (not bit-identical)
+    elif in_per_group == 1 and out_channels == group:
+        spaces.union(x, y)
+        writers.setdefault(y, []).append((node, "depthwise"))
+    else:
+        blocked.update({spaces.find(x), spaces.find(y)})
+
+
+def _block_outside(model: onnx.ModelProto, links: Links, spaces: _Spaces, blocked: set[str]) -> dict[str, list[str]]:
+    """Blocks (in `blocked`) every space another op reads or writes, or a graph input or output is in →
+    root → the space's tensors."""
     handled = {id(n) for n in model.graph.node
                if n.op_type == "Conv" or n.op_type in CHANNEL_PRESERVING or n.op_type in SPATIAL_REDUCTIONS}
     members: dict[str, list[str]] = {}
@@ -172,12 +198,19 @@ def pad(model: onnx.ModelProto, multiple: int = MULTIPLE) -> tuple[onnx.ModelPro
             if (producer is None or name in links.outputs or name in links.in_subgraphs
                     or id(producer) not in handled or not all(_reads_as_data(r, name, handled) for r in readers)):
                 blocked.add(spaces.find(name))
+    return members
+
+
+def _plan(spaces: _Spaces, blocked: set[str], members: dict[str, list[str]], writers: dict[str, list],
+          shapes: dict, multiple: int) -> list[tuple]:
+    """[(channels, padded to, the Convs to pad with their kind, the space's tensors)] for each unblocked space
+    of one known channel count, off the multiple, that a Conv writes."""
     roots = {spaces.find(r) for r in members}
     blocked = {spaces.find(b) for b in blocked}
     plan = []
     for root in sorted(roots - blocked):
         names = [n for n in members.get(root, []) if n in spaces.parent and spaces.find(n) == root]
-        counts = {channels(n) for n in names}
+        counts = {_channels(shapes, n) for n in names}
         if len(counts) != 1 or None in counts:
             continue
         count = counts.pop()
@@ -185,8 +218,11 @@ def pad(model: onnx.ModelProto, multiple: int = MULTIPLE) -> tuple[onnx.ModelPro
         if count % multiple == 0 or not any(kind == "write" or kind == "depthwise" for _, kind in convs):
             continue
         plan.append((count, -(-count // multiple) * multiple, convs, names))
-    if not plan:
-        return model, []
+    return plan
+
+
+def _padded(model: onnx.ModelProto, links: Links, plan: list[tuple]) -> tuple[onnx.ModelProto, list[dict]]:
+    """A copy of `model` with the planned spaces padded → (it, a record per space)."""
     padded = onnx.ModelProto()
     padded.CopyFrom(model)
     padded_links = Links(padded)
