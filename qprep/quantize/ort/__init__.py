@@ -1,14 +1,14 @@
 """ONNX Runtime INT8 quantization (its static quantizer, or dynamic MatMuls), with defaults chosen for x86 CPUs.
 
-Why these defaults (measured on this machine, see BENCHMARKS.md): QDQ format, uint8 activations with int8
+Why these defaults (BENCHMARKS.md: "ORT defaults"): QDQ format, uint8 activations with int8
 weights (U8S8: ORT's fast VNNI path; S8S8 QDQ is converted at session time and is often slower), per-channel
 weights (per-tensor loses badly on depthwise convolutions); where this CPU's u8s8 kernels saturate
-(saturation.py), symmetric uint8 weights for static models (`weight_type: auto`) or 7-bit int8 (`weight_type:
+(model/saturation.py), symmetric uint8 weights for static models (`weight_type: auto`) or 7-bit int8 (`weight_type:
 int8`, faster there, less accurate).
 Nodes in the float set get no Q/DQ at all (nodes_to_exclude), so they and their edges compute in float32.
-Weights are then re-rounded by GPTQ (gptq.py), which takes EfficientNet-Lite0 from cosine 0.989 to
-0.997, and biases corrected for the drift of channel means (bias_correction.py: calibration SQNR 22.8 → 26.0 dB
-on top).
+Weights are then re-rounded by GPTQ (gptq.py) and biases corrected for the drift of channel means
+(bias_correction.py), each kept only where it lowers the output error (BENCHMARKS.md: "GPTQ weight rounding",
+"empirical bias correction").
 
 The flow: `quantize` (below) → quantizer.py (OrtQuantizer: calibrate once, build per float set and settings)
 → with a fallback configured, search.py (the ORT trials around qprep.quantize.search) → the final build.

@@ -76,7 +76,7 @@ class Calibration:
         Not a copy with the extreme constants clipped: an extreme constant is not always a mask's fill. A model
         that clamps its power spectrum with Clip(x, 1e-10, +inf) before a Log (oww_melspectrogram) would see its
         calibrated log range capped at ln 65504 where the model reaches beyond it, and every value above saturated
-        there (BENCHMARKS.md, "ORT calibration ran a different model")."""
+        there (BENCHMARKS.md: "ORT calibration ran a different model")."""
         if method in self._ranges:
             return self._ranges[method]
         extra = self.extra_options

@@ -1,10 +1,11 @@
 """A fallback ranking trial's model derived from the build it adds one candidate to, instead of a new build.
 
 Why: the fallback ranks each candidate (an activation edge) by the build with it float on top of the current
-float set, the *reference*, built just before. A build runs ONNX Runtime's quantizer over the whole graph (0.4 s
-on EfficientNet-Lite0, 90 of them in a round), where a candidate changes a few nodes. Derived by those edits the
+float set, the *reference*, built just before. A build runs ONNX Runtime's quantizer over the whole graph (90 of
+them in a round on EfficientNet-Lite0), where a candidate changes a few nodes. Derived by those edits the
 model is the one the quantizer writes: on EfficientNet-Lite0 all 90 candidates gave the same outputs as their
-builds, to the last printed digit, in ~0.01 s each instead of ~0.5 s.
+builds, to the last printed digit, each in a small part of a build's time (BENCHMARKS.md: "ranking trials
+derived from the build they add to").
 
 What ONNX Runtime's QDQ quantizer does, which the edits follow:
 - a node left float reads the float model's weights and bias (not the DequantizeLinear of its integers);

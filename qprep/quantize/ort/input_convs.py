@@ -3,10 +3,11 @@
 Why: ORT's x86 int8 Conv takes its fast (symmetric, VNNI) kernels only for input channels in multiples of 4;
 channel_padding.py pads the channel counts inside the model, but an image model's first Conv reads the model's
 input (3 channels, or 1), which it cannot pad. There the generic int8 kernel loses to ORT's float one by far: the
-PP-OCR classifier's first Conv (3 → 16, 3x3, stride 2, over 48x192) took 133 µs as INT8 and 49 µs as FP32, the
-largest single cost of its INT8 model. Kept float it costs one QuantizeLinear of its output, and no accuracy:
-it is the one layer whose input is the raw image. Only while such Convs are a small share of the model's
-multiply-adds (MAX_SHARE): an INT8 model should compute most of its work on integers, whatever one kernel costs.
+PP-OCR classifier's first Conv (3 → 16, 3x3, stride 2, over 48x192) ran nearly three times slower as INT8 than as
+FP32 (recorded in `a1583cb`), the largest single cost of its INT8 model. Kept float it costs one QuantizeLinear
+of its output, and no accuracy: it is the one layer whose input is the raw image. Only while such Convs are a
+small share of the model's multiply-adds (MAX_SHARE): an INT8 model should compute most of its work on integers,
+whatever one kernel costs.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ A build is ONNX Runtime's own static (or dynamic) quantizer (raw_build.py), with
 float (failures.py), then qprep's GPTQ weight rounding (weight_rounding.py), bias correction
 (corrected_biases.py) and exact Q/DQ simplification (qdq/remove_redundant.py) on what ORT produced, all on the
 model as ORT's quantizer needs it (prepare.py, weight_type.py). Calibration (calibration.py) runs once per model:
-`OrtQuantizer.build(float_set, settings)` re-quantizes with another float set or other settings in about a
-second, which is what the accuracy-driven fallback (search.py) needs. Everything the builds may vary is one
-immutable `OrtSettings` (settings.py), which is also the cache key: the quantizer is never reconfigured from
-outside. `OrtQuantizer` owns these parts and the order they run in.
+`OrtQuantizer.build(float_set, settings)` re-quantizes with another float set or other settings in a fraction
+of the first build's time, which is what the accuracy-driven fallback (search.py) needs. Everything the builds
+may vary is one immutable `OrtSettings` (settings.py), which is also the cache key: the quantizer is never
+reconfigured from outside. `OrtQuantizer` owns these parts and the order they run in.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class OrtQuantizer:
     def spread_nodes(self, settings: OrtSettings) -> set[str]:
         """The nodes left float for `settings.spread_tensors` (option spread_tensors: float): each tensor's
         producer and consumers, so it is neither rounded to int8 nor wrapped in Q/DQ (ONNX Runtime's CPU runs a
-        16-bit tensor's neighbours in float anyway, and slower than these edges in float: BENCHMARKS.md, "channel
+        16-bit tensor's neighbours in float anyway, and slower than these edges in float: BENCHMARKS.md: "channel
         spread")."""
         if self.options["spread_tensors"] != "float" or not settings.spread_tensors:
             return set()

@@ -44,7 +44,7 @@ log = logging.getLogger("qprep")
 _COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
 # Ops that only reshape: ORT's quantizer quantizes one only when its input is quantized, and puts its output on
 # the input's grid; left float, its output holds the same values. So they are not ranked alone as op types (each
-# rank is a build and a run: 3 of PP-OCRv4 rec's 14), unless extra_options ForceQuantizeNoInputCheck makes ORT
+# rank is a build and a run, for nothing), unless extra_options ForceQuantizeNoInputCheck makes ORT
 # quantize them after float producers too.
 _RESHAPING = {"Reshape", "Transpose", "Squeeze", "Unsqueeze"}
 
@@ -114,7 +114,7 @@ class Measures:
     def measure_candidate(self, start: set[str], float_nodes: set[str], samples: list[dict],
                           settings: OrtSettings) -> dict:
         """A ranking or promotion trial's model derived from the build of `start` (much cheaper than a build:
-        BENCHMARKS.md, "ranking trials derived from the build they add to"); built like any trial where it cannot
+        BENCHMARKS.md: "ranking trials derived from the build they add to"); built like any trial where it cannot
         be derived. Timed apart from builds ("derived" on all samples): the time kept for the final build is a
         build's."""
         quantizer = self.quantizer
@@ -156,7 +156,7 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     budget.reserve_kind = "trial"  # from now on, the time of one build is kept for the final one
     # bias correction is measured per float set (its waves take seconds), so not per trial: tried first on the
     # configured ranges when the base is near the target, or once the range and spread settings bring it near
-    # (before the op-type phase, which can spend minutes for less: BENCHMARKS.md, "the search spent minutes on
+    # (before the op-type phase, which can spend minutes for less: BENCHMARKS.md: "the search spent minutes on
     # the wrong phase"), else only on the float set the search chose; the search runs without it
     near = near_target(base, job.fallback["target"])
     corrected_base = _corrected_base(trials, excluded, job, budget) if wanted and near else None
@@ -207,8 +207,8 @@ def _search_nodes(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], j
 
 def build_kind(quantizer: OrtQuantizer, settings: OrtSettings, all_samples: bool) -> str:
     """The budget's kind of a build with `settings`: the first with a range method (calibration and GPTQ), a
-    bias-corrected one (its waves make it longer than a trial: timed as one, it once made PP-OCRv3 det's every
-    later step look 230 s long and the search never started), a trial on all evaluation samples, or a ranking
+    bias-corrected one (its waves make it longer than a trial: timed as one, it would make every later step look
+    as long, and a search could never start: recorded in `4d645a9`), a trial on all evaluation samples, or a ranking
     trial on fewer."""
     if not quantizer.calibrated(settings.calibrate_method):
         return "first build"
@@ -227,7 +227,7 @@ def near_target(outputs: dict, target: dict) -> bool:
     Why: bias correction moves the score by a fraction of a percent, and far from the target it rarely helps;
     each try is a build, its waves and a run on every evaluation sample. An agreement the base misses by more
     than the gate can forgive is not met by a correction either. The measurements behind the rule:
-    BENCHMARKS.md, "bias correction only where it can decide" and "Bias correction keeps the best prefix".
+    BENCHMARKS.md: "bias correction only where it can decide" and "Bias correction keeps the best prefix".
     Public for its tests: the cases it separates would each take a search to reach through `fallback`."""
     thresholds = [v for k, v in target.items() if k.rpartition(".")[2] in ("cosine_mean", "cosine_min")]
     if thresholds and 1.0 - search.score_of(outputs, target) > NEAR * (1.0 - min(thresholds)):
@@ -265,8 +265,7 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
     """Bias correction on the float set the search chose, when the search missed its target (measured again
     unless that is the base's set, if the budget has room for its build, a few of its waves and the final build)
     and kept if the score goes up. Not measured once the target is met: like a float node, it is added only while
-    the target needs it (PP-OCRv4 rec: 14 s of a 143 s run went to a correction that its calibration check
-    then refused; EfficientNet-Lite0: 5 s for one that missed the agreement)."""
+    the target needs it (BENCHMARKS.md: "bias correction only where it can decide")."""
     target, float_set = job.fallback["target"], set(outcome.float_nodes)
     record = {"base": {"score": base["score"], "passed": base["passed"]}} if base else {}
     if base and base["passed"]:
@@ -303,8 +302,9 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
 def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,
                           budget: Budget) -> dict:
     """The tensors whose channels one int8 scale cannot share, kept out of int8 before any node is made float
-    (their edges float, or 16-bit: option spread_tensors; channel_spread.choose): on PP-OCRv3 rec the 44 worst
-    took cosine 0.88 → 0.996 with their edges float. Float edges count against max_float_nodes (16-bit ones do
+    (their edges float, or 16-bit: option spread_tensors; channel_spread.choose): on PP-OCRv3 rec, the worst of
+    them with their edges float took the model from far below its target to above it (recorded in `5d68a58`).
+    Float edges count against max_float_nodes (16-bit ones do
     not: their nodes stay quantized)."""
     how = quantizer.options["spread_tensors"]
     if quantizer.dynamic or quantizer.options["format"] != "qdq" or how == "off":
@@ -387,7 +387,8 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
 def edges(model: onnx.ModelProto, ordered_nodes: list[str]) -> dict[str, tuple[str, ...]]:
     """Activation tensor → the quantized nodes that must all be float for it to stay float (its producer and
     every consumer: with Q/DQ, a tensor is rounded when any of them is quantized). Why edges, not nodes: on
-    EfficientNet-Lite0 keeping one edge float (2 nodes) did what four single nodes did not (0.9973 → 0.9980).
+    EfficientNet-Lite0 keeping one edge float (2 nodes) did what four single nodes did not (recorded in
+    `1070275`).
     Ordered as `ordered_nodes` (most accuracy lost first) by the edge's first member; duplicates dropped."""
     position = {name: i for i, name in enumerate(ordered_nodes)}
     consumers: dict[str, list[str]] = {}

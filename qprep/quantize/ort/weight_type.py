@@ -5,7 +5,7 @@ Why: where this CPU's u8s8 kernels saturate (model/saturation.py: x86 without VN
 pairs), full-range int8 weights lose most of a model's accuracy when ORT fuses its Convs, though the QDQ graph is
 right. Static activations then get symmetric uint8 weights (ORT's u8u8 kernels widen to 16 bits: exact, and 8
 bits where reduce_range keeps 7); dynamic activations (quantized per inference around their own zero point, which
-keeps the pair sums mostly in range) keep 8-bit int8. The figures: BENCHMARKS.md, "ONNX Runtime's u8s8 kernels
+keeps the pair sums mostly in range) keep 8-bit int8. The figures: BENCHMARKS.md: "ONNX Runtime's u8s8 kernels
 saturate" and "uint8 weights on CPUs whose u8s8 kernels saturate". Configured types and ranges are taken as they
 are.
 """
