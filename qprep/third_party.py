@@ -5,8 +5,8 @@ read when upgrading onnx, onnxscript or onnxruntime, and tests/test_third_party.
 input and checks the result qprep relies on, so an upgrade that breaks one fails there, by name, instead of
 deep inside a pipeline run. Callers import the names below from here, never the private paths.
 
-It sits at the top of the package, not in model/ or optimize/, because its users are spread over the tree:
-model/io.py (onnx), optimize/ (onnxscript), quantize/ort/quantizer.py (onnxruntime).
+It sits in qprep/ itself (the base layer), not in model/ or optimize/, because its users are spread over the tree:
+model/ (onnx), optimize/ (onnxscript), quantize/ort/raw_build.py and calibration.py (onnxruntime).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def forget_rewrite_matches() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# onnxruntime (quantization internals the ORT backend, qprep/quantize/ort/quantizer.py, builds on)
+# onnxruntime (quantization internals the ORT backend builds on: qprep/quantize/ort/raw_build.py, calibration.py)
 # ---------------------------------------------------------------------------------------------------------
 
 

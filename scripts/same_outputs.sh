@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every shipped config run on a base commit and on this checkout: the model.onnx sha256 of each must be equal
-# (a change that should not touch results, proven on the real demo models). The .rknn is not compared: the
-# toolkit writes other bytes on every build of the same model.
+# Every shipped config run on a base commit and on this checkout: the model.onnx sha256 of each must be equal,
+# and report.json's stage records and evaluation too, clock and machine left out (scripts/same_report.py): a
+# change that should not touch results, proven on the real demo models — the fallback's trials and float set
+# included. The .rknn is not compared: the toolkit writes other bytes on every build of the same model.
 #   scripts/same_outputs.sh BASE_COMMIT [CONFIG...]      (default: configs/*.yaml; needs ./scripts/setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ trap 'git -C "$ROOT" worktree remove --force "$WORK/base" >/dev/null 2>&1 || tru
 git -C "$ROOT" worktree add -q --detach "$WORK/base" "$BASE"
 ln -s "$ROOT/models" "$WORK/base/models"   # the demo models setup.sh fetched (not in git)
 status=0
-printf '%-22s %-6s %-6s %-18s %-18s %s\n' config exit:b exit:h base head same
+printf '%-22s %-6s %-6s %-18s %-18s %-5s %s\n' config exit:b exit:h base head same report
 for cfg in "${CONFIGS[@]}"; do
   cfg=$(realpath "$cfg"); name=$(basename "$cfg" .yaml)
   for side in base head; do
@@ -27,7 +28,10 @@ for cfg in "${CONFIGS[@]}"; do
     eval "sha_$side=$(sha256sum "$WORK/$side/$name/model.onnx" 2>/dev/null | cut -c1-16 || echo none)"
   done
   same=$([ "$sha_base" = "$sha_head" ] && [ "$sha_base" != none ] && echo yes || echo NO)
-  [ "$same" = yes ] || status=1
-  printf '%-22s %-6s %-6s %-18s %-18s %s\n' "$name" "$rc_base" "$rc_head" "$sha_base" "$sha_head" "$same"
+  report=$("$ROOT/.venv/bin/python" "$ROOT/scripts/same_report.py" "$WORK/base/$name/report.json" \
+      "$WORK/head/$name/report.json" >"$WORK/report.$name.diff" 2>&1 && echo yes || echo NO)
+  [ "$same" = yes ] && [ "$report" = yes ] || status=1
+  printf '%-22s %-6s %-6s %-18s %-18s %-5s %s\n' "$name" "$rc_base" "$rc_head" "$sha_base" "$sha_head" "$same" "$report"
+  [ "$report" = yes ] || sed 's/^/    /' "$WORK/report.$name.diff" | head -20
 done
 exit $status

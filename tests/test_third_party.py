@@ -241,7 +241,7 @@ def test_renaming_inputs_only_in_their_readers_writes_the_model_onnxruntime_writ
 def test_a_dynamic_build_skips_onnxruntimes_second_shape_inference_with_the_same_result():
     """ORT's dynamic quantizer replaces Gemms with MatMuls and infers shapes again in its constructor, through
     `onnx_quantizer.save_and_reload_model_with_shape_infer` (a failure of the first assert means it no longer
-    does, and `shapes_inferred_already` saves nothing). Done once beforehand (quantizer.py's kept copy), the
+    does, and `shapes_inferred_already` saves nothing). Done once beforehand (quantize/ort/raw_build.py), the
     build without that second inference writes the same model."""
     from onnxruntime.quantization import onnx_quantizer
 
