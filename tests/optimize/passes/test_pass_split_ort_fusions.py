@@ -13,7 +13,7 @@ from onnx import helper
 from conftest import CALIBRATION, demo_model
 from graphs import apply_pass, make_model, max_diff, ops, rand
 from qprep.model import info as model_info
-from qprep.model.io import load_model
+from qprep.model.load import load_model
 from qprep.optimize.passes import PassSettings
 from qprep.optimize.passes.split_ort_fusions import PASS
 
