@@ -44,6 +44,15 @@ def without(counts: dict, ops=QDQ_OPS) -> dict:
     return {op: n for op, n in counts.items() if op not in ops}
 
 
+def output_step(model: onnx.ModelProto, output: str) -> float:
+    """The scale of the DequantizeLinear that gives `output`: one step of the QDQ model's int8 output."""
+    last = next(n for n in model.graph.node if output in n.output)
+    assert last.op_type == "DequantizeLinear"
+    scale = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == last.input[1]))
+    assert scale.size == 1  # per tensor
+    return float(scale.reshape(-1)[0])
+
+
 # ------------------------------------------------------------------------------------ remove_redundant_qdq
 
 
@@ -210,14 +219,14 @@ def test_fuse_conv_qdq_format_qdq_folds_the_qat_epilogues_and_keeps_the_convs(tm
 
 
 @pytest.mark.parametrize("folded", [True, False])
-def test_a_qat_model_is_built_for_rknn_from_its_own_qdq(tmp_path, qdq_fixtures, folded):
+def test_a_qat_model_is_built_for_rknn_from_its_own_qdq(tmp_path, qdq_fixtures, folded, monkeypatch):
     """Before, quantize skipped a QDQ model on every backend: the RKNN user of a QAT export got no .rknn."""
     pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed")
     pipeline = [{"optimize": {}}, {"remove_redundant_qdq": {}}, *([{"fuse_conv_qdq": {"format": "qdq"}}] if folded else []),
                 {"quantize": {"backend": "rknn"}}]
     config = {"model": str(qdq_fixtures / "qat_cnn.onnx"), "calibration": QAT_DATA, "pipeline": pipeline,
               "inputs": {"input": [1, 3, 224, 224]},
-              "evaluation": {**QAT_DATA, "source": QAT_DATA["source"].rsplit("/calib", 1)[0] + "/eval", "max_samples": 16,
+              "evaluation": {**QAT_DATA, "source": QAT_DATA["source"].rsplit("/calib", 1)[0] + "/eval", "max_samples": 128,
                              "reference_model": str(qdq_fixtures / "qat_cnn.fp32.onnx"), "latency": {"runs": 0}}}
     with pytest.raises(QprepError, match="the model is QAT .* nothing to search"):  # trained scales: no search
         fallback = {"quantize": {"backend": "rknn", "fallback": {"target": {"cosine_mean": 0.99}}}}
@@ -226,12 +235,33 @@ def test_a_qat_model_is_built_for_rknn_from_its_own_qdq(tmp_path, qdq_fixtures, 
         with pytest.raises(QprepError, match=r"fuse_conv_qdq: \{format: qdq\}"):
             qprep.run(config, output_dir=str(tmp_path / "run"), force=True)
         return
+    from qprep.quantize.rknn.runner import Runner
+
+    simulated, simulate = [], Runner.__call__  # the evaluation's samples and the simulator's outputs for them
+
+    def recording(runner, samples):
+        outputs = simulate(runner, samples)
+        simulated.extend(zip(samples, outputs))
+        return outputs
+
+    monkeypatch.setattr(Runner, "__call__", recording)
     report = qprep.run(config, output_dir=str(tmp_path / "run"), force=True)
     quantize = report["stages"][-1]
     assert quantize["status"] == "ok" and "own Q/DQ" in quantize["qat"]["scales"]
     assert (tmp_path / "run" / "model.rknn").is_file()
     logits = report["evaluation"]["outputs"]["logits"]
     assert logits["cosine_mean"] > 0.99  # ORT on the QDQ model: 0.9993
-    # A changed top-1 must be a near tie in FP32, never one at a clear margin: on 16 samples which near ties flip
-    # depends on the toolkit's rounding on this machine (here 2, the 3rd and 5th nearest of 16: 87.5%).
-    assert all(flip["closer_than"] >= 0.5 for flip in logits.get("top1_changed", [])), logits["top1_changed"]
+    # Built from its own Q/DQ, the .rknn computes the QAT model's int8 logits, up to a few requantization
+    # roundings. Compared with the QAT model itself, run as written (its Q/DQ in float arithmetic: no
+    # CPU-dependent int8 kernel), sample by sample on the same machine. Not its top-1 agreement with the FP32
+    # twin: which of FP32's near ties the QAT network's own quantization flips depends on how it trained (#58:
+    # 14 of 16 agreed on a fresh AVX2 machine; here 14 of 16 with one fixture, 16 of 16 with one trained under
+    # AVX2 kernels), and the .rknn flips exactly those the QAT model flips.
+    # Measured: at most 3 output steps on these 128 samples, for three differently trained fixtures; a build with
+    # every weight scale 3% off: 34 (its cosine and top-1 against FP32 still passed).
+    assert len(simulated) == logits["samples"] == 128
+    qat = onnx.load(str(qdq_fixtures / "qat_cnn.onnx"))
+    expected = run_model(qat, [sample for sample, _ in simulated])
+    steps = max(float(np.abs(e["logits"] - got["logits"]).max()) for e, (_, got) in zip(expected, simulated))
+    steps /= output_step(qat, "logits")
+    assert steps <= 8, f"the .rknn's logits are {steps:.1f} output steps from the QAT model's"
