@@ -122,8 +122,12 @@ def test_every_conv_of_qdq_efficientnet_becomes_qlinearconv_within_one_step(effn
     source = onnx.load(str(qdq_fixtures / "efficientnet_lite0.qdq.onnx"))
     held_out = eval_samples(source, IMAGENET, 32)
     expected, got = run_model(source, held_out), run_model(model, held_out)
-    agreement = np.mean([e["logits"].argmax() == g["logits"].argmax() for e, g in zip(expected, got)])
-    assert agreement >= 0.9
+    # Each sample's logits within a few output steps of the QDQ model's, not a top-1 agreement: 7 of these 32
+    # have their top two closer than twice that difference, and which of them flip depends on the CPU's float
+    # kernels in the QDQ model run as written (measured: 4 steps at most, top-1 32 of 32).
+    step = output_step(source, "logits")
+    steps = max(float(np.abs(e["logits"] - g["logits"]).max()) for e, g in zip(expected, got)) / step
+    assert steps <= 8, f"the fused model's logits are {steps:.1f} output steps from the QDQ model's"
     assert min(cosine(e["logits"], g["logits"]) for e, g in zip(expected, got)) >= 0.99
 
 
