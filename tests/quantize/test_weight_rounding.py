@@ -168,6 +168,8 @@ def test_inputs_dead_on_the_calibration_samples_still_work_on_samples_that_fire_
         expected = x @ weight[0].T
         return 10 * np.log10((expected ** 2).sum() / ((expected - x @ (q * scale)[0].T) ** 2).sum())
 
+    # 46.14 dB against 45.03 (+1.11): a thin margin, but float64 numpy on seeded data gives the same integers on
+    # every CPU (only a weight within ~1e-12 of a rounding tie could round otherwise under another BLAS kernel)
     assert sqnr(integers, calibration) > sqnr(nearest, calibration) + 1
     assert sqnr(integers, other) > sqnr(nearest, other) - 0.5
 
