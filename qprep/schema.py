@@ -8,6 +8,7 @@ coax out of a framework, and the same tree renders the key reference (`qprep con
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import math
 import os
@@ -135,6 +136,40 @@ def _describe(value: Any) -> str:
 
 def _doc_hint(key: Key) -> str:
     return f" ({key.doc})" if key.doc else ""
+
+
+def settings(key: Key, values: dict | None, name: str = "settings") -> Any:
+    """A validated section as a frozen object of its keys (`settings(OPTIONS, options).do_quantization`): the one
+    declaration, the schema, gives the type; a misspelt key fails where it is read with the section's keys named,
+    not as a KeyError files later; nothing is written back (a reader that needs another value makes its own
+    copy: `dataclasses.replace`). Keys missing from `values` take their defaults (tests give a few keys), nested
+    sections are settings too; lists and mappings are copied. A nullable section that is absent stays None."""
+    if values is None:
+        return None
+    values = validate(values, key, "", Path.cwd()) if set(key.fields) - set(values) else values
+    made = _settings_type(key, name)
+    return made(**{field_name: settings(sub, values[field_name], field_name) if sub.kind == "section"
+                   else copy.deepcopy(values[field_name]) for field_name, sub in key.fields.items()})
+
+
+_SETTINGS_TYPES: dict[int, type] = {}
+
+
+def _settings_type(key: Key, name: str) -> type:
+    made = _SETTINGS_TYPES.get(id(key))
+    if made is None:
+        title = "".join(part.capitalize() for part in name.split("_")) + "Settings"
+        made = dataclasses.make_dataclass(title, [(field_name, Any) for field_name in key.fields], frozen=True)
+        made.__getattr__ = _unknown_setting  # only called for names the section does not have
+        made.as_dict = dataclasses.asdict
+        _SETTINGS_TYPES[id(key)] = made
+    return made
+
+
+def _unknown_setting(self, name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(unknown_key_message(type(self).__name__, name, [f.name for f in dataclasses.fields(self)]))
 
 
 def reference(key: Key, path: str = "", lines: list[str] | None = None) -> list[str]:

@@ -84,9 +84,9 @@ OCR_DATA = {"ppocr_cls": ("ocr_cls", [1, 3, 48, 192]), "ppocrv4_rec": ("ocr_rec"
 
 def rknn_job(tmp_path: Path, name: str, **options):
     """A demo PP-OCR model optimized for the RKNN backend (opset ≤ 19) with 8 calibration samples, as qprep hands
-    them to rknn.quantize / RknnBuilder; `options` override rk3588 w8a8 defaults → BackendInput."""
+    them to rknn.quantize / RknnBuilder; `options` override rk3588 w8a8 defaults → QuantizeJob."""
     import qprep
-    from qprep.quantize.backend import BackendInput
+    from qprep.quantize.backend import QuantizeJob
     from qprep.data import load_samples
     from qprep.model.info import graph_inputs
 
@@ -101,5 +101,17 @@ def rknn_job(tmp_path: Path, name: str, **options):
     options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
                "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
                "analysis_samples": 0, "weight_rounding": "nearest", "split_outlier_positions": True, **options}
-    return BackendInput(model=model, calibration=calibration, max_samples=8, float_set=set(), options=options,
+    return QuantizeJob(model=model, calibration=calibration, max_samples=8, float_set=frozenset(),
+                       options=typed("rknn", **options),
                         work_dir=tmp_path / "work")
+
+
+def typed(section: str, **values):
+    """A config section as the quantize stage hands it to a backend or the search (schema.settings): `section` is
+    ort, rknn, fp16 or fallback; keys not given take their defaults."""
+    from qprep import schema
+    from qprep.quantize import fp16, ort, search
+    from qprep.quantize.rknn import convert
+
+    sections = {"ort": ort.OPTIONS, "rknn": convert.OPTIONS, "fp16": fp16.OPTIONS, "fallback": search.OPTIONS}
+    return schema.settings(sections[section], values, section)

@@ -301,7 +301,7 @@ def test_misspelt_gate_metric_is_a_config_error():
 
 
 def test_ort_backend_reports_float_set_nodes_that_no_longer_exist(tmp_path):
-    from qprep.quantize.backend import BackendInput
+    from qprep.quantize.backend import QuantizeJob
     from qprep.quantize import ort
     from qprep.data import SampleSet
     from graphs import tiny_conv_model
@@ -312,11 +312,11 @@ def test_ort_backend_reports_float_set_nodes_that_no_longer_exist(tmp_path):
     name_nodes(model.graph)
     samples = SampleSet(samples=[{"x": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)}
                                  for i in range(4)])
-    from qprep.schema import validate
+    from conftest import typed
 
-    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
-    result = ort.quantize(BackendInput(model=model, calibration=samples, max_samples=4,
-                                       float_set={"Relu_0", "/gone/ReduceMean"}, options=options, work_dir=tmp_path))
+    result = ort.quantize(QuantizeJob(model=model, calibration=samples, max_samples=4,
+                                      float_set=frozenset({"Relu_0", "/gone/ReduceMean"}), options=typed("ort"),
+                                      work_dir=tmp_path))
     assert result.details["excluded_nodes"] == ["Relu_0"]
     assert result.details["float_set_unmatched"] == ["/gone/ReduceMean"]
 

@@ -39,7 +39,7 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
                           "evaluation.source set to the new samples")
     overrides = {"output_dir": None, "evaluation.source": str(Path(samples).resolve()),
                  "evaluation.layers": False, "evaluation.latency.runs": 0, "evaluation.max_samples": 100000,
-                 "evaluation.gate": _gate(manifest["config"])}
+                 "evaluation.gate": recorded_gate(report, manifest["config"])}
     if labels:
         overrides["evaluation.labels"] = str(Path(labels).resolve())
     config = load_config(manifest["config"], {**overrides, **(sets or {})})
@@ -91,11 +91,11 @@ def _read_run(run_dir: Path) -> tuple[dict, dict]:
     return report, manifest
 
 
-def _gate(config: dict) -> dict:
-    """The run's gate, with its fallback target (the final evaluation checks both, so this does too)."""
-    gate = dict((config.get("evaluation") or {}).get("gate") or {})
-    for stage in config.get("pipeline", []):
-        for options in stage.values():
-            target = ((options or {}).get("fallback") or {}).get("target") if isinstance(options, dict) else None
-            gate = {**(target or {}), **gate}
-    return gate
+def recorded_gate(report: dict, config: dict) -> dict:
+    """The gate the run judged its result by, as its report records it (the configured gate with the
+    fallback's target, which the quantize stage handed on: evaluate.py): the new samples are held to the same.
+    A run held to the accuracy floor alone records no gate of its own; the config's floor applies again."""
+    judged = (report.get("evaluation") or {}).get("gate") or {}
+    if judged and judged.get("source") != "floor":
+        return dict(judged["target"])
+    return dict((config.get("evaluation") or {}).get("gate") or {})

@@ -5,9 +5,10 @@ must stay float) and returns a `Quantized` result; qprep/quantize/stage.py is th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import onnx
 
@@ -35,23 +36,29 @@ class Quantized:
     analyzer: Callable[[list[dict]], list[dict]] | None = None  # per-layer rows from the backend's own tool
     close: Callable[[], None] | None = None  # frees what runner/analyzer hold (RKNN: the toolkit worker)
     warnings: list[str] = field(default_factory=list)  # → report["warnings"]
+    float_set: frozenset[str] | None = None  # the float set of the model built, when the backend rewrote it first
+    extremes: Extremes | None = None  # the extremes as the backend leaves them (rknn: back to int8; ort: upgrade)
 
 
-@dataclass
-class BackendInput:
-    """What every backend gets: the prepared float model, calibration samples (capped at max_samples), the
-    float set, its own options and a work folder inside the run directory."""
+@dataclass(frozen=True)
+class QuantizeJob:
+    """What every backend gets, resolved once by the quantize stage (qprep/quantize/stage.py) and read-only
+    after: the prepared float model, calibration samples (capped at max_samples), the float set, the backend's
+    settings (its config section, typed: schema.settings), a work folder inside the run directory and, with
+    `quantize.fallback`, the search's settings, samples and measure. A backend that rewrites the model before
+    its builds (rknn: float16 ranges, outlier positions) goes on with its own copy (`job.but(model=…)`); nothing
+    is written back to the stage."""
 
     model: onnx.ModelProto
     calibration: "SampleSet | None"
     max_samples: int
-    float_set: set[str]
-    options: dict
+    float_set: frozenset[str]
+    options: Any  # the backend's settings: `quantize.<backend>` as schema.settings
     work_dir: Path
-    fallback: dict | None = None  # quantize.fallback (target, budget, …) when the search is on
+    fallback: Any = None  # `quantize.fallback` as schema.settings (target, time_budget_s, …) when the search is on
     measure: Callable[[list[dict], list[dict]], dict] | None = None  # (samples, their outputs) → per-output metrics
-    evaluation_samples: list[dict] = field(default_factory=list)  # what the fallback chooses on
-    acceptance_samples: list[dict] = field(default_factory=list)  # kept apart: what accepts its choice
+    evaluation_samples: tuple = ()  # what the fallback chooses on
+    acceptance_samples: tuple = ()  # kept apart: what accepts its choice
     started: float | None = None  # perf_counter when the stage began: the fallback's time budget counts from it
     progress: object = None
     threads: int = 2
@@ -60,3 +67,7 @@ class BackendInput:
     @property
     def samples(self) -> list[dict]:
         return self.calibration.samples[: self.max_samples] if self.calibration is not None else []
+
+    def but(self, **changes) -> "QuantizeJob":
+        """This job with `changes` (a rewritten model, its float set): a new job, this one unchanged."""
+        return dataclasses.replace(self, **changes)

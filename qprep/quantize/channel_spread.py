@@ -110,15 +110,15 @@ def records(levels: dict[str, float], tensors: frozenset[str]) -> list[dict]:
 def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Callable[[frozenset[str]], None],
            evaluate: Callable[[set[str], list[dict]], dict], base_float: set[str], budget: Budget,
            nodes: Callable[[frozenset[str]], int]) -> tuple[dict, frozenset[str]]:
-    """A fallback's spread phase, for any backend (`job`: its BackendInput), before its node search: unless the
+    """A fallback's spread phase, for any backend (`job`: its QuantizeJob), before its node search: unless the
     target already holds, the levels of `model`'s `tensors` are measured on the calibration samples and the sets
     under each of THRESHOLDS tried in turn with `use(tensors)` then `evaluate(base_float, evaluation samples)`
     (search.choose_setting: the first that meets the target is kept, else the best if it removes enough of the
     error) → (record, the tensors kept out of int8). `how` says how the backend keeps them (float, int16,
     float16); `nodes(tensors)` how many nodes that takes out of int8: sets over the fallback's max_float_nodes are
     not tried (they count against it: all-MiniLM-L6-v2 on RKNN kept 99 nodes float16 this way, its cap 16),
-    and `search_options(record)` gives the node search what is left of it."""
-    target = job.fallback["target"]
+    and `search.node_search(fallback, record)` gives the node search what is left of it."""
+    target = job.fallback.target
     if (search.judge(target, evaluate(base_float, job.evaluation_samples), base_float, evaluate,
                      job.acceptance_samples)["passed"]
             or not budget.allows("channel spread measured", budget.predict("trial"))):
@@ -126,7 +126,7 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
     with budget.timed("spread"):
         levels = median_channel_levels(model, tensors, job.samples[:SAMPLES], job.threads)
     sets = nested_sets(levels)
-    cap = job.fallback["max_float_nodes"]  # unset: the spread set does not count against the node search's cap
+    cap = job.fallback.max_float_nodes  # unset: the spread set does not count against the node search's cap
     over = [label for label in sets if cap is not None and nodes(sets[label]) > cap]
     sets = {label: tensors for label, tensors in sets.items() if label not in over}
     if len(sets) == 1:
@@ -141,14 +141,3 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
     chosen = sets[result["chosen"]]
     return ({**result, "as": how, "measured": len(levels), "nodes": nodes(chosen),
              "tensors": records(levels, chosen), **({"over_max_float_nodes": over} if over else {})}, chosen)
-
-
-def search_options(options: dict, record: dict) -> dict:
-    """The fallback's options for its node search after the spread phase (`record`): max_float_nodes less the
-    nodes the spread set took out of int8 (kept as `spread_nodes`, for the stop reason); max_float_nodes unset:
-    search.SEARCHED_NODES beside them (a user who sets a cap caps everything; one who does not gets a search that
-    may keep a recognizer's whole spread set out of int8, which a cap of 32 would refuse and miss the target)."""
-    spread = record.get("nodes", 0)
-    if options.get("max_float_nodes") is None:
-        return {**options, "max_float_nodes": search.SEARCHED_NODES, "spread_nodes": spread, "spread_counted": False}
-    return {**options, "max_float_nodes": max(options["max_float_nodes"] - spread, 0), "spread_nodes": spread}

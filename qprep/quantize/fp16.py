@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.model import io
-from qprep.quantize.backend import BackendInput, Quantized
+from qprep.quantize.backend import QuantizeJob, Quantized
 from qprep.schema import Key, section
 
 # onnxconverter-common's defaults, passed to it and used when filling a heavy model's weights, so both agree
@@ -24,24 +24,24 @@ OPTIONS = section(
 )
 
 
-def quantize(job: BackendInput) -> Quantized:
+def quantize(job: QuantizeJob) -> Quantized:
     from onnxconverter_common import float16
 
     model, float_set, options = job.model, job.float_set, job.options
-    blocked_ops = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(options["op_block_list"]))
+    blocked_ops = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(options.op_block_list))
     # onnxconverter-common converts in place what its shape inference returns: a copy, and over 2 GB an empty
     # model. A heavy model is converted as its weightless skeleton, its weights filled in after.
     skeleton, weights = io.weightless(model) if io.is_heavy(model) else (model, [])
     with warnings.catch_warnings():  # one per tensor it clips (hundreds in the run log): _clipped names them
         warnings.filterwarnings("ignore", message="the float32 number .* will be truncated")
         converted = float16.convert_float_to_float16(
-            io.inferred_shapes(skeleton), keep_io_types=options["keep_io_types"], op_block_list=blocked_ops,
+            io.inferred_shapes(skeleton), keep_io_types=options.keep_io_types, op_block_list=blocked_ops,
             node_block_list=sorted(float_set), disable_shape_infer=True, min_positive_val=MIN_POSITIVE,
             max_finite_val=MAX_FINITE)
         _fill_weights(converted, weights)
     retyped = _cast_float32_identities(converted)
     clipped = _clipped(weights or model.graph.initializer, converted)
-    restored = _restore_output_types(model, converted) if options["keep_io_types"] else []
+    restored = _restore_output_types(model, converted) if options.keep_io_types else []
     details = {"kept_float32_ops": blocked_ops, "kept_float32_nodes": sorted(float_set),
                "outputs_cast_back": restored, "clipped_to_float16_range": clipped,
                **({"identities_cast": retyped} if retyped else {})}

@@ -89,14 +89,13 @@ def smooth(model: onnx.ModelProto, samples: list[dict], threads: int = 2, alpha:
     return Smoothed(result, {"alpha": alpha, "layernorms": smoothed, "verified_on": len(samples)})
 
 
-def smooth_job(job) -> dict:
-    """A backend's step: `job.model` (a BackendInput's) replaced by its smoothed form when the backend's
-    `smooth_layernorm` option is on; the record for the stage's details ({} when nothing was smoothed)."""
-    if not job.options.get("smooth_layernorm") or not job.samples:
-        return {}
+def smooth_job(job):
+    """A backend's step: (the QuantizeJob with its model smoothed when the backend's `smooth_layernorm` option is
+    on, the record for the stage's details: {} when nothing was smoothed)."""
+    if not job.options.smooth_layernorm or not job.samples:
+        return job, {}
     smoothed = smooth(job.model, job.samples[:SAMPLES], job.threads)
-    job.model = smoothed.model
-    return smoothed.record
+    return job.but(model=smoothed.model), smoothed.record
 
 
 def _sites(model: onnx.ModelProto) -> list[_Site]:

@@ -16,10 +16,11 @@ import onnx
 
 from qprep.model import info as model_info
 from qprep.quantize import float32_copy, nonfinite, search
-from qprep.quantize.backend import BackendInput
+from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
 from qprep.run_log import toolkit_logging_to_run_log
+from qprep import schema
 from qprep.schema import Key
 from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
@@ -113,17 +114,13 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
                                           "models: export it in float32 (or use backend ort, which quantizes a "
                                           "float32 copy)")
         model, copied = _computed_in_float32(model, ctx)
-    job = BackendInput(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
-                       float_set=set(ctx.float_set), options=options[backend], work_dir=ctx.work_dir(backend),
-                       progress=ctx.progress, threads=ctx.config["threads"], started=started)
-    if backend in CALIBRATED and job.samples and not qat:
-        job.extremes = _kept_out_of_calibration(job)
-    if options["fallback"]:
-        _prepare_fallback(job, options["fallback"], ctx)
+    job = _job(model, ctx, options, started, qat)
     with toolkit_logging_to_run_log():
         result = _backend(backend).quantize(job)
-    if job.extremes.tensors:
-        result.details["nonfinite"] = {**job.extremes.record(), **result.details.get("nonfinite", {})}
+    extremes = result.extremes if result.extremes is not None else job.extremes
+    float_set = result.float_set if result.float_set is not None else job.float_set
+    if extremes.tensors:
+        result.details["nonfinite"] = {**extremes.record(), **result.details.get("nonfinite", {})}
     warnings = list(result.warnings)
     if copied is not None:
         result.details["float32_copy"] = copied
@@ -142,12 +139,30 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
                                            "false); no calibration",
                                  "layers": "rknn-toolkit2's per-layer analysis needs a board for a QAT model"}
     return StageResult(model=result.model if result.model is not None else model,
-                       details={"backend": backend, "float_set_size": len(job.float_set), **result.details},
+                       details={"backend": backend, "float_set_size": len(float_set), **result.details},
                        warnings=warnings, prepared_model=model, runner=result.runner, analyzer=result.analyzer,
                        deployable=result.deployable, artifacts=result.artifacts,
                        closers=[result.close] if result.close is not None else [],
-                       float_set=set(job.extremes.nodes),
-                       fallback_target=dict(options["fallback"]["target"]) if options["fallback"] else {})
+                       float_set=set(extremes.nodes),
+                       fallback_target=dict(job.fallback.target) if job.fallback else {})
+
+
+def _job(model: onnx.ModelProto, ctx: RunContext, options: dict, started: float, qat: bool) -> QuantizeJob:
+    """Every setting the backends and the search read, decided here once: the backend's section and the
+    fallback's as typed settings, the calibration samples, the float set with the nodes extreme values keep
+    float, and (with the fallback) the samples it chooses on, those kept apart and how a trial is measured."""
+    backend = options["backend"]
+    job = QuantizeJob(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
+                      float_set=frozenset(ctx.float_set), work_dir=ctx.work_dir(backend), progress=ctx.progress,
+                      options=schema.settings(_backend(backend).OPTIONS, options[backend], backend),
+                      fallback=schema.settings(FALLBACK_OPTIONS, options["fallback"], "fallback"),
+                      threads=ctx.config["threads"], started=started)
+    if backend in CALIBRATED and job.samples and not qat:
+        extremes = _kept_out_of_calibration(job)
+        job = job.but(extremes=extremes, float_set=job.float_set | set(extremes.nodes))
+    if job.fallback:
+        job = job.but(**_fallback_inputs(job.fallback, ctx))
+    return job
 
 
 def _from_its_own_qdq(model: onnx.ModelProto, options: dict) -> dict:
@@ -192,20 +207,19 @@ def _computed_in_float32(model: onnx.ModelProto, ctx: RunContext) -> tuple[onnx.
     return copy, record
 
 
-def _kept_out_of_calibration(job: BackendInput) -> nonfinite.Extremes:
+def _kept_out_of_calibration(job: QuantizeJob) -> nonfinite.Extremes:
     """Tensors holding ±inf, NaN or float16-overflowing values on the calibration samples (attention masks):
     their nodes join the float set before the backend calibrates anything (nonfinite.py)."""
     extremes = nonfinite.find(job.model, job.samples, job.threads)
     if extremes.nodes:
         extremes.added = set(extremes.nodes) - job.float_set
-        job.float_set |= set(extremes.nodes)
         log.info("quantize: %d tensors hold non-finite or beyond-float16 values (%s); %d nodes stay float: %s",
                  len(extremes.tensors), ", ".join(list(extremes.tensors)[:5]), len(extremes.nodes),
                  ", ".join(list(extremes.nodes)[:10]))
     return extremes
 
 
-def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> None:
+def _fallback_inputs(fallback, ctx: RunContext) -> dict:
     """The search measures every trial on the evaluation samples against the FP32 outputs; those are the run's
     shared ReferenceOutputs, computed here once (the final evaluation reuses them). The samples are split into
     those the search chooses on and those kept apart to accept its choice (search.split_samples)."""
@@ -222,5 +236,5 @@ def _prepare_fallback(job: BackendInput, fallback: dict, ctx: RunContext) -> Non
         return output_metrics([expected[position[id(s)]] for s in samples], actual_outputs, kinds,
                               evaluation["decision_threshold"], padding, samples)
 
-    job.evaluation_samples, job.acceptance_samples = search.split_samples(run.samples.samples, fallback["accept_share"])
-    job.fallback, job.measure = fallback, measure
+    chosen_on, kept_apart = search.split_samples(run.samples.samples, fallback.accept_share)
+    return {"evaluation_samples": tuple(chosen_on), "acceptance_samples": tuple(kept_apart), "measure": measure}

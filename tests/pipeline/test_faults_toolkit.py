@@ -126,7 +126,8 @@ def test_real_toolkit_abort_becomes_a_toolkit_error_naming_step_signal_and_its_e
     """The crash itself, not refused first: rknn.quantize called directly on the integer-only model makes
     rknn-toolkit2 abort in build. The test process survives and gets one line."""
     pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh or `qprep setup rknn` installs it)")
-    from qprep.quantize.backend import BackendInput
+    from conftest import typed
+    from qprep.quantize.backend import QuantizeJob
     from qprep.quantize import rknn
     from qprep.data import load_samples
     from qprep.errors import EXIT_INTERNAL, ToolkitError
@@ -138,12 +139,9 @@ def test_real_toolkit_abort_becomes_a_toolkit_error_naming_step_signal_and_its_e
     calibration = load_samples({"source": str(tmp_path / "calib"), "format": "auto", "max_samples": 4, "seed": 0,
                                 "preprocess": {}}, graph_inputs(model))
     (tmp_path / "work").mkdir()
-    options = {"target_platform": "rk3588", "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
-               "quantized_method": "channel", "optimization_level": 3, "do_quantization": True,
-               "analysis_samples": 0, "weight_rounding": "nearest",
-               "split_outlier_positions": True}
-    job = BackendInput(model=model, calibration=calibration, max_samples=4, float_set=set(), options=options,
-                       work_dir=tmp_path / "work")
+    options = typed("rknn", analysis_samples=0, weight_rounding="nearest")
+    job = QuantizeJob(model=model, calibration=calibration, max_samples=4, float_set=frozenset(), options=options,
+                      work_dir=tmp_path / "work")
     with pytest.raises(ToolkitError) as caught:
         rknn.quantize(job)
     message = str(caught.value)

@@ -125,3 +125,16 @@ def test_reevaluate_judges_runs_that_recorded_no_digest(tmp_path):
     del manifest["inputs"]
     (run / "manifest.json").write_text(json.dumps(manifest))
     assert reevaluate(run, samples(tmp_path / "heldout", 3, 2))["status"] == "ok"
+
+
+def test_new_samples_are_held_to_the_gate_the_run_recorded_with_its_fallback_target():
+    """The fallback's target is the quantize stage's, recorded by the run's evaluation beside the configured
+    gate; `qprep evaluate` reads it there, not by searching the config's pipeline again."""
+    from qprep.pipeline.reevaluate import recorded_gate
+
+    config = {"evaluation": {"gate": {"cosine_mean": 0.98}}, "pipeline": [{"quantize": {"fallback": {"target": {}}}}]}
+    judged = {"evaluation": {"gate": {"passed": True, "target": {"cosine_mean": 0.98, "top1_agreement": 0.97}}}}
+    assert recorded_gate(judged, config) == {"cosine_mean": 0.98, "top1_agreement": 0.97}
+    floor = {"evaluation": {"gate": {"passed": True, "source": "floor", "target": {"cosine_mean": 0.9}}}}
+    assert recorded_gate(floor, {"evaluation": {"gate": {}}}) == {}  # the config's floor applies again
+    assert recorded_gate({}, config) == {"cosine_mean": 0.98}

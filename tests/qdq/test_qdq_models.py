@@ -13,10 +13,10 @@ import qprep
 from conftest import ROOT, demo_model
 from qprep.errors import QprepError
 from qprep.model import info as model_info
-from qprep.quantize.ort.saturation import u8s8_saturates
+from qprep.model.saturation import u8s8_saturates
 from qprep.config import data_source
 from qprep.data import load_samples
-from qprep.verify import cosine
+from qprep.graph.verify import cosine
 from qprep.model.runtime import run_model
 from qprep.schema import validate
 from test_qdq_fixtures import IMAGENET, MINILM, qdq_fixtures  # noqa: F401 - the session fixture

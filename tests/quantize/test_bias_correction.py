@@ -10,14 +10,12 @@ import onnx
 from onnx import helper
 
 from qprep.quantize import bias_correction
-from qprep.quantize import ort
 from qprep.quantize.ort.output_check import OutputCheck, output_sqnr
 from qprep.quantize.ort.quantizer import OrtQuantizer
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
 from qprep.progress import Progress
-from qprep.schema import validate
-from conftest import run_config
+from conftest import run_config, typed
 from graphs import make_model
 
 CHANNELS = 8
@@ -48,8 +46,7 @@ def _samples(count=16, seed=0):
 
 def _quantized(model, tmp_path, progress=None, **options):
     # per-tensor weights: one coarse grid for all channels, so the small channels' rounding errors drift
-    options = validate({"per_channel": False, "weight_rounding": "nearest", **options}, ort.OPTIONS, "quantize.ort",
-                       tmp_path)
+    options = typed("ort", **{"per_channel": False, "weight_rounding": "nearest", **options})
     return OrtQuantizer(model, _samples(), options, tmp_path, progress=progress)
 
 

@@ -5,14 +5,13 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from conftest import run_config
+from conftest import run_config, typed
 from graphs import make_model
 from qprep.measure.metrics import compare_output
 from qprep.model.runtime import run_model
-from qprep.quantize import channel_spread, ort
+from qprep.quantize import channel_spread, search
 from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
 from qprep.quantize.ort.raw_build import with_16_bit
-from qprep.schema import validate
 
 
 def _spread_model(factor: float = 200.0):
@@ -51,8 +50,7 @@ def test_dead_channels_do_not_count_as_spread():
 
 def test_a_spread_tensor_quantized_to_16_bits_brings_the_output_back(tmp_path):
     model, samples = _spread_model(), _samples(16)
-    options = validate({"weight_rounding": "nearest", "bias_correction": False, "spread_tensors": "int16"},
-                       ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort", weight_rounding="nearest", bias_correction=False, spread_tensors="int16")
     quantizer = OrtQuantizer(model, samples, options, tmp_path)
     reference = [out["y"] for out in run_model(model, samples)]
 
@@ -131,17 +129,17 @@ def test_rknn_spread_phase_makes_the_layers_around_the_spread_tensor_float16_bef
         builds.append(set(float_nodes))
         return {"y": {"cosine_mean": 0.999 if {"spread", "second"} <= float_nodes else 0.8}}
 
-    job = SimpleNamespace(model=_spread_model(), samples=_samples(4), threads=1, options={"do_quantization": True},
-                          fallback={"target": {"cosine_mean": 0.99}, "max_float_nodes": cap},
+    job = SimpleNamespace(model=_spread_model(), samples=_samples(4), threads=1, options=typed("rknn"),
+                          fallback=typed("fallback", target={"cosine_mean": 0.99}, max_float_nodes=cap),
                           evaluation_samples=_samples(2, 5), acceptance_samples=[], progress=None)
     trials = SimpleNamespace(evaluate=evaluate, count=len)  # each node one layer here
     record, base_float = spread_layers(trials, job, {"kept"}, Budget(600))
     if cap == 1:
         assert base_float == {"kept"} and record["chosen"] == "none" and record["over_max_float_nodes"]
         assert builds == [{"kept"}]
-        assert channel_spread.search_options(job.fallback, record)["max_float_nodes"] == 1
+        assert search.node_search(job.fallback, record).max_float_nodes == 1
         return
-    assert channel_spread.search_options(job.fallback, record)["max_float_nodes"] == (30 if cap else 32)
+    assert search.node_search(job.fallback, record).max_float_nodes == (30 if cap else 32)
     assert base_float == {"kept", "spread", "second"} and record["as"] == "float16" and record["nodes"] == 2
     assert record["tensors"][0]["tensor"] == "m" and record["scores"]["none"] == 0.8
     assert builds[0] == {"kept"} and builds[-1] == {"kept", "spread", "second"}
@@ -161,7 +159,7 @@ def _scripted_rknn_ranges(algorithm: str, kl_score: float, other_score: float, s
         score = kl_score if builder.algorithm == "kl_divergence" else (scores or {}).get(builder.algorithm, other_score)
         return {"y": {"cosine_mean": score}}
 
-    job = SimpleNamespace(options={"do_quantization": True}, fallback={"target": {"cosine_mean": 0.99}},
+    job = SimpleNamespace(options=typed("rknn"), fallback=typed("fallback", target={"cosine_mean": 0.99}),
                           evaluation_samples=_samples(2, 5), acceptance_samples=[], progress=None)
     return builder, SimpleNamespace(evaluate=evaluate), builds, job
 
@@ -239,7 +237,7 @@ def test_rknn_measures_mmse_weight_ranges_after_the_range_phases(algorithm, gptq
         return {"y": {"cosine_mean": gptq if builder.weight_rounding == "gptq" else mmse}}
 
     trials.evaluate = evaluate
-    job.fallback = {"target": {"cosine_mean": 0.998}}
+    job.fallback = typed("fallback", target={"cosine_mean": 0.998})
     record = mmse_weights(builder, trials, job, {"spread"}, Budget(600))
     if chosen is None:
         assert record == {} and builds == [] and builder.weight_rounding == "gptq"
@@ -269,7 +267,7 @@ def test_rknn_mmse_weight_ranges_are_predicted_from_the_first_trial(first_trial,
     builder.step1_seconds = lambda weights: step1 if weights == "prepared" else 0.0
     trials.evaluate = lambda float_nodes, samples: builds.append(builder.weight_rounding) or {
         "y": {"cosine_mean": 0.9867 if builder.weight_rounding == "gptq" else 0.9891}}
-    job.fallback = {"target": {"cosine_mean": 0.99}}
+    job.fallback = typed("fallback", target={"cosine_mean": 0.99})
     budget = Budget(600, started=time.perf_counter() - 185)
     for seconds in (first_trial, 54.0, 54.0, 54.0):
         budget.record("trial", seconds)

@@ -5,6 +5,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from conftest import typed
 from graphs import make_model
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
@@ -12,7 +13,6 @@ from qprep.quantize import search
 from qprep.quantize.ort.derived_builds import Derivation
 from qprep.quantize.ort.quantizer import OrtQuantizer, OrtSettings
 from qprep.quantize.ort.search import edges
-from qprep.schema import validate
 
 
 def _branchy_quantizer(tmp_path):
@@ -36,9 +36,8 @@ def _branchy_quantizer(tmp_path):
     return _quantizer(model, samples, tmp_path), samples
 
 def _quantizer(model, samples, tmp_path) -> OrtQuantizer:
-    from qprep.quantize import ort
 
-    options = validate({"bias_correction": False}, ort.OPTIONS, "quantize.ort", tmp_path)  # GPTQ as by default
+    options = typed("ort", bias_correction=False)  # GPTQ as by default
     return OrtQuantizer(model, samples, options, tmp_path, many_builds=True)
 
 
@@ -110,7 +109,8 @@ def test_ranking_and_promotion_trials_ask_for_candidates_on_top_of_the_set_the_r
     samples = [{"x": np.zeros(1)} for _ in range(4)]
     options = {"target": {"cosine_mean": 0.935}, "time_budget_s": 60.0, "rank_samples": 2, "accept_share": 0.0,
                "max_candidates": 8, "block": 1, "max_float_nodes": 4}
-    outcome = search.Search(Backend(), search.Candidates(["a", "b", "c"]), {"fixed"}, samples, options).run()
+    outcome = search.Search(Backend(), search.Candidates(["a", "b", "c"]), {"fixed"}, samples,
+                            search.node_search(typed("fallback", **options))).run()
     assert outcome.passed and len(outcome.float_nodes) == 4  # fixed + 3: the last promotion meets 0.935
     ranking = [(start, nodes) for start, nodes, n in calls if n == 2]
     promotions = [(start, nodes) for start, nodes, n in calls if n == 4]

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from conftest import run_on_samples
+from conftest import run_on_samples, typed
 from graphs import make_model, rand
 from qprep.model.runtime import run_model
 from qprep.quantize.ort.prepare import shared_gemm_weights_transposed
@@ -65,14 +65,12 @@ def test_a_gemm_kept_float_stays_float_in_a_dynamic_build(tmp_path):
     """ORT's dynamic quantizer writes each Gemm as a MatMul named <gemm>_MatMul before it reads nodes_to_exclude:
     a Gemm in the float set is excluded under that name too, so only the other Gemm becomes MatMulInteger."""
     from qprep.model.prepare import name_nodes
-    from qprep.quantize import ort
     from qprep.quantize.ort.quantizer import OrtQuantizer
-    from qprep.schema import validate
 
     model = two_gemms(shared=False)
     name_nodes(model.graph)
     first, second = [n.name for n in model.graph.node if n.op_type == "Gemm"]
-    options = validate({"activations": "dynamic"}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort", activations="dynamic")
     for reuse in (False, True):  # one build, and the fallback's builds from a kept shape-inferred copy
         built = OrtQuantizer(model, samples(), options, tmp_path, many_builds=reuse).build({first})
         integer = [n.name for n in built.graph.node if n.op_type == "MatMulInteger"]

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from qprep.quantize import channel_spread, search
+from qprep.quantize import search
 from qprep.quantize.search import rounds
 from qprep.quantize.budget import Budget
 from qprep.errors import ConfigError
-from conftest import run_config
+from conftest import run_config, typed
 from graphs import make_model
 
 OPTIONS = {"target": {"cosine_mean": 0.99}, "max_float_nodes": 8, "time_budget_s": 60, "rank_samples": 2,
@@ -49,9 +49,16 @@ class Scripted(search.SearchBackend):
         return self.switch(float_nodes) if self.switch else False
 
 
+def limits(options: dict) -> search.NodeSearch:
+    """`options` (quantize.fallback's keys) as the node search reads them, with no spread phase before it."""
+    return search.node_search(typed("fallback", **options))
+
+
 def run_search(evaluate, names, base_float, samples, options, rank=None, faster=None, cost=None):
+    """The search over `names`; `options`: a dict of quantize.fallback's keys, or the NodeSearch of a spread phase."""
+    settings = options if isinstance(options, search.NodeSearch) else limits(options)
     return search.Search(Scripted(evaluate, rank, faster), search.Candidates(names, cost=cost), base_float, samples,
-                         options).run()
+                         settings).run()
 
 
 def test_search_promotes_the_most_harmful_nodes_until_the_target_holds():
@@ -97,11 +104,11 @@ def test_search_respects_max_float_nodes_and_blocks():
 
 
 def test_the_cap_reached_is_named_as_configured_when_a_spread_set_took_part_of_it():
-    """After a spread set of 2 nodes under max_float_nodes 6 the search gets 4 (channel_spread.search_options);
+    """After a spread set of 2 nodes under max_float_nodes 6 the search gets 4 (search.node_search);
     its stop reason gives the configured 6 and the spread set's share, not the 4 the user never wrote."""
     evaluate, _ = _scripted({f"n{i}": 0.01 * (i + 1) for i in range(6)})
-    options = channel_spread.search_options({**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": 6,
-                                             "block": 2}, {"nodes": 2})
+    options = search.node_search(typed("fallback", **{**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": 6,
+                                                      "block": 2}), {"nodes": 2})
     outcome = run_search(evaluate, [f"n{i}" for i in range(6)], set(), [{}] * 4, options)
     assert len(outcome.float_nodes) == 4
     assert outcome.record["stopped"] == "max_float_nodes (6) reached, 2 of them the spread set's"
@@ -110,9 +117,9 @@ def test_the_cap_reached_is_named_as_configured_when_a_spread_set_took_part_of_i
 def test_an_unset_cap_gives_the_search_its_32_nodes_beside_the_spread_set():
     """max_float_nodes not configured: the spread set (25 nodes, say) does not eat the node search's 32."""
     evaluate, _ = _scripted({f"n{i}": 0.001 * (i + 1) for i in range(40)})
-    options = channel_spread.search_options({**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": None,
-                                             "block": 8, "max_candidates": 40}, {"nodes": 25})
-    assert options["max_float_nodes"] == search.SEARCHED_NODES == 32
+    options = search.node_search(typed("fallback", **{**OPTIONS, "target": {"cosine_mean": 1.0}, "max_float_nodes": None,
+                                                      "block": 8, "max_candidates": 40}), {"nodes": 25})
+    assert options.max_float_nodes == search.SEARCHED_NODES == 32
     outcome = run_search(evaluate, [f"n{i}" for i in range(40)], set(), [{}] * 4, options)
     assert len(outcome.float_nodes) == 32
     assert outcome.record["stopped"] == "32 searched nodes reached (max_float_nodes unset), beside the spread set's 25"
@@ -173,7 +180,7 @@ def test_a_search_that_starts_too_late_for_one_slow_trial_builds_the_faster_way_
     backend = Scripted(evaluate, lambda chosen: [{"node": n, "gain": 0.01} for n in damage if n not in chosen],
                        faster)
     options = {**OPTIONS, "target": {"cosine_mean": 0.989}, "time_budget_s": 300.0}
-    outcome = search.Search(backend, search.Candidates(list(damage)), {"kept"}, [{}] * 4, options,
+    outcome = search.Search(backend, search.Candidates(list(damage)), {"kept"}, [{}] * 4, limits(options),
                             budget=budget).run()
     assert asked == [{"kept"}]
     assert outcome.passed and outcome.record["faster_from_trial"] == 1 and len(outcome.float_nodes) == 3
@@ -276,14 +283,11 @@ def test_the_gains_needed_are_read_from_the_samples_the_search_chooses_on_not_th
 def _nearest_quantizer(model, rng, tmp_path):
     """(OrtQuantizer for the fallback's many builds, nearest rounding and no bias correction; 4 samples of x)."""
     from qprep.model.prepare import name_nodes
-    from qprep.quantize import ort
     from qprep.quantize.ort.quantizer import OrtQuantizer
-    from qprep.schema import validate
 
     name_nodes(model.graph)
     samples = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
-    options = validate({"weight_rounding": "nearest", "bias_correction": False}, ort.OPTIONS, "quantize.ort",
-                       tmp_path)
+    options = typed("ort", weight_rounding="nearest", bias_correction=False)
     return OrtQuantizer(model, samples, options, tmp_path, many_builds=True), samples
 
 
@@ -353,9 +357,10 @@ def test_ort_op_type_phase_leaves_a_whole_chain_float_when_no_single_type_helps(
     def quantizer(extra_options):
         return SimpleNamespace(model=SimpleNamespace(graph=SimpleNamespace(node=nodes)),
                                op_types=["Add", "Clip", "Conv", "Mul", "Transpose"],
-                               options={"extra_options": extra_options})
+                               options=typed("ort", extra_options=extra_options))
 
-    job = SimpleNamespace(fallback={"target": {"cosine_mean": 0.99}, "rank_samples": 2}, evaluation_samples=[{}] * 4,
+    job = SimpleNamespace(fallback=typed("fallback", target={"cosine_mean": 0.99}, rank_samples=2),
+                          evaluation_samples=[{}] * 4,
                           acceptance_samples=[], progress=None)
 
     def float_types(float_nodes, settings):
@@ -490,7 +495,7 @@ def test_a_float_set_that_meets_the_target_only_on_the_samples_it_was_chosen_on_
         return {"y": {"cosine_mean": 1.0 - error}}
 
     options = {**OPTIONS, "target": {"cosine_mean": 0.998}, "rank_samples": 8}
-    outcome = search.Search(Scripted(evaluate), search.Candidates(["a", "b", "c"]), set(), chosen_on, options,
+    outcome = search.Search(Scripted(evaluate), search.Candidates(["a", "b", "c"]), set(), chosen_on, limits(options),
                             acceptance=kept_apart).run()
     assert outcome.passed and set(outcome.float_nodes) == {"b", "c"}
     first, second = [t for t in outcome.record["trials"] if t["phase"] == "promote"]
@@ -498,7 +503,7 @@ def test_a_float_set_that_meets_the_target_only_on_the_samples_it_was_chosen_on_
     assert second["passed"] and outcome.record["best"]["unseen"]["passed"]
     assert outcome.record["samples"] == {"chosen_on": 8, "kept_apart": 8}
     # without samples kept apart, "b" alone is accepted
-    alone = search.Search(Scripted(evaluate), search.Candidates(["a", "b", "c"]), set(), chosen_on, options).run()
+    alone = search.Search(Scripted(evaluate), search.Candidates(["a", "b", "c"]), set(), chosen_on, limits(options)).run()
     assert alone.passed and alone.float_nodes == ["b"]
 
 
@@ -626,7 +631,8 @@ def test_the_search_starts_no_trial_that_would_end_past_the_budget(monkeypatch):
                 return scripted(float_nodes, samples)
 
     outcome = search.Search(Timed(None), search.Candidates(list(damage)), set(), [{}] * 4,
-                            {**OPTIONS, "target": {"cosine_mean": 0.999}, "time_budget_s": 200}, budget=budget).run()
+                            limits({**OPTIONS, "target": {"cosine_mean": 0.999}, "time_budget_s": 200}),
+                            budget=budget).run()
     assert 170.0 < clock[0] <= 200.0 and outcome.record["stopped"] == "time budget spent"
     assert outcome.record["best"]["score"] > outcome.record["base"]["score"]  # the best model found is kept
 
@@ -662,7 +668,7 @@ def test_the_cap_counts_what_the_backend_counts_and_a_promoted_group_s_nodes_are
     candidates = search.Candidates(["chain", "mm", "bias", "ln", "other"], groups={"chain": ("mm", "bias", "ln")},
                                    group_kind="LayerNorm chain")
     outcome = search.Search(backend, candidates, set(), [{}] * 4,
-                            {**OPTIONS, "target": {"cosine_mean": 0.9999}, "max_float_nodes": 2}).run()
+                            limits({**OPTIONS, "target": {"cosine_mean": 0.9999}, "max_float_nodes": 2})).run()
     promoted = [t["added"] for t in outcome.record["trials"] if t["phase"] == "promote"]
     assert promoted == [["chain"]]  # mm and ln: already float; other: a third layer, over the cap
     assert sorted(outcome.float_nodes) == ["bias", "ln", "mm"] and "LayerNorm chain" in candidates.describe("chain")
@@ -677,7 +683,7 @@ def test_candidates_named_first_are_tried_first_and_kept_only_if_they_pay():
     backend = Scripted(evaluate, rank=lambda chosen: [r for r in ranking if r["node"] not in chosen])
     options = {**OPTIONS, "target": {"cosine_mean": 0.9999}}
     outcome = search.Search(backend, search.Candidates(["a", "b", "out", "noise"], first=("noise", "out")), set(),
-                            [{}] * 4, options).run()
+                            [{}] * 4, limits(options)).run()
     promoted = [(t["added"], t["accepted"]) for t in outcome.record["trials"] if t["phase"] == "promote"]
     assert promoted[:3] == [(["noise"], False), (["out"], True), (["a"], True)]
     assert sorted(outcome.float_nodes) == ["a", "b", "out"]

@@ -10,6 +10,7 @@ from qprep.errors import EXIT_INTERNAL
 from qprep.quantize import nonfinite
 from qprep.model.runtime import intermediate_values
 from qprep.quantize.ranges import mse_ranges
+from conftest import typed
 from graphs import (log_power_model, make_model, masked_attention_model, masked_attention_samples,
                     power_samples)
 
@@ -163,11 +164,9 @@ def test_masked_attention_quantizes_with_ort_without_collapsing(tmp_path, method
 
 def _calibrated(model: onnx.ModelProto, samples: list[dict], method: str, tmp_path):
     """ORT's ranges by `method` for `model`, its extreme tensors found on `samples` as the quantize stage does."""
-    from qprep.schema import validate
-    from qprep.quantize import ort
     from qprep.quantize.ort.quantizer import OrtQuantizer
 
-    options = validate({"activations": "static"}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort", activations="static")
     return OrtQuantizer(model, samples, options, tmp_path, extremes=nonfinite.find(model, samples)).calibrate(method)
 
 

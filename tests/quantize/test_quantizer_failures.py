@@ -4,13 +4,11 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from conftest import run_on_samples
+from conftest import run_on_samples, typed
 from graphs import make_model, rand
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
-from qprep.quantize import ort
 from qprep.quantize.ort.quantizer import OrtQuantizer
-from qprep.schema import validate
 
 
 def _matmuls_and_a_gemm_ort_cannot_take():
@@ -31,7 +29,7 @@ def test_the_node_the_quantizer_fails_on_is_kept_float_and_the_rest_quantized(tm
     Gemm is found and kept float."""
     model = _matmuls_and_a_gemm_ort_cannot_take()
     samples = [{"x": rand(4, 8, seed=s)} for s in range(8)]
-    options = validate({"weight_type": weights}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort", weight_type=weights)
     quantizer = OrtQuantizer(model, samples, options, tmp_path)
     quantized = quantizer.build(set())
     assert list(quantizer.unquantizable) == ["Gemm_0"]

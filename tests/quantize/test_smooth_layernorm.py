@@ -141,12 +141,12 @@ def test_ort_static_keeps_the_restoring_mul_float(tmp_path):
     writes float in ORT's QDQ model, while the MatMul is quantized."""
     from qprep.data import SampleSet
     from qprep.quantize import ort
-    from qprep.quantize.backend import BackendInput
-    from qprep.schema import validate
+    from qprep.quantize.backend import QuantizeJob
+    from conftest import typed
 
-    options = validate({"activations": "static"}, ort.OPTIONS, "quantize.ort", tmp_path)
-    job = BackendInput(model=_post_ln_block(_spread_gamma()), calibration=SampleSet(samples=_samples(8)),
-                       max_samples=8, float_set=set(), options=options, work_dir=tmp_path)
+    job = QuantizeJob(model=_post_ln_block(_spread_gamma()), calibration=SampleSet(samples=_samples(8)),
+                      max_samples=8, float_set=frozenset(), options=typed("ort", activations="static"),
+                      work_dir=tmp_path)
     result = ort.quantize(job)
     mul, = [entry["restoring_mul"] for entry in result.details["smoothed_layernorms"]["layernorms"]]
     assert mul in result.details["excluded_nodes"]

@@ -5,15 +5,14 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+from conftest import typed
 from graphs import make_model
-from qprep.quantize import ort
 from qprep.quantize import gptq
 from qprep.quantize.ort.output_check import output_sqnr
 from qprep.quantize.ort.quantizer import OrtQuantizer
 from qprep.model.prepare import name_nodes
 from qprep.model.runtime import run_model
 from qprep.report.decisions import decision_lines
-from qprep.schema import validate
 
 
 def _model(kind: str, weight: np.ndarray, x_shape: list[int], **attrs) -> onnx.ModelProto:
@@ -66,7 +65,7 @@ def test_gptq_lowers_the_output_error_and_stays_in_the_quantizers_range(case, tm
     weight = np.random.default_rng(1).standard_normal(w_shape)
     model = _model(kind, weight, x_shape, **attrs)
     # GPTQ on the full 8-bit grid (reduce_range auto would take 7 bits on a CPU whose u8s8 kernels saturate)
-    options = validate({"weight_rounding": "nearest", "reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort", weight_rounding="nearest", reduce_range=False)
     samples = _samples(x_shape)
     nearest = OrtQuantizer(model, samples, options, tmp_path).build(set())
     layers = gptq.find_layers(nearest, model)
@@ -117,7 +116,7 @@ def test_input_moments_are_the_sum_of_each_output_positions_input_products(case,
     kind, shape, x_shape, attrs = CASES[case]
     model = _model(kind, np.random.default_rng(3).standard_normal(shape), x_shape, **attrs)
     samples = _samples(x_shape, count=3)
-    options = validate({"reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort", reduce_range=False)
     quantized = OrtQuantizer(model, samples, options, tmp_path).build(set())
     layer = gptq.find_layers(quantized, model)[0]
     moments = gptq.input_moments(quantized, [layer], samples * 40)  # rows enough for any case's inputs
@@ -180,7 +179,7 @@ def test_exactly_representable_weights_keep_their_integers(tmp_path):
     integers = np.random.default_rng(3).integers(-127, 128, (6, 3, 3, 3))
     integers[:, 0, 0, 0] = 127  # every channel reaches the top of the range, so ORT's scale is `scale`
     model = _model("Conv", integers * scale, [1, 3, 8, 8], pads=[1, 1, 1, 1])
-    options = validate({"reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)  # the 8-bit grid
+    options = typed("ort", reduce_range=False)  # the 8-bit grid
     quantizer = OrtQuantizer(model, _samples([1, 3, 8, 8]), options, tmp_path)
     quantized = quantizer.build(set())
     stored = next(t for t in quantized.graph.initializer if t.name.endswith("_quantized") and t.dims[0] == 6)
@@ -194,10 +193,10 @@ def test_gptq_not_kept_when_it_does_not_help(tmp_path, monkeypatch):
     model = _model("MatMul", np.random.default_rng(1).standard_normal((16, 8)), [1, 5, 16])
     samples = _samples([1, 5, 16])
     (tmp_path / "nearest").mkdir()
-    nearest = OrtQuantizer(model, samples, validate({"weight_rounding": "nearest", "weight_type": "int8"}, ort.OPTIONS,
-                                                    "quantize.ort", tmp_path / "nearest"), tmp_path / "nearest").build(set())
-    options = validate({"weight_type": "int8"}, ort.OPTIONS, "quantize.ort", tmp_path)
-    assert options["weight_rounding"] == "gptq"
+    nearest = OrtQuantizer(model, samples, typed("ort", weight_rounding="nearest", weight_type="int8"),
+                           tmp_path / "nearest").build(set())
+    options = typed("ort", weight_type="int8")
+    assert options.weight_rounding == "gptq"
     monkeypatch.setattr(gptq, "gptq", lambda w, h, s, z, lo, hi, damp=0.01: np.full(w.shape, hi))
     quantizer = OrtQuantizer(model, samples, options, tmp_path)
     built = quantizer.build(set())
@@ -286,7 +285,7 @@ def test_old_opset_model_is_upgraded_for_ort_or_refused_in_one_line(tmp_path, mo
 
     model = _model("MatMul", np.random.default_rng(1).standard_normal((16, 8)), [1, 5, 16])
     model.opset_import[0].version = 11
-    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort")
     assert OrtQuantizer(model, _samples([1, 5, 16]), options, tmp_path).upgraded_from == 11
 
     def refuse(model, version):
@@ -303,7 +302,7 @@ def test_a_layer_whose_calibration_rows_do_not_determine_its_inputs_keeps_neares
     many were left out."""
     weight = np.random.default_rng(2).standard_normal((8, 64))
     model = _model("Gemm", weight, [1, 64], transB=1)
-    options = validate({"reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort", reduce_range=False)
     few = _samples([1, 64], count=24)
     quantizer = OrtQuantizer(model, few, options, tmp_path)
     quantized = quantizer.build(set())
@@ -326,7 +325,7 @@ def test_a_layer_too_wide_for_gptq_keeps_nearest_rounding_and_the_report_says_wh
     monkeypatch.setattr(gptq, "MAX_INPUTS", 36)
     wide = _model("Conv", np.random.default_rng(3).standard_normal((8, 6, 3, 3)), [1, 6, 12, 12])  # d = 54
     grouped = _model("Conv", np.random.default_rng(3).standard_normal((8, 3, 3, 3)), [1, 6, 12, 12], group=2)
-    options = validate({"reduce_range": False}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort", reduce_range=False)
     quantizer = OrtQuantizer(wide, _samples([1, 6, 12, 12]), options, tmp_path)
     quantized = quantizer.build(set())
     assert gptq.input_moments(quantized, gptq.find_layers(quantized, wide), _samples([1, 6, 12, 12])) == {}

@@ -16,12 +16,14 @@ The flow: `quantize` (below) → quantizer.py (OrtQuantizer: calibrate once, bui
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 
 from qprep.errors import QprepError
 from qprep.qdq import float_maxpool
 from qprep.quantize import smooth_layernorm
-from qprep.quantize.backend import BackendInput, Quantized
+from qprep.quantize.backend import QuantizeJob, Quantized
 from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")
@@ -71,7 +73,7 @@ OPTIONS = section(
 )
 
 
-def quantize(job: BackendInput) -> Quantized:
+def quantize(job: QuantizeJob) -> Quantized:
     """The float set and nodes_to_exclude left float; with a fallback configured, the search (search.py) first
     chooses which more nodes stay float and the settings of the final build."""
     # imported here, not at the top: onnxruntime.quantization takes ~1.5 s to import, and the config schema
@@ -89,23 +91,24 @@ def quantize(job: BackendInput) -> Quantized:
     # weight: the terminal shows qprep's lines only (qprep's own sessions set severity 3 in model/runtime.py)
     onnxruntime.set_default_logger_severity(3)
     options, float_set = job.options, job.float_set
-    activations = {"configured": options["activations"]}
-    if options["activations"] == "auto":
+    activations = {"configured": options.activations}
+    if options.activations == "auto":
         chosen, why = choose_activations(job.model)
-        options = job.options = {**options, "activations": chosen}
+        options = dataclasses.replace(options, activations=chosen)
+        job = job.but(options=options)
         activations.update(chosen=chosen, why=why)
         log.info("ort: activations %s (%s)", chosen, why)
-    unknown = sorted(set(options["nodes_to_exclude"]) - {n.name for n in job.model.graph.node})
+    unknown = sorted(set(options.nodes_to_exclude) - {n.name for n in job.model.graph.node})
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
                          "run `qprep inspect` or see report.json for node names")
-    smoothed = smooth_layernorm.smooth_job(job)
+    job, smoothed = smooth_layernorm.smooth_job(job)
     quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress, job.extremes,
                              many_builds=bool(job.fallback))
     float_set = float_set | smooth_layernorm.restoring_muls(smoothed)
-    excluded = (set(options["nodes_to_exclude"]) | float_set) & quantizer.node_names
+    excluded = (set(options.nodes_to_exclude) | float_set) & quantizer.node_names
     speed_float = set()
-    if options["fast_kernels"] and not quantizer.dynamic:
+    if options.fast_kernels and not quantizer.dynamic:
         speed_float = set(narrow_input_convs(job.model)) - excluded
         excluded |= speed_float
     settings, details = quantizer.settings, {}
@@ -115,14 +118,14 @@ def quantize(job: BackendInput) -> Quantized:
     quantized = quantizer.build(excluded, settings)
     if not quantizer.dynamic:  # exact, for speed: ORT would run these MaxPools on uint8 with a slow kernel
         quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
-        if options["fast_kernels"] and options["format"] == "qdq":
+        if options.fast_kernels and options.format == "qdq":
             quantized, details["channel_padding"] = channel_padding.apply(quantized, job.samples[:8], job.threads)
     details.update({"activations": activations, "weights": quantizer.weights, "excluded_nodes": sorted(excluded),
                     "calibration_samples": len(job.samples),
                     "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,
                     "bias_correction": quantizer.bias,
                     "float_op_types": sorted(settings.float_op_types),
-                    "spread_tensors": {"as": options["spread_tensors"], "tensors": sorted(settings.spread_tensors),
+                    "spread_tensors": {"as": options.spread_tensors, "tensors": sorted(settings.spread_tensors),
                                        "float_nodes": sorted(quantizer.spread_nodes(settings))},
                     "qdq_simplified": quantizer.simplified, "float_for_speed": sorted(speed_float)})
     if smoothed:
@@ -136,5 +139,5 @@ def quantize(job: BackendInput) -> Quantized:
                     len(missing), ", ".join(missing[:10]))
     if quantizer.upgraded_from is not None:
         details["opset_upgraded_from"] = quantizer.upgraded_from
-    return Quantized(model=quantized, details=details)
+    return Quantized(model=quantized, details=details, extremes=quantizer.extremes)
 

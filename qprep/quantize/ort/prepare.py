@@ -5,6 +5,7 @@ Each step is exact: the model computes what it computed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -26,16 +27,16 @@ log = logging.getLogger("qprep")
 MIN_OPSET = 13
 
 
-def at_min_opset(model: onnx.ModelProto, extremes: nonfinite.Extremes) -> tuple[onnx.ModelProto, int | None]:
-    """(the model at MIN_OPSET or later, the opset it was upgraded from or None). The converter writes
-    attributes as constants (an opset-10 Clip's max=+inf): those extreme constants join `extremes` (never
-    calibrated)."""
+def at_min_opset(model: onnx.ModelProto, extremes: nonfinite.Extremes
+                 ) -> tuple[onnx.ModelProto, int | None, nonfinite.Extremes]:
+    """(the model at MIN_OPSET or later, the opset it was upgraded from or None, the extremes of that model).
+    The converter writes attributes as constants (an opset-10 Clip's max=+inf): those extreme constants join the
+    extremes (never calibrated), in a copy: `extremes` is the stage's."""
     if default_opset(model) >= MIN_OPSET:
-        return model, None
+        return model, None, extremes
     upgraded_from, model = default_opset(model), _upgraded(model)
-    extremes.tensors.update({name: stats for name, stats in nonfinite.extreme_constants(model).items()
-                             if name not in extremes.tensors})
-    return model, upgraded_from
+    added = {name: stats for name, stats in nonfinite.extreme_constants(model).items() if name not in extremes.tensors}
+    return model, upgraded_from, dataclasses.replace(extremes, tensors={**extremes.tensors, **added})
 
 
 def for_ort(model: onnx.ModelProto, threads: int, dynamic: bool) -> onnx.ModelProto:

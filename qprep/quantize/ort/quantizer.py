@@ -45,8 +45,8 @@ class OrtQuantizer:
                  progress=None, extremes: nonfinite.Extremes | None = None, many_builds: bool = False):
         """With `many_builds` (the fallback), what every build would compute again is kept (raw_build.py); a
         single build keeps nothing."""
-        self.extremes = extremes or nonfinite.Extremes()  # tensors kept float for their values: never calibrated
-        model, self.upgraded_from = at_min_opset(model, self.extremes)
+        # tensors kept float for their values (never calibrated), with those an opset upgrade adds
+        model, self.upgraded_from, self.extremes = at_min_opset(model, extremes or nonfinite.Extremes())
         self.options, self.weights = weight_range(options)  # weight_type and reduce_range "auto" resolved here
         model = for_ort(model, threads, self.dynamic)
         self.model, self.samples, self.work_dir, self.threads = model, samples, work_dir, threads
@@ -54,12 +54,12 @@ class OrtQuantizer:
         self.op_type_of = {n.name: n.op_type for n in model.graph.node}
         self.node_names = frozenset(self.op_type_of)
         self.settings = OrtSettings(  # as configured: what builds use unless the fallback measured better
-            calibrate_method=options["calibrate_method"],
-            bias_correction=bool(options["bias_correction"]) and options["format"] == "qdq" and not self.dynamic)
-        self.calibration = Calibration(model, samples, self.options["extra_options"], self.op_types, self.extremes,
+            calibrate_method=options.calibrate_method,
+            bias_correction=bool(options.bias_correction) and options.format == "qdq" and not self.dynamic)
+        self.calibration = Calibration(model, samples, self.options.extra_options, self.op_types, self.extremes,
                                        work_dir, threads)
         check = OutputCheck(model, samples, threads)  # GPTQ and bias correction share the float outputs
-        self.weight_rounding = WeightRounding(model, samples, threads, check, options["weight_rounding"])
+        self.weight_rounding = WeightRounding(model, samples, threads, check, options.weight_rounding)
         self.corrected_biases = CorrectedBiases(model, samples, threads, check, self._note)
         self.bias: dict = {"applied": False}  # what bias correction did on the last build
         raw = RawBuild(model, self.options, self.op_types, self.spread_nodes, self.weights, reuse=many_builds)
@@ -70,14 +70,14 @@ class OrtQuantizer:
 
     @property
     def dynamic(self) -> bool:
-        return self.options["activations"] == "dynamic"
+        return self.options.activations == "dynamic"
 
     @property
     def op_types(self) -> list[str]:
         """The op types ORT quantizes here (configured, or by default every one it can; a build leaves its
         settings' float_op_types out)."""
-        if self.options["op_types"]:
-            return list(self.options["op_types"])
+        if self.options.op_types:
+            return list(self.options.op_types)
         if self.dynamic:  # ConvInteger is slower than float Conv on x86; Gather/Attention are not worth it
             return ["MatMul", "Gemm"]
         return sorted(set(ORT.QDQRegistry) | set(ORT.QLinearOpsRegistry))
@@ -128,7 +128,7 @@ class OrtQuantizer:
             raise QprepError(f"ONNX Runtime quantization failed: {str(exc).splitlines()[0][:300]} "
                              "(try format: qdq, per_channel: false, or exclude the node named in the message)") from None
         nonfinite.check_scales(quantized)  # a mask that still reached a Q/DQ would collapse every output
-        static_qdq = self.options["format"] == "qdq" and not self.dynamic
+        static_qdq = self.options.format == "qdq" and not self.dynamic
         quantized = self.weight_rounding(quantized, static_qdq)
         if settings.bias_correction:
             quantized, self.bias = self.corrected_biases(quantized, key, budget)
@@ -156,7 +156,7 @@ class OrtQuantizer:
         producer and consumers, so it is neither rounded to int8 nor wrapped in Q/DQ (ONNX Runtime's CPU runs a
         16-bit tensor's neighbours in float anyway, and slower than these edges in float: BENCHMARKS.md: "channel
         spread")."""
-        if self.options["spread_tensors"] != "float" or not settings.spread_tensors:
+        if self.options.spread_tensors != "float" or not settings.spread_tensors:
             return set()
         return channel_spread.nodes_around(self.model, settings.spread_tensors)
 

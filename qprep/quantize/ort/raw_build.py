@@ -36,9 +36,9 @@ class RawBuild:
                  spread_nodes: Callable[[OrtSettings], set[str]], weights: dict, reuse: bool):
         self.model, self.options, self.op_types, self.spread_nodes = model, options, op_types, spread_nodes
         self.weights, self.reuse = weights, reuse
-        self.dynamic = options["activations"] == "dynamic"
+        self.dynamic = options.activations == "dynamic"
         self.op_type_of = {n.name: n.op_type for n in model.graph.node}
-        self._said = _OncePerMessage(fitted_biases=options["format"] == "qdq")  # ORT repeats its warnings per build
+        self._said = _OncePerMessage(fitted_biases=options.format == "qdq")  # ORT repeats its warnings per build
         self._inferred: onnx.ModelProto | None = None  # the model with ORT's shape inference, copied per build
         self._weight_memo: dict = {}  # weight slices ORT's quantizer quantized already (third_party)
 
@@ -48,7 +48,7 @@ class RawBuild:
             model = _copied(self._inferred)
         else:
             model = ORT.save_and_reload_model_with_shape_infer(self.model)
-        sixteen_bit = settings.spread_tensors if self.options["spread_tensors"] == "int16" else frozenset()
+        sixteen_bit = settings.spread_tensors if self.options.spread_tensors == "int16" else frozenset()
         quantizer = self._quantizer(model, ranges, excluded, settings, sixteen_bit)
         root = logging.getLogger()
         root.addFilter(self._said)
@@ -61,7 +61,7 @@ class RawBuild:
         quantizer.model.topological_sort()  # what ORT's save_model_to_file does: new Q/DQ nodes are appended
         if sixteen_bit:
             _eight_bit_in_default_domain(quantizer.model.model)
-        if self.options["weight_type"] == "uint8":
+        if self.options.weight_type == "uint8":
             uint8_weights.equal_zero_points(quantizer.model.model)
         if not self.dynamic:  # ORT clips a bias its weight scale makes too fine (it fixes that for int8 weights only)
             self.weights["bias_channels_rescaled"] = int32_bias.fit_biases(quantizer.model.model, self.model)
@@ -70,17 +70,17 @@ class RawBuild:
     def _quantizer(self, model: onnx.ModelProto, ranges, excluded: list[str], settings: OrtSettings,
                    sixteen_bit: frozenset[str]):
         """ORT's quantizer object for this build (not run yet)."""
-        common = dict(per_channel=self.options["per_channel"], reduce_range=self.options["reduce_range"],
-                      weight_qType=getattr(ORT.QuantType, _TYPES[self.options["weight_type"]]),
-                      activation_qType=getattr(ORT.QuantType, _TYPES[self.options["activation_type"]]),
+        common = dict(per_channel=self.options.per_channel, reduce_range=self.options.reduce_range,
+                      weight_qType=getattr(ORT.QuantType, _TYPES[self.options.weight_type]),
+                      activation_qType=getattr(ORT.QuantType, _TYPES[self.options.activation_type]),
                       tensors_range=ranges, nodes_to_quantize=[], nodes_to_exclude=excluded,
                       op_types_to_quantize=[t for t in self.op_types if t not in settings.float_op_types],
-                      extra_options=dict(self.options["extra_options"]))
-        if self.options["weight_type"] == "uint8":
+                      extra_options=dict(self.options.extra_options))
+        if self.options.weight_type == "uint8":
             common["extra_options"] = uint8_weights.quantizer_options(common["extra_options"])
         if sixteen_bit:
             common["extra_options"] = with_16_bit(common["extra_options"], sixteen_bit,
-                                                  self.options["activation_type"])
+                                                  self.options.activation_type)
         else:
             common["nodes_to_exclude"] = sorted(set(excluded) | self.spread_nodes(settings))
         if self.dynamic:  # as quantize_dynamic: uint8 activations, only MatMuls with a constant weight
@@ -92,7 +92,7 @@ class RawBuild:
             common.update(activation_qType=ORT.QuantType.QUInt8, tensors_range=None, extra_options=extra)
             with shapes_inferred_already() if self.reuse else contextlib.nullcontext():
                 return ORT.ONNXQuantizer(model, mode=ORT.QuantizationMode.IntegerOps, static=False, **common)
-        if self.options["format"] == "qdq":
+        if self.options.format == "qdq":
             return ORT.QDQQuantizer(model, **common)
         return ORT.ONNXQuantizer(model, mode=ORT.QuantizationMode.QLinearOps, static=True, **common)
 

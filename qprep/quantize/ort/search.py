@@ -30,7 +30,7 @@ from qprep.measure.layers import layer_errors
 from qprep.model.info import graph_inputs, multiply_adds
 from qprep.model.runtime import run_model
 from qprep.quantize import channel_spread, search
-from qprep.quantize.backend import BackendInput
+from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.budget import Budget
 from qprep.quantize.ort.derived_builds import Derivation
 from qprep.quantize.ort.derived_runs import DerivedRuns
@@ -88,7 +88,7 @@ class Measures:
     `measure_candidate` derives a ranking or promotion trial's model from the build it adds to
     (derived_builds.py) and runs it from its first edit on (derived_runs.py). Both are timed in the budget."""
 
-    def __init__(self, quantizer: OrtQuantizer, job: BackendInput, budget: Budget):
+    def __init__(self, quantizer: OrtQuantizer, job: QuantizeJob, budget: Budget):
         self.quantizer, self.job, self.budget = quantizer, job, budget
         self.every = len(job.evaluation_samples)
         self.measured: dict = {}  # (built model's digest, samples) → metrics
@@ -118,7 +118,7 @@ class Measures:
         be derived. Timed apart from builds ("derived" on all samples): the time kept for the final build is a
         build's."""
         quantizer = self.quantizer
-        if quantizer.dynamic or quantizer.options["format"] != "qdq" or settings.bias_correction:
+        if quantizer.dynamic or quantizer.options.format != "qdq" or settings.bias_correction:
             return self.measure(float_nodes, samples, settings)
         with self.budget.timed("rank" if len(samples) < self.every else "derived"):
             derived = self.derived
@@ -143,9 +143,9 @@ class Measures:
         return self.measure(float_nodes, samples, settings)
 
 
-def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> tuple[search.Outcome, OrtSettings]:
+def fallback(quantizer: OrtQuantizer, excluded: set[str], job: QuantizeJob) -> tuple[search.Outcome, OrtSettings]:
     """The float set and the settings the final build uses, with the search's record."""
-    budget = Budget(job.fallback["time_budget_s"], job.started)  # from the stage's start: everything counts
+    budget = Budget(job.fallback.time_budget_s, job.started)  # from the stage's start: everything counts
     # until a plain trial has run, the first build (calibration, GPTQ and a run) stands for one: an over-estimate
     budget.stand_ins.update({"trial": "first build", "rank": "trial"})
     measures = Measures(quantizer, job, budget)
@@ -158,18 +158,18 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     # configured ranges when the base is near the target, or once the range and spread settings bring it near
     # (before the op-type phase, which can spend minutes for less: BENCHMARKS.md: "the search spent minutes on
     # the wrong phase"), else only on the float set the search chose; the search runs without it
-    near = near_target(base, job.fallback["target"])
+    near = near_target(base, job.fallback.target)
     corrected_base = _corrected_base(trials, excluded, job, budget) if wanted and near else None
     configured = trials.settings.calibrate_method
     ranges = search.choose_setting(
         "calibrate_method", configured, ["mse"] if configured == "minmax" and not quantizer.dynamic else [],
         lambda method: trials.use(calibrate_method=method), trials.evaluate, excluded, job.evaluation_samples,
-        job.fallback["target"], job.progress,  # new ranges: a build as long as the first (GPTQ on new scales)
+        job.fallback.target, job.progress,  # new ranges: a build as long as the first (GPTQ on new scales)
         affordable=lambda method: budget.allows(f"calibrate_method {method}", budget.predict("first build")),
         acceptance=job.acceptance_samples)
     spread = choose_spread_tensors(quantizer, trials, excluded, job, budget)
     if wanted and corrected_base is None and near_target(trials.evaluate(excluded, job.evaluation_samples),
-                                                         job.fallback["target"]):
+                                                         job.fallback.target):
         near, corrected_base = True, _corrected_base(trials, excluded, job, budget)
     op_types = choose_float_op_types(quantizer, trials, excluded, job, budget)
     outcome = _search_nodes(quantizer, trials, excluded, job, budget, spread)
@@ -182,13 +182,13 @@ def fallback(quantizer: OrtQuantizer, excluded: set[str], job: BackendInput) -> 
     return outcome, trials.settings
 
 
-def _search_nodes(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput, budget: Budget,
+def _search_nodes(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: QuantizeJob, budget: Budget,
                   spread: dict) -> search.Outcome:
     """The search over nodes (qprep.quantize.search) at the settings chosen so far: candidates are activation
     edges (MatMul nodes with dynamic quantization) ranked by the accuracy lost across them, when the target is
     missed and the budget allows the ranking."""
     candidates = []
-    met = search.judge(job.fallback["target"], trials.evaluate(excluded, job.evaluation_samples), excluded,
+    met = search.judge(job.fallback.target, trials.evaluate(excluded, job.evaluation_samples), excluded,
                        trials.evaluate, job.acceptance_samples)["passed"]  # (measured already: cached)
     if not met and budget.allows("ranking candidates by per-layer error",
                                  budget.predict("rank") + budget.predict("trial")):
@@ -201,7 +201,7 @@ def _search_nodes(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], j
     total = sum(macs.values()) or 1
     cost = {c: sum(macs.get(n, 0) for n in groups.get(c, (c,))) / total for c in candidates}
     return search.Search(trials, search.Candidates(candidates, groups, cost, quantizer.op_type_of), excluded,
-                         job.evaluation_samples, channel_spread.search_options(job.fallback, spread),
+                         job.evaluation_samples, search.node_search(job.fallback, spread),
                          job.progress, budget, job.acceptance_samples).run()
 
 
@@ -244,7 +244,7 @@ def near_target(outputs: dict, target: dict) -> bool:
     return True
 
 
-def _corrected_base(trials: Trials, excluded: set[str], job: BackendInput, budget: Budget) -> dict | None:
+def _corrected_base(trials: Trials, excluded: set[str], job: QuantizeJob, budget: Budget) -> dict | None:
     """The base float set with bias correction: if that meets the target, the search ends at its base trial
     with it (EfficientNet-Lite0: 0 float nodes); otherwise the search runs without it. Not tried when not even
     a build fits in the budget (its waves stop in time by themselves)."""
@@ -253,20 +253,20 @@ def _corrected_base(trials: Trials, excluded: set[str], job: BackendInput, budge
     started = budget.elapsed()
     trials.use(bias_correction=True)
     outputs = trials.evaluate(excluded, job.evaluation_samples)
-    passed = search.judge(job.fallback["target"], outputs, excluded, trials.evaluate, job.acceptance_samples)["passed"]
+    passed = search.judge(job.fallback.target, outputs, excluded, trials.evaluate, job.acceptance_samples)["passed"]
     trials.use(bias_correction=passed)
-    score = search.score_of(outputs, job.fallback["target"])
+    score = search.score_of(outputs, job.fallback.target)
     log.info("fallback: bias correction on the base: score %.5f%s", score, ", target met" if passed else "")
     return {"score": score, "passed": passed, "float_set": set(excluded), "seconds": budget.elapsed() - started}
 
 
-def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, job: BackendInput,
+def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, job: QuantizeJob,
                    budget: Budget) -> dict:
     """Bias correction on the float set the search chose, when the search missed its target (measured again
     unless that is the base's set, if the budget has room for its build, a few of its waves and the final build)
     and kept if the score goes up. Not measured once the target is met: like a float node, it is added only while
     the target needs it (BENCHMARKS.md: "bias correction only where it can decide")."""
-    target, float_set = job.fallback["target"], set(outcome.float_nodes)
+    target, float_set = job.fallback.target, set(outcome.float_nodes)
     record = {"base": {"score": base["score"], "passed": base["passed"]}} if base else {}
     if base and base["passed"]:
         record["kept"] = True
@@ -299,15 +299,15 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
     return record
 
 
-def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,
+def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: QuantizeJob,
                           budget: Budget) -> dict:
     """The tensors whose channels one int8 scale cannot share, kept out of int8 before any node is made float
     (their edges float, or 16-bit: option spread_tensors; channel_spread.choose): on PP-OCRv3 rec, the worst of
     them with their edges float took the model from far below its target to above it (recorded in `5d68a58`).
     Float edges count against max_float_nodes (16-bit ones do
     not: their nodes stay quantized)."""
-    how = quantizer.options["spread_tensors"]
-    if quantizer.dynamic or quantizer.options["format"] != "qdq" or how == "off":
+    how = quantizer.options.spread_tensors
+    if quantizer.dynamic or quantizer.options.format != "qdq" or how == "off":
         return {}
     float_outputs = {o for n in quantizer.model.graph.node if n.name in excluded for o in n.output}
     calibrated = [name for name in quantizer.calibrate(trials.settings.calibrate_method) if name not in float_outputs]
@@ -319,21 +319,21 @@ def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set
     return record
 
 
-def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: BackendInput,
+def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: QuantizeJob,
                           budget: Budget) -> dict:
     """Leave an op type float when that measurably helps: on PP-OCRv4 rec, quantizing the hardswish chains
     (Add, Clip, Mul) re-rounds every activation three times. Greedy: rank each type on the ranking samples, keep
     each drop that helps on all samples; then try all these types at once (one of a chain's ops left float
     alone only adds Q/DQ pairs), kept if better still. The chosen types stay in `trials.settings`."""
-    target = job.fallback["target"]
+    target = job.fallback.target
     outputs = trials.evaluate(excluded, job.evaluation_samples)
     if search.judge(target, outputs, excluded, trials.evaluate, job.acceptance_samples)["passed"]:
         return {"chosen": [], "trials": [], "nodes": 0}
     current = search.score_of(outputs, target)
     present = {n.op_type for n in quantizer.model.graph.node if n.name not in excluded}
     types = [t for t in quantizer.op_types if t in present and t not in _COMPUTE]
-    exact = set() if quantizer.options["extra_options"].get("ForceQuantizeNoInputCheck") else _RESHAPING
-    rank_samples = job.evaluation_samples[: job.fallback["rank_samples"]]
+    exact = set() if quantizer.options.extra_options.get("ForceQuantizeNoInputCheck") else _RESHAPING
+    rank_samples = job.evaluation_samples[: job.fallback.rank_samples]
     base = search.score_of(trials.evaluate(excluded, rank_samples), target)
     gains = {}
 

@@ -22,7 +22,7 @@ from qprep.errors import QprepError, ToolkitError
 from qprep.model.info import graph_inputs
 from qprep.model.io import save_model
 from qprep.quantize import outlier_positions
-from qprep.quantize.backend import BackendInput
+from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.rknn import dataset, io_names, limits
 from qprep.quantize.rknn import ranges as rknn_ranges
 from qprep.quantize.rknn.names import IRNames, map_float_set, with_custom_layers
@@ -46,7 +46,7 @@ class RknnBuilder:
     (calibration) and each build is a step2 with another custom_quantize_layers list, which is what makes
     the fallback's trials affordable."""
 
-    def __init__(self, job: BackendInput, split: "outlier_positions.Split | None" = None):
+    def __init__(self, job: QuantizeJob, split: "outlier_positions.Split | None" = None):
         self.job, self.options = job, job.options
         self.split = split or outlier_positions.Split(job.model)
         self.toolkit = Toolkit(job.work_dir)
@@ -56,16 +56,16 @@ class RknnBuilder:
         self.model_path = job.work_dir / "model.onnx"
         self._on_grid: onnx.ModelProto | None = None  # the model with GPTQ weights, made once
         self._grid_record: dict = {}
-        self.weight_rounding = self.options["weight_rounding"]  # the fallback may choose another (use_weight_rounding)
+        self.weight_rounding = self.options.weight_rounding  # the fallback may choose another (use_weight_rounding)
         self._weight_table: dict | None = None  # weight_rounding mmse: the int8 weight entries step1 is given
         self._weight_record: dict = {}
         self._written: onnx.ModelProto | None = None  # the model in model_path (_write)
         self.normalization = dataset.normalization(job)
         self.dataset = dataset.write_dataset(job, job.work_dir, self.normalization)
         options = self.options
-        self.config = dict(target_platform=options["target_platform"], quantized_dtype=options["quantized_dtype"],
-                           quantized_algorithm=options["quantized_algorithm"],
-                           quantized_method=options["quantized_method"], optimization_level=options["optimization_level"])
+        self.config = dict(target_platform=options.target_platform, quantized_dtype=options.quantized_dtype,
+                           quantized_algorithm=options.quantized_algorithm,
+                           quantized_method=options.quantized_method, optimization_level=options.optimization_level)
         if self.normalization:
             self.config.update(mean_values=[self.normalization["mean"]], std_values=[self.normalization["std"]])
         self.details = {"config": self.config, "dataset": str(self.dataset),
@@ -109,8 +109,8 @@ class RknnBuilder:
     def rounds_weights(self) -> bool:
         """Is this a build whose weight grid qprep knows (w8a8, per channel, calibrated)?"""
         options = self.options
-        return bool(options["do_quantization"] and options["quantized_dtype"] == "w8a8"
-                    and options["quantized_method"] == "channel" and self.job.samples)
+        return bool(options.do_quantization and options.quantized_dtype == "w8a8"
+                    and options.quantized_method == "channel" and self.job.samples)
 
     def use_weight_rounding(self, method: str) -> bool:
         """Give the weights their integers another way from now on (gptq | nearest | mmse); the pinned build
@@ -136,7 +136,7 @@ class RknnBuilder:
         """Later builds take the ranges of the build of `float_set` (made with the current algorithm) and search
         none (ranges.py): with mmse, a trial's step2 then takes seconds instead of minutes."""
         entry = self._sessions.get((self.setting, frozenset(float_set)))
-        if entry is None or self.algorithm == "normal" or not self.options["do_quantization"]:
+        if entry is None or self.algorithm == "normal" or not self.options.do_quantization:
             return False
         try:
             self._ranges = entry[1].quantization_table()
@@ -339,7 +339,7 @@ class RknnBuilder:
 
     def build(self, float_set: set[str]):
         """An RKNN object built with `float_set` as float16 layers, its simulator runtime initialized."""
-        if (float_set or self._table()) and self.options["do_quantization"]:
+        if (float_set or self._table()) and self.options.do_quantization:
             ir = self.ir_names()
             stem, cfg_text, _ = self._step1
             mapping, unmapped = map_float_set(self.job.model, sorted(float_set), ir)
@@ -356,7 +356,7 @@ class RknnBuilder:
                             ", ".join(unmapped[:10]))
         else:
             rknn = self._loaded()
-            self._call_or_release(rknn, "build", do_quantization=self.options["do_quantization"],
+            self._call_or_release(rknn, "build", do_quantization=self.options.do_quantization,
                                   dataset=str(self.dataset))
             self.details.pop("float16_layers", None)
         return rknn

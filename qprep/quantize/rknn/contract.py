@@ -15,7 +15,7 @@ from pathlib import Path
 def input_contract(inputs, normalization: dict | None, options: dict) -> dict:
     """Per input: its shape and dtype, and how to feed it; where the NPU normalizes (dataset.py), uint8
     pixels in the calibration's channel order with the mean/std the model was built with."""
-    contract = {"target_platform": options["target_platform"], "inputs": []}
+    contract = {"target_platform": options.target_platform, "inputs": []}
     for spec in inputs:
         entry = {"name": spec.name, "shape": spec.shape, "dtype": spec.dtype}
         if normalization and spec.name == normalization["input"]:

@@ -5,9 +5,11 @@ fallback's search when one is configured (search.py), then model.rknn exported a
 
 from __future__ import annotations
 
+import dataclasses
+
 from qprep.measure import ctc
 from qprep.quantize import float16_range, outlier_positions, residual_channels, smooth_layernorm
-from qprep.quantize.backend import BackendInput, Quantized
+from qprep.quantize.backend import QuantizeJob, Quantized
 from qprep.quantize.rknn import limits, static_graph
 from qprep.quantize.rknn.builder import MMSE_WEIGHT_SAMPLES, RknnBuilder
 from qprep.quantize.rknn.contract import write_board_files
@@ -42,34 +44,23 @@ OPTIONS = section(
 )
 
 
-def quantize(job: BackendInput) -> Quantized:
+def quantize(job: QuantizeJob) -> Quantized:
     """The build (after the fallback's search, if on), exported; its runner stays usable for the evaluation
     until the result's `close` stops the toolkit worker (at once when this fails or is interrupted)."""
-    limits.refuse_unsupported(job.model)
-    job.model, converted = limits.within_opset(job.model, job.samples[:8], job.threads)
-    job.model, static = static_graph.static_graph(job.model, job.samples[:8], job.threads)
-    job.float_set = static_graph.carried(set(job.float_set), job.model, static)
-    job.model, clipped = limits.float16_safe(job.model, job.extremes, job.samples[:8], job.threads)
-    scaled = float16_range.scale(job.model, job.samples[:8], job.threads) if job.extremes.tensors else None
-    if scaled and scaled.chain:  # float16 holds the chain now: it stays float as any float node does
-        job.model, job.float_set = scaled.model, scaled.carried(set(job.float_set))
-        job.extremes.added -= set(scaled.chain)
-    job.float_set, overflowing = limits.without_float16_overflow(job.model, set(job.float_set), job.extremes,
-                                                                 job.samples[:8], job.threads)
-    for node in overflowing:  # int8 in the result: no longer reported as kept float for their values
-        job.extremes.nodes.pop(node, None)
-    smoothed = smooth_layernorm.smooth_job(job) if job.options["do_quantization"] else {}
+    job, converted, static, clipped, scaled, overflowing = _within_toolkit_limits(job)
+    job, smoothed = smooth_layernorm.smooth_job(job) if job.options.do_quantization else (job, {})
     split = outlier_positions.Split(job.model)
     # only with normal ranges: mmse and kl clip the copies that hold the outlier positions (MiniLM: 0.58)
-    if (job.options["split_outlier_positions"] and job.options["do_quantization"]
-            and job.options["quantized_algorithm"] == "normal"):
+    if (job.options.split_outlier_positions and job.options.do_quantization
+            and job.options.quantized_algorithm == "normal"):
         split = outlier_positions.split(job.model, job.samples[:8], job.threads)
-        job.model, job.float_set = split.model, split.carried(set(job.float_set))
+        job = job.but(model=split.model, float_set=frozenset(split.carried(set(job.float_set))))
     rescaled = {}
-    if job.options.get("rescale_residual_channels") and job.options["do_quantization"] and job.samples:
+    if job.options.rescale_residual_channels and job.options.do_quantization and job.samples:
         result = residual_channels.rescale(job.model, job.samples[:residual_channels.SAMPLES], job.threads,
                                            keep=set(job.float_set))
-        job.model, rescaled, job.float_set = result.model, result.record, result.carried(job.float_set)
+        rescaled = result.record
+        job = job.but(model=result.model, float_set=frozenset(result.carried(set(job.float_set))))
     builder = RknnBuilder(job, split)
     if smoothed:
         builder.details["smoothed_layernorms"] = smoothed
@@ -101,6 +92,29 @@ def quantize(job: BackendInput) -> Quantized:
         raise
     board = write_board_files(work, builder.inputs, builder.normalization, options, ctc.dictionary(job.model))
     return Quantized(model=job.model, details=builder.details, runner=runner, deployable="model.rknn",
-                     analyzer=(lambda samples: runner.analyze(samples[: options["analysis_samples"]]))
-                     if options["analysis_samples"] else None,
-                     artifacts={"model.rknn": rknn_path, **board}, close=builder.close)
+                     analyzer=(lambda samples: runner.analyze(samples[: options.analysis_samples]))
+                     if options.analysis_samples else None,
+                     artifacts={"model.rknn": rknn_path, **board}, close=builder.close,
+                     float_set=job.float_set, extremes=job.extremes)
+
+
+def _within_toolkit_limits(job: QuantizeJob):
+    """(the job with its model made one the toolkit compiles — opset, static shapes, float16-safe constants and
+    ranges — and its float set and extremes carried along, then what each step did for the record)."""
+    limits.refuse_unsupported(job.model)
+    samples = job.samples[:8]
+    model, converted = limits.within_opset(job.model, samples, job.threads)
+    model, static = static_graph.static_graph(model, samples, job.threads)
+    float_set = static_graph.carried(set(job.float_set), model, static)
+    extremes = job.extremes
+    model, clipped = limits.float16_safe(model, extremes, samples, job.threads)
+    scaled = float16_range.scale(model, samples, job.threads) if extremes.tensors else None
+    if scaled and scaled.chain:  # float16 holds the chain now: it stays float as any float node does
+        model, float_set = scaled.model, scaled.carried(set(float_set))
+        extremes = dataclasses.replace(extremes, added=extremes.added - set(scaled.chain))
+    float_set, overflowing = limits.without_float16_overflow(model, set(float_set), extremes, samples, job.threads)
+    if overflowing:  # int8 in the result: no longer reported as kept float for their values
+        extremes = dataclasses.replace(extremes, nodes={node: why for node, why in extremes.nodes.items()
+                                                        if node not in overflowing})
+    job = job.but(model=model, float_set=frozenset(float_set), extremes=extremes)
+    return job, converted, static, clipped, scaled, overflowing

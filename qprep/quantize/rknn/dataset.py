@@ -16,10 +16,10 @@ import numpy as np
 
 from qprep.errors import QprepError
 from qprep.model.info import graph_inputs
-from qprep.quantize.backend import BackendInput
+from qprep.quantize.backend import QuantizeJob
 
 
-def normalization(job: BackendInput) -> dict | None:
+def normalization(job: QuantizeJob) -> dict | None:
     """mean/std for RKNN.config when calibration comes from images (normalization then runs on the NPU).
     Not for a channels-last input: the toolkit takes a 4-D ONNX input's dim 1 as its channels (an NHWC
     [1,128,128,3] face detector: "The len of mean_values ([127.5, 127.5, 127.5]) for input 0 is wrong, expect
@@ -34,7 +34,7 @@ def normalization(job: BackendInput) -> dict | None:
             "layout": reader.layout, "resize": reader.resize}
 
 
-def write_dataset(job: BackendInput, work: Path, normalization: dict | None) -> Path:
+def write_dataset(job: QuantizeJob, work: Path, normalization: dict | None) -> Path:
     """dataset.txt: one line per sample, one NCHW .npy per input (raw pixels when the NPU normalizes)."""
     if job.calibration is None:
         raise QprepError("quantize.rknn: calibration data is required; add `calibration: {source: <folder>}`")

@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from qprep.quantize import channel_spread, search
-from qprep.quantize.backend import BackendInput
+from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.budget import Budget
 
 if TYPE_CHECKING:  # the builder and the trials are handed in (search.py)
@@ -39,7 +39,7 @@ KL_SLOWER = 3.5
 MMSE_WEIGHTS_SLOWER = 12.0
 
 
-def range_algorithm(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, base_float: set[str],
+def range_algorithm(builder: RknnBuilder, trials: RknnTrials, job: QuantizeJob, base_float: set[str],
                     budget: Budget, alternatives: list[str]) -> dict:
     """`mmse` against the configured `normal` ranges, all int8 but `base_float` (choose_setting). mmse searches
     weight and activation ranges in step2, so every later build pays it again (minutes, vs seconds): measured once,
@@ -51,7 +51,7 @@ def range_algorithm(builder: RknnBuilder, trials: RknnTrials, job: BackendInput,
     BENCHMARKS.md, "the range algorithm measured first" and "mmse is started only when as long again is left"."""
     return search.choose_setting(
         "quantized_algorithm", builder.algorithm, alternatives,
-        builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
+        builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback.target,
         job.progress, min_gain=0.15,  # an mmse build is at least 3x a normal one, often minutes
         affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm} (with as long again left after it)",
                                                    2 * MMSE_SLOWER * budget.predict("trial")),
@@ -72,12 +72,12 @@ def faster_if_late(builder: RknnBuilder, base_float: set[str], budget: Budget) -
     return True
 
 
-def spread_layers(trials: RknnTrials, job: BackendInput, base_float: set[str],
+def spread_layers(trials: RknnTrials, job: QuantizeJob, base_float: set[str],
                   budget: Budget) -> tuple[dict, set[str]]:
     """Float16 layers around the tensors whose channels one int8 scale cannot share, one build per set tried
     (channel_spread.choose), before the search; the kept set joins the base float set → (record, base float
     set). They count against max_float_nodes, as with ORT."""
-    if not job.options["do_quantization"]:
+    if not job.options.do_quantization:
         return {}, base_float
     around = {}  # tensors → the layers that keep them float16
 
@@ -94,7 +94,7 @@ def spread_layers(trials: RknnTrials, job: BackendInput, base_float: set[str],
     return record, base_float | layers(kept)
 
 
-def ranges_with_spread(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, base_float: set[str],
+def ranges_with_spread(builder: RknnBuilder, trials: RknnTrials, job: QuantizeJob, base_float: set[str],
                        spread: dict, budget: Budget) -> dict:
     """The range algorithm measured again once a spread set is float16 (`base_float` includes it): which one
     clips best depends on which tensors are still int8. From `normal`, `kl_divergence`: it can lose with every
@@ -111,13 +111,13 @@ def ranges_with_spread(builder: RknnBuilder, trials: RknnTrials, job: BackendInp
         return {}
     return search.choose_setting(
         "quantized_algorithm with the spread set float16", builder.algorithm, ["normal", "kl_divergence"],
-        builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback["target"],
+        builder.use_algorithm, trials.evaluate, base_float, job.evaluation_samples, job.fallback.target,
         job.progress, min_gain=0.0,
         affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}", budget.predict("trial")),
         acceptance=job.acceptance_samples)
 
 
-def mmse_weights(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, base_float: set[str],
+def mmse_weights(builder: RknnBuilder, trials: RknnTrials, job: QuantizeJob, base_float: set[str],
                  budget: Budget) -> dict:
     """`weight_rounding: mmse` against the weights as they are, with the ranges and the float16 set the phases
     before chose (`normal` or `kl_divergence`): mmse's gain can lie in its weight ranges
@@ -134,22 +134,22 @@ def mmse_weights(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, ba
 
     return search.choose_setting(
         "weight_rounding", now, ["mmse"], use, trials.evaluate, base_float, job.evaluation_samples,
-        job.fallback["target"], job.progress, min_gain=0.05,
+        job.fallback.target, job.progress, min_gain=0.05,
         affordable=lambda method: budget.allows(f"weight_rounding {method}",
                                                 MMSE_WEIGHTS_SLOWER * budget.first("trial")
                                                 + builder.step1_seconds("prepared")),
         acceptance=job.acceptance_samples)
 
 
-def ranges_after_search(builder: RknnBuilder, trials: RknnTrials, job: BackendInput, outcome: search.Outcome,
+def ranges_after_search(builder: RknnBuilder, trials: RknnTrials, job: QuantizeJob, outcome: search.Outcome,
                         budget: Budget) -> dict:
     """`kl_divergence` ranges measured once more on the float16 set of a search that missed its target (from
     `normal` only, as after a spread set): once the layers that int8 hurts most are float16, kl's clipping costs
     less than it saves (BENCHMARKS.md, as for ranges_with_spread). Kept if they meet the target or remove
     MIN_GAIN of the error; the outcome then says so."""
-    if outcome.passed or builder.algorithm != "normal" or not job.options["do_quantization"]:
+    if outcome.passed or builder.algorithm != "normal" or not job.options.do_quantization:
         return {}
-    target, float_set = job.fallback["target"], set(outcome.float_nodes)
+    target, float_set = job.fallback.target, set(outcome.float_nodes)
     result = _kl_against_normal("quantized_algorithm on the search's float16 set", builder, trials, job, float_set,
                                 budget)
     if result["chosen"] != result["configured"]:  # every evaluation below was made by choose_setting: remembered
@@ -163,13 +163,13 @@ def ranges_after_search(builder: RknnBuilder, trials: RknnTrials, job: BackendIn
     return result
 
 
-def _kl_against_normal(setting: str, builder: RknnBuilder, trials: RknnTrials, job: BackendInput,
+def _kl_against_normal(setting: str, builder: RknnBuilder, trials: RknnTrials, job: QuantizeJob,
                        float_set: set[str], budget: Budget) -> dict:
     """`normal` against `kl_divergence` ranges on `float_set` (choose_setting), a kl build predicted at KL_SLOWER
     normal trials."""
     return search.choose_setting(
         setting, builder.algorithm, ["kl_divergence"], builder.use_algorithm, trials.evaluate, float_set,
-        job.evaluation_samples, job.fallback["target"], job.progress,
+        job.evaluation_samples, job.fallback.target, job.progress,
         affordable=lambda algorithm: budget.allows(f"quantized_algorithm {algorithm}",
                                                    KL_SLOWER * budget.predict("trial")),
         acceptance=job.acceptance_samples)

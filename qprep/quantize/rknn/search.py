@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from qprep.quantize import channel_spread, search
-from qprep.quantize.backend import BackendInput
+from qprep.quantize import search
+from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.budget import Budget
 from qprep.quantize.rknn import phases, trials as rknn_trials
 
@@ -18,14 +18,14 @@ if TYPE_CHECKING:
     from qprep.quantize.rknn.builder import RknnBuilder
 
 
-def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> search.Outcome:
+def fallback(builder: RknnBuilder, base_float: set[str], job: QuantizeJob) -> search.Outcome:
     """Which layers become float16, and which ranges build them: `mmse` against `normal` first, then the spread
     set, `kl_divergence` once that set is float16, mmse's weight ranges, the search with RKNN trials, and kl once
     more on the float16 set of a search that missed (each phase's reasons in phases.py)."""
-    budget = Budget(job.fallback["time_budget_s"], job.started)
+    budget = Budget(job.fallback.time_budget_s, job.started)
     trials = rknn_trials.RknnTrials(builder, job, base_float, budget)
     # with outlier positions computed apart, mmse and kl clip the copies that hold them: only normal is built
-    other_algorithms = (builder.algorithm == "normal" and job.options["do_quantization"]
+    other_algorithms = (builder.algorithm == "normal" and job.options.do_quantization
                         and not builder.split.record)
     ranges = phases.range_algorithm(builder, trials, job, base_float, budget, ["mmse"] if other_algorithms else [])
     phases.faster_if_late(builder, base_float, budget)
@@ -41,7 +41,7 @@ def fallback(builder: RknnBuilder, base_float: set[str], job: BackendInput) -> s
     if kl_after:  # time kept for a kl build on the float16 set the search ends at
         budget.reserve_kind, budget.reserve_factor = "trial", phases.KL_SLOWER
     outcome = search.Search(trials, candidates, base_float, job.evaluation_samples,
-                            channel_spread.search_options(job.fallback, spread), job.progress, budget,
+                            search.node_search(job.fallback, spread), job.progress, budget,
                             job.acceptance_samples).run()
     budget.reserve_kind, budget.reserve_factor = None, 1.0
     after = phases.ranges_after_search(builder, trials, job, outcome, budget) if kl_after else {}

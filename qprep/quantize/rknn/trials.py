@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from qprep.errors import QprepError
 from qprep.quantize import outlier_positions, search
-from qprep.quantize.backend import BackendInput
+from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.budget import Budget
 from qprep.quantize.rknn.io_names import translated
 
@@ -29,9 +29,9 @@ class RknnTrials(search.SearchBackend):
 
     ranks_itself = True
 
-    def __init__(self, builder: RknnBuilder, job: BackendInput, base_float: set[str], budget: Budget):
+    def __init__(self, builder: RknnBuilder, job: QuantizeJob, base_float: set[str], budget: Budget):
         self.builder, self.job, self.base_float, self.budget = builder, job, base_float, budget
-        self.analysis_samples = job.evaluation_samples[: max(1, job.options["analysis_samples"])]
+        self.analysis_samples = job.evaluation_samples[: max(1, job.options.analysis_samples)]
         self.best_score = float("-inf")  # on the evaluation samples the search chooses on, so far
         self.remembered = search.Remembered(self.measure, lambda: builder.setting)
         self.groups: dict[str, tuple[str, ...]] = {}  # candidate name → its nodes (LayerNorm chains)
@@ -41,7 +41,7 @@ class RknnTrials(search.SearchBackend):
     def measure(self, float_nodes: set[str], samples: list[dict]) -> dict:
         with self.budget.timed("trial" if samples is self.job.evaluation_samples else "rank"):
             outputs = self.job.measure(samples, self.builder.session(float_nodes)(samples))
-        score = search.score_of(outputs, self.job.fallback["target"])
+        score = search.score_of(outputs, self.job.fallback.target)
         if samples is self.job.evaluation_samples and score > self.best_score:  # the build the search returns
             self.best_score = score
             self.builder.pin(float_nodes)
@@ -53,7 +53,7 @@ class RknnTrials(search.SearchBackend):
     def count(self, float_nodes: set[str]) -> int:
         """The float16 layers `float_nodes` make: their distinct IR tensors (what a "≤ N non-int8 layers" budget
         counts; a MatMul and its bias Add are one layer, a node the toolkit fused away none)."""
-        if not self.job.options["do_quantization"]:  # no hybrid build, no IR names
+        if not self.job.options.do_quantization:  # no hybrid build, no IR names
             return len(float_nodes)
         ir = None  # IR names do not change between builds of one model: each node mapped once
         for name in float_nodes:
@@ -69,7 +69,7 @@ class RknnTrials(search.SearchBackend):
         return self.builder.reuse_ranges(float_nodes)
 
 
-def candidates(job: BackendInput, builder: RknnBuilder, base_float: set[str]) -> search.Candidates:
+def candidates(job: QuantizeJob, builder: RknnBuilder, base_float: set[str]) -> search.Candidates:
     """What the search may make float16: each LayerNorm chain (chain_groups), then each node not float yet; the
     layers that compute the outputs are promoted first."""
     ops = {n.name: n.op_type for n in job.model.graph.node}
@@ -97,7 +97,7 @@ def chain_groups(model, base_float: set[str]) -> dict[str, tuple[str, ...]]:
     return groups
 
 
-def _ranked(builder: RknnBuilder, job: BackendInput, base_float: set[str], analysis_samples: list[dict],
+def _ranked(builder: RknnBuilder, job: QuantizeJob, base_float: set[str], analysis_samples: list[dict],
             chosen: tuple[str, ...], groups: dict[str, tuple[str, ...]]) -> list[dict]:
     """The nodes not yet float, by the error their IR tensors add on their own (1 - single cosine) in the
     build with `chosen` as float16 layers, largest first; one node per group of tensors. A LayerNorm chain

@@ -13,7 +13,7 @@ and restoring the most harmful nodes together is not the sum of restoring each o
 
 The best float set found is always returned (the target met with the fewest float nodes, else the best score);
 the backend builds its final model from it. The modules, in the order a search uses them:
-    options.py      OPTIONS, the `quantize.fallback` config section
+    options.py      OPTIONS, the `quantize.fallback` config section; NodeSearch, what the node search reads of it
     backend.py      SearchBackend (what the search asks a backend: `evaluate(float_nodes, samples) →
                     per-output metrics`; where one trial per node is too slow, RKNN, `rank(chosen) → [{node, gain}]`
                     from its own per-layer analysis) and Candidates (what it may make float)
@@ -28,10 +28,11 @@ The names below are what the backends (ort/search.py, rknn/search.py), the stage
 
 from qprep.quantize.search.acceptance import allowed_disagreement, gate_metrics, judge, score_of, split_samples
 from qprep.quantize.search.backend import Candidates, SearchBackend
-from qprep.quantize.search.options import OPTIONS, SEARCHED_NODES
+from qprep.quantize.search.options import OPTIONS, SEARCHED_NODES, NodeSearch, node_search
 from qprep.quantize.search.rounds import FAST_SHARE, Outcome, Round, Search, Trial
 from qprep.quantize.search.settings import Remembered, choose_setting
 
-__all__ = ["FAST_SHARE", "OPTIONS", "SEARCHED_NODES", "Candidates", "Outcome", "Remembered", "Round", "Search",
+__all__ = ["FAST_SHARE", "OPTIONS", "SEARCHED_NODES", "Candidates", "NodeSearch", "Outcome", "Remembered", "Round", "Search",
+           "node_search",
            "SearchBackend", "Trial", "allowed_disagreement", "choose_setting", "gate_metrics", "judge", "score_of",
            "split_samples"]

@@ -1,6 +1,9 @@
-"""The fallback's config section (`quantize.fallback`)."""
+"""The fallback's config section (`quantize.fallback`), and what the node search reads of it (`NodeSearch`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from qprep.schema import Key, section
 
@@ -30,3 +33,26 @@ OPTIONS = section(
                        doc="rank at most this many nodes by trials (those whose outputs lose the most accuracy first)"),
     block=Key("int", default=1, minimum=1, doc="nodes promoted per trial (RKNN: one build takes minutes)"),
 )
+
+
+@dataclass(frozen=True)
+class NodeSearch:
+    """What the node search reads, decided once before it starts: `quantize.fallback`'s settings (target, time
+    budget, ranking) and the float-node cap left for it after the spread phase, with what that phase took (for
+    the stop reason, which names the cap as the user wrote it)."""
+
+    fallback: Any  # quantize.fallback as schema.settings
+    max_float_nodes: int  # what this search may make float
+    spread_nodes: int = 0  # nodes the spread phase took out of int8 before it
+    spread_counted: bool = True  # False: max_float_nodes is unset, and the spread set sits beside SEARCHED_NODES
+
+
+def node_search(fallback: Any, spread: dict | None = None) -> NodeSearch:
+    """The node search's settings after the spread phase (`spread`, its record): max_float_nodes less the nodes
+    the spread set took out of int8; max_float_nodes unset: SEARCHED_NODES beside them (a user who sets a cap
+    caps everything; one who does not gets a search that may keep a recognizer's whole spread set out of int8,
+    which a cap of 32 would refuse and miss the target)."""
+    taken = (spread or {}).get("nodes", 0)
+    if fallback.max_float_nodes is None:
+        return NodeSearch(fallback, SEARCHED_NODES, taken, spread_counted=False)
+    return NodeSearch(fallback, max(fallback.max_float_nodes - taken, 0), taken)

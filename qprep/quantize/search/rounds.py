@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from qprep.quantize.budget import Budget
 from qprep.quantize.search.acceptance import MIN_GAIN, gate_metrics, judge, score_of
 from qprep.quantize.search.backend import Candidates, SearchBackend
-from qprep.quantize.search.options import SEARCHED_NODES
+from qprep.quantize.search.options import NodeSearch
 
 log = logging.getLogger("qprep")
 
@@ -79,14 +79,13 @@ class Search:
     when its own fallback work began, so it covers that work too; no trial starts that would end past it."""
 
     def __init__(self, backend: SearchBackend, candidates: Candidates, base_float: set[str], samples: list[dict],
-                 options: dict, progress=None, budget: Budget | None = None, acceptance: list[dict] | None = None):
+                 settings: NodeSearch, progress=None, budget: Budget | None = None,
+                 acceptance: list[dict] | None = None):
         self.backend, self.candidates, self.base_float = backend, candidates, set(base_float)
-        if options.get("max_float_nodes") is None:  # unset, no spread phase before (channel_spread.search_options)
-            options = {**options, "max_float_nodes": SEARCHED_NODES, "spread_counted": False}
-        self.samples, self.options, self.progress = samples, options, progress
+        self.samples, self.settings, self.progress = samples, settings, progress
         self.acceptance = acceptance or []  # samples kept apart: a float set passes only if it holds on them too
-        self.target = options["target"]
-        self.budget = budget or Budget(options["time_budget_s"])
+        self.target = settings.fallback.target
+        self.budget = budget or Budget(settings.fallback.time_budget_s)
         self.trials: list[Trial] = []
         self.chosen: tuple[str, ...] = ()  # candidates accepted so far
         self.gains: dict[str, float] = {}  # promoted candidate → its gain in the round that promoted it
@@ -103,7 +102,7 @@ class Search:
         self.best = self.current = base
         stop = "target met" if base.passed else ""
         names = self.candidates.names
-        remaining = list(names if self.backend.ranks_itself else names[: self.options["max_candidates"]])
+        remaining = list(names if self.backend.ranks_itself else names[: self.settings.fallback.max_candidates])
         ranking: list[dict] = []
         if not stop:  # a slow trial that would run into the last quarter: the faster way from the start
             self.faster_if_late(self.budget.predict("trial"))
@@ -130,9 +129,9 @@ class Search:
 
     def cap_reached(self) -> str:
         """The stop reason at the cap, with the cap as configured: the spread phase's nodes count against it
-        (channel_spread.search_options gives this search only the rest)."""
-        spread, cap = self.options.get("spread_nodes", 0), self.options["max_float_nodes"]
-        if not self.options.get("spread_counted", True):
+        (search.node_search gives this search only the rest)."""
+        spread, cap = self.settings.spread_nodes, self.settings.max_float_nodes
+        if not self.settings.spread_counted:
             return f"{cap} searched nodes reached (max_float_nodes unset)" + (
                 f", beside the spread set's {spread}" if spread else "")
         return f"max_float_nodes ({cap + spread}) reached" + (f", {spread} of them the spread set's" if spread else "")
@@ -154,7 +153,7 @@ class Search:
         """Each candidate's gain when it alone joins the float set. Re-ranked every round on top of the
         candidates already float, because harm interacts: an edge between two quantized nodes is only float
         when both are. Where and why the ranking stopped is recorded in `this`."""
-        rank_samples = self.samples[: self.options["rank_samples"]]
+        rank_samples = self.samples[: self.settings.fallback.rank_samples]
         # after a ranking that stopped early, go on where it stopped (its unhelpful first nodes last)
         pool = [n for n in pool if n not in this.ranked_last] + [n for n in pool if n in this.ranked_last]
         base = self.trial("rank", self.chosen, (), rank_samples)
@@ -206,7 +205,7 @@ class Search:
     def promote(self, ranked: list[dict], this: Round) -> str:
         """Add the helpful candidates `block` at a time, each block kept only if it pays for itself → why the
         search stops, or "" (what was promoted, and whether the float-node cap refused a block: in `this`)."""
-        block_size, cap = self.options["block"], self.options["max_float_nodes"]
+        block_size, cap = self.settings.fallback.block, self.settings.max_float_nodes
         helpful = [row["node"] for row in ranked if row["gain"] > 0]
         self.say(f"round {this.index}: {len(helpful)} of {len(ranked)} candidates help when kept float; "
                  f"promoting in blocks of {block_size}")

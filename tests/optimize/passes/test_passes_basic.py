@@ -205,11 +205,10 @@ def _matmul_add(bias, bias_is_input=False):
 def test_a_bias_broadcast_per_column_becomes_a_1d_gemm_bias_that_ort_quantizes_per_channel(tmp_path):
     """jax2tf/tf2onnx write the bias as [1, N]: fused as is, ORT's per-channel quantizer failed ("The truth
     value of an array with more than one element is ambiguous"); the Gemm gets it as [N]."""
-    from qprep.quantize import ort
     from qprep.quantize.ort.quantizer import OrtQuantizer
-    from qprep.schema import validate
+    from conftest import typed
 
-    options = validate({}, ort.OPTIONS, "quantize.ort", tmp_path)
+    options = typed("ort")
     samples = [{"x": rand(2, 3, seed=s)} for s in range(4)]
     for bias in (rand(1, 4, seed=1), np.float32(0.5).reshape(()), rand(1, seed=2)):
         model = _matmul_add(bias)

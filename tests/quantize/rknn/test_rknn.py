@@ -6,9 +6,9 @@ import numpy as np
 import onnx
 import pytest
 
-from qprep.quantize.backend import BackendInput
+from qprep.quantize.backend import QuantizeJob
 from qprep.errors import QprepError
-from conftest import CALIBRATION, ROOT, demo_model, rknn_job
+from conftest import CALIBRATION, ROOT, demo_model, rknn_job, typed
 
 pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
 
@@ -49,7 +49,7 @@ def test_layernorm_float16_islands_map_to_rknn_tensors_and_step2_builds(tmp_path
     job = rknn_job(tmp_path, "ppocrv4_rec")
     layernorms = [n.name for n in job.model.graph.node if n.op_type == "LayerNormalization"]
     assert len(layernorms) == 5
-    job.float_set = set(layernorms)
+    job = job.but(float_set=frozenset(layernorms))
     work, calibration = job.work_dir, job.calibration
     result = rknn.quantize(job)
     islands = result.details["float16_layers"]
@@ -99,8 +99,8 @@ def test_dynamic_input_dims_are_refused_with_the_fix(tmp_path):
 
     model = onnx.load(str(demo_model("ppocr_cls.onnx")))
     with pytest.raises(QprepError, match=r"input 'x' has dynamic dims .*add `inputs: \{x: \[\.\.\.\]\}`"):
-        rknn.quantize(BackendInput(model=model, calibration=None, max_samples=1, float_set=set(),
-                                   options={}, work_dir=tmp_path))
+        rknn.quantize(QuantizeJob(model=model, calibration=None, max_samples=1, float_set=frozenset(),
+                                  options=typed("rknn"), work_dir=tmp_path))
 
 
 def test_error_analysis_parser_reads_glued_columns_and_fused_rows():

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from qprep.quantize.rknn import ranges as rknn_ranges
-from conftest import rknn_job
+from conftest import rknn_job, typed
 
 CFG = """custom_quantize_layers: {}
 quantize_parameters:
@@ -256,8 +256,7 @@ def _stub_builder(monkeypatch, algorithm: str, rounding: str):
     monkeypatch.setattr(rknn_builder.io_names, "renamed", lambda m, renames: m)
     builder = rknn_builder.RknnBuilder.__new__(rknn_builder.RknnBuilder)
     builder.config = {"quantized_algorithm": algorithm}
-    builder.options = {"do_quantization": True, "quantized_dtype": "w8a8", "quantized_method": "channel",
-                       "weight_rounding": rounding}
+    builder.options = typed("rknn", weight_rounding=rounding)
     builder.job = SimpleNamespace(samples=[{}], model="as prepared")
     builder.weight_rounding, builder._weight_table, builder._ranges = rounding, None, None
     builder._on_grid, builder._grid_record, builder.details, builder.renames = "on grid", {"method": "gptq"}, {}, {}
