@@ -19,7 +19,7 @@ import yaml
 from qprep.errors import ConfigError
 from qprep.measure.metrics import KINDS, OUTPUT_METRICS
 from qprep.disk.reading import require_regular_file
-from qprep.schema import Key, closest, section, validate
+from qprep.schema import Key, closest, section, settings, validate
 from qprep.stage_registry import registry
 
 
@@ -126,10 +126,11 @@ SCHEMA = section(
 
 @dataclass
 class Config:
-    """A validated config: normalized values (defaults filled, absolute paths) and the ordered stages."""
+    """A validated config: normalized values (defaults filled, absolute paths) and the ordered stages, each with
+    its options as typed settings (schema.settings: what the stage reads, decided here once)."""
 
     values: dict
-    stages: list[tuple[str, dict]]
+    stages: list[tuple[str, Any]]
     path: Path | None
     overlay: Path | None = None  # the file merged over the config (`run --overlay`, a batch model's sidecar)
 
@@ -138,7 +139,7 @@ class Config:
 
     def resolved(self) -> dict:
         """The full config as it runs (for the manifest and report)."""
-        return {**self.values, "pipeline": [{name: opts} for name, opts in self.stages]}
+        return {**self.values, "pipeline": [{name: opts.as_dict()} for name, opts in self.stages]}
 
 
 def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | None = None,
@@ -159,9 +160,6 @@ def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | No
     values = validate(raw, SCHEMA, "", base)
     _check_gate_metrics(values["evaluation"])
     stages = _validate_pipeline(values.pop("pipeline"), base)
-    for index, (name, options) in enumerate(stages):
-        if isinstance(options, dict) and options.get("fallback"):
-            check_metric_names(options["fallback"]["target"], f"pipeline[{index}].{name}.fallback.target")
     return Config(values=values, stages=stages, path=path, overlay=Path(overlay).resolve() if overlay else None)
 
 
@@ -279,7 +277,7 @@ def _read_yaml(path: Path, what: str = "config file") -> Any:
         raise ConfigError(f"{path}: cannot read the config ({exc.strerror})") from None
 
 
-def _validate_pipeline(items: Any, base: Path) -> list[tuple[str, dict]]:
+def _validate_pipeline(items: Any, base: Path) -> list[tuple[str, Any]]:
     if items is None:
         return []
     if not isinstance(items, list):
@@ -296,7 +294,10 @@ def _validate_pipeline(items: Any, base: Path) -> list[tuple[str, dict]]:
             guess = closest(str(name), stages)
             hint = f"did you mean '{guess}'?" if guess else f"stages: {', '.join(sorted(stages)) or '(none yet)'}"
             raise ConfigError(f"pipeline[{i}]: unknown stage '{name}'; {hint}")
-        out.append((name, validate(options, stages[name].options, f"pipeline[{i}].{name}", base)))
+        values = validate(options, stages[name].options, f"pipeline[{i}].{name}", base)
+        if isinstance(values.get("fallback"), dict):
+            check_metric_names(values["fallback"]["target"], f"pipeline[{i}].{name}.fallback.target")
+        out.append((name, settings(stages[name].options, values, name)))
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import onnx
 
@@ -67,7 +67,7 @@ class StageResult:
     fallback_target: dict = field(default_factory=dict)  # quantize.fallback's target → the evaluation's gate
 
 
-StageFunction = Callable[[onnx.ModelProto, RunContext, dict], StageResult]  # (model, ctx, validated options)
+StageFunction = Callable[[onnx.ModelProto, RunContext, Any], StageResult]  # (model, ctx, its options: schema.settings)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from qprep.optimize.passes.layernorm import decomposed_layernorm_nodes
 from qprep.graph.verify import compare, Tolerance, Verifier
 from qprep.model.runtime import run_model
 from qprep.qdq.params import consumers, producer, remove_dead
-from qprep.schema import Key, closest
+from qprep.schema import Key, Settings, closest
 from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
 
@@ -40,12 +40,12 @@ LAYERNORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLaye
                  "SkipSimplifiedLayerNormalization")
 
 
-def float_set(model: ir.Model, options: dict, proto: onnx.ModelProto) -> dict[str, str]:
+def float_set(model: ir.Model, options: Settings, proto: onnx.ModelProto) -> dict[str, str]:
     """node name → why it is in the float set. Raises ConfigError for names/op types/patterns that are wrong."""
     nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
     by_name = {n.name: n for n in nodes if n.name}
     members: dict[str, str] = {}
-    if options["layernorm"]:
+    if options.layernorm:
         for node in nodes:
             if node.op_type in LAYERNORM_OPS:
                 members[node.name] = node.op_type
@@ -53,7 +53,7 @@ def float_set(model: ir.Model, options: dict, proto: onnx.ModelProto) -> dict[st
             for name in group:
                 members.setdefault(name, "decomposed LayerNorm")
     present = {n.op_type for n in nodes}
-    for i, op_type in enumerate(options["op_types"]):
+    for i, op_type in enumerate(options.op_types):
         if op_type not in present and not onnx.defs.has(op_type) and op_type not in LAYERNORM_OPS:
             guess = closest(op_type, present | {s.name for s in onnx.defs.get_all_schemas()})
             hint = f"; did you mean '{guess}'?" if guess else ""
@@ -62,7 +62,7 @@ def float_set(model: ir.Model, options: dict, proto: onnx.ModelProto) -> dict[st
         for node in nodes:
             if node.op_type == op_type:
                 members.setdefault(node.name, f"op_types: {op_type}")
-    for i, name in enumerate(options["nodes"]):
+    for i, name in enumerate(options.nodes):
         if name not in by_name:
             guess = closest(name, by_name)
             stem = re.sub(r"[\W\d_]+$", "", name).lower()
@@ -71,7 +71,7 @@ def float_set(model: ir.Model, options: dict, proto: onnx.ModelProto) -> dict[st
                 "names look like " + ", ".join(f"'{n}'" for n in examples) + " (as loaded; see report.json)"
             raise ConfigError(f"keep_float.nodes[{i}]: no node named '{name}' in the model; {hint}")
         members.setdefault(name, "nodes")
-    for i, text in enumerate(options["patterns"]):
+    for i, text in enumerate(options.patterns):
         try:
             pattern = re.compile(text)
         except re.error as exc:
@@ -146,12 +146,12 @@ def unquantize(model: ir.Model, names: set[str]) -> dict:
        nodes=Key("list", item=Key("str"), default=[], doc="node names that stay float"),
        patterns=Key("list", item=Key("str"), default=[],
                     doc="regular expressions searched in node names (re.search), e.g. ['attention/.*Add$']"))
-def keep_float(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+def keep_float(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> StageResult:
     """Hands back the float set (for the quantize backends after it) and, on a QDQ model, that model with the
     float set's Q/DQ pairs bypassed."""
     ir_model = ir.from_proto(model)
     members = float_set(ir_model, options, model)
-    warnings = [f"keep_float: pattern '{text}' matches no node name" for text in options["patterns"]
+    warnings = [f"keep_float: pattern '{text}' matches no node name" for text in options.patterns
                 if not any(reason == f"patterns: {text}" for reason in members.values())]
     summary = {"count": len(members), "by_reason": dict(Counter(_reason_kind(r) for r in members.values()))}
     if not members:

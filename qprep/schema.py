@@ -138,7 +138,10 @@ def _doc_hint(key: Key) -> str:
     return f" ({key.doc})" if key.doc else ""
 
 
-def settings(key: Key, values: dict | None, name: str = "settings") -> Any:
+Settings = Any  # a section's values as schema.settings makes them: one frozen type per section, made at run time
+
+
+def settings(key: Key, values: dict | None, name: str = "settings") -> Settings:
     """A validated section as a frozen object of its keys (`settings(OPTIONS, options).do_quantization`): the one
     declaration, the schema, gives the type; a misspelt key fails where it is read with the section's keys named,
     not as a KeyError files later; nothing is written back (a reader that needs another value makes its own

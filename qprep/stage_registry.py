@@ -16,10 +16,10 @@ from typing import Any, Callable
 from qprep.schema import Key, section
 
 StageFunction = Callable[..., Any]  # qprep.contract.StageFunction: (model, RunContext, options) → StageResult
-StageCheck = Callable[[dict, Any], None]  # (options, config): refuses, before the run starts, what would fail
-ModelCheck = Callable[[dict, Any], None]  # (options, the loaded model): the same, for the model
-FixedDims = Callable[[dict], bool]  # (options): the stage compiles for one input size (open dims taken from samples)
-Artifacts = Callable[[dict], tuple]  # (options): the files the stage adds to the run directory (model.rknn)
+StageCheck = Callable[[Any, Any], None]  # (options, config): refuses, before the run starts, what would fail
+ModelCheck = Callable[[Any, Any], None]  # (options, the loaded model): the same, for the model
+FixedDims = Callable[[Any], bool]  # (options): the stage compiles for one input size (open dims taken from samples)
+Artifacts = Callable[[Any], tuple]  # (options): the files the stage adds to the run directory (model.rknn)
 
 # Modules that define stages (imported on first use; each registers itself).
 STAGE_MODULES: tuple[str, ...] = ("qprep.optimize.stage", "qprep.quantize.stage", "qprep.qdq.remove_redundant", "qprep.keep_float", "qprep.qdq.fuse_conv")

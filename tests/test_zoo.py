@@ -83,7 +83,7 @@ def test_sidecar_merged_by_qprep_points_at_the_models_own_samples(tmp_path):
     assert config["evaluation"]["max_samples"] == zoo.SPLIT_COUNTS["evaluation"]
     assert config["evaluation"]["tasks"] == {"output": "tensor"} and config["inputs"] == {"input": [1, 16000]}
     assert [name for name, _ in config.stages] == ["optimize", "keep_float", "quantize"]
-    assert config.stages[2][1]["fallback"]["target"] == zoo.FALLBACK_TARGET
+    assert config.stages[2][1].fallback.target == zoo.FALLBACK_TARGET
 
 
 def test_a_run_sidecar_measures_the_held_out_split_in_the_run(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from qprep.errors import QprepError
 from qprep.optimize.passes import PassSettings, all_passes
 from qprep.optimize.dynamic_samples import dynamic_variant, named_dynamic_dims
 from qprep.graph.verify import Verifier, checker_problem
-from qprep.schema import Key
+from qprep.schema import Key, Settings
 from qprep.third_party import forget_rewrite_matches
 from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
@@ -47,7 +47,7 @@ RKNN_MAX_OPSET = 19  # rknn-toolkit2 recommends 19 and fails on 21
              doc="GELU fusion target: ONNX Gelu (opset 20), ORT's com.microsoft Gelu, or none"),
     rounds=Key("int", default=3, minimum=1, doc="repeat the pass list while a round still changes the graph"),
 )
-def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+def optimize(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> StageResult:
     """Rewrites before quantization, each proved on ctx.verifier's samples: a pass that changes the numbers is
     rolled back (listed in `rolled_back`), so the model handed on computes what the input did."""
     passes = selected_passes(options)
@@ -59,7 +59,7 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     checks = {"rounds_checked_at_once": 0, "rounds_replayed": 0, "verify_seconds": 0.0}
     rounds_run = 0
     current = ir.from_proto(model)  # the IR of the last accepted model; rebuilt only after a rollback
-    for round_index in range(options["rounds"]):
+    for round_index in range(options.rounds):
         rounds_run += 1
         # a rolled-back pass would fail the same way on the same input again
         active = [name for name in passes if all(r["pass"] != name for r in rolled_back)]
@@ -222,19 +222,19 @@ def _verifier_with_dynamic_variant(verifier: Verifier, model: onnx.ModelProto) -
     return verifier, "no named dynamic dims" if not named_dynamic_dims(model) else "samples disagree on a dim"
 
 
-def selected_passes(options: dict) -> list[str]:
+def selected_passes(options: Settings) -> list[str]:
     """The configured pass list (names were validated against the registry with the config)."""
-    names = options["passes"] if options["passes"] is not None else [
+    names = options.passes if options.passes is not None else [
         name for name, graph_pass in all_passes().items() if graph_pass.default]
-    return [name for name in names if name not in options["skip"]]
+    return [name for name in names if name not in options.skip]
 
 
-def _settings(options: dict, stages: list[tuple[str, dict]]) -> PassSettings:
+def _settings(options: Settings, stages: list[tuple[str, Settings]]) -> PassSettings:
     """Resolve what passes may do from the options and the quantize backend later in the pipeline."""
-    backend = next((opts.get("backend") for name, opts in stages if name == "quantize"), None)
-    max_opset = options["max_opset"] or (RKNN_MAX_OPSET if backend == "rknn" else 21)
-    return PassSettings(fold_max_elements=options["fold_max_elements"], max_opset=max_opset,
-                        gelu=options["gelu"], backend=backend)
+    backend = next((opts.backend for name, opts in stages if name == "quantize"), None)
+    max_opset = options.max_opset or (RKNN_MAX_OPSET if backend == "rknn" else 21)
+    return PassSettings(fold_max_elements=options.fold_max_elements, max_opset=max_opset,
+                        gelu=options.gelu, backend=backend)
 
 
 def _merge(old: dict, new: dict) -> dict:

@@ -97,7 +97,7 @@ class RayCluster:
         self._storage = {"shared": 0, "returned": 0}
         dashboard = self._connect(address)
         nodes = [n["Resources"] for n in self._ray.nodes() if n.get("Alive")]
-        if any(n == "quantize" and o.get("backend") == "rknn" for n, o in base.stages):
+        if any(n == "quantize" and o.backend == "rknn" for n, o in base.stages):
             if not any(node.get("rknn") for node in nodes):
                 self._ray.shutdown()
                 raise QprepError("batch --executor ray: the config converts for RKNN but no node of the cluster "

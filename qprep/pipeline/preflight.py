@@ -122,7 +122,7 @@ def _fixed_dims_stage(config: Config) -> str | None:
     """The stage that compiles for one input size (e.g. "quantize.rknn"), if the pipeline has one."""
     for name, options in config.stages:
         if registry()[name].fixed_dims and registry()[name].fixed_dims(options):
-            return f"{name}.{options['backend']}" if "backend" in options else name
+            return f"{name}.{options.backend}" if hasattr(options, "backend") else name
     return None
 
 

@@ -35,6 +35,7 @@ from qprep.report import write_report, write_report_json
 from qprep.contract import Products
 from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import registry
+from qprep.schema import Settings
 
 log = logging.getLogger("qprep")
 SCHEMA_VERSION = 1
@@ -144,7 +145,7 @@ def _run_stages(run: Run, model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 
-def _run_stage(run: Run, index: int, name: str, options: dict, model: onnx.ModelProto) -> onnx.ModelProto:
+def _run_stage(run: Run, index: int, name: str, options: Settings, model: onnx.ModelProto) -> onnx.ModelProto:
     """One stage: a report.json checkpoint first (a run killed outright still says which stage it was in), then
     the stage, its record, what it handed back applied to the run, and its model saved when asked."""
     stage, report, ctx = registry()[name], run.report, run.ctx

@@ -45,6 +45,7 @@ from qprep.qdq.params import EIGHT_BIT, QParams, consumers, producer, qparams
 from qprep.qdq.verified import OutputCheck, Rewrite, RewriteLog, Verdict, apply_verified
 from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
+from qprep.schema import Settings
 
 DATA_MOVEMENT = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "MaxPool", "Slice", "Concat")
 # Exact rewrites: no output may move by more than this (absolute). A quantized output changes by at least one
@@ -306,7 +307,7 @@ def _qdq_counts(model: onnx.ModelProto) -> dict[str, int]:
 
 @stage("remove_redundant_qdq",
        summary="remove Q/DQ round trips and doubled pairs, run data-movement ops on quantized data (exact, verified)")
-def remove_redundant_qdq(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+def remove_redundant_qdq(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> StageResult:
     """Q/DQ that compute nothing removed, DQ moved past data-movement ops: fewer float ops for the runtime and
     more fusable patterns for the stages after it; each rewrite verified exact on ctx.verifier's samples."""
     before = _qdq_counts(model)

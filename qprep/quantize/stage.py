@@ -7,6 +7,7 @@ float tensor is skipped with a warning (ort, fp16) or refused (rknn, whose build
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -20,8 +21,7 @@ from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.errors import QprepError
 from qprep.run_log import toolkit_logging_to_run_log
-from qprep import schema
-from qprep.schema import Key
+from qprep.schema import Key, Settings
 from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
 
@@ -40,12 +40,12 @@ def _backend_artifacts(name: str) -> tuple[str, ...]:
     return getattr(_backend(name), "ARTIFACTS", ())
 
 
-def check(options: dict, config) -> None:
+def check(options: Settings, config) -> None:
     """What the run would otherwise find out after the stages before this one: data it needs, a toolkit."""
-    backend = options["backend"]
+    backend = options.backend
     if not config["calibration"] and backend != "fp16":
         raise QprepError("quantize: calibration data is required; add `calibration: {source: <folder>}`")
-    if options["fallback"]:
+    if options.fallback:
         if backend not in SEARCHABLE:
             raise QprepError(f"quantize.fallback: backend {backend} has nothing to fall back from; "
                              f"use it with backend {' or '.join(SEARCHABLE)}")
@@ -58,10 +58,10 @@ def check(options: dict, config) -> None:
                          "environment) or choose backend ort")
 
 
-def check_model(options: dict, model: onnx.ModelProto) -> None:
+def check_model(options: Settings, model: onnx.ModelProto) -> None:
     """What the backend's toolkit is known to fail on, refused before any work (rknn: random ops, an opset
     above 19 that cannot be converted down)."""
-    if options["backend"] == "rknn":
+    if options.backend == "rknn":
         from qprep.quantize.rknn.limits import refuse_unsupported
 
         refuse_unsupported(model, at_load=True)
@@ -71,15 +71,15 @@ def check_model(options: dict, model: onnx.ModelProto) -> None:
     "quantize",
     check=check,
     check_model=check_model,
-    fixed_dims=lambda options: options["backend"] == "rknn",  # the NPU model is compiled for one input size
-    artifacts=lambda options: _backend_artifacts(options["backend"]),
+    fixed_dims=lambda options: options.backend == "rknn",  # the NPU model is compiled for one input size
+    artifacts=lambda options: _backend_artifacts(options.backend),
     summary="quantize with ONNX Runtime (static INT8), rknn-toolkit2 (RKNN) or convert to FP16; the float set stays float",
     backend=Key("str", default="ort", choices=tuple(BACKENDS), doc="which backend quantizes"),
     max_samples=Key("int", default=64, minimum=1, doc="calibration samples used (from `calibration:`)"),
     fallback=FALLBACK_OPTIONS,
     **{name: _backend(name).OPTIONS for name in BACKENDS},
 )
-def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+def quantize(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> StageResult:
     """The prepared float model through the configured backend; hands back what the evaluation needs to run
     the result (the backend's runner and analyzer, the float model for per-layer error), its files and what to
     close when the run ends."""
@@ -87,7 +87,7 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
     if kind == model_info.INTEGER:
         raise QprepError("quantize: the model is already integer-quantized (QLinear*/ConvInteger ops); "
                          "remove the quantize stage or start from the float model")
-    backend = options["backend"]
+    backend = options.backend
     qat = kind == model_info.QDQ
     if qat and backend != "rknn":
         return StageResult(model=model, status="skipped",
@@ -97,7 +97,7 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
         options = _from_its_own_qdq(model, options)
     started = time.perf_counter()  # the fallback's budget covers the FP32 reference outputs computed for it
     if not model_info.computes_float(model):
-        if backend == "rknn" and options["rknn"]["do_quantization"]:  # the toolkit aborts on it (SIGABRT)
+        if backend == "rknn" and options.rknn.do_quantization:  # the toolkit aborts on it (SIGABRT)
             raise QprepError("quantize.rknn: the model computes no float tensors, nothing to quantize; drop the "
                              "quantize stage (or set quantize.rknn.do_quantization: false for a .rknn without int8)")
         if backend != "rknn":  # ort and fp16 would return the model as it is and call it quantized
@@ -147,15 +147,14 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageRes
                        fallback_target=dict(job.fallback.target) if job.fallback else {})
 
 
-def _job(model: onnx.ModelProto, ctx: RunContext, options: dict, started: float, qat: bool) -> QuantizeJob:
+def _job(model: onnx.ModelProto, ctx: RunContext, options: Settings, started: float, qat: bool) -> QuantizeJob:
     """Every setting the backends and the search read, decided here once: the backend's section and the
-    fallback's as typed settings, the calibration samples, the float set with the nodes extreme values keep
+    fallback's (typed settings, from the config), the calibration samples, the float set with the nodes extreme values keep
     float, and (with the fallback) the samples it chooses on, those kept apart and how a trial is measured."""
-    backend = options["backend"]
-    job = QuantizeJob(model=model, calibration=ctx.calibration, max_samples=options["max_samples"],
+    backend = options.backend
+    job = QuantizeJob(model=model, calibration=ctx.calibration, max_samples=options.max_samples,
                       float_set=frozenset(ctx.float_set), work_dir=ctx.work_dir(backend), progress=ctx.progress,
-                      options=schema.settings(_backend(backend).OPTIONS, options[backend], backend),
-                      fallback=schema.settings(FALLBACK_OPTIONS, options["fallback"], "fallback"),
+                      options=getattr(options, backend), fallback=options.fallback,
                       threads=ctx.config["threads"], started=started)
     if backend in CALIBRATED and job.samples and not qat:
         extremes = _kept_out_of_calibration(job)
@@ -165,18 +164,19 @@ def _job(model: onnx.ModelProto, ctx: RunContext, options: dict, started: float,
     return job
 
 
-def _from_its_own_qdq(model: onnx.ModelProto, options: dict) -> dict:
+def _from_its_own_qdq(model: onnx.ModelProto, options: Settings) -> Settings:
     """A QAT (QDQ) model on rknn: the toolkit builds it from the model's own Q/DQ scales (do_quantization
-    false; measured on configs/qat_rknn.yaml's held-out samples: the simulator's figures against the float
-    network are ONNX Runtime's for the QDQ model, 0.9991 / 94.5% top-1). Nothing is calibrated, so no fallback."""
+    false: the simulator's figures against the float network are ONNX Runtime's for the QDQ model, BENCHMARKS.md
+    "QDQ and QAT models"). Nothing is calibrated, so no fallback."""
     from qprep.quantize.rknn.limits import refuse_qat_epilogues
 
-    if options["fallback"]:
+    if options.fallback:
         raise QprepError("quantize.fallback: the model is QAT (it holds Q/DQ nodes), whose scales were trained: "
                          "there is nothing to search; remove `fallback:` (or start from the float model)")
     refuse_qat_epilogues(model)
     # accuracy_analysis refuses a QAT model on the simulator ("The QAT model need set 'target'")
-    return {**options, "rknn": {**options["rknn"], "do_quantization": False, "analysis_samples": 0}}
+    return dataclasses.replace(options, rknn=dataclasses.replace(options.rknn, do_quantization=False,
+                                                                 analysis_samples=0))
 
 
 def _passed_through(model: onnx.ModelProto, reason: str) -> StageResult:

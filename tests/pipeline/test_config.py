@@ -71,7 +71,9 @@ def test_set_overrides_select_stage_by_name_and_parse_yaml_values(tmp_path, fake
     overrides = dict(parse_set(s) for s in ["pipeline.quantize.backend=ort", "inputs.x=[1, 3, 8, 8]",
                                             "calibration.source=data", "verify.atol=0.5"])
     config = load_config(path, overrides, cwd=tmp_path / "elsewhere")
-    assert config.stages == [("quantize", {"backend": "ort", "algorithm": "normal"})]
+    assert [(name, options.as_dict()) for name, options in config.stages] == [
+        ("quantize", {"backend": "ort", "algorithm": "normal"})]
+    assert config.stages[0][1].backend == "ort"  # typed: what the stage reads
     assert config["inputs"] == {"x": [1, 3, 8, 8]}
     assert config["calibration"]["source"] == str(tmp_path / "elsewhere" / "data")  # CLI paths: cwd
     assert config["verify"]["atol"] == 0.5
@@ -104,7 +106,7 @@ def test_overlay_merges_over_config_with_its_own_relative_paths(tmp_path, fake_s
     assert config["calibration"]["max_samples"] == 16  # kept from the config: mappings merge key by key
     assert config["evaluation"]["source"] == str(models / "m_samples" / "eval")
     assert config["model"] == str(tmp_path / "m.onnx")  # the config's own paths stay relative to it
-    assert config.stages[1] == ("quantize", {"backend": "rknn", "algorithm": "mmse"})
+    assert (config.stages[1][0], config.stages[1][1].as_dict()) == ("quantize", {"backend": "rknn", "algorithm": "mmse"})
     assert config.overlay == overlay.resolve()
     # --set still wins over both
     assert load_config(base, {"calibration.max_samples": 4}, overlay=overlay)["calibration"]["max_samples"] == 4

@@ -21,7 +21,7 @@ from qprep.qdq import params as qdq_params
 from qprep.qdq.fuse_conv import operands as fuse_conv_operands
 from qprep.qdq.params import QParams, quantize_array
 from qprep.model.saturation import u8s8_saturates
-from qprep.schema import validate
+from qprep.schema import settings, validate
 from qprep.stage_registry import registry
 
 RNG = np.random.default_rng(0)
@@ -72,7 +72,7 @@ def run_stage(name, model, options=None, data=None):
     stage = registry()[name]
     ctx = SimpleNamespace(verifier=Verifier(data or samples(), Tolerance(), threads=1, source="test"),
                           float_set=frozenset(), config={"evaluation": None})
-    return stage.run(model, ctx, validate(options or {}, stage.options, name, None))
+    return stage.run(model, ctx, settings(stage.options, validate(options or {}, stage.options, name, None), name))
 
 
 def ops(model) -> Counter:

@@ -16,6 +16,7 @@ from qprep.qdq.params import consumers, qparams
 from qprep.qdq.verified import Probe, Rewrite, RewriteLog
 
 from qprep.qdq.fuse_conv.operands import activation_operand, weight_operand, bias_operand, bias_int32, channel_vector, requantization, add_constant, add_zero_point, activation_bounds, weight_inputs, weight_types, widens, widened, matmul_operands, b_inputs, probe_inputs, float_probe, granularity
+from qprep.schema import Settings
 
 
 class ConvRule(RewriteRuleClassBase):
@@ -364,18 +365,18 @@ class MatMulToInteger(RewriteRuleClassBase):
 
 
 
-def rule_sets(log: RewriteLog, options: dict) -> list[RewriteRuleSet]:
+def rule_sets(log: RewriteLog, options: Settings) -> list[RewriteRuleSet]:
     """Two phases: epilogue folds first (a Conv must be clean before a fusion rule decides on it), then the
     fusions (none with format qdq)."""
-    integer = options["format"] == "integer"
+    integer = options.format == "integer"
     epilogue = [EpilogueAffine.rule(log, "Div"), *EpilogueAffine.rule(log, "Mul").commute(),
                 *EpilogueAffine.rule(log, "Add").commute(), EpilogueAffine.rule(log, "Sub"),
                 EpilogueBatchNorm.rule(log)]
-    if options["format"] == "qdq":  # the Convs stay between their Q/DQ, cleaned for a toolkit that reads them
+    if options.format == "qdq":  # the Convs stay between their Q/DQ, cleaned for a toolkit that reads them
         return [RewriteRuleSet(epilogue)]
     fusions = [] if integer else [ConvToQLinear.rule(log)]
     fusions.append(ConvToInteger.rule(log, integer))
-    if options["matmul"]:
+    if options.matmul:
         if not integer:
             fusions.append(MatMulToQLinear.rule(log))
         fusions.append(MatMulToInteger.rule(log, integer))

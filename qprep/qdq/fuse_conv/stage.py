@@ -14,7 +14,7 @@ from qprep.model.runtime import run_model
 from qprep.qdq.params import producer, qparams
 from qprep.qdq.verified import ProbeCheck, Rewrite, RewriteLog, apply_verified
 from qprep.model.saturation import this_cpu, u8s8_saturates
-from qprep.schema import Key
+from qprep.schema import Key, Settings
 from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
 
@@ -84,7 +84,7 @@ def _convertible(model: onnx.ModelProto, matmul: bool) -> int:
        min_cosine=Key("float", default=DEFAULT_MIN_COSINE, minimum=-1,
                       doc="end-to-end gate: cosine of every output against the stage's input model (each rewrite "
                           "is also checked on its own: within one quantization step)"))
-def fuse_conv_qdq(model: onnx.ModelProto, ctx: RunContext, options: dict) -> StageResult:
+def fuse_conv_qdq(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> StageResult:
     """Q/DQ around Conv (optionally MatMul) into integer operators ahead of time, so a runtime that does not fuse
     QDQ itself runs integer kernels; each rewrite is checked on ctx.verifier's samples (within one quantization
     step) and rolled back on its own."""
@@ -92,21 +92,21 @@ def fuse_conv_qdq(model: onnx.ModelProto, ctx: RunContext, options: dict) -> Sta
     if not counts.get("DequantizeLinear"):
         return StageResult(model=model, status="skipped",
                            reason="no DequantizeLinear nodes (a float model): nothing to fuse; quantize it first")
-    if not _convertible(model, options["matmul"]):
-        what = "Conv or MatMul" if options["matmul"] else "Conv (set matmul: true for MatMul)"
+    if not _convertible(model, options.matmul):
+        what = "Conv or MatMul" if options.matmul else "Conv (set matmul: true for MatMul)"
         return StageResult(model=model, status="skipped", reason=f"no {what} in the model")
     verifier = ctx.verifier
     steps = output_steps(model)
-    check = ProbeCheck(model, verifier.samples, steps, options["min_cosine"], verifier.threads)
+    check = ProbeCheck(model, verifier.samples, steps, options.min_cosine, verifier.threads)
     outcome = apply_verified(model, lambda m, log: _apply(m, log, options), check)
     folded = [r for r in outcome.applied if r.kind == "epilogue"]
     converted = [_with_epilogue(r, folded) for r in outcome.applied if r.kind in ("qlinear", "integer")]
     after = model_info.op_counts(outcome.model)
     details = {
-        "format": options["format"],
+        "format": options.format,
         "converted": dict(Counter(r.facts["to"] for r in converted)),
         "convs": {"before": counts.get("Conv", 0), "left": after.get("Conv", 0)},
-        "matmuls": {"before": counts.get("MatMul", 0), "left": after.get("MatMul", 0)} if options["matmul"] else None,
+        "matmuls": {"before": counts.get("MatMul", 0), "left": after.get("MatMul", 0)} if options.matmul else None,
         "epilogue_folded": dict(Counter(r.facts["op"] for r in folded)),
         "activations": dict(Counter(r.facts["activation"].split(" [")[0] for r in converted
                                     if "activation" in r.facts)),
@@ -120,7 +120,7 @@ def fuse_conv_qdq(model: onnx.ModelProto, ctx: RunContext, options: dict) -> Sta
         "verification": {"per_rewrite": "each rewritten node fed the QDQ model's own input: within one "
                                         "quantization step of its output",
                          "probes": _probe_summary(check, converted),
-                         "end_to_end": f"every output's cosine against the stage input >= {options['min_cosine']}",
+                         "end_to_end": f"every output's cosine against the stage input >= {options.min_cosine}",
                          **outcome.verification,
                          **({"deployed": _deployed(model, outcome.model, verifier), **_deployed_note()} if converted else {})},
         "verified_on": verifier.source,
@@ -178,7 +178,7 @@ def _deployed_note() -> dict:
                              "as uint8 (+128) and keep the QDQ numbers (the per-rewrite probes)"}
 
 
-def _apply(model: ir.Model, log: RewriteLog, options: dict) -> None:
+def _apply(model: ir.Model, log: RewriteLog, options: Settings) -> None:
     for rule_set in rule_sets(log, options):
         for _ in range(MAX_SWEEPS):
             if not rule_set.apply_to_model(model):
