@@ -13,9 +13,17 @@ import sys
 import traceback
 from pathlib import Path
 
+from qprep.errors import (
+    EXIT_GATE_MISSED,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_USAGE,
+    InterruptOnce,
+    Problems,
+    QprepError,
+    signal_handlers,
+)
 from qprep.version import __version__
-from qprep.errors import (EXIT_GATE_MISSED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, InterruptOnce, Problems,
-                          QprepError, signal_handlers)
 
 
 def build_parser() -> argparse.ArgumentParser:

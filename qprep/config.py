@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
+from qprep.disk.reading import require_regular_file
 from qprep.errors import ConfigError
 from qprep.measure.metrics import KINDS, OUTPUT_METRICS
-from qprep.disk.reading import require_regular_file
 from qprep.schema import Key, closest, section, settings, validate
 from qprep.stage_registry import registry
 

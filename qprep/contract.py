@@ -17,9 +17,9 @@ import onnx
 
 from qprep.config import Config
 from qprep.data import SampleSet
+from qprep.graph.verify import Verifier
 from qprep.measure.reference import ReferenceOutputs
 from qprep.progress import Progress
-from qprep.graph.verify import Verifier
 
 SampleRunner = Callable[[list[dict]], list[dict]]  # samples → one dict per sample (outputs, or per-layer rows)
 

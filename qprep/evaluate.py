@@ -16,21 +16,20 @@ import numpy as np
 import onnx
 
 from qprep.disk.reading import read_text
-from qprep.model import info as model_info
+from qprep.errors import DataError
 from qprep.measure import ctc
 from qprep.measure.gate import check_gate
 from qprep.measure.latency import interleaved, speedups
 from qprep.measure.layers import LayerComparison
-from qprep.errors import DataError
 from qprep.measure.metrics import wilson_interval
 from qprep.measure.outputs import output_metrics, padding_included
 from qprep.measure.padding import Padding
+from qprep.model import info as model_info
 from qprep.model.runtime import run_model
 
 if TYPE_CHECKING:  # the pipeline imports this package
     from qprep.config import Config
-    from qprep.contract import Products
-    from qprep.contract import RunContext
+    from qprep.contract import Products, RunContext
 
 log = logging.getLogger("qprep")
 

@@ -8,16 +8,15 @@ from pathlib import Path
 from qprep.model import info as model_info
 from qprep.model.load import load_model
 
-
 FUSED_GELU_OPS = ("Gelu", "FastGelu", "QuickGelu", "BiasGelu")
 
 
 def inspect_model(path: str) -> dict:
     """The model summary plus its LayerNorms and GELUs: fused (one op) and decomposed per spelling, found by
     the matchers `optimize` fuses with, and the candidates they refuse with the reason."""
+    from qprep.graph.ir import MS_DOMAIN
     from qprep.optimize.passes.gelu import count_gelus
     from qprep.optimize.passes.layernorm import find_layernorms
-    from qprep.graph.ir import MS_DOMAIN
     from qprep.optimize.passes.split_ort_fusions import SPLITS
 
     model = load_model(path)

@@ -26,14 +26,14 @@ from collections import Counter
 import onnx
 import onnx_ir as ir
 
-from qprep.model import info as model_info
+from qprep.contract import RunContext, StageResult
 from qprep.errors import ConfigError
-from qprep.optimize.passes.layernorm import decomposed_layernorm_nodes
-from qprep.graph.verify import compare, Tolerance, Verifier
+from qprep.graph.verify import Tolerance, Verifier, compare
+from qprep.model import info as model_info
 from qprep.model.runtime import run_model
+from qprep.optimize.passes.layernorm import decomposed_layernorm_nodes
 from qprep.qdq.params import consumers, producer, remove_dead
 from qprep.schema import Key, Settings, closest
-from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
 
 LAYERNORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",

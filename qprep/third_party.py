@@ -12,7 +12,6 @@ model/ (onnx), optimize/ (onnxscript), quantize/ort/raw_build.py and calibration
 from __future__ import annotations
 
 import copy
-
 import gc
 import sys
 from collections.abc import Iterable

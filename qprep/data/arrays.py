@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from qprep.disk.reading import require_regular_file
 from qprep.errors import DataError
 from qprep.model.info import TensorSpec
-from qprep.disk.reading import require_regular_file
 from qprep.schema import closest
 
 

@@ -10,9 +10,9 @@ import numpy as np
 
 from qprep.data.arrays import read_array_sample
 from qprep.data.images import IMAGE_SUFFIXES, ImagePreprocess
+from qprep.disk.reading import require_regular_file
 from qprep.errors import DataError
 from qprep.model.info import TensorSpec
-from qprep.disk.reading import require_regular_file
 
 FORMAT_SUFFIXES = {"npy": {".npy"}, "npz": {".npz"}, "images": IMAGE_SUFFIXES}
 

@@ -27,11 +27,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qprep.version import __version__
 from qprep import jsonfile
 from qprep.disk.atomic import atomic_write_text
 from qprep.disk.reading import read_json
 from qprep.errors import RunDirError
+from qprep.version import __version__
 
 MANIFEST = "manifest.json"
 LEGACY_LOCK = ".qprep.lock"  # the lock file qprep once kept inside a run directory

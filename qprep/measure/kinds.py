@@ -29,9 +29,9 @@ import numpy as np
 import onnx
 
 from qprep.errors import ConfigError
+from qprep.graph.verify import is_numeric
 from qprep.measure import ctc
 from qprep.measure.metrics import is_integer, output_task
-from qprep.graph.verify import is_numeric
 
 ROW_SELECTORS = {"NonMaxSuppression", "TopK"}
 # ops that only move or select values: going up through them keeps the same values (probability, TopK values)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from qprep.graph.verify import cosine, same_nonfinite
 from qprep.measure.metrics import sqnr_of
 from qprep.model.runtime import Intermediates
-from qprep.graph.verify import cosine, same_nonfinite
 
 QDQ_SUFFIX = "_DequantizeLinear_Output"
 

@@ -21,9 +21,9 @@ import math
 
 import numpy as np
 
+from qprep.graph.verify import cosine, same_nonfinite
 from qprep.measure import ctc
 from qprep.measure.rows import compare_rows
-from qprep.graph.verify import cosine, same_nonfinite
 
 # The one list of per-output metrics the evaluation reports (name → higher is better): the gate and the
 # fallback target accept these names, `compare` shows them.

@@ -19,7 +19,6 @@ from qprep.model.io import is_heavy, weightless, weights_bytes
 from qprep.model.runtime import SessionRecipe, model_error, ort_session, session_outputs
 from qprep.progress import Progress
 
-
 RETRY_BYTES = 1 << 30
 
 

@@ -18,8 +18,12 @@ from qprep.disk.reading import require_regular_file
 from qprep.errors import ModelError
 from qprep.model.info import iter_nodes
 from qprep.model.io import is_heavy, is_large, weightless
-from qprep.model.ort_optimized import (ORT_ONLY_ONNX_DOMAIN_OPS, lift_layernorm_opset, refuse_session_layouts,
-                                       split_simplified_layernorm)
+from qprep.model.ort_optimized import (
+    ORT_ONLY_ONNX_DOMAIN_OPS,
+    lift_layernorm_opset,
+    refuse_session_layouts,
+    split_simplified_layernorm,
+)
 from qprep.third_party import all_tensors
 
 

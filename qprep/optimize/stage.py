@@ -17,16 +17,16 @@ from collections import Counter
 import onnx
 import onnx_ir as ir
 
+from qprep.contract import RunContext, StageResult
+from qprep.errors import QprepError
+from qprep.graph.verify import Verifier, checker_problem
 from qprep.model import info as model_info
 from qprep.model.prepare import drop_initializer_value_info
-from qprep.errors import QprepError
-from qprep.optimize.passes import PassSettings, all_passes
 from qprep.optimize.dynamic_samples import dynamic_variant, named_dynamic_dims
-from qprep.graph.verify import Verifier, checker_problem
+from qprep.optimize.passes import PassSettings, all_passes
 from qprep.schema import Key, Settings
-from qprep.third_party import forget_rewrite_matches
-from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
+from qprep.third_party import forget_rewrite_matches
 
 log = logging.getLogger("qprep")
 

@@ -18,16 +18,15 @@ from pathlib import Path
 from qprep import jsonfile
 from qprep.config import load_config, run_overrides
 from qprep.disk import owned
+from qprep.disk.atomic import atomic_write_text
 from qprep.disk.guard import Guard
 from qprep.disk.reading import read_json, require_regular_file, special_kind
 from qprep.errors import EXIT_GATE_MISSED, EXIT_OK, EXIT_USAGE, QprepError, signal_handlers
 from qprep.model.info import unique_name
-from qprep.disk.atomic import atomic_write_text
 from qprep.model.io import sha256_file
 from qprep.pipeline.batch_worker import RunSpec, Task, sidecar
 from qprep.pipeline.preflight import input_paths
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
-
 
 SUMMARY_FILES = ("summary.json", "summary.csv", "summary.md", "summary.html")
 # Names of the batch's own at the top of --out: no model's run directory may take one (`summary.json.onnx`).

@@ -27,10 +27,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from qprep.errors import Interrupted, QprepError
 from qprep.disk.atomic import atomic_write_bytes
-from qprep.pipeline.batch_worker import TERMINATE_GRACE_S, Outcome, RunSpec, Task, run_one
 from qprep.disk.owned import MANIFEST
+from qprep.errors import Interrupted, QprepError
+from qprep.pipeline.batch_worker import TERMINATE_GRACE_S, Outcome, RunSpec, Task, run_one
 from qprep.pipeline.run_dir import claim
 
 RETRIES = 2  # Ray re-runs a task this many times after losing its worker process or node

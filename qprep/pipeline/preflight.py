@@ -16,15 +16,15 @@ from pathlib import Path
 
 import onnx
 
-from qprep.model import info as model_info
 from qprep.config import Config
 from qprep.data import SampleSet, load_samples
 from qprep.data.pitfalls import data_warnings
 from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, ModelError, Problems, QprepError
-from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, left_symbolic_warning, name_nodes
-from qprep.model.load import load_model_and_data_files
+from qprep.model import info as model_info
 from qprep.model.io import sha256_file
+from qprep.model.load import load_model_and_data_files
+from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, left_symbolic_warning, name_nodes
 from qprep.progress import Progress
 from qprep.stage_registry import registry
 

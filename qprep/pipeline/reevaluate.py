@@ -13,16 +13,15 @@ import errno
 from pathlib import Path
 
 from qprep.config import Config, load_config
+from qprep.contract import Products, RunContext
+from qprep.disk.guard import Guard
+from qprep.disk.reading import read_json, require_regular_file
 from qprep.errors import ConfigError, ModelError
 from qprep.evaluate import evaluate
 from qprep.measure.reference import ReferenceOutputs
-from qprep.disk.guard import Guard
-from qprep.disk.reading import read_json, require_regular_file
-from qprep.model.load import load_model
 from qprep.model.io import sha256_file
+from qprep.model.load import load_model
 from qprep.pipeline import preflight
-from qprep.contract import Products
-from qprep.contract import RunContext
 from qprep.progress import Progress
 
 

@@ -17,25 +17,23 @@ from typing import Callable
 
 import onnx
 
-from qprep.version import __version__
-from qprep.model import info as model_info
-from qprep.pipeline import preflight
-from qprep.pipeline import run_dir
 from qprep import run_log
 from qprep.config import Config
+from qprep.contract import Products, RunContext, StageResult
 from qprep.data import random_samples
 from qprep.errors import ConfigError, QprepError
 from qprep.evaluate import evaluate
-from qprep.measure.reference import ReferenceOutputs
 from qprep.graph.verify import Tolerance, Verifier
+from qprep.measure.reference import ReferenceOutputs
 from qprep.memory import return_freed_memory
+from qprep.model import info as model_info
 from qprep.model.io import save_model, sha256_file
+from qprep.pipeline import preflight, run_dir
 from qprep.progress import Progress
 from qprep.report import write_report, write_report_json
-from qprep.contract import Products
-from qprep.contract import RunContext, StageResult
-from qprep.stage_registry import registry
 from qprep.schema import Settings
+from qprep.stage_registry import registry
+from qprep.version import __version__
 
 log = logging.getLogger("qprep")
 SCHEMA_VERSION = 1

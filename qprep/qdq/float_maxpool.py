@@ -19,9 +19,9 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
+from qprep.graph.rules import unique_node_name, unique_value_name
 from qprep.model.info import tensor_shapes
 from qprep.model.runtime import run_model
-from qprep.graph.rules import unique_node_name, unique_value_name
 
 log = logging.getLogger("qprep")
 

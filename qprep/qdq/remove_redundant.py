@@ -37,15 +37,15 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
-from qprep.model import info as model_info
+from qprep.contract import RunContext, StageResult
 from qprep.graph.ir import constant_array
 from qprep.graph.rules import unique_node_name
 from qprep.graph.verify import Tolerance
+from qprep.model import info as model_info
 from qprep.qdq.params import EIGHT_BIT, QParams, consumers, producer, qparams
 from qprep.qdq.verified import OutputCheck, Rewrite, RewriteLog, Verdict, apply_verified
-from qprep.contract import RunContext, StageResult
-from qprep.stage_registry import stage
 from qprep.schema import Settings
+from qprep.stage_registry import stage
 
 DATA_MOVEMENT = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "MaxPool", "Slice", "Concat")
 # Exact rewrites: no output may move by more than this (absolute). A quantized output changes by at least one

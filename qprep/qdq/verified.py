@@ -29,13 +29,13 @@ from onnx import helper
 from onnxscript.rewriter import MatchResult
 
 from qprep.errors import QprepError
+from qprep.graph.verify import Tolerance, compare, cosine
+
 # onnx.checker's verdict exactly as the optimize stage applies it (ORT runs some invalid graphs, so numbers
 # alone do not prove validity). Private there today; see the report: it belongs in qprep/graph/verify.py.
 from qprep.graph.verify import checker_problem as invalid
 from qprep.model.prepare import name_nodes
-from qprep.graph.verify import Tolerance, compare, cosine
-from qprep.model.runtime import run_model
-from qprep.model.runtime import intermediate_values, ort_session
+from qprep.model.runtime import intermediate_values, ort_session, run_model
 from qprep.qdq.params import drop_identity, remove_dead
 
 log = logging.getLogger("qprep")

@@ -31,11 +31,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qprep.graph.verify import rewrite_mismatch
 from qprep.model.info import Links, unique_name
 from qprep.model.runtime import intermediate_values, run_model
 from qprep.quantize import nonfinite
 from qprep.quantize.backend import carried_float_set
-from qprep.graph.verify import rewrite_mismatch
 
 log = logging.getLogger("qprep")
 

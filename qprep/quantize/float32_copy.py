@@ -21,10 +21,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from qprep.graph.verify import cosine, is_numeric, same_nonfinite
 from qprep.model.io import subgraphs
 from qprep.model.prepare import infer_shapes
 from qprep.model.runtime import run_model
-from qprep.graph.verify import cosine, is_numeric, same_nonfinite
 
 AGREEMENT = 0.999  # above float16 rounding on any backend; a wrong rewrite (a type left over, a lost Cast) is far below
 CHECKED_SAMPLES = 4

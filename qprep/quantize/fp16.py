@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper
 
 from qprep.model import io
-from qprep.quantize.backend import QuantizeJob, Quantized
+from qprep.quantize.backend import Quantized, QuantizeJob
 from qprep.schema import Key, section
 
 # onnxconverter-common's defaults, passed to it and used when filling a heavy model's weights, so both agree

@@ -28,10 +28,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qprep.graph.verify import rewrite_mismatch
 from qprep.model.info import constant_names, graph_outputs, iter_nodes, tensor_shapes, unique_name
 from qprep.model.runtime import intermediate_values
 from qprep.quantize.backend import carried_float_set
-from qprep.graph.verify import rewrite_mismatch
 
 log = logging.getLogger("qprep")
 

@@ -26,10 +26,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qprep.graph.verify import rewrite_mismatch
 from qprep.model.info import Links, node_index, unique_name
 from qprep.quantize.channel_spread import last_axis_peaks
 from qprep.schema import Key
-from qprep.graph.verify import rewrite_mismatch
 
 log = logging.getLogger("qprep")
 

@@ -15,14 +15,14 @@ import time
 
 import onnx
 
+from qprep.contract import RunContext, StageResult
+from qprep.errors import QprepError
 from qprep.model import info as model_info
 from qprep.quantize import float32_copy, nonfinite, search
 from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
-from qprep.errors import QprepError
 from qprep.run_log import toolkit_logging_to_run_log
 from qprep.schema import Key, Settings
-from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
 
 log = logging.getLogger("qprep")

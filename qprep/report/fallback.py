@@ -5,7 +5,6 @@ One table model (header + rows of plain text) rendered by report.md and report.h
 
 from __future__ import annotations
 
-
 _KEPT = {"float": "float", "int16": "at 16 bits", "float16": "float16"}  # what the spread phase did (spread_tensors.as)
 
 

@@ -8,8 +8,8 @@ from html import escape
 from pathlib import Path
 
 from qprep.disk.reading import read_json
-from qprep.measure.metrics import main_agreement
 from qprep.jsonfile import number
+from qprep.measure.metrics import main_agreement
 
 COLUMNS = ["model", "status", "cosine_mean", "agreement", "heldout_cosine", "heldout_agreement", "speedup",
            "nodes_before", "nodes_after",

@@ -13,12 +13,17 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import DeduplicateInitializersPass, RemoveUnusedNodesPass, RemoveUnusedOpsetsPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
-from onnxscript.rewriter.rules.common import (dropout_inference_rule, dropout_zero_rule, no_op_cast_rule,
-                                              no_op_expand_rule, no_op_transpose_rule)
+from onnxscript.rewriter.rules.common import (
+    dropout_inference_rule,
+    dropout_zero_rule,
+    no_op_cast_rule,
+    no_op_expand_rule,
+    no_op_transpose_rule,
+)
 
 from qprep.graph.ir import constant_array
-from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.graph.rules import IdentityElimination, all_graphs
+from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 
 
 class _NeutralOperand(RewriteRuleClassBase):

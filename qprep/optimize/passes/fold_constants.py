@@ -15,8 +15,8 @@ from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedN
 from onnxscript.optimizer import fold_constants
 
 from qprep.graph.ir import constant_array
-from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.model.info import QDQ_OPS
+from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 
 
 def _fold_policy(max_elements: int):

@@ -23,9 +23,13 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
-from onnxscript.rewriter.rules.common import (fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_conv_transpose_rule,
-                                              fuse_batchnorm_into_gemm_rule, fuse_pad_into_conv_rule,
-                                              normalize_pad_format_conv_rule)
+from onnxscript.rewriter.rules.common import (
+    fuse_batchnorm_into_conv_rule,
+    fuse_batchnorm_into_conv_transpose_rule,
+    fuse_batchnorm_into_gemm_rule,
+    fuse_pad_into_conv_rule,
+    normalize_pad_format_conv_rule,
+)
 
 from qprep.graph.ir import constant_array, default_opset
 from qprep.graph.rules import per_channel, unique_value_name

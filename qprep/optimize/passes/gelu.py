@@ -41,8 +41,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from qprep.graph.ir import FLOAT_TYPES, MS_DOMAIN, constant_array, default_opset, infer_shapes
-from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.graph.rules import OpsetUpgrade, all_nodes, take_over, unique_node_name
+from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 
 REL_TOL = 1e-4  # relative tolerance on every coefficient (see the module docstring)
 GELU_OPSET = 20  # ONNX Gelu's first opset

@@ -17,8 +17,8 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from qprep.graph.ir import default_opset
-from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.graph.rules import ReplacementBuilder, all_graphs, names_in_use, take_over
+from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 
 
 def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:

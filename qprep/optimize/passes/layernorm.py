@@ -66,8 +66,14 @@ from qprep.graph.dim_origin import DimOrigins
 from qprep.graph.ir import infer_shapes
 from qprep.graph.rules import OpsetUpgrade, count_matches, names_in_use
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
-from qprep.optimize.passes.layernorm_check import (affine_follower, affine_param, reduced_axes, scalar, scope_name,
-                                                   static_dims)
+from qprep.optimize.passes.layernorm_check import (
+    affine_follower,
+    affine_param,
+    reduced_axes,
+    scalar,
+    scope_name,
+    static_dims,
+)
 from qprep.optimize.passes.layernorm_pattern import Statistics, either, restored
 
 LAYERNORM_OPSET = 17

@@ -13,13 +13,18 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 from onnxscript.rewriter import pattern as orp
-from onnxscript.rewriter.rules.common import (no_op_transpose_rule, reshape_reshape_rule, squeeze_reshape_1d_rule,
-                                              transpose_transpose_rule, unsqueeze_unsqueeze_rule)
+from onnxscript.rewriter.rules.common import (
+    no_op_transpose_rule,
+    reshape_reshape_rule,
+    squeeze_reshape_1d_rule,
+    transpose_transpose_rule,
+    unsqueeze_unsqueeze_rule,
+)
 
 from qprep.graph.dim_origin import DimOrigins, shape_element
 from qprep.graph.ir import constant_array, infer_shapes
-from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.graph.rules import IdentityElimination, names_in_use
+from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.third_party import MaterializeReshapeShape, materialized_dims
 
 

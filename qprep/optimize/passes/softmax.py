@@ -30,8 +30,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from qprep.graph.ir import constant_array, infer_shapes
-from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.graph.rules import all_graphs, unique_node_name
+from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 
 BOUNDS = {"Max", "Min"}  # a per-row value bounded by a constant stays per row (jax: max(−inf, row max))
 RESTORES = {"Reshape", "Unsqueeze"}

@@ -35,10 +35,10 @@ import numpy as np
 import onnx_ir as ir
 
 from qprep.graph.ir import FLOAT_TYPES, MS_DOMAIN, default_opset, infer_shapes
+from qprep.graph.rules import Names, ReplacementBuilder, all_nodes, names_in_use, take_over
 from qprep.optimize.passes import GraphPass, PassOutcome, PassSettings
 from qprep.optimize.passes.gelu import resolve_mode
 from qprep.optimize.passes.layernorm import LAYERNORM_OPSET
-from qprep.graph.rules import Names, ReplacementBuilder, all_nodes, names_in_use, take_over
 
 # activation name → the ONNX attributes its parameters are, in order (Clip's are its min/max inputs)
 ACTIVATIONS: dict[str, tuple[str, ...]] = {

@@ -11,10 +11,18 @@ import onnx_ir as ir
 
 from qprep.graph.ir import constant_array
 from qprep.graph.rules import unique_value_name
-from qprep.qdq.params import (EIGHT_BIT, QParams, constant_weight, consumers, producer, qparams, quantize_array, quantize_bias)
-from qprep.qdq.verified import Probe
 from qprep.model.saturation import u8s8_saturates
-
+from qprep.qdq.params import (
+    EIGHT_BIT,
+    QParams,
+    constant_weight,
+    consumers,
+    producer,
+    qparams,
+    quantize_array,
+    quantize_bias,
+)
+from qprep.qdq.verified import Probe
 
 
 @dataclass

@@ -4,7 +4,6 @@ MatMul → QLinearMatMul or MatMulInteger. What each rule does and why: the pack
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
@@ -12,10 +11,28 @@ from onnxscript.rewriter import pattern as orp
 
 from qprep.graph.ir import constant_array
 from qprep.graph.rules import per_channel, unique_node_name
+from qprep.qdq.fuse_conv.operands import (
+    activation_bounds,
+    activation_operand,
+    add_constant,
+    add_zero_point,
+    b_inputs,
+    bias_int32,
+    bias_operand,
+    channel_vector,
+    float_probe,
+    granularity,
+    matmul_operands,
+    probe_inputs,
+    requantization,
+    weight_inputs,
+    weight_operand,
+    weight_types,
+    widened,
+    widens,
+)
 from qprep.qdq.params import consumers, qparams
 from qprep.qdq.verified import Probe, Rewrite, RewriteLog
-
-from qprep.qdq.fuse_conv.operands import activation_operand, weight_operand, bias_operand, bias_int32, channel_vector, requantization, add_constant, add_zero_point, activation_bounds, weight_inputs, weight_types, widens, widened, matmul_operands, b_inputs, probe_inputs, float_probe, granularity
 from qprep.schema import Settings
 
 

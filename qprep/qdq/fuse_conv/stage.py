@@ -9,16 +9,15 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from qprep.contract import RunContext, StageResult
 from qprep.model import info as model_info
 from qprep.model.runtime import run_model
+from qprep.model.saturation import this_cpu, u8s8_saturates
+from qprep.qdq.fuse_conv.rules import rule_sets
 from qprep.qdq.params import producer, qparams
 from qprep.qdq.verified import ProbeCheck, Rewrite, RewriteLog, apply_verified
-from qprep.model.saturation import this_cpu, u8s8_saturates
 from qprep.schema import Key, Settings
-from qprep.contract import RunContext, StageResult
 from qprep.stage_registry import stage
-
-from qprep.qdq.fuse_conv.rules import rule_sets
 
 MAX_SWEEPS = 10
 # End-to-end gate. Integer kernels round a few elements per layer differently from float Conv + Q (ties,

@@ -17,13 +17,12 @@ The flow: `quantize` (below) → quantizer.py (OrtQuantizer: calibrate once, bui
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 
 from qprep.errors import QprepError
 from qprep.qdq import float_maxpool
 from qprep.quantize import smooth_layernorm
-from qprep.quantize.backend import QuantizeJob, Quantized
+from qprep.quantize.backend import Quantized, QuantizeJob
 from qprep.schema import Key, section
 
 log = logging.getLogger("qprep")

@@ -13,7 +13,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-
 import onnx
 
 from qprep.model.info import graph_inputs

@@ -6,7 +6,6 @@ calibration samples, before and after. GPTQ's rounding (weight_rounding.py) and 
 from __future__ import annotations
 
 import numpy as np
-
 import onnx
 
 from qprep.measure.metrics import aligned, sqnr_db

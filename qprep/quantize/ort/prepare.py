@@ -9,7 +9,6 @@ import dataclasses
 import logging
 
 import numpy as np
-
 import onnx
 import onnx.version_converter
 from onnx import numpy_helper

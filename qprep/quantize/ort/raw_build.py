@@ -18,8 +18,12 @@ import onnx
 from qprep.model.io import compacted
 from qprep.quantize.ort import int32_bias, uint8_weights
 from qprep.quantize.ort.settings import OrtSettings
-from qprep.third_party import (input_renaming_by_readers, ort_quantization, shapes_inferred_already,
-                               weight_quantization_memo)
+from qprep.third_party import (
+    input_renaming_by_readers,
+    ort_quantization,
+    shapes_inferred_already,
+    weight_quantization_memo,
+)
 
 ORT = ort_quantization()
 

@@ -9,7 +9,7 @@ import dataclasses
 
 from qprep.measure import ctc
 from qprep.quantize import float16_range, outlier_positions, residual_channels, smooth_layernorm
-from qprep.quantize.backend import QuantizeJob, Quantized
+from qprep.quantize.backend import Quantized, QuantizeJob
 from qprep.quantize.rknn import limits, static_graph
 from qprep.quantize.rknn.builder import MMSE_WEIGHT_SAMPLES, RknnBuilder
 from qprep.quantize.rknn.contract import write_board_files

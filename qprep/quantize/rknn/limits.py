@@ -21,11 +21,11 @@ import numpy as np
 import onnx
 
 from qprep.errors import ModelError
+from qprep.graph.verify import Tolerance, compare
 from qprep.model.info import Links, default_opset, graph_inputs
 from qprep.model.prepare import convert_down
-from qprep.optimize.stage import RKNN_MAX_OPSET
-from qprep.graph.verify import Tolerance, compare
 from qprep.model.runtime import run_model
+from qprep.optimize.stage import RKNN_MAX_OPSET
 from qprep.quantize import nonfinite
 from qprep.quantize.nonfinite import Extremes
 from qprep.quantize.rknn import static_graph

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from qprep.quantize import search
 from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.budget import Budget
-from qprep.quantize.rknn import phases, trials as rknn_trials
+from qprep.quantize.rknn import phases
+from qprep.quantize.rknn import trials as rknn_trials
 
 if TYPE_CHECKING:
     from qprep.quantize.rknn.builder import RknnBuilder
