@@ -18,7 +18,13 @@ TIMED = re.compile(r"(^|_)(seconds|s|ms|elapsed|latency|speedup|speedups|speed|t
                    re.IGNORECASE)
 
 
+# Figures in the report's sentences that are the clock's: a speed ratio (0.82×), a duration (12.3 s, 45 ms).
+TIMED_FIGURE = re.compile(r"\d+(?:\.\d+)?\s*(?:×|ms\b|s\b)")
+
+
 def pruned(value):
+    if isinstance(value, str):
+        return TIMED_FIGURE.sub("<timed>", value)
     if isinstance(value, dict):
         return {key: pruned(item) for key, item in value.items() if not TIMED.search(str(key))}
     if isinstance(value, list):
