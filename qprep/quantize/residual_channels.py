@@ -4,7 +4,7 @@ Why: post-LN transformers grow "massive activations" in a few fixed feature chan
 LayerNorm reads (all-MiniLM-L6-v2: channel 223 of the FFN output reaches 46 in layers 4–5; the residual sums
 there peak 23–35× their median channel). One per-tensor int8 scale (RKNN's only one for activations) fits that
 channel, and every other channel of the FFN output, the residual Add and the LayerNorm's input spans a handful
-of the 256 levels. Keeping that path float16 costs 3 layers per block (the fallback's 16 layers reached 0.982).
+of the 256 levels. Keeping that path float16 costs 3 layers per block (BENCHMARKS.md: "residual channels scaled down").
 Scaling the channels down needs the LayerNorm to know: its mean and variance are over the true values, so it is
 computed from the scaled tensor z' = z / d with per-channel weights:
 
@@ -13,9 +13,8 @@ computed from the scaled tensor z' = z / d with per-channel weights:
     var  = (u ⊙ u) · (d²/N)     Mul, MatMul [N, 1]
     y    = u / sqrt(var + ε) ⊙ (γ·d) + β
 
-Every tensor then fits int8 and the result is exact in float32. Measured on RKNN rk3588 w8a8 (MiniLM, outlier
-positions split, LayerNorm outputs smoothed; held-out, 128 samples): every layer int8 0.9558 → 0.9865, with the
-fallback's 16 float16 layers 0.9823 → 0.9896.
+Every tensor then fits int8 and the result is exact in float32 (BENCHMARKS.md: "residual channels scaled
+down").
 
 Pattern: a LayerNormalization over the last axis with constant γ (and β), its input an Add (the residual sum)
 that only it reads. Check: on calibration samples the sum's largest channel peak is RATIO × the median
@@ -78,8 +77,8 @@ def rescale(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
     from the scaled sums, verified on `samples`; the model itself when none spreads or the outputs changed.
     A LayerNorm in `keep` (the float set) is rewritten too, and the nodes that compute it now stay float in its
     place (`float_nodes`): float16 on the LayerNorm alone leaves the int8 sum that feeds it with its huge channel
-    (MiniLM with its LayerNorms float16: 0.9616 held-out; rewritten and float16: 0.99) — unless float16 could not
-    hold that computation (`_float16_computes`)."""
+    (BENCHMARKS.md: "residual channels scaled down") — unless float16 could not hold that computation
+    (`_float16_computes`)."""
     sites = _sites(model) if samples else []
     if not sites:
         return Rescaled(model)

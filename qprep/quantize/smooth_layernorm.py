@@ -7,8 +7,7 @@ channel spans a few dozen of the 256 levels. Weights are quantized per output ch
 weight multiplies one input channel: dividing channel c of the LayerNorm's output by s_c (its γ and β by s_c) and
 multiplying row c of each weight by s_c computes the same products with an activation int8 fits better
 (SmoothQuant, Xiao et al. 2023; α sets how much of the spread goes to the weights). Exact in float32, verified
-on samples. Measured on RKNN rk3588 w8a8, MiniLM all int8 (outlier positions split): held-out cosine 0.9478 →
-0.9531 (α 0.5), 0.9562 (α 0.75), 0.9545 (α 1).
+on samples (BENCHMARKS.md: "LayerNorm smoothing, α 0.75").
 
 Pattern: a LayerNormalization over the last axis whose output feeds at least one MatMul by a 2-D constant weight
 (its first input). Check: on calibration samples its largest output channel's |value| is RATIO × the median
@@ -37,7 +36,7 @@ log = logging.getLogger("qprep")
 OPTION = Key("bool", default=True, doc="move the large channels of LayerNorm outputs into the following MatMuls' "
              "weights, so one int8 activation scale fits the rest (SmoothQuant; quantize/smooth_layernorm.py)")
 
-ALPHA = 0.75  # the share of a channel's spread moved into the weights (MiniLM on RKNN: 0.5 / 0.75 / 1 measured)
+ALPHA = 0.75  # the share of a channel's spread moved into the weights (BENCHMARKS.md: "LayerNorm smoothing, α 0.75")
 SAMPLES = 16  # calibration samples the channel peaks are measured on
 RATIO = 4.0  # smoothed when the largest channel is this many times the median one (two int8 bits lost)
 

@@ -50,7 +50,8 @@ def quantize(job: QuantizeJob) -> Quantized:
     job, converted, static, clipped, scaled, overflowing = _within_toolkit_limits(job)
     job, smoothed = smooth_layernorm.smooth_job(job) if job.options.do_quantization else (job, {})
     split = outlier_positions.Split(job.model)
-    # only with normal ranges: mmse and kl clip the copies that hold the outlier positions (MiniLM: 0.58)
+    # only with normal ranges: mmse and kl clip the copies that hold the outlier positions (BENCHMARKS.md:
+    # "outlier positions computed apart")
     if (job.options.split_outlier_positions and job.options.do_quantization
             and job.options.quantized_algorithm == "normal"):
         split = outlier_positions.split(job.model, job.samples[:8], job.threads)

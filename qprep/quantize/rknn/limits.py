@@ -146,8 +146,8 @@ def float16_safe(model: onnx.ModelProto, extremes: Extremes, samples: list[dict]
     reason. The fill of an additive attention mask is clipped to the smallest bound its scores allow
     (nonfinite.mask_bound: ~60 on MiniLM, whose int8 attention then keeps its scores), and each attention's
     mask scaled down to its own bound where that is lower (nonfinite.own_fills), every other constant to
-    ±MASK_BOUND. Measured on a masked attention with HF's `(1 - mask) * -1e9`: the mask kept float16 unclipped,
-    cosine 0.876 → 0.778. NaN: jax2tf's `jnp.take` writes a NaN-filled [1,128,384] constant for out-of-range ids
+    ±MASK_BOUND: float16 cannot hold HF's `(1 - mask) * -1e9` (BENCHMARKS.md: "an attention mask's fill clipped to
+    the bound its scores need"). NaN: jax2tf's `jnp.take` writes a NaN-filled [1,128,384] constant for out-of-range ids
     into a Where, and the toolkit's range of that Where input is NaN ("cannot convert float NaN to integer" in
     step1)."""
     mask = nonfinite.mask_bound(model, samples, threads) if samples else None
@@ -212,8 +212,8 @@ def without_float16_overflow(model: onnx.ModelProto, float_set: set[str], extrem
                              threads: int = 2) -> tuple[set[str], dict]:
     """`float_set` without the nodes that compute or read a finite activation beyond float16's range on `samples`
     (in `model` as the toolkit gets it, masks clipped) → (float set, {node: why}). float16 turns such values into
-    inf, int8 holds them on a coarse grid: measured on magika (activations up to 3.7e6 before its last LayerNorm,
-    kept float by nonfinite.py and keep_float), cosine 1.8e-19 with them float16, 0.937 all int8. ±inf and NaN
+    inf, int8 holds them on a coarse grid, which costs less (BENCHMARKS.md: "activations beyond float16 stay
+    int8"). ±inf and NaN
     (masks) stay float16, which holds them. Nodes the quantize stage made float only for their values
     (`extremes.added`) go back to int8 when the clipped model's values there stay within ±FILL: a mask clipped
     to ±60 is two int8 levels, and a float16 layer is one of the few a deployment can afford; at -10000 (a mask
