@@ -4,9 +4,9 @@ Why: glibc's malloc serves blocks below its mmap threshold from the heap and kee
 the threshold grows (up to 32 MB) each time a bigger mapped block is freed. After the first weight arrays are
 freed, every later weight-sized block (BERT's matrices are 2–16 MB) comes from the heap and stays resident when
 freed: a model's weights, copied and freed many times in a run (protos, arrays handed to ONNX Runtime), piled
-up. A fixed threshold makes each block of 8 MB or more a mapping of its own, returned when freed. Measured on
-the BERT-large export (peak / system CPU time): glibc's own 8.6 GB / 23 s, 8 MB 7.5 GB / 32 s, 1 MB 6.6 GB / 84 s
-(every 1-8 MB activation then faults its pages in afresh); the 3.16 GB export peaks at 15.8 GB with 1 MB or 8 MB.
+up. A fixed threshold makes each block of 8 MB or more a mapping of its own, returned when freed; a lower one
+makes every 1-8 MB activation fault its pages in afresh, which costs system CPU time (BENCHMARKS.md: "mmap
+threshold 8 MB").
 """
 
 from __future__ import annotations

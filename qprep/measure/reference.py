@@ -78,7 +78,8 @@ class ReferenceOutputs:
     def session(self):
         """The reference's ORT session (deployed settings), built once and reused to time it. A heavy model is
         then kept as its weightless skeleton (what output kinds and the CTC dictionary read): the proto beside
-        the session it was building made the 3.16 GB BERT's peak (18.7 GB, with ORT's copies of the weights)."""
+        the session it was building made a big model's peak (BENCHMARKS.md: "a heavy model's proto let go before
+        its session")."""
         if self._session is None:
             recipe = SessionRecipe(self.model)
             # kept to build again from, as written, should ORT's optimizer fail on it (not over RETRY_BYTES: the

@@ -30,7 +30,8 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def is_large(model: onnx.ModelProto) -> bool:
     """Over protobuf's limit? Decided from the tensors' dims where that is clear: ByteSize() walks the whole
-    message (4 s on a 1.3 GB model, and qprep asks before every ONNX Runtime session)."""
+    message, seconds on a big model, and qprep asks before every ONNX Runtime session (BENCHMARKS.md: "a heavy
+    model's weights never serialized")."""
     payload = weights_bytes(model)
     if payload > PROTOBUF_LIMIT:
         return True
@@ -47,9 +48,9 @@ def weights_bytes(model: onnx.ModelProto) -> int:
 
 
 def is_heavy(model: onnx.ModelProto) -> bool:
-    """Initializers heavy enough that serializing them costs more than handing them over as arrays (2 s per
-    copy of BERT-large; from 16 MB on, a 0.09 GB BERT loaded in 0.3 s instead of 1.7 s): shape inference, the
-    checker and ONNX Runtime sessions then work on the weightless skeleton. Counted as
+    """Initializers heavy enough that serializing them costs more than handing them over as arrays (BENCHMARKS.md:
+    "a heavy model's weights never serialized"): shape inference, the checker and ONNX Runtime sessions then work
+    on the weightless skeleton. Counted as
     weightless() strips them (the main graph's initializers), so a heavy model's skeleton is light."""
     return sum(tensor_bytes(t) for t in model.graph.initializer) > HEAVY_BYTES
 
@@ -93,12 +94,13 @@ def subgraphs(attribute: onnx.AttributeProto) -> list[onnx.GraphProto]:
 
 
 def inferred_shapes(model: onnx.ModelProto, data_prop: bool = False, shapes_only: bool = False) -> onnx.ModelProto:
-    """ONNX shape inference at any size (raises what onnx raises). Why not onnx's alone: over 2 GB it returns
-    an *empty* model without a word (no inputs, no nodes: the run then refused its own samples), and below it
-    serializes every weight (9 s on BERT-large). A heavy model is inferred on its weightless skeleton, and the
-    result's nodes, value_info and outputs are moved into `model` itself (changed and returned: no copy of the
-    weights); with `shapes_only` the inferred skeleton is returned instead, whatever the model's size (for a
-    caller that only reads shapes: serializing a 0.09 GB BERT's weights took 0.3 s of each 0.7 s inference)."""
+    """ONNX shape inference at any size (raises what onnx raises). Why not onnx's alone: over 2 GB it returns an
+    *empty* model without a word (no inputs, no nodes: the run then refused its own samples), and below it serializes
+    every weight (BENCHMARKS.md: "a heavy model's weights never serialized"). A heavy model is inferred on its
+    weightless skeleton, and the result's nodes, value_info and outputs are moved into `model` itself (changed and
+    returned: no copy of the weights); with `shapes_only` the inferred skeleton is returned instead, whatever the
+    model's size (for a caller that only reads shapes: serializing the weights is a large part of an inference's
+    time)."""
     if not is_heavy(model) and not shapes_only:
         return onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
     done = onnx.shape_inference.infer_shapes(weightless(model)[0], data_prop=data_prop)
@@ -138,8 +140,9 @@ def weightless(model: onnx.ModelProto, placeholder: str = "external") -> tuple[o
 
 def computing(model: onnx.ModelProto, outputs: list[str], given: dict[str, int] | None = None) -> onnx.ModelProto:
     """A copy of the part of `model` that computes `outputs`, which become its only graph outputs. Why: ONNX
-    Runtime runs every node of a graph whatever a run fetches; an early tensor of EfficientNet-Lite0's QDQ model
-    took 27 ms from the whole graph and 6 ms from its part (bias correction reads each layer's output in turn).
+    Runtime runs every node of a graph whatever a run fetches, so an early tensor costs a whole run from the whole
+    graph (BENCHMARKS.md: "a part of the model for its early tensors"); bias correction reads each layer's output
+    in turn.
     `given` ({tensor: ONNX element type}) are tensors the caller feeds: the walk stops there and the part reads
     them as inputs. A node with subgraphs (If, Loop, Scan) needs the outer tensors its bodies read too."""
     nodes = model.graph.node

@@ -38,8 +38,8 @@ def run_model(model: onnx.ModelProto, samples: list[dict], threads: int = 2, opt
 
 def _side_by_side(model: onnx.ModelProto, samples: list, threads: int) -> int:
     """How many samples run at once, one ORT thread each: a small model's run does not fill 2 cores
-    (EfficientNet-Lite0 INT8, 32 samples: 135 ms with 2 threads per run, 95 ms with 2 runs at once); a heavy
-    model keeps one run at a time (each run's memory) and its threads."""
+    (BENCHMARKS.md: "a light model's samples run side by side"); a heavy model keeps one run at a time (each
+    run's memory) and its threads."""
     return threads if threads > 1 and len(samples) > 1 and not is_heavy(model) else 1
 
 
@@ -139,8 +139,8 @@ class Stepwise:
     """A model run over samples a part at a time: `advance` runs only the nodes its targets need that no earlier
     part ran, fed with the tensors earlier parts left, and `add` changes a left tensor before later parts read
     it. Why: bias correction measures its layers wave by wave, each wave after the shifts of the layers upstream;
-    running every ancestor again per wave cost waves × model (PP-PicoDet at 800x608, 67 waves: 424 s), where each
-    node now runs once per sample. Only tensors that a node not yet run reads are held."""
+    running every ancestor again per wave cost waves × model (BENCHMARKS.md: "bias correction runs each node once
+    per sample"), where each node now runs once per sample. Only tensors that a node not yet run reads are held."""
 
     def __init__(self, model: onnx.ModelProto, samples: list[dict], threads: int = 2):
         from qprep.model.info import cast_to_inputs
@@ -231,11 +231,13 @@ def ort_session(model: "onnx.ModelProto | SessionRecipe", threads: int = 2, opti
 class SessionRecipe:
     """What ORT needs to build one session of a model, without the model: the serialized graph and, for a heavy
     model (io.is_heavy), its big weights as arrays that ORT takes from memory. Over 2 GB the proto cannot be
-    serialized (a temp file per session took 12 s on a 2.2 GB model), below it serializing costs 2 s per
-    BERT-large, and exposing intermediate tensors copied every weight once more.
+    serialized (a temp file per session instead costs seconds), below it serializing costs seconds per big model,
+    and exposing intermediate tensors copied every weight once more (BENCHMARKS.md: "a heavy model's weights never
+    serialized").
 
     Made before a proto's last use, it lets the proto go before the session is built: the weights then exist
-    twice while ORT copies them, not three times (the 3.16 GB BERT's latency step peaked at 18.6 GB)."""
+    twice while ORT copies them, not three times (BENCHMARKS.md: "a heavy model's proto let go before its
+    session")."""
 
     def __init__(self, model: onnx.ModelProto, extra_outputs=(), only: bool = False):
         """`only`: the session computes `extra_outputs` alone (io.computing), not the model's outputs."""

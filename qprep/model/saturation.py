@@ -3,14 +3,13 @@
 Why: on x86-64 CPUs with AVX2 (or AVX-512) but without VNNI, ONNX Runtime's U8S8 integer GEMM multiplies with
 VPMADDUBSW, which adds two uint8 × int8 products into an int16 and clips it at ±32767: 255 × 127 × 2 = 64770 does
 not fit. The QDQ model is right (run unfused it matches), but the integer operators ORT fuses it into at session
-time are not. Measured on such a CPU (AMD EPYC, AVX2, no VNNI): EfficientNet-Lite0 U8S8 cosine 0.903 against
-0.998 for the same QDQ model run unfused; the VNNI machine this project was first measured on never showed it.
+time are not, on such a CPU only (BENCHMARKS.md: "ONNX Runtime's u8s8 kernels saturate").
 Weights that cannot overflow the pair sum — uint8 (U8U8 runs a widening kernel) or 7-bit (reduce_range) — avoid
 it on every CPU.
 
 The probe: a QDQ MatMul and a QDQ 1×1 Conv whose quantized inputs are all 255 and weights all 127, run with ORT's
-fusions (ORT_ENABLE_ALL) and without; if the results differ, the fused U8S8 kernels saturate here. ~50 ms, once
-per process.
+fusions (ORT_ENABLE_ALL) and without; if the results differ, the fused U8S8 kernels saturate here. Once per
+process.
 """
 
 from __future__ import annotations
