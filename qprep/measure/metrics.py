@@ -266,9 +266,10 @@ def rel_error_for_cosine(cosine_threshold: float) -> float:
 
 
 # Cosine does not see an error along the signal: a scale, or a shift of an output that sits far from zero (a dB
-# spectrogram read 0.99 at an SQNR of 8.7 dB). So a cosine threshold also holds a cosine-judged output's
-# mean_sqnr_db (weighted per sample, as cosine_mean is) to the SQNR the threshold stands for, less this slack:
-# twice the noise power, well beyond what the two differ by on outputs whose error is noise.
+# spectrogram read 0.99 at a low SQNR: BENCHMARKS.md: "ORT calibration ran a different model"). So a cosine threshold
+# also holds a cosine-judged output's mean_sqnr_db (weighted per sample, as cosine_mean is) to the SQNR the threshold
+# stands for, less this slack: twice the noise power, well beyond what the two differ by on outputs whose error is
+# noise.
 SQNR_SLACK_DB = 10 * math.log10(2.0)
 
 
@@ -322,9 +323,8 @@ def _topk_hits(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
 def _flips(reference: list[np.ndarray], hits: list[np.ndarray]) -> list[dict | None]:
     """Per sample, None where every row kept the reference's top-1, else how near a tie that row was in the
     reference: `float_gap` (its top two scores apart) and `closer_than` (the share of all rows whose top two are
-    further apart). A changed top-1 at a near tie (EfficientNet-Lite0: every one its ORT and RKNN builds changed
-    on 128 held-out images was among the 9 nearest, 7%) is noise any rounding can cause; one at a clear margin
-    is damage."""
+    further apart). A changed top-1 at a near tie is noise any rounding can cause (BENCHMARKS.md: "changed top-1s
+    at near ties"); one at a clear margin is damage."""
     gaps = [_top_gaps(a) for a in reference]
     every = np.sort(np.concatenate(gaps)) if gaps else np.zeros(0)
     flips = []

@@ -1,13 +1,11 @@
 """Non-overlapping MaxPools in ONNX Runtime INT8 models become Reshape + ReduceMax, so they stay float.
 
-Why: ONNX Runtime's QDQ propagation moves the QuantizeLinear that follows a float MaxPool (opset-12 MaxPool) in
-front of it, and then runs the MaxPool on uint8 with a generic kernel. Measured on the PP-OCR classifier (2x2,
-stride 2 on 200x2x96, ORT 1.26, 2 threads): 96 µs per run against 6 µs for the float MaxPool, ~7% of the INT8
-model's time; rewritten by this module, the model goes from 0.774 to 0.735 ms (FP32 0.906 ms; interleaved,
-5 rounds x 200 runs). ORT does not propagate over
-ReduceMax, and a MaxPool whose kernel equals its stride, without padding or dilation, on dims its kernel
-divides, is exactly the max over the axes of a [N, C, H/kh, kh, W/kw, kw] view: the rewrite changes no number
-(checked on the samples; the model is returned unchanged otherwise).
+Why: ONNX Runtime's QDQ propagation moves the QuantizeLinear that follows a float MaxPool (opset-12 MaxPool) in front
+of it, and then runs the MaxPool on uint8 with a generic kernel, many times slower than the float MaxPool
+(BENCHMARKS.md: "MaxPools kept float as ReduceMax"). ORT does not propagate over ReduceMax, and a MaxPool whose
+kernel equals its stride, without padding or dilation, on dims its kernel divides, is exactly the max over the axes
+of a [N, C, H/kh, kh, W/kw, kw] view: the rewrite changes no number (checked on the samples; the model is returned
+unchanged otherwise).
 """
 
 from __future__ import annotations

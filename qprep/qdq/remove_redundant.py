@@ -293,8 +293,8 @@ def simplify(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
     """These exact rules on a quantizer's output: (model, rewrites by kind). ONNX Runtime's QDQ models carry
     scaled round trips (PP-OCR classifier: 17, one per hardswish). `verify=False` skips the ORT comparison
     (onnx.checker still runs): for a caller that re-quantizes many times and verified the first result. Then
-    one round is enough: `apply` sweeps to a fixpoint and nothing is rolled back (a second round found nothing
-    and cost a third of each build's time, PP-OCRv4 rec)."""
+    one round is enough: `apply` sweeps to a fixpoint and nothing is rolled back, so a second round finds nothing
+    and only costs time (BENCHMARKS.md: "one round of exact QDQ rules per build")."""
     check = OutputCheck(model, samples, TOLERANCE, threads) if verify else (lambda candidate, rewrites: Verdict(True))
     outcome = apply_verified(model, apply, check, max_rounds=8 if verify else 1)
     return outcome.model, dict(Counter(r.kind for r in outcome.applied))

@@ -116,7 +116,8 @@ def choose(job, model: onnx.ModelProto, tensors: list[str], how: str, use: Calla
     (search.choose_setting: the first that meets the target is kept, else the best if it removes enough of the
     error) → (record, the tensors kept out of int8). `how` says how the backend keeps them (float, int16,
     float16); `nodes(tensors)` how many nodes that takes out of int8: sets over the fallback's max_float_nodes are
-    not tried (they count against it: all-MiniLM-L6-v2 on RKNN kept 99 nodes float16 this way, its cap 16),
+    not tried (they count against it, or a spread set could keep many times the cap float: BENCHMARKS.md: "spread
+    sets count against max_float_nodes"),
     and `search.node_search(fallback, record)` gives the node search what is left of it."""
     target = job.fallback.target
     if (search.judge(target, evaluate(base_float, job.evaluation_samples), base_float, evaluate,

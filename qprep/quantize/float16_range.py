@@ -1,11 +1,11 @@
 """Float16 range: a chain whose values overflow float16 scaled down by a power of two where it starts, and back
 where it ends, so that it can run float16 on the RKNN NPU (which has no float32) instead of going int8.
 
-Why: a log-mel front end fed 16-bit audio (openWakeWord's melspectrogram, the zoo's oww_melspectrogram) computes
-an STFT of up to 1.3e6 and a power spectrum of up to 1.7e12 before its Log. float16 (max 65504) turns them into
-inf: the toolkit's simulator warns "out of the float16" and the output misses by up to 80 dB where a frame
-overflowed (SQNR 6 dB, although its cosine reads 0.989 on dB values far from zero). int8 cannot hold a power
-spectrum twelve decades wide in front of a Log either (cosine 0.85). The chain is homogeneous in its start: with
+Why: a log-mel front end fed 16-bit audio (openWakeWord's melspectrogram, the zoo's oww_melspectrogram) computes an
+STFT of up to 1.3e6 and a power spectrum of up to 1.7e12 before its Log. float16 (max 65504) turns them into inf: the
+toolkit's simulator warns "out of the float16" and the output misses by tens of dB where a frame overflowed, although
+its cosine reads high on dB values far from zero. int8 cannot hold a power spectrum twelve decades wide in front of a
+Log either (BENCHMARKS.md: "float16 range: an overflowing chain scaled"). The chain is homogeneous in its start: with
 the STFT's weights times s, the power spectrum is s² times, and log(s²·x) = log x + 2·log s.
 
 Pattern: every finite activation beyond float16's range; walking back from each through ops that carry a

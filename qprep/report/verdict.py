@@ -52,8 +52,8 @@ def verdict(report: dict) -> Verdict:
 def next_step(report: dict) -> str:
     """What to do about a missed gate or floor when the quantize stage ran without the fallback: let it search
     the layers to keep float, aiming at the gate as configured (the floor's collapse: at cosine 0.99).
-    Resemblyzer on RKNN missed the floor at 0.58; with the fallback 0.9995 in 70 s, by keeping three tensors whose
-    channels spread too far float16. Empty when the fallback ran, nothing was quantized, or the backend has
+    A model that misses the floor all int8 can meet the gate with a few tensors kept float (BENCHMARKS.md, the
+    zoo: resemblyzer_encoder on RKNN). Empty when the fallback ran, nothing was quantized, or the backend has
     nothing to search (fp16)."""
     quantize = next((s for s in report.get("stages", []) if s.get("name") == "quantize"), None)
     if (quantize is None or quantize.get("status") != "ok" or quantize.get("fallback")

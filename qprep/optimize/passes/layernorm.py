@@ -10,7 +10,8 @@ Math, over the trailing k axes (k = number of reduced axes):
 
 Normalized axes that are not trailing (magika's jax2tf LayerNorm over axis -2; ONNX's op normalizes trailing axes
 only): Transpose(x) putting them last → LayerNormalization → Transpose back, gamma/beta as their normalized dims.
-Left decomposed, ORT quantized that LayerNorm's Sqrt/Reciprocal/Mul and magika_v3 collapsed (cosine 0.68).
+Left decomposed, ORT quantizes that LayerNorm's Sqrt/Reciprocal/Mul (BENCHMARKS.md: "LayerNorms over axes that are
+not trailing fused").
 
 Forms: two families (`pattern`, `check`, `rewrite` kept separate), every part spelled any way an exporter does:
 

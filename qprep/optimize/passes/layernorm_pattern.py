@@ -15,7 +15,8 @@ def either(make, a, b):
     """make(a, b) or make(b, a): exporters differ in operand order.
 
     A local choice costs one failed node match per wrong order. `RewriteRuleSet(commute=True)` would instead
-    copy the whole rule per combination of swapped nodes (2^k): 972 rules here, 3.6 s per run on MiniLM.
+    copy the whole rule per combination of swapped nodes (2^k), seconds per run (BENCHMARKS.md: "operand order
+    matched per node").
     """
     return orp.OrValue([make(a, b), make(b, a)])
 

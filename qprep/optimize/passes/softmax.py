@@ -3,7 +3,7 @@
 Why: jax2tf writes `jax.nn.softmax` as ReduceMax, Max(−inf, ·), Sub, Exp, ReduceSum, Div (the Flax MiniLM: one
 per attention). A quantizer then rounds each of those tensors on its own grid, RKNN cannot fuse the attention into
 its SDPA layer, and qprep's attention-mask handling (quantize/nonfinite.py) finds a mask by the Softmax that
-reads it: written out, the jax2tf MiniLM kept its 30 mask nodes float16 on RKNN (46 float16 layers).
+reads it, so written out its mask nodes stay float16 on RKNN (BENCHMARKS.md: "a softmax written out fused").
 
 Forms (x the scores, a its last axis):
 

@@ -21,8 +21,8 @@ from qprep.stage_registry import stage
 
 MAX_SWEEPS = 10
 # End-to-end gate. Integer kernels round a few elements per layer differently from float Conv + Q (ties,
-# float summation order); through EfficientNet-Lite0's 49 Convs that adds up to 4 output steps and cosine
-# 0.9988, exactly as much as ONNX Runtime's own session-time fusion of the same QDQ model. The per-node probe
+# float summation order); through a deep CNN that adds up to a few output steps, exactly as much as ONNX Runtime's
+# own session-time fusion of the same QDQ model (BENCHMARKS.md: "fuse_conv_qdq's end-to-end gate"). The per-node probe
 # is the one-step proof; this gate only has to catch gross breakage (wiring, scales), hence 0.99.
 DEFAULT_MIN_COSINE = 0.99
 
