@@ -1,7 +1,7 @@
 """What each output is, read from the graph and the reference's values: it decides which metrics judge it.
 
-Why: one metric for every output misleads. A one-element output always has cosine 1 (a voice detector's
-probability read "cosine 1.00000" next to an SQNR of −3.9 dB); a state output fed back at the next call
+Why: one metric for every output misleads. A one-element output always has cosine 1, whatever its error
+(BENCHMARKS.md: "metrics per output kind"); a state output fed back at the next call
 drifts step after step, which its relative error shows; rows that NMS or TopK chose reorder when a score
 moves. The rules, first match wins (an `evaluation.tasks` entry names the kind instead):
 

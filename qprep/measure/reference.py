@@ -108,9 +108,8 @@ class ReferenceOutputs:
 
     def release(self) -> None:
         """Drop the model once the evaluation has run it for the last time (outputs computed, latency timed): a
-        big model's weights would otherwise stay in memory beside the per-layer error's two sessions (the
-        24x1600 BERT was killed there at 23 GB). Collected at once: reference cycles left by the stages still
-        reach the proto, and Python's collector had not run by then (measured on that BERT: the per-layer error
-        started at 9.6 GB resident, 6.8 GB with this collection)."""
+        big model's weights would otherwise stay in memory beside the per-layer error's two sessions. Collected at
+        once: reference cycles left by the stages still reach the proto, and Python's collector has not run by
+        then (BENCHMARKS.md: "the reference let go before the per-layer error")."""
         self.model = self._session = None
         gc.collect()
