@@ -22,9 +22,13 @@ TIMED = re.compile(r"(^|_)(seconds|s|ms|elapsed|latency|speedup|speedups|speed|t
 TIMED_FIGURE = re.compile(r"\d+(?:\.\d+)?\s*(?:×|ms\b|s\b)")
 
 
+# same_outputs.sh writes the two runs to <work>/base/NAME and <work>/head/NAME: paths into them name their side.
+SIDE = re.compile(r"/(?:base|head)/")
+
+
 def pruned(value):
     if isinstance(value, str):
-        return TIMED_FIGURE.sub("<timed>", value)
+        return SIDE.sub("/<side>/", TIMED_FIGURE.sub("<timed>", value))
     if isinstance(value, dict):
         return {key: pruned(item) for key, item in value.items() if not TIMED.search(str(key))}
     if isinstance(value, list):
