@@ -75,8 +75,9 @@ OPTIONS = section(
 def quantize(job: QuantizeJob) -> Quantized:
     """The float set and nodes_to_exclude left float; with a fallback configured, the search (search.py) first
     chooses which more nodes stay float and the settings of the final build."""
-    # imported here, not at the top: onnxruntime.quantization takes ~1.5 s to import, and the config schema
-    # imports this package for OPTIONS on every run, whatever the backend
+    # imported here, not at the top: onnxruntime.quantization is slow to import (BENCHMARKS.md: "ORT's
+    # quantizer imported on use"), and the config schema imports this package for OPTIONS on every run, whatever
+    # the backend
     import onnxruntime
 
     from qprep.quantize.ort import channel_padding

@@ -1,11 +1,10 @@
 """`activations: auto` — static (calibrated) or dynamic activation ranges, chosen from the model's structure.
 
 Why: ONNX Runtime's own guidance is static quantization for CNNs and dynamic for transformers and RNNs, and
-the zoo measured it (recorded in `5941a66`): a transformer (MiniLM) with static ranges stays far from its
-target after a long fallback search, while with dynamic MatMuls it meets it with no search at all, several times
-faster than FP32; the CNNs (EfficientNet-Lite0, detectors, OCR) need static ranges to quantize their Convs at
-all. The rule: dynamic when the model has attention (a MatMul of two activations) and its weighted MatMul/Gemm
-layers carry more multiply-adds than its convolutions; static otherwise.
+the zoo measured it (BENCHMARKS.md: "activations: auto"): a transformer with static ranges can stay far from
+its target after a long fallback search where dynamic MatMuls meet it with no search at all; CNNs need static
+ranges to quantize their Convs at all. The rule: dynamic when the model has attention (a MatMul of two
+activations) and its weighted MatMul/Gemm layers carry more multiply-adds than its convolutions; static otherwise.
 """
 
 from __future__ import annotations

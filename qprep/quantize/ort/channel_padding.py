@@ -4,9 +4,8 @@ Why: ORT's x86 CPU runs an int8 Conv with zero-point-0 weights on its "symmetric
 VNNI where the CPU has it) only when the channel counts line up: a depthwise Conv needs a multiple of 16
 channels, a regular one at least 16 output channels in a multiple of 4 or 8 and input channels in a multiple of
 4. Any other count runs a generic kernel. MobileNet-style models have many such counts (the PP-OCR classifier:
-8, 24, 40, 88, 104, 200). A 5x5 depthwise Conv over 200 channels there took twice as long as over 208, and
-four times as long as its FP32 twin (recorded in `a1583cb`): most of why its INT8 model was hardly faster than
-FP32.
+8, 24, 40, 88, 104, 200), and a generic kernel can run such a Conv slower than its FP32 twin: most of why that
+model's INT8 build was hardly faster than FP32 (BENCHMARKS.md: "channel counts padded to multiples of 16").
 
 What changes: a set of tensors that share one channel axis (a "channel space") between the Convs that write it and
 the Convs that read it, through depthwise Convs, per-tensor Q/DQ, element-wise ops and pools, gets zero channels

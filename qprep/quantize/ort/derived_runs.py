@@ -2,9 +2,10 @@
 before it.
 
 Why: a ranking trial makes one activation edge of the reference build float, yet ran the whole model on every
-ranking sample; on EfficientNet-Lite0 the run was most of a trial's time, 90 trials a round. The nodes before
-the edit compute what they computed in the reference: their last QuantizeLinear outputs, kept from one run of
-the reference, feed the rest (every output equal to the bit; the time saved is recorded in `a78bacc`). A
+ranking sample, and a round runs one trial per candidate: the run can be most of a trial's time. The nodes
+before the edit compute what they computed in the reference: their last QuantizeLinear outputs, kept from one
+run of the reference, feed the rest (every output equal to the bit; BENCHMARKS.md: "a derived model run from its
+first edit on"). A
 promotion adds one candidate to the set the previous promotion ran with, so it runs from the tensors of that
 previous promotion's run.
 
@@ -35,7 +36,7 @@ from qprep.model.runtime import run_model
 log = logging.getLogger("qprep")
 
 MAX_HELD_BYTES = 1 << 30  # per sample set (ranking, all, kept apart: at most three); beyond, that set runs whole
-# (EfficientNet-Lite0, measured: up to 6.55 MB a sample, 600 MiB for the 96 samples a search chooses on)
+# (room for a CNN's search samples: BENCHMARKS.md, "derived runs' held tensors capped at 1 GiB")
 
 
 class DerivedRuns:

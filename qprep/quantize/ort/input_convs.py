@@ -2,12 +2,11 @@
 
 Why: ORT's x86 int8 Conv takes its fast (symmetric, VNNI) kernels only for input channels in multiples of 4;
 channel_padding.py pads the channel counts inside the model, but an image model's first Conv reads the model's
-input (3 channels, or 1), which it cannot pad. There the generic int8 kernel loses to ORT's float one by far: the
-PP-OCR classifier's first Conv (3 → 16, 3x3, stride 2, over 48x192) ran nearly three times slower as INT8 than as
-FP32 (recorded in `a1583cb`), the largest single cost of its INT8 model. Kept float it costs one QuantizeLinear
-of its output, and no accuracy: it is the one layer whose input is the raw image. Only while such Convs are a
-small share of the model's multiply-adds (MAX_SHARE): an INT8 model should compute most of its work on integers,
-whatever one kernel costs.
+input (3 channels, or 1), which it cannot pad. There the generic int8 kernel loses to ORT's float one by far,
+enough to be the largest single cost of an INT8 model (BENCHMARKS.md: "Convs reading the model's input kept
+float"). Kept float it costs one QuantizeLinear of its output, and no accuracy: it is the one layer whose input
+is the raw image. Only while such Convs are a small share of the model's multiply-adds (MAX_SHARE): an INT8 model
+should compute most of its work on integers, whatever one kernel costs.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import onnx
 from qprep.model.info import Links, constant_names, multiply_adds, tensor_shapes
 
 ALIGNMENT = 4  # input channels per group that MLAS's symmetric int8 convolution needs
-MAX_SHARE = 0.1  # of the model's multiply-adds, at most, kept float this way (PP-OCR classifier: 3%)
+MAX_SHARE = 0.1  # of the model's multiply-adds, at most, kept float this way
 # ops a model may apply to its input before the first Conv (normalization) that keep its channel axis
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Clip"})
 

@@ -5,8 +5,8 @@ Why: a QDQ Conv/Gemm bias is stored as int32 on the scale input scale × weight 
 bias, often the channel's whole output, would need more than 2³¹ steps: ONNX Runtime's quantizer then clips it
 ("Quantized bias … exceeds the range of a int32") and the channel outputs ~0 instead of its constant. The
 quantizer raises such a channel's weight scale itself, but only for int8/int16 weights; with uint8 weights
-(`weight_type: auto` on CPUs without VNNI) it clips. PP-OCRv4 rec: 15 channels in 5 Convs lost biases of up to
-0.64 (their largest weights 3e-33 to 1.2e-6, bias scales down to 2e-25).
+(`weight_type: auto` on CPUs without VNNI) it clips, and a switched-off channel loses the constant it outputs
+(BENCHMARKS.md: "int32 biases that hold their value").
 
 The fix is the quantizer's own rule for int8: scale the channel's weight scale (and so its bias scale) up just
 enough that the bias fits, and round that channel's weights and bias again from the float model. Such a channel's

@@ -55,7 +55,8 @@ def shared_gemm_weights_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     Why: ORT's dynamic quantizer makes each Gemm a MatMul first, transposing its weight initializer in place and
     assuming nothing else reads it ("assume B is not used by any other node", onnx_model.py). A weight two Gemms
     share (ALBERT's shared layers, a tied head, two layers with equal weights that cleanup merged) was then
-    transposed twice and the second Gemm computed with the wrong matrix: a ViT's output went to cosine 0.41."""
+    transposed twice and the second Gemm computed with the wrong matrix (BENCHMARKS.md: "a shared Gemm weight
+    transposed once")."""
     links = Links(model)
     shared = [i for i, n in enumerate(model.graph.node) if n.op_type == "Gemm" and len(n.input) > 1
               and n.input[1] in links.initializers and not links.own_constant(n.input[1], n)

@@ -246,8 +246,8 @@ def near_target(outputs: dict, target: dict) -> bool:
 
 def _corrected_base(trials: Trials, excluded: set[str], job: QuantizeJob, budget: Budget) -> dict | None:
     """The base float set with bias correction: if that meets the target, the search ends at its base trial
-    with it (EfficientNet-Lite0: 0 float nodes); otherwise the search runs without it. Not tried when not even
-    a build fits in the budget (its waves stop in time by themselves)."""
+    with it, which can leave no node float (BENCHMARKS.md: "empirical bias correction"); otherwise the search
+    runs without it. Not tried when not even a build fits in the budget (its waves stop in time by themselves)."""
     if not budget.allows("bias correction on the base", budget.predict("trial")):  # (its stand-in: the first build)
         return None
     started = budget.elapsed()
@@ -302,10 +302,9 @@ def _correct_final(trials: Trials, outcome: search.Outcome, base: dict | None, j
 def choose_spread_tensors(quantizer: OrtQuantizer, trials: Trials, excluded: set[str], job: QuantizeJob,
                           budget: Budget) -> dict:
     """The tensors whose channels one int8 scale cannot share, kept out of int8 before any node is made float
-    (their edges float, or 16-bit: option spread_tensors; channel_spread.choose): on PP-OCRv3 rec, the worst of
-    them with their edges float took the model from far below its target to above it (recorded in `5d68a58`).
-    Float edges count against max_float_nodes (16-bit ones do
-    not: their nodes stay quantized)."""
+    (their edges float, or 16-bit: option spread_tensors; channel_spread.choose): a model can miss its target by
+    far with them int8 and meet it with their edges float (BENCHMARKS.md: "channel spread"). Float edges count
+    against max_float_nodes (16-bit ones do not: their nodes stay quantized)."""
     how = quantizer.options.spread_tensors
     if quantizer.dynamic or quantizer.options.format != "qdq" or how == "off":
         return {}
@@ -386,9 +385,9 @@ def choose_float_op_types(quantizer: OrtQuantizer, trials: Trials, excluded: set
 
 def edges(model: onnx.ModelProto, ordered_nodes: list[str]) -> dict[str, tuple[str, ...]]:
     """Activation tensor → the quantized nodes that must all be float for it to stay float (its producer and
-    every consumer: with Q/DQ, a tensor is rounded when any of them is quantized). Why edges, not nodes: on
-    EfficientNet-Lite0 keeping one edge float (2 nodes) did what four single nodes did not (recorded in
-    `1070275`).
+    every consumer: with Q/DQ, a tensor is rounded when any of them is quantized). Why edges, not nodes: while
+    one of them is quantized the tensor is still rounded, so one edge float can do what single nodes do not
+    (BENCHMARKS.md: "activation edges, promoted by gain per multiply-add").
     Ordered as `ordered_nodes` (most accuracy lost first) by the edge's first member; duplicates dropped."""
     position = {name: i for i, name in enumerate(ordered_nodes)}
     consumers: dict[str, list[str]] = {}

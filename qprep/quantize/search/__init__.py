@@ -1,7 +1,8 @@
 """Accuracy-driven fallback: keep the fewest nodes float until an accuracy target holds.
 
-Why measured, not by op type: on EfficientNet-Lite0 excluding the depthwise convolutions made the model *worse*,
-and restoring the most harmful nodes together is not the sum of restoring each one. So:
+Why measured, not by op type: excluding a whole op type from int8 can make a model *worse*, and
+restoring the most harmful nodes together is not the sum of restoring each one (BENCHMARKS.md: "float nodes
+measured, not chosen by op type"). So:
 
 1. rank: quantize everything once (the base), then restore one candidate at a time and measure the outputs
    on a subset of the evaluation samples; a candidate's damage is how much its restoring helps. A candidate is

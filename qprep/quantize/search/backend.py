@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 class SearchBackend:
     """What the search asks a backend. `evaluate` is required; it times each build it makes in the search's
-    budget (`Budget.record`, kind "trial" on all evaluation samples, "rank" on fewer), for the predictions. A backend whose builds take minutes ranks the
-    candidates from its own per-layer analysis (`ranks_itself` and `rank`) instead of one trial per candidate;
-    one that can build faster, approximately, says so in `faster`."""
+    budget (`Budget.record`, kind "trial" on all evaluation samples, "rank" on fewer), for the predictions. A
+    backend whose builds take minutes ranks the candidates from its own per-layer analysis (`ranks_itself` and
+    `rank`) instead of one trial per candidate; one that can build faster, approximately, says so in `faster`."""
 
     ranks_itself = False
 
@@ -43,8 +43,8 @@ class Candidates:
     """What the search may make float. A name is a node, or stands for the nodes `groups` lists (ORT: an
     activation edge is float only when its producer and every consumer are). `cost`: each candidate's share of
     the model's compute; given, candidates are promoted by gain per cost, so the target is met with the
-    cheapest float set (on EfficientNet-Lite0 the most harmful edges are the high-resolution early layers, the
-    slowest in float). `ops`: node → op type, for the record."""
+    cheapest float set: the most harmful edges can be the slowest in float (BENCHMARKS.md: "activation edges,
+    promoted by gain per multiply-add"). `ops`: node → op type, for the record."""
 
     names: list[str]
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
