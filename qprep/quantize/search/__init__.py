@@ -33,7 +33,6 @@ from qprep.quantize.search.options import OPTIONS, SEARCHED_NODES, NodeSearch, n
 from qprep.quantize.search.rounds import FAST_SHARE, Outcome, Round, Search, Trial
 from qprep.quantize.search.settings import Remembered, choose_setting
 
-__all__ = ["FAST_SHARE", "OPTIONS", "SEARCHED_NODES", "Candidates", "NodeSearch", "Outcome", "Remembered", "Round", "Search",
-           "node_search",
-           "SearchBackend", "Trial", "allowed_disagreement", "choose_setting", "gate_metrics", "judge", "score_of",
-           "split_samples"]
+__all__ = ["FAST_SHARE", "OPTIONS", "SEARCHED_NODES", "Candidates", "NodeSearch", "Outcome", "Remembered", "Round",
+           "Search", "SearchBackend", "Trial", "allowed_disagreement", "choose_setting", "gate_metrics", "judge",
+           "node_search", "score_of", "split_samples"]
