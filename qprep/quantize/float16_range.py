@@ -31,10 +31,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qprep.graph.verify import rewrite_mismatch
 from qprep.model.info import Links, unique_name
 from qprep.model.runtime import intermediate_values, run_model
-from qprep.quantize import nonfinite
+from qprep.quantize import nonfinite, rewrites
 from qprep.quantize.backend import carried_float_set
 
 log = logging.getLogger("qprep")
@@ -101,7 +100,8 @@ def scale(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Scal
         rewritten, added, plan = chain.rewrite(degrees, factor)
     except _Unscalable as exc:  # a constant it would scale is no tensor (a Constant's value_float)
         return _left(model, over, str(exc))
-    mismatch = rewrite_mismatch(model, run_model(model, samples, threads), rewritten, samples, threads)
+    mismatch = rewrites.exact("scaling a float16-overflowing chain", model, run_model(model, samples, threads),
+                              rewritten, samples, threads)
     if mismatch:
         return _left(model, over, f"the outputs changed: {mismatch}")
     still = [name for name in over if name in nonfinite.find(rewritten, samples, threads).tensors]

@@ -27,9 +27,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qprep.graph.verify import rewrite_mismatch
 from qprep.model.info import constant_names, graph_outputs, iter_nodes, tensor_shapes, unique_name
 from qprep.model.runtime import intermediate_values
+from qprep.quantize import rewrites
 from qprep.quantize.backend import carried_float_set
 
 log = logging.getLogger("qprep")
@@ -79,10 +79,7 @@ def split(model: onnx.ModelProto, samples: list[dict], threads: int = 2) -> Spli
     result.model.CopyFrom(model)
     for chain, segments in planned:
         _rewrite(result, chain, segments)
-    reason = rewrite_mismatch(model, reference, result.model, samples, threads)
-    if reason:  # exact in math: a failure means the pattern matched something it should not have
-        log.warning("quantize: splitting outlier positions changed the outputs (%s); the model is left as it was",
-                    reason)
+    if rewrites.exact("splitting outlier positions", model, reference, result.model, samples, threads):
         return Split(model)
     result.record = {"chains": [{"layernorm": chain.nodes[-1].name, "nodes": len(chain.nodes),
                                  "segments": [[a, b] for a, b, _ in segments],

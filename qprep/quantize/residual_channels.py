@@ -34,8 +34,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qprep.graph.verify import rewrite_mismatch
 from qprep.model.info import Links, node_index, unique_name
+from qprep.quantize import rewrites
 from qprep.quantize.backend import carried_float_set
 from qprep.quantize.channel_spread import last_axis_peaks
 from qprep.schema import Key
@@ -109,10 +109,7 @@ def rescale(model: onnx.ModelProto, samples: list[dict], threads: int = 2,
                        **({"float": True} if site.layernorm.name in keep else {})})
     if not record:  # every spread sum feeds a float16 LayerNorm that stays as it is
         return Rescaled(model)
-    reason = rewrite_mismatch(model, reference, result, samples, threads)
-    if reason:  # exact in math: a failure means the pattern matched something it should not have
-        log.warning("quantize: scaling residual channels changed the outputs (%s); the model is left as it was",
-                    reason)
+    if rewrites.exact("scaling residual channels", model, reference, result, samples, threads):
         return Rescaled(model)
     log.info("quantize: %d residual sums' huge channels scaled down, their LayerNorms computed from the scaled sums",
              len(record))

@@ -25,8 +25,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qprep.graph.verify import rewrite_mismatch
 from qprep.model.info import Links, node_index, unique_name
+from qprep.quantize import rewrites
 from qprep.quantize.channel_spread import last_axis_peaks
 from qprep.schema import Key
 
@@ -79,19 +79,16 @@ def smooth(model: onnx.ModelProto, samples: list[dict], threads: int = 2, alpha:
                          "spread_before": round(float(peak.max() / np.median(peak)), 1),
                          "spread_after": round(float((peak / scale).max() / np.median(peak / scale)), 1),
                          "largest_scale": round(float(scale.max()), 2)})
-    reason = rewrite_mismatch(model, reference, result, samples, threads)
-    if reason:  # exact in math: a failure means the pattern matched something it should not have
-        log.warning("quantize: smoothing LayerNorm outputs changed the outputs (%s); the model is left as it was",
-                    reason)
+    if rewrites.exact("smoothing LayerNorm outputs", model, reference, result, samples, threads):
         return Smoothed(model)
     log.info("quantize: %d LayerNorm outputs smoothed into their MatMuls' weights", len(smoothed))
     return Smoothed(result, {"alpha": alpha, "layernorms": smoothed, "verified_on": len(samples)})
 
 
-def smooth_job(job):
-    """A backend's step: (the QuantizeJob with its model smoothed when the backend's `smooth_layernorm` option is
-    on, the record for the stage's details: {} when nothing was smoothed)."""
-    if not job.options.smooth_layernorm or not job.samples:
+def smooth_job(job, backend: str):
+    """A backend's step: (the QuantizeJob with its model smoothed when `backend`'s settings turn it on
+    (rewrites.py), the record for the stage's details: {} when nothing was smoothed)."""
+    if not rewrites.runs("smoothed_layernorms", backend, job.options) or not job.samples:
         return job, {}
     smoothed = smooth(job.model, job.samples[:SAMPLES], job.threads)
     return job.but(model=smoothed.model), smoothed.record

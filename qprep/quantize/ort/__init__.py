@@ -21,7 +21,7 @@ import logging
 
 from qprep.errors import QprepError
 from qprep.qdq import float_maxpool
-from qprep.quantize import smooth_layernorm
+from qprep.quantize import rewrites, smooth_layernorm
 from qprep.quantize.backend import Quantized, QuantizeJob
 from qprep.schema import Key, section
 
@@ -102,7 +102,7 @@ def quantize(job: QuantizeJob) -> Quantized:
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
                          "run `qprep inspect` or see report.json for node names")
-    job, smoothed = smooth_layernorm.smooth_job(job)
+    job, smoothed = smooth_layernorm.smooth_job(job, "ort")
     quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress, job.extremes,
                              many_builds=bool(job.fallback))
     float_set = float_set | smooth_layernorm.restoring_muls(smoothed)
@@ -116,10 +116,10 @@ def quantize(job: QuantizeJob) -> Quantized:
         outcome, settings = fallback(quantizer, excluded, job)
         excluded, details["fallback"] = set(outcome.float_nodes), outcome.record
     quantized = quantizer.build(excluded, settings)
-    if not quantizer.dynamic:  # exact, for speed: ORT would run these MaxPools on uint8 with a slow kernel
+    if rewrites.runs("maxpool_float", "ort", options):  # exact, for speed: ORT's uint8 MaxPool kernel is slow
         quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
-        if options.fast_kernels and options.format == "qdq":
-            quantized, details["channel_padding"] = channel_padding.apply(quantized, job.samples[:8], job.threads)
+    if rewrites.runs("channel_padding", "ort", options):
+        quantized, details["channel_padding"] = channel_padding.apply(quantized, job.samples[:8], job.threads)
     details.update({"activations": activations, "weights": quantizer.weights, "excluded_nodes": sorted(excluded),
                     "calibration_samples": len(job.samples),
                     "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,

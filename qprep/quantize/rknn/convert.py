@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from qprep.measure import ctc
-from qprep.quantize import float16_range, outlier_positions, residual_channels, smooth_layernorm
+from qprep.quantize import float16_range, outlier_positions, residual_channels, rewrites, smooth_layernorm
 from qprep.quantize.backend import Quantized, QuantizeJob
 from qprep.quantize.rknn import limits, static_graph
 from qprep.quantize.rknn.builder import MMSE_WEIGHT_SAMPLES, RknnBuilder
@@ -48,16 +48,13 @@ def quantize(job: QuantizeJob) -> Quantized:
     """The build (after the fallback's search, if on), exported; its runner stays usable for the evaluation
     until the result's `close` stops the toolkit worker (at once when this fails or is interrupted)."""
     job, converted, static, clipped, scaled, overflowing = _within_toolkit_limits(job)
-    job, smoothed = smooth_layernorm.smooth_job(job) if job.options.do_quantization else (job, {})
+    job, smoothed = smooth_layernorm.smooth_job(job, "rknn")
     split = outlier_positions.Split(job.model)
-    # only with normal ranges: mmse and kl clip the copies that hold the outlier positions (BENCHMARKS.md:
-    # "outlier positions computed apart")
-    if (job.options.split_outlier_positions and job.options.do_quantization
-            and job.options.quantized_algorithm == "normal"):
+    if rewrites.runs("outlier_positions", "rknn", job.options):
         split = outlier_positions.split(job.model, job.samples[:8], job.threads)
         job = job.but(model=split.model, float_set=frozenset(split.carried(set(job.float_set))))
     rescaled = {}
-    if job.options.rescale_residual_channels and job.options.do_quantization and job.samples:
+    if rewrites.runs("residual_channels", "rknn", job.options) and job.samples:
         result = residual_channels.rescale(job.model, job.samples[:residual_channels.SAMPLES], job.threads,
                                            keep=set(job.float_set))
         rescaled = result.record
