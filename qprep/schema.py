@@ -142,14 +142,13 @@ Settings = Any  # a section's values as schema.settings makes them: one frozen t
 
 
 def settings(key: Key, values: dict | None, name: str = "settings") -> Settings:
-    """A validated section as a frozen object of its keys (`settings(OPTIONS, options).do_quantization`): the one
-    declaration, the schema, gives the type; a misspelt key fails where it is read with the section's keys named,
-    not as a KeyError files later; nothing is written back (a reader that needs another value makes its own
-    copy: `dataclasses.replace`). Keys missing from `values` take their defaults (tests give a few keys), nested
-    sections are settings too; lists and mappings are copied. A nullable section that is absent stays None."""
+    """A validated section (`validate`'s output: every key present) as a frozen object of its keys
+    (`settings(OPTIONS, options).do_quantization`): the one declaration, the schema, gives the type; a misspelt
+    key fails where it is read with the section's keys named, not as a KeyError files later; nothing is written
+    back (a reader that needs another value makes its own copy: `dataclasses.replace`). Nested sections are
+    settings too; lists and mappings are copied. A nullable section that is absent stays None."""
     if values is None:
         return None
-    values = validate(values, key, "", Path.cwd()) if set(key.fields) - set(values) else values
     made = _settings_type(key, name)
     return made(**{field_name: settings(sub, values[field_name], field_name) if sub.kind == "section"
                    else copy.deepcopy(values[field_name]) for field_name, sub in key.fields.items()})

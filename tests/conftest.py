@@ -107,11 +107,12 @@ def rknn_job(tmp_path: Path, name: str, **options):
 
 
 def typed(section: str, **values):
-    """A config section as the quantize stage hands it to a backend or the search (schema.settings): `section` is
-    ort, rknn, fp16 or fallback; keys not given take their defaults."""
+    """A config section as the quantize stage hands it to a backend or the search (validated, then
+    schema.settings): `section` is ort, rknn, fp16 or fallback; keys not given take their defaults."""
     from qprep import schema
     from qprep.quantize import fp16, ort, search
     from qprep.quantize.rknn import convert
 
     sections = {"ort": ort.OPTIONS, "rknn": convert.OPTIONS, "fp16": fp16.OPTIONS, "fallback": search.OPTIONS}
-    return schema.settings(sections[section], values, section)
+    return schema.settings(sections[section], schema.validate(values, sections[section], section, Path.cwd()),
+                           section)
