@@ -14,7 +14,7 @@ import sys
 
 # Keys whose values are the clock's or the machine's, not the result's.
 TIMED = re.compile(r"(^|_)(seconds|s|ms|elapsed|latency|speedup|speedups|speed|time|times|started|ended|budget"
-                   r"|spent|left|run_dir|path|paths|pid|versions|command|run_id|threads|took)($|_)|^interval",
+                   r"|spent|run_dir|path|paths|pid|versions|command|run_id|threads|took)($|_)|^interval",
                    re.IGNORECASE)
 
 
