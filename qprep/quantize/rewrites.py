@@ -3,8 +3,9 @@ when its settings turn it on, and the one verify-or-revert the exact ones go thr
 
 Why a table: the backends run these in their own order (rknn/convert.py, ort/__init__.py), each rewrite written
 in its own module; reading the table tells which run for ort, rknn or fp16 without reading the backends, and a
-backend asks the table (`runs`) rather than repeating a rewrite's conditions. The optimize stage's passes have
-their registry in qprep/optimize/passes/__init__.py; the QDQ stages' rules are verified by qdq/verified.py.
+backend asks the table (`runs`) for each rewrite a setting can turn off, rather than repeating its conditions
+(tests/quantize/test_rewrites.py fails when one does). The optimize stage's passes have their registry in
+qprep/optimize/passes/__init__.py; the QDQ stages' rules are verified by qdq/verified.py.
 
 `exact` is the verify-or-revert of a rewrite that must not change the numbers: the rewritten model's outputs on
 calibration samples against the model's own, and the reason (logged) when they differ, so the rewrite hands back
@@ -30,8 +31,8 @@ class Rewrite:
     module: str  # where it is written
     backends: tuple[str, ...]  # the backends that run it
     when: str  # before calibration | after the build
-    applies: Callable[[Any], bool]  # (the backend's settings) → on
     doc: str
+    applies: Callable[[Any], bool] | None = None  # (the backend's settings) → on; None: no setting turns it off
 
 
 def _quantizing(options) -> bool:
@@ -42,31 +43,32 @@ def _quantizing(options) -> bool:
 # In the order a backend runs them.
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("opset_converted", "qprep/quantize/rknn/limits.py", ("rknn",), "before calibration",
-            lambda options: True, "the opset converted down to what rknn-toolkit2 takes"),
+            "the opset converted down to what rknn-toolkit2 takes"),
     Rewrite("static_graph", "qprep/quantize/rknn/static_graph/", ("rknn",), "before calibration",
-            lambda options: True, "loops unrolled, branches chosen, shapes fixed: the static graph the NPU compiles"),
+            "loops unrolled, branches chosen, shapes fixed: the static graph the NPU compiles"),
     Rewrite("float16_clip", "qprep/quantize/rknn/limits.py", ("rknn",), "before calibration",
-            lambda options: True, "constants beyond float16 clipped where the outputs stay as they were"),
+            "constants beyond float16 clipped where the outputs stay as they were"),
     Rewrite("float16_range", "qprep/quantize/float16_range.py", ("rknn",), "before calibration",
-            lambda options: True, "a chain whose values overflow float16 scaled down by a power of two (exact)"),
+            "a chain whose values overflow float16 scaled down by a power of two (exact)"),
     Rewrite("smoothed_layernorms", "qprep/quantize/smooth_layernorm.py", ("ort", "rknn"), "before calibration",
-            lambda options: options.smooth_layernorm and _quantizing(options),
-            "spread LayerNorm outputs smoothed into the following MatMuls' weights (exact)"),
+            "spread LayerNorm outputs smoothed into the following MatMuls' weights (exact)",
+            applies=lambda options: options.smooth_layernorm and _quantizing(options)),
     Rewrite("outlier_positions", "qprep/quantize/outlier_positions.py", ("rknn",), "before calibration",
-            lambda options: (options.split_outlier_positions and _quantizing(options)
-                             # only with normal ranges: mmse and kl clip the copies that hold the outlier positions
-                             # (BENCHMARKS.md: "outlier positions computed apart")
-                             and options.quantized_algorithm == "normal"),
-            "LayerNorm chains computed apart for outlier sequence positions (exact)"),
+            "LayerNorm chains computed apart for outlier sequence positions (exact)",
+            # only with normal ranges: mmse and kl clip the copies that hold the outlier positions
+            # (BENCHMARKS.md: "outlier positions computed apart")
+            applies=lambda options: (options.split_outlier_positions and _quantizing(options)
+                                     and options.quantized_algorithm == "normal")),
     Rewrite("residual_channels", "qprep/quantize/residual_channels.py", ("rknn",), "before calibration",
-            lambda options: options.rescale_residual_channels and _quantizing(options),
-            "residual sums' huge channels scaled down, their LayerNorms computed from the scaled sums (exact)"),
+            "residual sums' huge channels scaled down, their LayerNorms computed from the scaled sums (exact)",
+            applies=lambda options: options.rescale_residual_channels and _quantizing(options)),
     Rewrite("maxpool_float", "qprep/qdq/float_maxpool.py", ("ort",), "after the build",
-            lambda options: options.activations != "dynamic",
-            "MaxPools between Q/DQ computed in float, where ORT would run a slow uint8 kernel (exact)"),
+            "MaxPools between Q/DQ computed in float, where ORT would run a slow uint8 kernel (exact)",
+            applies=lambda options: options.activations != "dynamic"),
     Rewrite("channel_padding", "qprep/quantize/ort/channel_padding.py", ("ort",), "after the build",
-            lambda options: options.fast_kernels and options.format == "qdq" and options.activations != "dynamic",
-            "channel counts padded to multiples of 16 for ORT's fast int8 kernels (exact; kept if faster)"),
+            "channel counts padded to multiples of 16 for ORT's fast int8 kernels (exact; kept if faster)",
+            applies=lambda options: (options.fast_kernels and options.format == "qdq"
+                                     and options.activations != "dynamic")),
 )
 
 
@@ -79,7 +81,7 @@ def runs(name: str, backend: str, options) -> bool:
     """Does `backend` with these settings run the rewrite `name`? (A name the table does not hold is qprep's
     error: KeyError.)"""
     rewrite = {r.name: r for r in REWRITES}[name]
-    return backend in rewrite.backends and bool(rewrite.applies(options))
+    return backend in rewrite.backends and (rewrite.applies is None or bool(rewrite.applies(options)))
 
 
 def exact(what: str, original: onnx.ModelProto, reference: list[dict], rewritten: onnx.ModelProto,

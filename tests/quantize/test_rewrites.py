@@ -52,3 +52,15 @@ def test_an_exact_rewrite_that_changed_the_numbers_is_named_and_left(caplog):
     with caplog.at_level(logging.WARNING, logger="qprep"):
         reason = rewrites.exact("scaling by two", original, reference, _scaled(2.0), samples, threads=1)
     assert reason and "scaling by two changed the outputs" in caplog.text
+
+
+def test_each_backend_asks_the_table_for_every_rewrite_a_setting_turns_off():
+    """A backend that wrote a rewrite's condition again instead of asking would let the table drift from what
+    runs: every row with `applies` is asked by the code of each backend it names."""
+    code = {"ort": (ROOT / "qprep/quantize/ort/__init__.py").read_text(),
+            "rknn": (ROOT / "qprep/quantize/rknn/convert.py").read_text()}
+    code["ort"] += (ROOT / "qprep/quantize/smooth_layernorm.py").read_text()  # smooth_job asks for both backends
+    code["rknn"] += (ROOT / "qprep/quantize/smooth_layernorm.py").read_text()
+    for rewrite in rewrites.REWRITES:
+        for backend in rewrite.backends if rewrite.applies is not None else ():
+            assert f'rewrites.runs("{rewrite.name}"' in code[backend], (rewrite.name, backend)
