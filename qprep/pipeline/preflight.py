@@ -2,8 +2,9 @@
 
 Why: a mistyped `--model`, a missing evaluation folder or NaN in the evaluation samples found after `--force`
 cleared the previous run (or after minutes of stage work) costs the user a good result or their time. So the
-model, the calibration and evaluation samples, the labels, the reference model and what each stage needs
-(calibration data, an installed toolkit) are loaded and checked first, and the run reuses what was loaded.
+model, the calibration and evaluation samples (their values too: qprep/data/bounds.py), the labels, the reference
+model and what each stage needs (calibration data, an installed toolkit) are loaded and checked first, and the run
+reuses what was loaded.
 A run directory that holds an input, lies inside one or is home or the current directory is refused.
 """
 
@@ -18,6 +19,7 @@ import onnx
 
 from qprep.config import Config
 from qprep.data import SampleSet, load_samples
+from qprep.data.bounds import check_values
 from qprep.data.pitfalls import data_warnings
 from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, ModelError, Problems, QprepError
@@ -107,6 +109,9 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
         if stage.check_model:
             with found.attempt():
                 stage.check_model(options, model)
+    for role, samples in (("calibration", calibration), ("evaluation", evaluation), ("evaluation.heldout", heldout)):
+        with found.attempt():  # ids beyond their table, masks not 0/1: what ONNX Runtime would refuse mid-run
+            check_values(model, samples, role)
     if run_dir_ok:  # the inputs known only now: external data, a list file's samples (anywhere, the run directory
         with found.attempt():  # included), the reference's external data
             check_run_dir(config, data_files, {**sample_files(calibration, evaluation, heldout),

@@ -256,3 +256,32 @@ def test_a_checker_failure_names_the_node(tmp_path):
     before = digests(model)
     assert_one_line(qprep("inspect", model), 2, "relu_with_alpha", "alpha")
     assert digests(model) == before
+
+
+def test_ids_beyond_the_embedding_table_are_refused_before_the_run_directory(tmp_path):
+    """Issue #59: ids up to 300 for a 10-row table passed validate, then the run failed a second in, advising to
+    keep a node float, and left a run folder without a result. Now both commands refuse them in one line naming
+    the sample, the largest id and the table, and no run folder is made."""
+    import numpy as np
+    import onnx
+    import yaml
+
+    from graphs import two_input_model
+
+    onnx.save(two_input_model(), str(tmp_path / "model.onnx"))
+    rng = np.random.default_rng(0)
+    for name, top in (("calib", 300), ("eval", 10)):
+        (tmp_path / name).mkdir()
+        for i in range(4):
+            np.savez(tmp_path / name / f"{i}.npz", ids=rng.integers(0, top, (1, 5)).astype(np.int64),
+                     mask=np.ones((1, 5), np.float32))
+    np.savez(tmp_path / "calib" / "1.npz", ids=np.array([[3, 300, 7, 0, 1]], np.int64),
+             mask=np.ones((1, 5), np.float32))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"model": "model.onnx", "output_dir": "out", "calibration": {"source": "calib"},
+                                      "evaluation": {"source": "eval", "latency": {"runs": 0}},
+                                      "pipeline": ["optimize", {"quantize": {"backend": "ort"}}]}))
+    phrases = ("calibration sample 1.npz", "input 'ids'", "id 300", "10 rows of table 'emb'")
+    assert_one_line(qprep("validate", config), 2, *phrases)
+    assert_one_line(qprep("run", config, "--quiet"), 2, *phrases)
+    assert not (tmp_path / "out").exists()
