@@ -367,13 +367,12 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from qprep.starter import write_starter
+    from qprep.starter import what_to_review, write_starter
 
-    out = write_starter(args.model, args.out or f"{Path(args.model).stem}.yaml", args.backend, args.data, args.force,
-                        args.guard)
+    out, text = write_starter(args.model, args.out or f"{Path(args.model).stem}.yaml", args.backend, args.data,
+                              args.force, args.guard)
     if not args.quiet:
-        print(f"qprep: wrote {out}: review the lines marked FILL IN and the preprocess comment, then "
-              f"`qprep run {out}`")
+        print(f"qprep: wrote {out}: {what_to_review(text)}, then `qprep validate {out}` and `qprep run {out}`")
     return EXIT_OK
 
 

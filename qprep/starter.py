@@ -28,6 +28,9 @@ SPLIT_NAMES = {"calibration": ("calib", "calibration", "train"), "evaluation": (
                "heldout": ("heldout", "test", "holdout")}
 IMAGENET_MEAN, IMAGENET_STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
 BUDGET_S = {"ort": 600, "rknn": 1200}
+FILL_IN = "FILL IN"  # marks what neither the model nor the data folder could answer
+GUESSED_PREPROCESS = "MUST match its training"  # marks a mean/std suggestion the model cannot confirm
+METRICS_SECTION = "Metrics: what the figures mean"  # a heading of README.md (tests/test_starter.py checks it)
 
 
 def starter_config(model_path: str, config_path: str, backend: str = "ort", data: str | None = None,
@@ -110,7 +113,7 @@ def _inputs_block(inputs: list[TensorSpec], fixed: dict, backend: str) -> list[s
         return lines
     open_dims = [name for name, dims in fixed.items() if not all(isinstance(d, int) for d in dims)]
     if open_dims:
-        lines.append(f"# FILL IN: the named dims of {', '.join(open_dims)} below; {backend} needs numbers "
+        lines.append(f"# {FILL_IN}: the named dims of {', '.join(open_dims)} below; {backend} needs numbers "
                      "(the deployment's input size)")
     lines += ["inputs:   # dynamic dims fixed: batch 1, the others from the calibration data"]
     lines += [f"  {json.dumps(name)}: {json.dumps(dims)}" for name, dims in fixed.items()]
@@ -123,7 +126,7 @@ def _source_lines(role: str, folder: Path | None, base: Path, image: dict | None
     if folder:
         lines = [f"  source: {_rel(folder, base)}   # {what}"]
     else:
-        lines = [f"  source: {json.dumps(f'data/{role}')}   # FILL IN: {what}"]
+        lines = [f"  source: {json.dumps(f'data/{role}')}   # {FILL_IN}: {what}"]
     return lines + (_preprocess_lines(image, model, "  ") if image else [])
 
 
@@ -131,7 +134,7 @@ def _preprocess_lines(image: dict, model: onnx.ModelProto, indent: str) -> list[
     if normalizes_itself(model, image["name"]):
         return [f"{indent}preprocess: {{mean: [0], std: [1]}}   # the model normalizes its input itself: raw 0..255"]
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if image["channels"] == 3 else ([127.5], [127.5])
-    return [f"{indent}# The model does not normalize its input: mean/std MUST match its training (0..255 units):",
+    return [f"{indent}# The model does not normalize its input: mean/std {GUESSED_PREPROCESS} (0..255 units):",
             f"{indent}#   ImageNet-trained: the values below; inputs in [-1, 1]: mean [127.5], std [127.5];",
             f"{indent}#   inputs in [0, 1]: mean [0], std [255]. channel_order bgr for OpenCV pipelines (PaddleOCR).",
             f"{indent}preprocess: {{mean: {json.dumps(mean)}, std: {json.dumps(std)}, channel_order: rgb, "
@@ -147,7 +150,7 @@ def _evaluation_block(splits: dict, base: Path, image: dict | None, model: onnx.
         lines.append(f"  heldout: {{source: {_rel(heldout, base)}}}   # never seen by a decision; judges the gate")
     else:
         lines.append("  # heldout: {source: data/heldout}   # recommended: samples no decision sees judge the gate")
-    lines += [f"  gate: {_flow(gate)}   # a miss exits 1; see README 'metrics' for what values are good", ""]
+    lines += [f"  gate: {_flow(gate)}   # a miss exits 1; good values: README.md, '{METRICS_SECTION}'", ""]
     return lines
 
 
@@ -217,10 +220,22 @@ def _flow(mapping: dict) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
 
 
+def what_to_review(text: str) -> str:
+    """What the user must still do with a starter config: the FILL IN lines and the guessed mean/std where the
+    config has them (a config with neither needs only its comments read)."""
+    todo = []
+    fill_in = sum(FILL_IN in line for line in text.splitlines())
+    if fill_in:
+        todo.append(f"fill in the {fill_in} line{'s' if fill_in > 1 else ''} marked {FILL_IN}")
+    if GUESSED_PREPROCESS in text:
+        todo.append("check the suggested preprocess mean/std against the model's training")
+    return " and ".join(todo) if todo else "read its comments"
+
+
 def write_starter(model_path: str, config_path: str, backend: str, data: str | None, force: bool,
-                  guard: Guard | None = None) -> Path:
+                  guard: Guard | None = None) -> tuple[Path, str]:
     """The starter config at `config_path`, written through the command's guard (never over the model, into
-    the data folder or through a symlink; `force` replaces only a file that is none of those)."""
+    the data folder or through a symlink; `force` replaces only a file that is none of those), and its text."""
     out = Path(config_path)
     guard = guard or Guard({"the model": model_path, "the data folder": data})
     model, data_files = load_model_and_data_files(model_path)
@@ -230,4 +245,4 @@ def write_starter(model_path: str, config_path: str, backend: str, data: str | N
         raise ConfigError(f"init: {out} exists; choose another --out or add --force to replace it")
     text = starter_config(model_path, str(out), backend, data, model)
     guard.write_text(out, text, "--out")
-    return out
+    return out, text

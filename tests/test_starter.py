@@ -65,3 +65,37 @@ def test_init_then_run_works_with_no_edits(tmp_path, cli):
                        "--set", "calibration.max_samples=16", "--set", "evaluation.latency.runs=2")
     assert code in (0, 1), err  # ok, or a gate judged and missed; never an error
     assert (tmp_path / "runs" / "ppocr_cls" / "report.json").exists()
+
+
+def test_init_asks_to_fill_in_only_the_lines_the_config_marks(tmp_path, cli):
+    """Issue #59: init said "review the lines marked FILL IN" of a config that had none."""
+    import onnx
+
+    from graphs import two_input_model
+
+    onnx.save(two_input_model(), tmp_path / "two.onnx")
+    for split in ("calib", "eval"):
+        (tmp_path / "data" / split).mkdir(parents=True)
+        np.savez(tmp_path / "data" / split / "0.npz", ids=np.zeros((1, 5), np.int64), mask=np.ones((1, 5), np.float32))
+    code, out, err = cli("init", tmp_path / "two.onnx", "--data", tmp_path / "data", "--out", tmp_path / "all.yaml")
+    assert code == 0, err
+    assert "FILL IN" not in (tmp_path / "all.yaml").read_text() and "FILL IN" not in out
+    code, out, err = cli("init", tmp_path / "two.onnx", "--out", tmp_path / "none.yaml")
+    assert code == 0, err
+    assert "fill in the 2 lines marked FILL IN" in out  # the calibration and the evaluation source
+
+
+def test_the_readme_section_the_starter_config_points_to_exists(tmp_path, cli):
+    import re
+
+    import onnx
+
+    from conftest import ROOT
+
+    onnx.save(tiny_conv_model(batch=1), tmp_path / "tiny.onnx")
+    assert cli("init", tmp_path / "tiny.onnx", "--out", tmp_path / "tiny.yaml")[0] == 0
+    pointers = re.findall(r"README\.md, '([^']+)'", (tmp_path / "tiny.yaml").read_text())
+    headings = {line.lstrip("#").strip() for line in (ROOT / "README.md").read_text().splitlines()
+                if line.startswith("#")}
+    assert pointers and set(pointers) <= headings
+    assert "README" not in re.sub(r"README\.md, '[^']+'", "", (tmp_path / "tiny.yaml").read_text())
