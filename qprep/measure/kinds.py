@@ -1,22 +1,30 @@
-"""What each output is, read from the graph and the reference's values: it decides which metrics judge it.
+"""What each output is, read from the graph first, then from the reference's values: it decides which metrics
+judge it.
 
 Why: one metric for every output misleads. A one-element output always has cosine 1, whatever its error
-(BENCHMARKS.md: "metrics per output kind"); a state output fed back at the next call
-drifts step after step, which its relative error shows; rows that NMS or TopK chose reorder when a score
-moves. The rules, first match wins (an `evaluation.tasks` entry names the kind instead):
+(BENCHMARKS.md: "metrics per output kind"); a state output fed back at the next call drifts step after step,
+which its relative error shows; rows that NMS or TopK chose reorder when a score moves; the top-1 "agreement" of
+an LSTM's hidden state or of three independent regression scores means nothing. What produces an output says
+what it is better than its shape does. The rules, first match wins (an `evaluation.tasks` entry names the kind
+instead):
 
 1. rows chosen by NonMaxSuppression or TopK (reached going up through ops that only move, select or
-   rescale values): `boxes` when each row holds 4 to 7 numbers and is not TopK's own values, else
+   rescale values): `boxes` (detections) when each row holds 4 to 7 numbers whose first four read as boxes on
+   every sample and the rows are not TopK's own values (its values output, moved but not combined), else
    `ranked_ids` (integers) or `ranked` (rows.py compares them as sets);
 2. integer or boolean values → `integer`;
 3. `state`: a float output with the dtype and shape of a float graph input whose name pairs with it once
    the words that mark a state's direction are dropped (state/stateN, h0/hn, h_in/h_out, cache/new_cache,
-   past_key_values.0.key/present.0.key);
-4. `probability`: values in [0, 1] on every sample, and one element per sample or a Sigmoid's output with at
+   past_key_values.0.key/present.0.key), or an RNN/GRU/LSTM's last hidden or cell state (Y_h, Y_c), whatever
+   its name;
+4. `regression`: a small head (at most SMALL_HEAD values per sample) a Gemm/MatMul computes, reached through
+   moves and affine ops only (no Softmax, Sigmoid, ArgMax or norm after it), unless its name says class scores
+   (logits, class, label): rated by absolute and relative error;
+5. `probability`: values in [0, 1] on every sample, and one element per sample or a Sigmoid's output with at
    most one axis longer than 1 (a multi-label vector, per-frame probabilities; a 2-D probability map keeps
    its cosine, which means something over many pixels);
-5. `scalar`: one element per sample (any range);
-6. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task; x / ‖x‖ written
+6. `scalar`: one element per sample (any range) that no regression head computes; judged as `regression` is;
+7. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task; x / ‖x‖ written
    out counts as LpNormalization: an embedding); a `sequence` over the model's character dictionary plus a blank
    is `ctc` (ctc.py: decoded to text).
 """
@@ -32,6 +40,7 @@ from qprep.errors import ConfigError
 from qprep.graph.verify import is_numeric
 from qprep.measure import ctc
 from qprep.measure.metrics import is_integer, output_task
+from qprep.measure.rows import box_like
 
 ROW_SELECTORS = {"NonMaxSuppression", "TopK"}
 # ops that only move or select values: going up through them keeps the same values (probability, TopK values)
@@ -40,6 +49,11 @@ MOVES = {"Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Tran
 # and ops that rescale or combine them elementwise: boxes decoded from rows NMS chose pass through these
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Clip", "Max", "Min", "Where", "Sigmoid", "Exp", "Sqrt", "Relu",
                "Round", "Floor", "Ceil", "Abs", "Neg", "Not", "Greater", "Less", "Equal", "And", "Or"}
+RNNS = {"RNN", "GRU", "LSTM"}  # outputs 1 and 2: Y_h, Y_c, the state the next call starts from
+HEADS = {"Gemm", "MatMul"}
+AFFINE = {"Add", "Sub", "Mul", "Div"}  # a head's bias and rescaling (MOS = 4·x + 1)
+SMALL_HEAD = 16  # values per sample: a few scores; class scores over more classes keep their top-1
+CLASS_WORDS = {"logit", "logits", "class", "classes", "cls", "label", "labels", "category", "categories"}
 DIRECTION_WORDS = {"in", "out", "input", "output", "inputs", "outputs", "new", "next", "prev", "previous", "old",
                    "past", "present", "cur", "current", "updated", "n", "i", "o"}
 
@@ -75,20 +89,22 @@ def output_kind(name: str, values: list[np.ndarray], producers: dict, inputs: di
     integer = is_integer(values)
     selector = _reaches(name, producers, ROW_SELECTORS, MOVES | ELEMENTWISE)
     if selector is not None:
-        direct = _reaches(name, producers, ROW_SELECTORS, MOVES)
-        width = values[0].shape[-1] if values[0].ndim >= 2 else 1
-        if not integer and 4 <= width <= 7 and not (direct is not None and direct.op_type == "TopK"):
-            return "boxes", (f"rows chosen by {selector.op_type} '{selector.name}' with {width} columns (a box and "
-                             "its scores): rows matched by IoU, not compared element by element")
-        return ("ranked_ids" if integer else "ranked"), (
-            f"rows chosen by {selector.op_type} '{selector.name}': their order moves with the scores, so they are "
-            "compared as " + ("sets" if integer else "sorted values"))
+        return _rows_kind(name, values, producers, selector, integer)
     if integer:
         return "integer", "integer values (ids, labels, counts): rated by the share of equal elements"
     partner = state_input(name, values, inputs)
     if partner is not None:
         return "state", (f"a state: same shape and dtype as the input '{partner}' it pairs with by name; rated by "
                          "relative error, which grows call after call when the state is fed back")
+    rnn = rnn_state(name, producers)
+    if rnn is not None and values[0].dtype.kind == "f":
+        return "state", (f"a state: {rnn}, which the next call starts from; rated by relative error, which grows "
+                         "call after call when the state is fed back")
+    head = regression_head(name, values, producers)
+    if head is not None:
+        return "regression", (f"{_per_sample(values)} value(s) per sample computed by {head.op_type} "
+                              f"'{head.name}' with no Softmax, Sigmoid or ArgMax after it: a regression head, "
+                              "rated by relative and absolute error (a top-1 of independent scores means nothing)")
     in_unit = all(v.size and np.all((v >= 0) & (v <= 1)) for v in values)
     one = all(v.size == 1 for v in values)
     if in_unit and (one or (_reaches(name, producers, {"Sigmoid"}, MOVES) is not None
@@ -104,6 +120,51 @@ def output_kind(name: str, values: list[np.ndarray], producers: dict, inputs: di
     return task, {"classification": "class scores [N, C]: cosine and top-1 agreement",
                   "sequence": "per-step scores [N, T, C] from a Softmax: cosine and per-step agreement",
                   "tensor": "a tensor of many values: cosine and SQNR"}[task]
+
+
+def _rows_kind(name: str, values: list[np.ndarray], producers: dict, selector, integer: bool) -> tuple[str, str]:
+    """Rows NMS or TopK chose: detections when they hold a box and its score/class (rule 1), else ranked values
+    or ids. TopK's own values stay `ranked`; rows that combine them with boxes (a Concat) are detections."""
+    own = _reaches(name, producers, ROW_SELECTORS, MOVES - {"Concat"})
+    width = values[0].shape[-1] if values[0].ndim >= 2 else 1
+    if not integer and 4 <= width <= 7 and not (own is not None and own.op_type == "TopK") and box_like(values):
+        return "boxes", (f"detections: rows chosen by {selector.op_type} '{selector.name}' with {width} columns (a "
+                         "box, then score/class): float and result rows matched by class and IoU ≥ 0.5, rated by "
+                         "the share of float detections found and of extra ones")
+    return ("ranked_ids" if integer else "ranked"), (
+        f"rows chosen by {selector.op_type} '{selector.name}': their order moves with the scores, so they are "
+        "compared as " + ("sets" if integer else "sorted values"))
+
+
+def rnn_state(name: str, producers: dict) -> str | None:
+    """"the Y_c (cell state) of LSTM 'lstm'" when `name` is an RNN/GRU/LSTM's Y_h or Y_c, moved only (Squeeze,
+    Transpose...): the state the next call takes as initial_h / initial_c."""
+    tensor = name
+    while (node := producers.get(tensor)) is not None:
+        if node.op_type in RNNS:
+            index = list(node.output).index(tensor)
+            what = ("", "Y_h (last hidden state)", "Y_c (cell state)")[index] if index < 3 else ""
+            return f"the {what} of {node.op_type} '{node.name}'" if what else None
+        if node.op_type not in MOVES or node.op_type == "Concat" or not node.input:
+            return None
+        tensor = node.input[0]
+    return None
+
+
+def regression_head(name: str, values: list[np.ndarray], producers: dict):
+    """The Gemm/MatMul computing `name` when it is a small regression head (rule 4), else None."""
+    if values[0].dtype.kind != "f" or _per_sample(values) > SMALL_HEAD or not all(v.size for v in values):
+        return None
+    if CLASS_WORDS & set(re.findall(r"[a-z]+", re.sub(r"([a-z])([A-Z])", r"\1 \2", name).lower())):
+        return None
+    if _divided_by_a_norm(producers.get(name), producers):
+        return None
+    return _reaches(name, producers, HEADS, MOVES | AFFINE)
+
+
+def _per_sample(values: list[np.ndarray]) -> int:
+    """The most values one sample's output holds (a leading batch axis of several samples divided out)."""
+    return max(v.size // v.shape[0] if v.ndim >= 2 and v.shape[0] else v.size for v in values)
 
 
 def state_input(output: str, values: list[np.ndarray], inputs: dict) -> str | None:

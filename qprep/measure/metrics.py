@@ -2,10 +2,11 @@
 
 Each output is rated by the metrics that mean something for its kind (kinds.py chooses the kind): cosine for
 scores, embeddings and maps; absolute error and decisions at a threshold for probabilities (a one-element
-cosine is always 1); relative error for state outputs; agreement for integers; matched boxes for detections
-whose rows NMS/TopK order. `judged_by` names the metrics that judge the output (the first one is its main
-figure); `score` is one smooth number per output, 1 when exact, that the fallback search climbs. A cosine
-threshold also holds the output's mean_sqnr_db (SQNR_SLACK_DB): cosine cannot see an error along the signal.
+cosine is always 1); relative error for state outputs; absolute and relative error for regression heads and
+one-element outputs; agreement for integers; detections matched by class and IoU where NMS/TopK chose the
+rows. `judged_by` names the metrics that judge the output (the first one is its main figure); `score` is one
+smooth number per output, 1 when exact, that the fallback search climbs. A cosine threshold also holds the
+output's mean_sqnr_db (SQNR_SLACK_DB): cosine cannot see an error along the signal.
 
 A figure computed on no comparable pair is None ("not measured"), never inf or a perfect 1. Outputs whose
 shape depends on the input are compared sample by sample over their common prefix; a sample whose rank
@@ -31,7 +32,8 @@ OUTPUT_METRICS = {"cosine_mean": True, "cosine_min": True, "sqnr_db": True, "mea
                   "max_abs": False, "mse": False, "mean_abs_error": False, "rel_error": False, "rel_error_max": False,
                   "top1_agreement": True, "top5_agreement": True, "step_agreement": True, "element_agreement": True,
                   "text_agreement": True, "char_error_rate": False,
-                  "decision_agreement": True, "set_agreement": True, "match_rate": True, "mean_iou": True,
+                  "decision_agreement": True, "set_agreement": True, "match_rate": True, "detections_found": True,
+                  "detections_extra": False, "mean_iou": True,
                   "score_abs_error": False, "top1_accuracy": True}
 # Run-level numbers `compare` shows beside them (batch summaries: agreement, speedup).
 RUN_METRICS = {"reference_top1_accuracy": True, "agreement": True, "speedup": True, "result_ms": False,
@@ -42,7 +44,8 @@ JUDGED_BY = {"classification": ("cosine_mean", "top1_agreement"), "sequence": ("
              "ctc": ("cosine_mean", "text_agreement", "char_error_rate"),
              "tensor": ("cosine_mean",), "state": ("rel_error", "rel_error_max"),
              "probability": ("decision_agreement", "mean_abs_error"), "scalar": ("rel_error", "mean_abs_error"),
-             "integer": ("element_agreement",), "boxes": ("match_rate", "mean_iou", "score_abs_error"),
+             "regression": ("rel_error", "mean_abs_error"), "integer": ("element_agreement",),
+             "boxes": ("match_rate", "detections_found", "detections_extra", "mean_iou", "score_abs_error"),
              "ranked": ("rel_error",), "ranked_ids": ("set_agreement",)}
 KINDS = tuple(JUDGED_BY)
 
@@ -95,7 +98,7 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], kind: 
         usable = [p for p in pairs if p is not None]
         if not usable:
             metrics = _not_measured(kind, len(pairs))
-        elif kind in ("probability", "scalar"):
+        elif kind in ("probability", "scalar", "regression"):
             metrics = _values_metrics(usable, kind, threshold)
         elif kind == "integer":
             metrics = _integer_metrics(usable)
@@ -214,9 +217,9 @@ def _cosine_metrics(pairs: list, kind: str) -> dict:
 
 
 def _values_metrics(pairs: list, kind: str, threshold: float) -> dict:
-    """A probability (values in [0, 1]) or a one-element output: absolute error, and for probabilities the
-    share of decisions (value ≥ threshold) that agree; a one-element output's relative error is taken over
-    the samples, where it means something (over its one element it would not)."""
+    """A probability (values in [0, 1]), a regression head or a one-element output: absolute error, and for
+    probabilities the share of decisions (value ≥ threshold) that agree; the others' relative error is taken
+    over all samples, where it means something (over a one-element output it would not)."""
     ref, res, broken = _finite_pairs(pairs)
     flat_ref, flat_res = np.concatenate([a.ravel() for a in ref]), np.concatenate([b.ravel() for b in res])
     errors = np.abs(flat_ref - flat_res)

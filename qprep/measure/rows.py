@@ -4,11 +4,15 @@ Why: when a score moves, NMS keeps another box or lists the same boxes in anothe
 its picks; an elementwise cosine then compares different objects row by row (and cannot compare at all when
 the counts differ). So:
 
-- `boxes` (rows of four box coordinates, optionally followed by score/class columns): reference and result
-  rows are paired greedily by IoU (highest first, pairs need IoU ≥ 0.5). Figures: `match_rate` (2 × pairs /
-  (reference rows + result rows): 1 when both sides found the same boxes, also when both found none),
-  `mean_iou` of the pairs, `score_abs_error` (the largest difference in the columns after the box, over the
-  pairs). Box columns are x1 y1 x2 y2 when every reference row has x2 ≥ x1 and y2 ≥ y1, else cx cy w h.
+- `boxes` (detections: rows of four box coordinates, optionally followed by score/class columns): reference and
+  result rows are paired greedily by IoU (highest first, pairs need IoU ≥ 0.5 and the same class: in rows of
+  six or more, the first column after the box holding whole numbers on every reference row is the class, the
+  others are scores). Figures:
+  `detections_found` (the share of the float model's detections the result also made), `detections_extra` (the
+  share of the result's detections the float model did not make), `match_rate` (2 × pairs / (reference rows +
+  result rows), which weighs both: 1 when both sides found the same boxes, also when both found none),
+  `mean_iou` of the pairs, `score_abs_error` (the largest difference in the score columns, over the pairs).
+  Box columns are x1 y1 x2 y2 when every reference row has x2 ≥ x1 and y2 ≥ y1, else cx cy w h.
 - `ranked` (float values: TopK values, NMS scores): both sides sorted, compared over their common length:
   relative error (and max abs error) of the sorted values.
 - `ranked_ids` (integer rows: TopK indices, NMS selected_indices): the rows as sets, `set_agreement` = |A ∩ B|
@@ -32,9 +36,12 @@ def compare_rows(reference: list, result: list, kind: str) -> dict:
     if kind == "boxes":
         pairs = sum(s["pairs"] for s in per_sample)
         rows = sum(s["rows"] for s in per_sample)
+        found, made = sum(s["reference_rows"] for s in per_sample), sum(s["result_rows"] for s in per_sample)
         ious = [iou for s in per_sample for iou in s["ious"]]
         errors = [e for s in per_sample for e in s["score_errors"]]
         metrics.update(match_rate=2 * pairs / rows if rows else 1.0,
+                       detections_found=pairs / found if found else 1.0,
+                       detections_extra=(made - pairs) / made if made else 0.0,
                        mean_iou=float(np.mean(ious)) if ious else None,
                        score_abs_error=float(max(errors)) if errors else None)
         metrics["score"] = metrics["match_rate"] * (metrics["mean_iou"] if ious else 1.0)
@@ -79,13 +86,42 @@ def _as_rows(values: np.ndarray) -> np.ndarray:
     return values.reshape(-1, values.shape[-1]) if values.ndim >= 2 else values.reshape(-1, 1)
 
 
+def box_like(values: list) -> bool:
+    """Do the first four columns read as boxes on every sample: x1 y1 x2 y2 (x2 ≥ x1, y2 ≥ y1) or cx cy w h
+    (w, h ≥ 0), all finite? (Rows after NMS/TopK that are not boxes are ranked values.)"""
+    for value in values:
+        rows = _as_rows(np.asarray(value, dtype=np.float64))
+        if rows.shape[-1] < 4:
+            return False
+        box = rows[:, :4]
+        if not np.isfinite(box).all():
+            return False
+        corners = np.all(box[:, 2] >= box[:, 0]) and np.all(box[:, 3] >= box[:, 1])
+        if not (corners or np.all(box[:, 2:4] >= 0)):
+            return False
+    return True
+
+
+def class_column(ref: np.ndarray) -> int | None:
+    """The column after the box that holds a class (whole numbers on every reference row), or None. Only rows
+    with a score beside it have one: a lone fifth column of whole numbers is a score that rounds (1.0)."""
+    if not len(ref) or ref.shape[1] < 6:
+        return None
+    columns = [c for c in range(4, ref.shape[1]) if np.all(np.mod(ref[:, c].astype(np.float64), 1) == 0)]
+    return columns[0] if columns else None
+
+
 def _match_boxes(ref: np.ndarray, res: np.ndarray) -> dict:
-    """Greedy IoU pairing of reference and result rows (highest IoU first, IoU ≥ MIN_IOU)."""
+    """Greedy IoU pairing of reference and result rows (highest IoU first, IoU ≥ MIN_IOU, same class)."""
     rows = len(ref) + len(res)
     ious, errors = [], []
     if len(ref) and len(res):
         xyxy = bool(np.all(ref[:, 2] >= ref[:, 0]) and np.all(ref[:, 3] >= ref[:, 1]))
         table = iou_table(_corners(ref[:, :4], xyxy), _corners(res[:, :4], xyxy))
+        label = class_column(ref)
+        scores = [c for c in range(4, ref.shape[1]) if c != label]
+        if label is not None:  # another class is another detection, however well the boxes overlap
+            table = np.where(ref[:, label, None] == np.rint(res[None, :, label]), table, 0.0)
         order = np.dstack(np.unravel_index(np.argsort(-table, axis=None), table.shape))[0]
         used_a, used_b = set(), set()
         for i, j in order:
@@ -96,10 +132,10 @@ def _match_boxes(ref: np.ndarray, res: np.ndarray) -> dict:
             used_a.add(i)
             used_b.add(j)
             ious.append(float(table[i, j]))
-            if ref.shape[1] > 4:
-                errors.append(float(np.max(np.abs(ref[i, 4:].astype(np.float64) - res[j, 4:]))))
-    return {"pairs": len(ious), "rows": rows, "ious": ious, "score_errors": errors,
-            "match_rate": 2 * len(ious) / rows if rows else 1.0}
+            if scores:
+                errors.append(float(np.max(np.abs(ref[i, scores].astype(np.float64) - res[j, scores]))))
+    return {"pairs": len(ious), "rows": rows, "reference_rows": len(ref), "result_rows": len(res), "ious": ious,
+            "score_errors": errors, "match_rate": 2 * len(ious) / rows if rows else 1.0}
 
 
 def _corners(boxes: np.ndarray, xyxy: bool) -> np.ndarray:

@@ -151,10 +151,12 @@ def task_text(m: dict) -> str:
         parts.append(f"accuracy against labels: FP32 {100 * m['reference_top1_accuracy']:.1f}% → result "
                      f"{100 * m['top1_accuracy']:.1f}% ({m['labelled_samples']} labelled)")
     if kind == "boxes":
-        parts.append(f"boxes matched {_pct(m.get('match_rate'))}, mean IoU {num(m.get('mean_iou'), '.3f')}")
+        parts.append(f"boxes matched {_pct(m.get('match_rate'))}, mean IoU {num(m.get('mean_iou'), '.3f')}"
+                     + (f"; float detections found {_pct(m['detections_found'])}, extra "
+                        f"{_pct(m.get('detections_extra'))}" if "detections_found" in m else ""))
     elif kind == "ranked_ids":
         parts.append(f"same ids {_pct(m.get('set_agreement'))}")
-    elif kind in ("state", "scalar", "ranked"):
+    elif kind in ("state", "scalar", "regression", "ranked"):
         parts.append(f"relative error {num(m.get('rel_error'), '.3g')}")
     if kind in ("classification", "sequence", "tensor") or not parts:
         parts.append(f"cosine {num(m.get('cosine_mean'), '.4f')} (worst sample {num(m.get('cosine_min'), '.4f')})"
