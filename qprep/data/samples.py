@@ -15,6 +15,7 @@ from qprep.errors import DataError
 from qprep.model.info import TensorSpec
 
 FORMAT_SUFFIXES = {"npy": {".npy"}, "npz": {".npz"}, "images": IMAGE_SUFFIXES}
+MIN_SAMPLES = 32  # "a few dozen per split" (README), "32-500 samples" (qprep init's comment)
 
 
 @dataclass
@@ -146,11 +147,18 @@ def _not_files_warning(folder: Path, role: str) -> list[str]:
 
 
 def _choose(files: list, cap: int, seed: int, role: str) -> tuple[list, list[str]]:
-    """At most `cap` files: a seeded subset, kept in sorted order (same config → same samples)."""
+    """At most `cap` files: a seeded subset, kept in sorted order (same config → same samples).
+
+    `cap` is a ceiling, not a request: fewer files are all used, and said only when the set is smaller than
+    MIN_SAMPLES (the README's "a few dozen per split" would otherwise be warned of on every run with the
+    default caps of 64 and 128), or than a cap set below it."""
     if len(files) <= cap:
-        warnings = [] if len(files) == cap else [
-            f"{role}: {len(files)} samples found, fewer than max_samples={cap}; using all of them"]
-        return files, warnings
+        if len(files) == cap or len(files) >= MIN_SAMPLES:
+            return files, []
+        if cap <= MIN_SAMPLES:
+            return files, [f"{role}: {len(files)} samples found, fewer than max_samples={cap}; using all of them"]
+        return files, [f"{role}: only {len(files)} samples: a set smaller than a few dozen ({MIN_SAMPLES}) may not "
+                       "stand for the deployment's inputs; add samples if you have them"]
     picks = np.random.default_rng(seed).choice(len(files), size=cap, replace=False)
     return [files[i] for i in sorted(picks)], []
 

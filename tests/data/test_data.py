@@ -24,7 +24,19 @@ def test_npz_multi_input_keeps_integer_token_ids(tmp_path):
     samples = load_samples(source(tmp_path), TWO_INPUTS)
     assert len(samples) == 3 and samples.format == "npz"
     assert samples.samples[0]["ids"].dtype == np.int64
-    assert samples.warnings == ["calibration: 3 samples found, fewer than max_samples=64; using all of them"]
+    assert samples.warnings == ["calibration: only 3 samples: a set smaller than a few dozen (32) may not stand for "
+                                "the deployment's inputs; add samples if you have them"]
+    assert load_samples(source(tmp_path, max_samples=4), TWO_INPUTS).warnings == [
+        "calibration: 3 samples found, fewer than max_samples=4; using all of them"]
+
+
+def test_the_samples_the_readme_asks_for_are_no_warning_under_the_default_cap(tmp_path):
+    """Issue #59: every run warned "32 samples … fewer than 64" although the README asks for a few dozen: the
+    cap is a ceiling, a set of 32 under it is no problem."""
+    for i in range(32):
+        np.savez(tmp_path / f"{i}.npz", ids=np.arange(5, dtype=np.int64)[None], mask=np.ones((1, 5), np.float32))
+    assert load_samples(source(tmp_path), TWO_INPUTS).warnings == []
+    assert load_samples(source(tmp_path, max_samples=128), TWO_INPUTS, role="evaluation").warnings == []
 
 
 def test_npz_shape_mismatch_is_one_line(tmp_path):
