@@ -31,7 +31,8 @@ def data_source(doc: str) -> Key:
                    doc="folder of .npy/.npz samples or images, or an RKNN-style dataset.txt list"),
         format=Key("str", default="auto", choices=("auto", "npy", "npz", "images", "list"),
                    doc="sample format; auto picks it from the files in the folder (a file means list)"),
-        max_samples=Key("int", default=64, minimum=1, doc="cap on samples used (fewer files is a warning)"),
+        max_samples=Key("int", default=64, minimum=1,
+                        doc="cap on samples used (all of them when fewer; under 32 is a warning)"),
         seed=Key("int", default=0, minimum=0, doc="seed for choosing samples when the folder holds more than max_samples"),
         preprocess=section(
             "image preprocessing (images format only); the model's input size is taken from the model",
