@@ -142,7 +142,7 @@ def _fallback(stage: dict) -> str:
         return ""
     skipped = ((stage["fallback"].get("budget") or {}).get("skipped")) or []
     budget = f" Skipped for lack of time (time_budget_s): {'; '.join(skipped)}." if skipped else ""
-    return f"accuracy-driven fallback: {view[0]}{budget} (trials: the Stages section)"
+    return f"accuracy-driven fallback: {view[0]}{budget}" + (" (trials: the Stages section)" if view[1] else "")
 
 
 def _spread(stage: dict) -> str:

@@ -212,7 +212,7 @@ def _stages(stages: list[dict]) -> list:
     for s in stages:
         blocks += _passes(s)
         view = fallback_tables(s)
-        if view is not None:  # its verdict line is under Decisions
+        if view is not None and view[1]:  # its verdict line is under Decisions; no heading over no table
             blocks.append(Heading(3, f"{s['name']}: accuracy-driven fallback"))
             blocks += [Table(header, table_rows, title=title) for title, header, table_rows in view[1]]
         against = (s.get("effect") or {}).get("against_fp32")
