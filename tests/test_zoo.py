@@ -32,8 +32,9 @@ def test_the_shipped_manifest_parses_with_enough_distinct_models():
     assert len({e.exporter for e in entries}) >= 4
     wheel_entries = [e for e in entries if e.wheel]
     assert all(e.member and e.pinned and e.wheel.filename.endswith(".whl") for e in wheel_entries)
-    for entry in entries:
-        assert entry.samples.split(".")[0] in ("zoo_samples", "zoo_exports")
+    for entry in entries:  # every sampler and build the manifest names exists in scripts/
+        assert entry.samples.split(".")[0] in ("zoo_samples", "zoo_exports", "zoo_families")
+        assert callable(zoo.function(entry.samples)) and (entry.build is None or callable(zoo.function(entry.build)))
 
 
 def test_entries_parse_wheel_and_build_sources(tmp_path):
