@@ -8,6 +8,7 @@ stage hands back (its StageResult, the contract in qprep/contract.py) to the run
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -191,6 +192,8 @@ def _save_result(run: Run, model: onnx.ModelProto) -> None:
         run.written.append(name)
     report["result"] = {"path": "model.onnx", "bytes": written,  # with its external data (over 2 GB)
                         "artifacts": sorted(products.artifacts), **model_info.summary(model)}
+    if "input_contract.json" in products.artifacts:  # what to feed: the report's deployment text follows it
+        report["result"]["input_contract"] = json.loads((directory / "input_contract.json").read_text())
     quantized = products.prepared_model is not None and model_info.model_kind(model) != model_info.FLOAT
     if quantized and not products.deployable:  # (RKNN's model.onnx is the float model it was built from)
         report["result"]["integer_share"] = model_info.integer_share(products.prepared_model, model)

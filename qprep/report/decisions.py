@@ -5,6 +5,7 @@ Decisions: the range method (and the one the fallback measured and kept), GPTQ w
 SQNR before → after, kept or not), bias correction, the accuracy-driven fallback (target, float nodes,
 seconds, steps the time budget skipped), the nodes kept float (asked for, NaN/Inf ranges, ORT failures) and
 what was done to fit the backend (opset conversion, float16 clipping of masks, outlier positions computed apart).
+Files: what each deployable file is for, and what to feed each input, written from the input contract.
 """
 
 from __future__ import annotations
@@ -259,25 +260,102 @@ def _db(value) -> str:
 
 
 def files_lines(report: dict) -> list[str]:
-    """The deployable files of the run directory, what each is for, and the one command that runs them."""
+    """The deployable files of the run directory, what each is for, and the one command that runs them. What to
+    feed is written from the input contract (RKNN: input_contract.json, in report.json as
+    result.input_contract) or the deployed model's inputs, with the calibration's image preprocessing: an
+    audio model's user was told to feed "raw uint8 pixels (NHWC)", a channels-last classifier's that the NPU
+    applies a mean/std it was never given."""
     result = report.get("result") or {}
     if not result:
         return []
     artifacts = result.get("artifacts") or []
     deployable = result.get("deployable")
+    image = (report.get("calibration") or {}).get("preprocess")
     lines = []
     if "model.rknn" in artifacts or (deployable or {}).get("path") == "model.rknn":
+        contract = result.get("input_contract")
         lines += ["`model.rknn`: the NPU model to deploy (`model.onnx` beside it is the prepared float model it was "
                   "built from)",
-                  "`input_contract.json`: what to feed — input names, shapes, channel order; the NPU applies the "
-                  "mean/std itself, so feed raw uint8 pixels (NHWC)" if "input_contract.json" in artifacts else "",
-                  "`run_on_board.py`: an example runner; on the board: `pip install rknn-toolkit-lite2`, copy the "
-                  "three files, then `python3 run_on_board.py image.png`" if "run_on_board.py" in artifacts else ""]
+                  _contract_line(contract, image) if "input_contract.json" in artifacts else "",
+                  _board_line(contract) if "run_on_board.py" in artifacts else ""]
     else:
         path = result.get("path", "model.onnx")
+        inputs = result.get("inputs")
+        feed = ("; feed " + _inputs_text(inputs, image, npu=False) if inputs else
+                f"; feed inputs preprocessed as the calibration data was (`qprep inspect {path}` lists them)")
         lines.append(f"`{path}`: the {result.get('kind', '?')} model to deploy with ONNX Runtime "
-                     f"(`onnxruntime.InferenceSession('{path}')`); feed inputs preprocessed as the calibration data "
-                     f"was (`qprep inspect {path}` lists the inputs it takes)")
+                     f"(`onnxruntime.InferenceSession('{path}')`){feed}")
     lines.append("`report.json` (every figure of this report), `manifest.json` (input hashes, resolved config, "
                  "versions), `qprep.log`")
     return [line for line in lines if line]
+
+
+MAX_INPUTS_LISTED = 6  # a decoder with KV-cache inputs: the rest are in the contract
+
+
+def _contract_line(contract: dict | None, image: dict | None) -> str:
+    if not contract or not contract.get("inputs"):  # a report written before the contract was in report.json
+        return ("`input_contract.json`: what to feed each input — names, shapes, dtypes, and for an image input the "
+                "NPU normalizes, its channel order and mean/std")
+    return "`input_contract.json`: what to feed — " + _inputs_text(contract["inputs"], image, npu=True)
+
+
+def _inputs_text(inputs: list[dict], image: dict | None, npu: bool) -> str:
+    shown = [feed_text(entry, image, npu) for entry in inputs[:MAX_INPUTS_LISTED]]
+    more = len(inputs) - len(shown)
+    return "; ".join(shown) + (f"; and {more} more input(s)" + (" (see the contract)" if npu else "")
+                               if more > 0 else "")
+
+
+def feed_text(entry: dict, image: dict | None, npu: bool) -> str:
+    """What one input takes: raw uint8 pixels where the NPU applies mean/std itself (the contract gives them);
+    an image input without that, the values the calibration read it as (layout, channel order, mean/std, in the
+    model's dtype); any other input, its dtype and shape as the ONNX model takes it. Only image inputs speak of
+    pixels."""
+    name, dtype, shape = entry.get("name", "?"), entry.get("dtype", "?"), _shape(entry.get("shape"))
+    if entry.get("mean") is not None and entry.get("std") is not None:  # normalized on the NPU
+        feed = entry.get("feed", "")
+        layout = entry.get("feed_layout") or ("NCHW" if "NCHW" in feed else "NHWC")
+        size = _image_size(entry.get("shape"), (entry.get("layout") or "nchw").lower(), layout)
+        return (f"`{name}`: raw {entry.get('feed_dtype', 'uint8')} pixels, {layout}{size}, "
+                f"{str(entry.get('channel_order', 'rgb')).upper()} channel order, resized as the calibration images "
+                f"were ({entry.get('resize', 'stretch')}); the NPU applies (x − mean) / std itself (mean "
+                f"{_numbers(entry['mean'])}, std {_numbers(entry['std'])})")
+    if image and image.get("input") == name:
+        mean, std = image.get("mean"), image.get("std")
+        values = (f"(x − mean) / std of the 0–255 pixel values with mean {_numbers(mean or [0])}, std "
+                  f"{_numbers(std or [1])}" if mean is not None or std is not None else "the 0–255 pixel values")
+        return (f"`{name}`: {dtype} {shape}, {str(image.get('layout', '?')).upper()}: the image as calibration read "
+                f"it — {str(image.get('channel_order', 'rgb')).upper()} channel order, resized "
+                f"({image.get('resize', 'stretch')}), {values}" + ("; the NPU applies no mean/std" if npu else ""))
+    return f"`{name}`: {dtype} {shape}, the values the ONNX model takes (as in the calibration samples)"
+
+
+def _board_line(contract: dict | None) -> str:
+    """The runner's command for what it accepts: an image file for a single input the NPU normalizes, else an
+    .npz with one array per input name (run_on_board.py)."""
+    head = ("`run_on_board.py`: an example runner; on the board: `pip install rknn-toolkit-lite2`, copy the three "
+            "files, then ")
+    inputs = (contract or {}).get("inputs") or []
+    if len(inputs) == 1 and inputs[0].get("mean") is not None:
+        return head + "`python3 run_on_board.py image.png`"
+    names = ", ".join(f"`{entry.get('name', '?')}`" for entry in inputs[:MAX_INPUTS_LISTED])
+    return head + "`python3 run_on_board.py sample.npz`" + (
+        f" (one array per input: {names}{', …' if len(inputs) > MAX_INPUTS_LISTED else ''}, as above)" if names else
+        " (one array per input name; an image file when input_contract.json gives the input a mean/std)")
+
+
+def _image_size(shape, model_layout: str, fed_layout: str) -> str:
+    """' [1, 224, 224, 3]': the fed array's shape from the model's shape, in the fed layout."""
+    if not shape or len(shape) != 4:
+        return ""
+    n, c, h, w = shape if model_layout == "nchw" else (shape[0], shape[3], shape[1], shape[2])
+    return " " + _shape([n, h, w, c] if fed_layout == "NHWC" else [n, c, h, w])
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]" if isinstance(shape, list) else "(shape not known)"
+
+
+def _numbers(values) -> str:
+    return "[" + ", ".join(f"{float(v):g}" for v in values) + "]" if isinstance(values, list) else str(values)

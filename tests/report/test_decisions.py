@@ -85,8 +85,11 @@ def test_the_rknn_float16_layer_count_is_the_toolkits_not_the_onnx_nodes():
 
 def test_files_explain_the_board_files_and_the_one_command():
     data = report()
+    image = {"name": "image", "shape": [1, 3, 8, 8], "dtype": "float32", "mean": [0, 0, 0], "std": [1, 1, 1],
+             "channel_order": "rgb", "feed": "uint8 pixels, NHWC, in this channel order"}
     data["result"].update(artifacts=["input_contract.json", "model.rknn", "run_on_board.py"],
-                          deployable={"path": "model.rknn", "bytes": 1000, "note": "x"})
+                          deployable={"path": "model.rknn", "bytes": 1000, "note": "x"},
+                          input_contract={"target_platform": "rk3588", "inputs": [image]})
     lines = files_lines(data)
     assert lines[0].startswith("`model.rknn`: the NPU model")
     assert any("`input_contract.json`" in line for line in lines)
