@@ -306,7 +306,8 @@ def cmd_run(args) -> int:
     report = execute(config, force=args.force, quiet=args.quiet)
     rolled_back = [s["name"] for s in report["stages"] if s.get("rolled_back")]
     if not args.quiet:
-        print(f"qprep: {report['status']}: {report['result']['path']} in {report['run_dir']} "
+        deployed = (report["result"].get("deployable") or report["result"])["path"]  # RKNN's: the .rknn
+        print(f"qprep: {report['status']}: {deployed} in {report['run_dir']} "
               f"({report['model']['nodes']} → {report['result']['nodes']} nodes, {report['seconds']:.1f} s)")
         if not report.get("evaluation"):
             print("qprep: accuracy not measured: the config has no `evaluation:` section")
@@ -435,6 +436,8 @@ def cmd_evaluate(args) -> int:
               + "".join(f", {key} {_fmt(metrics[key])}" for key in ("top1_agreement", "step_agreement",
                                                                      "element_agreement") if key in metrics)
               + f" ({count} samples)")
+    if result.get("repeats"):
+        print(f"qprep: note: {result['repeats']}")
     gate = result.get("gate")
     if gate and not gate["passed"]:
         missed = [f"{c['metric']} {_fmt(c['value'])} (needs {'<=' if c.get('kind') == 'maximum' else '>='} "

@@ -4,7 +4,9 @@ Why: the run's own evaluation samples may have taken part in its choices (the fa
 them), so an unbiased figure needs samples the run never saw. This re-runs exactly the run's evaluation (the
 same reference, input fixes, metrics, tasks and gate, from the run's manifest) on a held-out folder, without
 touching the run directory. The result's per-layer error and latency are left out: they describe the model,
-not the samples, and the run's report has them.
+not the samples, and the run's report has them. The given samples are the only ones measured, and the gate is
+judged on them: the run's own `evaluation.heldout` is dropped (else it, not the samples given, decided the gate).
+Given the run's own evaluation or held-out folder, the figures repeat the report's, and a note says which.
 """
 
 from __future__ import annotations
@@ -33,14 +35,18 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     report, manifest = _read_run(run_dir)
     deployable = report["result"].get("deployable")
     if deployable:
+        config_path = ((manifest.get("inputs") or {}).get("config") or {}).get("path") or "CONFIG"
         raise ConfigError(f"evaluate {run_dir}: the result is {deployable.get('path')}, which the toolkit's "
-                          "simulator runs only inside the process that built it; rerun qprep with "
-                          "evaluation.source set to the new samples")
-    overrides = {"output_dir": None, "evaluation.source": str(Path(samples).resolve()),
+                          "simulator runs only inside the process that built it, so it cannot be measured again "
+                          f"here; run the config again with these samples held out: `qprep run {config_path} "
+                          f"--set evaluation.heldout.source={samples}`")
+    source = str(Path(samples).resolve())
+    repeated, own_labels = _own_split(manifest["config"].get("evaluation") or {}, source)
+    overrides = {"output_dir": None, "evaluation.source": source, "evaluation.heldout": None,
                  "evaluation.layers": False, "evaluation.latency.runs": 0, "evaluation.max_samples": 100000,
                  "evaluation.gate": recorded_gate(report, manifest["config"])}
-    if labels:
-        overrides["evaluation.labels"] = str(Path(labels).resolve())
+    if labels or own_labels:
+        overrides["evaluation.labels"] = str(Path(labels).resolve()) if labels else own_labels
     config = load_config(manifest["config"], {**overrides, **(sets or {})})
     _check_unchanged(run_dir, manifest.get("inputs") or {}, manifest.get("results"), config)
     progress = Progress(enabled=False if quiet else None)
@@ -50,8 +56,24 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     ctx = RunContext(config=config, run_dir=run_dir, calibration=checked.calibration, verifier=None,
                      progress=progress, reference=ReferenceOutputs.of_run(config, checked, progress))
     result = evaluate(config, ctx, Products(), load_model(run_dir / "model.onnx"), report["model"]["kind"])
+    if repeated:  # said by the command too: figures equal to the report's are no news
+        result["notes"], result["repeats"] = [repeated, *result.get("notes", [])], repeated
     gate = result.get("gate")
     return {"run_dir": str(run_dir), "status": "gate missed" if gate and not gate["passed"] else "ok", **result}
+
+
+def _own_split(evaluation: dict, source: str) -> tuple[str, str | None]:
+    """(a note, the labels that go with them) when `source` is a split of the run itself: its figures are the
+    report's again. ("", None) for other samples."""
+    heldout = evaluation.get("heldout") or {}
+    if heldout.get("source") and str(Path(heldout["source"]).resolve()) == source:
+        return ("these are the run's held-out samples (evaluation.heldout): the figures repeat the report's "
+                "held-out figures, which judged its gate", heldout.get("labels"))
+    if evaluation.get("source") and str(Path(evaluation["source"]).resolve()) == source:
+        return ("these are the run's evaluation samples (evaluation.source), on which its choices were made: the "
+                "figures repeat the report's and flatter the result; give samples the run never saw",
+                evaluation.get("labels"))
+    return "", None
 
 
 def _check_unchanged(run_dir: Path, inputs: dict, results: dict | None, config: Config) -> None:

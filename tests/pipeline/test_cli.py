@@ -250,3 +250,19 @@ def test_validate_names_a_run_directory_problem_once(tmp_path, cli):
     config.write_text(f"model: {tmp_path / 'model.onnx'}\noutput_dir: {tmp_path}\n")
     code, _, err = cli("validate", config)
     assert code == 2 and err.count("holds the input model") == 1, err
+
+
+def test_the_run_line_names_the_deployed_file(tmp_path, save, cli, monkeypatch):
+    """Issue #59: an RKNN run's closing line ("gate missed: model.onnx in …") named the float model the .rknn
+    was built from, not the file to deploy."""
+    import qprep.pipeline.runner
+
+    config = write_config(tmp_path, save(tiny_conv_model()))
+    gate = {"passed": False, "source": "config", "checks": [{"metric": "cosine_mean", "value": 0.9, "threshold": 0.99,
+                                                             "passed": False}]}
+    report = {"status": "gate missed", "run_dir": str(tmp_path / "run"), "seconds": 1.0, "stages": [],
+              "warnings": [], "model": {"nodes": 2}, "evaluation": {"gate": gate},
+              "result": {"path": "model.onnx", "nodes": 3, "deployable": {"path": "model.rknn"}}}
+    monkeypatch.setattr(qprep.pipeline.runner, "execute", lambda *args, **kwargs: report)
+    code, out, err = cli("run", config)
+    assert code == 1 and out.startswith("qprep: gate missed: model.rknn in "), out

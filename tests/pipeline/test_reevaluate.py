@@ -138,3 +138,49 @@ def test_new_samples_are_held_to_the_gate_the_run_recorded_with_its_fallback_tar
     floor = {"evaluation": {"gate": {"passed": True, "source": "floor", "target": {"cosine_mean": 0.9}}}}
     assert recorded_gate(floor, {"evaluation": {"gate": {}}}) == {}  # the config's floor applies again
     assert recorded_gate({}, config) == {"cosine_mean": 0.98}
+
+
+def with_heldout(run, root):
+    """The recorded run's config given evaluation and held-out folders and a gate, as a run with them records it."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["evaluation"] = {"source": str(samples(root / "eval", 3, 1)), "gate": {"cosine_mean": 0.9},
+                                        "heldout": {"source": str(samples(root / "heldout", 3, 2))}}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
+
+
+def test_the_runs_own_heldout_folder_is_measured_and_said_to_repeat_the_report(tmp_path, cli):
+    """Issue #59: `evaluate RUN --samples` on the run's held-out folder was refused with a line about
+    evaluation.heldout and evaluation.source, keys the command did not take."""
+    run = with_heldout(recorded_run(tmp_path), tmp_path)
+    result = reevaluate(run, tmp_path / "heldout")
+    assert result["status"] == "ok" and result["samples"]["count"] == 3
+    assert "held-out samples (evaluation.heldout): the figures repeat the report's" in result["repeats"]
+    assert "flatter" in reevaluate(run, tmp_path / "eval")["repeats"]
+    code, out, err = cli("evaluate", run, "--samples", tmp_path / "heldout")
+    assert code == 0 and "qprep: note: these are the run's held-out samples" in out, err
+
+
+def test_the_samples_given_decide_the_gate_not_the_runs_heldout(tmp_path):
+    """With the run's evaluation.heldout kept, the gate of `evaluate --samples NEW` was judged on the run's
+    held-out samples while the command printed NEW's figures."""
+    run = with_heldout(recorded_run(tmp_path), tmp_path)
+    new = samples(tmp_path / "new", 4, 3)
+    result = reevaluate(run, new)
+    assert result["gate"]["judged_on"] == "evaluation" and "heldout" not in result
+    assert result["samples"]["source"] == str(new) and "repeats" not in result
+
+
+def test_an_rknn_run_is_refused_with_the_command_that_measures_it(tmp_path):
+    """The refusal advised `evaluation.source`, which `qprep evaluate` does not take."""
+    run = recorded_run(tmp_path)
+    report = json.loads((run / "report.json").read_text())
+    report["result"]["deployable"] = {"path": "model.rknn"}
+    (run / "report.json").write_text(json.dumps(report))
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["inputs"]["config"] = {"path": "configs/rknn_int8.yaml"}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError) as refused:
+        reevaluate(run, "data/new")
+    assert "evaluation.source" not in str(refused.value)
+    assert "`qprep run configs/rknn_int8.yaml --set evaluation.heldout.source=data/new`" in str(refused.value)
