@@ -323,8 +323,10 @@ def feed_text(entry: dict, image: dict | None, npu: bool) -> str:
                 f"{_numbers(entry['mean'])}, std {_numbers(entry['std'])})")
     if image and image.get("input") == name:
         mean, std = image.get("mean"), image.get("std")
-        values = (f"(x − mean) / std of the 0–255 pixel values with mean {_numbers(mean or [0])}, std "
-                  f"{_numbers(std or [1])}" if mean is not None or std is not None else "the 0–255 pixel values")
+        formula = {(True, True): "(x − mean) / std", (True, False): "x − mean", (False, True): "x / std"}
+        given = [f"{key} {_numbers(v)}" for key, v in (("mean", mean), ("std", std)) if v is not None]
+        values = (f"{formula[mean is not None, std is not None]} of the 0–255 pixel values x with {', '.join(given)}"
+                  if given else "the 0–255 pixel values")
         return (f"`{name}`: {dtype} {shape}, {str(image.get('layout', '?')).upper()}: the image as calibration read "
                 f"it — {str(image.get('channel_order', 'rgb')).upper()} channel order, resized "
                 f"({image.get('resize', 'stretch')}), {values}" + ("; the NPU applies no mean/std" if npu else ""))

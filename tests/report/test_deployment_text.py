@@ -50,8 +50,8 @@ def test_a_channels_last_classifier_the_toolkit_got_no_mean_std_for_takes_its_no
     contract = input_contract([TensorSpec("image", "float32", [1, 224, 224, 3])], None, OPTIONS)
     lines = text(rknn_report(contract, image_preprocess("nhwc", [103.9, 116.8, 123.7], None, "bgr")))
     assert ("`image`: float32 [1, 224, 224, 3], NHWC: the image as calibration read it — BGR channel order, resized "
-            "(stretch), (x − mean) / std of the 0–255 pixel values with mean [103.9, 116.8, 123.7], std [1]; the NPU "
-            "applies no mean/std") in lines
+            "(stretch), x − mean of the 0–255 pixel values x with mean [103.9, 116.8, 123.7]; the NPU applies no "
+            "mean/std") in lines
     assert "mean/std itself" not in lines and "uint8" not in lines and "image.png" not in lines
     assert "`python3 run_on_board.py sample.npz` (one array per input: `image`, as above)" in lines
 
