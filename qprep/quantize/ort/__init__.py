@@ -20,6 +20,7 @@ import dataclasses
 import logging
 
 from qprep.errors import QprepError
+from qprep.graph.names import require_unique
 from qprep.qdq import float_maxpool
 from qprep.quantize import rewrites, smooth_layernorm
 from qprep.quantize.backend import Quantized, QuantizeJob
@@ -102,7 +103,10 @@ def quantize(job: QuantizeJob) -> Quantized:
     if unknown:
         raise QprepError(f"quantize.ort.nodes_to_exclude: no node named {', '.join(unknown[:5])}; "
                          "run `qprep inspect` or see report.json for node names")
+    require_unique(job.model, "the stages before quantize")
     job, smoothed = smooth_layernorm.smooth_job(job, "ort")
+    if smoothed:
+        require_unique(job.model, "smooth_layernorm (quantize/smooth_layernorm.py)")
     quantizer = OrtQuantizer(job.model, job.samples, options, job.work_dir, job.threads, job.progress, job.extremes,
                              many_builds=bool(job.fallback))
     float_set = float_set | smooth_layernorm.restoring_muls(smoothed)
@@ -118,8 +122,10 @@ def quantize(job: QuantizeJob) -> Quantized:
     quantized = quantizer.build(excluded, settings)
     if rewrites.runs("maxpool_float", "ort", options):  # exact, for speed: ORT's uint8 MaxPool kernel is slow
         quantized, details["maxpool_float"] = float_maxpool.rewrite(quantized, job.samples[:8], job.threads)
+        require_unique(quantized, "maxpool_float (qdq/float_maxpool.py)")
     if rewrites.runs("channel_padding", "ort", options):
         quantized, details["channel_padding"] = channel_padding.apply(quantized, job.samples[:8], job.threads)
+        require_unique(quantized, "channel_padding (quantize/ort/channel_padding.py)")
     details.update({"activations": activations, "weights": quantizer.weights, "excluded_nodes": sorted(excluded),
                     "calibration_samples": len(job.samples),
                     "calibrate_method": settings.calibrate_method, "weight_rounding": quantizer.rounding,

@@ -6,16 +6,24 @@ models ONNX Runtime cannot run (uint8 weights on such a Gemm: a per-axis Dequant
 must be 1D tensor with size 1"). Either way the rest of the model quantizes fine without the node. The failing
 node is found by bisection over the nodes ORT would quantize (nodes_to_exclude), recorded with ORT's message and
 left out of every later build too.
+
+Not every failure is one node's. A model that defines a name twice (ORT: "Duplicate definition of name", "two
+nodes with same node name"; onnx: "SSA form"; qprep's own check, graph/names.py) fails whichever nodes are
+quantized, or fails for some and not others by chance of naming: bisecting it cost issue #61's U-Net 454 s and
+ended telling the user to exclude a node. Such a failure stops the build at once as `WholeModelFailure`, exit 3:
+the model qprep handed over was invalid, which is qprep's bug.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Callable
 
 import onnx
 
 from qprep.errors import QprepError
+from qprep.graph.names import DuplicateNames
 from qprep.model.runtime import ort_session, session_outputs, short_ort_message
 from qprep.quantize.ort.settings import OrtSettings
 
@@ -25,6 +33,30 @@ MAX_UNQUANTIZABLE = 16  # nodes ORT's quantizer fails on that are kept float bef
 
 # (ranges, nodes to exclude, settings) → the model ORT's quantizer writes (raw_build.RawBuild)
 Quantize = Callable[[object, list[str], OrtSettings], onnx.ModelProto]
+
+
+# ONNX Runtime's and onnx's words for a model that is invalid as a whole, not for a node it cannot take
+WHOLE_MODEL = re.compile(r"Duplicate definition of name|two nodes with same node name|single static assignment"
+                         r"|used as output names multiple times")
+
+
+class WholeModelFailure(RuntimeError):
+    """ORT's quantizer (or the session on its result) failed on the model as a whole, not on a node of it:
+    qprep's bug, exit 3; the message holds the cause. Not a QprepError: nothing the user excludes fixes it."""
+
+
+def whole_model(exc: Exception) -> WholeModelFailure | None:
+    """`exc` as a WholeModelFailure when no node's exclusion can help, else None."""
+    if isinstance(exc, WholeModelFailure):
+        return exc
+    line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, DuplicateNames):
+        return WholeModelFailure(line)
+    if WHOLE_MODEL.search(str(exc)):
+        return WholeModelFailure(f"ONNX Runtime's quantizer failed on the model qprep prepared as a whole, not on "
+                                 f"one node ({short_ort_message(line)[:300]}); the model qprep was given is not the "
+                                 "cause: please report this as qprep's bug")
+    return None
 
 
 class Unquantizable:
@@ -47,6 +79,9 @@ class Unquantizable:
             except QprepError:
                 raise
             except Exception as exc:  # ORT raises bare exceptions
+                failure = whole_model(exc)
+                if failure is not None:
+                    raise failure from exc
                 if len(self.found) >= MAX_UNQUANTIZABLE:
                     raise
                 culprit = self._failing_node(ranges, skip, settings)
@@ -67,7 +102,10 @@ class Unquantizable:
             try:
                 self._runnable(ranges, skip + candidates[quantized:], settings, check=True)
                 return False
-            except Exception:  # noqa: BLE001 - any failure counts
+            except Exception as exc:  # noqa: BLE001 - any failure of a node counts
+                failure = whole_model(exc)
+                if failure is not None:
+                    raise failure from exc
                 return True
 
         if not candidates or fails(0):

@@ -1,6 +1,7 @@
 """The model as ONNX Runtime's quantizer needs it, made once before any calibration or build: at opset 13 or
-later, with the types behind com.microsoft ops declared, and for dynamic builds with no Gemm weight shared.
-Each step is exact: the model computes what it computed.
+later, with the types behind com.microsoft ops declared, no bias shared by two layers, and for dynamic builds
+with no Gemm weight shared. Each step is exact: the model computes what it computed, and leaves every name
+unique (checked after each: graph/names.py), so a duplicate ORT reports is found at the step that made it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import onnx.version_converter
 from onnx import numpy_helper
 
 from qprep.errors import QprepError
+from qprep.graph.names import require_unique, value_names
 from qprep.model.info import Links, default_opset, unique_name
 from qprep.model.io import is_large
 from qprep.model.ort_optimized import with_runtime_types
@@ -40,11 +42,59 @@ def at_min_opset(model: onnx.ModelProto, extremes: nonfinite.Extremes
 
 def for_ort(model: onnx.ModelProto, threads: int, dynamic: bool) -> onnx.ModelProto:
     """`model` with what ORT's quantizer needs: the types behind com.microsoft ops, no value_info that only
-    repeats an initializer's, and (dynamic) no Gemm weight that another node also reads."""
+    repeats an initializer's, (static) no bias two layers share and (dynamic) no Gemm weight that another node
+    also reads."""
     model = with_runtime_types(model, threads)  # com.microsoft ops: ORT's quantizer needs the types behind them
+    require_unique(model, "qprep's typing of com.microsoft outputs for ORT's quantizer")
     drop_initializer_value_info(model)  # in place: entries that only repeat what the initializers declare
     if dynamic:
         model = shared_gemm_weights_transposed(model)
+        require_unique(model, "qprep's copy of shared Gemm weights for ORT's dynamic quantizer")
+    else:
+        model = shared_biases_copied(model)
+        require_unique(model, "qprep's copy of shared biases for ORT's quantizer")
+    return model
+
+
+# ORT's static quantizer quantizes input 2 of these as a bias (scale = input scale × weight scale)
+BIAS_READERS = frozenset({"Conv", "Gemm", "InstanceNormalization", "LayerNormalization", "BatchNormalization"})
+
+
+def shared_biases_copied(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with each bias initializer that several layers read as their bias given one copy per further
+    layer, named unique among every value of the model; the model itself when no bias is shared (exact either
+    way).
+
+    Why: ORT's QDQ quantizer copies a shared bias itself (each layer's bias scale follows its own input), naming
+    the copy `<bias><n>` with n one above the largest number ending an *initializer* name that starts with the
+    bias's name (`QDQQuantizer._dup_initializer`). Node outputs are not counted: torch's dynamo exporter names
+    values `val_N` and shares equal constants, so the copy of bias `val_1` next to weight `val_10` is `val_11`,
+    which a node output may already be. ONNX Runtime then refused the quantized model ("Duplicate definition of
+    name (val_3589)"; issue #61's U-Net: GroupNorm as InstanceNormalization on one shared zero bias). Copies
+    made here leave ORT nothing to copy."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type in BIAS_READERS and node.domain in ("", "ai.onnx") and len(node.input) > 2 \
+                and node.input[2] in initializers:
+            readers.setdefault(node.input[2], []).append(index)
+    shared = {bias: indices for bias, indices in readers.items() if len(indices) > 1}
+    if not shared:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    model, taken = copy, value_names(copy)
+    for bias, indices in shared.items():
+        for index in indices[1:]:
+            node = model.graph.node[index]
+            name = unique_name(f"{bias}/{node.name or node.op_type}", taken)
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(initializers[bias])
+            tensor.name = name
+            model.graph.initializer.append(tensor)
+            node.input[2] = name
+    log.info("ort: %d biases shared by %d layers: each further layer given its own copy (ORT's quantizer names "
+             "its copies after initializers only)", len(shared), sum(len(i) for i in shared.values()))
     return model
 
 

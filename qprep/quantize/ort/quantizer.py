@@ -18,12 +18,13 @@ from pathlib import Path
 import onnx
 
 from qprep.errors import QprepError
+from qprep.graph.names import require_unique
 from qprep.qdq import remove_redundant
 from qprep.quantize import channel_spread, nonfinite
 from qprep.quantize.budget import Budget
 from qprep.quantize.ort.calibration import Calibration
 from qprep.quantize.ort.corrected_biases import CorrectedBiases
-from qprep.quantize.ort.failures import Unquantizable
+from qprep.quantize.ort.failures import Unquantizable, whole_model
 from qprep.quantize.ort.output_check import OutputCheck
 from qprep.quantize.ort.prepare import at_min_opset, for_ort
 from qprep.quantize.ort.raw_build import RawBuild
@@ -47,6 +48,8 @@ class OrtQuantizer:
         single build keeps nothing."""
         # tensors kept float for their values (never calibrated), with those an opset upgrade adds
         model, self.upgraded_from, self.extremes = at_min_opset(model, extremes or nonfinite.Extremes())
+        if self.upgraded_from is not None:
+            require_unique(model, "onnx's opset conversion for ORT's quantizer")
         self.options, self.weights = weight_range(options)  # weight_type and reduce_range "auto" resolved here
         model = for_ort(model, threads, self.dynamic)
         self.model, self.samples, self.work_dir, self.threads = model, samples, work_dir, threads
@@ -125,19 +128,25 @@ class OrtQuantizer:
         except QprepError:
             raise
         except Exception as exc:  # ORT raises bare exceptions with the op/tensor in the text
+            failure = whole_model(exc)  # the model, not a node: qprep's bug (exit 3), not the user's
+            if failure is not None:
+                raise failure from exc
             raise QprepError(f"ONNX Runtime quantization failed: {str(exc).splitlines()[0][:300]} "
                              "(try format: qdq, per_channel: false, or exclude the node named in the message)") from None
         nonfinite.check_scales(quantized)  # a mask that still reached a Q/DQ would collapse every output
         static_qdq = self.options.format == "qdq" and not self.dynamic
         quantized = self.weight_rounding(quantized, static_qdq)
+        require_unique(quantized, "GPTQ weight rounding (quantize/ort/weight_rounding.py)")
         if settings.bias_correction:
             quantized, self.bias = self.corrected_biases(quantized, key, budget)
+            require_unique(quantized, "bias correction (quantize/ort/corrected_biases.py)")
         else:
             self.bias = {"applied": False}
         if simplify and static_qdq:  # exact rules, verified once
             quantized, self.simplified = remove_redundant.simplify(quantized, self.samples[:8], self.threads,
                                                                    verify=not self._simplify_verified)
             self._simplify_verified = True
+            require_unique(quantized, "the exact Q/DQ rules (qdq/remove_redundant.py)")
         self._last = ((key, simplify), quantized)
         return quantized
 

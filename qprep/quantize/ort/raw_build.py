@@ -4,7 +4,8 @@ zero points (uint8_weights.py), int32 biases re-scaled where ORT clipped them (i
 
 Why apart from the quantizer: this is where ORT's quantization internals are driven (third_party.py wraps
 them), with what the fallback's many builds keep between calls (the shape-inferred model, each weight's
-quantization); GPTQ, bias correction and the Q/DQ rules then work on its result.
+quantization); GPTQ, bias correction and the Q/DQ rules then work on its result. What ORT writes, and what
+qprep's fixes leave, is checked for names defined twice (graph/names.py): a duplicate is never one node's doing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable
 
 import onnx
 
+from qprep.graph.names import require_unique
 from qprep.model.io import compacted
 from qprep.quantize.ort import int32_bias, uint8_weights
 from qprep.quantize.ort.settings import OrtSettings
@@ -63,13 +65,17 @@ class RawBuild:
         finally:
             root.removeFilter(self._said)
         quantizer.model.topological_sort()  # what ORT's save_model_to_file does: new Q/DQ nodes are appended
+        require_unique(quantizer.model.model, "ONNX Runtime's quantizer")  # it names what it adds by suffixes
         if sixteen_bit:
             _eight_bit_in_default_domain(quantizer.model.model)
         if self.options.weight_type == "uint8":
             uint8_weights.equal_zero_points(quantizer.model.model)
         if not self.dynamic:  # ORT clips a bias its weight scale makes too fine (it fixes that for int8 weights only)
             self.weights["bias_channels_rescaled"] = int32_bias.fit_biases(quantizer.model.model, self.model)
-        return compacted(quantizer.model.model)  # without the float weights ORT removed
+        result = compacted(quantizer.model.model)  # without the float weights ORT removed
+        require_unique(result, "qprep's fixes to ORT's quantized model (16-bit Q/DQ domain, uint8 zero points, "
+                               "int32 biases)")
+        return result
 
     def _quantizer(self, model: onnx.ModelProto, ranges, excluded: list[str], settings: OrtSettings,
                    sixteen_bit: frozenset[str]):
