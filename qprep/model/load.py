@@ -7,6 +7,7 @@ Why apart from qprep/model/io.py: loading normalizes and checks with what the re
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -25,6 +26,8 @@ from qprep.model.ort_optimized import (
     split_simplified_layernorm,
 )
 from qprep.third_party import all_tensors
+
+log = logging.getLogger("qprep")
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
@@ -98,13 +101,44 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
                 "export it with an older opset"
             )
     try:
-        if is_large(model):
-            onnx.checker.check_model(str(path))
-        else:  # a heavy model's weights are not serialized for it (BERT-large's load peaked at 5× its size)
-            onnx.checker.check_model(weightless(model, placeholder="empty")[0] if is_heavy(model) else model)
+        _check_model(model, path)
     except onnx.checker.ValidationError as exc:
-        raise ModelError(_not_onnx_op(model, path) or
-                         f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
+        if not _initializers_not_inputs(model, exc):
+            raise ModelError(_not_onnx_op(model, path) or
+                             f"{path} is not a valid ONNX model: {_checker_message(exc)}") from None
+        _raise_ir_version(model, path)
+
+
+def _check_model(model: onnx.ModelProto, path: Path) -> None:
+    if is_large(model):
+        onnx.checker.check_model(str(path))
+    else:  # a heavy model's weights are not serialized for it (BERT-large's load peaked at 5× its size)
+        onnx.checker.check_model(weightless(model, placeholder="empty")[0] if is_heavy(model) else model)
+
+
+# IR version 4 (ONNX 1.3) made listing initializers among the graph inputs optional; the opsets of IR 3 (up to 8)
+# are the same under IR 4, so raising the version changes no op's meaning
+INITIALIZERS_OPTIONAL_IR = 4
+
+
+def _initializers_not_inputs(model: onnx.ModelProto, exc: Exception) -> bool:
+    """The checker's complaint is the IR-3 rule that initializers be graph inputs (a 2016 export that ONNX
+    Runtime runs: it applies the rule of the IR version it implements, not the file's)."""
+    return model.ir_version < INITIALIZERS_OPTIONAL_IR and "in initializer but not in graph input" in str(exc)
+
+
+def _raise_ir_version(model: onnx.ModelProto, path: Path) -> None:
+    """The model's IR version raised to 4 (its opset kept), checked again, and said: what qprep writes is IR 4."""
+    before = model.ir_version
+    model.ir_version = INITIALIZERS_OPTIONAL_IR
+    try:
+        _check_model(model, path)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(_not_onnx_op(model, path) or f"{path} is not a valid ONNX model (IR version {before}, "
+                         f"checked as IR {INITIALIZERS_OPTIONAL_IR}): {_checker_message(exc)}") from None
+    log.warning("model: IR version %d, whose rule that initializers be graph inputs the model does not follow: "
+                "taken as IR version %d (opset %s kept), where the rule is gone", before, INITIALIZERS_OPTIONAL_IR,
+                ", ".join(str(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")) or "-")
 
 
 def _not_onnx_op(model: onnx.ModelProto, path: Path) -> str | None:

@@ -12,13 +12,18 @@ from importlib import resources
 from pathlib import Path
 
 
-def input_contract(inputs, normalization: dict | None, options: dict) -> dict:
+def input_contract(inputs, normalization: dict | None, options: dict, ignored=()) -> dict:
     """Per input: its shape and dtype, and how to feed it; where the NPU normalizes (dataset.py), uint8
-    pixels in the calibration's channel order with the mean/std the model was built with."""
+    pixels in the calibration's channel order with the mean/std the model was built with. `ignored`: the user's
+    inputs no node reads, which model.rknn does not have (static_graph/hygiene.py): listed, marked ignored, so a
+    caller that feeds every input of the ONNX model knows which ones to leave out."""
     contract = {"target_platform": options.target_platform, "inputs": []}
     for spec in inputs:
         entry = {"name": spec.name, "shape": spec.shape, "dtype": spec.dtype}
-        if normalization and spec.name == normalization["input"]:
+        if spec.name in ignored:
+            entry.update(ignored=True, feed="not fed: no node of the model reads it, and model.rknn has no such "
+                                            "input (run_on_board.py skips it)")
+        elif normalization and spec.name == normalization["input"]:
             entry.update(feed="uint8 pixels, NHWC, in this channel order; the NPU applies (x - mean) / std",
                          channel_order=normalization["channel_order"], mean=normalization["mean"],
                          std=normalization["std"], resize=normalization.get("resize", "stretch"))
@@ -29,10 +34,11 @@ def input_contract(inputs, normalization: dict | None, options: dict) -> dict:
 
 
 def write_board_files(work: Path, inputs, normalization: dict | None, options: dict,
-                      characters: list[str] | None = None) -> dict[str, Path]:
-    """input_contract.json and run_on_board.py in `work` → artifact name → path. `characters`: an OCR model's
-    CTC dictionary (its metadata, measure/ctc.py), so the board runner prints text, not class ids."""
-    contract = input_contract(inputs, normalization, options)
+                      characters: list[str] | None = None, ignored=()) -> dict[str, Path]:
+    """input_contract.json and run_on_board.py in `work` → artifact name → path. `inputs`: the user's model's;
+    `ignored`: those model.rknn does not take. `characters`: an OCR model's CTC dictionary (its metadata,
+    measure/ctc.py), so the board runner prints text, not class ids."""
+    contract = input_contract(inputs, normalization, options, ignored)
     if characters:
         contract["ctc_characters"] = characters
     (work / "input_contract.json").write_text(json.dumps(contract, indent=2) + "\n")

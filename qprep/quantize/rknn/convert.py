@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from qprep.measure import ctc
+from qprep.model.info import graph_inputs
 from qprep.quantize import float16_range, outlier_positions, residual_channels, rewrites, smooth_layernorm
 from qprep.quantize.backend import Quantized, QuantizeJob
 from qprep.quantize.rknn import limits, static_graph
@@ -47,6 +48,7 @@ OPTIONS = section(
 def quantize(job: QuantizeJob) -> Quantized:
     """The build (after the fallback's search, if on), exported; its runner stays usable for the evaluation
     until the result's `close` stops the toolkit worker (at once when this fails or is interrupted)."""
+    user_inputs = graph_inputs(job.model)  # the contract keeps them, those the toolkit does not get marked ignored
     job, converted, static, clipped, scaled, overflowing = _within_toolkit_limits(job)
     job, smoothed = smooth_layernorm.smooth_job(job, "rknn")
     split = outlier_positions.Split(job.model)
@@ -88,7 +90,8 @@ def quantize(job: QuantizeJob) -> Quantized:
     except BaseException:
         builder.close()
         raise
-    board = write_board_files(work, builder.inputs, builder.normalization, options, ctc.dictionary(job.model))
+    board = write_board_files(work, user_inputs, builder.normalization, options, ctc.dictionary(job.model),
+                              ignored=static.get("unread_inputs_removed", ()))
     return Quantized(model=job.model, details=builder.details, runner=runner, deployable="model.rknn",
                      analyzer=(lambda samples: runner.analyze(samples[: options.analysis_samples]))
                      if options.analysis_samples else None,

@@ -2,6 +2,7 @@
 
     python3 run_on_board.py image.png        # a model whose input the NPU normalizes (see input_contract.json)
     python3 run_on_board.py sample.npz       # any model: one array per input name, as given to the ONNX model
+                                             # (inputs the contract marks ignored are skipped: model.rknn lacks them)
 
 Images are resized the way the calibration images were (input_contract.json: stretch, center_crop, or none:
 the image must already have the model's size). Each output is printed for what it looks like: top-5 classes of a
@@ -58,7 +59,7 @@ def describe(index, out, characters=None):
 
 
 contract = json.load(open("input_contract.json"))
-specs = contract["inputs"]
+specs = [spec for spec in contract["inputs"] if not spec.get("ignored")]  # no node read them: not in model.rknn
 if sys.argv[1].endswith((".npz", ".npy")):
     arrays = np.load(sys.argv[1])
     feeds = [np.ascontiguousarray(arrays if sys.argv[1].endswith(".npy") else arrays[spec["name"]]) for spec in specs]

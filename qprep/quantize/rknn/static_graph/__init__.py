@@ -10,6 +10,9 @@ tiny graphs and on the zoo models named there):
     einsum.py       an Einsum that is one batched matmul → Transposes and a MatMul
     in_place.py     fixes that leave the node in place: an omitted optional output named, a recurrent op's
                     default `layout` dropped
+    hygiene.py      graph hygiene the toolkit assumes (RULES, growing by class): unread graph inputs removed,
+                    empty optional inputs dropped or given their defaults, zero peepholes dropped, a GRU's last
+                    state read from its sequence; LSTM peepholes refused
     edit.py         what the rewrites share: a node found again after each rewrite, replaced in place, a
                     subgraph inlined, value shapes
 This module runs them (`rewritten`), verifies the result (`static_graph`) and carries the float set over to the
@@ -25,7 +28,7 @@ from qprep.graph.verify import Tolerance, compare
 from qprep.model.info import constant_names
 from qprep.model.io import inferred_shapes
 from qprep.model.runtime import run_model
-from qprep.quantize.rknn.static_graph import loops
+from qprep.quantize.rknn.static_graph import hygiene, loops
 from qprep.quantize.rknn.static_graph.batchnorm import batchnorms_as_arithmetic, is_runtime_batchnorm
 from qprep.quantize.rknn.static_graph.branches import branch_outputs, ifs_as_both_branches, is_if
 from qprep.quantize.rknn.static_graph.einsum import einsums_as_matmul, matmul_plan
@@ -36,8 +39,10 @@ from qprep.quantize.rknn.static_graph.sequences import refuse_sequences, sequenc
 
 def refuse_unrewritable(model: onnx.ModelProto) -> None:
     """ModelError for a Loop whose stop depends on the input, or an If whose branches give outputs of different
-    shapes: checked on the input model, before any work (BatchNormalization is judged at quantize time: on the
-    input model its statistics may still be computed from constants that optimize folds)."""
+    shapes, or an LSTM with peepholes: checked on the input model, before any work (BatchNormalization is judged
+    at quantize time: on the input model its statistics may still be computed from constants that optimize
+    folds)."""
+    hygiene.refuse(model)
     for node in model.graph.node:
         if is_loop(node):
             refuse_data_dependent_stop(model, node)
@@ -60,7 +65,8 @@ def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.Mo
     to count its iterations."""
     constants = constant_names(model.graph)
     if not any(is_loop(n) or "Sequence" in n.op_type or is_if(n) or is_runtime_batchnorm(n, constants)
-               or "" in n.output or default_layout(n) or matmul_plan(n) for n in model.graph.node):
+               or "" in n.output or default_layout(n) or matmul_plan(n) for n in model.graph.node) \
+            and not hygiene.needed(model):
         return model, {}  # the common case, without copying the model
     result = onnx.ModelProto()
     result.CopyFrom(model)
@@ -80,8 +86,10 @@ def rewritten(model: onnx.ModelProto, samples: list[dict] = ()) -> tuple[onnx.Mo
         for key, nodes in rounds.items():
             record[key] += nodes
     refuse_unrewritable(result)  # a Scan an inlined branch brought into the main graph
-    record.update({"batchnorm_as_arithmetic": batchnorms_as_arithmetic(result),
-                   "omitted_outputs_named": omitted_outputs_named(result),
+    record["batchnorm_as_arithmetic"] = batchnorms_as_arithmetic(result)
+    for key, rule in hygiene.RULES:  # before naming omitted outputs: the last state's rule leaves one out
+        record[key] = rule(result)
+    record.update({"omitted_outputs_named": omitted_outputs_named(result),
                    "default_layout_dropped": default_layouts_dropped(result),
                    "einsum_as_matmul": einsums_as_matmul(result)})
     refuse_sequences(result)
