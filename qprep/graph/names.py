@@ -50,6 +50,27 @@ def value_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
+def renamed(model: onnx.ModelProto, names: dict[str, str]) -> onnx.ModelProto:
+    """A copy of `model` with values renamed old → new wherever a graph defines or reads them (subgraphs
+    included, value_info too). Graph inputs and outputs are the caller's to leave out: they are the model's
+    contract."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graphs = [copy.graph]
+    while graphs:
+        graph = graphs.pop()
+        for tensor in graph.initializer:
+            tensor.name = names.get(tensor.name, tensor.name)
+        for info in (*graph.input, *graph.output, *graph.value_info):
+            info.name = names.get(info.name, info.name)
+        for node in graph.node:
+            node.input[:] = [names.get(name, name) for name in node.input]
+            node.output[:] = [names.get(name, name) for name in node.output]
+            graphs.extend(body for a in node.attribute
+                          for body in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)))
+    return copy
+
+
 def require_unique(model: onnx.ModelProto, step: str) -> None:
     """Raise DuplicateNames naming `step` (what just rewrote the model) when `model` defines a name twice."""
     duplicates = duplicate_names(model)

@@ -143,6 +143,8 @@ def quantize(job: QuantizeJob) -> Quantized:
         details["float_set_unmatched"] = missing
         log.warning("ort: %d float-set nodes are not in the model any more (run keep_float after optimize): %s",
                     len(missing), ", ".join(missing[:10]))
+    if quantizer.renamed:  # values whose names ORT's quantizer would also give what it adds (prepare.py)
+        details["renamed_for_ort"] = quantizer.renamed
     if quantizer.upgraded_from is not None:
         details["opset_upgraded_from"] = quantizer.upgraded_from
     return Quantized(model=quantized, details=details, extremes=quantizer.extremes)

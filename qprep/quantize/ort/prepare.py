@@ -15,7 +15,7 @@ import onnx.version_converter
 from onnx import numpy_helper
 
 from qprep.errors import QprepError
-from qprep.graph.names import require_unique, value_names
+from qprep.graph.names import renamed, require_unique, value_names
 from qprep.model.info import Links, default_opset, unique_name
 from qprep.model.io import is_large
 from qprep.model.ort_optimized import with_runtime_types
@@ -54,6 +54,51 @@ def for_ort(model: onnx.ModelProto, threads: int, dynamic: bool) -> onnx.ModelPr
         model = shared_biases_copied(model)
         require_unique(model, "qprep's copy of shared biases for ORT's quantizer")
     return model
+
+
+# What ORT's quantizers append to a tensor's name for what they add (quant_utils.py, qdq_quantizer.py,
+# onnx_quantizer.py, base_quantizer.py: `_QuantizeLinear_Output`, `_zero_point`, `_scale_Div`, ...), as words
+ORT_SUFFIX_WORDS = ("_quantized", "_scale", "_zero_point", "_QuantizeLinear", "_DequantizeLinear", "_Input", "_Output",
+                    "_convert", "_clone", "_ReduceMin", "_ReduceMax", "_Abs", "_Max", "_Sub", "_Div", "_Floor", "_Cast")
+
+
+def ort_names_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """(`model` with every value whose name ORT's quantizer could derive from another value's name renamed
+    `<name>/apart`, {old: new}); the model itself and {} when no name is such (exact: names only).
+
+    Why: ORT names what it adds by appending words to the tensor's name (`h_scale`, `h_zero_point`,
+    `h_DequantizeLinear_Output`, ...) without asking whether the model has that name already. A model value `h`
+    beside `h_scale` made ORT's quantizer fail on the nodes around `h` (kept float by the bisection for nothing);
+    beside `h_DequantizeLinear_Output` it wrote a model whose readers of that value read ORT's instead, with no
+    error (output error 1.1 on a test net). A name is taken apart when stripping such words from its end leaves
+    another value's name; the graph's inputs and outputs keep theirs (the other name of the pair is renamed)."""
+    names = value_names(model)
+    contract = {v.name for v in (*model.graph.input, *model.graph.output)}
+    renames: dict[str, str] = {}
+    for name in sorted(names):
+        base = _ort_base(name, names)
+        if base is None:
+            continue
+        moved = name if name not in contract else base if base not in contract else None
+        if moved is not None and moved not in renames:
+            renames[moved] = unique_name(f"{moved}/apart", names)
+    if not renames:
+        return model, {}
+    log.info("ort: %d value names renamed, which ONNX Runtime's quantizer would also give what it adds: %s",
+             len(renames), ", ".join(f"{old} → {new}" for old, new in list(renames.items())[:5]))
+    return renamed(model, renames), renames
+
+
+def _ort_base(name: str, names: set[str]) -> str | None:
+    """The value whose name, with ORT's words appended, is `name`; None when there is none."""
+    stem = name
+    while True:
+        word = next((w for w in ORT_SUFFIX_WORDS if stem.endswith(w) and len(stem) > len(w)), None)
+        if word is None:
+            return None
+        stem = stem[:-len(word)]
+        if stem in names:
+            return stem
 
 
 # ORT's static quantizer quantizes input 2 of these as a bias (scale = input scale × weight scale)

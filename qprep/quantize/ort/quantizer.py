@@ -12,6 +12,7 @@ reconfigured from outside. `OrtQuantizer` owns these parts and the order they ru
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from qprep.quantize.ort.calibration import Calibration
 from qprep.quantize.ort.corrected_biases import CorrectedBiases
 from qprep.quantize.ort.failures import Unquantizable, whole_model
 from qprep.quantize.ort.output_check import OutputCheck
-from qprep.quantize.ort.prepare import at_min_opset, for_ort
+from qprep.quantize.ort.prepare import at_min_opset, for_ort, ort_names_apart
 from qprep.quantize.ort.raw_build import RawBuild
 from qprep.quantize.ort.settings import OrtSettings
 from qprep.quantize.ort.weight_rounding import WeightRounding
@@ -52,6 +53,11 @@ class OrtQuantizer:
             require_unique(model, "onnx's opset conversion for ORT's quantizer")
         self.options, self.weights = weight_range(options)  # weight_type and reduce_range "auto" resolved here
         model = for_ort(model, threads, self.dynamic)
+        model, self.renamed = ort_names_apart(model)  # {old: new} for the stage's record
+        if self.renamed:
+            require_unique(model, "qprep's renaming of values apart from ORT's names")
+            self.extremes = dataclasses.replace(self.extremes, tensors={
+                self.renamed.get(name, name): stats for name, stats in self.extremes.tensors.items()})
         self.model, self.samples, self.work_dir, self.threads = model, samples, work_dir, threads
         self.progress = progress
         self.op_type_of = {n.name: n.op_type for n in model.graph.node}

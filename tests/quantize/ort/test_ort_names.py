@@ -96,3 +96,24 @@ def test_a_failure_of_the_whole_model_is_qprep_s_in_one_call_not_bisected(tmp_pa
     code, _, err = cli("run", tmp_path / "c.yaml", "--out", tmp_path / "out", "--quiet")
     assert code == 3 and len(calls) == 1
     assert "Duplicate definition of name (val_3589)" in err and "qprep's bug" in err and "exclude" not in err
+
+
+@pytest.mark.parametrize("constant", ["h_scale", "h_zero_point", "h_QuantizeLinear_Output", "h_DequantizeLinear_Output"])
+def test_a_value_named_as_ort_names_what_it_adds_is_renamed_apart(tmp_path, constant):
+    """Conv → h → Mul(h, <constant>) → Conv, the constant named as ORT names what it adds for `h`. Before: ORT's
+    quantizer failed on the first Conv and the Mul (kept float by the bisection), or, with
+    `h_DequantizeLinear_Output`, wrote a model whose Mul read ORT's tensor instead (output error 1.1, no error)."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h"], name="conv_1", pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["h", constant], ["m"], name="mul"),
+             helper.make_node("Conv", ["m", "w2", "b2"], ["y"], name="conv_2", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [("x", [1, 4, 6, 6])], [("y", [1, 4, 6, 6])],
+                       {"w1": rand(4, 4, 3, 3, seed=1), "b1": rand(4, seed=2), "w2": rand(4, 4, 3, 3, seed=3),
+                        "b2": rand(4, seed=4), constant: np.full((1, 4, 1, 1), 3.0, np.float32)})
+    samples = [{"x": rand(1, 4, 6, 6, seed=s)} for s in range(8)]
+    quantizer = OrtQuantizer(model, samples, typed("ort", weight_type="int8"), tmp_path)
+    quantized = quantizer.build(set())
+    assert quantizer.unquantizable == {} and duplicate_names(quantized) == []
+    expected, actual = run_model(model, samples), run_model(quantized, samples)
+    error = max(np.abs(e["y"] - a["y"]).max() / np.abs(e["y"]).max() for e, a in zip(expected, actual))
+    assert error < 0.05
+    assert quantizer.renamed == {constant: f"{constant}/apart"}
