@@ -6,8 +6,8 @@ refuses them in the first stage that runs the model, as a kernel error that advi
 the run directory was claimed. A mask of 2s runs without a word and measures another input than deployment sees.
 Both bounds are read from the graph, never assumed: an integer input whose values reach a Gather's indices
 (through ops that pass values on unchanged) is bounded by the size of the gathered axis of that Gather's constant
-table (ONNX Gather takes -size..size-1); an input named like a mask with an integer dtype, or one the graph casts
-to bool, must hold 0 and 1. A float image input has no such bound in the graph (x/255 takes any value): its range
+table (ONNX Gather takes -size..size-1); an integer input named like a mask of rank ≤ 2 (an attention mask,
+[batch, sequence]; an image mask may hold 0..255), or one the graph casts to bool, must hold 0 and 1. A float image input has no such bound in the graph (x/255 takes any value): its range
 is a preprocessing question, warned of in qprep/data/pitfalls.py, not refused here.
 """
 
@@ -69,7 +69,7 @@ def input_bounds(model: onnx.ModelProto) -> dict[str, Bound]:
             cast = casts_to_bool[0].name
             bounds[spec.name] = Bound(0, 1, "the mask values 0 and 1", f"node '{cast}' casts it to bool",
                                       "give 1 for what counts and 0 for padding", "mask")
-        elif dtype.kind in "iu" and "mask" in spec.name.lower():
+        elif dtype.kind in "iu" and "mask" in spec.name.lower() and len(spec.shape or []) <= 2:  # [batch, seq]
             bounds[spec.name] = Bound(0, 1, "the mask values 0 and 1", "its name says it is a mask",
                                       "give 1 for real tokens and 0 for padding", "mask")
     return bounds

@@ -68,6 +68,9 @@ def test_a_mask_the_graph_casts_to_bool_or_named_mask_must_hold_zero_and_one():
     with pytest.raises(DataError, match="its name says it is a mask"):
         check_values(named, SampleSet(samples=[{"attention_mask": np.array([[1, 1, 3]])}], files=["/d/b.npz"]),
                      "calibration")
+    image_mask = make_model([helper.make_node("Cast", ["mask"], ["y"], to=onnx.TensorProto.FLOAT)],
+                            [("mask", [1, 1, 8, 8], np.uint8)], [("y", None)], infer_shapes=False)
+    assert input_bounds(image_mask) == {}  # an inpainting mask may hold 0..255
 
 
 def test_a_list_names_the_file_of_the_input_that_holds_the_id():
