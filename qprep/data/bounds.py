@@ -7,8 +7,9 @@ the run directory was claimed. A mask of 2s runs without a word and measures ano
 Both bounds are read from the graph, never assumed: an integer input whose values reach a Gather's indices
 (through ops that pass values on unchanged) is bounded by the size of the gathered axis of that Gather's constant
 table (ONNX Gather takes -size..size-1); an integer input named like a mask of rank ≤ 2 (an attention mask,
-[batch, sequence]; an image mask may hold 0..255), or one the graph casts to bool, must hold 0 and 1. A float image input has no such bound in the graph (x/255 takes any value): its range
-is a preprocessing question, warned of in qprep/data/pitfalls.py, not refused here.
+[batch, sequence]; an image mask may hold 0..255), or one the graph casts to bool, must hold 0 and 1. A float
+image input has no such bound in the graph (x/255 takes any value): its range is a preprocessing question, warned
+of in qprep/data/pitfalls.py, not refused here.
 """
 
 from __future__ import annotations
