@@ -234,6 +234,9 @@ def _values_metrics(pairs: list, kind: str, threshold: float) -> dict:
     else:
         metrics["rel_error"] = math.inf if any(broken) else relative_error(flat_ref, flat_res)
         metrics["score"] = cosine_equivalent(metrics["rel_error"])
+    if kind == "regression":  # shown, not judging (as a state's): over a few values per sample it says little
+        cosines = [0.0 if bad else cosine(a, b) for a, b, bad in zip(ref, res, broken)]
+        metrics.update(cosine_mean=float(np.mean(cosines)), cosine_min=float(np.min(cosines)))
     return {**metrics, "per_sample": {"metric": "max abs error", "higher_is_better": False},
             "per_sample_values": per_sample}
 

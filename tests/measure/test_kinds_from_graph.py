@@ -68,6 +68,7 @@ def test_a_small_gemm_head_without_softmax_is_a_regression_judged_by_its_errors(
     actual = [{"mos": e["mos"] + np.float32(0.05) * rand(1, 3, seed=50 + i)} for i, e in enumerate(expected)]
     mos = output_metrics(expected, actual, kinds)["mos"]
     assert mos["judged_by"] == ["rel_error", "mean_abs_error"] and "top1_agreement" not in mos
+    assert 0 < mos["cosine_min"] <= mos["cosine_mean"] < 1  # shown beside them, as a state's
     ref = np.concatenate([e["mos"].ravel() for e in expected]).astype(np.float64)
     res = np.concatenate([a["mos"].ravel() for a in actual]).astype(np.float64)
     assert mos["mean_abs_error"] == pytest.approx(np.abs(ref - res).mean())
