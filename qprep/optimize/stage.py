@@ -24,6 +24,7 @@ from qprep.model import info as model_info
 from qprep.model.prepare import drop_initializer_value_info
 from qprep.optimize.dynamic_samples import dynamic_variant, named_dynamic_dims
 from qprep.optimize.passes import PassSettings, all_passes
+from qprep.progress import Progress
 from qprep.schema import Key, Settings
 from qprep.stage_registry import stage
 from qprep.third_party import forget_rewrite_matches
@@ -51,7 +52,7 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> Stag
     """Rewrites before quantization, each proved on ctx.verifier's samples: a pass that changes the numbers is
     rolled back (listed in `rolled_back`), so the model handed on computes what the input did."""
     passes = selected_passes(options)
-    settings = _settings(options, ctx.config.stages)
+    settings = _settings(options, ctx.config.stages, ctx.verifier.threads)
     verifier, dynamic = _verifier_with_dynamic_variant(ctx.verifier, model)
     records = {name: {"pass": name, "matches": 0, "accepted": 0, "nodes_removed": 0, "seconds": 0.0,
                       "verify_seconds": 0.0, "details": {}} for name in passes}
@@ -63,11 +64,11 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> Stag
         rounds_run += 1
         # a rolled-back pass would fail the same way on the same input again
         active = [name for name in passes if all(r["pass"] != name for r in rolled_back)]
-        outcome, candidate = _round_at_once(active, current, settings, verifier, records, checks)
+        outcome, candidate = _round_at_once(active, current, settings, verifier, records, checks, ctx.progress)
         if outcome == "replay":  # a pass raised, or the round's passes together changed the numbers
             checks["rounds_replayed"] += 1
             candidate, current = _round_pass_by_pass(active, model, settings, verifier, records, rolled_back,
-                                                     round_index, checks)
+                                                     round_index, checks, ctx.progress)
             outcome = "unchanged" if candidate is model else "accepted"
         if outcome == "unchanged":
             break  # the next round would match nothing either
@@ -95,7 +96,7 @@ def optimize(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> Stag
 
 
 def _round_at_once(active: list[str], current: ir.Model, settings: PassSettings, verifier: Verifier,
-                   records: dict, checks: dict) -> tuple[str, onnx.ModelProto | None]:
+                   records: dict, checks: dict, progress: Progress | None) -> tuple[str, onnx.ModelProto | None]:
     """Run one round's passes on `current` and verify their joint result once: ("accepted", model),
     ("unchanged", None) when nothing matched, or ("replay", None) when a pass raised or the check failed (the
     caller then replays the round pass by pass to find the culprit). Why: a check builds an ORT session and
@@ -106,7 +107,7 @@ def _round_at_once(active: list[str], current: ir.Model, settings: PassSettings,
     for name in active:
         start = time.perf_counter()
         try:
-            outcome = all_passes()[name].apply(current, settings)
+            outcome = _apply(name, current, settings, progress)
         except Exception:  # noqa: BLE001 - the replay rolls the pass back with its reason
             return "replay", None
         finally:
@@ -131,7 +132,7 @@ def _round_at_once(active: list[str], current: ir.Model, settings: PassSettings,
 
 def _round_pass_by_pass(active: list[str], model: onnx.ModelProto, settings: PassSettings, verifier: Verifier,
                         records: dict, rolled_back: list[dict], round_index: int,
-                        checks: dict) -> tuple[onnx.ModelProto, ir.Model]:
+                        checks: dict, progress: Progress | None) -> tuple[onnx.ModelProto, ir.Model]:
     """One round from `model` with a check after every pass that changed something; a pass that raises or
     changes the numbers is rolled back (appended to `rolled_back`). Returns the last accepted model (`model`
     itself when nothing was accepted) and its IR."""
@@ -141,7 +142,7 @@ def _round_pass_by_pass(active: list[str], model: onnx.ModelProto, settings: Pas
         before = _ir_op_counts(current)
         start = time.perf_counter()
         try:
-            outcome = all_passes()[name].apply(current, settings)
+            outcome = _apply(name, current, settings, progress)
             candidate = drop_initializer_value_info(ir.to_proto(current)) if outcome.matches else None
         except Exception as exc:  # a pass that breaks on an unusual graph must not end the run
             record["seconds"] += time.perf_counter() - start
@@ -164,6 +165,15 @@ def _round_pass_by_pass(active: list[str], model: onnx.ModelProto, settings: Pas
         _accept(record, outcome, before, _ir_op_counts(current), verdict.as_dict())
         model = candidate
     return model, current
+
+
+def _apply(name: str, model: ir.Model, settings: PassSettings, progress: Progress | None):
+    """One pass on `model`; a pass still running after a few seconds says so (name, what it does, elapsed)."""
+    graph_pass = all_passes()[name]
+    if progress is None:
+        return graph_pass.apply(model, settings)
+    with progress.watch(f"optimize: pass {name} ({graph_pass.doc})"):
+        return graph_pass.apply(model, settings)
 
 
 def _accept(record: dict, outcome, before: Counter, after: Counter, verification: dict) -> None:
@@ -229,12 +239,12 @@ def selected_passes(options: Settings) -> list[str]:
     return [name for name in names if name not in options.skip]
 
 
-def _settings(options: Settings, stages: list[tuple[str, Settings]]) -> PassSettings:
+def _settings(options: Settings, stages: list[tuple[str, Settings]], threads: int = 2) -> PassSettings:
     """Resolve what passes may do from the options and the quantize backend later in the pipeline."""
     backend = next((opts.backend for name, opts in stages if name == "quantize"), None)
     max_opset = options.max_opset or (RKNN_MAX_OPSET if backend == "rknn" else 21)
     return PassSettings(fold_max_elements=options.fold_max_elements, max_opset=max_opset,
-                        gelu=options.gelu, backend=backend)
+                        gelu=options.gelu, backend=backend, threads=threads)
 
 
 def _merge(old: dict, new: dict) -> dict:

@@ -49,6 +49,7 @@ class PassSettings:
     max_opset: int = 21  # ...and rewrites never raise the opset above this (RKNN: 19)
     gelu: str = "auto"  # auto | onnx | microsoft | off
     backend: str | None = None  # the quantize backend later in the pipeline (ort | rknn | fp16), if any
+    threads: int = 2  # the run's threads, for a pass that runs ONNX Runtime (constant folding)
 
 
 @dataclass
