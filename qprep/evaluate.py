@@ -9,6 +9,7 @@ that turns a collapse into `gate missed`. Everything lands in report.json under 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from qprep.measure.metrics import wilson_interval
 from qprep.measure.outputs import output_metrics, padding_included
 from qprep.measure.padding import Padding
 from qprep.model import info as model_info
-from qprep.model.runtime import run_model
+from qprep.model.runtime import SessionRecipe, run_model
 
 if TYPE_CHECKING:  # the pipeline imports this package
     from qprep.config import Config
@@ -69,20 +70,17 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
         ctc.spell_worst(heldout, symbols)
         result["heldout"] = {"samples": run.heldout.describe(), "outputs": heldout, "notes": heldout_notes}
     latency = None
-    if products.runner is not None:
-        latency = {"status": "not measured (no device): the result runs on the toolkit's simulator"}
-    elif cfg["latency"]["runs"] > 0:
+    if cfg["latency"]["runs"] > 0:
         with ctx.progress.step("evaluation: latency"):  # the reference's session, built for its outputs, reused
-            latency = _latency(run.session(), final_model, samples.samples[0], threads, cfg["latency"])
-        if latency["speedup"] < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
-            notes.append(f"the result runs {latency['speedup']:.2f}× the reference's speed on this CPU "
-                         "(slower): check it on the deployment CPU before shipping it for speed")
-        if "unstable" in latency:
-            notes.append(latency["unstable"])
+            latency = timed_latency(config, run, products, final_model, samples.samples[0])
+        notes.extend(latency_notes(latency))
+    elif products.runner is not None:
+        latency = {"status": NO_BOARD}
     if run.as_written:
         notes.append("ONNX Runtime's graph optimizations fail on the reference model, so it ran as written: "
                      f"its outputs are exact, its latency unoptimized ({run.as_written})")
-    run.release()  # the last run of the reference is done: per-layer error runs without its weights in memory
+    if latency is None or "reference" not in latency:  # timed_latency released it once its session was timed
+        run.release()  # the last run of the reference is done: per-layer error runs without its weights in memory
     if cfg["layers"] and products.analyzer is not None:
         with ctx.progress.step("evaluation: per-layer error (backend analysis)"):
             result["layers"] = products.analyzer(samples.samples[: cfg["layer_samples"]])
@@ -234,12 +232,116 @@ def _top1_hits(outputs: list, labels: list[int]) -> np.ndarray:
                      for o, y in zip(outputs, labels)])
 
 
-def _latency(reference, final_model, sample, threads: int, cfg: dict) -> dict:
-    timed = interleaved({"reference": (reference, sample),
-                         "result": (final_model, model_info.cast_to_inputs([sample], final_model)[0])},
-                        threads, cfg["runs"], cfg["warmup"], cfg["rounds"], tight=cfg["within"] or None,
-                        seconds=cfg["seconds"] or None)
-    ref, res = timed["reference"], timed["result"]
-    return {"reference": ref, "result": res, **speedups(ref, res),
-            "settings": {"batch": 1, "threads": threads, "provider": "CPUExecutionProvider",
-                         "graph_optimization": "ORT_ENABLE_ALL"}}
+NO_BOARD = ("not measured: the result runs on the toolkit's simulator, and its latency exists only on the board "
+            "(no figure off the board)")
+BASIC = "ORT_ENABLE_BASIC"  # folds constants, no LayerNorm/GELU/attention fusions: a runtime that takes the graph
+# much as written (an NPU toolkit's input)
+
+
+def timed_latency(config: Config, run, products: Products, final_model: onnx.ModelProto, sample: dict) -> dict:
+    """The original model, the optimized float model and the result timed in turn on ORT's CPU at its default
+    level, and the two float models again at ORT_ENABLE_BASIC. Why both: ORT fuses much of what `optimize`
+    does by itself, a runtime that takes the graph as written (an NPU toolkit) does not, so what optimize bought
+    shows at one level and may vanish at the other. Each model is timed once: the optimized float model that is
+    the result, or that optimize left as it was, is not timed again."""
+    cfg, threads, started = config["evaluation"]["latency"], config["threads"], time.perf_counter()
+    optimized, why = optimized_float(config, products, final_model, run.model)
+    deployed = {"reference": (run.session(), sample)}
+    if optimized is not None and optimized is not final_model:
+        deployed["optimized"] = (optimized, model_info.cast_to_inputs([sample], optimized)[0])
+    if products.runner is None:
+        deployed["result"] = (final_model, model_info.cast_to_inputs([sample], final_model)[0])
+    latency: dict = {"settings": {"batch": 1, "threads": threads, "provider": "CPUExecutionProvider",
+                                  "graph_optimization": "ORT_ENABLE_ALL", "basic": BASIC}}
+    if products.runner is not None:
+        latency["status"] = NO_BOARD
+    if optimized is None:
+        latency["optimized_status"] = why
+    elif optimized is final_model:
+        latency["optimized_status"] = "the result is the optimized float model (timed once)"
+    if len(deployed) > 1:
+        latency.update(_timed(deployed, threads, cfg, len(deployed) + 2 * (optimized is not None)))
+    original, path = run.model, run.path
+    run.release()  # its session and proto go before the float models are built again at BASIC (peak memory)
+    if optimized is not None:
+        latency["basic"] = _basic(original, path, optimized, sample, threads, cfg, len(deployed) + 2)
+    if optimized is final_model:
+        latency["optimized"] = latency["result"]
+        latency.update({f"optimized_{key}": latency[key] for key in ("speedup", "speedup_rounds") if key in latency})
+    latency["seconds"] = round(time.perf_counter() - started, 2)
+    return latency
+
+
+def _timed(models: dict, threads: int, cfg: dict, of: int) -> dict:
+    """The models interleaved, each speed ratio against "reference"; `of`: how many models share the budget."""
+    budget = cfg["seconds"] * len(models) / of if cfg["seconds"] else None
+    timed = interleaved(models, threads, cfg["runs"], cfg["warmup"], cfg["rounds"], tight=cfg["within"] or None,
+                        seconds=budget)
+    out = dict(timed)
+    for label, prefix in (("result", ""), ("optimized", "optimized_")):
+        if label in timed:
+            out.update({prefix + key: value for key, value in speedups(timed["reference"], timed[label]).items()})
+    return out
+
+
+def _basic(original: onnx.ModelProto, path: str, optimized: onnx.ModelProto, sample: dict, threads: int,
+           cfg: dict, of: int) -> dict:
+    """The original and the optimized float model at ORT_ENABLE_BASIC; a failure to build is recorded, not
+    raised: the deployed figures stand without it. The original goes as a SessionRecipe, its proto let go
+    before its session is built (a heavy one is read again from its file)."""
+    try:
+        models = {"reference": (SessionRecipe(with_weights(original, path)), sample, "basic"),
+                  "optimized": (optimized, model_info.cast_to_inputs([sample], optimized)[0], "basic")}
+        return {"level": BASIC, **_timed(models, threads, cfg, of)}
+    except Exception as exc:  # noqa: BLE001 - ORT's own types; the figures at the default level stand
+        return {"level": BASIC, "status": f"not timed: {str(exc).splitlines()[0][:200]}"}
+
+
+def optimized_float(config: Config, products: Products, final_model: onnx.ModelProto,
+                    original: onnx.ModelProto) -> tuple[onnx.ModelProto | None, str]:
+    """(the optimize stage's float product, or None and why it is not timed). It is the model quantize started
+    from, or the result itself when no stage quantized it."""
+    if config["evaluation"]["reference_model"]:
+        return None, "not timed: the reference is evaluation.reference_model, not the model optimize started from"
+    if "optimize" not in [name for name, _ in config.stages]:
+        return None, "no optimize stage"
+    model = products.prepared_model if products.prepared_model is not None else final_model
+    if model_info.model_kind(model) != model_info.FLOAT:
+        return None, "not timed: the model optimize handed on is not a float model"
+    if same_graph(model, original):
+        return None, "optimize left the graph as it was"
+    return model, ""
+
+
+def same_graph(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
+    """The same nodes in the same order (weights not compared: the reference may be a weightless skeleton)."""
+    return len(a.graph.node) == len(b.graph.node) and all(
+        x.SerializeToString() == y.SerializeToString() for x, y in zip(a.graph.node, b.graph.node))
+
+
+def with_weights(model: onnx.ModelProto, path: str) -> onnx.ModelProto:
+    """The reference with its weights: a heavy one is a weightless skeleton once its session is built
+    (reference.py), so its file is read again and given the skeleton's graph (nodes named, dims fixed)."""
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        return model
+    whole = onnx.load(path)
+    known = {t.name for t in whole.graph.initializer}
+    for name in ("node", "input", "output", "value_info"):
+        whole.graph.ClearField(name)
+        getattr(whole.graph, name).extend(getattr(model.graph, name))
+    whole.graph.initializer.extend(t for t in model.graph.initializer if t.name not in known)
+    del whole.opset_import[:]
+    whole.opset_import.extend(model.opset_import)
+    whole.ir_version = model.ir_version
+    return whole
+
+
+def latency_notes(latency: dict) -> list[str]:
+    """What a reader must know about the timings: a result slower than the reference, rounds that disagree."""
+    notes = []
+    if latency.get("speedup", 1.0) < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
+        notes.append(f"the result runs {latency['speedup']:.2f}× the reference's speed on this CPU "
+                     "(slower): check it on the deployment CPU before shipping it for speed")
+    unstable = [t[key] for t in (latency, latency.get("basic") or {}) for key in ("unstable", "optimized_unstable")
+                if key in t]
+    return notes + unstable[:1]  # one says it: the machine's speed changed while timing

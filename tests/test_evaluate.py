@@ -474,12 +474,12 @@ def test_the_reference_model_is_released_after_latency_and_before_the_per_layer_
             return built[-1]
         return called
 
-    for module, name in ((evaluation, "_latency"), (evaluation, "LayerComparison"), (ReferenceOutputs, "release")):
+    for module, name in ((evaluation, "timed_latency"), (evaluation, "LayerComparison"), (ReferenceOutputs, "release")):
         monkeypatch.setattr(module, name, spy(getattr(module, name), name))
     report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "eval")},
                         "evaluation": {"source": str(tmp_path / "eval"), "latency": {"runs": 2, "warmup": 1}},
                         "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
-    assert calls == ["_latency", "release", "LayerComparison"]
+    assert calls == ["timed_latency", "release", "LayerComparison"]
     # the prepared model was handed over and the comparison keeps no proto: nothing holds its weights any more
     comparison = built[-1]
     assert comparison.pairs and report["evaluation"]["layers"]
@@ -561,3 +561,91 @@ def test_a_reference_ort_cannot_optimize_runs_as_written_with_a_note(tmp_path, m
                             latency_runs=2)
     assert report["evaluation"]["outputs"]["y"]["cosine_mean"] > 0.99
     assert any("ran as written" in note and "fusion failed" in note for note in report["evaluation"]["notes"])
+
+
+def conv_bn_model():
+    """Conv → BatchNormalization → Identity → Relu: optimize folds the BatchNorm and drops the Identity."""
+    import onnx  # noqa: F401 - the builders return ModelProtos
+    from onnx import helper
+
+    from graphs import make_model
+
+    rng = np.random.default_rng(0)
+    return make_model([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                       helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["n"]),
+                       helper.make_node("Identity", ["n"], ["i"]), helper.make_node("Relu", ["i"], ["y"])],
+                      [("x", [1, 3, 8, 8])], [("y", [1, 4, 8, 8])],
+                      {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+                       "s": rng.uniform(0.5, 1.5, 4).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
+                       "m": rng.standard_normal(4).astype(np.float32), "v": rng.uniform(0.5, 1.5, 4).astype(np.float32)})
+
+
+def latency_run(tmp_path, model, pipeline: list) -> dict:
+    import onnx
+
+    import qprep
+
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    (tmp_path / "eval").mkdir()
+    for i in range(4):
+        np.save(tmp_path / "eval" / f"{i}.npy", np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32))
+    return qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "eval")},
+                      "evaluation": {"source": str(tmp_path / "eval"), "latency": {"runs": 4, "warmup": 2},
+                                     "layers": False},
+                      "pipeline": pipeline}, output_dir=str(tmp_path / "out"))
+
+
+def test_the_report_times_original_optimized_float_and_result_at_both_ort_levels(tmp_path):
+    """What optimize bought on its own, at ORT's default level and where the runtime does not fuse (BASIC)."""
+    report = latency_run(tmp_path, conv_bn_model(), [{"optimize": {}}, {"quantize": {"backend": "ort"}}])
+    latency = report["evaluation"]["latency"]
+    for timing in (latency["reference"], latency["optimized"], latency["result"],
+                   latency["basic"]["reference"], latency["basic"]["optimized"]):
+        assert timing["median_ms"] > 0 and timing["round_ms"]
+    assert latency["speedup"] > 0 and latency["optimized_speedup"] > 0 and latency["basic"]["optimized_speedup"] > 0
+    assert latency["basic"]["level"] == "ORT_ENABLE_BASIC" and "result" not in latency["basic"]
+    assert latency["seconds"] > 0 and "optimized_status" not in latency
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| optimized float |" in text and "ORT_ENABLE_BASIC" in text and "| result |" in text
+
+
+def test_a_model_optimize_left_as_it_was_is_timed_once(tmp_path):
+    """No optimized float figures when optimize changed nothing: the same model is not timed twice."""
+    from graphs import tiny_conv_model
+
+    report = latency_run(tmp_path, tiny_conv_model(batch=1), [{"optimize": {}}, {"quantize": {"backend": "ort"}}])
+    latency = report["evaluation"]["latency"]
+    assert latency["optimized_status"] == "optimize left the graph as it was"
+    assert "optimized" not in latency and "basic" not in latency
+    assert latency["reference"]["median_ms"] > 0 and latency["result"]["median_ms"] > 0
+    assert "optimize left the graph as it was" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_result_off_the_board_has_no_figure_while_the_float_models_are_timed(tmp_path):
+    """RKNN: the result runs on the simulator (a runner), so only the float models before/after optimize are
+    timed; the report says the result's figure exists only on the board."""
+    from types import SimpleNamespace
+
+    import onnx
+
+    from qprep.config import load_config
+    from qprep.contract import Products
+    from qprep.evaluate import timed_latency
+    from qprep.model.runtime import ort_session
+
+    original = conv_bn_model()
+    onnx.save(original, str(tmp_path / "m.onnx"))
+    optimized = onnx.load(str(tmp_path / "m.onnx"))
+    del optimized.graph.node[2]  # the Identity dropped: another graph, the same numbers
+    optimized.graph.node[2].input[0] = "n"
+    config = load_config({"model": str(tmp_path / "m.onnx"), "evaluation": {"source": str(tmp_path)},
+                          "pipeline": [{"optimize": {}}]})
+    run = SimpleNamespace(model=original, path=str(tmp_path / "m.onnx"), release=lambda: None,
+                          session=lambda: ort_session(original, threads=1, optimize=True))
+    products = Products(prepared_model=optimized, runner=lambda samples: [])
+    sample = {"x": np.ones((1, 3, 8, 8), np.float32)}
+    latency = timed_latency(config, run, products, onnx.ModelProto(), sample)
+    assert latency["status"].startswith("not measured") and "board" in latency["status"]
+    assert "result" not in latency and "speedup" not in latency
+    assert latency["reference"]["median_ms"] > 0 and latency["optimized"]["median_ms"] > 0
+    assert latency["basic"]["optimized"]["median_ms"] > 0

@@ -8,6 +8,7 @@ settings are recorded beside the numbers so two reports can be compared honestly
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -18,51 +19,78 @@ from qprep.model.runtime import ort_session
 UNSTABLE = 1.15  # rounds whose speed ratios differ by more than this factor make the figure unreliable
 MIN_RUNS = 8  # a round stops early (`tight`) only after this many runs
 MIN_BUDGET_RUNS = 5  # ... and (`seconds` spent) after this many
-WARMUP_SECONDS = 2.0  # warm-up runs beyond the first stop once they took this long
+WARMUP_SECONDS = 2.0  # warm-up runs beyond the second stop once they took this long
+MODEL_SECONDS = 2.0  # with `tight`: each model's timed runs cost about this in all (`planned_runs`)
 
 
-def interleaved(models: dict[str, tuple[onnx.ModelProto, dict]], threads: int, runs: int, warmup: int,
-                rounds: int = 3, tight: float | None = None, seconds: float | None = None) -> dict[str, dict]:
-    """label → timing, for label → (model or its session, sample fed to it); one session per model, built once.
-    Each round times `runs` runs per model; with `tight`, a round stops as soon as its median's 95% interval is within
-    ±tight of it (at least MIN_RUNS). Why: a fixed run count is too many for a big model and too few for a small
-    fast one: the interval says when the figure is known. With `seconds`, a round also ends once it has used its
-    share of that budget (at least MIN_BUDGET_RUNS runs), and each timing reports the interval it reached: on a
-    noisy machine a big model's rounds may never get within ±tight (BENCHMARKS.md: "latency timed interleaved,
-    until its interval is tight")."""
-    sessions = {}
-    for label, (model, sample) in models.items():  # a model, or a session built already (the reference's)
-        session = model if hasattr(model, "run") else ort_session(model, threads=threads, optimize=True)
+def interleaved(models: dict[str, tuple], threads: int, runs: int, warmup: int, rounds: int = 3,
+                tight: float | None = None, seconds: float | None = None) -> dict[str, dict]:
+    """label → timing, for label → (model or its session, sample fed to it[, optimize: True or "basic"]); one
+    session per model, built once (at ORT_ENABLE_ALL unless the third item says otherwise).
+    Each round times `runs` runs per model; with `tight`, a round stops as soon as its median's 95% interval is
+    within ±tight of it (at least MIN_RUNS), and a model whose warm run is slow gets fewer runs (`planned_runs`):
+    a fixed run count is too many for a big model and too few for a small fast one. With `seconds`, a round also
+    ends once it has used its share of that budget (at least MIN_BUDGET_RUNS runs, fewer if planned), and each
+    timing reports the interval it reached: on a noisy machine a big model's rounds may never get within ±tight
+    (BENCHMARKS.md: "latency timed interleaved, until its interval is tight")."""
+    sessions, planned = {}, {}
+    for label, (model, sample, *level) in models.items():  # a model, or a session built already (the reference's)
+        session = model if hasattr(model, "run") else ort_session(model, threads=threads,
+                                                                    optimize=level[0] if level else True)
         feeds = {i.name: sample[i.name] for i in session.get_inputs()}
-        started = time.perf_counter()
-        for done in range(warmup):
-            session.run(None, feeds)
-            if done and time.perf_counter() - started > WARMUP_SECONDS:
-                break
+        single = _warm_up(session, feeds, warmup)
+        planned[label] = (planned_runs(single, runs, rounds) if tight and single else runs, single)
         sessions[label] = (session, feeds)
     medians: dict[str, list[float]] = {label: [] for label in models}
     p90s: dict[str, list[float]] = {label: [] for label in models}
-    counts: dict[str, list[int]] = {label: [] for label in models}
-    intervals: dict[str, list[float]] = {label: [] for label in models}
+    every: dict[str, list[list[float]]] = {label: [] for label in models}
     share = seconds / (rounds * len(models)) * 1000 if seconds else None  # ms per round and model
     for _ in range(rounds):
         for label, (session, feeds) in sessions.items():
-            times = []
-            while len(times) < runs and not (tight and len(times) >= MIN_RUNS and median_known(times, tight)) \
-                    and not (share and len(times) >= MIN_BUDGET_RUNS and sum(times) >= share):
+            most, times = planned[label][0], []
+            while len(times) < most and not (tight and len(times) >= MIN_RUNS and median_known(times, tight)) \
+                    and not (share and len(times) >= min(MIN_BUDGET_RUNS, most) and sum(times) >= share):
                 start = time.perf_counter()
                 session.run(None, feeds)
                 times.append((time.perf_counter() - start) * 1000)
             medians[label].append(statistics.median(times))
             p90s[label].append(sorted(times)[int(0.9 * (len(times) - 1))])
-            counts[label].append(len(times))
-            intervals[label].append(interval(times))
+            every[label].append(times)
     return {label: {"median_ms": statistics.median(medians[label]), "p90_ms": statistics.median(p90s[label]),
-                    "round_ms": medians[label], "runs": int(statistics.median(counts[label])),
-                    "round_runs": counts[label], "warmup": warmup, "rounds": rounds, "threads": threads,
-                    "interval": _finite(max(intervals[label])),
+                    "round_ms": medians[label], "runs": int(statistics.median(len(t) for t in every[label])),
+                    "round_runs": [len(t) for t in every[label]], "warmup": warmup, "rounds": rounds,
+                    "threads": threads, "interval": _finite(reached(every[label])),
+                    **({"single_ms": round(planned[label][1], 4)} if planned[label][1] else {}),
                     **({"tight": tight} if tight else {}), **({"seconds": seconds} if seconds else {})}
             for label in models}
+
+
+def _warm_up(session, feeds: dict, warmup: int) -> float | None:
+    """Up to `warmup` untimed runs (those beyond the second stop after WARMUP_SECONDS); the time of the last
+    one in ms (a warm run: the first builds caches and pages weights in), None with fewer than two."""
+    started, last = time.perf_counter(), None
+    for done in range(warmup):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        last = (time.perf_counter() - start) * 1000 if done else None
+        if done and time.perf_counter() - started > WARMUP_SECONDS:
+            break
+    return last
+
+
+def planned_runs(single_ms: float, runs: int, rounds: int, each: float = MODEL_SECONDS) -> int:
+    """Runs per round for a model whose warm run takes `single_ms`: its timed runs cost about `each` seconds in
+    all, at least one a round, at most `runs`. Why: the step then costs a bounded multiple of one run (a 1.3 s
+    BERT-large: 3 runs, not 30 s), while a 1 ms model still gets the counts its noise needs."""
+    return max(1, min(runs, math.ceil(each * 1000 / rounds / max(single_ms, 1e-6))))
+
+
+def reached(rounds: list[list[float]]) -> float:
+    """The interval a timing reached: the widest round's, or, with fewer than two runs a round (a slow model's
+    plan), that of all its runs."""
+    if all(len(times) >= 2 for times in rounds):
+        return max(interval(times) for times in rounds)
+    return interval([t for times in rounds for t in times])
 
 
 def median_known(times: list[float], tight: float) -> bool:

@@ -202,13 +202,15 @@ def _along(vector: np.ndarray, axis: int, rank: int) -> np.ndarray:
     return vector.reshape(shape)
 
 
-def ort_session(model: "onnx.ModelProto | SessionRecipe", threads: int = 2, optimize: bool = False, extra_outputs=(),
-                log_severity: int = 3):
+def ort_session(model: "onnx.ModelProto | SessionRecipe", threads: int = 2, optimize: bool | str = False,
+                extra_outputs=(), log_severity: int = 3):
     """An ONNX Runtime CPU session for an in-memory model (or a SessionRecipe made from one).
 
     `optimize=False` runs the graph exactly as written (ORT_DISABLE_ALL): verification compares what qprep
-    wrote, not what ORT would have fused. `extra_outputs` exposes intermediate tensors by name. `log_severity`
-    4 also hides ORT's error lines (for a probe whose failure is expected and reported by the caller).
+    wrote, not what ORT would have fused; "basic" (ORT_ENABLE_BASIC: constant folding, Conv+BatchNorm-like
+    folds, none of the LayerNorm/GELU/attention fusions) stands for a runtime that does not rewrite the graph
+    itself when the latency is timed. `extra_outputs` exposes intermediate tensors by name. `log_severity` 4
+    also hides ORT's error lines (for a probe whose failure is expected and reported by the caller).
     """
     import onnxruntime as ort
 
@@ -218,7 +220,8 @@ def ort_session(model: "onnx.ModelProto | SessionRecipe", threads: int = 2, opti
     options.inter_op_num_threads = 1
     options.log_severity_level = log_severity
     options.graph_optimization_level = (
-        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if optimize == "basic"
+        else ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
     names, values = recipe.take_weights()
     if names:  # ORT reads them while it builds the session and keeps a copy (tests/test_third_party.py)

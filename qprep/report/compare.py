@@ -18,6 +18,9 @@ from qprep.errors import QprepError
 from qprep.measure.metrics import OUTPUT_METRICS, higher_is_better
 
 
+LATENCY_MS = ("original_ms", "optimized_ms", "result_ms")  # at ORT's default level (evaluate.timed_latency)
+
+
 def load_record(path: str) -> tuple[str, dict]:
     target = Path(path)
     for candidate in (target, target / "report.json", target / "summary.json"):
@@ -57,7 +60,7 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
     flat: dict[str, float | None] = {}
     if kind == "summary":
         for row in data["models"]:
-            for metric in ("cosine_mean", "agreement", "speedup"):
+            for metric in ("cosine_mean", "agreement", "speedup", *LATENCY_MS):
                 flat[f"{row['model']}.{metric}"] = _number(row.get(metric), f"{row['model']}.{metric}")
         return flat
     evaluation = data.get("evaluation") or {}
@@ -68,7 +71,9 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
     latency = evaluation.get("latency") or {}
     if "speedup" in latency:
         flat["latency.speedup"] = _number(latency["speedup"], "latency.speedup")
-        flat["latency.result_ms"] = _number(latency["result"]["median_ms"], "latency.result.median_ms")
+    for metric, label in zip(LATENCY_MS, ("reference", "optimized", "result")):
+        if "median_ms" in (latency.get(label) or {}):
+            flat[f"latency.{metric}"] = _number(latency[label]["median_ms"], f"latency.{label}.median_ms")
     flat["result.nodes"] = _number((data.get("result") or {}).get("nodes"), "result.nodes")
     return flat
 
@@ -129,7 +134,7 @@ def _single(path: str, report: dict) -> dict:
             base = reference_accuracy.get(name) if metric == "top1_accuracy" else reference_score(metric)
             delta = None if value is None or base is None or not math.isfinite(base) else value - base
             rows.append({"metric": name, "base": base, "others": [{"value": value, "delta": delta, "worse": False}]})
-    for name, pair, scale in (("latency.median_ms", latency_ms, 1), ("size.MB", size_bytes, 1e6)):
+    for name, pair, scale in (*latency_ms, ("size.MB", size_bytes, 1e6)):
         if pair and None not in pair:
             reference, result = (v / scale for v in pair)
             rows.append({"metric": name, "base": reference,
@@ -146,16 +151,21 @@ def reference_score(metric: str) -> float:
     return 1.0 if higher_is_better(metric) else 0.0
 
 
-def _single_values(report: dict) -> tuple[dict, dict, tuple | None, tuple | None]:
-    """What one run shows: its metrics, the reference's measured top-1 accuracy per output, and (reference,
-    result) median latency and size when measured."""
+def _single_values(report: dict) -> tuple[dict, dict, list, tuple | None]:
+    """What one run shows: its metrics, the reference's measured top-1 accuracy per output, the median latency
+    rows (name, (reference, result or optimized float), 1) and (reference, result) size when measured."""
     evaluation = report["evaluation"]
     reference_accuracy = {f"{output}.top1_accuracy": _number(values.get("reference_top1_accuracy"), output)
                           for output, values in (evaluation.get("outputs") or {}).items()}
     latency = evaluation.get("latency") or {}
     sizes = evaluation.get("size_bytes") or {}
-    latency_ms = tuple(_number(latency[side]["median_ms"], f"latency.{side}.median_ms")
-                       for side in ("reference", "result")) if "speedup" in latency else None
+    latency_ms = [(name, tuple(_number(timed[side]["median_ms"], f"latency.{side}.median_ms")
+                               for side in ("reference", label)), 1)
+                  for name, timed, label in (("latency.median_ms", latency, "result"),
+                                             ("latency.optimized_float_ms", latency, "optimized"),
+                                             ("latency.optimized_float_ms (ORT_ENABLE_BASIC)",
+                                              latency.get("basic") or {}, "optimized"))
+                  if "median_ms" in (timed.get(label) or {}) and "median_ms" in (timed.get("reference") or {})]
     size_bytes = tuple(_number(sizes[side], f"size_bytes.{side}") for side in ("reference", "result")) if sizes else None
     return metrics_of("report", report), reference_accuracy, latency_ms, size_bytes
 

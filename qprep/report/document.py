@@ -107,14 +107,7 @@ def _evaluation(evaluation: dict | None) -> list:
             title=f"{kind} {'passed' if gate['passed'] else '**missed**'}{judged}"))
         if gate.get("worst_tensors"):
             blocks.append(Text("Worst: " + "; ".join(gate["worst_tensors"]), note=True))
-    latency = evaluation.get("latency")
-    if latency and "speedup" in latency:
-        blocks.append(Text(f"Latency (batch 1, {latency['settings']['threads']} threads, median of "
-                           f"{_runs_text(latency)}): reference {latency['reference']['median_ms']:.2f} ms, "
-                           f"result {latency['result']['median_ms']:.2f} ms — **{latency['speedup']:.2f}×**"
-                           f"{_round_range(latency)}."))
-    elif latency:
-        blocks.append(Text(f"Latency: {latency['status']}."))
+    blocks += latency_blocks(evaluation.get("latency"))
     sizes = evaluation.get("size_bytes")
     if sizes:
         blocks.append(Text(f"Size: reference {sizes['reference'] / 1e6:.2f} MB, "
@@ -174,10 +167,49 @@ def _outputs(outputs: dict, why: bool = True) -> list:
     return blocks
 
 
-def _round_range(latency: dict) -> str:
+def latency_blocks(latency: dict | None) -> list:
+    """Original → optimized float → result, at ORT's default level and, for the float models, at
+    ORT_ENABLE_BASIC (what optimize bought where the runtime does not fuse by itself); what was not timed, why."""
+    if not latency:
+        return []
+    if "reference" not in latency:  # nothing timed (reports before the float models were timed: RKNN's status)
+        return [Text(f"Latency: {latency['status']}.")]
+    basic = latency.get("basic") or {}
+    rows = [["original", _timing(latency["reference"]), _timing(basic.get("reference"))],
+            ["optimized float", _timing(latency.get("optimized"), latency, "optimized_"),
+             _timing(basic.get("optimized"), basic, "optimized_")]]
+    result = _timing(latency.get("result"), latency, "") if "result" in latency else "not timed"
+    rows.append(["result", result, "–"])
+    level = basic.get("level", "ORT_ENABLE_BASIC")
+    blocks: list = [Table(["model", f"ONNX Runtime default ({latency['settings']['graph_optimization']})",
+                           f"{level} (no fusions of its own, as an NPU toolkit's input)"], rows,
+                          title=f"Latency (batch 1, {latency['settings']['threads']} threads, CPU; median of "
+                                f"{_runs_text(latency)})")]
+    said = [latency.get("optimized_status"), basic.get("status"), latency.get("status")]
+    blocks += [Text(f"Latency: {text}.") for text in said if text]
+    if latency.get("seconds") is not None:
+        blocks.append(Text(f"The latency step took {latency['seconds']:.1f} s."))
+    return blocks
+
+
+def _timing(timing: dict | None, against: dict | None = None, prefix: str = "") -> str:
+    """'12.3 ms ±1.5%', with the speed-up over the original (and its rounds' range) when `against` holds one."""
+    if not timing:
+        return "–"
+    text = f"{_ms(timing['median_ms'])} ms" + (f" ±{100 * timing['interval']:.1f}%" if timing.get("interval") else "")
+    if against and f"{prefix}speedup" in against:
+        text += f" — **{against[prefix + 'speedup']:.2f}×**{_round_range(against, prefix)}"
+    return text
+
+
+def _ms(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.2f}" if value >= 1 else f"{value:.3g}"
+
+
+def _round_range(latency: dict, prefix: str = "") -> str:
     """' (rounds 1.17–1.25×)' when the speed was timed in more than one round (reports before it have none)."""
-    low_high = latency.get("speedup_rounds")
-    if not low_high or latency["result"].get("rounds", 1) < 2:
+    low_high = latency.get(f"{prefix}speedup_rounds")
+    if not low_high or latency["reference"].get("rounds", 1) < 2:
         return ""
     return f" (rounds {low_high[0]:.2f}–{low_high[1]:.2f}×)"
 
@@ -302,17 +334,14 @@ def _value(row: dict) -> float:
 
 
 def _runs_text(latency: dict) -> str:
-    """'50 runs', or for timings that stopped once their median was known: '12–50 runs per round'."""
-    counts = latency["reference"].get("round_runs", []) + latency["result"].get("round_runs", [])
-    reached = max(latency["reference"].get("interval") or 0, latency["result"].get("interval") or 0)
-    budget = latency["result"].get("seconds")
+    """'50 runs', or for timings that stopped once their median was known: '12–50 runs per round'; each
+    model's interval is in its cell."""
+    timings = [t for t in (latency.get("reference"), latency.get("optimized"), latency.get("result")) if t]
+    counts = [n for t in timings for n in t.get("round_runs", [])]
     if counts and min(counts) != max(counts):
-        within = latency["result"].get("tight")
-        text = (f"{min(counts)}–{max(counts)} runs per round"
-                + (f", each until its median was known within ±{100 * within:g}%" if within else "")
-                + (f" or its share of {budget:g} s was spent" if budget else ""))
-    else:
-        text = f"{latency['result']['runs']} runs"
-    if reached:
-        text += f" (medians known within ±{100 * reached:.1f}%)"
-    return text
+        within = latency["reference"].get("tight")
+        return (f"{min(counts)}–{max(counts)} runs per round"
+                + (f", each until its median was known within ±{100 * within:g}%, a slow model's runs fewer"
+                   if within else "")
+                + (" or the time budget spent" if latency["reference"].get("seconds") else ""))
+    return f"{latency['reference']['runs']} runs"

@@ -12,7 +12,7 @@ from qprep.jsonfile import number
 from qprep.measure.metrics import main_agreement
 
 COLUMNS = ["model", "status", "cosine_mean", "agreement", "heldout_cosine", "heldout_agreement", "speedup",
-           "nodes_before", "nodes_after",
+           "original_ms", "optimized_ms", "result_ms", "nodes_before", "nodes_after",
            "layernorms_fused", "float_nodes", "int8_macs", "seconds", "error", "run_dir"]
 
 
@@ -36,8 +36,16 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     evaluation = report.get("evaluation") or {}
     row["cosine_mean"], row["agreement"] = _headline(evaluation.get("outputs"))
     row["heldout_cosine"], row["heldout_agreement"] = _headline((evaluation.get("heldout") or {}).get("outputs"))
-    row["speedup"] = number((evaluation.get("latency") or {}).get("speedup"))
+    row.update(latency_figures(evaluation.get("latency") or {}))
     return row
+
+
+def latency_figures(latency: dict) -> dict:
+    """The speed-up and the median ms of original, optimized float and result at ORT's default level (None where
+    not timed: no optimize, an RKNN result)."""
+    return {"speedup": number(latency.get("speedup")),
+            **{f"{column}_ms": number((latency.get(label) or {}).get("median_ms"))
+               for column, label in (("original", "reference"), ("optimized", "optimized"), ("result", "result"))}}
 
 
 def _headline(outputs: dict | None) -> tuple[float | None, float | None]:
