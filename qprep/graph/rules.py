@@ -1,7 +1,7 @@
 """What every graph rewrite rule shares (optimize passes and qdq rewrites): written once, here.
 
     Names           unique node / value names for what a replacement adds (`names_in_use`, `unique_node_name`,
-                    `unique_value_name`)
+                    `unique_value_name`); `NewNames` for the names onnx_ir gives what a rewrite adds unnamed
     OpsetUpgrade    a rule whose replacement needs a newer opset: dry run first (`count_matches`), convert only
                     when something matches and max_opset allows it
     IdentityElimination  onnx_ir's pass, safe for If/Loop branches returning an outer value
@@ -82,6 +82,44 @@ def names_in_use(container: ir.Model | ir.Graph) -> Names:
             names.nodes.add(node.name)
         names.values.update(v.name for v in node.outputs if v.name)
     return names
+
+
+class NewNames:
+    """Names a rewrite's new node outputs unique in the whole model: `NewNames(model)` before the rewrite,
+    `settle()` after it renames each new output whose name another value has (`first_free`).
+
+    Why: onnx_ir names an output added without a name `val_<counter>` by its graph's own name authority, which
+    knows that graph's names only: in an If/Loop body it hands out `val_0`, the name torch's dynamo exporter gave
+    a value of the main graph (one the body may read). The onnxscript rewriter adds such outputs for the inner
+    nodes of a replacement (a LayerNormalization over a Transpose). ReplacementBuilder names what it adds from
+    `Names`; this covers what a rewrite lets onnx_ir name."""
+
+    def __init__(self, model: ir.Model):
+        self.model = model
+        self.before = set(_model_values(model))
+
+    def settle(self) -> dict[str, str]:
+        """{name onnx_ir gave: name kept} for each new output renamed."""
+        values = list(_model_values(self.model))
+        taken = {v.name for v in values if v in self.before and v.name}
+        renamed = {}
+        for value in values:
+            if value in self.before or not value.name or value.producer() is None:
+                continue
+            if value.name in taken:
+                given = value.name
+                value.name = renamed[given] = first_free(given, taken)
+            taken.add(value.name)
+        return renamed
+
+
+def _model_values(model: ir.Model) -> Iterator[ir.Value]:
+    """Graph inputs, initializers and node outputs of every graph of the model (functions included)."""
+    for graph in [*all_graphs(model), *(f.graph for f in model.functions.values())]:
+        yield from graph.inputs
+        yield from graph.initializers.values()
+    for node in all_nodes(model):
+        yield from node.outputs
 
 
 def unique_node_name(graph: ir.Graph, wanted: str) -> str:

@@ -6,7 +6,8 @@ import pytest
 from onnx import helper
 
 from graphs import make_graph, make_model
-from qprep.graph.rules import OpsetUpgrade, names_in_use, per_channel, unique_node_name, unique_value_name
+from qprep.graph.names import duplicate_names
+from qprep.graph.rules import NewNames, OpsetUpgrade, names_in_use, per_channel, unique_node_name, unique_value_name
 
 UPGRADE = OpsetUpgrade(17, forbidden="{found} at opset {opset}: max_opset {max_opset} < {target}",
                        failed="converting {opset} → {target} failed")
@@ -65,3 +66,20 @@ def test_per_channel_reads_one_value_per_channel_or_says_why_not(array, expected
     else:
         np.testing.assert_array_equal(result, expected)
         assert result.dtype == np.float32
+
+
+def test_new_names_renames_what_onnx_ir_named_inside_a_body_after_an_outer_value():
+    """onnx_ir's name authority of an If body knows the body's names only: a node added there unnamed gets
+    `val_0`, which the main graph (a dynamo export) already has and the body reads."""
+    branch = lambda op, out: make_graph([helper.make_node(op, ["val_0"], [out])], [], [(out, [2])], name=out)  # noqa: E731
+    model = ir.from_proto(make_model(
+        [helper.make_node("Relu", ["x"], ["val_0"]),
+         helper.make_node("If", ["c"], ["y"], then_branch=branch("Neg", "val_1"), else_branch=branch("Abs", "val_2"))],
+        [("x", [2]), ("c", [], np.bool_)], [("y", [2])], infer_shapes=False))
+    body = next(n for n in model.graph if n.op_type == "If").attributes["then_branch"].as_graph()
+    names = NewNames(model)
+    added = ir.node("Sigmoid", [body[0].inputs[0]])
+    body.insert_before(body[0], added)
+    assert added.outputs[0].name == "val_0"  # onnx_ir's choice: the outer value's name
+    assert names.settle() == {"val_0": "val_0_1"}
+    assert duplicate_names(ir.to_proto(model)) == []
