@@ -29,28 +29,29 @@ _TAPS = {"nearest": 1, "linear": 2, "cubic": 4}  # Resize: samples read per resi
 def node_cost(op_type: str, attributes: dict, inputs: list[tuple | None], outputs: list[tuple | None]) -> int:
     """Estimated operations for one evaluation. `inputs`/`outputs` are shapes (tuples of ints) or None when
     unknown; `attributes` maps names to Python values (only `mode` and `group` are read)."""
-    read = sum(_elements(shape) for shape in inputs if shape is not None)
-    written = sum(_elements(shape) for shape in outputs if shape is not None)
+    read = sum(elements(shape) for shape in inputs if shape is not None)
+    written = sum(elements(shape) for shape in outputs if shape is not None)
     out = outputs[0] if outputs else None
     if out is None:  # unknown result: at least what it reads (a MatMul of unknown shape: its inputs' product)
         return max(read, 1) * (_matmul_fallback(inputs) if op_type in ("MatMul", "Gemm") else 1)
     if op_type in ("MatMul", "Gemm", "MatMulInteger") and inputs and inputs[0]:
         depth = inputs[0][-1] if op_type != "Gemm" or not attributes.get("transA") else inputs[0][0]
-        return _elements(out) * max(int(depth), 1)
+        return elements(out) * max(int(depth), 1)
     if op_type in ("Conv", "ConvInteger", "ConvTranspose") and len(inputs) > 1 and inputs[1]:
         weight = inputs[1]  # [M, C/group, k...]: each output element reads C/group × kernel inputs
-        per = _elements(weight[1:]) if op_type != "ConvTranspose" else _elements(weight) // max(int(weight[0]), 1)
-        base = _elements(out) if op_type != "ConvTranspose" else _elements(inputs[0] or out)
+        per = elements(weight[1:]) if op_type != "ConvTranspose" else elements(weight) // max(int(weight[0]), 1)
+        base = elements(out) if op_type != "ConvTranspose" else elements(inputs[0] or out)
         return base * max(per, 1)
     if op_type == "Resize":
         resized = _resized_axes(inputs[0], out)
-        return _elements(out) * _TAPS.get(str(attributes.get("mode", "nearest")), 4) ** resized
+        return elements(out) * _TAPS.get(str(attributes.get("mode", "nearest")), 4) ** resized
     if op_type.startswith("Reduce") or op_type in ("ArgMax", "ArgMin", "TopK", "Einsum"):
         return max(read, written)
     return max(written * _PER_ELEMENT.get(op_type, 1), read)
 
 
-def _elements(shape) -> int:
+def elements(shape) -> int:
+    """Elements of a static shape (0 for an unknown one)."""
     return int(math.prod(int(d) for d in shape)) if shape is not None else 0
 
 
@@ -63,4 +64,4 @@ def _resized_axes(before, after) -> int:
 def _matmul_fallback(inputs) -> int:
     """A MatMul whose result shape is unknown: the shared dimension is at most the first input's last one."""
     first = inputs[0] if inputs else None
-    return int(first[-1]) if first else int(np.sqrt(max(sum(_elements(s) for s in inputs if s), 1)))
+    return int(first[-1]) if first else int(np.sqrt(max(sum(elements(s) for s in inputs if s), 1)))

@@ -77,18 +77,19 @@ def fold_closure(model: ir.Model, max_elements: int, threads: int, budget: int |
     frontier = _frontier(model, kept)
     if not frontier:
         return result
-    feeds = _feeds(kept)
     try:
+        feeds = _feeds(kept)
         session = ort_session(_closure_model(model, kept, feeds, [v.name for v in frontier]), threads=threads,
                               log_severity=4)
         arrays = session.run([v.name for v in frontier], {name: array for name, (_, array) in feeds.items()})
-    except Exception as exc:  # noqa: BLE001 - an op ORT cannot run on these values: leave the closure as it is
-        log.info("fold_constants: ONNX Runtime could not evaluate %d constant nodes: %s", len(kept),
-                 str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-        result.left["not_runnable"] += len(kept)
-        return result
-    result.sessions, result.evaluated = 1, len(kept)
+        result.sessions, result.evaluated = 1, len(kept)
+    except Exception as exc:  # noqa: BLE001 - one node ORT cannot run: find it, keep the rest
+        log.info("fold_constants: ONNX Runtime could not evaluate the %d constant nodes at once (%s); "
+                 "evaluating them one by one", len(kept), str(exc).splitlines()[0][:200] if str(exc) else "")
+        arrays = _one_by_one(model, kept, frontier, threads, result)
     for value, array in zip(frontier, arrays):
+        if array is None:
+            continue  # its node, or one before it, failed (counted)
         if not isinstance(array, np.ndarray) or array.dtype == object:
             result.left["not_runnable"] += 1
         elif array.size > max_elements and not _shrinks(value, array.size, kept, shapes):
@@ -97,6 +98,31 @@ def fold_closure(model: ir.Model, max_elements: int, threads: int, budget: int |
             _materialize(model.graph, value, array)
             result.materialized += 1
     return result
+
+
+def _one_by_one(model: ir.Model, kept: list[ir.Node], frontier: list[ir.Value], threads: int,
+                result: ClosureResult) -> list[np.ndarray | None]:
+    """The closure a node per session, so that a node ONNX Runtime refuses is left alone (counted
+    "not_runnable") with what depends on it, and the rest still folds. Returns the frontier's arrays (None for
+    a value not computed)."""
+    computed: dict[int, np.ndarray] = {}
+    for node in kept:
+        inputs = [v for v in node.inputs if v is not None]
+        if any(id(v) not in computed and not is_constant(v) for v in inputs):
+            continue  # after a refused node
+        try:
+            feeds = {v.name: (v, computed[id(v)] if id(v) in computed else np.asarray(numpy_value(v)))
+                     for v in inputs}
+            session = ort_session(_closure_model(model, [node], feeds, [v.name for v in node.outputs if v.name]),
+                                  threads=threads, log_severity=4)
+            arrays = session.run(None, {name: array for name, (_, array) in feeds.items()})
+        except Exception:  # noqa: BLE001 - this node is the one ONNX Runtime cannot run here
+            result.left["not_runnable"] += 1
+            continue
+        computed.update(zip((id(v) for v in node.outputs if v.name), arrays))
+        result.sessions += 1
+        result.evaluated += 1
+    return [computed.get(id(v)) for v in frontier]
 
 
 def _closure(model: ir.Model, result: ClosureResult) -> list[ir.Node]:
@@ -133,7 +159,7 @@ def _within_budget(closure: list[ir.Node], shapes: dict, budget: int, result: Cl
         attributes = {name: attr.value for name, attr in node.attributes.items()
                       if attr.type in (ir.AttributeType.STRING, ir.AttributeType.INT)}
         reason = None
-        if any(s is not None and fold_cost.node_cost("", {}, [], [s]) > INTERMEDIATE_MAX for s in outs):
+        if any(fold_cost.elements(s) > INTERMEDIATE_MAX for s in outs):
             reason = "size"
         elif fold_cost.node_cost(node.op_type, attributes, ins, outs) > budget:
             reason = "cost"
@@ -213,7 +239,7 @@ def _shrinks(value: ir.Value, size: int, kept: list[ir.Node], shapes: dict) -> b
     freed = 0
     for source in producer.inputs if producer is not None else ():
         if source is not None and len(source.uses()) == 1:
-            freed += fold_cost.node_cost("", {}, [], [shapes.get(source.name)]) if shapes.get(source.name) else 0
+            freed += fold_cost.elements(shapes.get(source.name))
     return freed >= size
 
 

@@ -81,7 +81,7 @@ def apply(model: ir.Model, settings: PassSettings) -> PassOutcome:
         fold_constants(model, input_size_limit=settings.fold_max_elements,
                        output_size_limit=settings.fold_max_elements, should_fold=_FoldPolicy(settings.fold_max_elements))
         evaluated = fold_runtime.fold_closure(model, settings.fold_max_elements, settings.threads)
-        left = evaluated.left  # what the last round left is what stays
+        left |= evaluated.left  # a node left in one round is left again in the next: the most per reason
         by_runtime += evaluated.evaluated
         sessions += evaluated.sessions
         RemoveUnusedNodesPass()(model)

@@ -90,3 +90,24 @@ def test_random_and_custom_domain_ops_are_left_untouched():
     out, outcome = apply_pass(fold_constants.PASS, model)
     assert ops(out)["Bernoulli"] == 1 and ops(out)["Scale"] == 1, ops(out)
     assert outcome.details["left"] == {"not_runnable": 1}, outcome.details
+
+
+def test_a_node_onnxruntime_refuses_is_left_and_the_rest_of_the_closure_still_folds():
+    """ONNX Runtime has no uint16 Add kernel: that node is left (not_runnable), the weight Transpose in the same
+    closure still folds, to the transposed weight."""
+    weight = rand(80, 60)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["mm"]),
+             helper.make_node("Add", ["a", "b"], ["count"]),
+             helper.make_node("Cast", ["count"], ["count_f"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("ReduceSum", ["count_f"], ["total"], keepdims=0),
+             helper.make_node("Add", ["mm", "total"], ["y"])]
+    counts = np.arange(5000, dtype=np.uint16)
+    model = make_model(nodes, [("x", [2, 60])], [("y", [2, 80])],
+                       {"w": weight, "a": counts, "b": counts}, opset=13, infer_shapes=False)
+    out, outcome = apply_pass(fold_constants.PASS, model)
+    assert "Transpose" not in ops(out) and ops(out)["Add"] == 2, ops(out)
+    assert outcome.details["left"] == {"not_runnable": 1}, outcome.details
+    matmul = next(node for node in out.graph.node if node.op_type == "MatMul")
+    folded = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}[matmul.input[1]]
+    np.testing.assert_array_equal(folded, weight.T)
