@@ -67,18 +67,21 @@ def evaluation_section() -> Key:
                         "an input's name names it, none judges every position (measure/padding.py)"),
         layers=Key("bool", default=True, doc="per-layer error against the prepared float model"),
         layer_samples=Key("int", default=8, minimum=1, doc="samples used for the per-layer error"),
-        latency=section("latency of reference and result with ONNX Runtime (batch 1)",
+        latency=section("latency of the original, the optimized float model and the result with ONNX Runtime "
+                        "(batch 1; the float models also at ORT_ENABLE_BASIC)",
                         runs=Key("int", default=50, minimum=0,
                                  doc="timed runs per round at most (median reported; a round ends sooner once "
                                      "its median is known within `within`); 0 disables"),
                         within=Key("float", default=0.02, minimum=0,
                                    doc="a round ends once its median's 95% interval is within ± this share of it "
-                                       "(at least 8 runs); 0: every round times all `runs`"),
+                                       "(at least 8 runs), and a model's runs follow its warm run (about 1 s of "
+                                       "runs each, at least one a round); 0: every round times all `runs`"),
                         seconds=Key("float", default=30.0, minimum=0,
-                                    doc="time budget of the timed runs (both models, every round): a round also "
+                                    doc="time budget of the timed runs (all models, every round): a round also "
                                         "ends once it used its share (at least 5 runs); the report gives the "
                                         "interval reached. 0: no budget"),
-                        warmup=Key("int", default=10, minimum=0, doc="untimed runs first (at most ~2 s of them)"),
+                        warmup=Key("int", default=10, minimum=0,
+                                   doc="untimed runs first (those beyond the second: at most ~0.5 s of them)"),
                         rounds=Key("int", default=3, minimum=1,
                                    doc="reference and result timed in turn this many times (median of rounds)")),
         labels=Key("path", doc="ground truth: a text file of `<sample file name> <label>` lines, for task "

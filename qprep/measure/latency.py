@@ -19,8 +19,8 @@ from qprep.model.runtime import ort_session
 UNSTABLE = 1.15  # rounds whose speed ratios differ by more than this factor make the figure unreliable
 MIN_RUNS = 8  # a round stops early (`tight`) only after this many runs
 MIN_BUDGET_RUNS = 5  # ... and (`seconds` spent) after this many
-WARMUP_SECONDS = 2.0  # warm-up runs beyond the second stop once they took this long
-MODEL_SECONDS = 2.0  # with `tight`: each model's timed runs cost about this in all (`planned_runs`)
+WARMUP_SECONDS = 0.5  # warm-up runs beyond the second stop once they took this long (ORT is warm after one)
+MODEL_SECONDS = 1.0  # with `tight`: each model's timed runs cost about this in all (`planned_runs`)
 
 
 def interleaved(models: dict[str, tuple], threads: int, runs: int, warmup: int, rounds: int = 3,
@@ -81,7 +81,8 @@ def _warm_up(session, feeds: dict, warmup: int) -> float | None:
 def planned_runs(single_ms: float, runs: int, rounds: int, each: float = MODEL_SECONDS) -> int:
     """Runs per round for a model whose warm run takes `single_ms`: its timed runs cost about `each` seconds in
     all, at least one a round, at most `runs`. Why: the step then costs a bounded multiple of one run (a 1.3 s
-    BERT-large: 3 runs, not 30 s), while a 1 ms model still gets the counts its noise needs."""
+    BERT-large: 3 runs, not 30 s), while a 1 ms model still gets the counts its noise needs (a round stops
+    sooner once its median is known)."""
     return max(1, min(runs, math.ceil(each * 1000 / rounds / max(single_ms, 1e-6))))
 
 
