@@ -67,3 +67,17 @@ def test_a_recognizer_output_is_read_as_text_with_the_models_character_list(tmp_
     np.savez(tmp_path / "s.npz", ids=np.zeros((1, 4), np.int64))
     out, _ = _run(tmp_path, tmp_path / "s.npz")
     assert out.splitlines()[1] == "output 1: text 'bc'"
+
+
+def test_an_input_the_contract_marks_ignored_is_not_fed(tmp_path):
+    """model.rknn lacks a graph input no node read (static_graph/hygiene.py): a sample of the ONNX model's
+    inputs, with or without it, feeds the others; an image model with such an input still takes an image."""
+    _board(tmp_path, [{"name": "x", "shape": [1, 3, 8, 8], "mean": [0, 0, 0], "std": [1, 1, 1],
+                       "channel_order": "rgb", "resize": "stretch"},
+                      {"name": "unused", "shape": [1, 2], "dtype": "float32", "ignored": True}])
+    np.savez(tmp_path / "s.npz", x=np.full((1, 3, 8, 8), 5, np.float32))
+    _, fed = _run(tmp_path, tmp_path / "s.npz")
+    assert fed == [[[1, 3, 8, 8], "float32", 5.0]]
+    Image.fromarray(np.full((8, 8, 3), 9, np.uint8)).save(tmp_path / "i.png")
+    _, fed = _run(tmp_path, tmp_path / "i.png")
+    assert fed == [[[1, 8, 8, 3], "uint8", 9.0]]
