@@ -337,11 +337,19 @@ def with_weights(model: onnx.ModelProto, path: str) -> onnx.ModelProto:
 
 
 def latency_notes(latency: dict) -> list[str]:
-    """What a reader must know about the timings: a result slower than the reference, rounds that disagree."""
+    """What a reader must know about the timings: a result slower than the reference, an optimized float model
+    slower than the original in every round (a rewrite this runtime does not reward), rounds that disagree."""
     notes = []
     if latency.get("speedup", 1.0) < 1.0:  # small models: Q/DQ overhead can outweigh the int8 kernels
         notes.append(f"the result runs {latency['speedup']:.2f}× the reference's speed on this CPU "
                      "(slower): check it on the deployment CPU before shipping it for speed")
+    said = latency.get("optimized") is latency.get("result")  # the result's note above says it at this level
+    for timed in ((latency,) if not said else ()) + (latency.get("basic") or {},):
+        rounds = timed.get("optimized_speedup_rounds")
+        if rounds and max(rounds) < 1.0:
+            level = timed.get("level") or latency["settings"]["graph_optimization"]
+            notes.append(f"the optimized float model runs {timed['optimized_speedup']:.2f}× the original's speed at "
+                         f"{level} in every timing round (slower): optimize's rewrites do not pay on this runtime")
     unstable = [t[key] for t in (latency, latency.get("basic") or {}) for key in ("unstable", "optimized_unstable")
                 if key in t]
     return notes + unstable[:1]  # one says it: the machine's speed changed while timing

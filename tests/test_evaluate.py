@@ -649,3 +649,16 @@ def test_a_result_off_the_board_has_no_figure_while_the_float_models_are_timed(t
     assert "result" not in latency and "speedup" not in latency
     assert latency["reference"]["median_ms"] > 0 and latency["optimized"]["median_ms"] > 0
     assert latency["basic"]["optimized"]["median_ms"] > 0
+
+
+def test_an_optimized_float_model_slower_in_every_round_is_a_note():
+    """A rewrite the runtime does not reward shows as a note at the level where it lost, never on one noisy round."""
+    from qprep.evaluate import latency_notes
+
+    settings = {"graph_optimization": "ORT_ENABLE_ALL"}
+    slower = {"settings": settings, "optimized": {}, "optimized_speedup": 0.9, "optimized_speedup_rounds": [0.85, 0.95],
+              "basic": {"level": "ORT_ENABLE_BASIC", "optimized_speedup": 1.3, "optimized_speedup_rounds": [1.2, 1.4]}}
+    notes = latency_notes(slower)
+    assert len(notes) == 1 and "0.90× the original's speed at ORT_ENABLE_ALL" in notes[0]
+    mixed = {**slower, "optimized_speedup_rounds": [0.9, 1.02]}
+    assert latency_notes(mixed) == []
