@@ -79,7 +79,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     if run.as_written:
         notes.append("ONNX Runtime's graph optimizations fail on the reference model, so it ran as written: "
                      f"its outputs are exact, its latency unoptimized ({run.as_written})")
-    if latency is None or "reference" not in latency:  # timed_latency released it once its session was timed
+    if cfg["latency"]["runs"] == 0:  # else timed_latency released it once its session was timed
         run.release()  # the last run of the reference is done: per-layer error runs without its weights in memory
     if cfg["layers"] and products.analyzer is not None:
         with ctx.progress.step("evaluation: per-layer error (backend analysis)"):

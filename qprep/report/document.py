@@ -172,8 +172,8 @@ def latency_blocks(latency: dict | None) -> list:
     ORT_ENABLE_BASIC (what optimize bought where the runtime does not fuse by itself); what was not timed, why."""
     if not latency:
         return []
-    if "reference" not in latency:  # nothing timed (reports before the float models were timed: RKNN's status)
-        return [Text(f"Latency: {latency['status']}.")]
+    if "reference" not in latency:  # nothing timed (an RKNN result, and optimize changed nothing or did not run)
+        return [Text(f"Latency: {text}.") for text in (latency.get("status"), latency.get("optimized_status")) if text]
     basic = latency.get("basic") or {}
     rows = [["original", _timing(latency["reference"]), _timing(basic.get("reference"))],
             ["optimized float", _timing(latency.get("optimized"), latency, "optimized_"),
