@@ -313,6 +313,8 @@ def feed_text(entry: dict, image: dict | None, npu: bool) -> str:
     model's dtype); any other input, its dtype and shape as the ONNX model takes it. Only image inputs speak of
     pixels."""
     name, dtype, shape = entry.get("name", "?"), entry.get("dtype", "?"), _shape(entry.get("shape"))
+    if entry.get("ignored"):  # no node reads it: model.rknn has no such input (rknn/static_graph/hygiene.py)
+        return f"`{name}`: not fed (no node of the model reads it; the board runner skips it)"
     if entry.get("mean") is not None and entry.get("std") is not None:  # normalized on the NPU
         feed = entry.get("feed", "")
         layout = entry.get("feed_layout") or ("NCHW" if "NCHW" in feed else "NHWC")
@@ -338,7 +340,7 @@ def _board_line(contract: dict | None) -> str:
     .npz with one array per input name (run_on_board.py)."""
     head = ("`run_on_board.py`: an example runner; on the board: `pip install rknn-toolkit-lite2`, copy the three "
             "files, then ")
-    inputs = (contract or {}).get("inputs") or []
+    inputs = [entry for entry in (contract or {}).get("inputs") or [] if not entry.get("ignored")]
     if len(inputs) == 1 and inputs[0].get("mean") is not None:
         return head + "`python3 run_on_board.py image.png`"
     names = ", ".join(f"`{entry.get('name', '?')}`" for entry in inputs[:MAX_INPUTS_LISTED])

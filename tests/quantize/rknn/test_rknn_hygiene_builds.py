@@ -48,6 +48,8 @@ def test_inputs_no_node_reads_after_optimize_are_ignored_and_the_run_ends_ok(tmp
     assert [(i["name"], i.get("ignored", False)) for i in contract["inputs"]] == [("x", False), ("z", True),
                                                                                   ("s", True)]
     assert report["evaluation"]["outputs"]["y"]["samples"] == 6
+    files = (tmp_path / "out" / "report.md").read_text()
+    assert "`z`: not fed (no node of the model reads it" in files and "(one array per input: `x`, as above)" in files
 
 
 def test_a_gru_with_empty_sequence_lens_whose_last_state_is_read_builds_and_matches_float(tmp_path):
