@@ -247,7 +247,8 @@ def timed_latency(config: Config, run, products: Products, final_model: onnx.Mod
     cfg, threads, started = config["evaluation"]["latency"], config["threads"], time.perf_counter()
     optimized, why = optimized_float(config, products, final_model, run.model)
     deployed = {"reference": (run.session(), sample)}
-    if optimized is not None and optimized is not final_model:
+    once = optimized is final_model and products.runner is None  # the result is the optimized model, run by ORT
+    if optimized is not None and not once:
         deployed["optimized"] = (optimized, model_info.cast_to_inputs([sample], optimized)[0])
     if products.runner is None:
         deployed["result"] = (final_model, model_info.cast_to_inputs([sample], final_model)[0])
@@ -257,7 +258,7 @@ def timed_latency(config: Config, run, products: Products, final_model: onnx.Mod
         latency["status"] = NO_BOARD
     if optimized is None:
         latency["optimized_status"] = why
-    elif optimized is final_model:
+    elif once:
         latency["optimized_status"] = "the result is the optimized float model (timed once)"
     if len(deployed) > 1:
         latency.update(_timed(deployed, threads, cfg, len(deployed) + 2 * (optimized is not None)))
@@ -265,7 +266,7 @@ def timed_latency(config: Config, run, products: Products, final_model: onnx.Mod
     run.release()  # its session and proto go before the float models are built again at BASIC (peak memory)
     if optimized is not None:
         latency["basic"] = _basic(original, path, optimized, sample, threads, cfg, len(deployed) + 2)
-    if optimized is final_model:
+    if once:
         latency["optimized"] = latency["result"]
         latency.update({f"optimized_{key}": latency[key] for key in ("speedup", "speedup_rounds") if key in latency})
     latency["seconds"] = round(time.perf_counter() - started, 2)

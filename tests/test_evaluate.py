@@ -644,7 +644,7 @@ def test_a_result_off_the_board_has_no_figure_while_the_float_models_are_timed(t
                           session=lambda: ort_session(original, threads=1, optimize=True))
     products = Products(prepared_model=optimized, runner=lambda samples: [])
     sample = {"x": np.ones((1, 3, 8, 8), np.float32)}
-    latency = timed_latency(config, run, products, onnx.ModelProto(), sample)
+    latency = timed_latency(config, run, products, optimized, sample)  # RKNN's model.onnx: the float model it built
     assert latency["status"].startswith("not measured") and "board" in latency["status"]
     assert "result" not in latency and "speedup" not in latency
     assert latency["reference"]["median_ms"] > 0 and latency["optimized"]["median_ms"] > 0
