@@ -11,6 +11,7 @@ Facts (rknn-toolkit2 2.5.0, each measured on a one-node model built and run on t
   initial states fail the same way and a GRU's B crashes the toolkit (SIGSEGV); filled with ONNX's default
   (zeros for B and the initial states, the full length for sequence_lens: the toolkit takes both the empty and
   the constant sequence_lens). An LSTM given initial_h without initial_c fails too (IndexError): zeros given.
+  Other ops' empty middle inputs build (Resize's roi, Clip's min or max) and are left as they are.
 - LSTM peepholes (input P), in either direction: the toolkit aborts from C++ ("SubGraphManager: not support
   yet", SIGABRT). All-zero peepholes are dropped (the same LSTM); others are refused before any work.
 - A GRU or RNN whose last state Y_h is read and its sequence Y is not (torch's `_, h = gru(x)`): the build fails
