@@ -76,8 +76,8 @@ def require_unique(model: onnx.ModelProto, step: str) -> None:
     duplicates = duplicate_names(model)
     if duplicates:
         more = f" and {len(duplicates) - 3} more" if len(duplicates) > 3 else ""
-        raise DuplicateNames(f"{step} left a model that defines a name twice ({', '.join(duplicates[:3])}{more}); "
-                             "the model qprep was given is not the cause: please report this as qprep's bug")
+        raise DuplicateNames(f"{step} left a model that defines a name twice ({', '.join(duplicates[:3])}{more}): "
+                             "qprep's bug, not the model's")
 
 
 def _graph_duplicates(graph: onnx.GraphProto, outer: frozenset[str], found: list[str]) -> None:

@@ -54,8 +54,7 @@ def whole_model(exc: Exception) -> WholeModelFailure | None:
         return WholeModelFailure(line)
     if WHOLE_MODEL.search(str(exc)):
         return WholeModelFailure(f"ONNX Runtime's quantizer failed on the model qprep prepared as a whole, not on "
-                                 f"one node ({short_ort_message(line)[:300]}); the model qprep was given is not the "
-                                 "cause: please report this as qprep's bug")
+                                 f"one node ({short_ort_message(line)[:300]}): qprep's bug, not the model's")
     return None
 
 
