@@ -117,7 +117,10 @@ def output_kind(name: str, values: list[np.ndarray], producers: dict, inputs: di
     producer = producers.get(name)
     ending = "LpNormalization" if _divided_by_a_norm(producer, producers) else getattr(producer, "op_type", None)
     task = output_task(name, values[0].shape, ending)
-    return task, {"classification": "class scores [N, C]: cosine and top-1 agreement",
+    source = f" from a {ending}" if ending in ("Softmax", "LogSoftmax") else (
+        f" ({_per_sample(values)} per sample, logits by their name)" if regression_head(
+            name, values, producers, named=False) else "")
+    return task, {"classification": f"class scores [N, C]{source}: cosine and top-1 agreement",
                   "sequence": "per-step scores [N, T, C] from a Softmax: cosine and per-step agreement",
                   "tensor": "a tensor of many values: cosine and SQNR"}[task]
 
@@ -151,11 +154,12 @@ def rnn_state(name: str, producers: dict) -> str | None:
     return None
 
 
-def regression_head(name: str, values: list[np.ndarray], producers: dict):
-    """The Gemm/MatMul computing `name` when it is a small regression head (rule 4), else None."""
+def regression_head(name: str, values: list[np.ndarray], producers: dict, named: bool = True):
+    """The Gemm/MatMul computing `name` when it is a small regression head (rule 4), else None; with
+    `named` False, also when its name says class scores."""
     if values[0].dtype.kind != "f" or _per_sample(values) > SMALL_HEAD or not all(v.size for v in values):
         return None
-    if CLASS_WORDS & set(re.findall(r"[a-z]+", re.sub(r"([a-z])([A-Z])", r"\1 \2", name).lower())):
+    if named and CLASS_WORDS & set(re.findall(r"[a-z]+", re.sub(r"([a-z])([A-Z])", r"\1 \2", name).lower())):
         return None
     if _divided_by_a_norm(producers.get(name), producers):
         return None

@@ -82,6 +82,9 @@ def test_a_softmax_head_and_logits_named_so_stay_class_scores():
     samples = [{"features": rand(1, 8, seed=i)} for i in range(4)]
     assert kinds_of(head_model("softmax", "probs"), samples) == {"probs": "classification"}
     assert kinds_of(head_model("", "logits"), samples) == {"logits": "classification"}
+    model = head_model("", "logits")
+    why = output_kinds(model, run_model(model, samples), {})["logits"][1]
+    assert "logits by their name" in why  # the report says what kept it from being a regression
 
 
 BOXES = np.array([[[0, 0, 10, 10], [20, 20, 30, 30], [40, 0, 50, 10], [0, 40, 10, 50], [60, 60, 70, 70],
