@@ -33,11 +33,16 @@ def _same_outputs(model: onnx.ModelProto, result: onnx.ModelProto, samples: list
             np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-6)
 
 
-def unread_input_model() -> onnx.ModelProto:
-    """x[1,3,4,4] → Conv → y; z, another input, read by no node (an exporter's leftover)."""
+def unread_input_model(dead: bool = False) -> onnx.ModelProto:
+    """x[1,3,4,4] → Conv → y; z, another input, read by no node (an exporter's leftover), or with `dead` only by
+    nodes whose results no output reads (the toolkit prunes them, then fails its build on z)."""
     weight = np.random.default_rng(0).standard_normal((2, 3, 1, 1)).astype(np.float32)
-    return make_model([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")],
-                      [("x", [1, 3, 4, 4]), ("z", [1, 2])], [("y", [1, 2, 4, 4])], {"w": weight})
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv")]
+    if dead:
+        nodes += [helper.make_node("Relu", ["z"], ["r"], name="dead"),
+                  helper.make_node("Add", ["r", "x"], ["s"], name="dead_too")]
+    return make_model(nodes, [("x", [1, 3, 4, 4]), ("z", [1, 3, 4, 4] if dead else [1, 2])], [("y", [1, 2, 4, 4])],
+                      {"w": weight})
 
 
 def recurrent_model(op: str, inputs: list[str], outputs: list[str], direction: str = "forward",
@@ -60,13 +65,15 @@ def recurrent_model(op: str, inputs: list[str], outputs: list[str], direction: s
     return make_model([node], [("x", [STEPS, 1, FEATURES])], graph_outputs, used)
 
 
-def test_an_input_no_node_reads_is_removed_and_kept_in_the_board_files_marked_ignored(tmp_path):
+@pytest.mark.parametrize("dead", [False, True])
+def test_an_input_no_node_reads_is_removed_and_kept_in_the_board_files_marked_ignored(tmp_path, dead):
     """rknn-toolkit2's load_onnx: "The 'z' in inputs=['x', 'z'] is invalid!" (exit 3 before)."""
-    model = unread_input_model()
+    model = unread_input_model(dead)
     samples = _samples(model)  # they hold z: the verification and the evaluation feed what the model declares
     static, record = static_graph(model, samples)
     assert record == {"unread_inputs_removed": ["z"], "verified_on": 3}
     assert [i.name for i in static.graph.input] == ["x"] and [i.name for i in model.graph.input] == ["x", "z"]
+    assert [n.name for n in static.graph.node] == ["conv"]
     _same_outputs(model, static, samples)
     write_board_files(tmp_path, graph_inputs(model), None, typed("rknn"), ignored=record["unread_inputs_removed"])
     contract = json.loads((tmp_path / "input_contract.json").read_text())

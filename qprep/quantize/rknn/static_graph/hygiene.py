@@ -4,8 +4,9 @@ grows by class: a toolkit error on a graph qprep did not refuse is a rule missin
 
 Facts (rknn-toolkit2 2.5.0, each measured on a one-node model built and run on the simulator):
 - A graph input no node reads (an exporter's leftover, or one that only shape computations read, which optimize
-  folds): load_onnx fails, "The 'z' in inputs=['x', 'z'] is invalid!". It is removed from the model the toolkit
-  loads; the input contract keeps it, marked ignored (contract.py), and the board runner skips it.
+  folds): load_onnx fails, "The 'z' in inputs=['x', 'z'] is invalid!"; one that only nodes computing for no
+  output read fails the build. It is removed from the model the toolkit loads (with those nodes); the input
+  contract keeps it, marked ignored (contract.py), and the board runner skips it.
 - An empty ('') optional input. Trailing: an LSTM's initial_h/initial_c fail the quantizer (`KeyError: ''` in
   its _p_adjust_lstm); dropped, ONNX's own meaning of an omitted trailing input. In the middle: an LSTM's
   initial states fail the same way and a GRU's B crashes the toolkit (SIGSEGV); filled with ONNX's default
@@ -28,6 +29,7 @@ from onnx import helper, numpy_helper
 
 from qprep.errors import ModelError
 from qprep.model.info import constant_tensors, iter_nodes, node_index, tensor_shapes, unique_name
+from qprep.model.io import subgraphs
 from qprep.quantize.rknn.io_names import all_names
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}  # a recurrent op's gate count: B holds 2 × gates × hidden per direction
@@ -47,14 +49,30 @@ def _read(model: onnx.ModelProto) -> set[str]:
     return {name for node in iter_nodes(model.graph) for name in node.input} | {o.name for o in model.graph.output}
 
 
+def _live(model: onnx.ModelProto) -> set[str]:
+    """Values the graph outputs depend on (a node with bodies reads every value its bodies read)."""
+    live = {o.name for o in model.graph.output}
+    for node in reversed(model.graph.node):  # topologically sorted: readers come after what they read
+        if any(o in live for o in node.output):
+            live.update(node.input)
+            live.update(name for sub in _bodies(node) for inner in iter_nodes(sub) for name in inner.input)
+    return live
+
+
+def _bodies(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [sub for attribute in node.attribute for sub in subgraphs(attribute)]
+
+
 def unread_inputs(model: onnx.ModelProto) -> list[str]:
-    """Graph inputs (not initializers) that no node and no graph output reads."""
-    read, constants = _read(model), {t.name for t in model.graph.initializer}
-    return [v.name for v in model.graph.input if v.name not in read and v.name not in constants]
+    """Graph inputs (not initializers) that nothing the graph outputs depend on reads."""
+    live, constants = _live(model), {t.name for t in model.graph.initializer}
+    return [v.name for v in model.graph.input if v.name not in live and v.name not in constants]
 
 
 def unread_inputs_removed(model: onnx.ModelProto) -> list[str]:
-    """Each unread graph input removed (what the toolkit loads); ModelError when no input is read at all."""
+    """Each unread graph input removed (what the toolkit loads), with the nodes computing from it for no output
+    (the toolkit prunes those and then fails on the input they leave: "argument of type 'NoneType' is not
+    iterable"); ModelError when no input is read at all."""
     unread = unread_inputs(model)
     if not unread:
         return []
@@ -65,6 +83,12 @@ def unread_inputs_removed(model: onnx.ModelProto) -> list[str]:
                          "constants, with nothing to quantize; check the export")
     del model.graph.input[:]
     model.graph.input.extend(kept)
+    gone = set(unread)
+    for node in list(model.graph.node):  # in order: a dead node's readers come after it
+        reads = set(node.input) | {n for sub in _bodies(node) for inner in iter_nodes(sub) for n in inner.input}
+        if reads & gone:
+            gone.update(node.output)
+            model.graph.node.remove(node)
     return unread
 
 
