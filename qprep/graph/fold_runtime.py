@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
+from onnx_ir.passes.common import NameFixPass
 
 from qprep.graph import fold_cost
 from qprep.model.runtime import ort_session
@@ -72,6 +73,8 @@ def fold_closure(model: ir.Model, max_elements: int, threads: int, budget: int |
     closure = _closure(model, result)
     if not closure:
         return result
+    if any(not v.name for node in closure for v in [*node.inputs, *node.outputs] if v is not None):
+        NameFixPass()(model)  # the session names what it reads and computes
     shapes = _shapes(model, closure)
     kept = _within_budget(closure, shapes, fold_cost.BUDGET if budget is None else budget, result)
     frontier = _frontier(model, kept)
