@@ -2,9 +2,12 @@
 `interpolate_pos_encoding` export of ViT/DeiT/DINOv2), random weights, dynamic H/W: the model class whose
 constant folding ran for minutes inside onnx's Python reference Resize (issue #61).
 
-    python scripts/export_vit_interp.py OUT.onnx [--exporter torchscript|dynamo] [--layers 4] [--dim 384]
+    python scripts/export_vit_interp.py OUT.onnx [--exporter torchscript|dynamo] [--layers 4] [--dim 384] [--grid 14]
 
-Writes OUT.onnx only (never into the repository unless asked to).
+Writes OUT.onnx only (never into the repository unless asked to). `--grid` is the position-embedding grid the
+weights were "trained" at (DINOv2: 37, for 518 px); at 224 px the grid is resized to 14×14. The TorchScript
+export bakes the token count into the attention's Reshapes, so it runs at 224 px only; the dynamo export runs at
+other sizes too.
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--grid", type=int, default=14)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = InterpViT(args.dim, args.layers, args.heads).eval()
+    model = InterpViT(args.dim, args.layers, args.heads, grid=args.grid).eval()
     example = torch.randn(1, 3, 224, 224)
     if args.exporter == "dynamo":
         dims = {"pixel_values": {2: torch.export.Dim("height", min=32, max=1024),
