@@ -96,12 +96,9 @@ def test_a_gru_whose_last_state_alone_is_read_takes_it_from_its_sequence(op, dir
     model = recurrent_model(op, ["W", "R", "B", "", "h0"], ["_Y", "Y_h"], direction)  # (ORT runs no layout 1)
     samples = _samples(model)
     static, record = static_graph(model, samples)
-    assert record == {"recurrent_defaults_filled": [op.lower()], "last_state_from_sequence": [op.lower()],
-                      "verified_on": 3}
+    assert record == {"last_state_from_sequence": [op.lower()], "verified_on": 3}
     recurrent = next(n for n in static.graph.node if n.op_type == op)
-    assert "" not in recurrent.input and list(recurrent.output) == ["_Y"]
-    lengths = next(t for t in static.graph.initializer if t.name == recurrent.input[4])
-    assert onnx.numpy_helper.to_array(lengths).tolist() == [STEPS]  # ONNX's default: the full length
+    assert list(recurrent.input) == ["x", "W", "R", "B", "", "h0"] and list(recurrent.output) == ["_Y"]
     onnx.checker.check_model(static, full_check=True)
     _same_outputs(model, static, samples)
 
@@ -118,22 +115,46 @@ def test_an_lstm_s_empty_inputs_are_dropped_at_the_end_and_filled_in_the_middle(
     static, record = static_graph(middle, samples)
     assert record == {"recurrent_defaults_filled": ["lstm"], "verified_on": 3}
     lstm = static.graph.node[0]
-    assert len(lstm.input) == 7 and "" not in lstm.input  # B, sequence_lens and initial_c given
+    assert list(lstm.input) == ["x", "W", "R", "lstm/B", "", "h0", "lstm/initial_c"]  # sequence_lens left empty
     defaults = {t.name: onnx.numpy_helper.to_array(t) for t in static.graph.initializer}
     assert not defaults[lstm.input[3]].any() and not defaults[lstm.input[6]].any()
     _same_outputs(middle, static, samples)
     assert static_graph(static, samples)[1] == {}  # nothing left to do: not copied again
 
 
-def test_zero_peepholes_are_dropped_and_others_refused_up_front_naming_the_node():
-    """The toolkit aborts on any peephole LSTM (SIGABRT, "SubGraphManager: not support yet"): exit 3 before."""
+def test_a_constant_full_length_sequence_lens_is_emptied():
+    """An RNN's constant sequence_lens fails the toolkit's build ("Type Error: tensor(int32)"); left empty, the
+    same RNN builds."""
+    model = recurrent_model("RNN", ["W", "R", "B", "", "h0"], ["Y"], "bidirectional")
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([STEPS], np.int32), "lengths"))
+    model.graph.node[0].input[4] = "lengths"
+    samples = _samples(model)
+    static, record = static_graph(model, samples)
+    assert record == {"full_lengths_emptied": ["rnn"], "verified_on": 3}
+    assert list(static.graph.node[0].input) == ["x", "W", "R", "B", "", "h0"]
+    _same_outputs(model, static, samples)
+
+
+@pytest.mark.parametrize("attribute, inputs, refusal", [
+    ({}, ["W", "R", "B", "", "", "", "P"], r"an LSTM with peephole weights \(input P\).*SubGraphManager: not support"
+                                           r" yet.*export the LSTM without peepholes"),
+    ({"input_forget": 1}, ["W", "R", "B"], r"an LSTM with input_forget 1.*export the LSTM with input_forget 0"),
+    ({}, ["W", "R", "B", "", "h0", "c0"], r"a bidirectional LSTM whose constant initial state is not all zeros.*"
+                                          r"clip_truncate < 0.*with its initial states as graph inputs, or zeros"),
+])
+def test_lstms_the_toolkit_aborts_on_are_refused_up_front_naming_the_node(attribute, inputs, refusal):
+    """SIGABRT in the toolkit's build (exit 3 before): refused before any work, in one line."""
+    model = recurrent_model("LSTM", inputs, ["Y"], "bidirectional", peepholes=0.3)
+    model.graph.node[0].attribute.extend(helper.make_attribute(k, v) for k, v in attribute.items())
+    with pytest.raises(ModelError, match=rf"^quantize.rknn: node 'lstm' is {refusal}, or use backend ort$"):
+        refuse_unsupported(model, at_load=True)
+
+
+def test_zero_peepholes_are_dropped():
+    """The toolkit aborts on any peephole LSTM (SIGABRT, "SubGraphManager: not support yet"), zeros too."""
     zero = recurrent_model("LSTM", ["W", "R", "B", "", "", "", "P"], ["Y"], "bidirectional", peepholes=0.0)
     refuse_unsupported(zero)
     static, record = static_graph(zero, _samples(zero))
     assert record == {"zero_peepholes_dropped": ["lstm"], "trailing_empty_inputs_dropped": ["lstm"],
                       "verified_on": 3}
     assert list(static.graph.node[0].input) == ["x", "W", "R", "B"]
-    peepholes = recurrent_model("LSTM", ["W", "R", "B", "", "", "", "P"], ["Y"], "bidirectional", peepholes=0.3)
-    with pytest.raises(ModelError, match=r"^quantize.rknn: node 'lstm' is an LSTM with peephole weights \(input P\)"
-                                         r".*export the LSTM without peepholes, or use backend ort$"):
-        refuse_unsupported(peepholes, at_load=True)

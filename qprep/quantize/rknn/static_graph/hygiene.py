@@ -10,11 +10,15 @@ Facts (rknn-toolkit2 2.5.0, each measured on a one-node model built and run on t
 - An empty ('') optional input. Trailing: an LSTM's initial_h/initial_c fail the quantizer (`KeyError: ''` in
   its _p_adjust_lstm); dropped, ONNX's own meaning of an omitted trailing input. In the middle: an LSTM's
   initial states fail the same way and a GRU's B crashes the toolkit (SIGSEGV); filled with ONNX's default
-  (zeros for B and the initial states, the full length for sequence_lens: the toolkit takes both the empty and
-  the constant sequence_lens). An LSTM given initial_h without initial_c fails too (IndexError): zeros given.
+  (zeros). An LSTM given initial_h without initial_c fails too (IndexError): zeros given. An empty
+  sequence_lens builds for all three ops, while an RNN's constant one fails the build ("Type Error:
+  tensor(int32)"): a constant full-length sequence_lens is emptied (the same meaning), an empty one stays.
   Other ops' empty middle inputs build (Resize's roi, Clip's min or max) and are left as they are.
 - LSTM peepholes (input P), in either direction: the toolkit aborts from C++ ("SubGraphManager: not support
-  yet", SIGABRT). All-zero peepholes are dropped (the same LSTM); others are refused before any work.
+  yet", SIGABRT). All-zero peepholes are dropped (the same LSTM); others are refused before any work, as is
+  `input_forget: 1` (the same abort) and a bidirectional LSTM whose constant initial state is not all zeros (it
+  aborts: "clip_truncate < 0, plz make sure bias_scale > weight_scale * input_scale"; forward, or with the
+  states as graph inputs, it builds).
 - A GRU or RNN whose last state Y_h is read and its sequence Y is not (torch's `_, h = gru(x)`): the build fails
   (`KeyError` on Y_h's name, "Should didnot run into this for ''", or "Could not find OrtValue with name ''" in
   its constant folding); an LSTM read so builds. Y_h is taken from Y instead (its last step; the first for the
@@ -100,15 +104,32 @@ def _zero_peepholes(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
     return tensor is not None and not np.any(numpy_helper.to_array(tensor))
 
 
+def _aborting(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> tuple[str, str, str] | None:
+    """(what, the toolkit's last line, the way out) of an LSTM the toolkit aborts on (SIGABRT), or None."""
+    if node.op_type != "LSTM" or not _onnx_domain(node):
+        return None
+    if _zero_peepholes(node, constants) is False:
+        return "an LSTM with peephole weights (input P)", "SubGraphManager: not support yet", "without peepholes"
+    attributes = {a.name: a for a in node.attribute}
+    if "input_forget" in attributes and attributes["input_forget"].i:
+        return "an LSTM with input_forget 1", "SubGraphManager: not support yet", "with input_forget 0"
+    states = [name for name in node.input[5:7] if name]
+    if attributes.get("direction") and attributes["direction"].s == b"bidirectional" and any(
+            name in constants and np.any(numpy_helper.to_array(constants[name])) for name in states):
+        return ("a bidirectional LSTM whose constant initial state is not all zeros", "clip_truncate < 0",
+                "with its initial states as graph inputs, or zeros")
+    return None
+
+
 def refuse(model: onnx.ModelProto) -> None:
-    """An LSTM with peepholes that are not all zero: the toolkit aborts on it (SIGABRT), and no rule here
-    computes them otherwise."""
+    """An LSTM the toolkit aborts on (SIGABRT) and no rule here computes otherwise, named in one line."""
     constants = constant_tensors(model.graph)
     for node in model.graph.node:
-        if _recurrent(node) and _zero_peepholes(node, constants) is False:
-            raise ModelError(f"quantize.rknn: node '{node.name or node.output[0]}' is an LSTM with peephole weights "
-                             "(input P), which rknn-toolkit2 cannot compile (it aborts: \"SubGraphManager: not "
-                             "support yet\"); export the LSTM without peepholes, or use backend ort")
+        found = _aborting(node, constants)
+        if found:
+            what, line, way_out = found
+            raise ModelError(f"quantize.rknn: node '{node.name or node.output[0]}' is {what}, which rknn-toolkit2 "
+                             f"cannot compile (it aborts: \"{line}\"); export the LSTM {way_out}, or use backend ort")
 
 
 def zero_peepholes_dropped(model: onnx.ModelProto) -> list[str]:
@@ -148,14 +169,35 @@ def _recurrent_dims(node: onnx.NodeProto, shapes: dict) -> tuple[int, int, int, 
     return directions, attributes["hidden_size"].i, steps, batch, elem_type
 
 
+DEFAULTED = (3, 5, 6)  # B, initial_h, initial_c: zeros by ONNX's definition (sequence_lens: full_lengths_emptied)
+
+
 def _lacks_defaults(node: onnx.NodeProto) -> bool:
-    """A recurrent node with a '' input before its last, or an LSTM with initial_h and without initial_c."""
-    return _recurrent(node) and ("" in node.input or node.op_type == "LSTM" and len(node.input) == 6)
+    """A recurrent node with an empty B or initial state before its last input, or an LSTM with initial_h and
+    without initial_c."""
+    return _recurrent(node) and (any(i < len(node.input) and node.input[i] == "" for i in DEFAULTED)
+                                 or node.op_type == "LSTM" and len(node.input) == 6)
+
+
+def full_lengths_emptied(model: onnx.ModelProto) -> list[str]:
+    """Each recurrent node's constant sequence_lens that is the full length everywhere left out (the same)."""
+    constants, done = constant_tensors(model.graph), []
+    nodes = [n for n in model.graph.node if _recurrent(n) and len(n.input) > 4 and n.input[4] in constants]
+    shapes = tensor_shapes(model) if nodes else {}
+    for node in nodes:
+        try:
+            _, _, steps, _, _ = _recurrent_dims(node, shapes)
+        except ModelError:  # unknown: left as it is
+            continue
+        if np.all(numpy_helper.to_array(constants[node.input[4]]) == steps):
+            node.input[4] = ""
+            done.append(node.name)
+    return done
 
 
 def recurrent_defaults_filled(model: onnx.ModelProto) -> list[str]:
-    """Each '' input of an LSTM/GRU/RNN before its last one, and an LSTM's initial_c where only initial_h is
-    given, given as the constant ONNX defines for it."""
+    """Each empty B or initial state of an LSTM/GRU/RNN before its last input, and an LSTM's initial_c where
+    only initial_h is given, given as the zeros ONNX defines for it."""
     nodes = [n for n in model.graph.node if _lacks_defaults(n)]
     if not nodes:
         return []
@@ -163,12 +205,12 @@ def recurrent_defaults_filled(model: onnx.ModelProto) -> list[str]:
     for node in nodes:
         if node.op_type == "LSTM" and len(node.input) == 6:
             node.input.append("")
-        directions, hidden, steps, batch, elem_type = _recurrent_dims(node, shapes)
+        directions, hidden, _, batch, elem_type = _recurrent_dims(node, shapes)
         layout = next((a.i for a in node.attribute if a.name == "layout"), 0)
         dtype = helper.tensor_dtype_to_np_dtype(elem_type)
         state = (batch, directions, hidden) if layout else (directions, batch, hidden)
-        defaults = {3: np.zeros((directions, 2 * GATES[node.op_type] * hidden), dtype),
-                    4: np.full((batch,), steps, np.int32), 5: np.zeros(state, dtype), 6: np.zeros(state, dtype)}
+        defaults = {3: np.zeros((directions, 2 * GATES[node.op_type] * hidden), dtype), 5: np.zeros(state, dtype),
+                    6: np.zeros(state, dtype)}
         for index, name in enumerate(node.input):
             if name == "" and index in defaults:
                 value = unique_name(f"{node.name}/{INPUTS[index]}", taken)
@@ -245,13 +287,15 @@ def needed(model: onnx.ModelProto) -> bool:
     if unread_inputs(model):
         return True
     read = _read(model)
-    return any(_onnx_domain(n) and n.input and n.input[-1] == "" or _lacks_defaults(n) or _recurrent(n) and len(n.input) >= 8
+    return any(_onnx_domain(n) and n.input and n.input[-1] == "" or _lacks_defaults(n)
+               or _recurrent(n) and (len(n.input) >= 8 or len(n.input) > 4 and n.input[4] != "")
                or _last_state_unread_sequence(n, read) for n in model.graph.node)
 
 
 # In the order they run: peepholes dropped leave a trailing '', trailing ones dropped leave only the middle ones
 RULES = (("unread_inputs_removed", unread_inputs_removed),
          ("zero_peepholes_dropped", zero_peepholes_dropped),
+         ("full_lengths_emptied", full_lengths_emptied),
          ("trailing_empty_inputs_dropped", trailing_empty_inputs_dropped),
          ("recurrent_defaults_filled", recurrent_defaults_filled),
          ("last_state_from_sequence", last_state_from_sequence))
