@@ -75,5 +75,5 @@ def test_an_lstm_with_peepholes_is_refused_in_one_line_before_the_toolkit_aborts
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "qprep: error: quantize.rknn: node 'lstm' is an LSTM with peephole weights (input P), which rknn-toolkit2 "
-        "cannot compile (it aborts: \"SubGraphManager: not support yet\"); export the LSTM without peepholes, or "
+        "cannot compile (it fails: \"SubGraphManager: not support yet\"); export the LSTM without peepholes, or "
         "use backend ort"]

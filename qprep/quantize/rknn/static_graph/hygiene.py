@@ -18,7 +18,8 @@ Facts (rknn-toolkit2 2.5.0, each measured on a one-node model built and run on t
   yet", SIGABRT). All-zero peepholes are dropped (the same LSTM); others are refused before any work, as is
   `input_forget: 1` (the same abort) and a bidirectional LSTM whose constant initial state is not all zeros (it
   aborts: "clip_truncate < 0, plz make sure bias_scale > weight_scale * input_scale"; forward, or with the
-  states as graph inputs, it builds).
+  states as graph inputs, it builds). An LSTM whose cell state Y_c is read and its last state Y_h is not fails
+  the build (`KeyError` on Y_c's name; read with Y_h it builds): refused too.
 - A GRU or RNN whose last state Y_h is read and its sequence Y is not (torch's `_, h = gru(x)`): the build fails
   (`KeyError` on Y_h's name, "Should didnot run into this for ''", or "Could not find OrtValue with name ''" in
   its constant folding); an LSTM read so builds. Y_h is taken from Y instead (its last step; the first for the
@@ -104,10 +105,13 @@ def _zero_peepholes(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
     return tensor is not None and not np.any(numpy_helper.to_array(tensor))
 
 
-def _aborting(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> tuple[str, str, str] | None:
-    """(what, the toolkit's last line, the way out) of an LSTM the toolkit aborts on (SIGABRT), or None."""
+def _refused(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto], read: set[str]) -> tuple | None:
+    """(what, the toolkit's error, the way out) of an LSTM the toolkit fails on, or None."""
     if node.op_type != "LSTM" or not _onnx_domain(node):
         return None
+    if len(node.output) > 2 and node.output[2] and node.output[2] in read and node.output[1] not in read:
+        return ("an LSTM whose cell state Y_c is read and its last state Y_h is not",
+                f"KeyError: '{node.output[2]}'", "with its last state read too (an output of the model)")
     if _zero_peepholes(node, constants) is False:
         return "an LSTM with peephole weights (input P)", "SubGraphManager: not support yet", "without peepholes"
     attributes = {a.name: a for a in node.attribute}
@@ -122,14 +126,15 @@ def _aborting(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> t
 
 
 def refuse(model: onnx.ModelProto) -> None:
-    """An LSTM the toolkit aborts on (SIGABRT) and no rule here computes otherwise, named in one line."""
-    constants = constant_tensors(model.graph)
+    """An LSTM the toolkit fails on (most abort: SIGABRT) and no rule here computes otherwise, named in one
+    line."""
+    constants, read = constant_tensors(model.graph), _read(model)
     for node in model.graph.node:
-        found = _aborting(node, constants)
+        found = _refused(node, constants, read)
         if found:
             what, line, way_out = found
             raise ModelError(f"quantize.rknn: node '{node.name or node.output[0]}' is {what}, which rknn-toolkit2 "
-                             f"cannot compile (it aborts: \"{line}\"); export the LSTM {way_out}, or use backend ort")
+                             f"cannot compile (it fails: \"{line}\"); export the LSTM {way_out}, or use backend ort")
 
 
 def zero_peepholes_dropped(model: onnx.ModelProto) -> list[str]:
