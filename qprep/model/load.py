@@ -109,8 +109,9 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
         _raise_ir_version(model, path)
 
 
-def _check_model(model: onnx.ModelProto, path: Path) -> None:
-    if is_large(model):
+def _check_model(model: onnx.ModelProto, path: Path | None) -> None:
+    """`path`: the file the model was read from, checked in its place over 2 GB (None: the model as it is now)."""
+    if is_large(model) and path is not None:
         onnx.checker.check_model(str(path))
     else:  # a heavy model's weights are not serialized for it (BERT-large's load peaked at 5× its size)
         onnx.checker.check_model(weightless(model, placeholder="empty")[0] if is_heavy(model) else model)
@@ -132,7 +133,7 @@ def _raise_ir_version(model: onnx.ModelProto, path: Path) -> None:
     before = model.ir_version
     model.ir_version = INITIALIZERS_OPTIONAL_IR
     try:
-        _check_model(model, path)
+        _check_model(model, None)  # not the file: it still says IR 3
     except onnx.checker.ValidationError as exc:
         raise ModelError(_not_onnx_op(model, path) or f"{path} is not a valid ONNX model (IR version {before}, "
                          f"checked as IR {INITIALIZERS_OPTIONAL_IR}): {_checker_message(exc)}") from None
