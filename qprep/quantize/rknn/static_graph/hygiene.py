@@ -50,8 +50,9 @@ def _recurrent(node: onnx.NodeProto) -> bool:
 
 
 def _read(model: onnx.ModelProto) -> set[str]:
-    """Values some node (in any subgraph too) or the graph's outputs read."""
-    return {name for node in iter_nodes(model.graph) for name in node.input} | {o.name for o in model.graph.output}
+    """Values some node (in any subgraph too) or the graph's outputs read ('' is no value)."""
+    read = {name for node in iter_nodes(model.graph) for name in node.input} | {o.name for o in model.graph.output}
+    return read - {""}
 
 
 def _live(model: onnx.ModelProto) -> set[str]:
@@ -168,8 +169,8 @@ def _recurrent_dims(node: onnx.NodeProto, shapes: dict) -> tuple[int, int, int, 
     elem_type, dims = shapes.get(node.input[0], (onnx.TensorProto.FLOAT, None))
     if not dims or len(dims) != 3 or None in dims[:2] or "hidden_size" not in attributes:
         raise ModelError(f"quantize.rknn: node '{node.name}' is a {node.op_type} whose input's sequence and batch "
-                         "dims are unknown, so its empty optional inputs cannot be given their defaults for "
-                         "rknn-toolkit2; fix the input dims (`inputs:` in the config)")
+                         "dims are unknown, which qprep needs to prepare it for rknn-toolkit2; fix the input dims "
+                         "(`inputs:` in the config)")
     steps, batch = (dims[1], dims[0]) if layout else (dims[0], dims[1])
     return directions, attributes["hidden_size"].i, steps, batch, elem_type
 
