@@ -74,7 +74,7 @@ def evaluation_section() -> Key:
                                      "its median is known within `within`); 0 disables"),
                         within=Key("float", default=0.02, minimum=0,
                                    doc="a round ends once its median's 95% interval is within ± this share of it "
-                                       "(at least 8 runs), and a model's runs follow its warm run (about 1 s of "
+                                       "(at least 8 runs), and a model's runs follow its warm run (about 2 s of "
                                        "runs each, at least one a round); 0: every round times all `runs`"),
                         seconds=Key("float", default=30.0, minimum=0,
                                     doc="time budget of the timed runs (all models, every round): a round also "

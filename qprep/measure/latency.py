@@ -20,7 +20,7 @@ UNSTABLE = 1.15  # rounds whose speed ratios differ by more than this factor mak
 MIN_RUNS = 8  # a round stops early (`tight`) only after this many runs
 MIN_BUDGET_RUNS = 5  # ... and (`seconds` spent) after this many
 WARMUP_SECONDS = 0.5  # warm-up runs beyond the second stop once they took this long (ORT is warm after one)
-MODEL_SECONDS = 1.0  # with `tight`: each model's timed runs cost about this in all (`planned_runs`)
+MODEL_SECONDS = 2.0  # with `tight`: each model's timed runs cost about this in all (`planned_runs`)
 
 
 def interleaved(models: dict[str, tuple], threads: int, runs: int, warmup: int, rounds: int = 3,
@@ -87,10 +87,8 @@ def planned_runs(single_ms: float, runs: int, rounds: int, each: float = MODEL_S
 
 
 def reached(rounds: list[list[float]]) -> float:
-    """The interval a timing reached: the widest round's, or, with fewer than two runs a round (a slow model's
-    plan), that of all its runs."""
-    if all(len(times) >= 2 for times in rounds):
-        return max(interval(times) for times in rounds)
+    """The interval a timing reached, over all its runs: a slow model's plan leaves a round one or a few runs,
+    too few for an interval of its own, and a machine that changed speed between rounds widens it, as it should."""
     return interval([t for times in rounds for t in times])
 
 
