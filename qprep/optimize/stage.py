@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 from qprep.contract import RunContext, StageResult
 from qprep.errors import QprepError
+from qprep.graph.rules import NewNames
 from qprep.graph.verify import Verifier, checker_problem
 from qprep.model import info as model_info
 from qprep.model.prepare import drop_initializer_value_info
@@ -168,12 +169,18 @@ def _round_pass_by_pass(active: list[str], model: onnx.ModelProto, settings: Pas
 
 
 def _apply(name: str, model: ir.Model, settings: PassSettings, progress: Progress | None):
-    """One pass on `model`; a pass still running after a few seconds says so (name, what it does, elapsed)."""
+    """One pass on `model`; a pass still running after a few seconds says so (name, what it does, elapsed).
+    What the pass adds is named unique in the whole model afterwards (rules.NewNames: onnx_ir's own names for
+    unnamed outputs can repeat a dynamo export's `val_N`), so no pass is rolled back for a name it never chose."""
     graph_pass = all_passes()[name]
+    names = NewNames(model)
     if progress is None:
-        return graph_pass.apply(model, settings)
-    with progress.watch(f"optimize: pass {name} ({graph_pass.doc})"):
-        return graph_pass.apply(model, settings)
+        outcome = graph_pass.apply(model, settings)
+    else:
+        with progress.watch(f"optimize: pass {name} ({graph_pass.doc})"):
+            outcome = graph_pass.apply(model, settings)
+    names.settle()
+    return outcome
 
 
 def _accept(record: dict, outcome, before: Counter, after: Counter, verification: dict) -> None:

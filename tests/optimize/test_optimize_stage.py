@@ -55,6 +55,37 @@ def test_a_pass_that_changes_numbers_is_rolled_back_and_the_run_goes_on(tmp_path
     assert code == 2 and "rolled back in optimize" in err
 
 
+def identity_named_like_its_input(model, settings):
+    """A rewrite that adds an Identity between the Conv and the Relu whose output takes the Conv output's name:
+    what onnx_ir's own naming does when a rewrite leaves an output unnamed in a graph whose names it does not know."""
+    import onnx_ir as ir
+
+    relu = next(n for n in model.graph if n.op_type == "Relu")
+    conv_out = relu.inputs[0]
+    identity = ir.Node("", "Identity", [conv_out], num_outputs=1)
+    identity.outputs[0].name = conv_out.name
+    model.graph.insert_after(conv_out.producer(), identity)
+    relu.replace_input_with(0, identity.outputs[0])
+    return PassOutcome(1)
+
+
+def test_a_name_a_pass_repeats_is_made_unique_not_rolled_back(tmp_path, save, cli, monkeypatch):
+    from qprep.graph.names import duplicate_names
+
+    passes = {"renaming": GraphPass("renaming", identity_named_like_its_input, "test"), **all_passes()}
+    monkeypatch.setattr(optimize_module, "all_passes", lambda: passes)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {save(tiny_conv_model())}\noutput_dir: {tmp_path / 'run'}\n"
+                      "pipeline: [{optimize: {passes: [cleanup]}}]\n")
+    monkeypatch.setattr(optimize_module, "selected_passes", lambda options: ["renaming"])
+    code, _, err = cli("run", config, "--quiet")
+    assert code == 0, err
+    stage = json.loads((tmp_path / "run" / "report.json").read_text())["stages"][0]
+    assert stage["rolled_back"] == [] and {p["pass"]: p["status"] for p in stage["passes"]}["renaming"] != "rolled back"
+    saved = onnx.load(str(tmp_path / "run" / "model.onnx"))
+    assert "Identity" in {n.op_type for n in saved.graph.node} and duplicate_names(saved) == []
+
+
 def conv_bn_identity_model():
     """Conv → BatchNorm (fold_into_conv) → Identity (cleanup) → Mul by Add(2 constants) (fold_constants): three
     passes match in the first round."""
