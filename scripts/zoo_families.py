@@ -306,7 +306,7 @@ def vits_like_tts(out: Path) -> None:
         def __init__(self, dim=96, frames_per_phoneme=2):
             super().__init__()
             self.embed = torch.nn.Embedding(PHONEMES, dim)
-            self.encoder = torch.nn.Sequential(*[_block(torch, dim, 2) for _ in range(2)])
+            self.encoder = torch.nn.Sequential(*[_vit_block(torch, dim, 2) for _ in range(2)])
             self.prior = torch.nn.Conv1d(dim, 2 * dim, 1)
             self.repeat = frames_per_phoneme
             ups, channels = [], dim
@@ -324,14 +324,13 @@ def vits_like_tts(out: Path) -> None:
             z = mean + torch.randn_like(mean) * torch.exp(log_scale) * scales[0]
             return self.decoder(z)
 
-    def inputs(seed: int):  # noise_scale 0 (as Piper users fix it): torch and ONNX Runtime draw different noise
-        generator = torch.Generator().manual_seed(seed)
-        return (torch.randint(1, PHONEMES, (1, PHONEME_LENGTH), generator=generator),
-                torch.tensor([0.0, 1.0, 0.8]))
+    def inputs(seed: int, length: int = PHONEME_LENGTH):  # noise_scale 0 (as Piper users fix it): torch and
+        generator = torch.Generator().manual_seed(seed)  # ONNX Runtime draw different noise
+        return (torch.randint(1, PHONEMES, (1, length), generator=generator), torch.tensor([0.0, 1.0, 0.8]))
 
     _export(Voice(), inputs(0), out, (["input", "scales"], ["output"]), {"input": {1: "phonemes"},
                                                                         "output": {2: "samples"}},
-            [inputs(1), inputs(2)])
+            [inputs(1), inputs(2, length=17)])  # another length: the phoneme axis is dynamic
 
 
 # ------------------------------------------------------------------------------------------- recurrent

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
@@ -25,6 +25,7 @@ from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, ModelError, Problems, QprepError
 from qprep.model import info as model_info
 from qprep.model.io import sha256_file
+from qprep.model.noise import Noise, drawn_ops, taken_out
 from qprep.model.load import load_model_and_data_files
 from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, left_symbolic_warning, name_nodes
 from qprep.progress import Progress
@@ -42,6 +43,7 @@ class Checked:
     heldout: SampleSet | None  # evaluation.heldout: measured at the end only, never seen by a decision
     reference: onnx.ModelProto | None  # evaluation.reference_model (None: the input model is the reference)
     warnings: list[str] = field(default_factory=list)
+    noise: Noise = field(default_factory=Noise)  # random ops fed as inputs; the result draws again
 
 
 class _Collector:
@@ -82,16 +84,18 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
         loaded = _load_model(config)
     if loaded is None:  # the samples are checked against the model's inputs: nothing more to check
         found.raise_found()
-    model, record, warnings, data_files = loaded
+    model, record, warnings, data_files, drawn = loaded
+    user_inputs = [spec for spec in model_info.graph_inputs(model) if spec.name not in drawn.inputs()]
     calibration = evaluation = heldout = reference = None
     reference_files: list[Path] = []
     if config["calibration"]:
         with found.attempt(), progress.step("load calibration data"):
-            calibration = load_samples(config["calibration"], model_info.graph_inputs(model), role="calibration")
+            calibration = _fed(drawn, load_samples(config["calibration"], user_inputs, role="calibration"))
             warnings += calibration.warnings
     if config["evaluation"]:
         with progress.step("load evaluation data"):
-            evaluation, heldout, reference, reference_files = _evaluation_data(config["evaluation"], model, found)
+            evaluation, heldout, reference, reference_files = _evaluation_data(config["evaluation"], model, found,
+                                                                               drawn)
         if reference is not None:  # the manifest keeps its digests: `qprep evaluate` must judge against the same
             record["reference_model"] = digests(config["evaluation"]["reference_model"], reference_files)
     compiled_by, unfixable = _fixed_dims_stage(config), None
@@ -120,7 +124,15 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
     found.raise_found()
     warnings += data_warnings(model, calibration, evaluation, heldout)
     return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation, heldout=heldout,
-                   reference=reference, warnings=warnings)
+                   reference=reference, warnings=warnings, noise=drawn)
+
+
+def _fed(drawn: Noise, samples: SampleSet | None) -> SampleSet | None:
+    """The samples with the values the model's random ops draw for each (the same for the float model and the
+    result: model/noise.py)."""
+    if samples is None or not drawn.sources:
+        return samples
+    return replace(samples, samples=drawn.samples(samples.samples))
 
 
 def _fixed_dims_stage(config: Config) -> str | None:
@@ -179,7 +191,7 @@ def digests(path: str, data_files: list[Path]) -> dict:
     return found
 
 
-def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector):
+def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector, drawn: Noise):
     """(evaluation samples, held-out samples, reference model, its external data files), None where absent or
     failed."""
     from qprep.evaluate import read_labels
@@ -190,17 +202,19 @@ def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector):
         with found.attempt():
             reference, reference_files = load_model_and_data_files(cfg["reference_model"])
             name_nodes(reference.graph)  # ORT refuses duplicate node names; names do not change numbers
+            if drawn.sources:  # its random ops fed the same noise as the model's (named alike: same export)
+                reference, _ = taken_out(reference)
         if reference is None:
             return None, None, None, []  # the samples are checked against the reference's inputs
-    inputs = model_info.graph_inputs(reference or model)
+    inputs = [spec for spec in model_info.graph_inputs(reference or model) if spec.name not in drawn.inputs()]
     with found.attempt():
-        evaluation = load_samples(cfg, inputs, role="evaluation")
+        evaluation = _fed(drawn, load_samples(cfg, inputs, role="evaluation"))
     if evaluation is not None and cfg["labels"]:
         with found.attempt():
             read_labels(Path(cfg["labels"]), cfg["label_names"], evaluation.files)
     if cfg["heldout"]:
         with found.attempt():
-            heldout = load_samples({**cfg, **cfg["heldout"]}, inputs, role="evaluation.heldout")
+            heldout = _fed(drawn, load_samples({**cfg, **cfg["heldout"]}, inputs, role="evaluation.heldout"))
         if heldout is not None and cfg["heldout"]["labels"]:
             with found.attempt():
                 read_labels(Path(cfg["heldout"]["labels"]), cfg["label_names"], heldout.files)
@@ -212,9 +226,9 @@ def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector):
     return evaluation, heldout, reference, reference_files
 
 
-def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[Path]]:
-    """Read and check the model, name its nodes, fix input dims, infer shapes; record what it is. Also the
-    external data files it read."""
+def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[Path], Noise]:
+    """Read and check the model, name its nodes, take its random ops out as noise inputs, fix input dims, infer
+    shapes; record what it is. Also the external data files it read and the noise it is fed."""
     path = config["model"]
     model, data_files = load_model_and_data_files(path)
     record = {"model": {**digests(path, data_files), "bytes": Path(path).stat().st_size, **model_info.summary(model)}}
@@ -223,7 +237,7 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
         raise ModelError(f"model: '{maps[0]}' is a map or a sequence of maps (a ZipMap's output), which qprep's "
                          "graph library cannot read; export without it (skl2onnx: options={'zipmap': False}) or "
                          "remove the ZipMap and keep its input tensor as the output")
-    random = model_info.random_nodes(model)
+    fed, random = drawn_ops(model)
     if random and config.stages:
         node, why = random[0]
         way_out = ("export the model in eval mode (`model.eval()` before `torch.onnx.export`)"
@@ -232,11 +246,16 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
         raise ModelError(f"model: node '{node.name or node.output[0]}' ({why}) draws random values that reach the "
                          f"outputs, so no comparison with the float model can judge a quantized one; {way_out}")
     named = name_nodes(model.graph)
+    drawn = Noise()
+    if fed and config.stages:  # measured on the same noise (model/noise.py); the deployable draws it again
+        model, drawn = taken_out(model)
     fixed, refused = fix_input_dims_ort_accepts(model, config["inputs"] or {})
     model, warning = infer_shapes(model)
     record["load"] = {"nodes_named": named, "inputs_fixed": fixed,
                       "inputs": [s.as_dict() for s in model_info.graph_inputs(model)]}
-    return model, record, _left_symbolic(record, refused) + ([warning] if warning else []), data_files
+    if drawn.sources:
+        record["load"]["noise"] = [source.describe() for source in drawn.sources]
+    return model, record, _left_symbolic(record, refused) + ([warning] if warning else []), data_files, drawn
 
 
 def _left_symbolic(record: dict, refused: dict[str, str]) -> list[str]:

@@ -29,6 +29,7 @@ from qprep.measure.reference import ReferenceOutputs
 from qprep.memory import return_freed_memory
 from qprep.model import info as model_info
 from qprep.model.io import save_model, sha256_file
+from qprep.model.noise import Noise, restore
 from qprep.pipeline import preflight, run_dir
 from qprep.progress import Progress
 from qprep.report import write_report, write_report_json
@@ -78,9 +79,9 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
         run.ctx = _context(config, checked, directory, progress, report)
-        model, checked = checked.model, None  # the input is the reference's to release after its last run
+        model, noise, checked = checked.model, checked.noise, None  # the input: the reference's to release
         model = _run_stages(run, model)
-        _save_result(run, model)
+        _save_result(run, model, noise)
         if config["evaluation"]:
             _evaluate(run, model)
         report["warnings"] += run.products.warnings
@@ -181,17 +182,23 @@ def _apply(run: Run, result: StageResult) -> None:
         run.ctx = replace(run.ctx, float_set=run.ctx.float_set | result.float_set)
 
 
-def _save_result(run: Run, model: onnx.ModelProto) -> None:
-    """model.onnx, the backends' artifacts moved into the run directory, and the result's part of the report."""
+def _save_result(run: Run, model: onnx.ModelProto, noise: Noise) -> None:
+    """model.onnx, the backends' artifacts moved into the run directory, and the result's part of the report.
+    A model measured on fed noise draws it again in model.onnx (model/noise.py); a compiled deployable (.rknn)
+    keeps the noise as inputs, and its model.onnx stays the float model it was built from."""
     directory, products, report = run.directory, run.products, run.report
-    written = save_model(model, directory / "model.onnx")
+    drawn_again, left = (model, [s.output for s in noise.sources]) if products.deployable else \
+        restore(model, noise.sources)
+    written = save_model(drawn_again, directory / "model.onnx")
     run.written.append("model.onnx")
     _will_write(run, list(products.artifacts))
     for name, source in products.artifacts.items():
         os.replace(source, directory / name)
         run.written.append(name)
     report["result"] = {"path": "model.onnx", "bytes": written,  # with its external data (over 2 GB)
-                        "artifacts": sorted(products.artifacts), **model_info.summary(model)}
+                        "artifacts": sorted(products.artifacts), **model_info.summary(drawn_again)}
+    if noise.sources:
+        report["result"]["noise"] = {"drawn": [s.describe() for s in noise.sources], "inputs": left}
     if "input_contract.json" in products.artifacts:  # what to feed: the report's deployment text follows it
         report["result"]["input_contract"] = json.loads((directory / "input_contract.json").read_text())
     quantized = products.prepared_model is not None and model_info.model_kind(model) != model_info.FLOAT

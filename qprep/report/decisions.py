@@ -285,9 +285,29 @@ def files_lines(report: dict) -> list[str]:
                 f"; feed inputs preprocessed as the calibration data was (`qprep inspect {path}` lists them)")
         lines.append(f"`{path}`: the {result.get('kind', '?')} model to deploy with ONNX Runtime "
                      f"(`onnxruntime.InferenceSession('{path}')`){feed}")
+    lines += _noise_lines(result)
     lines.append("`report.json` (every figure of this report), `manifest.json` (input hashes, resolved config, "
                  "versions), `qprep.log`")
     return [line for line in lines if line]
+
+
+def _noise_lines(result: dict) -> list[str]:
+    """A model with random ops was measured on noise drawn once per sample and fed alike to the float model and the
+    result (qprep/model/noise.py): say so, and whether the deployable draws it itself or takes it as an input."""
+    noise = result.get("noise") or {}
+    lines = []
+    for source in noise.get("drawn", []):
+        spread = (f"N({source['mean']:g}, {source['scale']:g})" if "mean" in source else
+                  f"U({source['low']:g}, {source['high']:g})")
+        drawn = f"`{source['node']}` ({source['op']}, {spread})"
+        if source["input"] in noise.get("inputs", []):
+            lines.append(f"random op {drawn}: the deployed model takes its values as input `{source['input']}` — "
+                         f"feed {source['dtype']} values drawn from {spread} on each call; the figures above fed the "
+                         "float model and the result the same values, drawn once per sample")
+        else:
+            lines.append(f"random op {drawn}: the deployed model draws its values itself; the figures above fed the "
+                         "float model and the result the same values, drawn once per sample")
+    return lines
 
 
 MAX_INPUTS_LISTED = 6  # a decoder with KV-cache inputs: the rest are in the contract
