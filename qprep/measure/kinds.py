@@ -94,8 +94,9 @@ def output_kind(name: str, values: list[np.ndarray], producers: dict, inputs: di
         return "integer", "integer values (ids, labels, counts): rated by the share of equal elements"
     partner = state_input(name, values, inputs)
     if partner is not None:
-        return "state", (f"a state: same shape and dtype as the input '{partner}' it pairs with by name; rated by "
-                         "relative error, which grows call after call when the state is fed back")
+        return "state", (f"a state: the next value of the input '{partner}' it pairs with by name (its dtype, its "
+                         "shape or a cache one step longer); rated by relative error, which grows call after call "
+                         "when the state is fed back")
     rnn = rnn_state(name, producers)
     if rnn is not None and values[0].dtype.kind == "f":
         return "state", (f"a state: {rnn}, which the next call starts from; rated by relative error, which grows "
@@ -184,9 +185,16 @@ def state_input(output: str, values: list[np.ndarray], inputs: dict) -> str | No
         if tensor.elem_type != onnx.helper.np_dtype_to_tensor_dtype(values[0].dtype) or state_key(name) != key:
             continue
         dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-        if all(len(dims) == v.ndim and all(d is None or d == s for d, s in zip(dims, v.shape)) for v in values):
+        if all(len(dims) == v.ndim and _same_or_one_axis_longer(dims, v.shape) for v in values):
             return name
     return None
+
+
+def _same_or_one_axis_longer(dims: list, shape: tuple) -> bool:
+    """The input's shape (symbolic dims match any size), or longer on one axis only: a key/value cache comes out
+    with this step's positions appended to the `past` it was given, and is fed back as the next call's past."""
+    longer = [d is not None and s > d for d, s in zip(dims, shape)]
+    return sum(longer) <= 1 and all(d is None or d == s or grew for d, s, grew in zip(dims, shape, longer))
 
 
 def state_key(name: str) -> tuple[str, ...]:

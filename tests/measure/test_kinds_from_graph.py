@@ -148,3 +148,25 @@ def test_hand_made_detections_count_found_and_extra_rows_per_class():
     assert metrics["match_rate"] == pytest.approx(2 * 3 / 9)
     nothing = compare_output([ref[:0]], [ref[:0]], "boxes")  # both found nothing: all agree
     assert nothing["detections_found"] == 1.0 and nothing["detections_extra"] == 0.0
+
+
+def kv_cache_model(appended: int = 1) -> onnx.ModelProto:
+    """past_key_values.0.key [1,2,P,4] + this step's key → present.0.key [1,2,P+1,4]: a decoder's cache grows by the
+    step's positions and is fed back as the next call's past. `appended` 0: a Concat on another axis too."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["k"]),
+             helper.make_node("Reshape", ["k", "heads"], ["step"]),
+             helper.make_node("Concat", ["past_key_values.0.key", "step"], ["present.0.key"], axis=2)]
+    outputs = [("present.0.key", [1, 2, 6, 4])]
+    if not appended:  # grows on two axes: not the next value of the past
+        nodes += [helper.make_node("Concat", ["present.0.key", "present.0.key"], ["present.1.key"], axis=3)]
+        outputs = [("present.1.key", [1, 2, 6, 8])]
+    return make_model(nodes, [("x", [1, 1, 8]), ("past_key_values.0.key", [1, 2, 5, 4]),
+                              ("past_key_values.1.key", [1, 2, 5, 4])], outputs,
+                      {"w": rand(8, 8), "heads": np.array([1, 2, 1, 4], np.int64)})
+
+
+def test_a_key_value_cache_one_step_longer_than_its_past_is_a_state():
+    samples = [{"x": rand(1, 1, 8, seed=i), "past_key_values.0.key": rand(1, 2, 5, 4, seed=10 + i),
+                "past_key_values.1.key": rand(1, 2, 5, 4, seed=20 + i)} for i in range(3)]
+    assert kinds_of(kv_cache_model(), samples)["present.0.key"] == "state"  # was tensor: the shapes differ
+    assert kinds_of(kv_cache_model(appended=0), samples)["present.1.key"] != "state"
