@@ -28,8 +28,9 @@ def interleaved(models: dict[str, tuple], threads: int, runs: int, warmup: int, 
     """label → timing, for label → (model or its session, sample fed to it[, optimize: True or "basic"]); one
     session per model, built once (at ORT_ENABLE_ALL unless the third item says otherwise).
     Each round times `runs` runs per model; with `tight`, a round stops as soon as its median's 95% interval is
-    within ±tight of it (at least MIN_RUNS), and a model whose warm run is slow gets fewer runs (`planned_runs`):
-    a fixed run count is too many for a big model and too few for a small fast one. With `seconds`, a round also
+    within ±tight of it (at least MIN_RUNS), and a model whose warm run is slow gets fewer runs (`planned_runs`;
+    a round also ends once it spent the plan's time, should the runs get slower than the warm run said): a fixed
+    run count is too many for a big model and too few for a small fast one. With `seconds`, a round also
     ends once it has used its share of that budget (at least MIN_BUDGET_RUNS runs, fewer if planned), and each
     timing reports the interval it reached: on a noisy machine a big model's rounds may never get within ±tight
     (BENCHMARKS.md: "latency timed interleaved, until its interval is tight")."""
@@ -45,11 +46,13 @@ def interleaved(models: dict[str, tuple], threads: int, runs: int, warmup: int, 
     p90s: dict[str, list[float]] = {label: [] for label in models}
     every: dict[str, list[list[float]]] = {label: [] for label in models}
     share = seconds / (rounds * len(models)) * 1000 if seconds else None  # ms per round and model
+    spend = MODEL_SECONDS * 1000 / rounds if tight else None  # the plan's time, should runs get slower than planned
     for _ in range(rounds):
         for label, (session, feeds) in sessions.items():
             most, times = planned[label][0], []
             while len(times) < most and not (tight and len(times) >= MIN_RUNS and median_known(times, tight)) \
-                    and not (share and len(times) >= min(MIN_BUDGET_RUNS, most) and sum(times) >= share):
+                    and not (share and len(times) >= min(MIN_BUDGET_RUNS, most) and sum(times) >= share) \
+                    and not (spend and times and sum(times) >= spend):
                 start = time.perf_counter()
                 session.run(None, feeds)
                 times.append((time.perf_counter() - start) * 1000)

@@ -2,6 +2,7 @@
 (never a speed assertion on this CPU)."""
 
 import itertools
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -70,3 +71,14 @@ def test_a_model_is_built_at_the_level_its_entry_names(monkeypatch):
     _, levels = fake_sessions(monkeypatch, {"a": itertools.repeat(0.001), "b": itertools.repeat(0.001)})
     latency.interleaved({"a": ("a", {}), "b": ("b", {}, "basic")}, 1, runs=2, warmup=0, rounds=1)
     assert levels == {"a": True, "b": "basic"}
+
+
+def test_a_round_ends_once_it_spent_the_plans_time_when_runs_get_slower_than_the_warm_run(monkeypatch):
+    """The warm run said 10 ms (50 runs a round), then the machine slowed to 100 ms a run: each round still ends
+    after about MODEL_SECONDS / rounds (EfficientNet-Lite0 at ORT_ENABLE_BASIC: 17 ms warm, 45 ms timed, 10 s)."""
+    steps = itertools.chain([0.010, 0.010], itertools.cycle([0.080, 0.120]))  # never within ±2%
+    clock, _ = fake_sessions(monkeypatch, {"m": steps})
+    timed = latency.interleaved({"m": ("m", {})}, 2, runs=50, warmup=2, rounds=3, tight=0.02)
+    per_round = MODEL_SECONDS / 3
+    assert all(n <= math.ceil(per_round / 0.08) for n in timed["m"]["round_runs"]), timed["m"]["round_runs"]
+    assert clock["now"] <= 0.02 + 3 * (per_round + 0.12)
