@@ -46,10 +46,11 @@ def interleaved(models: dict[str, tuple], threads: int, runs: int, warmup: int, 
     p90s: dict[str, list[float]] = {label: [] for label in models}
     every: dict[str, list[list[float]]] = {label: [] for label in models}
     share = seconds / (rounds * len(models)) * 1000 if seconds else None  # ms per round and model
-    spend = MODEL_SECONDS * 1000 / rounds if tight else None  # the plan's time, should runs get slower than planned
     for _ in range(rounds):
         for label, (session, feeds) in sessions.items():
             most, times = planned[label][0], []
+            # the plan's time, should the runs get slower than its warm run said
+            spend = MODEL_SECONDS * 1000 / rounds if tight and planned[label][1] else None
             while len(times) < most and not (tight and len(times) >= MIN_RUNS and median_known(times, tight)) \
                     and not (share and len(times) >= min(MIN_BUDGET_RUNS, most) and sum(times) >= share) \
                     and not (spend and times and sum(times) >= spend):
