@@ -26,10 +26,16 @@ class Progress:
         self.live = bool(isatty and isatty())  # a terminal: a step's line stays open until it ends
         self.long = LONG if long is None else long
         self._open = False  # a step's line is waiting for its "… 3.1 s"
+        self._step_started: float | None = None  # when the open step began (plain lines: its notes wait for LONG)
         self._lock = threading.Lock()  # watchers print from a timer thread
 
     def note(self, message: str) -> None:
-        """A line of its own, also in the middle of a step (long steps report what they are doing)."""
+        """A line of its own, also in the middle of a step (long steps report what they are doing). Off a terminal,
+        a step's notes are said once it has run `long` seconds, as the step itself: a quick run or refusal keeps
+        to its one line."""
+        started = self._step_started
+        if not self.live and started is not None and time.perf_counter() - started < self.long:
+            return
         if self.enabled:
             with self._lock:
                 print(f"{chr(10) if self._open else ''}qprep:   {message}", file=self.stream, flush=True)
@@ -40,6 +46,7 @@ class Progress:
         """A pipeline step: `[2/5] optimize … 3.1 s` on a terminal; elsewhere `[2/5] optimize …` once it has
         run for `long` seconds and `[2/5] optimize: 12.3 s` when such a step ends."""
         start = time.perf_counter()
+        outer, self._step_started = self._step_started, start
         said = []  # plain lines: whether the step said it was running
         if self.enabled and self.live:
             with self._lock:
@@ -53,6 +60,7 @@ class Progress:
         finally:
             if timer is not None:
                 timer.cancel()
+            self._step_started = outer
             status = f"{time.perf_counter() - start:.1f} s" if ok else "failed"
             if self.enabled and self.live:
                 with self._lock:

@@ -76,3 +76,17 @@ def test_a_long_optimize_pass_says_which_pass_and_for_how_long(tmp_path, save, c
     assert "qprep:   optimize: pass sleepy (sleeps on purpose): done in " in err, err
     stage = json.loads((tmp_path / "run" / "report.json").read_text())["stages"][0]
     assert {p["pass"]: p["seconds"] for p in stage["passes"]}["sleepy"] >= 0.5
+
+
+def test_a_quick_step_s_notes_wait_off_a_terminal_and_a_long_step_s_are_said():
+    """A refusal or a signal during a quick step stays the one line on stderr (the fault suites assert it): the
+    step's notes are said only once the step has run `long` seconds, as the step itself."""
+    stream = io.StringIO()
+    progress = Progress(stream=stream, long=0.2)
+    with progress.step("[1/2] quantize"):
+        progress.note("bias correction: 1 layers")
+    assert stream.getvalue() == ""
+    with progress.step("[2/2] evaluate"):
+        time.sleep(0.3)
+        progress.note("per-layer error")
+    assert "qprep:   per-layer error" in stream.getvalue()
