@@ -621,6 +621,17 @@ def test_a_model_optimize_left_as_it_was_is_timed_once(tmp_path):
     assert "optimize left the graph as it was" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_a_heavy_optimized_float_model_is_not_timed_beside_the_other_two(tmp_path, monkeypatch):
+    """Its session would add its size to the peak memory of a big model's run: the report says why it is absent."""
+    from qprep import evaluate as evaluate_module
+
+    monkeypatch.setattr(evaluate_module, "THIRD_SESSION_BYTES", 100)  # the tiny model's weights are over this
+    report = latency_run(tmp_path, conv_bn_model(), [{"optimize": {}}, {"quantize": {"backend": "ort"}}])
+    latency = report["evaluation"]["latency"]
+    assert latency["optimized_status"].startswith("not timed: over 0 MB of weights, a third session")
+    assert "optimized" not in latency and "basic" not in latency and latency["result"]["median_ms"] > 0
+
+
 def test_a_result_off_the_board_has_no_figure_while_the_float_models_are_timed(tmp_path):
     """RKNN: the result runs on the simulator (a runner), so only the float models before/after optimize are
     timed; the report says the result's figure exists only on the board."""
