@@ -13,7 +13,7 @@ import onnx
 import pytest
 from PIL import Image
 
-from tests.graphs import make_model
+from graphs import make_model
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
