@@ -288,7 +288,15 @@ def _passes(stage: dict) -> list:
                for r in stage.get("rolled_back", []) if isinstance(r, dict) and "pass" in r]
     blocks += [Text(f"Left unfused by **{p['pass']}**: " + "; ".join(f"{n}× {reason}" for reason, n in refused.items()))
                for p in passes if (refused := (p.get("details") or {}).get("refused"))]
+    blocks += [Text(f"Left unfolded by **{p['pass']}**: " + "; ".join(f"{n}× {LEFT.get(reason, reason)}"
+                                                                     for reason, n in left.items()))
+               for p in passes if (left := (p.get("details") or {}).get("left"))]
     return blocks
+
+
+# Why constant folding left a node (qprep/optimize/passes/fold_constants.py's `left` counts)
+LEFT = {"cost": "over the folding cost bound", "size": "a result over the size cap",
+        "not_runnable": "ONNX Runtime cannot evaluate it (random, control flow, custom domain or refused)"}
 
 
 def _result(result: dict | None, model: dict) -> list:

@@ -111,3 +111,14 @@ def test_a_node_onnxruntime_refuses_is_left_and_the_rest_of_the_closure_still_fo
     matmul = next(node for node in out.graph.node if node.op_type == "MatMul")
     folded = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}[matmul.input[1]]
     np.testing.assert_array_equal(folded, weight.T)
+
+
+def test_what_folding_left_is_in_the_report_with_its_reason(tmp_path, save, cli, monkeypatch):
+    monkeypatch.setattr(fold_cost, "BUDGET", 100)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {save(interpolated_pos_model())}\noutput_dir: {tmp_path / 'run'}\n"
+                      "pipeline: [{optimize: {}}]\n")
+    code, _, err = cli("run", config, "--quiet")
+    assert code == 0, err
+    text = (tmp_path / "run" / "report.md").read_text()
+    assert "Left unfolded by **fold_constants**: 1× over the folding cost bound" in text
