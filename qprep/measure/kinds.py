@@ -52,7 +52,8 @@ ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Clip", "Max", "Min", "Where", "Sigmo
 RNNS = {"RNN", "GRU", "LSTM"}  # outputs 1 and 2: Y_h, Y_c, the state the next call starts from
 HEADS = {"Gemm", "MatMul"}
 AFFINE = {"Add", "Sub", "Mul", "Div"}  # a head's bias and rescaling (MOS = 4·x + 1)
-SMALL_HEAD = 16  # values per sample: a few scores; class scores over more classes keep their top-1
+SMALL_HEAD = 4  # values per sample: a few scores (MOS, a box); an 8-wide linear output is as likely an embedding or
+# logits, and the search climbs its cosine (the relative error floors its score once it is large)
 CLASS_WORDS = {"logit", "logits", "class", "classes", "cls", "label", "labels", "category", "categories"}
 DIRECTION_WORDS = {"in", "out", "input", "output", "inputs", "outputs", "new", "next", "prev", "previous", "old",
                    "past", "present", "cur", "current", "updated", "n", "i", "o"}
