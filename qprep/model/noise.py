@@ -5,14 +5,15 @@ Why: a VITS / Piper voice samples its prior with RandomNormalLike (scaled by an 
 model and the quantized one then draw different noise on every call and no comparison can judge the result, so
 such models were refused whole. Drawn once per sample from the op's own distribution (its mean/scale or
 low/high, dtype and shape) and fed identically to both models, the noise is part of the sample, and the
-comparison is fair. RandomNormal / RandomUniform (and their *Like forms) are handled; Bernoulli, Multinomial and a
-Dropout left in training mode draw from values the graph computes and stay refused (model.info.random_nodes).
+comparison is fair. RandomNormal / RandomUniform (and their *Like forms) are handled, and Bernoulli(p) as Cast(u < p) with u drawn
+uniform in [0, 1) like p (the same distribution; the deployable draws u with RandomUniformLike); Multinomial and a
+Dropout left in training mode stay refused (model.info.random_nodes).
 The draw of sample i is seeded by (noise seed, i, the op's place), so a rerun draws the same noise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -22,7 +23,7 @@ from qprep.model.info import random_nodes
 from qprep.model.io import inferred_shapes
 
 DRAWS = {"RandomNormal": "normal", "RandomNormalLike": "normal", "RandomUniform": "uniform",
-         "RandomUniformLike": "uniform"}
+         "RandomUniformLike": "uniform", "Bernoulli": "uniform"}  # Bernoulli(p): 1 where u < p, u ~ U(0, 1)
 SEED = 20261207  # the noise seed: the same noise on every run
 
 
@@ -38,11 +39,12 @@ class NoiseSource:
     distribution: str  # normal | uniform
     low_or_mean: float
     high_or_scale: float
+    stands_for: str = ""  # the op this draw stands in for, when it is not the op itself (a Bernoulli's uniform)
 
     def describe(self) -> dict:
         first, second = ("mean", "scale") if self.distribution == "normal" else ("low", "high")
-        return {"node": self.node.name or self.output, "op": self.node.op_type, "input": self.output,
-                first: self.low_or_mean, second: self.high_or_scale,
+        return {"node": self.node.name or self.output, "op": self.stands_for or self.node.op_type,
+                "input": self.output, first: self.low_or_mean, second: self.high_or_scale,
                 "dtype": helper.tensor_dtype_to_np_dtype(self.elem_type).name}
 
 
@@ -85,13 +87,20 @@ def as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[NoiseSourc
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
-    types = _shaped_types(result, [n.input[0] if n.op_type.endswith("Like") else n.output[0] for n in nodes])
+    types = _shaped_types(result, [n.input[0] if n.op_type.endswith("Like") or n.op_type == "Bernoulli"
+                                   else n.output[0] for n in nodes])
     sources = []
+    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {
+        t.name for t in graph.initializer}
     for node in nodes:
-        source = _source(node, types)
+        index = next(i for i, n in enumerate(graph.node) if list(n.output) == list(node.output)
+                     and n.op_type == node.op_type)
+        del graph.node[index]
+        stands_for = ""
+        if node.op_type == "Bernoulli":
+            node, stands_for = _bernoulli_as_uniform(graph, index, node, types, taken), "Bernoulli"
+        source = replace(_source(node, types), stands_for=stands_for)
         sources.append(source)
-        graph.node.remove(next(n for n in graph.node if list(n.output) == list(node.output)
-                               and n.op_type == node.op_type))
         known = types.get(source.like) if source.like else types.get(source.output)  # a *Like copies its shape
         dims = known.tensor_type.shape if known is not None and known.tensor_type.HasField("shape") else None
         value = helper.make_tensor_value_info(source.output, source.elem_type, None)
@@ -159,6 +168,30 @@ def restore(model: onnx.ModelProto, sources: tuple[NoiseSource, ...]) -> tuple[o
     if unordered:  # a reader the quantizer placed before the tensor the *Like op copies: graph order again
         _topological(graph)
     return result, left
+
+
+def _bernoulli_as_uniform(graph: onnx.GraphProto, index: int, node: onnx.NodeProto, types: dict,
+                          taken: set[str]) -> onnx.NodeProto:
+    """Bernoulli(p) at `index` → Cast(Less(u, p)) there, u a new value; returns the RandomUniformLike(p) → u that
+    draws u (the source fed now, and put back in the deployable)."""
+    p, out = node.input[0], node.output[0]
+    u, below = (_free(f"{out}_{word}", taken) for word in ("uniform", "drawn"))
+    like_type = types.get(p)
+    elem = like_type.tensor_type.elem_type if like_type is not None else onnx.TensorProto.FLOAT
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    name = node.name or out
+    graph.node.insert(index, helper.make_node("Cast", [below], [out], name=f"{name}_cast",
+                                              to=int(attributes.get("dtype", elem))))
+    graph.node.insert(index, helper.make_node("Less", [u, p], [below], name=f"{name}_less"))
+    return helper.make_node("RandomUniformLike", [p], [u], name=name, dtype=int(elem))
+
+
+def _free(wanted: str, taken: set[str]) -> str:
+    name, n = wanted, 1
+    while name in taken:
+        name, n = f"{wanted}_{n}", n + 1
+    taken.add(name)
+    return name
 
 
 def _source(node: onnx.NodeProto, types: dict) -> NoiseSource:

@@ -138,18 +138,53 @@ def test_different_noise_would_read_far_apart():
     assert float(ya @ yb / np.linalg.norm(ya) / np.linalg.norm(yb)) < 0.99
 
 
+def _coin_model():
+    """y = MatMul(x, w) · Bernoulli(Sigmoid(x)): each feature kept with the probability the graph computes."""
+    nodes = [helper.make_node("Sigmoid", ["x"], ["p"], name="p"),
+             helper.make_node("Bernoulli", ["p"], ["coin"], name="coin"),
+             helper.make_node("MatMul", ["x", "w"], ["h"], name="matmul"),
+             helper.make_node("Mul", ["h", "coin"], ["y"], name="mul")]
+    return make_model(nodes, [("x", [1, 8])], [("y", [1, 8])], {"w": rand(8, 8)}, opset=17)
+
+
+def test_a_bernoulli_is_measured_as_a_uniform_draw_below_its_probability(tmp_path):
+    """Bernoulli(p) = 1 where u < p, u ~ U(0, 1): the uniform u is fed per sample alike to both models, and the
+    deployable draws u with RandomUniformLike (refused before: the probabilities are computed by the graph)."""
+    model = _coin_model()
+    fed, sources = as_inputs(model)
+    assert "Bernoulli" not in {n.op_type for n in fed.graph.node} and {"Less", "Cast"} <= {n.op_type for n in fed.graph.node}
+    assert sources[0].describe()["op"] == "Bernoulli" and sources[0].like == "p"
+    x = rand(1, 8)
+    sample = with_noise([{"x": x}], sources, model)[0]
+    u = sample[sources[0].output]
+    expected = (x @ rand(8, 8)) * (u < 1 / (1 + np.exp(-x)))
+    np.testing.assert_allclose(ort_session(fed).run(None, sample)[0], expected, rtol=1e-5, atol=1e-5)
+    drawn, left = restore(fed, sources)
+    assert left == [] and [i.name for i in drawn.graph.input] == ["x"]
+    assert "RandomUniformLike" in {n.op_type for n in drawn.graph.node}
+    onnx.checker.check_model(drawn)
+    (tmp_path / "calib").mkdir()
+    for i in range(8):
+        np.save(tmp_path / "calib" / f"{i}.npy", rand(1, 8, seed=i))
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                        "evaluation": {"source": str(tmp_path / "calib"), "layers": False, "latency": {"runs": 0}},
+                        "pipeline": [{"quantize": {"backend": "ort"}}]}, output_dir=str(tmp_path / "out"))
+    assert report["status"] == "ok" and report["load"]["noise"][0]["op"] == "Bernoulli"
+
+
 def test_random_ops_it_cannot_feed_are_still_refused(tmp_path):
-    """Bernoulli draws from probabilities the graph computes: refused in one line naming it."""
+    """Multinomial draws class indices from probabilities the graph computes: refused in one line naming it."""
     from qprep.errors import ModelError
 
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("Sigmoid", ["x"], ["p"], name="p"),
-             helper.make_node("Bernoulli", ["p"], ["coin"], name="coin"),
-             helper.make_node("Mul", ["x", "coin"], ["y"], name="mul")]
+    nodes = [helper.make_node("Multinomial", ["x"], ["pick"], name="pick", sample_size=1),
+             helper.make_node("Cast", ["pick"], ["picked"], to=onnx.TensorProto.FLOAT, name="cast"),
+             helper.make_node("Add", ["x", "picked"], ["y"], name="add")]
     onnx.save(make_model(nodes, [("x", [1, 8])], [("y", [1, 8])], opset=17), str(tmp_path / "m.onnx"))
     (tmp_path / "calib").mkdir()
     np.save(tmp_path / "calib" / "0.npy", rng.standard_normal((1, 8)).astype(np.float32))
-    with pytest.raises(ModelError, match=r"node 'coin' \(Bernoulli\) draws random values"):
+    with pytest.raises(ModelError, match=r"node 'pick' \(Multinomial\) draws random values"):
         qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
                    "pipeline": [{"quantize": {}}]}, output_dir=str(tmp_path / "out"))
 
