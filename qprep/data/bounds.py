@@ -22,7 +22,7 @@ import onnx
 
 from qprep.data.samples import SampleSet
 from qprep.errors import DataError
-from qprep.model.info import constant_tensors, graph_inputs
+from qprep.model.info import attribute, constant_tensors, graph_inputs
 
 # Ops whose first input reaches their output with the same values (an id stays the id it was).
 PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}
@@ -85,7 +85,7 @@ def _reached(name: str, consumers: dict) -> tuple[list[onnx.NodeProto], list[onn
                 continue
             if node.op_type == "Gather" and index == 1:
                 gathers.append(node)
-            elif node.op_type == "Cast" and _attribute(node, "to", None) == onnx.TensorProto.BOOL:
+            elif node.op_type == "Cast" and attribute(node, "to", None) == onnx.TensorProto.BOOL:
                 casts.append(node)
             elif node.op_type in PASS_THROUGH and index == 0 and node.output[0] not in seen:
                 seen.add(node.output[0])
@@ -101,7 +101,7 @@ def _table_bound(gather: onnx.NodeProto, tables: dict, producers: dict) -> Bound
     if table not in tables or not tables[table].dims:
         return None
     dims = list(tables[table].dims)
-    axis = _attribute(gather, "axis", 0)
+    axis = attribute(gather, "axis", 0)
     if not -len(dims) <= axis < len(dims):
         return None
     size = int(dims[axis])
@@ -109,13 +109,6 @@ def _table_bound(gather: onnx.NodeProto, tables: dict, producers: dict) -> Bound
     return Bound(-size, size - 1, f"the {size} {rows} of table '{table}'",
                  f"node '{gather.name}' takes ids {-size}..{size - 1}",
                  "give ids the model's table holds (its own tokenizer's vocabulary)", "id")
-
-
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return onnx.helper.get_attribute_value(attribute)
-    return default
 
 
 def check_values(model: onnx.ModelProto, samples: SampleSet | None, role: str) -> None:

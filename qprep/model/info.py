@@ -288,6 +288,11 @@ def computes_float(model: onnx.ModelProto) -> bool:
                for node in iter_nodes(model.graph) for output in node.output if output)
 
 
+def attribute(node: onnx.NodeProto, name: str, default=None):
+    """The value of `node`'s attribute `name`, or `default` when the node does not set it."""
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
 def opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
 

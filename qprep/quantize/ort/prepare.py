@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from qprep.errors import QprepError
 from qprep.graph.names import renamed, require_unique, value_names
-from qprep.model.info import Links, default_opset, unique_name
+from qprep.model.info import Links, attribute, default_opset, unique_name
 from qprep.model.io import is_large
 from qprep.model.ort_optimized import with_runtime_types
 from qprep.model.prepare import drop_initializer_value_info
@@ -155,7 +155,7 @@ def shared_gemm_weights_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     links = Links(model)
     shared = [i for i, n in enumerate(model.graph.node) if n.op_type == "Gemm" and len(n.input) > 1
               and n.input[1] in links.initializers and not links.own_constant(n.input[1], n)
-              and _attribute(n, "transB", 0) == 1]
+              and attribute(n, "transB", 0) == 1]
     if not shared:
         return model
     copy = onnx.ModelProto()
@@ -178,8 +178,6 @@ def shared_gemm_weights_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _attribute(node: onnx.NodeProto, name: str, default):
-    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
