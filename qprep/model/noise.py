@@ -20,7 +20,8 @@ import onnx
 from onnx import helper
 
 from qprep.model.info import random_nodes
-from qprep.model.io import inferred_shapes
+from qprep.graph.rules import first_free
+from qprep.model.io import inferred_shapes, reads
 
 DRAWS = {"RandomNormal": "normal", "RandomNormalLike": "normal", "RandomUniform": "uniform",
          "RandomUniformLike": "uniform", "Bernoulli": "uniform"}  # Bernoulli(p): 1 where u < p, u ~ U(0, 1)
@@ -155,7 +156,7 @@ def restore(model: onnx.ModelProto, sources: tuple[NoiseSource, ...]) -> tuple[o
         if source.like is not None and source.like not in available:
             left.append(source.output)
             continue
-        readers = [i for i, n in enumerate(graph.node) if source.output in _reads(n)]
+        readers = [i for i, n in enumerate(graph.node) if source.output in reads(n)]
         after = max((i for i, n in enumerate(graph.node) if source.like in n.output), default=-1)
         first = min(readers, default=len(graph.node))
         node = onnx.NodeProto()
@@ -175,7 +176,10 @@ def _bernoulli_as_uniform(graph: onnx.GraphProto, index: int, node: onnx.NodePro
     """Bernoulli(p) at `index` → Cast(Less(u, p)) there, u a new value; returns the RandomUniformLike(p) → u that
     draws u (the source fed now, and put back in the deployable)."""
     p, out = node.input[0], node.output[0]
-    u, below = (_free(f"{out}_{word}", taken) for word in ("uniform", "drawn"))
+    u = first_free(f"{out}_uniform", taken)
+    taken.add(u)
+    below = first_free(f"{out}_drawn", taken)
+    taken.add(below)
     like_type = types.get(p)
     elem = like_type.tensor_type.elem_type if like_type is not None else onnx.TensorProto.FLOAT
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -184,14 +188,6 @@ def _bernoulli_as_uniform(graph: onnx.GraphProto, index: int, node: onnx.NodePro
                                               to=int(attributes.get("dtype", elem))))
     graph.node.insert(index, helper.make_node("Less", [u, p], [below], name=f"{name}_less"))
     return helper.make_node("RandomUniformLike", [p], [u], name=name, dtype=int(elem))
-
-
-def _free(wanted: str, taken: set[str]) -> str:
-    name, n = wanted, 1
-    while name in taken:
-        name, n = f"{wanted}_{n}", n + 1
-    taken.add(name)
-    return name
 
 
 def _source(node: onnx.NodeProto, types: dict) -> NoiseSource:
@@ -267,17 +263,6 @@ def _like_shapes(model: onnx.ModelProto, sources, samples: list[dict]) -> list[d
     return shapes
 
 
-def _reads(node: onnx.NodeProto) -> set[str]:
-    """What `node` reads: its inputs and what its If/Loop/Scan bodies read from outside them."""
-    names = set(node.input)
-    for attribute in node.attribute:
-        for body in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)):
-            inner = {o for n in body.node for o in n.output} | {i.name for i in body.input} | {
-                t.name for t in body.initializer}
-            names |= {name for n in body.node for name in _reads(n)} - inner
-    return names
-
-
 def _topological(graph: onnx.GraphProto) -> None:
     """Graph order again, each node as early as its inputs allow and otherwise in the order it had."""
     import heapq
@@ -286,7 +271,7 @@ def _topological(graph: onnx.GraphProto) -> None:
     waiting = [0] * len(graph.node)
     readers: dict[int, list[int]] = {}
     for i, node in enumerate(graph.node):
-        producers = {produced_by[name] for name in _reads(node) if name in produced_by}
+        producers = {produced_by[name] for name in reads(node) if name in produced_by}
         waiting[i] = len(producers)
         for producer in producers:
             readers.setdefault(producer, []).append(i)
