@@ -9,14 +9,12 @@ their own float outputs on inputs of the right kind and range, never a task scor
 
 Each build exports with the exporter users use for that family (TorchScript unless noted), checks ONNX Runtime
 against torch on two inputs, and writes to the path it is given. Each sampler writes NNNN.npz keyed by the
-model's inputs, one seeded stream per (sampler, split, index) as in zoo_samples.py.
-
-    python scripts/zoo_families.py build NAME OUT.onnx
+model's inputs, one seeded stream per (sampler, split, index) as in zoo_samples.py. Built and cached by
+`scripts/zoo.py fetch --models NAME` (the manifest's `source: {build: zoo_families.NAME}`).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -385,11 +383,6 @@ def lstm_with_ignored_input(out: Path) -> None:
     onnx.save(model, str(out))
 
 
-BUILDERS = {f.__name__: f for f in (vit_interpolated, detr_like, unet_segmentation, super_resolution,
-                                    whisper_encoder_like, whisper_decoder_kv, vits_like_tts, gru_tagger,
-                                    lstm_with_ignored_input)}
-
-
 # ------------------------------------------------------------------------------------------- samples
 
 
@@ -489,18 +482,3 @@ def samples_lm_step(rng, _context) -> dict:
     state = [np.tanh(rng.normal(0, 0.7, (1, 1, 96))).astype(np.float32) for _ in range(2)]
     return {"tokens": np.frombuffer(text, dtype=np.uint8).astype(np.int64)[None], "h0": state[0], "c0": state[1],
             "length": np.array([16], dtype=np.int64)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build", help="export one model to OUT")
-    build.add_argument("name", choices=sorted(BUILDERS))
-    build.add_argument("out", type=Path)
-    args = parser.parse_args(argv)
-    BUILDERS[args.name](args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
