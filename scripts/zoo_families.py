@@ -87,20 +87,20 @@ def _vit_block(torch, dim: int, heads: int):
     return Block()
 
 
-def vit_interpolated(out: Path) -> None:
-    """A ViT-S/16-shaped classifier (4 blocks) whose 14x14 position embeddings are resized bicubically to the
-    input's patch grid at run time: the `interpolate_pos_encoding` export of ViT / DeiT / DINOv2, a Resize
-    on a constant once the input size is fixed; height and width dynamic."""
-    torch = _torch()
+def vit_model(torch, dim: int = 384, heads: int = 6, depth: int = 4, grid: int = 14, patch: int = 16,
+              classes: int = 1000):
+    """A ViT whose grid x grid position embeddings (the size the weights were trained at; DINOv2: 37) are resized
+    bicubically to the input's patch grid at run time: the `interpolate_pos_encoding` export of ViT / DeiT /
+    DINOv2. Its blocks reshape by -1, so height and width stay dynamic in a TorchScript export too."""
     functional = torch.nn.functional
 
     class ViT(torch.nn.Module):
-        def __init__(self, dim=384, heads=6, depth=4, patch=16, classes=1000):
+        def __init__(self):
             super().__init__()
             self.patch = patch
             self.embed = torch.nn.Conv2d(3, dim, patch, patch)
             self.cls = torch.nn.Parameter(torch.randn(1, 1, dim) * 0.02)
-            self.pos = torch.nn.Parameter(torch.randn(1, 1 + 14 * 14, dim) * 0.02)
+            self.pos = torch.nn.Parameter(torch.randn(1, 1 + grid * grid, dim) * 0.02)
             self.blocks = torch.nn.Sequential(*[_vit_block(torch, dim, heads) for _ in range(depth)])
             self.norm = torch.nn.LayerNorm(dim)
             self.head = torch.nn.Linear(dim, classes)
@@ -108,14 +108,21 @@ def vit_interpolated(out: Path) -> None:
         def forward(self, pixel_values):
             h, w = pixel_values.shape[2] // self.patch, pixel_values.shape[3] // self.patch
             x = self.embed(pixel_values).flatten(2).transpose(1, 2)
-            grid = self.pos[:, 1:].reshape(1, 14, 14, -1).permute(0, 3, 1, 2)
-            grid = functional.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)
-            pos = torch.cat([self.pos[:, :1], grid.flatten(2).transpose(1, 2)], dim=1)
+            trained = self.pos[:, 1:].reshape(1, grid, grid, -1).permute(0, 3, 1, 2)
+            resized = functional.interpolate(trained, size=(h, w), mode="bicubic", align_corners=False)
+            pos = torch.cat([self.pos[:, :1], resized.flatten(2).transpose(1, 2)], dim=1)
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + pos
             return self.head(self.norm(self.blocks(x))[:, 0])
 
+    return ViT()
+
+
+def vit_interpolated(out: Path) -> None:
+    """A ViT-S/16-shaped classifier (4 blocks, vit_model) exported with height and width dynamic; the zoo fixes
+    the input at 224, which makes the position-embedding Resize a constant."""
+    torch = _torch()
     pictures = [torch.randn(1, 3, 224, 224), torch.randn(1, 3, 256, 192)]
-    _export(ViT(), (pictures[0],), out, (["pixel_values"], ["logits"]),
+    _export(vit_model(torch), (pictures[0],), out, (["pixel_values"], ["logits"]),
             {"pixel_values": {2: "height", 3: "width"}}, [(p,) for p in pictures])
 
 
