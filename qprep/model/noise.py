@@ -22,6 +22,7 @@ from onnx import helper
 from qprep.model.info import random_nodes
 from qprep.graph.rules import first_free
 from qprep.model.io import inferred_shapes, reads
+from qprep.model.runtime import Intermediates
 
 DRAWS = {"RandomNormal": "normal", "RandomNormalLike": "normal", "RandomUniform": "uniform",
          "RandomUniformLike": "uniform", "Bernoulli": "uniform"}  # Bernoulli(p): 1 where u < p, u ~ U(0, 1)
@@ -54,10 +55,10 @@ class Noise:
     """The random ops a run feeds: what it takes out (`as_inputs`), draws per sample and puts back at the end."""
 
     sources: tuple[NoiseSource, ...] = ()
-    drawing: onnx.ModelProto | None = None  # the model with its random ops: the shapes *Like draws copy
+    shapes: LikeShapes | None = None  # the shapes *Like draws copy, from the model with its random ops
 
     def samples(self, samples: list[dict]) -> list[dict]:
-        return with_noise(samples, self.sources, self.drawing) if self.sources else samples
+        return _drawn(samples, self.sources, self.shapes) if self.sources else samples
 
     def inputs(self) -> set[str]:
         return {s.output for s in self.sources}
@@ -66,7 +67,7 @@ class Noise:
 def taken_out(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Noise]:
     """`as_inputs` with what the run needs to draw and restore: (model fed the noise, its Noise)."""
     fed, sources = as_inputs(model)
-    return fed, Noise(sources, model if sources else None)
+    return fed, Noise(sources, LikeShapes(model, sources) if sources else None)
 
 
 def drawn_ops(model: onnx.ModelProto) -> tuple[list[onnx.NodeProto], list[tuple[onnx.NodeProto, str]]]:
@@ -117,14 +118,16 @@ def as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[NoiseSourc
 def with_noise(samples: list[dict], sources: tuple[NoiseSource, ...], model: onnx.ModelProto) -> list[dict]:
     """Each sample with the values its random ops draw (seeded by the sample's index and the op's place); `model`
     (the one with the random ops) gives the shapes a *Like op copies from a tensor the sample computes."""
-    if not sources:
-        return samples
-    shapes = _like_shapes(model, sources, samples)
+    return _drawn(samples, sources, LikeShapes(model, sources)) if sources else samples
+
+
+def _drawn(samples: list[dict], sources: tuple[NoiseSource, ...], shapes: LikeShapes) -> list[dict]:
     drawn = []
     for index, sample in enumerate(samples):
+        like = shapes.of(sample)
         sample = dict(sample)
         for place, source in enumerate(sources):
-            shape = source.shape if source.like is None else shapes[index][source.like]
+            shape = source.shape if source.like is None else like[source.like]
             sample[source.output] = draw(source, shape, np.random.default_rng([SEED, index, place]))
         drawn.append(sample)
     return drawn
@@ -233,34 +236,26 @@ def _drop_value_info(graph: onnx.GraphProto, name: str) -> None:
     graph.value_info.extend(kept)
 
 
-def _like_shapes(model: onnx.ModelProto, sources, samples: list[dict]) -> list[dict[str, tuple[int, ...]]]:
-    """Per sample, {tensor: shape} of the tensors *Like ops copy their shape from: read from the graph when it
-    states a fixed shape, else computed on the sample by ONNX Runtime (the model with those tensors as outputs)."""
-    from qprep.model.runtime import ort_session
+class LikeShapes:
+    """The shapes of the tensors *Like ops copy: read from the graph where it states a fixed shape, else computed
+    per sample by one ONNX Runtime session exposing them (runtime.Intermediates, built once for every sample set)."""
 
-    wanted = sorted({s.like for s in sources if s.like is not None})
-    types = _value_types(model)
-    fixed = {}
-    for name in wanted:
-        known = types.get(name)
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in known.tensor_type.shape.dim] \
-            if known is not None and known.tensor_type.HasField("shape") else None
-        if dims is not None and all(d is not None for d in dims):
-            fixed[name] = tuple(dims)
-    computed = [name for name in wanted if name not in fixed]
-    if not computed:
-        return [dict(fixed) for _ in samples]
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    del probe.graph.output[:]
-    probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in computed)
-    session = ort_session(probe, threads=2, optimize=False)
-    feeds = [i.name for i in session.get_inputs()]
-    shapes = []
-    for sample in samples:
-        values = session.run(computed, {name: sample[name] for name in feeds})
-        shapes.append({**fixed, **{name: tuple(v.shape) for name, v in zip(computed, values)}})
-    return shapes
+    def __init__(self, model: onnx.ModelProto, sources: tuple[NoiseSource, ...]):
+        wanted = sorted({s.like for s in sources if s.like is not None})
+        types = _value_types(model)
+        self.fixed = {}
+        for name in wanted:
+            known = types.get(name)
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in known.tensor_type.shape.dim] \
+                if known is not None and known.tensor_type.HasField("shape") else None
+            if dims is not None and all(d is not None for d in dims):
+                self.fixed[name] = tuple(dims)
+        computed = [name for name in wanted if name not in self.fixed]
+        self.tap = Intermediates(model, computed) if computed else None
+
+    def of(self, sample: dict) -> dict[str, tuple[int, ...]]:
+        values = self.tap.values(sample) if self.tap is not None else {}
+        return {**self.fixed, **{name: tuple(np.shape(v)) for name, v in values.items()}}
 
 
 def _topological(graph: onnx.GraphProto) -> None:

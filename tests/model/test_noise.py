@@ -192,7 +192,10 @@ def test_random_ops_it_cannot_feed_are_still_refused(tmp_path):
 def test_taken_out_keeps_the_model_to_draw_from():
     model = _noisy_conv()
     fed, noise = taken_out(model)
-    assert noise.inputs() == {"noise"} and noise.drawing is model
+    assert noise.inputs() == {"noise"}
+    samples = [{"x": rand(1, 3, 8, 8, seed=i)} for i in range(2)]
+    for once, again in zip(noise.samples(samples), with_noise(samples, noise.sources, model)):
+        assert once["noise"].shape == (1, 4, 8, 8) and np.array_equal(once["noise"], again["noise"])
     assert taken_out(_noisy_conv_free())[1].sources == ()
 
 
