@@ -18,6 +18,7 @@ import yaml
 
 from qprep.disk.reading import require_regular_file
 from qprep.errors import ConfigError
+from qprep.measure import user_metric
 from qprep.measure.metrics import KINDS, OUTPUT_METRICS
 from qprep.schema import Key, closest, section, settings, validate
 from qprep.stage_registry import registry
@@ -88,8 +89,16 @@ def evaluation_section() -> Key:
                                 "accuracy of reference and result on classification outputs"),
         label_names=Key("list", item=Key("str"), doc="class names in output order, when labels are names "
                                                      "(e.g. ['0', '180']); default: labels are class indices"),
+        metric=Key("str", doc="your own metric, `module:function` (a module beside the config, a file.py path relative "
+                              "to it, or an importable module): fn(outputs, samples) -> float over one model's outputs "
+                              "(samples hold the inputs, the .npz's other arrays such as `label`, and `file`); "
+                              "reported for FP32 and the result, judged by the gate keys `metric` and `metric_drop`"),
+        metric_direction=Key("str", default="higher", choices=("higher", "lower"),
+                             doc="whether a higher or a lower value of evaluation.metric is better (lower: an error "
+                                 "rate; `metric` is then a maximum and `metric_drop` the rise)"),
         gate=Key("mapping", item=Key("float"), default={},
-                 doc="metric → threshold, e.g. {cosine_mean: 0.99}; a miss exits 1 after the report"),
+                 doc="metric → threshold, e.g. {cosine_mean: 0.99} or {metric_drop: 0.01} (your metric at most "
+                     "that much worse than FP32); a miss exits 1 after the report"),
         floor=Key("any", default=dict(DEFAULT_FLOOR),
                   doc="used when no gate (and no fallback target) is set: thresholds in the gate's form that catch "
                       "a collapsed result (exit 1, worst tensors named); `none` disables it"),
@@ -162,8 +171,8 @@ def load_config(source: str | os.PathLike | dict, overrides: dict[str, Any] | No
     for key_path, value in (overrides or {}).items():
         set_key(raw, key_path, value, cwd=cwd or Path.cwd())
     values = validate(raw, SCHEMA, "", base)
-    _check_gate_metrics(values["evaluation"])
-    stages = _validate_pipeline(values.pop("pipeline"), base)
+    _check_gate_metrics(values["evaluation"], base)
+    stages = _validate_pipeline(values.pop("pipeline"), base, values["evaluation"])
     return Config(values=values, stages=stages, path=path, overlay=Path(overlay).resolve() if overlay else None)
 
 
@@ -216,34 +225,39 @@ def _absolute_paths(value: Any, key: Key, folder: Path) -> Any:
     return value
 
 
-GATE_METRICS = tuple(OUTPUT_METRICS)
+GATE_METRICS = tuple(OUTPUT_METRICS)  # per output; beside them, the user's metric's keys (user_metric.KEYS)
 
 
-def _check_gate_metrics(evaluation: dict | None) -> None:
-    check_metric_names((evaluation or {}).get("gate", {}), "evaluation.gate")
+def _check_gate_metrics(evaluation: dict | None, base: Path) -> None:
+    if evaluation and evaluation["metric"]:  # imported now: a wrong name fails before the run
+        evaluation["metric"] = user_metric.resolve(evaluation["metric"], base)
+    check_metric_names((evaluation or {}).get("gate", {}), "evaluation.gate", evaluation)
     if evaluation:
-        evaluation["floor"] = _floor(evaluation["floor"])
+        evaluation["floor"] = _floor(evaluation["floor"], evaluation)
 
 
-def _floor(value: Any) -> dict[str, float]:
+def _floor(value: Any, evaluation: dict) -> dict[str, float]:
     """evaluation.floor: `none` (or an empty mapping) disables it, else metric → threshold like the gate."""
     if value in ("none", {}):
         return {}
     if not isinstance(value, dict):
         raise ConfigError(f"evaluation.floor: expected a mapping like {{cosine_mean: 0.9}} or none, got {value!r}")
     floor = validate(value, Key("mapping", item=Key("float")), "evaluation.floor", Path())  # finite numbers
-    check_metric_names(floor, "evaluation.floor")
+    check_metric_names(floor, "evaluation.floor", evaluation)
     return floor
 
 
-def check_metric_names(thresholds: dict, where: str) -> None:
-    """Gate keys are `<metric>` or `<output>.<metric>`; a misspelt metric would otherwise only fail at the end."""
+def check_metric_names(thresholds: dict, where: str, evaluation: dict | None = None) -> None:
+    """Gate keys are `<metric>` or `<output>.<metric>`; a misspelt metric would otherwise only fail at the end.
+    With the evaluation section: `metric`/`metric_drop` need its `metric` (user_metric.check_keys)."""
     for key in thresholds:
         metric = key.rsplit(".", 1)[-1]
-        if metric not in GATE_METRICS:
-            guess = closest(metric, GATE_METRICS)
-            hint = f"did you mean '{guess}'?" if guess else f"metrics: {', '.join(GATE_METRICS)}"
+        if metric not in GATE_METRICS + user_metric.KEYS:
+            guess = closest(metric, GATE_METRICS + user_metric.KEYS)
+            hint = f"did you mean '{guess}'?" if guess else f"metrics: {', '.join(GATE_METRICS + user_metric.KEYS)}"
             raise ConfigError(f"{where}.{key}: unknown metric '{metric}'; {hint}")
+    if evaluation is not None:
+        user_metric.check_keys(thresholds, where, evaluation)
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -281,7 +295,7 @@ def _read_yaml(path: Path, what: str = "config file") -> Any:
         raise ConfigError(f"{path}: cannot read the config ({exc.strerror})") from None
 
 
-def _validate_pipeline(items: Any, base: Path) -> list[tuple[str, Any]]:
+def _validate_pipeline(items: Any, base: Path, evaluation: dict | None = None) -> list[tuple[str, Any]]:
     if items is None:
         return []
     if not isinstance(items, list):
@@ -300,7 +314,8 @@ def _validate_pipeline(items: Any, base: Path) -> list[tuple[str, Any]]:
             raise ConfigError(f"pipeline[{i}]: unknown stage '{name}'; {hint}")
         values = validate(options, stages[name].options, f"pipeline[{i}].{name}", base)
         if isinstance(values.get("fallback"), dict):
-            check_metric_names(values["fallback"]["target"], f"pipeline[{i}].{name}.fallback.target")
+            check_metric_names(values["fallback"]["target"], f"pipeline[{i}].{name}.fallback.target",
+                               evaluation or {})
         out.append((name, settings(stages[name].options, values, name)))
     return out
 

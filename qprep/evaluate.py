@@ -25,6 +25,7 @@ from qprep.measure.layers import LayerComparison
 from qprep.measure.metrics import wilson_interval
 from qprep.measure.outputs import output_metrics, padding_included
 from qprep.measure.padding import Padding
+from qprep.measure.user_metric import UserMetric, describe, with_figures
 from qprep.model import info as model_info
 from qprep.model.io import weights_bytes
 from qprep.model.runtime import SessionRecipe, run_model
@@ -60,6 +61,10 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     symbols = ctc.dictionary(run.model)
     ctc.spell_worst(outputs, symbols)
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
+    metric = UserMetric.of(cfg)  # the user's own figure, beside the agreement with FP32 (user_metric.py)
+    if metric is not None:
+        result["metric"] = metric.figures(expected, actual, metric.samples_of(samples), "the evaluation samples")
+        notes.append(describe(result["metric"]))
     heldout = None
     if run.heldout is not None:
         heldout_expected = run.heldout_expected
@@ -70,6 +75,10 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
                           heldout_notes, padding)
         ctc.spell_worst(heldout, symbols)
         result["heldout"] = {"samples": run.heldout.describe(), "outputs": heldout, "notes": heldout_notes}
+        if metric is not None:
+            result["heldout"]["metric"] = metric.figures(heldout_expected, heldout_actual,
+                                                         metric.samples_of(run.heldout), "the held-out samples")
+            heldout_notes.append(describe(result["heldout"]["metric"]))
     latency = None
     if cfg["latency"]["runs"] > 0:
         with ctx.progress.step("evaluation: latency"):  # the reference's session, built for its outputs, reused
@@ -97,6 +106,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     gate = {**products.fallback_target, **cfg["gate"]}  # the fallback's target is checked on the final result too
     if gate or cfg["floor"]:
         judged = heldout if heldout is not None else outputs
+        judged = with_figures(judged, (result["heldout"] if heldout is not None else result).get("metric"))
         result["gate"] = {**(check_gate(gate, judged) if gate else check_gate(cfg["floor"], judged, floor=True)),
                           "judged_on": "heldout" if heldout is not None else "evaluation",
                           "target": dict(gate or cfg["floor"])}  # as configured: what a fallback would aim at
@@ -127,7 +137,7 @@ def measure(samples, expected: list[dict], actual: list[dict], kinds: dict[str, 
     if labels_path:
         labels = read_labels(Path(labels_path), cfg["label_names"], samples.files)
         for name, metrics in outputs.items():
-            if metrics["kind"] == "classification":
+            if metrics["kind"] in ("classification", "binary"):  # a two-class output: its argmax is class 1 at 0.5
                 metrics.update(task_accuracy([e[name] for e in expected], [a[name] for a in actual], labels))
     return outputs
 

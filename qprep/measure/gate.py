@@ -10,7 +10,9 @@ per sample, as the cosine is) to what the threshold stands for less 3 dB (metric
 0.99): cosine cannot see an error along the signal, a scale or the shift of an output far from zero. Any other
 metric applies to the outputs that report it; `<output>.<metric>` to one output. Similarities are minimums,
 errors maximums. A figure that could not be measured fails a gate; the floor (the gate used when none is
-configured, to catch a collapse) skips it and says so.
+configured, to catch a collapse) skips it and says so. `metric` and `metric_drop` read the user's own metric
+(user_metric.py), whose entry sits beside the outputs': `metric` a minimum, or a maximum for a metric whose lower
+is better; `metric_drop` (how much worse than FP32) a maximum.
 
 An agreement is a rate over samples: on 48 samples one flip moves it 2.1%, so a 97% threshold inside the
 figure's 95% interval is marked `undecided` (the sample count cannot tell it from the threshold), and with
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 
 from qprep.measure.metrics import higher_is_better, rel_error_for_cosine, sqnr_for_cosine
+from qprep.measure.user_metric import ENTRY, KEYS
 
 COSINE = ("cosine_mean", "cosine_min")
 
@@ -31,7 +34,10 @@ def check_gate(gate: dict[str, float], outputs: dict[str, dict], floor: bool = F
     checks = []
     for key, threshold in gate.items():
         output, _, metric = key.rpartition(".")
-        names = [output] if output else list(outputs)
+        if metric in KEYS and not output:
+            checks.append(_user_check(key, threshold, outputs.get(ENTRY), floor))
+            continue
+        names = [output] if output else [name for name in outputs if name != ENTRY]
         direct, replaced = [], []
         for name in names:
             m = outputs.get(name)
@@ -64,6 +70,20 @@ def held_to(metric: str, threshold: float, output: dict) -> tuple[str, float] | 
         used = "rel_error_max" if metric == "cosine_min" and "rel_error_max" in judged else judged[0]
         return used, (rel_error_for_cosine(threshold) if used.startswith("rel_error") else threshold)
     return (metric, threshold) if metric in output else None
+
+
+def _user_check(key: str, threshold: float, figures: dict | None, floor: bool) -> dict | None:
+    """The user's metric against its threshold: no output is the worst one, the check names the function and
+    both figures instead."""
+    if figures is None:
+        return None if floor else {"metric": key, "threshold": threshold, "value": None, "passed": False,
+                                   "reason": "not measured (no evaluation.metric figures)"}
+    minimum = key == "metric" and figures["direction"] == "higher"
+    value = figures[key]
+    return {"metric": key, "threshold": threshold, "value": value, "kind": "minimum" if minimum else "maximum",
+            "passed": bool(value >= threshold if minimum else value <= threshold),
+            "stands_for": f"{figures['function']}: FP32 {figures['reference_metric']:.4g}, result "
+                          f"{figures['metric']:.4g} on {figures['samples']} samples"}
 
 
 def _along_signal(key: str, threshold: float, outputs: dict[str, dict], floor: bool) -> dict | None:

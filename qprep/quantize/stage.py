@@ -224,17 +224,23 @@ def _fallback_inputs(fallback, ctx: RunContext) -> dict:
     shared ReferenceOutputs, computed here once (the final evaluation reuses them). The samples are split into
     those the search chooses on and those kept apart to accept its choice (search.split_samples)."""
     from qprep.measure.outputs import output_metrics
+    from qprep.measure.user_metric import KEYS, UserMetric, with_figures
 
     run = ctx.reference
     expected = run.expected
     evaluation = ctx.config["evaluation"]
     kinds, padding = run.judging(evaluation["tasks"], evaluation["padding"])  # as the final evaluation judges
+    # the user's own metric, measured on each trial when the target names it (`metric_drop: 0.01`)
+    metric = UserMetric.of(evaluation) if set(fallback.target) & set(KEYS) else None
+    seen = metric.samples_of(run.samples) if metric else []
 
     position = {id(sample): i for i, sample in enumerate(run.samples.samples)}
 
     def measure(samples: list[dict], actual_outputs: list[dict]) -> dict:
-        return output_metrics([expected[position[id(s)]] for s in samples], actual_outputs, kinds,
-                              evaluation["decision_threshold"], padding, samples)
+        chosen = [expected[position[id(s)]] for s in samples]
+        outputs = output_metrics(chosen, actual_outputs, kinds, evaluation["decision_threshold"], padding, samples)
+        return with_figures(outputs, metric.figures(chosen, actual_outputs, [seen[position[id(s)]] for s in samples],
+                                                    f"{len(samples)} evaluation samples") if metric else None)
 
     chosen_on, kept_apart = search.split_samples(run.samples.samples, fallback.accept_share)
     return {"evaluation_samples": tuple(chosen_on), "acceptance_samples": tuple(kept_apart), "measure": measure}
