@@ -2,7 +2,10 @@
 
 Every column after the first shows its delta to the first; a delta in the worse direction beyond a
 `--fail-on-regression METRIC=THRESHOLD` makes the command exit 1 (for CI). One run alone is shown as its
-result against its FP32 reference.
+result against its FP32 reference. Above the figures: each run's status, verdict, the figure that decided it
+and the samples it was measured on, the backend and the model to deploy. The figures are those of the set the
+verdict judged (the held-out samples when given, `judged_outputs`), so no column shows another figure than the
+one that decided; `decided_by` is that figure for batch summaries and `qprep evaluate` too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from qprep import jsonfile
 from qprep.disk.reading import read_json
 from qprep.errors import QprepError
 from qprep.measure.metrics import OUTPUT_METRICS, higher_is_better
+from qprep.report.verdict import check_text, deciding_check, judged_outputs, verdict
 
 
 LATENCY_MS = ("original_ms", "optimized_ms", "result_ms")  # at ORT's default level (evaluate.timed_latency)
@@ -64,7 +68,7 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
                 flat[f"{row['model']}.{metric}"] = _number(row.get(metric), f"{row['model']}.{metric}")
         return flat
     evaluation = data.get("evaluation") or {}
-    for output, values in (evaluation.get("outputs") or {}).items():
+    for output, values in judged_outputs(evaluation).items():
         for metric in OUTPUT_METRICS:
             if metric in values:
                 flat[f"{output}.{metric}"] = _number(values[metric], f"{output}.{metric}")
@@ -74,8 +78,83 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
     for metric, label in zip(LATENCY_MS, ("reference", "optimized", "result")):
         if "median_ms" in (latency.get(label) or {}):
             flat[f"latency.{metric}"] = _number(latency[label]["median_ms"], f"latency.{label}.median_ms")
-    flat["result.nodes"] = _number((data.get("result") or {}).get("nodes"), "result.nodes")
+    result = data.get("result") or {}
+    # a deployable other than model.onnx (RKNN's .rknn) has nodes of its own: model.onnx's count is not its
+    flat["result.nodes"] = None if result.get("deployable") else _number(result.get("nodes"), "result.nodes")
+    flat["result.int8_macs"] = _number(result.get("integer_share"), "result.integer_share")
+    quantized = any(stage.get("name") == "quantize" for stage in data.get("stages") or [])
+    flat["result.kept_float"] = len(data.get("float_set") or []) if quantized and result else None  # RKNN: float16
     return flat
+
+
+def judged_split(evaluation: dict) -> tuple[str, dict]:
+    """('held-out' or 'evaluation', that set's samples record): the set `judged_outputs` reads, which the
+    gate judged (evaluate.py measures the held-out set and judges the gate on it together)."""
+    heldout = evaluation.get("heldout") or {}
+    if heldout.get("outputs") and judged_outputs(evaluation) is heldout["outputs"]:
+        return "held-out", heldout.get("samples") or {}
+    return "evaluation", evaluation.get("samples") or {}
+
+
+def decided_by(evaluation: dict | None, split: str | None = None) -> dict | None:
+    """The figure that decided the verdict (verdict.deciding_check over the gate's checks) and the samples it
+    was measured on, as compare, batch summaries and `qprep evaluate` show it: one derivation, so none of them
+    shows another figure than the verdict's. `split` names the set when the caller knows it better (`evaluate
+    --samples DIR`). None when nothing was judged (no evaluation, no gate, no check)."""
+    gate = (evaluation or {}).get("gate") or {}
+    if not gate.get("checks"):
+        return None
+    check = deciding_check(gate["checks"])
+    name, samples = judged_split(evaluation)
+    count = samples.get("count")
+    where = f"{split or name}, {count if count is not None else '?'} samples"
+    against = "floor" if gate.get("source") == "floor" else "gate"
+    return {"metric": check["metric"], "value": check["value"], "threshold": check["threshold"],
+            "passed": bool(gate["passed"]), "against": against, "split": split or name, "samples": count,
+            "source": samples.get("source"), "text": f"{against}: {check_text(check)} ({where})"}
+
+
+def facts_of(kind: str, data: dict) -> dict[str, str | None]:
+    """The text rows above the figures: a report's status, verdict with the figure that decided it, the samples
+    its figures are of, backend and deployed model; a summary's status and deciding figure per model."""
+    if kind == "summary":
+        facts: dict[str, str | None] = {}
+        for row in data["models"]:
+            facts[f"{row['model']}.status"] = _text(row.get("status"))
+            facts[f"{row['model']}.decided_by"] = _text(row.get("decided_by"))
+        return facts
+    evaluation = data.get("evaluation") or {}
+    figure = decided_by(evaluation)
+    split, samples = judged_split(evaluation)
+    quantize = next((s for s in data.get("stages") or [] if s.get("name") == "quantize"), None)
+    return {"status": _text(data.get("status")),
+            "verdict": verdict(data).state if data.get("status") else None,
+            "decided by": figure["text"] if figure else None,
+            "judged on": f"{split}, {samples.get('count', '?')} samples (`{samples.get('source', '?')}`)"
+                         if evaluation else None,
+            "backend": (quantize or {}).get("backend") or ("float (no quantize stage)" if data.get("stages") else None),
+            "deployed model": deployed_text(data)}
+
+
+def deployed_text(report: dict) -> str | None:
+    """The file to deploy and what is known of it: an ONNX result's nodes, a toolkit's file's size (its graph is
+    the toolkit's: model.onnx's node count is the float model it was built from, not its own)."""
+    result = report.get("result") or {}
+    if not result.get("path"):
+        return None
+    deployable = result.get("deployable")
+    if not deployable:
+        return f"{result['path']}, {_megabytes(result)} ({result.get('kind', '?')} ONNX, {result.get('nodes', '?')} nodes)"
+    return (f"{deployable['path']}, {_megabytes(deployable)} (its node count is not recorded; the "
+            f"{result.get('nodes', '?')} of {result['path']} are the float model it was built from)")
+
+
+def _megabytes(file: dict) -> str:
+    return "size not recorded" if file.get("bytes") is None else f"{file['bytes'] / 1e6:.2f} MB"
+
+
+def _text(value) -> str | None:
+    return None if value is None else str(value)
 
 
 def _number(value, where: str) -> float | None:
@@ -98,21 +177,54 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
         if metric not in known:
             raise QprepError(f"--fail-on-regression {metric}: no run reports this metric "
                              f"(metrics: {', '.join(sorted(m for m in known if '.' not in m))})")
-    rows, regressions = [], []
+    facts = [read_metrics(path, kind, data, lambda d, k=kind: facts_of(k, d)) for path, kind, data in records]
+    rows, regressions = _fact_rows(facts), []
     for metric in dict.fromkeys(m for v in values for m in v):
         base = values[0].get(metric)
         cells = []
         for column, v in zip(columns[1:], values[1:]):
             value = v.get(metric)
             delta = None if value is None or base is None else (0.0 if value == base else value - base)  # inf = inf
-            worse = delta is not None and (delta < 0 if higher_is_better(metric) else delta > 0)
+            worse = delta is not None and (delta < 0 if _higher(metric) else delta > 0)
             cells.append({"value": value, "delta": delta, "worse": worse})
             threshold = _threshold(metric, fail_on)
             if worse and threshold is not None and abs(delta) > threshold:
                 regressions.append({"metric": metric, "run": column, "base": base, "value": value,
                                     "delta": delta, "threshold": threshold})
         rows.append({"metric": metric, "base": base, "others": cells})
-    return {"columns": columns, "rows": rows, "regressions": regressions}
+    return {"columns": columns, "rows": rows, "regressions": regressions, "notes": _set_notes(facts)}
+
+
+STATUS_RANK = {"ok": 0, "gate missed": 1, "refused": 2, "failed": 2, "interrupted": 2, "running": 2}
+
+
+def _fact_rows(facts: list[dict]) -> list[dict]:
+    """One text row per fact; a status worse than the first run's is marked like a worse figure."""
+    rows = []
+    for name in dict.fromkeys(n for f in facts for n in f):
+        base = facts[0].get(name)
+        cells = []
+        for f in facts[1:]:
+            value = f.get(name)
+            worse = (name.endswith("status") and base in STATUS_RANK and value in STATUS_RANK
+                     and STATUS_RANK[value] > STATUS_RANK[base])
+            cells.append({"value": value, "delta": None, "worse": worse})
+        rows.append({"metric": name, "base": base, "others": cells})
+    return rows
+
+
+def _set_notes(facts: list[dict]) -> list[str]:
+    """Runs judged on different samples: their figures' deltas compare different samples, not results."""
+    sets = {f.get("judged on") for f in facts if f.get("judged on")}
+    if len(sets) < 2:
+        return []
+    return ["the runs were judged on different samples (row `judged on`): a delta between them is partly the "
+            "samples'; give the runs the same evaluation (and held-out) samples to compare their results"]
+
+
+def _higher(metric: str) -> bool:
+    """higher_is_better, and the share of multiply-adds run in int8 (more is the point of quantizing)."""
+    return metric.endswith("int8_macs") or higher_is_better(metric)
 
 
 def _threshold(metric: str, fail_on: dict[str, float]) -> float | None:
@@ -127,7 +239,15 @@ def _single(path: str, report: dict) -> dict:
         raise QprepError(f"compare: {path} has no evaluation section; add `evaluation:` to its config to compare "
                          "the result with its FP32 reference")
     flat, reference_accuracy, latency_ms, size_bytes = read_metrics(path, "report", report, _single_values)
-    rows = []
+    facts = read_metrics(path, "report", report, lambda data: facts_of("report", data))
+    reference = {"judged on": facts["judged on"],  # the reference ran on the same samples
+                 "deployed model": f"{report['evaluation'].get('reference_model', '?')} (FP32 reference)"}
+    rows = [{"metric": name, "base": reference.get(name), "others": [{"value": value, "delta": None, "worse": False}]}
+            for name, value in facts.items()]
+    nodes = (report.get("model") or {}).get("nodes")
+    if flat.get("result.nodes") is not None and isinstance(nodes, int):
+        rows.append({"metric": "result.nodes", "base": nodes, "others": [
+            {"value": flat["result.nodes"], "delta": flat["result.nodes"] - nodes, "worse": False}]})
     for name, value in flat.items():
         metric = name.rsplit(".", 1)[-1]
         if metric in OUTPUT_METRICS:
@@ -139,7 +259,7 @@ def _single(path: str, report: dict) -> dict:
             reference, result = (v / scale for v in pair)
             rows.append({"metric": name, "base": reference,
                          "others": [{"value": result, "delta": result - reference, "worse": False}]})
-    return {"columns": ["FP32 reference", f"result ({path})"], "rows": rows, "regressions": []}
+    return {"columns": ["FP32 reference", f"result ({path})"], "rows": rows, "regressions": [], "notes": []}
 
 
 def reference_score(metric: str) -> float:
@@ -156,7 +276,7 @@ def _single_values(report: dict) -> tuple[dict, dict, list, tuple | None]:
     rows (name, (reference, result or optimized float), 1) and (reference, result) size when measured."""
     evaluation = report["evaluation"]
     reference_accuracy = {f"{output}.top1_accuracy": _number(values.get("reference_top1_accuracy"), output)
-                          for output, values in (evaluation.get("outputs") or {}).items()}
+                          for output, values in judged_outputs(evaluation).items()}
     latency = evaluation.get("latency") or {}
     sizes = evaluation.get("size_bytes") or {}
     latency_ms = [(name, tuple(_number(timed[side]["median_ms"], f"latency.{side}.median_ms")
@@ -173,6 +293,8 @@ def _single_values(report: dict) -> tuple[dict, dict, list, tuple | None]:
 def _fmt(value) -> str:
     if value is None:
         return "–"
+    if isinstance(value, str):  # a fact row: status, verdict, the deciding figure, backend, deployed model
+        return value
     return f"{value:.6g}"
 
 
@@ -186,11 +308,13 @@ def render_text(result: dict) -> str:
             delta = "" if cell["delta"] is None else f" ({cell['delta']:+.4g})"
             cells.append(f"{_fmt(cell['value'])}{delta}{mark}")
         table.append(cells)
+    table = [[cell.replace("`", "") for cell in r] for r in table]  # the terminal: Markdown's code marks go
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in table]
     for reg in result["regressions"]:
         lines.append(f"REGRESSION {reg['metric']} in {reg['run']}: {_fmt(reg['base'])} → {_fmt(reg['value'])} "
                      f"(Δ {reg['delta']:+.4g}, allowed {reg['threshold']})")
+    lines += [f"note: {note}" for note in result.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -203,7 +327,8 @@ def render_markdown(result: dict) -> str:
             delta = "" if cell["delta"] is None else f" ({cell['delta']:+.4g})"
             text = f"{_fmt(cell['value'])}{delta}"
             cells.append(f"**{text}**" if cell["worse"] else text)
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    lines += [f"\nNote: {note}" for note in result.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -211,13 +336,14 @@ def render_html(result: dict) -> str:
     header = ["metric", result["columns"][0]] + [f"{c} (Δ)" for c in result["columns"][1:]]
     rows = []
     for row in result["rows"]:
-        cells = [f"<td>{escape(row['metric'])}</td><td>{_fmt(row['base'])}</td>"]
+        cells = [f"<td>{escape(row['metric'])}</td><td>{escape(_fmt(row['base']))}</td>"]
         for cell in row["others"]:
             delta = "" if cell["delta"] is None else f" ({cell['delta']:+.4g})"
             colour = " style='background:#f8d7da'" if cell["worse"] else ""
-            cells.append(f"<td{colour}>{_fmt(cell['value'])}{delta}</td>")
+            cells.append(f"<td{colour}>{escape(_fmt(cell['value']))}{delta}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     return ("<!doctype html><html><head><meta charset='utf-8'><title>qprep compare</title><style>table{border-collapse:"
             "collapse}td,th{border:1px solid #ccc;padding:3px 8px;font:13px system-ui}</style></head><body>"
-            f"<h1>qprep compare</h1><table><tr>{head}</tr>{''.join(rows)}</table></body></html>\n")
+            f"<h1>qprep compare</h1><table><tr>{head}</tr>{''.join(rows)}</table>"
+            + "".join(f"<p>Note: {escape(note)}</p>" for note in result.get("notes", [])) + "</body></html>\n")

@@ -1,4 +1,7 @@
-"""One row per model for batch summaries, read from each run's report.json (the summary never recomputes)."""
+"""One row per model for batch summaries, read from each run's report.json (the summary never recomputes).
+
+Its figures are those of the set the verdict judged (the held-out samples when given), beside the figure that
+decided and the set named (compare.decided_by): one figure per question, the one the verdict used."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from pathlib import Path
 from qprep.disk.reading import read_json
 from qprep.jsonfile import number
 from qprep.measure.metrics import main_agreement
+from qprep.report.compare import decided_by, judged_split
+from qprep.report.verdict import judged_outputs
 
-COLUMNS = ["model", "status", "cosine_mean", "agreement", "heldout_cosine", "heldout_agreement", "speedup",
+COLUMNS = ["model", "status", "decided_by", "cosine_mean", "agreement", "judged_on", "speedup",
            "original_ms", "optimized_ms", "result_ms", "nodes_before", "nodes_after",
            "layernorms_fused", "float_nodes", "int8_macs", "seconds", "error", "run_dir"]
 
@@ -27,14 +32,19 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     if status is None:
         row["status"] = report.get("status", "ok")
     model, result = report.get("model", {}), report.get("result", {})
-    row.update(nodes_before=model.get("nodes"), nodes_after=result.get("nodes"),
+    # a deployable other than model.onnx (RKNN's .rknn): model.onnx's nodes are the float model it was built from
+    row.update(nodes_before=model.get("nodes"), nodes_after=None if result.get("deployable") else result.get("nodes"),
                layernorms_fused=_layernorms_fused(report.get("stages") or []),
                float_nodes=len(report.get("float_set", [])), int8_macs=number(result.get("integer_share")))
     if seconds is None:
         row["seconds"] = report.get("seconds")
     evaluation = report.get("evaluation") or {}
-    row["cosine_mean"], row["agreement"] = _headline(evaluation.get("outputs"))
-    row["heldout_cosine"], row["heldout_agreement"] = _headline((evaluation.get("heldout") or {}).get("outputs"))
+    row["cosine_mean"], row["agreement"] = _headline(judged_outputs(evaluation))
+    figure = decided_by(evaluation)
+    row["decided_by"] = figure["text"] if figure else None
+    if evaluation:
+        split, samples = judged_split(evaluation)
+        row["judged_on"] = f"{split}, {samples.get('count', '?')} samples"
     row.update(latency_figures(evaluation.get("latency") or {}))
     return row
 

@@ -1,0 +1,118 @@
+"""`compare`, batch summaries and `qprep evaluate` show the figure that decided the verdict (the held-out one when
+given) with its samples named, and compare says each run's status, backend and the model it deploys: a run judged
+on held-out samples once showed its evaluation figures, and an RKNN run its float ONNX's nodes as the deployed ones."""
+
+from __future__ import annotations
+
+import json
+
+from synthetic_report import report
+
+from qprep.measure.gate import check_gate
+from qprep.report.compare import compare, decided_by, metrics_of, render_markdown, render_text
+from qprep.report.summary import render_summary_md, summary_row
+from qprep.report.verdict import check_text, deciding_check, sample_set, verdict
+
+
+def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
+    """A report whose gate is checked on the set it would be judged on, as evaluate() does."""
+    data = report(heldout=heldout)
+    evaluation = data["evaluation"]
+    outputs = (evaluation["heldout"] if heldout else evaluation)["outputs"]
+    evaluation["gate"] = {**check_gate(gate, outputs, floor=floor), "judged_on": "heldout" if heldout else "evaluation"}
+    return data
+
+
+def rknn(data: dict) -> dict:
+    """The same report as an RKNN run records it: model.onnx is the float model the .rknn was built from."""
+    data["stages"][0]["backend"] = "rknn"
+    data["result"].update(kind="float", nodes=272, deployable={"path": "model.rknn", "bytes": 4_210_502,
+                                                             "note": "model.onnx is the prepared float model"})
+    data["float_set"] = ["ln0", "ln1"]
+    return data
+
+
+def write(tmp_path, name: str, data: dict) -> str:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "report.json").write_text(json.dumps(data))
+    return str(tmp_path / name)
+
+
+def rows_of(result: dict) -> dict:
+    return {r["metric"]: r for r in result["rows"]}
+
+
+def test_decided_by_is_the_verdicts_figure_on_the_verdicts_samples():
+    for heldout in (False, True):
+        data = judged({"cosine_mean": 0.99, "top1_agreement": 0.5}, heldout=heldout)
+        evaluation = data["evaluation"]
+        figure = decided_by(evaluation)
+        check = deciding_check(evaluation["gate"]["checks"])
+        assert check_text(check) in verdict(data).text and check_text(check) in figure["text"]
+        # the set named is the verdict's: "16 held-out samples (`data/heldout`)"
+        assert sample_set(evaluation) == f"{figure['samples']} {figure['split']} samples (`{figure['source']}`)"
+        assert figure["text"].endswith(f"({'held-out' if heldout else 'evaluation'}, 16 samples)")
+    assert decided_by(report()["evaluation"]) is None  # no gate, no floor: nothing decided
+
+
+def test_compare_shows_the_held_out_figures_that_decided_not_the_evaluation_ones(tmp_path):
+    data = judged({"cosine_mean": 0.5}, heldout=True)
+    held = data["evaluation"]["heldout"]["outputs"]["logits"]
+    assert held["cosine_mean"] != data["evaluation"]["outputs"]["logits"]["cosine_mean"]
+    assert metrics_of("report", data)["logits.cosine_mean"] == held["cosine_mean"]
+    single = rows_of(compare([write(tmp_path, "a", data)], {}))
+    assert single["logits.top1_agreement"]["others"][0]["value"] == held["top1_agreement"]
+    assert single["decided by"]["others"][0]["value"] == decided_by(data["evaluation"])["text"]
+    assert single["judged on"]["others"][0]["value"] == "held-out, 16 samples (`data/heldout`)"
+
+
+def test_compare_has_status_verdict_backend_and_deployed_model_rows(tmp_path):
+    met = judged({"cosine_mean": 0.5})
+    missed = rknn(judged({"cosine_mean": 0.99999}))
+    missed["status"] = "gate missed"
+    result = compare([write(tmp_path, "a", met), write(tmp_path, "b", missed)], {})
+    rows = rows_of(result)
+    assert (rows["status"]["base"], rows["status"]["others"][0]["value"]) == ("ok", "gate missed")
+    assert rows["status"]["others"][0]["worse"]
+    assert (rows["verdict"]["base"], rows["verdict"]["others"][0]["value"]) == ("met", "missed")
+    assert (rows["backend"]["base"], rows["backend"]["others"][0]["value"]) == ("ort", "rknn")
+    assert rows["deployed model"]["base"] == "model.onnx, 2.00 MB (qdq ONNX, 20 nodes)"
+    deployed = rows["deployed model"]["others"][0]["value"]
+    assert deployed.startswith("model.rknn, 4.21 MB") and "not recorded" in deployed
+    # model.onnx's 272 nodes are not the .rknn's: no node count, no delta against the ONNX result's
+    assert rows["result.nodes"]["base"] == 20 and rows["result.nodes"]["others"][0]["value"] is None
+    assert rows["result.kept_float"]["others"][0]["value"] == 2
+    text = render_text(result)
+    assert "gate missed ▼" in text and "`" not in text  # the terminal gets plain text
+    assert "| status | ok | **gate missed** |" in render_markdown(result)
+    assert not result["notes"]  # the same samples
+
+
+def test_compare_says_when_runs_were_judged_on_different_samples(tmp_path):
+    result = compare([write(tmp_path, "a", judged({"cosine_mean": 0.5})),
+                      write(tmp_path, "b", judged({"cosine_mean": 0.5}, heldout=True))], {})
+    assert "judged on different samples" in result["notes"][0]
+    assert "judged on different samples" in render_text(result)
+
+
+def test_a_summary_row_shows_the_deciding_figure_and_the_judged_set(tmp_path):
+    data = rknn(judged({"cosine_mean": 0.5}, heldout=True))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text(json.dumps(data))
+    row = summary_row("m.onnx", run, 1.0)
+    held = data["evaluation"]["heldout"]["outputs"]["logits"]
+    assert (row["cosine_mean"], row["agreement"]) == (held["cosine_mean"], held["top1_agreement"])
+    assert row["decided_by"] == decided_by(data["evaluation"])["text"]
+    assert row["decided_by"].endswith("(held-out, 16 samples)") and row["judged_on"] == "held-out, 16 samples"
+    assert row["nodes_after"] is None  # model.onnx's nodes are not the .rknn's
+    assert "(held-out, 16 samples)" in render_summary_md([row])
+    rows = rows_of(compare([str(_summary(tmp_path, row))], {}))
+    assert rows["m.onnx.decided_by"]["base"] == row["decided_by"]
+    assert rows["m.onnx.status"]["base"] == "ok"
+
+
+def _summary(tmp_path, row: dict):
+    (tmp_path / "batch").mkdir()
+    (tmp_path / "batch" / "summary.json").write_text(json.dumps({"models": [row]}))
+    return tmp_path / "batch"
