@@ -190,6 +190,9 @@ def merge_overlay(raw: dict, overlay_path: Path) -> None:
     stages = overlay.pop("pipeline", None) or []
     if not isinstance(stages, list):
         raise ConfigError(f"{overlay_path}: pipeline: expected a list of `- <stage>: {{options}}` to merge")
+    evaluation = overlay.get("evaluation")
+    if isinstance(evaluation, dict) and isinstance(evaluation.get("metric"), str):  # beside the overlay, as its paths
+        evaluation["metric"] = user_metric.resolve(evaluation["metric"], folder)
     _merge(raw, _absolute_paths(overlay, SCHEMA, folder))
     for item in stages:
         if not isinstance(item, dict) or len(item) != 1:

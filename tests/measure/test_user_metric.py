@@ -236,3 +236,14 @@ def test_accuracy_against_labels_on_a_real_model_gates_the_run_and_is_the_fallba
     assert record["best"]["unseen"]["metrics"]["metric_drop"] <= 0.01  # accepted on the samples kept apart too
     text = (tmp_path / "out" / "report.md").read_text()
     assert "your metric direction.py:accuracy (higher is better) on 128 samples: FP32 0.9922" in text
+
+
+def test_an_overlays_metric_is_found_beside_the_overlay(labelled):
+    """A batch model's sidecar names its own metric: the module lies beside the sidecar, not the shared config."""
+    folder, config = labelled
+    (folder / "model_a").mkdir()
+    (folder / "errors.py").rename(folder / "model_a" / "errors.py")
+    (folder / "model_a" / "m.qprep.yaml").write_text("evaluation: {metric: errors:mae}\n")
+    del config["evaluation"]["metric"]
+    loaded = load_config(write(folder, config), overlay=folder / "model_a" / "m.qprep.yaml")
+    assert loaded["evaluation"]["metric"] == f"{folder / 'model_a' / 'errors.py'}:mae"
