@@ -5,10 +5,13 @@ Why: a VITS / Piper voice samples its prior with RandomNormalLike (scaled by an 
 model and the quantized one then draw different noise on every call and no comparison can judge the result, so
 such models were refused whole. Drawn once per sample from the op's own distribution (its mean/scale or
 low/high, dtype and shape) and fed identically to both models, the noise is part of the sample, and the
-comparison is fair. RandomNormal / RandomUniform (and their *Like forms) are handled, and Bernoulli(p) as Cast(u < p) with u drawn
-uniform in [0, 1) like p (the same distribution; the deployable draws u with RandomUniformLike); Multinomial and a
-Dropout left in training mode stay refused (model.info.random_nodes).
-The draw of sample i is seeded by (noise seed, i, the op's place), so a rerun draws the same noise.
+comparison is fair. RandomNormal / RandomUniform (and their *Like forms) are handled, and Bernoulli(p) as
+Cast(u < p) with u drawn uniform in [0, 1) like p (the same distribution; the deployable draws u with
+RandomUniformLike). Multinomial(logits) becomes the inverse-CDF sampling of softmax(logits) on u[batch,
+sample_size] drawn uniform in [0, 1) (the same distribution); the ONNX deployable gets the Multinomial itself
+back, a .rknn takes u as an input. A random op inside an If/Loop/Scan body, a Multinomial below opset 12 and a
+Dropout left in training mode stay refused (model.info.random_nodes). The draw of sample i is seeded by (noise
+seed, i, the op's place), so a rerun draws the same noise.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from qprep.model.io import inferred_shapes, reads
 from qprep.model.runtime import Intermediates
 
 DRAWS = {"RandomNormal": "normal", "RandomNormalLike": "normal", "RandomUniform": "uniform",
-         "RandomUniformLike": "uniform", "Bernoulli": "uniform"}  # Bernoulli(p): 1 where u < p, u ~ U(0, 1)
+         "RandomUniformLike": "uniform", "Bernoulli": "uniform",  # Bernoulli(p): 1 where u < p, u ~ U(0, 1)
+         "Multinomial": "uniform"}  # Multinomial(logits): the inverse CDF of softmax(logits) at u ~ U(0, 1)
 SEED = 20261207  # the noise seed: the same noise on every run
 
 
@@ -42,6 +46,7 @@ class NoiseSource:
     low_or_mean: float
     high_or_scale: float
     stands_for: str = ""  # the op this draw stands in for, when it is not the op itself (a Bernoulli's uniform)
+    columns: int | None = None  # a Multinomial's sample_size: the draw is [rows of `like`, columns]
 
     def describe(self) -> dict:
         first, second = ("mean", "scale") if self.distribution == "normal" else ("low", "high")
@@ -75,9 +80,22 @@ def drawn_ops(model: onnx.ModelProto) -> tuple[list[onnx.NodeProto], list[tuple[
     main = {tuple(n.output) for n in model.graph.node}  # (protobuf hands out new wrappers: no identity)
     fed, other = [], []
     for node, why in random_nodes(model):
-        feedable = tuple(node.output) in main and node.op_type in DRAWS and node.domain in ("", "ai.onnx")
+        feedable = tuple(node.output) in main and node.op_type in DRAWS and node.domain in ("", "ai.onnx") and (
+            node.op_type != "Multinomial" or _multinomial_fits(model, node))
         (fed if feedable else other).append((node, why))
     return [n for n, _ in fed], other
+
+
+def _multinomial_fits(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
+    """The inverse-CDF sampling needs LessOrEqual (opset 12) and logits of rank 2 (the op's own contract; a rank
+    the graph states otherwise is not matched)."""
+    known = _value_types(model).get(node.input[0])
+    shape = known.tensor_type.shape if known is not None and known.tensor_type.HasField("shape") else None
+    return _opset(model) >= 12 and (shape is None or len(shape.dim) == 2)
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 def as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[NoiseSource, ...]]:
@@ -89,7 +107,8 @@ def as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[NoiseSourc
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
-    types = _shaped_types(result, [n.input[0] if n.op_type.endswith("Like") or n.op_type == "Bernoulli"
+    reads_shape = ("Bernoulli", "Multinomial")  # like a *Like op, from their input
+    types = _shaped_types(result, [n.input[0] if n.op_type.endswith("Like") or n.op_type in reads_shape
                                    else n.output[0] for n in nodes])
     sources = []
     taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {
@@ -98,15 +117,21 @@ def as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[NoiseSourc
         index = next(i for i, n in enumerate(graph.node) if list(n.output) == list(node.output)
                      and n.op_type == node.op_type)
         del graph.node[index]
-        stands_for = ""
-        if node.op_type == "Bernoulli":
-            node, stands_for = _bernoulli_as_uniform(graph, index, node, types, taken), "Bernoulli"
-        source = replace(_source(node, types), stands_for=stands_for)
+        if node.op_type == "Multinomial":
+            source = _multinomial_as_uniform(graph, index, node, taken, _opset(result))
+        elif node.op_type == "Bernoulli":
+            source = replace(_source(_bernoulli_as_uniform(graph, index, node, types, taken), types),
+                             stands_for="Bernoulli")
+        else:
+            source = _source(node, types)
         sources.append(source)
         known = types.get(source.like) if source.like else types.get(source.output)  # a *Like copies its shape
         dims = known.tensor_type.shape if known is not None and known.tensor_type.HasField("shape") else None
         value = helper.make_tensor_value_info(source.output, source.elem_type, None)
-        if dims is not None:
+        if dims is not None and source.columns is not None:  # [rows of the logits, sample_size]
+            value.type.tensor_type.shape.dim.add().CopyFrom(dims.dim[0])
+            value.type.tensor_type.shape.dim.add().dim_value = source.columns
+        elif dims is not None:
             value.type.tensor_type.shape.CopyFrom(dims)
         elif source.shape is not None:
             value.type.tensor_type.shape.CopyFrom(helper.make_tensor_type_proto(1, source.shape).tensor_type.shape)
@@ -128,6 +153,8 @@ def _drawn(samples: list[dict], sources: tuple[NoiseSource, ...], shapes: LikeSh
         sample = dict(sample)
         for place, source in enumerate(sources):
             shape = source.shape if source.like is None else like[source.like]
+            if source.columns is not None:
+                shape = (shape[0], source.columns)
             sample[source.output] = draw(source, shape, np.random.default_rng([SEED, index, place]))
         drawn.append(sample)
     return drawn
@@ -159,6 +186,10 @@ def restore(model: onnx.ModelProto, sources: tuple[NoiseSource, ...]) -> tuple[o
         if source.like is not None and source.like not in available:
             left.append(source.output)
             continue
+        if source.node.op_type == "Multinomial":
+            if not _multinomial_back(graph, source):
+                left.append(source.output)
+            continue
         readers = [i for i, n in enumerate(graph.node) if source.output in reads(n)]
         after = max((i for i, n in enumerate(graph.node) if source.like in n.output), default=-1)
         first = min(readers, default=len(graph.node))
@@ -172,6 +203,38 @@ def restore(model: onnx.ModelProto, sources: tuple[NoiseSource, ...]) -> tuple[o
     if unordered:  # a reader the quantizer placed before the tensor the *Like op copies: graph order again
         _topological(graph)
     return result, left
+
+
+def _multinomial_back(graph: onnx.GraphProto, source: NoiseSource) -> bool:
+    """The Multinomial in place of the node computing its output, and what only that node's inputs fed (the
+    inverse-CDF sampling, with any quantization the result put on it) removed with the uniform input; False,
+    the graph untouched, when the result no longer computes the Multinomial's output."""
+    out = source.node.output[0]
+    at = next((i for i, n in enumerate(graph.node) if out in n.output), None)
+    if at is None:
+        return False
+    cone = set(reads(graph.node[at]))
+    back = onnx.NodeProto()
+    back.CopyFrom(source.node)
+    graph.node.insert(at, back)
+    del graph.node[at + 1]
+    if any(source.like in n.output for n in graph.node[at + 1:]):  # a result that computes the logits later
+        _topological(graph)
+    kept_outputs = {o.name for o in graph.output}
+    while True:
+        read = {name for node in graph.node for name in reads(node)} | kept_outputs
+        dead = [i for i, n in enumerate(graph.node) if set(n.output) & cone and not set(n.output) & read]
+        if not dead:
+            break
+        for i in reversed(dead):
+            cone |= set(reads(graph.node[i]))
+            del graph.node[i]
+    read = {name for node in graph.node for name in reads(node)} | kept_outputs
+    for field in (graph.initializer, graph.input):
+        kept = [t for t in field if t.name in read or t.name not in cone | {source.output}]
+        del field[:]
+        field.extend(kept)
+    return True
 
 
 def _bernoulli_as_uniform(graph: onnx.GraphProto, index: int, node: onnx.NodeProto, types: dict,
@@ -191,6 +254,57 @@ def _bernoulli_as_uniform(graph: onnx.GraphProto, index: int, node: onnx.NodePro
                                               to=int(attributes.get("dtype", elem))))
     graph.node.insert(index, helper.make_node("Less", [u, p], [below], name=f"{name}_less"))
     return helper.make_node("RandomUniformLike", [p], [u], name=name, dtype=int(elem))
+
+
+def _multinomial_as_uniform(graph: onnx.GraphProto, index: int, node: onnx.NodeProto, taken: set[str],
+                            opset: int) -> NoiseSource:
+    """Multinomial(logits) at `index` → its inverse-CDF sampling there, on u[batch, sample_size] ~ U(0, 1) fed as
+    an input: a sample's index is the number of classes whose exclusive cumulative softmax probability is <= u,
+    minus one (class k when P(< k) <= u < P(<= k): the same distribution; never past the last class, no clip).
+    In double, through ops ONNX Runtime's quantizer leaves alone (it quantizes CumSum/Unsqueeze of float tensors,
+    and fails on a double Softmax: Exp(LogSoftmax) instead), so the result samples as the float model does, and a
+    large vocabulary's small probabilities keep their digits. restore puts the Multinomial back."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    size, dtype = int(attributes.get("sample_size", 1)), int(attributes.get("dtype", onnx.TensorProto.INT32))
+    logits, out, name = node.input[0], node.output[0], node.name or node.output[0]
+    names = {}
+    for part in ("uniform", "wide", "log", "probs", "axis", "before", "rows", "u_wide", "cols", "passed", "counted",
+                 "count", "one", "rows_axes", "cols_axes", "sum_axes"):
+        names[part] = first_free(f"{out}_{part}", taken)
+        taken.add(names[part])
+    n = names
+    double = onnx.TensorProto.DOUBLE
+
+    def constant(key: str, values, elem=onnx.TensorProto.INT64):
+        array = np.array(values, dtype=helper.tensor_dtype_to_np_dtype(elem))
+        return helper.make_node("Constant", [], [n[key]], name=f"{name}_{key}",
+                                value=helper.make_tensor(n[key], elem, array.shape, array.ravel().tolist()))
+
+    def over(op: str, data: str, axes: list[int], output: str, key: str, **attrs):
+        if opset >= 13:
+            return [constant(key, axes), helper.make_node(op, [data, n[key]], [output], name=f"{name}_{output}",
+                                                          **attrs)]
+        return [helper.make_node(op, [data], [output], name=f"{name}_{output}", axes=axes, **attrs)]
+
+    nodes = [helper.make_node("Cast", [logits], [n["wide"]], name=f"{name}_wide", to=double),
+             helper.make_node("LogSoftmax", [n["wide"]], [n["log"]], name=f"{name}_log_softmax", axis=1),
+             helper.make_node("Exp", [n["log"]], [n["probs"]], name=f"{name}_softmax"),
+             constant("axis", 1),
+             helper.make_node("CumSum", [n["probs"], n["axis"]], [n["before"]], name=f"{name}_cumsum",
+                              exclusive=1),
+             *over("Unsqueeze", n["before"], [1], n["rows"], "rows_axes"),  # [batch, 1, classes]
+             helper.make_node("Cast", [n["uniform"]], [n["u_wide"]], name=f"{name}_u_wide", to=double),
+             *over("Unsqueeze", n["u_wide"], [2], n["cols"], "cols_axes"),  # [batch, sample_size, 1]
+             helper.make_node("LessOrEqual", [n["rows"], n["cols"]], [n["passed"]], name=f"{name}_passed"),
+             helper.make_node("Cast", [n["passed"]], [n["counted"]], name=f"{name}_counted", to=dtype),
+             *over("ReduceSum", n["counted"], [2], n["count"], "sum_axes", keepdims=0),
+             constant("one", 1, dtype),
+             helper.make_node("Sub", [n["count"], n["one"]], [out], name=f"{name}_index")]
+    for offset, new in enumerate(nodes):
+        graph.node.insert(index + offset, new)
+    return NoiseSource(node=node, output=n["uniform"], like=logits, shape=None, elem_type=onnx.TensorProto.FLOAT,
+                       distribution="uniform", low_or_mean=0.0, high_or_scale=1.0, stands_for="Multinomial",
+                       columns=size)
 
 
 def _source(node: onnx.NodeProto, types: dict) -> NoiseSource:

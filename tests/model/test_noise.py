@@ -12,7 +12,7 @@ from onnx import helper
 
 import qprep
 from graphs import make_model, rand
-from qprep.model.noise import as_inputs, restore, taken_out, with_noise
+from qprep.model.noise import as_inputs, drawn_ops, restore, taken_out, with_noise
 from qprep.model.runtime import ort_session
 
 
@@ -173,17 +173,128 @@ def test_a_bernoulli_is_measured_as_a_uniform_draw_below_its_probability(tmp_pat
     assert report["status"] == "ok" and report["load"]["noise"][0]["op"] == "Bernoulli"
 
 
+def _multinomial_model(opset: int = 17, batch="N", size: int = 3, dtype: int | None = None):
+    """logits = MatMul(x, w)[N, 5] → Multinomial(sample_size) → Cast float → y[N, size]; logits an output too."""
+    attributes = {"sample_size": size, **({"dtype": dtype} if dtype is not None else {})}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["logits"], name="matmul"),
+             helper.make_node("Multinomial", ["logits"], ["pick"], name="pick", **attributes),
+             helper.make_node("Cast", ["pick"], ["y"], to=onnx.TensorProto.FLOAT, name="cast")]
+    return make_model(nodes, [("x", [batch, 4])], [("y", [batch, size]), ("logits", [batch, 5])], {"w": rand(4, 5)},
+                      opset=opset)
+
+
+@pytest.mark.parametrize("opset, dtype", [(12, None), (17, onnx.TensorProto.INT64)])
+def test_a_multinomial_samples_its_softmax_by_inverse_cdf_on_a_fed_uniform(opset, dtype):
+    """Taken out: u[N, sample_size] is fed and the index is where u falls in the cumulative softmax, so the
+    picks follow softmax(logits) (6000 draws a row, loose bounds, fixed seed); restored: the Multinomial again."""
+    model = _multinomial_model(opset, dtype=dtype)
+    fed, sources = as_inputs(model)
+    assert "Multinomial" not in {n.op_type for n in fed.graph.node}
+    assert [i.name for i in fed.graph.input] == ["x", "pick_uniform"] and sources[0].describe()["op"] == "Multinomial"
+    onnx.checker.check_model(fed, full_check=True)
+    x = np.tile(rand(2, 4), (1000, 1))  # two rows of logits, 1000 times each: one sample, one run
+    sample = with_noise([{"x": x}], sources, model)[0]
+    assert sample["pick_uniform"].shape == (2000, 3)
+    pick = ort_session(fed).run(None, sample)[0]  # the float model's Cast of the index
+    logits = x[:2] @ rand(4, 5)
+    probability = np.exp(logits - logits.max(1, keepdims=True))
+    probability /= probability.sum(1, keepdims=True)
+    for row in range(2):
+        frequency = np.bincount(pick[row::2].ravel().astype(int), minlength=5) / pick[row::2].size
+        np.testing.assert_allclose(frequency, probability[row], atol=0.03)
+    index = next(n for n in fed.graph.node if n.output[0] == "pick")
+    assert index.op_type == "Sub"  # the Multinomial's output keeps its name and, with dtype, its type
+    drawn, left = restore(fed, sources)
+    assert left == [] and [i.name for i in drawn.graph.input] == ["x"]
+    assert [n.op_type for n in drawn.graph.node] == ["MatMul", "Multinomial", "Cast"]
+    assert [t.name for t in drawn.graph.initializer] == ["w"]
+    onnx.checker.check_model(drawn, full_check=True)
+    assert ort_session(drawn).run(None, {"x": x[:2]})[0].shape == (2, 3)
+
+
+def test_a_multinomial_is_fed_from_opset_12_and_refused_below():
+    """The sampling compares with LessOrEqual (opset 12); an older graph's Multinomial stays refused."""
+    assert [n.name for n in drawn_ops(_multinomial_model(opset=12))[0]] == ["pick"]
+    fed, refused = drawn_ops(_multinomial_model(opset=11))
+    assert fed == [] and [(n.name, why) for n, why in refused] == [("pick", "Multinomial")]
+
+
+def test_a_multinomial_whose_output_is_gone_keeps_its_uniform_as_an_input():
+    model = _multinomial_model()
+    fed, sources = as_inputs(model)
+    for node in fed.graph.node:  # the result computes the index under another name
+        node.output[:] = ["pick2" if o == "pick" else o for o in node.output]
+        node.input[:] = ["pick2" if i == "pick" else i for i in node.input]
+    drawn, left = restore(fed, sources)
+    assert left == ["pick_uniform"] and "Multinomial" not in {n.op_type for n in drawn.graph.node}
+
+
+def test_a_multinomial_goes_back_after_its_logits_wherever_the_result_placed_them():
+    model = _multinomial_model()
+    fed, sources = as_inputs(model)
+    nodes = list(fed.graph.node)
+    matmul = next(n for n in nodes if n.name == "matmul")
+    del fed.graph.node[:]
+    fed.graph.node.extend([*[n for n in nodes if n.name != "matmul"], matmul])  # out of order, as a quantizer may
+    drawn, _ = restore(fed, sources)
+    onnx.checker.check_model(drawn)
+    assert [n.op_type for n in drawn.graph.node] == ["MatMul", "Multinomial", "Cast"]
+
+
+def _multinomial_run(tmp_path, backend: str) -> dict:
+    onnx.save(_multinomial_model(batch=1, size=1), str(tmp_path / "m.onnx"))
+    (tmp_path / "calib").mkdir()
+    for i in range(8):
+        np.save(tmp_path / "calib" / f"{i}.npy", rand(1, 4, seed=i))
+    quantize = {"backend": backend, **({"rknn": {"weight_rounding": "nearest", "analysis_samples": 0}}
+                                      if backend == "rknn" else {})}
+    return qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
+                      "evaluation": {"source": str(tmp_path / "calib"), "layers": False, "latency": {"runs": 0}},
+                      "pipeline": [{"optimize": {}}, {"quantize": quantize}]}, output_dir=str(tmp_path / "out"))
+
+
+def test_a_model_with_a_multinomial_runs_judged_on_the_same_noise(tmp_path, cli):
+    """Refused before; the float model and the result now pick from the same uniform, and model.onnx samples
+    with its Multinomial again (qprep evaluate takes it out again)."""
+    report = _multinomial_run(tmp_path, "ort")
+    assert report["status"] == "ok" and report["load"]["noise"][0]["op"] == "Multinomial"
+    assert report["result"]["noise"]["inputs"] == [] and set(report["evaluation"]["outputs"]) == {"y", "logits"}
+    assert "fails on node" not in (tmp_path / "out" / "qprep.log").read_text()  # the sampling is left float
+    saved = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert [i.name for i in saved.graph.input] == ["x"] and "Multinomial" in {n.op_type for n in saved.graph.node}
+    assert "random op `pick` (Multinomial, U(0, 1))" in (tmp_path / "out" / "report.md").read_text()
+    code, _, err = cli("evaluate", str(tmp_path / "out"), "--samples", str(tmp_path / "calib"), "--quiet")
+    assert code == 0, err
+
+
+@pytest.mark.slow
+def test_a_multinomial_builds_for_rknn_with_its_uniform_as_an_input(tmp_path):
+    """The toolkit takes the inverse-CDF sampling (its double sums as float32); the .rknn reads u."""
+    report = _multinomial_run(tmp_path, "rknn")
+    assert report["status"] == "ok" and report["result"]["noise"]["inputs"] == ["pick_uniform"]
+    assert report["evaluation"]["outputs"]["y"]["samples"] == 8
+    assert "takes its values as input `pick_uniform`" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_random_ops_it_cannot_feed_are_still_refused(tmp_path):
-    """Multinomial draws class indices from probabilities the graph computes: refused in one line naming it."""
+    """A random op inside an If branch (here a Multinomial) has no graph input to be fed through: refused in one
+    line naming it."""
+    from graphs import make_graph
     from qprep.errors import ModelError
 
-    rng = np.random.default_rng(0)
-    nodes = [helper.make_node("Multinomial", ["x"], ["pick"], name="pick", sample_size=1),
-             helper.make_node("Cast", ["pick"], ["picked"], to=onnx.TensorProto.FLOAT, name="cast"),
-             helper.make_node("Add", ["x", "picked"], ["y"], name="add")]
-    onnx.save(make_model(nodes, [("x", [1, 8])], [("y", [1, 8])], opset=17), str(tmp_path / "m.onnx"))
+    branch = make_graph([helper.make_node("Multinomial", ["x"], ["pick"], name="pick", sample_size=1),
+                         helper.make_node("Cast", ["pick"], ["t"], to=onnx.TensorProto.FLOAT, name="cast")],
+                        [], [("t", [1, 1])], name="then")
+    other = make_graph([helper.make_node("ReduceMax", ["x"], ["e"], name="max", axes=[1])], [], [("e", [1, 1])],
+                       name="else")
+    nodes = [helper.make_node("ReduceMax", ["x"], ["top"], name="top", keepdims=0),
+             helper.make_node("Greater", ["top", "zero"], ["flag"], name="flag"),
+             helper.make_node("Squeeze", ["flag"], ["cond"], name="cond"),
+             helper.make_node("If", ["cond"], ["y"], name="if", then_branch=branch, else_branch=other)]
+    onnx.save(make_model(nodes, [("x", [1, 8])], [("y", [1, 1])], {"zero": np.float32(0)}, opset=17),
+              str(tmp_path / "m.onnx"))
     (tmp_path / "calib").mkdir()
-    np.save(tmp_path / "calib" / "0.npy", rng.standard_normal((1, 8)).astype(np.float32))
+    np.save(tmp_path / "calib" / "0.npy", rand(1, 8))
     with pytest.raises(ModelError, match=r"node 'pick' \(Multinomial\) draws random values"):
         qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "calib")},
                    "pipeline": [{"quantize": {}}]}, output_dir=str(tmp_path / "out"))
