@@ -428,6 +428,11 @@ def cmd_evaluate(args) -> int:
         args.guard.output_file(args.json_out, "--json")  # before minutes of evaluation, not after
     result = reevaluate(args.run_dir, args.samples, args.labels, dict(parse_set(s) for s in args.sets), args.quiet,
                         args.guard)
+    from qprep.report.compare import decided_by
+
+    figure = decided_by(result, split=str(args.samples))  # the verdict's own figure, as compare and batch show it
+    if figure:
+        result["decided_by"] = figure
     if args.json_out:
         args.guard.write_text(args.json_out, jsonfile.dumps(result) + "\n", "--json")
     count = result["samples"]["count"]
@@ -436,6 +441,8 @@ def cmd_evaluate(args) -> int:
               + "".join(f", {key} {_fmt(metrics[key])}" for key in ("top1_agreement", "step_agreement",
                                                                      "element_agreement") if key in metrics)
               + f" ({count} samples)")
+    if figure:
+        print(f"qprep: {'met' if figure['passed'] else 'missed'}: {figure['text'].replace('`', '')}")
     if result.get("repeats"):
         print(f"qprep: note: {result['repeats']}")
     gate = result.get("gate")

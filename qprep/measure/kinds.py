@@ -20,11 +20,14 @@ instead):
 4. `regression`: a small head (at most SMALL_HEAD values per sample) a Gemm/MatMul computes, reached through
    moves and affine ops only (no Softmax, Sigmoid, ArgMax or norm after it), unless its name says class scores
    (logits, class, label): rated by absolute and relative error;
-5. `probability`: values in [0, 1] on every sample, and one element per sample or a Sigmoid's output with at
-   most one axis longer than 1 (a multi-label vector, per-frame probabilities; a 2-D probability map keeps
-   its cosine, which means something over many pixels);
-6. `scalar`: one element per sample (any range) that no regression head computes; judged as `regression` is;
-7. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task; x / ‖x‖ written
+5. `binary`: two-class probabilities [N, 2] (or [N, ..., 2], one decision per position) from a Softmax, each
+   pair summing to 1: a decision on class 1 at `evaluation.decision_threshold`, rated as `probability` on
+   class 1's probability (a cosine of 0.999 let one class's probability move by 0.144);
+6. `probability`: values in [0, 1] on every sample, and one element per sample (a single logit's Sigmoid) or
+   a Sigmoid's output with at most one axis longer than 1 (a multi-label vector, per-frame probabilities; a
+   2-D probability map keeps its cosine, which means something over many pixels);
+7. `scalar`: one element per sample (any range) that no regression head computes; judged as `regression` is;
+8. `classification` / `sequence` / `tensor` from the shape and producer (metrics.output_task; x / ‖x‖ written
    out counts as LpNormalization: an embedding); a `sequence` over the model's character dictionary plus a blank
    is `ctc` (ctc.py: decoded to text).
 """
@@ -75,6 +78,11 @@ def output_kinds(model: onnx.ModelProto, expected: list[dict], tasks: dict) -> d
             if tasks[name] == "boxes" and width < 4:
                 raise ConfigError(f"evaluation.tasks.{name}: boxes needs rows of at least 4 numbers (the box, then "
                                   f"scores); this output's rows hold {width}: choose another kind")
+            last = next((np.shape(v)[-1] if np.ndim(v) else 1 for v in values if np.shape(v)[-1:] != (2,)), 2)
+            if tasks[name] == "binary" and last != 2:
+                raise ConfigError(f"evaluation.tasks.{name}: binary needs two-class scores [..., 2] (the decision is "
+                                  f"on class 1); this output's last axis holds {last}: choose probability for one "
+                                  "value per decision, classification for more classes")
             kinds[name] = (tasks[name], "named in evaluation.tasks")
         else:
             kinds[name] = output_kind(name, values, producers, inputs)
@@ -108,6 +116,12 @@ def output_kind(name: str, values: list[np.ndarray], producers: dict, inputs: di
                               f"'{head.name}' with no Softmax, Sigmoid or ArgMax after it: a regression head, "
                               "rated by relative and absolute error (a top-1 of independent scores means nothing)")
     in_unit = all(v.size and np.all((v >= 0) & (v <= 1)) for v in values)
+    softmax = _reaches(name, producers, {"Softmax"}, MOVES - {"Concat"}) if in_unit else None
+    if softmax is not None and two_classes(values):
+        return "binary", (f"two-class probabilities [..., 2] from Softmax '{softmax.name}': a decision on class 1 "
+                          "at the threshold, rated by decision agreement and the absolute error of class 1's "
+                          "probability (the cosine of a two-class Softmax stays near 1 while a class's probability "
+                          "moves)")
     one = all(v.size == 1 for v in values)
     if in_unit and (one or (_reaches(name, producers, {"Sigmoid"}, MOVES) is not None
                             and max(sum(d > 1 for d in v.shape) for v in values) <= 1)):
@@ -125,6 +139,13 @@ def output_kind(name: str, values: list[np.ndarray], producers: dict, inputs: di
     return task, {"classification": f"class scores [N, C]{source}: cosine and top-1 agreement",
                   "sequence": "per-step scores [N, T, C] from a Softmax: cosine and per-step agreement",
                   "tensor": "a tensor of many values: cosine and SQNR"}[task]
+
+
+def two_classes(values: list[np.ndarray]) -> bool:
+    """Float pairs along the last axis that sum to 1 on every sample (rule 5): a two-class Softmax's output,
+    not two columns sliced from a wider one."""
+    return all(v.dtype.kind == "f" and v.ndim >= 1 and v.shape[-1] == 2 and v.size
+               and np.allclose(v.sum(axis=-1), 1.0, atol=1e-3) for v in values)
 
 
 def _rows_kind(name: str, values: list[np.ndarray], producers: dict, selector, integer: bool) -> tuple[str, str]:

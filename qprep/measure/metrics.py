@@ -2,10 +2,12 @@
 
 Each output is rated by the metrics that mean something for its kind (kinds.py chooses the kind): cosine for
 scores, embeddings and maps; absolute error and decisions at a threshold for probabilities (a one-element
-cosine is always 1); relative error for state outputs; absolute and relative error for regression heads and
-one-element outputs; agreement for integers; detections matched by class and IoU where NMS/TopK chose the
-rows. `judged_by` names the metrics that judge the output (the first one is its main figure); `score` is one
-smooth number per output, 1 when exact, that the fallback search climbs. A cosine threshold also holds the
+cosine is always 1) and for two-class scores, on class 1's probability (POSITIVE_CLASS: the other is its
+complement, and the cosine of the pair stays near 1 while one class's probability moves); relative error for
+state outputs; absolute and relative error for regression heads and one-element outputs; agreement for
+integers; detections matched by class and IoU where NMS/TopK chose the rows. `judged_by` names the metrics that
+judge the output (the first one is its main figure); `score` is one smooth number per output, 1 when exact,
+that the fallback search climbs. A cosine threshold also holds the
 output's mean_sqnr_db (SQNR_SLACK_DB): cosine cannot see an error along the signal.
 
 A figure computed on no comparable pair is None ("not measured"), never inf or a perfect 1. Outputs whose
@@ -43,11 +45,13 @@ RUN_METRICS = {"reference_top1_accuracy": True, "agreement": True, "speedup": Tr
 JUDGED_BY = {"classification": ("cosine_mean", "top1_agreement"), "sequence": ("cosine_mean", "step_agreement"),
              "ctc": ("cosine_mean", "text_agreement", "char_error_rate"),
              "tensor": ("cosine_mean",), "state": ("rel_error", "rel_error_max"),
-             "probability": ("decision_agreement", "mean_abs_error"), "scalar": ("rel_error", "mean_abs_error"),
+             "probability": ("decision_agreement", "mean_abs_error"),
+             "binary": ("decision_agreement", "mean_abs_error"), "scalar": ("rel_error", "mean_abs_error"),
              "regression": ("rel_error", "mean_abs_error"), "integer": ("element_agreement",),
              "boxes": ("match_rate", "detections_found", "detections_extra", "mean_iou", "score_abs_error"),
              "ranked": ("rel_error",), "ranked_ids": ("set_agreement",)}
 KINDS = tuple(JUDGED_BY)
+POSITIVE_CLASS = 1  # of a two-class output [..., 2] (`binary`): the decision is "class 1" (no/yes, as trained)
 
 
 def main_agreement(metrics: dict) -> str | None:
@@ -95,10 +99,12 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], kind: 
             metrics["score"] = cosine_equivalent(metrics["rel_error"])
     else:
         pairs, changed = aligned(reference, result)
+        if kind == "binary":
+            pairs = [positive_class(p) for p in pairs]
         usable = [p for p in pairs if p is not None]
         if not usable:
             metrics = _not_measured(kind, len(pairs))
-        elif kind in ("probability", "scalar", "regression"):
+        elif kind in ("probability", "binary", "scalar", "regression"):
             metrics = _values_metrics(usable, kind, threshold)
         elif kind == "integer":
             metrics = _integer_metrics(usable)
@@ -137,9 +143,18 @@ def aligned(reference: list, result: list) -> tuple[list[tuple[np.ndarray, np.nd
     return pairs, changed
 
 
+def positive_class(pair: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Class 1's probability on each side of a two-class output; None (not comparable) when a side is not
+    [..., 2]."""
+    if pair is None or any(side.ndim == 0 or side.shape[-1] != 2 for side in pair):
+        return None
+    return pair[0][..., POSITIVE_CLASS], pair[1][..., POSITIVE_CLASS]
+
+
 def _not_measured(kind: str, count: int) -> dict:
     return {"samples": 0, **{metric: None for metric in JUDGED_BY[kind]}, "score": None,
-            "not_measured": f"none of the {count} samples could be compared (the result's rank differs)",
+            "not_measured": f"none of the {count} samples could be compared (the result's rank differs"
+                            + (", or its last axis is not 2)" if kind == "binary" else ")"),
             "per_sample": {"metric": JUDGED_BY[kind][0], "values": []}}
 
 
@@ -217,9 +232,10 @@ def _cosine_metrics(pairs: list, kind: str) -> dict:
 
 
 def _values_metrics(pairs: list, kind: str, threshold: float) -> dict:
-    """A probability (values in [0, 1]), a regression head or a one-element output: absolute error, and for
-    probabilities the share of decisions (value ≥ threshold) that agree; the others' relative error is taken
-    over all samples, where it means something (over a one-element output it would not)."""
+    """A probability (values in [0, 1]; a two-class output's class 1), a regression head or a one-element
+    output: absolute error, and for probabilities the share of decisions (value ≥ threshold) that agree; the
+    others' relative error is taken over all samples, where it means something (over a one-element output it
+    would not)."""
     ref, res, broken = _finite_pairs(pairs)
     flat_ref, flat_res = np.concatenate([a.ravel() for a in ref]), np.concatenate([b.ravel() for b in res])
     errors = np.abs(flat_ref - flat_res)
@@ -227,10 +243,11 @@ def _values_metrics(pairs: list, kind: str, threshold: float) -> dict:
                **_errors(ref, res, broken)}
     per_sample = [math.inf if bad else float(np.max(np.abs(a - b), initial=0.0))
                   for a, b, bad in zip(ref, res, broken)]
-    if kind == "probability":
+    if kind in ("probability", "binary"):
         hits = [((a >= threshold) == (b >= threshold)).ravel() & (not bad) for a, b, bad in zip(ref, res, broken)]
         metrics.update(_agreement("decision", hits), decision_threshold=threshold,
-                       score=1.0 - min(1.0, metrics["mean_abs_error"]))
+                       score=1.0 - min(1.0, metrics["mean_abs_error"]),
+                       **({"positive_class": POSITIVE_CLASS} if kind == "binary" else {}))
     else:
         metrics["rel_error"] = math.inf if any(broken) else relative_error(flat_ref, flat_res)
         metrics["score"] = cosine_equivalent(metrics["rel_error"])

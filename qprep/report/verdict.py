@@ -158,6 +158,10 @@ def task_text(m: dict) -> str:
         parts.append(f"same ids {_pct(m.get('set_agreement'))}")
     elif kind in ("state", "scalar", "regression", "ranked"):
         parts.append(f"relative error {num(m.get('rel_error'), '.3g')}")
+    elif kind in ("probability", "binary") and m.get("mean_abs_error") is not None:
+        of = f" of class {m.get('positive_class', 1)}'s probability" if kind == "binary" else ""
+        parts.append(f"mean abs error {m['mean_abs_error']:.3g}{of}"
+                     + (f" (largest {m['max_abs']:.3g})" if m.get("max_abs") is not None else ""))
     if kind in ("classification", "sequence", "tensor") or not parts:
         parts.append(f"cosine {num(m.get('cosine_mean'), '.4f')} (worst sample {num(m.get('cosine_min'), '.4f')})"
                      + (f", SQNR {m['sqnr_db']:.1f} dB" if m.get("sqnr_db") is not None else ""))
