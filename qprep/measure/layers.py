@@ -1,8 +1,10 @@
 """Per-layer error: where along the network the quantized model drifts from the float one.
 
-Tensors are matched by name: a float-model tensor T is compared with the quantized model's rounded copy
-`T_DequantizeLinear_Output` when ORT's QDQ quantizer made one (the error quantizing T adds), else with T
-itself. Both models run end to end, so this is the *accumulated* error at each tensor.
+Each float-model tensor is compared with the quantized model's tensor that computes it, decided by the graphs
+(correspondence.py: a name can lie, ORT's quantizer gives a Conv the name of the Relu it absorbed), the rounded
+copy a Q/DQ pair made first (the error quantizing it adds); a tensor no result tensor provably computes is left
+out with the reason (`LayerComparison.left_out`). Both models run end to end, so this is the *accumulated* error
+at each tensor.
 """
 
 from __future__ import annotations
@@ -11,28 +13,17 @@ import numpy as np
 import onnx
 
 from qprep.graph.verify import cosine, same_nonfinite
+from qprep.measure.correspondence import correspond
 from qprep.measure.metrics import sqnr_of
 from qprep.model.runtime import Intermediates
 
-QDQ_SUFFIX = "_DequantizeLinear_Output"
+NOT_COMPARABLE = "not one float tensor of one shape in every sample"
 
 
 def matched_tensors(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -> list[tuple[str, str, str, str]]:
-    """(float tensor, quantized tensor, op type, node name) for every float node output found in both."""
-    produced = {out for node in quantized.graph.node for out in node.output}
-    graph_outputs = {o.name for o in float_model.graph.output}
-    pairs = []
-    for node in float_model.graph.node:
-        if node.op_type in ("Constant", "Shape") or not node.output:
-            continue
-        tensor = node.output[0]
-        if not tensor or tensor in graph_outputs:
-            continue
-        for candidate in (tensor + QDQ_SUFFIX, tensor):
-            if candidate in produced:
-                pairs.append((tensor, candidate, node.op_type, node.name))
-                break
-    return pairs
+    """(float tensor, quantized tensor, op type, node name) for every float node output a result tensor
+    provably computes (correspondence.py)."""
+    return correspond(float_model, quantized).pairs
 
 
 def layer_errors(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[dict],
@@ -47,9 +38,17 @@ class LayerComparison:
     the sessions are built (the 3.16 GB BERT's FP32 proto, beside both sessions, made this step the run's peak)."""
 
     def __init__(self, float_model: onnx.ModelProto, quantized: onnx.ModelProto, threads: int = 2):
-        self.pairs = matched_tensors(float_model, quantized)
+        found = correspond(float_model, quantized)
+        self.pairs, self.left_out = found.pairs, dict(found.left_out)  # float tensor → why it is not compared
         self.reference = Intermediates(float_model, [p[0] for p in self.pairs], threads) if self.pairs else None
         self.result = Intermediates(quantized, [p[1] for p in self.pairs], threads) if self.pairs else None
+
+    def left_out_counts(self) -> dict[str, int]:
+        """How many float tensors are left out, by reason (the report's "left out: N (reason)")."""
+        counts: dict[str, int] = {}
+        for reason in self.left_out.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        return counts
 
     def errors(self, samples: list[dict]) -> list[dict]:
         """Both models run side by side one sample at a time, each tensor's error accumulated (`Drift`): holding
@@ -68,6 +67,8 @@ class LayerComparison:
             if drifts[tensor].comparable:
                 rows.append({"tensor": tensor, "node": node, "op_type": op_type, "order": order,
                              **drifts[tensor].figures(), "quantized": twin != tensor})
+            else:
+                self.left_out[tensor] = NOT_COMPARABLE
         return sorted(rows, key=lambda r: (-float("inf") if r["sqnr_db"] is None else r["sqnr_db"], r["order"]))
 
 

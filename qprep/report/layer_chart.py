@@ -23,6 +23,15 @@ THRESHOLDS_NOTE = (f"1 − cosine of each tensor against the float model (accumu
                    f"(cosine > {1 - AMBER_BELOW:g}), red above")
 
 
+def left_out_note(left_out: dict[str, int] | None) -> str:
+    """"; left out: 12 (7 held only as integers in the result, 5 …)": the float tensors no result tensor
+    provably computes (measure/correspondence.py), so a reader knows the chart is not every tensor."""
+    if not left_out:
+        return ""
+    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(left_out.items(), key=lambda r: -r[1]))
+    return f"; left out: {sum(left_out.values())} ({reasons})"
+
+
 def layer_error(row: dict) -> float:
     """1 − accumulated cosine, clipped to [FLOOR, 1]; a tensor without a cosine counts as fully wrong."""
     cosine = row.get("cosine_mean")

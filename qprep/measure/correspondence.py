@@ -1,0 +1,397 @@
+"""Which tensor of a quantized model computes which tensor of its float model, decided by the graphs alone.
+
+Why not names: ONNX Runtime's QDQ quantizer removes a Relu/Clip after a quantized node and renames that node's
+output to the activation's, so the result's tensor called like the float model's post-Relu tensor holds the
+pre-Relu values (the Q/DQ pair's clamp applies the Relu); a per-layer view matched by name compared the two and
+painted a model whose outputs agree at cosine 1.0000 red. Here each result tensor gets the float tensor it
+computes (its *meaning*), propagated from the inputs in graph order:
+
+    graph input       the float input of the same name
+    constant          a constant, or computed from constants and shapes (weights may differ: rounded, GPTQ,
+                      corrected, padded; a shape computation the result folded is a constant there)
+    twin node         a node of the float model of the same name and op type whose inputs mean the node's
+                      inputs (constants on both sides count as the same) computes the same outputs; a twin
+                      output renamed to a float tensor further down means what the twin computes when only a
+                      removed Relu/Clip lies between (the quantizer's absorbed activation), the tensor it was
+                      renamed to when only a removed BatchNormalization/Identity/Dropout lies between (folded)
+    structural twin   a node the result added (a rewrite moved a DequantizeLinear past it) with the op type,
+                      attributes, input meanings and equal constants of one float node computes that node's outputs
+    QuantizeLinear    holds its input's meaning as integers; when the float model applies a Relu/Clip to it that
+                      the result removed, the activation's output, if the Q's range clamps where the activation
+                      does (within one step), else nothing
+    DequantizeLinear  its integer input's meaning, in float again
+    data movement     Reshape, Transpose, MaxPool… on integers: the twin's output, as integers
+
+A float tensor is compared with a float result tensor that means it (a DequantizeLinear output first: the
+rounding the quantizer added is part of the error), or left out with the reason. No value is looked at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qprep.model.info import attribute, constant_tensors, tensor_shapes
+
+ACTIVATIONS = ("Relu", "Clip")  # ORT's QDQRemovableActivation: removed after a quantized producer
+FOLDED = ("BatchNormalization", "Identity", "Dropout")  # absorbed into the producer: same values, renamed
+DATA_MOVEMENT = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "MaxPool", "Slice",
+                           "Concat", "Gather", "Split", "Expand", "Tile", "Identity", "Pad", "Resize",
+                           "DepthToSpace", "SpaceToDepth", "GlobalMaxPool", "ReduceMax", "ReduceMin"})
+INTEGER_RANGES = {onnx.TensorProto.UINT8: (0, 255), onnx.TensorProto.INT8: (-128, 127),
+                  onnx.TensorProto.UINT16: (0, 65535), onnx.TensorProto.INT16: (-32768, 32767)}
+SHAPES = ("Shape", "Size")  # their outputs count as constants: a shape computation is not a layer
+SMALL = 4096  # constants compared by value for a structural twin up to this many elements, else by name
+
+REMOVED = "removed by the quantizer, nothing in the result computes it"
+INTEGERS = "held only as integers in the result"
+DIFFERENT = "the result computes it from other inputs"
+FUSED = "fused into the node after it, its own value not kept"
+UNCLAMPED = "its activation was absorbed, but the Q/DQ range does not clamp where it did"
+
+
+@dataclass(frozen=True)
+class Meaning:
+    """What a result tensor computes: a float tensor's value (None: nothing provable), as integers or not."""
+
+    tensor: str | None
+    integer: bool = False
+    constant: bool = False
+
+
+NOTHING = Meaning(None)
+
+
+@dataclass
+class Correspondence:
+    """pairs: (float tensor, result tensor, op type, float node) in float graph order; left_out: float tensor →
+    the reason no result tensor is compared with it."""
+
+    pairs: list[tuple[str, str, str, str]] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)
+
+
+def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Correspondence:
+    """The result tensor to compare with each float node's first output (graph outputs, Constant and Shape
+    outputs aside: the outputs are judged on their own), or the reason there is none."""
+    graph = FloatGraph(float_model)
+    meanings = Propagation(graph, result.graph).meanings
+    found: dict[str, list[tuple[str, Meaning, str]]] = {}
+    producers = {o: n for n in result.graph.node for o in n.output}
+    for name, meaning in meanings.items():
+        if meaning.tensor is not None and not meaning.constant:
+            op = producers[name].op_type if name in producers else ""
+            found.setdefault(meaning.tensor, []).append((name, meaning, op))
+    outputs = {o.name for o in float_model.graph.output}
+    result_nodes = {n.name: n for n in result.graph.node if n.name}
+    out = Correspondence()
+    for node in float_model.graph.node:
+        if node.op_type in ("Constant", "Shape") or not node.output or not node.output[0]:
+            continue
+        tensor = node.output[0]
+        if tensor in outputs or tensor in graph.constants:
+            continue
+        twins = [(name, op) for name, meaning, op in found.get(tensor, []) if not meaning.integer]
+        if twins:  # the rounded copy first: the error its Q/DQ adds is part of the result
+            twin = min(twins, key=lambda t: (t[1] != "DequantizeLinear", t[0] != tensor, t[0]))[0]
+            out.pairs.append((tensor, twin, node.op_type, node.name))
+        elif tensor in found:
+            out.left_out[tensor] = INTEGERS
+        elif node.name and node.name in result_nodes:
+            renamed = tensor not in result_nodes[node.name].output and meanings.get(
+                result_nodes[node.name].output[0], NOTHING).tensor not in (None, tensor)
+            out.left_out[tensor] = FUSED if renamed else DIFFERENT
+        else:
+            out.left_out[tensor] = UNCLAMPED if tensor in graph.unclamped else REMOVED
+    return out
+
+
+class FloatGraph:
+    """The float model's producers, consumers, node names and constant values."""
+
+    def __init__(self, model: onnx.ModelProto):
+        graph = model.graph
+        self.nodes = {n.name: n for n in graph.node if n.name}
+        self.producer = {o: n for n in graph.node for o in n.output if o}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in set(node.input):
+                self.consumers.setdefault(name, []).append(node)
+        self.inputs = {v.name for v in graph.input}
+        self.values = constant_tensors(graph)
+        self.constants = set(self.values)
+        for node in graph.node:  # computed from constants and shapes alone: not a layer, fixed once dims are
+            if node.op_type in SHAPES or (node.input and all(not i or i in self.constants for i in node.input)):
+                self.constants.update(o for o in node.output if o)
+        self.unclamped: set[str] = set()  # absorbed activations' outputs whose Q range did not reproduce them
+        self.model, self._shapes = model, None
+
+    def shapes(self) -> dict[str, list[int | None]]:
+        """Static dims by tensor (shape inference, once, only when a rule needs them)."""
+        if self._shapes is None:
+            self._shapes = {name: dims for name, (_, dims) in tensor_shapes(self.model).items()}
+        return self._shapes
+
+
+class Propagation:
+    """Each result tensor's Meaning, node by node in graph order (see the module doc for the rules)."""
+
+    def __init__(self, graph: FloatGraph, result: onnx.GraphProto):
+        self.graph, self.result = graph, result
+        self.values = constant_tensors(result)
+        self.present = {n.name for n in result.node if n.name}
+        self.meanings: dict[str, Meaning] = {}
+        for name in self.values:
+            self.meanings[name] = Meaning(name if name in graph.constants else None, constant=True)
+        for value in result.input:
+            self.meanings.setdefault(value.name, Meaning(value.name) if value.name in graph.inputs else NOTHING)
+        self.producer = {o: n for n in result.node for o in n.output if o}
+        for node in _in_order(result):
+            for name, meaning in zip(node.output, self.outputs(node)):
+                if name:
+                    self.meanings[name] = meaning
+
+    def meaning(self, name: str) -> Meaning:
+        return self.meanings.get(name, NOTHING) if name else Meaning("", constant=True)
+
+    def outputs(self, node: onnx.NodeProto) -> list[Meaning]:
+        inputs = [self.meaning(i) for i in node.input]
+        if node.op_type in SHAPES or (node.input and all(m.constant for m in inputs)):
+            return [Meaning(None, constant=True)] * len(node.output)
+        twin = self.graph.nodes.get(node.name)
+        if twin is not None and twin.op_type == node.op_type and twin.domain == node.domain:
+            return self.twin_outputs(node, twin, inputs)
+        found = [NOTHING] * len(node.output)
+        if node.op_type == "QuantizeLinear" and node.domain in ("", "ai.onnx"):
+            found[0] = self.quantized(node, inputs[0])
+        elif node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx"):
+            found[0] = Meaning(inputs[0].tensor) if inputs[0].integer else NOTHING
+        elif (twin := self.structural_twin(node, inputs)) is not None:
+            found = self.twin_outputs(node, twin, inputs)
+        elif node.op_type == "Reshape" and inputs[0].tensor is not None:
+            found[0] = self.reshaped(node, inputs[0])
+        if all(m.tensor is None for m in found):
+            found = [self.replacing(name) for name in node.output]
+        return found
+
+    def reshaped(self, node: onnx.NodeProto, source: Meaning) -> Meaning:
+        """A Reshape the result made of a chain of float nodes that keep the elements' order (Reshape, Flatten,
+        Squeeze, Unsqueeze, a Transpose moving only axes of size 1): the chain's tensor of the Reshape's shape."""
+        shape = _array(self.values, node.input[1]) if len(node.input) > 1 else None
+        if shape is None or shape.ndim != 1 or not (shape > 0).all():
+            return NOTHING
+        shapes, found, tensor = self.graph.shapes(), None, source.tensor
+        while True:
+            readers = self.graph.consumers.get(tensor, [])
+            if len(readers) != 1 or readers[0].name in self.present or not _keeps_order(readers[0], shapes):
+                break
+            tensor = readers[0].output[0]
+            if shapes.get(tensor) == [int(d) for d in shape]:
+                found = tensor
+        return NOTHING if found is None else Meaning(found, source.integer)
+
+    def replacing(self, name: str) -> Meaning:
+        """A result tensor named as a float node's output, that node gone from the result, and computed by
+        nodes no float node twins from tensors that mean that node's inputs (or constants) alone: the
+        quantizer's replacement of the node (dynamic MatMulInteger, an integer op) writing its output."""
+        replaced = self.graph.producer.get(name)
+        if replaced is None or replaced.name in self.present:
+            return NOTHING
+        allowed, seen, stack = set(replaced.input) - {""}, set(), [name]
+        while stack:
+            tensor = stack.pop()
+            meaning = self.meaning(tensor)
+            if meaning.constant or (meaning.tensor in allowed and not meaning.integer) or tensor in seen:
+                continue
+            producer = self.producer.get(tensor)
+            if meaning.tensor is not None and tensor != name or producer is None or len(seen) > 64:
+                return NOTHING
+            seen.add(tensor)
+            stack.extend(i for i in producer.input if i)
+        return Meaning(name)
+
+    def twin_outputs(self, node: onnx.NodeProto, twin: onnx.NodeProto, inputs: list[Meaning]) -> list[Meaning]:
+        """The twin's outputs, if every input means the twin's (or both are constants)."""
+        data = [m for m in inputs if not m.constant]
+        if len(node.input) != len(twin.input) or any(
+                not _same_input(m, name, self.graph) for m, name in zip(inputs, twin.input)):
+            return [NOTHING] * len(node.output)
+        integer = any(m.integer for m in data)
+        if integer and (node.op_type not in DATA_MOVEMENT or not all(m.integer for m in data)):
+            return [NOTHING] * len(node.output)
+        if len(node.output) != len(twin.output):
+            return [NOTHING] * len(node.output)
+        return [Meaning(self.renamed(float_name, name), integer) if name != float_name else Meaning(name, integer)
+                for name, float_name in zip(node.output, twin.output)]
+
+    def renamed(self, computed: str, name: str) -> str | None:
+        """A twin's output renamed to the float tensor `name`: what it holds, from the float nodes the result
+        removed between `computed` and `name` (module doc); a name the float model lacks: the twin's value."""
+        if name not in self.graph.producer:
+            return computed
+        chain, tensor = [], computed
+        while tensor != name:
+            readers = self.graph.consumers.get(tensor, [])
+            if len(readers) != 1 or readers[0].name in self.present or not readers[0].output:
+                return None
+            chain.append(readers[0])
+            tensor = readers[0].output[0]
+        kinds = {n.op_type for n in chain}
+        if kinds <= set(FOLDED):
+            return name
+        if len(chain) == 1 and kinds <= set(ACTIVATIONS):
+            return computed  # the Q/DQ that follows applies the activation (quantized below)
+        return None
+
+    def quantized(self, node: onnx.NodeProto, source: Meaning) -> Meaning:
+        """A QuantizeLinear's output: its input's meaning as integers, or a removed activation's output."""
+        if source.tensor is None or source.integer or source.constant:
+            return NOTHING
+        readers = self.graph.consumers.get(source.tensor, [])
+        if len(readers) != 1 or readers[0].op_type not in ACTIVATIONS or readers[0].name in self.present:
+            return Meaning(source.tensor, integer=True)
+        activation = readers[0]
+        if _clamps_like(node, activation, self.values, self.graph.values):
+            return Meaning(activation.output[0], integer=True)
+        self.graph.unclamped.add(activation.output[0])
+        return NOTHING
+
+    def structural_twin(self, node: onnx.NodeProto, inputs: list[Meaning]) -> onnx.NodeProto | None:
+        """The one float node of the same op type and attributes reading the same meanings, whose constant
+        inputs equal the node's: a node the result added in place of it."""
+        first = next((m for m in inputs if not m.constant), None)
+        if first is None or first.tensor is None:
+            return None
+        attributes = _attributes(node)
+        found = [c for c in self.graph.consumers.get(first.tensor, [])
+                 if c.op_type == node.op_type and c.domain == node.domain and c.name not in self.present
+                 and len(c.input) == len(node.input)
+                 and _attributes(c) == attributes
+                 and all(self.same_constant(name, m, theirs) if m.constant else m.tensor == theirs
+                         for name, m, theirs in zip(node.input, inputs, c.input))]
+        return found[0] if len(found) == 1 else None
+
+    def same_constant(self, name: str, meaning: Meaning, theirs: str) -> bool:
+        if name == theirs or (not name and not theirs):
+            return True
+        ours, other = self.values.get(name), self.graph.values.get(theirs)
+        if other is None and theirs in self.graph.constants:
+            return True  # computed from shapes in the float model, folded into the result
+        if ours is None or other is None or _size(ours) > SMALL or _size(other) > SMALL:
+            return False
+        a, b = numpy_helper.to_array(ours), numpy_helper.to_array(other)
+        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+def _attributes(node: onnx.NodeProto) -> dict[str, bytes]:
+    """The node's attributes, those set to the op's default left out (an exporter writes allowzero=0)."""
+    try:
+        defaults = onnx.defs.get_schema(node.op_type, domain=node.domain).attributes
+    except onnx.defs.SchemaError:
+        defaults = {}
+    found = {}
+    for a in node.attribute:
+        default = defaults.get(a.name)
+        if default is not None and default.default_value.type and _value(default.default_value) == _value(a):
+            continue
+        found[a.name] = _value(a)
+    return found
+
+
+def _value(a: onnx.AttributeProto) -> bytes:
+    copy = onnx.AttributeProto()
+    copy.CopyFrom(a)
+    copy.name, copy.doc_string = "", ""
+    return copy.SerializeToString()
+
+
+def _keeps_order(node: onnx.NodeProto, shapes: dict) -> bool:
+    """The node only regroups its input's elements, in their order."""
+    if node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
+        return True
+    dims = shapes.get(node.input[0]) if node.op_type == "Transpose" else None
+    if not dims or None in dims:
+        return False
+    perm = attribute(node, "perm", list(range(len(dims)))[::-1])
+    moved = [axis for axis in perm if dims[axis] != 1]
+    return moved == sorted(moved)
+
+
+def _same_input(meaning: Meaning, float_name: str, graph: FloatGraph) -> bool:
+    if meaning.constant:
+        return not float_name or float_name in graph.constants
+    return meaning.tensor is not None and meaning.tensor == float_name
+
+
+def _clamps_like(q: onnx.NodeProto, activation: onnx.NodeProto, values: dict, float_values: dict) -> bool:
+    """The QuantizeLinear's representable range clamps at or inside each bound the activation has (within one
+    step of the grid): clamping tighter is the calibrated range's choice, an error the comparison should see;
+    a range reaching past the bound would let through values the activation cuts off."""
+    scale, zero = (_array(values, q.input[i]) if len(q.input) > i else None for i in (1, 2))
+    if scale is None or scale.size != 1 or (zero is not None and zero.size != 1):
+        return False
+    dtype = (values[q.input[2]].data_type if zero is not None else onnx.TensorProto.UINT8)
+    if dtype not in INTEGER_RANGES:
+        return False
+    step, z = float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]) if zero is not None else 0
+    low, high = ((q_end - z) * step for q_end in INTEGER_RANGES[dtype])
+    bounds = _bounds(activation, float_values)
+    if bounds is None:
+        return False
+    lo, hi = bounds
+    return (lo is None or low >= lo - step) and (hi is None or high <= hi + step)
+
+
+def _bounds(activation: onnx.NodeProto, values: dict) -> tuple[float | None, float | None] | None:
+    """(lower, upper) clamp of a Relu/Clip, None for an open side; None if a bound is not a constant."""
+    if activation.op_type == "Relu":
+        return 0.0, None
+    found: list[float | None] = [None, None]
+    for attribute in activation.attribute:  # opset < 11
+        if attribute.name in ("min", "max"):
+            found[attribute.name == "max"] = attribute.f
+    for index in (1, 2):
+        if len(activation.input) > index and activation.input[index]:
+            array = _array(values, activation.input[index])
+            if array is None or array.size != 1:
+                return None
+            found[index - 1] = float(array.reshape(-1)[0])
+    return found[0], found[1]
+
+
+def _array(values: dict, name: str) -> np.ndarray | None:
+    tensor = values.get(name) if name else None
+    return None if tensor is None or _size(tensor) > SMALL else numpy_helper.to_array(tensor)
+
+
+def _size(tensor: onnx.TensorProto) -> int:
+    return int(np.prod(tensor.dims)) if tensor.dims else 1
+
+
+def _in_order(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The nodes in an order where every producer comes before its readers: the file's order where it is one
+    (ONNX asks for it), else a topological sort (an input from an outer scope counts as known)."""
+    produced = {o: index for index, n in enumerate(graph.node) for o in n.output if o}
+    readers: dict[int, list[int]] = {}
+    waiting = [0] * len(graph.node)
+    for index, node in enumerate(graph.node):
+        for name in set(node.input):
+            if name in produced and produced[name] != index:
+                readers.setdefault(produced[name], []).append(index)
+                waiting[index] += 1
+    if all(produced.get(i, -1) < index for index, n in enumerate(graph.node) for i in n.input):
+        return list(graph.node)
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    ordered = []
+    while ready:
+        index = ready.pop()
+        ordered.append(index)
+        for reader in readers.get(index, []):
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                ready.append(reader)
+    left = [index for index in range(len(graph.node)) if waiting[index] > 0]  # a cycle: the file's order
+    return [graph.node[i] for i in ordered + left]
