@@ -311,6 +311,11 @@ def cmd_run(args) -> int:
               f"({report['model']['nodes']} → {report['result']['nodes']} nodes, {report['seconds']:.1f} s)")
         if not report.get("evaluation"):
             print("qprep: accuracy not measured: the config has no `evaluation:` section")
+        from qprep.report.verdict import closing_line
+
+        met = closing_line(report)  # what "met" cost: integer share, speed against FP32
+        if met:
+            print(f"qprep: {met}", file=sys.stderr if met.startswith("warning:") else sys.stdout)
         warnings = report.get("warnings", [])
         for warning in warnings[:MAX_TERMINAL_WARNINGS]:
             print(f"qprep: warning: {warning}", file=sys.stderr)

@@ -61,6 +61,7 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     symbols = ctc.dictionary(run.model)
     ctc.spell_worst(outputs, symbols)
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
+    result["min_integer_share"] = cfg["min_integer_share"]  # the verdict's mostly-float floor, as resolved
     metric = UserMetric.of(cfg)  # the user's own figure, beside the agreement with FP32 (user_metric.py)
     if metric is not None:
         result["metric"] = metric.figures(expected, actual, metric.samples_of(samples), "the evaluation samples")

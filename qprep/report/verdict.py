@@ -6,6 +6,11 @@ verdict holds the result to the gate (evaluation.gate and quantize.fallback's ta
 the accuracy floor (evaluation.floor, which only catches a collapse), on the set the gate judged: the
 held-out samples when evaluation.heldout is set. The figure named is the one that decided: the worst miss,
 or when every check passed the one closest to its threshold.
+
+A met verdict also says what it cost: the share of multiply-adds on integers and the speed against FP32. A
+BERT met its gate with 77% of them left float at 1.03× FP32 and nothing said so; under
+`evaluation.min_integer_share` the verdict reads "met, but mostly float". A figure that was not measured (an
+fp16 result, a compiled .rknn, latency off) is said to be, never guessed.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ INTERVAL_NOTE = ("95% intervals count samples, not steps or pixels: each sample'
 class Verdict:
     state: str  # MET, MISSED or NOT_MEASURED
     text: str  # Markdown inline: what the result was held to, the deciding figure, the samples
+    cost: str = ""  # a met result's integer share and speed against FP32 (cost_text)
+    mostly_float: bool = False  # met under evaluation.min_integer_share: a warning, not a pass to cheer
 
 
 def verdict(report: dict) -> Verdict:
@@ -45,8 +52,66 @@ def verdict(report: dict) -> Verdict:
     hint = ("; the floor only catches a collapse: set `evaluation.gate` to your own bar"
             if gate.get("source") == "floor" and state == MET else "")
     step = next_step(report) if state == MISSED else ""
-    return Verdict(state, f"{_against(gate)}: {check_text(check)}, on {sample_set(evaluation)}{hint}"
-                          + (f"; {step}" if step else ""))
+    text = f"{_against(gate)}: {check_text(check)}, on {sample_set(evaluation)}"
+    if state == MISSED:
+        return Verdict(state, text + hint + (f"; {step}" if step else ""))
+    cost, floor = cost_text(report), mostly_float(report)
+    if floor is not None:
+        return Verdict(state, f"but mostly float ({cost}; under `evaluation.min_integer_share` {floor:.0%}): "
+                              f"{text}{hint}", cost, True)
+    return Verdict(state, f"{text}; cost: {cost}{hint}", cost)
+
+
+def cost_text(report: dict) -> str:
+    """'97% of the multiply-adds on integers, 1.80× FP32': what the result buys, each figure or why it is
+    missing."""
+    return f"{_share_text(report)}, {_speed_text(report)}"
+
+
+def mostly_float(report: dict) -> float | None:
+    """The floor (evaluation.min_integer_share, as the run resolved it) when the result's integer share is
+    under it, else None. Only a measured share counts: a float or fp16 result never set out to be integer."""
+    floor = (report.get("evaluation") or {}).get("min_integer_share")
+    share = (report.get("result") or {}).get("integer_share")
+    return floor if floor is not None and share is not None and share < floor else None
+
+
+def _share_text(report: dict) -> str:
+    result = report.get("result") or {}
+    if result.get("integer_share") is not None:
+        return f"{result['integer_share']:.0%} of the multiply-adds on integers"
+    quantize = next((s for s in report.get("stages", []) if s.get("name") == "quantize"), None)
+    if quantize is not None and quantize.get("backend") == "fp16":
+        return "an fp16 result (no integer multiply-adds)"
+    if result.get("deployable"):
+        return f"integer share of `{result['deployable']['path']}` not measured (the toolkit's own graph)"
+    if result.get("kind") == "float" and (quantize is None or quantize.get("status") != "ok"):
+        return "a float result (nothing quantized)"
+    if quantize is None:
+        return "integer share not measured (the input model came quantized)"
+    return "integer share not measured (no Conv, MatMul or Gemm of known shape)"
+
+
+def _speed_text(report: dict) -> str:
+    evaluation = report.get("evaluation") or {}
+    latency = evaluation.get("latency")
+    float_reference = (report.get("model") or {}).get("kind") == "float" or "reference_model" in report
+    if latency and latency.get("speedup") is not None:
+        return f"{latency['speedup']:.2f}× " + ("FP32" if float_reference else "the input model's speed")
+    if latency is None:
+        return "speed not measured (`evaluation.latency.runs: 0`)"
+    if latency.get("status", "").startswith("not measured"):
+        return "speed not measured off the board"
+    return "speed not measured"
+
+
+def closing_line(report: dict) -> str | None:
+    """A met run's verdict as the terminal's closing line, plain text ("warning: met, but mostly float ..."
+    under the floor); None otherwise: a missed gate has its own lines."""
+    found = verdict(report)
+    if found.state != MET:
+        return None
+    return f"{'warning: met, ' if found.mostly_float else 'met: '}{found.text.replace('`', '')}"
 
 
 def next_step(report: dict) -> str:
