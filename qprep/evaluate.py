@@ -97,8 +97,9 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
             result["layers"] = products.analyzer(samples.samples[: cfg["layer_samples"]])
     elif cfg["layers"] and products.prepared_model is not None and products.runner is None:
         with ctx.progress.step("evaluation: per-layer error"):  # the prepared model's last user; its sessions
-            result["layers"] = LayerComparison(products.take_prepared_model(), final_model, threads).errors(
-                samples.samples[: cfg["layer_samples"]])  # go as soon as it is done
+            comparison = LayerComparison(products.take_prepared_model(), final_model, threads)  # go as soon as
+            result["layers"] = comparison.errors(samples.samples[: cfg["layer_samples"]])  # it is done
+            result["layers_left_out"], comparison = comparison.left_out_counts(), None
     if latency is not None:
         result["latency"] = latency
     # the result's size is the runner's to add, from the files it wrote: ByteSize() serializes the whole proto

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from qprep.report.decisions import decision_lines, files_lines
 from qprep.report.fallback import fallback_tables
-from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, worst_first
+from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, left_out_note, worst_first
 from qprep.report.verdict import INTERVAL_NOTE, agreement_text, distinct, num, task_lines, verdict
 
 NEAR_TIE = 0.9  # a changed top-1 whose FP32 top two are nearer than on 90% of the rows is a near tie
@@ -112,7 +112,7 @@ def _evaluation(evaluation: dict | None) -> list:
     if sizes:
         blocks.append(Text(f"Size: reference {sizes['reference'] / 1e6:.2f} MB, "
                            f"result {sizes['result'] / 1e6:.2f} MB."))
-    blocks += _layers(evaluation.get("layers"))
+    blocks += _layers(evaluation.get("layers"), evaluation.get("layers_left_out"))
     # the worst samples of the set the verdict is judged on: the held-out one when given
     judged, which = (heldout, "held-out samples") if heldout else (evaluation, "samples")
     for name, m in judged["outputs"].items():
@@ -214,14 +214,14 @@ def _round_range(latency: dict, prefix: str = "") -> str:
     return f" (rounds {low_high[0]:.2f}–{low_high[1]:.2f}×)"
 
 
-def _layers(layers: list[dict] | None) -> list:
+def _layers(layers: list[dict] | None, left_out: dict[str, int] | None = None) -> list:
     if not layers:
         return []
     counts = band_counts(layers)
     worst = worst_first(layers)[:15]
     return [Heading(3, "Per-layer error"), LayerChart(layers),
             Text(f"{len(layers)} tensors: **{counts['red']} red**, {counts['amber']} amber, {counts['green']} green "
-                 f"({THRESHOLDS_NOTE})."),
+                 f"({THRESHOLDS_NOTE}){left_out_note(left_out)}."),
             Table(["tensor", "op", "1 − cosine", "cosine (accumulated)", "cosine (this layer alone)", "SQNR dB"],
                   [[f"`{r['tensor']}`", r.get("op_type", "?"), f"{band(layer_error(r))} {layer_error(r):.2g}",
                     num(r.get("cosine_mean"), ".5f"), num(r.get("single_cosine"), ".5f"), num(r.get("sqnr_db"), ".1f")]

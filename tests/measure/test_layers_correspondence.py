@@ -214,3 +214,43 @@ def test_integer_tensors_of_the_float_model_stay_out_of_the_view():
         [("x", [1, 4], TensorProto.FLOAT)], [("y", [1, 4])])
     found = correspond(float_model, float_model)
     assert [p[:2] for p in found.pairs] == [("r", "r")] and not found.left_out
+
+
+def test_qprep_ort_run_of_a_channels_last_relu_classifier_shows_no_false_red(tmp_path):
+    """End to end through qprep's ORT backend: Conv → Relu → MaxPool layers between NHWC Transposes (tf2onnx's
+    form). ORT absorbs each Relu into its Conv, qprep's exact rules move the MaxPools onto the integers, and by
+    name every post-Relu tensor met its Conv's pre-Relu values (3 of 9 red, cosine 0.61–0.74, on an output at
+    0.9999)."""
+    import qprep
+
+    nodes, weights, x, channels = [], {}, "x", 3
+    for i, out in enumerate([8, 8, 8]):
+        weights[f"w{i}"], weights[f"b{i}"] = rand(out, channels, 3, 3, seed=i) * 0.3, rand(out, seed=9 + i)
+        nodes += [helper.make_node("Transpose", [x], [f"in{i}"], name=f"conv{i}/in", perm=[0, 3, 1, 2]),
+                  helper.make_node("Conv", [f"in{i}", f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv{i}/Conv",
+                                   pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"conv{i}/Relu"),
+                  helper.make_node("MaxPool", [f"r{i}"], [f"p{i}"], name=f"pool{i}", kernel_shape=[2, 2],
+                                   strides=[2, 2]),
+                  helper.make_node("Transpose", [f"p{i}"], [f"nhwc{i}"], name=f"conv{i}/out", perm=[0, 2, 3, 1])]
+        x, channels = f"nhwc{i}", out
+    nodes += [helper.make_node("ReduceMean", [x], ["gap"], name="gap", axes=[1, 2], keepdims=0),
+              helper.make_node("MatMul", ["gap", "fc"], ["logits"], name="fc"),
+              helper.make_node("Softmax", ["logits"], ["probs"], name="softmax")]
+    model = make_model(nodes, [("x", [1, 16, 16, 3])], [("probs", [1, 5])], {**weights, "fc": rand(8, 5, seed=7)})
+    import onnx
+    onnx.save(model, tmp_path / "m.onnx")
+    (tmp_path / "samples").mkdir()
+    for i in range(8):
+        np.savez(tmp_path / "samples" / f"{i:02d}.npz", x=np.abs(rand(1, 16, 16, 3, seed=20 + i)))
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "samples")},
+                        "evaluation": {"source": str(tmp_path / "samples"), "latency": {"runs": 0}},
+                        "pipeline": [{"quantize": {"backend": "ort", "ort": {"weight_rounding": "nearest"}}}]},
+                       output_dir=str(tmp_path / "out"))
+    evaluation = report["evaluation"]
+    assert evaluation["outputs"]["probs"]["cosine_mean"] > 0.999
+    layers = evaluation["layers"]
+    assert band_counts(layers)["red"] == 0, [(r["tensor"], r["cosine_mean"]) for r in layers]
+    assert {"c0", "c1", "c2"} <= {r["tensor"] for r in layers}  # each Conv against its own (pre-Relu) values
+    left_out = evaluation["layers_left_out"]
+    assert left_out and "left out: " in (tmp_path / "out" / "report.md").read_text()
