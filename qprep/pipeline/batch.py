@@ -219,8 +219,9 @@ def _executor(kind: str, jobs: int, address: str | None, base, out: Path, quiet:
 
 
 class _Progress:
-    """`[3/10] name: ok (12.3 s) | 1 failed, 2 running, 4 queued, ETA 3 min` as each model finishes; the ETA
-    from this batch's throughput so far (models finished per second with every slot busy)."""
+    """`[3/10] name: ok, gate: cosine_mean of y 0.9991 ≥ 0.99 (held-out, 48 samples) (12.3 s) | 1 failed,
+    2 running, 4 queued, ETA 3 min` as each model finishes: the figure that decided its verdict, as the summary
+    shows it; the ETA from this batch's throughput so far (models finished per second with every slot busy)."""
 
     def __init__(self, total: int, done: int, to_run: int, slots: int, quiet: bool):
         self.total, self.done, self.left, self.slots, self.quiet = total, done, to_run, slots, quiet
@@ -242,7 +243,8 @@ class _Progress:
             parts.append(f"ETA {_duration((time.perf_counter() - self.start) / self.ran * self.left)}")
         extra = ", ".join(p for p in parts if p)
         error = f" — {row['error']}" if row.get("error") else ""
-        print(f"qprep batch: [{self.done}/{self.total}] {name}: {row['status']} ({row['seconds'] or 0:.1f} s)"
+        decided = f", {row['decided_by'].replace('`', '')}" if row.get("decided_by") else ""
+        print(f"qprep batch: [{self.done}/{self.total}] {name}: {row['status']}{decided} ({row['seconds'] or 0:.1f} s)"
               f"{error}{f' | {extra}' if extra else ''}", file=sys.stderr, flush=True)
 
 

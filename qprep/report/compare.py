@@ -144,7 +144,8 @@ def deployed_text(report: dict) -> str | None:
         return None
     deployable = result.get("deployable")
     if not deployable:
-        return f"{result['path']}, {_megabytes(result)} ({result.get('kind', '?')} ONNX, {result.get('nodes', '?')} nodes)"
+        return (f"{result['path']}, {_megabytes(result)} ({result.get('kind', '?')} ONNX, "
+                f"{result.get('nodes', '?')} nodes)")
     return (f"{deployable['path']}, {_megabytes(deployable)} (its node count is not recorded; the "
             f"{result.get('nodes', '?')} of {result['path']} are the float model it was built from)")
 

@@ -145,6 +145,35 @@ def test_compare_prints_deltas_and_fails_on_regression(tmp_path, cli):
     assert code == 2 and "no run reports this metric" in err  # a misspelt CI gate must not pass silently
 
 
+def test_a_batch_shows_the_held_out_figure_that_decided_each_verdict(tmp_path):
+    """Issue #59: the summary's cosine and agreement were the evaluation split's while the held-out split decided
+    the verdict; now they are the judged set's, beside the deciding figure with its samples named, in the summary
+    and on the progress line."""
+    models = tmp_path / "models"
+    models.mkdir()
+    onnx.save(tiny_conv_model(batch=1), str(models / "tiny.onnx"))
+    rng = np.random.default_rng(0)
+    for split, count in (("calib", 8), ("eval", 6), ("heldout", 5)):
+        (tmp_path / split).mkdir()
+        for i in range(count):
+            np.save(tmp_path / split / f"{i}.npy", rng.normal(size=(1, 3, 8, 8)).astype(np.float32))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: unused.onnx\ncalibration: {{source: {tmp_path / 'calib'}}}\n"
+                      f"evaluation: {{source: {tmp_path / 'eval'}, heldout: {{source: {tmp_path / 'heldout'}}}, "
+                      "gate: {cosine_mean: 0.5}, latency: {runs: 0}, layers: false}\n"
+                      "pipeline: [optimize, {quantize: {backend: ort}}]\n")
+    done = run_cli("batch", config, models, "--out", tmp_path / "out", "--jobs", "1")
+    assert done.returncode == 0, done.stderr
+    row = json.loads((tmp_path / "out" / "summary.json").read_text())["models"][0]
+    evaluation = json.loads((tmp_path / "out" / "tiny" / "report.json").read_text())["evaluation"]
+    assert row["cosine_mean"] == evaluation["heldout"]["outputs"]["y"]["cosine_mean"] != \
+        evaluation["outputs"]["y"]["cosine_mean"]
+    assert row["decided_by"].startswith("gate: `cosine_mean` of `y` ")
+    assert row["decided_by"].endswith("≥ 0.5 (held-out, 5 samples)") and row["judged_on"] == "held-out, 5 samples"
+    assert row["decided_by"] in (tmp_path / "out" / "summary.md").read_text()
+    assert f"tiny.onnx: ok, {row['decided_by'].replace('`', '')} (" in done.stderr
+
+
 def test_models_whose_names_flatten_alike_get_their_own_run_directories():
     from qprep.pipeline.batch import dir_name
 
