@@ -22,7 +22,8 @@ instead):
    (logits, class, label): rated by absolute and relative error;
 5. `binary`: two-class probabilities [N, 2] (or [N, ..., 2], one decision per position) from a Softmax, each
    pair summing to 1: a decision on class 1 at `evaluation.decision_threshold`, rated as `probability` on
-   class 1's probability (a cosine of 0.999 let one class's probability move by 0.144);
+   class 1's probability (a cosine of 0.999 let one class's probability move by 0.144; cosine and top-1 are
+   still shown, judging nothing);
 6. `probability`: values in [0, 1] on every sample, and one element per sample (a single logit's Sigmoid) or
    a Sigmoid's output with at most one axis longer than 1 (a multi-label vector, per-frame probabilities; a
    2-D probability map keeps its cosine, which means something over many pixels);

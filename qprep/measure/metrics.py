@@ -55,9 +55,10 @@ POSITIVE_CLASS = 1  # of a two-class output [..., 2] (`binary`): the decision is
 
 
 def main_agreement(metrics: dict) -> str | None:
-    """The agreement figure an output reports ("top1", "text", "step", "element", "decision"; None for plain
-    tensors): the one reports and summaries show beside its cosine."""
-    return next((prefix for prefix in ("top1", "text", "step", "element", "decision")
+    """The agreement figure an output reports ("decision", "top1", "text", "step", "element"; None for plain
+    tensors): the one reports and summaries show beside its cosine. A two-class output's decision comes
+    before the top-1 it also shows."""
+    return next((prefix for prefix in ("decision", "top1", "text", "step", "element")
                  if f"{prefix}_agreement" in metrics), None)
 
 
@@ -99,13 +100,15 @@ def compare_output(reference: list[np.ndarray], result: list[np.ndarray], kind: 
             metrics["score"] = cosine_equivalent(metrics["rel_error"])
     else:
         pairs, changed = aligned(reference, result)
+        shown = {}
         if kind == "binary":
+            shown = scores_shown([p for p in pairs if positive_class(p) is not None])
             pairs = [positive_class(p) for p in pairs]
         usable = [p for p in pairs if p is not None]
         if not usable:
             metrics = _not_measured(kind, len(pairs))
         elif kind in ("probability", "binary", "scalar", "regression"):
-            metrics = _values_metrics(usable, kind, threshold)
+            metrics = {**_values_metrics(usable, kind, threshold), **shown}
         elif kind == "integer":
             metrics = _integer_metrics(usable)
         else:
@@ -149,6 +152,15 @@ def positive_class(pair: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarr
     if pair is None or any(side.ndim == 0 or side.shape[-1] != 2 for side in pair):
         return None
     return pair[0][..., POSITIVE_CLASS], pair[1][..., POSITIVE_CLASS]
+
+
+def scores_shown(pairs: list) -> dict:
+    """A two-class output's cosine and top-1 agreement read as class scores: shown beside the figures that
+    judge it (gates and scripts that name them keep working), judging nothing."""
+    if not pairs:
+        return {}
+    scores = _cosine_metrics(pairs, "classification")
+    return {key: value for key, value in scores.items() if key.startswith(("cosine_", "top1_"))}
 
 
 def _not_measured(kind: str, count: int) -> dict:

@@ -209,7 +209,7 @@ def task_text(m: dict) -> str:
         return f"not measured ({m['not_measured']})"
     kind = m.get("kind", "tensor")
     parts = [agreement_text(m, prefix) for prefix in ("top1", "top5", "text", "step", "decision", "element")
-             if f"{prefix}_agreement" in m]
+             if f"{prefix}_agreement" in m and not (kind == "binary" and prefix == "top1")]  # its decision says it
     if "char_error_rate" in m:
         parts.insert(1, f"character error rate {_pct(m['char_error_rate'])}")
     if "top1_accuracy" in m:

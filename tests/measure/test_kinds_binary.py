@@ -49,16 +49,16 @@ def test_a_two_class_softmax_is_judged_as_a_decision_on_class_one():
     move = 0.144 if expected[far]["probs"][0, 1] < 0.5 else -0.144
     actual = [{"probs": e["probs"] + (np.array([[-move, move]], np.float32) if i == far else 0)}
               for i, e in enumerate(expected)]
-    as_scores = compare_output([e["probs"] for e in expected], [a["probs"] for a in actual], "classification")
-    assert as_scores["cosine_mean"] > 0.995 and as_scores["top1_agreement"] == 1.0  # what judged it before
     metrics = output_metrics(expected, actual, {"probs": (kind, why)})["probs"]
-    assert metrics["judged_by"] == ["decision_agreement", "mean_abs_error"] and "cosine_mean" not in metrics
+    assert metrics["judged_by"] == ["decision_agreement", "mean_abs_error"]
+    assert metrics["cosine_mean"] > 0.995 and metrics["top1_agreement"] == 1.0  # what judged it before: shown
     assert metrics["positive_class"] == 1 and metrics["decision_agreement"] == 1.0
     assert metrics["mean_abs_error"] == pytest.approx(0.144 / 16, rel=1e-4)
     assert metrics["max_abs"] == pytest.approx(0.144, rel=1e-4)
     assert not check_gate({"mean_abs_error": 0.005}, {"probs": metrics})["passed"]
     text = task_text(metrics)
-    assert text.startswith("decision agreement at 0.5 100.0%")
+    assert text.startswith("decision agreement at 0.5 100.0%") and "top1" not in text and "cosine" not in text
+    assert check_gate({"cosine_mean": 0.99}, {"probs": metrics})["checks"][0]["metric"] == "probs.decision_agreement"
     assert "mean abs error 0.009 of class 1's probability (largest 0.144)" in text
     assert kind_of(softmax_head(classes=3))[0] == "classification"  # three classes stay class scores
     assert kind_of(softmax_head(classes=3, keep=2))[0] != "binary"  # two columns of three do not sum to 1
