@@ -219,7 +219,7 @@ def _set_notes(facts: list[dict]) -> list[str]:
     sets = {f.get("judged on") for f in facts if f.get("judged on")}
     if len(sets) < 2:
         return []
-    return ["the runs were judged on different samples (row `judged on`): a delta between them is partly the "
+    return ["the runs were judged on different samples (row 'judged on'): a delta between them is partly the "
             "samples'; give the runs the same evaluation (and held-out) samples to compare their results"]
 
 
