@@ -122,6 +122,7 @@ def facts_of(kind: str, data: dict) -> dict[str, str | None]:
         for row in data["models"]:
             facts[f"{row['model']}.status"] = _text(row.get("status"))
             facts[f"{row['model']}.decided_by"] = _text(row.get("decided_by"))
+            facts[f"{row['model']}.judged_on"] = _text(row.get("judged_on"))
         return facts
     evaluation = data.get("evaluation") or {}
     figure = decided_by(evaluation)
@@ -333,15 +334,20 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _html(value) -> str:
+    """A cell as HTML: Markdown's code marks (the deciding figure's) go, the rest is escaped."""
+    return escape(_fmt(value).replace("`", ""))
+
+
 def render_html(result: dict) -> str:
     header = ["metric", result["columns"][0]] + [f"{c} (Δ)" for c in result["columns"][1:]]
     rows = []
     for row in result["rows"]:
-        cells = [f"<td>{escape(row['metric'])}</td><td>{escape(_fmt(row['base']))}</td>"]
+        cells = [f"<td>{escape(row['metric'])}</td><td>{_html(row['base'])}</td>"]
         for cell in row["others"]:
             delta = "" if cell["delta"] is None else f" ({cell['delta']:+.4g})"
             colour = " style='background:#f8d7da'" if cell["worse"] else ""
-            cells.append(f"<td{colour}>{escape(_fmt(cell['value']))}{delta}</td>")
+            cells.append(f"<td{colour}>{_html(cell['value'])}{delta}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     return ("<!doctype html><html><head><meta charset='utf-8'><title>qprep compare</title><style>table{border-collapse:"

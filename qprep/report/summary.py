@@ -109,7 +109,7 @@ def render_summary_html(rows: list[dict], ran_on: str = "") -> str:
     body = []
     for row in rows:
         style = {"failed": "#f8d7da", "refused": "#f8d7da", "gate missed": "#fff3cd"}.get(row["status"], "")
-        cells = "".join(f"<td>{escape(_cell(row.get(c)))}</td>" for c in COLUMNS[:-1])
+        cells = "".join(f"<td>{escape(_cell(row.get(c)).replace('`', ''))}</td>" for c in COLUMNS[:-1])
         body.append(f"<tr style='background:{style}'>{cells}</tr>")
     return ("<!doctype html><html><head><meta charset='utf-8'><title>qprep batch</title><style>"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font:13px system-ui}"

@@ -9,8 +9,8 @@ import json
 from synthetic_report import report
 
 from qprep.measure.gate import check_gate
-from qprep.report.compare import compare, decided_by, metrics_of, render_markdown, render_text
-from qprep.report.summary import render_summary_md, summary_row
+from qprep.report.compare import compare, decided_by, metrics_of, render_html, render_markdown, render_text
+from qprep.report.summary import render_summary_html, render_summary_md, summary_row
 from qprep.report.verdict import check_text, deciding_check, sample_set, verdict
 
 
@@ -85,6 +85,7 @@ def test_compare_has_status_verdict_backend_and_deployed_model_rows(tmp_path):
     text = render_text(result)
     assert "gate missed ▼" in text and "`" not in text  # the terminal gets plain text
     assert "| status | ok | **gate missed** |" in render_markdown(result)
+    assert "gate missed</td>" in render_html(result) and "`" not in render_html(result)
     assert not result["notes"]  # the same samples
 
 
@@ -106,10 +107,10 @@ def test_a_summary_row_shows_the_deciding_figure_and_the_judged_set(tmp_path):
     assert row["decided_by"] == decided_by(data["evaluation"])["text"]
     assert row["decided_by"].endswith("(held-out, 16 samples)") and row["judged_on"] == "held-out, 16 samples"
     assert row["nodes_after"] is None  # model.onnx's nodes are not the .rknn's
-    assert "(held-out, 16 samples)" in render_summary_md([row])
+    assert "(held-out, 16 samples)" in render_summary_md([row]) and "`" not in render_summary_html([row])
     rows = rows_of(compare([str(_summary(tmp_path, row))], {}))
     assert rows["m.onnx.decided_by"]["base"] == row["decided_by"]
-    assert rows["m.onnx.status"]["base"] == "ok"
+    assert rows["m.onnx.status"]["base"] == "ok" and rows["m.onnx.judged_on"]["base"] == "held-out, 16 samples"
 
 
 def _summary(tmp_path, row: dict):
