@@ -16,14 +16,16 @@ computes (its *meaning*), propagated from the inputs in graph order:
                       renamed to when only a removed BatchNormalization/Identity/Dropout lies between (folded)
     structural twin   a node the result added (a rewrite moved a DequantizeLinear past it) with the op type,
                       attributes, input meanings and equal constants of one float node computes that node's outputs
-    QuantizeLinear    holds its input's meaning as integers; when the float model applies a Relu/Clip to it that
-                      the result removed, the activation's output, if the Q's range clamps where the activation
-                      does (within one step), else nothing
-    DequantizeLinear  its integer input's meaning, in float again
+    QuantizeLinear    holds its input's meaning as integers on its grid; when the float model applies a Relu/Clip
+                      to it that the result removed, the activation's output, if the Q's range clamps where the
+                      activation does (within one step), else nothing
+    DequantizeLinear  on the grid its integers were quantized on: their meaning, in float again; on that grid
+                      scaled by 1/c: the float model's removed division of that tensor by the scalar c
     data movement     Reshape, Transpose, MaxPool… on integers: the twin's output, as integers
 
 A float tensor is compared with a float result tensor that means it (a DequantizeLinear output first: the
-rounding the quantizer added is part of the error), or left out with the reason. No value is looked at.
+rounding the quantizer added is part of the error), else with integers that mean it on a per-tensor grid, read
+as (q - zero point) · scale, or left out with the reason. No value is looked at.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Meaning:
     tensor: str | None
     integer: bool = False
     constant: bool = False
+    grid: tuple | None = None  # integers: the (scale, zero point) arrays' bytes and types they were quantized on
 
 
 NOTHING = Meaning(None)
@@ -72,6 +75,7 @@ class Correspondence:
 
     pairs: list[tuple[str, str, str, str]] = field(default_factory=list)
     left_out: dict[str, str] = field(default_factory=dict)
+    grids: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # integer twin → (scale, zero)
 
 
 def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Correspondence:
@@ -98,6 +102,9 @@ def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Corresp
         if twins:  # the rounded copy first: the error its Q/DQ adds is part of the result
             twin = min(twins, key=lambda t: (t[1] != "DequantizeLinear", t[0] != tensor, t[0]))[0]
             out.pairs.append((tensor, twin, node.op_type, node.name))
+        elif (grid := _integer_twin(found.get(tensor, []))) is not None:  # read as its DQ would: (q - z) * s
+            out.pairs.append((tensor, grid[0], node.op_type, node.name))
+            out.grids[grid[0]] = grid[1]
         elif tensor in found:
             out.left_out[tensor] = INTEGERS
         elif node.name and node.name in result_nodes:
@@ -107,6 +114,16 @@ def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Corresp
         else:
             out.left_out[tensor] = UNCLAMPED if tensor in graph.unclamped else REMOVED
     return out
+
+
+def _integer_twin(found: list[tuple[str, Meaning, str]]) -> tuple[str, tuple[np.ndarray, np.ndarray]] | None:
+    """An integer twin on a per-tensor grid and its (scale, zero point): compared as the values it stands for."""
+    for name, meaning, _ in sorted(found, key=lambda f: f[0]):
+        if meaning.integer and meaning.grid is not None:
+            scale, zero = (np.frombuffer(data, dtype).reshape(shape) for dtype, shape, data in meaning.grid)
+            if scale.size == 1 and zero.size == 1:
+                return name, (scale.astype(np.float64).reshape(()), zero.astype(np.float64).reshape(()))
+    return None
 
 
 class FloatGraph:
@@ -168,7 +185,7 @@ class Propagation:
         if node.op_type == "QuantizeLinear" and node.domain in ("", "ai.onnx"):
             found[0] = self.quantized(node, inputs[0])
         elif node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx"):
-            found[0] = Meaning(inputs[0].tensor) if inputs[0].integer else NOTHING
+            found[0] = self.dequantized(node, inputs[0])
         elif (twin := self.structural_twin(node, inputs)) is not None:
             found = self.twin_outputs(node, twin, inputs)
         elif node.op_type == "Reshape" and inputs[0].tensor is not None:
@@ -191,7 +208,7 @@ class Propagation:
             tensor = readers[0].output[0]
             if shapes.get(tensor) == [int(d) for d in shape]:
                 found = tensor
-        return NOTHING if found is None else Meaning(found, source.integer)
+        return NOTHING if found is None else Meaning(found, source.integer, grid=source.grid)
 
     def replacing(self, name: str) -> Meaning:
         """A result tensor named as a float node's output, that node gone from the result, and computed by
@@ -224,7 +241,11 @@ class Propagation:
             return [NOTHING] * len(node.output)
         if len(node.output) != len(twin.output):
             return [NOTHING] * len(node.output)
-        return [Meaning(self.renamed(float_name, name), integer) if name != float_name else Meaning(name, integer)
+        grids = {m.grid for m in data if m.integer}
+        if len(grids) > 1:  # integers on different grids moved together (a Concat): no one grid reads them
+            return [NOTHING] * len(node.output)
+        grid = grids.pop() if grids else None
+        return [Meaning(self.renamed(float_name, name) if name != float_name else name, integer, grid=grid)
                 for name, float_name in zip(node.output, twin.output)]
 
     def renamed(self, computed: str, name: str) -> str | None:
@@ -251,13 +272,47 @@ class Propagation:
         if source.tensor is None or source.integer or source.constant:
             return NOTHING
         readers = self.graph.consumers.get(source.tensor, [])
+        grid = self.grid(node)
         if len(readers) != 1 or readers[0].op_type not in ACTIVATIONS or readers[0].name in self.present:
-            return Meaning(source.tensor, integer=True)
+            return Meaning(source.tensor, integer=True, grid=grid)
         activation = readers[0]
         if _clamps_like(node, activation, self.values, self.graph.values):
-            return Meaning(activation.output[0], integer=True)
+            return Meaning(activation.output[0], integer=True, grid=grid)
         self.graph.unclamped.add(activation.output[0])
         return NOTHING
+
+    def grid(self, node: onnx.NodeProto) -> tuple | None:
+        """A Q/DQ node's (scale, zero point) as comparable bytes, None if either is not a stored constant."""
+        arrays = [_array(self.values, node.input[i]) if len(node.input) > i else np.zeros((), np.uint8)
+                  for i in (1, 2)]
+        if any(a is None for a in arrays):
+            return None
+        return tuple((a.dtype.str, a.shape, a.tobytes()) for a in arrays)
+
+    def dequantized(self, node: onnx.NodeProto, source: Meaning) -> Meaning:
+        """Integers read on the grid they were quantized on mean what they meant. On a grid whose scale is the
+        quantizing one times 1/c (the zero point the same), they mean the float model's division by the scalar
+        c (or multiplication by 1/c) of that tensor, where the result removed it (qprep's scaled round trip)."""
+        grid = self.grid(node)
+        if not source.integer or grid is None or source.grid is None:
+            return NOTHING
+        if grid == source.grid:
+            return Meaning(source.tensor)
+        if grid[1] != source.grid[1] or grid[0][1] != () and grid[0][1] != (1,) or source.grid[0][1] not in ((), (1,)):
+            return NOTHING
+        ratio = float(np.frombuffer(grid[0][2], grid[0][0])[0]) / float(
+            np.frombuffer(source.grid[0][2], source.grid[0][0])[0])
+        readers = self.graph.consumers.get(source.tensor, [])
+        if len(readers) != 1 or readers[0].op_type not in ("Mul", "Div") or readers[0].name in self.present:
+            return NOTHING
+        scaling = readers[0]
+        other = [i for i in scaling.input if i != source.tensor]
+        constant = _array(self.graph.values, other[0]) if len(other) == 1 else None
+        if constant is None or constant.size != 1 or (scaling.op_type == "Div" and scaling.input[0] != source.tensor):
+            return NOTHING
+        factor = float(constant.reshape(-1)[0])
+        factor = 1 / factor if scaling.op_type == "Div" else factor
+        return Meaning(scaling.output[0]) if abs(ratio / factor - 1) < 1e-4 else NOTHING
 
     def structural_twin(self, node: onnx.NodeProto, inputs: list[Meaning]) -> onnx.NodeProto | None:
         """The one float node of the same op type and attributes reading the same meanings, whose constant

@@ -40,6 +40,7 @@ class LayerComparison:
     def __init__(self, float_model: onnx.ModelProto, quantized: onnx.ModelProto, threads: int = 2):
         found = correspond(float_model, quantized)
         self.pairs, self.left_out = found.pairs, dict(found.left_out)  # float tensor → why it is not compared
+        self.grids = found.grids  # result tensors held as integers → (scale, zero point) they stand for
         self.reference = Intermediates(float_model, [p[0] for p in self.pairs], threads) if self.pairs else None
         self.result = Intermediates(quantized, [p[1] for p in self.pairs], threads) if self.pairs else None
 
@@ -60,7 +61,7 @@ class LayerComparison:
         for sample in samples:
             ref, res = self.reference.values(sample), self.result.values(sample)
             for tensor, twin, *_ in self.pairs:
-                drifts[tensor].add(ref.get(tensor), res.get(twin))
+                drifts[tensor].add(ref.get(tensor), _dequantized(res.get(twin), self.grids.get(twin)))
             del ref, res  # before the next sample is computed
         rows = []
         for order, (tensor, twin, op_type, node) in enumerate(self.pairs):
@@ -109,6 +110,13 @@ class Drift:
         sqnr = None if not self.size else float("-inf") if self.broken else sqnr_of(self.signal, self.noise)
         return {"cosine_mean": float(np.mean(self.cosines)), "cosine_min": float(np.min(self.cosines)),
                 "sqnr_db": sqnr}
+
+
+def _dequantized(values: np.ndarray | None, grid: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:
+    """Integers as the values they stand for on their grid (correspondence.py): (q - zero point) · scale."""
+    if values is None or grid is None:
+        return values
+    return (values.astype(np.float64) - grid[1]) * grid[0]
 
 
 def _padded(reference: tuple, result: tuple) -> bool:

@@ -63,11 +63,14 @@ def samples(count=4):
 
 
 def test_a_conv_renamed_to_its_absorbed_relu_is_compared_with_the_pre_relu_tensor():
-    pairs = {f: r for f, r, *_ in matched_tensors(conv_relu_pool_float(), absorbed_relu_on_integers())}
-    # "r" in the result holds conv1/Conv's values: it is c's twin, never r's (by name it was r's)
-    assert pairs == {"c": "r", "p": "p_DequantizeLinear_Output"}
     found = correspond(conv_relu_pool_float(), absorbed_relu_on_integers())
-    assert found.left_out == {"r": correspondence.INTEGERS}
+    # "r" in the result holds conv1/Conv's values: it is c's twin, never r's (by name it was r's); r is the
+    # integers its Q clamps at zero, read on their grid
+    assert {f: r for f, r, *_ in found.pairs} == {"c": "r", "r": "r_QuantizeLinear_Output",
+                                                  "p": "p_DequantizeLinear_Output"}
+    assert not found.left_out and set(found.grids) == {"r_QuantizeLinear_Output"}
+    scale, zero = found.grids["r_QuantizeLinear_Output"]
+    assert scale == np.float64(SCALE) and zero == 0
 
 
 def test_no_false_red_where_the_name_matched_a_pre_relu_tensor():
@@ -75,10 +78,18 @@ def test_no_false_red_where_the_name_matched_a_pre_relu_tensor():
     whose every value agrees to the grid."""
     comparison = LayerComparison(conv_relu_pool_float(), absorbed_relu_on_integers())
     rows = comparison.errors(samples())
-    assert {r["tensor"] for r in rows} == {"c", "p"}
+    assert {r["tensor"] for r in rows} == {"c", "r", "p"}
     assert band_counts(rows)["red"] == 0 and min(r["cosine_mean"] for r in rows) > 0.999
-    assert comparison.left_out_counts() == {correspondence.INTEGERS: 1}
-    assert left_out_note(comparison.left_out_counts()) == "; left out: 1 (1 held only as integers in the result)"
+    assert min(r["sqnr_db"] for r in rows) > 30  # integers read on their grid: the values, not the codes
+    assert comparison.left_out_counts() == {} and left_out_note({}) == ""
+
+
+def test_the_left_out_tensors_are_counted_by_reason():
+    comparison = LayerComparison(conv_relu_pool_float(), absorbed_relu_on_integers(zero_point=128))
+    comparison.errors(samples(1))
+    counts = comparison.left_out_counts()
+    assert counts == {correspondence.UNCLAMPED: 1, correspondence.DIFFERENT: 1}
+    assert left_out_note(counts) == f"; left out: 2 (1 {correspondence.UNCLAMPED}, 1 {correspondence.DIFFERENT})"
 
 
 def test_a_q_range_that_does_not_clamp_at_zero_proves_nothing_about_the_relu():
@@ -251,6 +262,33 @@ def test_qprep_ort_run_of_a_channels_last_relu_classifier_shows_no_false_red(tmp
     assert evaluation["outputs"]["probs"]["cosine_mean"] > 0.999
     layers = evaluation["layers"]
     assert band_counts(layers)["red"] == 0, [(r["tensor"], r["cosine_mean"]) for r in layers]
-    assert {"c0", "c1", "c2"} <= {r["tensor"] for r in layers}  # each Conv against its own (pre-Relu) values
-    left_out = evaluation["layers_left_out"]
-    assert left_out and "left out: " in (tmp_path / "out" / "report.md").read_text()
+    # each Conv against its own (pre-Relu) values, each Relu against the integers its Q clamps
+    assert {"c0", "c1", "c2", "r0", "r1", "r2"} <= {r["tensor"] for r in layers}
+    assert evaluation["layers_left_out"] == {}
+
+
+def hardswish_tail(dq_scale: float):
+    """Float: r = Relu(x); d = r / 6; y = Sigmoid(d). Result: Q(r) read by a DQ on a grid of `dq_scale` (qprep's
+    scaled round trip removes the Div by 6 when that grid is the Q's divided by 6)."""
+    float_model = make_model(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"), helper.make_node("Div", ["r", "six"], ["d"], name="div"),
+         helper.make_node("Sigmoid", ["d"], ["y"], name="act")],
+        [("x", [1, 8])], [("y", [1, 8])], {"six": np.float32(6)})
+    result = make_model(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"), *qdq("r", "unused", quantize_only=True),
+         helper.make_node("DequantizeLinear", ["r_QuantizeLinear_Output", "s6", "zp0"], ["d_dq"], name="d_dq"),
+         helper.make_node("Sigmoid", ["d_dq"], ["y"], name="act")],
+        [("x", [1, 8])], [("y", [1, 8])], {**constants(), "s6": np.float32(dq_scale)})
+    return float_model, result
+
+
+def test_integers_read_on_a_grid_scaled_by_one_sixth_are_the_removed_division_by_six():
+    float_model, result = hardswish_tail(float(SCALE) / 6)
+    assert [p[:2] for p in matched_tensors(float_model, result)] == [("r", "r"), ("d", "d_dq")]
+
+
+def test_integers_read_on_another_grid_mean_nothing():
+    """By the Q's meaning alone, d_dq would have been r at a twelfth of its scale."""
+    float_model, result = hardswish_tail(float(SCALE) / 12)
+    assert [p[:2] for p in matched_tensors(float_model, result)] == [("r", "r")]
+    assert correspond(float_model, result).left_out == {"d": correspondence.REMOVED}
