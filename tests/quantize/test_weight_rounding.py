@@ -341,3 +341,33 @@ def test_a_layer_too_wide_for_gptq_keeps_nearest_rounding_and_the_report_says_wh
     small = _model("Conv", np.random.default_rng(3).standard_normal((6, 2, 3, 3)), [1, 6, 12, 12], group=3)
     _, layers, left = rknn_weights.on_grid(small, _samples([1, 6, 12, 12]))  # 3 x 18² < 36²
     assert (layers, left) == (1, {"underdetermined": 0})
+
+
+def test_an_expensive_layers_rows_are_subsampled_to_its_work_cap_and_never_below_its_inputs(tmp_path, monkeypatch):
+    """H costs groups·d² per row: past WORK_PER_SAMPLE a sample gives every step-th position, and the set still
+    gives at least ROWS_PER_INPUT rows per input; a cheap layer keeps every position. (The cap is lowered so the
+    test's layer stays tiny: d = 36, 100 positions per sample.)"""
+    from qprep.model.runtime import intermediate_values
+
+    kind, shape, x_shape, attrs = "Conv", (8, 4, 3, 3), [1, 4, 10, 10], {"pads": [1, 1, 1, 1]}
+    model = _model(kind, np.random.default_rng(3).standard_normal(shape), x_shape, **attrs)
+    samples = _samples(x_shape, count=8)
+    quantized = OrtQuantizer(model, samples, typed("ort", reduce_range=False), tmp_path).build(set())
+    layer = gptq.find_layers(quantized, model)[0]
+    values = [v[layer.activation] for v in intermediate_values(quantized, [layer.activation], samples)]
+    full = gptq.input_moments(quantized, [layer], samples)[layer.node]
+    assert gptq.rows_per_sample(layer, len(samples)) >= 100  # cheap: every position
+    np.testing.assert_allclose(full, sum(_naive_moment(v, layer) for v in values), rtol=1e-5, atol=1e-3)
+
+    monkeypatch.setattr(gptq, "WORK_PER_SAMPLE", 36 * 36 * 10)  # affords 10 rows a sample
+    monkeypatch.setattr(gptq, "ROWS_PER_INPUT", 8)  # 8 x 36 / 8 samples = 36 rows a sample at least
+    assert gptq.rows_per_sample(layer, len(samples)) == 36
+    capped = gptq.input_moments(quantized, [layer], samples)[layer.node]
+    expected = np.zeros((36, 36))
+    for value in values:  # every second of the 100 output positions (100 // 36 = 2), row by row
+        x = np.pad(value[0], ((0, 0), (1, 1), (1, 1)))
+        for position in range(0, 100, 2):
+            row, column = divmod(position, 10)
+            patch = x[:, row:row + 3, column:column + 3].ravel()
+            expected += np.outer(patch, patch)
+    np.testing.assert_allclose(capped[0], expected, rtol=1e-5, atol=1e-3)
