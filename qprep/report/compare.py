@@ -147,8 +147,10 @@ def deployed_text(report: dict) -> str | None:
     if not deployable:
         return (f"{result['path']}, {_megabytes(result)} ({result.get('kind', '?')} ONNX, "
                 f"{result.get('nodes', '?')} nodes)")
-    return (f"{deployable['path']}, {_megabytes(deployable)} (its node count is not recorded; the "
-            f"{result.get('nodes', '?')} of {result['path']} are the float model it was built from)")
+    target = (result.get("input_contract") or {}).get("target_platform")
+    return (f"{deployable['path']}{f' for {target}' if target else ''}, {_megabytes(deployable)} (its node count "
+            f"is not recorded; the {result.get('nodes', '?')} of {result['path']} are the float model it was built "
+            "from)")
 
 
 def _megabytes(file: dict) -> str:

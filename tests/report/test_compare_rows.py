@@ -27,7 +27,8 @@ def rknn(data: dict) -> dict:
     """The same report as an RKNN run records it: model.onnx is the float model the .rknn was built from."""
     data["stages"][0]["backend"] = "rknn"
     data["result"].update(kind="float", nodes=272, deployable={"path": "model.rknn", "bytes": 4_210_502,
-                                                             "note": "model.onnx is the prepared float model"})
+                                                             "note": "model.onnx is the prepared float model"},
+                          input_contract={"target_platform": "rk3588", "inputs": []})
     data["float_set"] = ["ln0", "ln1"]
     return data
 
@@ -78,7 +79,7 @@ def test_compare_has_status_verdict_backend_and_deployed_model_rows(tmp_path):
     assert (rows["backend"]["base"], rows["backend"]["others"][0]["value"]) == ("ort", "rknn")
     assert rows["deployed model"]["base"] == "model.onnx, 2.00 MB (qdq ONNX, 20 nodes)"
     deployed = rows["deployed model"]["others"][0]["value"]
-    assert deployed.startswith("model.rknn, 4.21 MB") and "not recorded" in deployed
+    assert deployed.startswith("model.rknn for rk3588, 4.21 MB") and "not recorded" in deployed
     # model.onnx's 272 nodes are not the .rknn's: no node count, no delta against the ONNX result's
     assert rows["result.nodes"]["base"] == 20 and rows["result.nodes"]["others"][0]["value"] is None
     assert rows["result.kept_float"]["others"][0]["value"] == 2
