@@ -108,6 +108,9 @@ def _speed_text(report: dict) -> str:
 def closing_line(report: dict) -> str | None:
     """A met run's verdict as the terminal's closing line, plain text ("warning: met, but mostly float ..."
     under the floor); None otherwise: a missed gate has its own lines."""
+    gate = (report.get("evaluation") or {}).get("gate") or {}
+    if report.get("status") != "ok" or not gate.get("passed"):
+        return None
     found = verdict(report)
     if found.state != MET:
         return None
