@@ -21,7 +21,11 @@ computes (its *meaning*), propagated from the inputs in graph order:
                       activation does (within one step), else nothing
     DequantizeLinear  on the grid its integers were quantized on: their meaning, in float again; on that grid
                       scaled by 1/c: the float model's removed division of that tensor by the scalar c
-    data movement     Reshape, Transpose, MaxPool… on integers: the twin's output, as integers
+    data movement     Reshape, Transpose, MaxPool… on integers: the twin's output, as integers on the same grid
+    merged reshape    a Reshape the result made of a chain of float Reshapes/Squeezes/Transposes that keep the
+                      elements' order: the chain's tensor of its shape
+    replacement       a tensor named as a float node's output, that node gone, computed by nodes without twins
+                      from tensors meaning that node's inputs alone (ORT's dynamic MatMulInteger): that output
 
 A float tensor is compared with a float result tensor that means it (a DequantizeLinear output first: the
 rounding the quantizer added is part of the error), else with integers that mean it on a per-tensor grid, read
@@ -47,6 +51,10 @@ INTEGER_RANGES = {onnx.TensorProto.UINT8: (0, 255), onnx.TensorProto.INT8: (-128
                   onnx.TensorProto.UINT16: (0, 65535), onnx.TensorProto.INT16: (-32768, 32767)}
 SHAPES = ("Shape", "Size")  # their outputs count as constants: a shape computation is not a layer
 SMALL = 4096  # constants compared by value for a structural twin up to this many elements, else by name
+LARGE = 1 << 20  # a twin's constants are read up to this many elements (a LayerNorm's gamma, a bias)
+# ops whose constants a quantizer may change while the output stays the same value: weights rounded, GPTQ,
+# corrected biases, padded channels, a smoothed LayerNorm's scale moved in
+WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "MatMulInteger", "ConvInteger"})
 
 REMOVED = "removed by the quantizer, nothing in the result computes it"
 INTEGERS = "held only as integers in the result"
@@ -63,6 +71,7 @@ class Meaning:
     integer: bool = False
     constant: bool = False
     grid: tuple | None = None  # integers: the (scale, zero point) arrays' bytes and types they were quantized on
+    factor: bytes | None = None  # float64 per last-axis channel: the float tensor is this one times it (smoothed)
 
 
 NOTHING = Meaning(None)
@@ -76,6 +85,7 @@ class Correspondence:
     pairs: list[tuple[str, str, str, str]] = field(default_factory=list)
     left_out: dict[str, str] = field(default_factory=dict)
     grids: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # integer twin → (scale, zero)
+    factors: dict[str, np.ndarray] = field(default_factory=dict)  # twin → per-channel factor to the float value
 
 
 def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Correspondence:
@@ -98,13 +108,17 @@ def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Corresp
         tensor = node.output[0]
         if tensor in outputs or tensor in graph.constants:
             continue
-        twins = [(name, op) for name, meaning, op in found.get(tensor, []) if not meaning.integer]
+        twins = [(name, op, m.factor) for name, m, op in found.get(tensor, []) if not m.integer]
         if twins:  # the rounded copy first: the error its Q/DQ adds is part of the result
-            twin = min(twins, key=lambda t: (t[1] != "DequantizeLinear", t[0] != tensor, t[0]))[0]
+            twin, _, factor = min(twins, key=lambda t: (t[1] != "DequantizeLinear", t[0] != tensor, t[0]))
             out.pairs.append((tensor, twin, node.op_type, node.name))
+            if factor is not None:
+                out.factors[twin] = _vector(factor)
         elif (grid := _integer_twin(found.get(tensor, []))) is not None:  # read as its DQ would: (q - z) * s
             out.pairs.append((tensor, grid[0], node.op_type, node.name))
-            out.grids[grid[0]] = grid[1]
+            out.grids[grid[0]] = grid[1][:2]
+            if grid[1][2] is not None:
+                out.factors[grid[0]] = _vector(grid[1][2])
         elif tensor in found:
             out.left_out[tensor] = INTEGERS
         elif node.name and node.name in result_nodes:
@@ -116,13 +130,14 @@ def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Corresp
     return out
 
 
-def _integer_twin(found: list[tuple[str, Meaning, str]]) -> tuple[str, tuple[np.ndarray, np.ndarray]] | None:
-    """An integer twin on a per-tensor grid and its (scale, zero point): compared as the values it stands for."""
+def _integer_twin(found: list[tuple[str, Meaning, str]]) -> tuple[str, tuple] | None:
+    """An integer twin on a per-tensor grid, its (scale, zero point, factor): compared as the values it stands for."""
     for name, meaning, _ in sorted(found, key=lambda f: f[0]):
         if meaning.integer and meaning.grid is not None:
             scale, zero = (np.frombuffer(data, dtype).reshape(shape) for dtype, shape, data in meaning.grid)
             if scale.size == 1 and zero.size == 1:
-                return name, (scale.astype(np.float64).reshape(()), zero.astype(np.float64).reshape(()))
+                return name, (scale.astype(np.float64).reshape(()), zero.astype(np.float64).reshape(()),
+                              meaning.factor)
     return None
 
 
@@ -157,19 +172,15 @@ class Propagation:
     """Each result tensor's Meaning, node by node in graph order (see the module doc for the rules)."""
 
     def __init__(self, graph: FloatGraph, result: onnx.GraphProto):
-        self.graph, self.result = graph, result
-        self.values = constant_tensors(result)
+        self.graph, self.values = graph, constant_tensors(result)
         self.present = {n.name for n in result.node if n.name}
-        self.meanings: dict[str, Meaning] = {}
-        for name in self.values:
-            self.meanings[name] = Meaning(name if name in graph.constants else None, constant=True)
+        self.meanings = {name: Meaning(name if name in graph.constants else None, constant=True)
+                         for name in self.values}
         for value in result.input:
             self.meanings.setdefault(value.name, Meaning(value.name) if value.name in graph.inputs else NOTHING)
         self.producer = {o: n for n in result.node for o in n.output if o}
         for node in _in_order(result):
-            for name, meaning in zip(node.output, self.outputs(node)):
-                if name:
-                    self.meanings[name] = meaning
+            self.meanings.update((name, meaning) for name, meaning in zip(node.output, self.outputs(node)) if name)
 
     def meaning(self, name: str) -> Meaning:
         return self.meanings.get(name, NOTHING) if name else Meaning("", constant=True)
@@ -198,7 +209,7 @@ class Propagation:
         """A Reshape the result made of a chain of float nodes that keep the elements' order (Reshape, Flatten,
         Squeeze, Unsqueeze, a Transpose moving only axes of size 1): the chain's tensor of the Reshape's shape."""
         shape = _array(self.values, node.input[1]) if len(node.input) > 1 else None
-        if shape is None or shape.ndim != 1 or not (shape > 0).all():
+        if shape is None or shape.ndim != 1 or not (shape > 0).all() or source.factor is not None:
             return NOTHING
         shapes, found, tensor = self.graph.shapes(), None, source.tensor
         while True:
@@ -221,7 +232,8 @@ class Propagation:
         while stack:
             tensor = stack.pop()
             meaning = self.meaning(tensor)
-            if meaning.constant or (meaning.tensor in allowed and not meaning.integer) or tensor in seen:
+            if meaning.constant or (meaning.tensor in allowed and not meaning.integer and meaning.factor is None) \
+                    or tensor in seen:
                 continue
             producer = self.producer.get(tensor)
             if meaning.tensor is not None and tensor != name or producer is None or len(seen) > 64:
@@ -236,6 +248,9 @@ class Propagation:
         if len(node.input) != len(twin.input) or any(
                 not _same_input(m, name, self.graph) for m, name in zip(inputs, twin.input)):
             return [NOTHING] * len(node.output)
+        factor = self.scaling(node, twin, inputs)
+        if factor is False:
+            return [NOTHING] * len(node.output)
         integer = any(m.integer for m in data)
         if integer and (node.op_type not in DATA_MOVEMENT or not all(m.integer for m in data)):
             return [NOTHING] * len(node.output)
@@ -245,8 +260,45 @@ class Propagation:
         if len(grids) > 1:  # integers on different grids moved together (a Concat): no one grid reads them
             return [NOTHING] * len(node.output)
         grid = grids.pop() if grids else None
-        return [Meaning(self.renamed(float_name, name) if name != float_name else name, integer, grid=grid)
-                for name, float_name in zip(node.output, twin.output)]
+        return [Meaning(self.renamed(float_name, name) if name != float_name else name, integer, grid=grid,
+                        factor=factor) for name, float_name in zip(node.output, twin.output)]
+
+    def scaling(self, node: onnx.NodeProto, twin: onnx.NodeProto, inputs: list[Meaning]) -> bytes | None | bool:
+        """The output's per-channel factor (None: the float value itself), False if the constants differ beyond
+        rounding in a way no rule explains. A smoothed LayerNorm (qprep's smooth_layernorm) divides gamma and
+        beta by a factor per channel and multiplies the next MatMul's rows by it: the LayerNorm (or its Mul and
+        Add) means the float tensor times 1/factor, the MatMul the float tensor itself."""
+        factors = [_vector(m.factor) for m in inputs if not m.constant and m.factor is not None]
+        pairs = [(ours, theirs) for ours, theirs, m in zip(node.input, twin.input, inputs)
+                 if m.constant and ours and theirs]
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            return next((m.factor for m in inputs if m.factor is not None), None)
+        if node.op_type in WEIGHTED:  # a MatMul whose rows carry the factor: the float value itself
+            weight = self.constant_value(node.input[1]) if node.op_type == "MatMul" and len(pairs) == 1 else None
+            other = _array(self.graph.values, twin.input[1], LARGE)
+            return None if not factors or (weight is not None and other is not None and inputs[0].factor
+                                           and weight.shape == other.shape and weight.ndim == 2
+                                           and _close(weight, factors[0][:, None] * other)) else False
+        factor, close = factors[0] if factors else None, all(self.close_constant(o, t) for o, t in pairs)
+        if factor is None and close:
+            return None
+        if len(factors) > 1 or not pairs or node.op_type not in ("Mul", "Add", "LayerNormalization"):
+            return False
+        if node.op_type == "Mul" and close:
+            return _bytes(factor)
+        values = [(self.constant_value(o), _array(self.graph.values, t, LARGE)) for o, t in pairs]
+        if any(v is None or w is None or v.size != w.size for v, w in values):
+            return False
+        (ours, theirs), *rest = [(v.reshape(-1).astype(np.float64), w.reshape(-1).astype(np.float64))
+                                 for v, w in values]
+        if node.op_type == "Add":  # x·f + theirs = (x + ours)·f
+            return _bytes(factor) if factor is not None and len(pairs) == 1 and _close(factor * ours, theirs) else False
+        if factor is not None and node.op_type == "LayerNormalization":
+            return False
+        ratio = np.where(ours == 0, 1.0, theirs / np.where(ours == 0, 1.0, ours))
+        if not _close(ours * ratio, theirs) or any(not _close(ratio * v, w) for v, w in rest):
+            return False  # (a LayerNormalization's beta scaled as its gamma)
+        return _bytes(ratio * (factor if factor is not None else 1.0))
 
     def renamed(self, computed: str, name: str) -> str | None:
         """A twin's output renamed to the float tensor `name`: what it holds, from the float nodes the result
@@ -273,6 +325,8 @@ class Propagation:
             return NOTHING
         readers = self.graph.consumers.get(source.tensor, [])
         grid = self.grid(node)
+        if source.factor is not None:
+            return Meaning(source.tensor, integer=True, grid=grid, factor=source.factor)
         if len(readers) != 1 or readers[0].op_type not in ACTIVATIONS or readers[0].name in self.present:
             return Meaning(source.tensor, integer=True, grid=grid)
         activation = readers[0]
@@ -297,7 +351,9 @@ class Propagation:
         if not source.integer or grid is None or source.grid is None:
             return NOTHING
         if grid == source.grid:
-            return Meaning(source.tensor)
+            return Meaning(source.tensor, factor=source.factor)
+        if source.factor is not None:
+            return NOTHING
         if grid[1] != source.grid[1] or grid[0][1] != () and grid[0][1] != (1,) or source.grid[0][1] not in ((), (1,)):
             return NOTHING
         ratio = float(np.frombuffer(grid[0][2], grid[0][0])[0]) / float(
@@ -328,6 +384,41 @@ class Propagation:
                  and all(self.same_constant(name, m, theirs) if m.constant else m.tensor == theirs
                          for name, m, theirs in zip(node.input, inputs, c.input))]
         return found[0] if len(found) == 1 else None
+
+    def close_constant(self, name: str, theirs: str) -> bool:
+        """The result's constant is the float model's up to its rounding (1% of its largest value; channels a
+        padding added beyond the float model's cut off). A constant either side computes (a shape), or one too
+        large to read, is taken as the same. Smoothing a LayerNorm into the next MatMul scales its gamma and
+        beta: that LayerNorm's output is not the float model's."""
+        ours, other = self.constant_value(name), _array(self.graph.values, theirs, LARGE)
+        if ours is None or other is None:
+            return True
+        if ours.ndim == other.ndim and all(a >= b for a, b in zip(ours.shape, other.shape)):
+            ours = ours[tuple(slice(0, b) for b in other.shape)]
+        if ours.size != other.size:
+            return False
+        if other.dtype.kind != "f":
+            return np.array_equal(ours.reshape(other.shape), other)
+        return _close(ours.astype(np.float64).reshape(other.shape), other.astype(np.float64))
+
+    def constant_value(self, name: str) -> np.ndarray | None:
+        """A stored constant, or a DequantizeLinear of stored constants, read; None otherwise."""
+        if name in self.values:
+            return _array(self.values, name, LARGE)
+        node = self.producer.get(name)
+        if node is None or node.op_type != "DequantizeLinear" or len(node.input) < 2:
+            return None
+        parts = [_array(self.values, i, LARGE) for i in node.input[:3]]
+        if any(p is None for p in parts):
+            return None
+        q, scale = parts[0].astype(np.float64), parts[1].astype(np.float64)
+        zero = parts[2].astype(np.float64) if len(parts) > 2 else np.zeros_like(scale)
+        if scale.size > 1:  # per axis
+            axis = attribute(node, "axis", 1) % q.ndim
+            shape = [1] * q.ndim
+            shape[axis] = scale.size
+            scale, zero = scale.reshape(shape), zero.reshape(shape)
+        return (q - zero) * scale
 
     def same_constant(self, name: str, meaning: Meaning, theirs: str) -> bool:
         if name == theirs or (not name and not theirs):
@@ -417,9 +508,22 @@ def _bounds(activation: onnx.NodeProto, values: dict) -> tuple[float | None, flo
     return found[0], found[1]
 
 
-def _array(values: dict, name: str) -> np.ndarray | None:
+def _close(ours: np.ndarray, theirs: np.ndarray) -> bool:
+    """Equal up to 8-bit rounding: within 1% of the largest magnitude."""
+    return bool(np.all(np.abs(ours - theirs) <= 0.01 * np.max(np.abs(theirs), initial=0.0) + 1e-7))
+
+
+def _vector(factor: bytes) -> np.ndarray:
+    return np.frombuffer(factor, np.float64)
+
+
+def _bytes(factor: np.ndarray) -> bytes | None:
+    return None if np.allclose(factor, 1.0, rtol=1e-3) else np.asarray(factor, np.float64).tobytes()
+
+
+def _array(values: dict, name: str, limit: int = SMALL) -> np.ndarray | None:
     tensor = values.get(name) if name else None
-    return None if tensor is None or _size(tensor) > SMALL else numpy_helper.to_array(tensor)
+    return None if tensor is None or _size(tensor) > limit else numpy_helper.to_array(tensor)
 
 
 def _size(tensor: onnx.TensorProto) -> int:
@@ -427,26 +531,18 @@ def _size(tensor: onnx.TensorProto) -> int:
 
 
 def _in_order(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The nodes in an order where every producer comes before its readers: the file's order where it is one
-    (ONNX asks for it), else a topological sort (an input from an outer scope counts as known)."""
-    produced = {o: index for index, n in enumerate(graph.node) for o in n.output if o}
-    readers: dict[int, list[int]] = {}
-    waiting = [0] * len(graph.node)
-    for index, node in enumerate(graph.node):
-        for name in set(node.input):
-            if name in produced and produced[name] != index:
-                readers.setdefault(produced[name], []).append(index)
-                waiting[index] += 1
-    if all(produced.get(i, -1) < index for index, n in enumerate(graph.node) for i in n.input):
-        return list(graph.node)
-    ready = [index for index, count in enumerate(waiting) if count == 0]
-    ordered = []
-    while ready:
-        index = ready.pop()
-        ordered.append(index)
-        for reader in readers.get(index, []):
-            waiting[reader] -= 1
-            if waiting[reader] == 0:
-                ready.append(reader)
-    left = [index for index in range(len(graph.node)) if waiting[index] > 0]  # a cycle: the file's order
-    return [graph.node[i] for i in ordered + left]
+    """The nodes with every producer before its readers: one pass over the file's order where it is one (ONNX
+    asks for it), more passes where not; what never gets ready (a cycle, an outer scope's input) comes last."""
+    known, ordered, pending = {v.name for v in graph.input} | set(constant_tensors(graph)) | {""}, [], list(graph.node)
+    while pending:
+        left = []
+        for node in pending:
+            if all(i in known for i in node.input):
+                ordered.append(node)
+                known.update(node.output)
+            else:
+                left.append(node)
+        if len(left) == len(pending):
+            return ordered + left
+        pending = left
+    return ordered

@@ -41,6 +41,7 @@ class LayerComparison:
         found = correspond(float_model, quantized)
         self.pairs, self.left_out = found.pairs, dict(found.left_out)  # float tensor → why it is not compared
         self.grids = found.grids  # result tensors held as integers → (scale, zero point) they stand for
+        self.factors = found.factors  # result tensors a smoothing scaled → factor per channel (last axis)
         self.reference = Intermediates(float_model, [p[0] for p in self.pairs], threads) if self.pairs else None
         self.result = Intermediates(quantized, [p[1] for p in self.pairs], threads) if self.pairs else None
 
@@ -61,7 +62,8 @@ class LayerComparison:
         for sample in samples:
             ref, res = self.reference.values(sample), self.result.values(sample)
             for tensor, twin, *_ in self.pairs:
-                drifts[tensor].add(ref.get(tensor), _dequantized(res.get(twin), self.grids.get(twin)))
+                drifts[tensor].add(ref.get(tensor), _dequantized(res.get(twin), self.grids.get(twin),
+                                                                 self.factors.get(twin)))
             del ref, res  # before the next sample is computed
         rows = []
         for order, (tensor, twin, op_type, node) in enumerate(self.pairs):
@@ -112,11 +114,15 @@ class Drift:
                 "sqnr_db": sqnr}
 
 
-def _dequantized(values: np.ndarray | None, grid: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:
-    """Integers as the values they stand for on their grid (correspondence.py): (q - zero point) · scale."""
-    if values is None or grid is None:
-        return values
-    return (values.astype(np.float64) - grid[1]) * grid[0]
+def _dequantized(values: np.ndarray | None, grid: tuple[np.ndarray, np.ndarray] | None,
+                 factor: np.ndarray | None = None) -> np.ndarray | None:
+    """The float values a result tensor stands for (correspondence.py): integers on their grid,
+    (q - zero point) · scale; a smoothed tensor times its factor per channel (last axis)."""
+    if values is not None and grid is not None:
+        values = (values.astype(np.float64) - grid[1]) * grid[0]
+    if values is not None and factor is not None and values.ndim and values.shape[-1] == factor.size:
+        values = values * factor
+    return values
 
 
 def _padded(reference: tuple, result: tuple) -> bool:
