@@ -40,6 +40,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qprep.measure.constants import (LARGE, SMALL, clamps_like, constant_value, element_count, op_attributes,
+                                    q_grid, read_array, within_rounding)
 from qprep.model.info import attribute, constant_tensors, tensor_shapes
 
 ACTIVATIONS = ("Relu", "Clip")  # ORT's QDQRemovableActivation: removed after a quantized producer
@@ -47,11 +49,7 @@ FOLDED = ("BatchNormalization", "Identity", "Dropout")  # absorbed into the prod
 DATA_MOVEMENT = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "MaxPool", "Slice",
                            "Concat", "Gather", "Split", "Expand", "Tile", "Identity", "Pad", "Resize",
                            "DepthToSpace", "SpaceToDepth", "GlobalMaxPool", "ReduceMax", "ReduceMin"})
-INTEGER_RANGES = {onnx.TensorProto.UINT8: (0, 255), onnx.TensorProto.INT8: (-128, 127),
-                  onnx.TensorProto.UINT16: (0, 65535), onnx.TensorProto.INT16: (-32768, 32767)}
 SHAPES = ("Shape", "Size")  # their outputs count as constants: a shape computation is not a layer
-SMALL = 4096  # constants compared by value for a structural twin up to this many elements, else by name
-LARGE = 1 << 20  # a twin's constants are read up to this many elements (a LayerNorm's gamma, a bias)
 # ops whose constants a quantizer may change while the output stays the same value: weights rounded, GPTQ,
 # corrected biases, padded channels, a smoothed LayerNorm's scale moved in
 WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "MatMulInteger", "ConvInteger"})
@@ -199,6 +197,10 @@ class Propagation:
             found[0] = self.dequantized(node, inputs[0])
         elif (twin := self.structural_twin(node, inputs)) is not None:
             found = self.twin_outputs(node, twin, inputs)
+        elif node.op_type == "Mul" and len(node.input) == 2 and inputs[0].factor and inputs[1].constant:
+            factor = constant_value(self.values, self.producer, node.input[1])  # the result undoing a smoothing: the float value
+            found[0] = Meaning(inputs[0].tensor) if factor is not None and factor[0].size == len(
+                _vector(inputs[0].factor)) and within_rounding(factor[0].reshape(-1), _vector(inputs[0].factor)) else NOTHING
         elif node.op_type == "Reshape" and inputs[0].tensor is not None:
             found[0] = self.reshaped(node, inputs[0])
         if all(m.tensor is None for m in found):
@@ -208,7 +210,7 @@ class Propagation:
     def reshaped(self, node: onnx.NodeProto, source: Meaning) -> Meaning:
         """A Reshape the result made of a chain of float nodes that keep the elements' order (Reshape, Flatten,
         Squeeze, Unsqueeze, a Transpose moving only axes of size 1): the chain's tensor of the Reshape's shape."""
-        shape = _array(self.values, node.input[1]) if len(node.input) > 1 else None
+        shape = read_array(self.values, node.input[1]) if len(node.input) > 1 else None
         if shape is None or shape.ndim != 1 or not (shape > 0).all() or source.factor is not None:
             return NOTHING
         shapes, found, tensor = self.graph.shapes(), None, source.tensor
@@ -224,23 +226,44 @@ class Propagation:
     def replacing(self, name: str) -> Meaning:
         """A result tensor named as a float node's output, that node gone from the result, and computed by
         nodes no float node twins from tensors that mean that node's inputs (or constants) alone: the
-        quantizer's replacement of the node (dynamic MatMulInteger, an integer op) writing its output."""
+        quantizer's replacement of the node (dynamic MatMulInteger, an integer op) writing its output. From a
+        smoothed input, only a MatMulInteger whose weights carry the factor (`smoothed_weights`)."""
         replaced = self.graph.producer.get(name)
         if replaced is None or replaced.name in self.present:
             return NOTHING
-        allowed, seen, stack = set(replaced.input) - {""}, set(), [name]
+        allowed, seen, stack, factors, nodes = set(replaced.input) - {""}, set(), [name], set(), []
         while stack:
             tensor = stack.pop()
             meaning = self.meaning(tensor)
-            if meaning.constant or (meaning.tensor in allowed and not meaning.integer and meaning.factor is None) \
-                    or tensor in seen:
+            if meaning.constant or (meaning.tensor in allowed and not meaning.integer) or tensor in seen:
+                factors.add(meaning.factor)
                 continue
             producer = self.producer.get(tensor)
             if meaning.tensor is not None and tensor != name or producer is None or len(seen) > 64:
                 return NOTHING
             seen.add(tensor)
+            nodes.append(producer)
             stack.extend(i for i in producer.input if i)
+        factors.discard(None)
+        if factors and (len(factors) > 1 or not self.smoothed_weights(nodes, replaced, _vector(factors.pop()))):
+            return NOTHING
         return Meaning(name)
+
+    def smoothed_weights(self, nodes: list[onnx.NodeProto], replaced: onnx.NodeProto, factor: np.ndarray) -> bool:
+        """ORT's dynamic MatMul (DynamicQuantizeLinear → MatMulInteger(x, B) → Cast → Mul by x's scale times
+        B's): B dequantized is the float weight with its rows times `factor`, within half a step."""
+        integer = [n for n in nodes if n.op_type == "MatMulInteger"]
+        scales = [i for n in nodes if n.op_type == "Mul" for i in n.input if i in self.values]
+        weight = read_array(self.graph.values, replaced.input[1], LARGE) if replaced.op_type == "MatMul" else None
+        if len(integer) != 1 or len(scales) != 1 or weight is None or weight.ndim != 2:
+            return False
+        b = read_array(self.values, integer[0].input[1], LARGE)
+        zero = read_array(self.values, integer[0].input[3], LARGE) if len(integer[0].input) > 3 else np.zeros(())
+        scale = read_array(self.values, scales[0], LARGE)
+        if b is None or zero is None or scale is None or b.shape != weight.shape:
+            return False
+        dequantized = (b.astype(np.float64) - zero.astype(np.float64)) * scale.astype(np.float64)
+        return factor.size == weight.shape[0] and within_rounding(dequantized, factor[:, None] * weight, scale / 2)
 
     def twin_outputs(self, node: onnx.NodeProto, twin: onnx.NodeProto, inputs: list[Meaning]) -> list[Meaning]:
         """The twin's outputs, if every input means the twin's (or both are constants)."""
@@ -274,11 +297,11 @@ class Propagation:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
             return next((m.factor for m in inputs if m.factor is not None), None)
         if node.op_type in WEIGHTED:  # a MatMul whose rows carry the factor: the float value itself
-            weight = self.constant_value(node.input[1]) if node.op_type == "MatMul" and len(pairs) == 1 else None
-            other = _array(self.graph.values, twin.input[1], LARGE)
+            weight = constant_value(self.values, self.producer, node.input[1]) if node.op_type == "MatMul" and len(pairs) == 1 else None
+            other = read_array(self.graph.values, twin.input[1], LARGE)
             return None if not factors or (weight is not None and other is not None and inputs[0].factor
-                                           and weight.shape == other.shape and weight.ndim == 2
-                                           and _close(weight, factors[0][:, None] * other)) else False
+                                           and weight[0].shape == other.shape and other.ndim == 2  # GPTQ: a step
+                                           and within_rounding(weight[0], factors[0][:, None] * other, weight[1])) else False
         factor, close = factors[0] if factors else None, all(self.close_constant(o, t) for o, t in pairs)
         if factor is None and close:
             return None
@@ -286,17 +309,17 @@ class Propagation:
             return False
         if node.op_type == "Mul" and close:
             return _bytes(factor)
-        values = [(self.constant_value(o), _array(self.graph.values, t, LARGE)) for o, t in pairs]
+        values = [((constant_value(self.values, self.producer, o) or (None,))[0], read_array(self.graph.values, t, LARGE)) for o, t in pairs]
         if any(v is None or w is None or v.size != w.size for v, w in values):
             return False
         (ours, theirs), *rest = [(v.reshape(-1).astype(np.float64), w.reshape(-1).astype(np.float64))
                                  for v, w in values]
         if node.op_type == "Add":  # x·f + theirs = (x + ours)·f
-            return _bytes(factor) if factor is not None and len(pairs) == 1 and _close(factor * ours, theirs) else False
+            return _bytes(factor) if factor is not None and len(pairs) == 1 and within_rounding(factor * ours, theirs) else False
         if factor is not None and node.op_type == "LayerNormalization":
             return False
         ratio = np.where(ours == 0, 1.0, theirs / np.where(ours == 0, 1.0, ours))
-        if not _close(ours * ratio, theirs) or any(not _close(ratio * v, w) for v, w in rest):
+        if not within_rounding(ours * ratio, theirs) or any(not within_rounding(ratio * v, w) for v, w in rest):
             return False  # (a LayerNormalization's beta scaled as its gamma)
         return _bytes(ratio * (factor if factor is not None else 1.0))
 
@@ -324,30 +347,22 @@ class Propagation:
         if source.tensor is None or source.integer or source.constant:
             return NOTHING
         readers = self.graph.consumers.get(source.tensor, [])
-        grid = self.grid(node)
+        grid = q_grid(self.values, node)
         if source.factor is not None:
             return Meaning(source.tensor, integer=True, grid=grid, factor=source.factor)
         if len(readers) != 1 or readers[0].op_type not in ACTIVATIONS or readers[0].name in self.present:
             return Meaning(source.tensor, integer=True, grid=grid)
         activation = readers[0]
-        if _clamps_like(node, activation, self.values, self.graph.values):
+        if clamps_like(node, activation, self.values, self.graph.values):
             return Meaning(activation.output[0], integer=True, grid=grid)
         self.graph.unclamped.add(activation.output[0])
         return NOTHING
-
-    def grid(self, node: onnx.NodeProto) -> tuple | None:
-        """A Q/DQ node's (scale, zero point) as comparable bytes, None if either is not a stored constant."""
-        arrays = [_array(self.values, node.input[i]) if len(node.input) > i else np.zeros((), np.uint8)
-                  for i in (1, 2)]
-        if any(a is None for a in arrays):
-            return None
-        return tuple((a.dtype.str, a.shape, a.tobytes()) for a in arrays)
 
     def dequantized(self, node: onnx.NodeProto, source: Meaning) -> Meaning:
         """Integers read on the grid they were quantized on mean what they meant. On a grid whose scale is the
         quantizing one times 1/c (the zero point the same), they mean the float model's division by the scalar
         c (or multiplication by 1/c) of that tensor, where the result removed it (qprep's scaled round trip)."""
-        grid = self.grid(node)
+        grid = q_grid(self.values, node)
         if not source.integer or grid is None or source.grid is None:
             return NOTHING
         if grid == source.grid:
@@ -363,7 +378,7 @@ class Propagation:
             return NOTHING
         scaling = readers[0]
         other = [i for i in scaling.input if i != source.tensor]
-        constant = _array(self.graph.values, other[0]) if len(other) == 1 else None
+        constant = read_array(self.graph.values, other[0]) if len(other) == 1 else None
         if constant is None or constant.size != 1 or (scaling.op_type == "Div" and scaling.input[0] != source.tensor):
             return NOTHING
         factor = float(constant.reshape(-1)[0])
@@ -376,11 +391,11 @@ class Propagation:
         first = next((m for m in inputs if not m.constant), None)
         if first is None or first.tensor is None:
             return None
-        attributes = _attributes(node)
+        attributes = op_attributes(node)
         found = [c for c in self.graph.consumers.get(first.tensor, [])
                  if c.op_type == node.op_type and c.domain == node.domain and c.name not in self.present
                  and len(c.input) == len(node.input)
-                 and _attributes(c) == attributes
+                 and op_attributes(c) == attributes
                  and all(self.same_constant(name, m, theirs) if m.constant else m.tensor == theirs
                          for name, m, theirs in zip(node.input, inputs, c.input))]
         return found[0] if len(found) == 1 else None
@@ -390,35 +405,18 @@ class Propagation:
         padding added beyond the float model's cut off). A constant either side computes (a shape), or one too
         large to read, is taken as the same. Smoothing a LayerNorm into the next MatMul scales its gamma and
         beta: that LayerNorm's output is not the float model's."""
-        ours, other = self.constant_value(name), _array(self.graph.values, theirs, LARGE)
-        if ours is None or other is None:
+        found, other = constant_value(self.values, self.producer, name), read_array(self.graph.values, theirs, LARGE)
+        if found is None or other is None:
             return True
+        ours, step = found[0], np.broadcast_to(found[1], found[0].shape)
         if ours.ndim == other.ndim and all(a >= b for a, b in zip(ours.shape, other.shape)):
-            ours = ours[tuple(slice(0, b) for b in other.shape)]
+            ours, step = (a[tuple(slice(0, b) for b in other.shape)] for a in (ours, step))
         if ours.size != other.size:
             return False
         if other.dtype.kind != "f":
             return np.array_equal(ours.reshape(other.shape), other)
-        return _close(ours.astype(np.float64).reshape(other.shape), other.astype(np.float64))
-
-    def constant_value(self, name: str) -> np.ndarray | None:
-        """A stored constant, or a DequantizeLinear of stored constants, read; None otherwise."""
-        if name in self.values:
-            return _array(self.values, name, LARGE)
-        node = self.producer.get(name)
-        if node is None or node.op_type != "DequantizeLinear" or len(node.input) < 2:
-            return None
-        parts = [_array(self.values, i, LARGE) for i in node.input[:3]]
-        if any(p is None for p in parts):
-            return None
-        q, scale = parts[0].astype(np.float64), parts[1].astype(np.float64)
-        zero = parts[2].astype(np.float64) if len(parts) > 2 else np.zeros_like(scale)
-        if scale.size > 1:  # per axis
-            axis = attribute(node, "axis", 1) % q.ndim
-            shape = [1] * q.ndim
-            shape[axis] = scale.size
-            scale, zero = scale.reshape(shape), zero.reshape(shape)
-        return (q - zero) * scale
+        return within_rounding(ours.astype(np.float64).reshape(other.shape), other.astype(np.float64),
+                      step.reshape(other.shape) / 2)
 
     def same_constant(self, name: str, meaning: Meaning, theirs: str) -> bool:
         if name == theirs or (not name and not theirs):
@@ -426,32 +424,10 @@ class Propagation:
         ours, other = self.values.get(name), self.graph.values.get(theirs)
         if other is None and theirs in self.graph.constants:
             return True  # computed from shapes in the float model, folded into the result
-        if ours is None or other is None or _size(ours) > SMALL or _size(other) > SMALL:
+        if ours is None or other is None or element_count(ours) > SMALL or element_count(other) > SMALL:
             return False
         a, b = numpy_helper.to_array(ours), numpy_helper.to_array(other)
         return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
-
-
-def _attributes(node: onnx.NodeProto) -> dict[str, bytes]:
-    """The node's attributes, those set to the op's default left out (an exporter writes allowzero=0)."""
-    try:
-        defaults = onnx.defs.get_schema(node.op_type, domain=node.domain).attributes
-    except onnx.defs.SchemaError:
-        defaults = {}
-    found = {}
-    for a in node.attribute:
-        default = defaults.get(a.name)
-        if default is not None and default.default_value.type and _value(default.default_value) == _value(a):
-            continue
-        found[a.name] = _value(a)
-    return found
-
-
-def _value(a: onnx.AttributeProto) -> bytes:
-    copy = onnx.AttributeProto()
-    copy.CopyFrom(a)
-    copy.name, copy.doc_string = "", ""
-    return copy.SerializeToString()
 
 
 def _keeps_order(node: onnx.NodeProto, shapes: dict) -> bool:
@@ -472,62 +448,12 @@ def _same_input(meaning: Meaning, float_name: str, graph: FloatGraph) -> bool:
     return meaning.tensor is not None and meaning.tensor == float_name
 
 
-def _clamps_like(q: onnx.NodeProto, activation: onnx.NodeProto, values: dict, float_values: dict) -> bool:
-    """The QuantizeLinear's representable range clamps at or inside each bound the activation has (within one
-    step of the grid): clamping tighter is the calibrated range's choice, an error the comparison should see;
-    a range reaching past the bound would let through values the activation cuts off."""
-    scale, zero = (_array(values, q.input[i]) if len(q.input) > i else None for i in (1, 2))
-    if scale is None or scale.size != 1 or (zero is not None and zero.size != 1):
-        return False
-    dtype = (values[q.input[2]].data_type if zero is not None else onnx.TensorProto.UINT8)
-    if dtype not in INTEGER_RANGES:
-        return False
-    step, z = float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]) if zero is not None else 0
-    low, high = ((q_end - z) * step for q_end in INTEGER_RANGES[dtype])
-    bounds = _bounds(activation, float_values)
-    if bounds is None:
-        return False
-    lo, hi = bounds
-    return (lo is None or low >= lo - step) and (hi is None or high <= hi + step)
-
-
-def _bounds(activation: onnx.NodeProto, values: dict) -> tuple[float | None, float | None] | None:
-    """(lower, upper) clamp of a Relu/Clip, None for an open side; None if a bound is not a constant."""
-    if activation.op_type == "Relu":
-        return 0.0, None
-    found: list[float | None] = [None, None]
-    for attribute in activation.attribute:  # opset < 11
-        if attribute.name in ("min", "max"):
-            found[attribute.name == "max"] = attribute.f
-    for index in (1, 2):
-        if len(activation.input) > index and activation.input[index]:
-            array = _array(values, activation.input[index])
-            if array is None or array.size != 1:
-                return None
-            found[index - 1] = float(array.reshape(-1)[0])
-    return found[0], found[1]
-
-
-def _close(ours: np.ndarray, theirs: np.ndarray) -> bool:
-    """Equal up to 8-bit rounding: within 1% of the largest magnitude."""
-    return bool(np.all(np.abs(ours - theirs) <= 0.01 * np.max(np.abs(theirs), initial=0.0) + 1e-7))
-
-
 def _vector(factor: bytes) -> np.ndarray:
     return np.frombuffer(factor, np.float64)
 
 
 def _bytes(factor: np.ndarray) -> bytes | None:
     return None if np.allclose(factor, 1.0, rtol=1e-3) else np.asarray(factor, np.float64).tobytes()
-
-
-def _array(values: dict, name: str, limit: int = SMALL) -> np.ndarray | None:
-    tensor = values.get(name) if name else None
-    return None if tensor is None or _size(tensor) > limit else numpy_helper.to_array(tensor)
-
-
-def _size(tensor: onnx.TensorProto) -> int:
-    return int(np.prod(tensor.dims)) if tensor.dims else 1
 
 
 def _in_order(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
