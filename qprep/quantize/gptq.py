@@ -45,8 +45,8 @@ from onnx import numpy_helper
 from qprep.model.runtime import intermediate_values, ort_session
 
 MAX_ROWS_PER_SAMPLE = 65536  # input positions per sample and group used for H (strided subsample beyond)
-WORK_PER_SAMPLE = 1 << 31  # multiply-adds of H per sample and layer beyond which its rows are subsampled (above)
-ROWS_PER_INPUT = 64  # rows per input over the calibration set that a subsampled layer still keeps (above)
+WORK_PER_SAMPLE = 1 << 29  # multiply-adds of H per sample and layer beyond which its rows are subsampled (above)
+ROWS_PER_INPUT = 16  # rows per input over the calibration set a subsampled layer keeps: 8x what determines H
 MIN_ROWS_PER_INPUT = 2  # H from fewer rows than this × the layer's inputs is not trusted (see above)
 MAX_INPUTS = 4096  # inputs per output (per group) beyond which a layer keeps nearest rounding (see above)
 BLOCK = 128  # columns rounded together before the trailing columns get their (BLAS) update
@@ -130,7 +130,7 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     gram = _gram_session(1)
 
     def add(layer: Layer, value: np.ndarray) -> None:
-        columns = _input_columns(np.asarray(value, dtype=np.float32), layer, rows_per_sample(layer, len(samples)))
+        columns = input_columns(np.asarray(value, dtype=np.float32), layer, rows_per_sample(layer, len(samples)))
         h = gram.run(None, {"x": columns})[0]
         if layer.node not in moments:
             moments[layer.node] = np.zeros(h.shape, np.float64)
@@ -189,37 +189,47 @@ def rows_per_sample(layer: Layer, samples: int) -> int:
     return max(1, min(MAX_ROWS_PER_SAMPLE, max(affordable, enough)))
 
 
-def _input_columns(x: np.ndarray, layer: Layer, rows: int = MAX_ROWS_PER_SAMPLE) -> np.ndarray:
+def input_columns(x: np.ndarray, layer: Layer, rows: int = MAX_ROWS_PER_SAMPLE) -> np.ndarray:
     """The layer input as [groups, d, positions]: column p holds the d inputs one output position's weights
     multiply; beyond `rows` positions (over the batch), every step-th. Built from one strided slice per kernel
     offset: a sliding-window view reshaped into rows gathers across image rows, which is slower (BENCHMARKS.md:
-    "GPTQ's moments by ONNX Runtime")."""
+    "GPTQ's moments by ONNX Runtime"); subsampled, only the kept positions are gathered."""
     if layer.kind != "conv":
         columns = x.reshape(-1, x.shape[-1]).T[None]
+        step = max(1, columns.shape[2] // rows)
+        return np.ascontiguousarray(columns[:, :, ::step], dtype=np.float32)
+    weight = layer.float_weight
+    if weight.ndim == 3:  # 1-D conv as 2-D with height 1
+        x, kernel = x[:, :, None, :], (1, weight.shape[2])
+        pads = [0, layer.conv.get("pads", [0, 0])[0], 0, layer.conv.get("pads", [0, 0])[1]]
+        strides, dilations = [1, *layer.conv.get("strides", [1])], [1, *layer.conv.get("dilations", [1])]
     else:
-        weight = layer.float_weight
-        if weight.ndim == 3:  # 1-D conv as 2-D with height 1
-            x, kernel = x[:, :, None, :], (1, weight.shape[2])
-            pads = [0, layer.conv.get("pads", [0, 0])[0], 0, layer.conv.get("pads", [0, 0])[1]]
-            strides, dilations = [1, *layer.conv.get("strides", [1])], [1, *layer.conv.get("dilations", [1])]
-        else:
-            kernel = weight.shape[2:]
-            pads = layer.conv.get("pads", [0, 0, 0, 0])
-            strides, dilations = layer.conv.get("strides", [1, 1]), layer.conv.get("dilations", [1, 1])
-        x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-        n, c = x.shape[:2]
-        out = [(x.shape[2 + a] - (kernel[a] - 1) * dilations[a] - 1) // strides[a] + 1 for a in (0, 1)]
-        columns = np.empty((n, c, kernel[0] * kernel[1], out[0], out[1]), np.float32)
+        kernel = weight.shape[2:]
+        pads = layer.conv.get("pads", [0, 0, 0, 0])
+        strides, dilations = layer.conv.get("strides", [1, 1]), layer.conv.get("dilations", [1, 1])
+    x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    n, c = x.shape[:2]
+    out = [(x.shape[2 + a] - (kernel[a] - 1) * dilations[a] - 1) // strides[a] + 1 for a in (0, 1)]
+    d = c // layer.groups * kernel[0] * kernel[1]
+    step = max(1, n * out[0] * out[1] // rows)
+    if step > 1:  # the kept positions p = sample · positions + row · width + column, gathered per kernel offset
+        kept = np.arange(0, n * out[0] * out[1], step)
+        sample, position = np.divmod(kept, out[0] * out[1])
+        row, column = np.divmod(position, out[1])
+        columns = np.empty((c, kernel[0] * kernel[1], kept.size), np.float32)
         for i in range(kernel[0]):
             for j in range(kernel[1]):
-                top, left = i * dilations[0], j * dilations[1]
-                columns[:, :, i * kernel[1] + j] = x[:, :, top:top + (out[0] - 1) * strides[0] + 1:strides[0],
-                                                     left:left + (out[1] - 1) * strides[1] + 1:strides[1]]
-        d = c // layer.groups * kernel[0] * kernel[1]
-        columns = columns.reshape(n, layer.groups, d, out[0] * out[1]).transpose(1, 2, 0, 3)
-        columns = columns.reshape(layer.groups, d, n * out[0] * out[1])
-    step = max(1, columns.shape[2] // rows)
-    return np.ascontiguousarray(columns[:, :, ::step], dtype=np.float32)
+                columns[:, i * kernel[1] + j] = x[sample, :, row * strides[0] + i * dilations[0],
+                                                  column * strides[1] + j * dilations[1]].T
+        return np.ascontiguousarray(columns.reshape(layer.groups, d, kept.size))
+    columns = np.empty((n, c, kernel[0] * kernel[1], out[0], out[1]), np.float32)
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            top, left = i * dilations[0], j * dilations[1]
+            columns[:, :, i * kernel[1] + j] = x[:, :, top:top + (out[0] - 1) * strides[0] + 1:strides[0],
+                                                 left:left + (out[1] - 1) * strides[1] + 1:strides[1]]
+    columns = columns.reshape(n, layer.groups, d, out[0] * out[1]).transpose(1, 2, 0, 3)
+    return np.ascontiguousarray(columns.reshape(layer.groups, d, n * out[0] * out[1]), dtype=np.float32)
 
 
 def _to_rows(array: np.ndarray, layer: Layer) -> np.ndarray:

@@ -371,3 +371,29 @@ def test_an_expensive_layers_rows_are_subsampled_to_its_work_cap_and_never_below
             patch = x[:, row:row + 3, column:column + 3].ravel()
             expected += np.outer(patch, patch)
     np.testing.assert_allclose(capped[0], expected, rtol=1e-5, atol=1e-3)
+
+
+def test_subsampled_columns_are_the_kept_positions_of_the_full_ones_on_generated_convs():
+    """A layer over its row cap gathers only the positions it keeps: the same values as every step-th column of
+    the full im2col, over generated convs (1-D and 2-D, groups, pads, strides, dilations, batches)."""
+    rng = np.random.default_rng(0)
+    for trial in range(120):
+        groups = int(rng.choice([1, 2, 4]))
+        channels, width = groups * int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        batch = int(rng.integers(1, 3))
+        if rng.random() < 0.3:
+            weight = np.zeros((groups * 2, channels // groups, width))
+            x = rng.standard_normal((batch, channels, int(rng.integers(width + 3, 20)))).astype(np.float32)
+            conv = {"pads": [int(v) for v in rng.integers(0, 2, 2)], "strides": [int(rng.integers(1, 3))],
+                    "dilations": [int(rng.integers(1, 3))]}
+        else:
+            weight = np.zeros((groups * 2, channels // groups, int(rng.integers(1, 4)), width))
+            x = rng.standard_normal((batch, channels, int(rng.integers(8, 20)), int(rng.integers(8, 20))))
+            x = x.astype(np.float32)
+            conv = {"pads": [int(v) for v in rng.integers(0, 2, 4)], "strides": [int(v) for v in rng.integers(1, 3, 2)],
+                    "dilations": [int(v) for v in rng.integers(1, 3, 2)]}
+        layer = gptq.Layer("n", "conv", "a", "q", weight, np.ones(1), np.zeros(1), 0, groups, conv)
+        full = gptq.input_columns(x, layer, 1 << 40)
+        rows = int(rng.integers(1, full.shape[2] + 2))
+        kept = gptq.input_columns(x, layer, rows)
+        assert np.array_equal(kept, full[:, :, ::max(1, full.shape[2] // rows)]), (trial, conv, groups)
