@@ -28,6 +28,15 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def content_key(model: onnx.ModelProto) -> bytes | None:
+    """A digest of the model's bytes, for measuring one model once however often it is asked for; None for a
+    model over protobuf's limit (it cannot be serialized, and a copy of its bytes would double a big model's
+    memory): such a model is measured again."""
+    if is_large(model):
+        return None
+    return hashlib.blake2b(model.SerializeToString(deterministic=True), digest_size=20).digest()
+
+
 def is_large(model: onnx.ModelProto) -> bool:
     """Over protobuf's limit? Decided from the tensors' dims where that is clear: ByteSize() walks the whole
     message, seconds on a big model, and qprep asks before every ONNX Runtime session (BENCHMARKS.md: "a heavy

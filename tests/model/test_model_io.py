@@ -289,3 +289,22 @@ def test_an_op_no_onnx_opset_has_is_named_as_the_exporters_leftover(tmp_path):
                          infer_shapes=False), str(tmp_path / "m.onnx"))
     with pytest.raises(ModelError, match=r"'gelu/Erfc' \(Erfc\), which is no ONNX op at any opset: the exporter"):
         load_model(tmp_path / "m.onnx")
+
+
+def test_content_key_tells_models_apart_by_their_bytes_and_leaves_a_large_one_unkeyed(monkeypatch):
+    """Measuring a model once per content (the output check, the ORT search) keys it by this digest; a model over
+    protobuf's limit gets none (serializing it would fail, or double a big model's memory) and is measured again."""
+    from onnx import helper, numpy_helper
+
+    from qprep.model import io as model_io
+
+    def model(value: float):
+        weight = numpy_helper.from_array(np.full((2,), value, np.float32), "w")
+        graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                                  [helper.make_tensor_value_info("x", 1, [2])],
+                                  [helper.make_tensor_value_info("y", 1, [2])], [weight])
+        return helper.make_model(graph)
+
+    assert model_io.content_key(model(1.0)) == model_io.content_key(model(1.0)) != model_io.content_key(model(2.0))
+    monkeypatch.setattr(model_io, "is_large", lambda m: True)
+    assert model_io.content_key(model(1.0)) is None

@@ -5,12 +5,12 @@ calibration samples, before and after. GPTQ's rounding (weight_rounding.py) and 
 
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 import onnx
 
 from qprep.measure.metrics import aligned, sqnr_db
+from qprep.model.io import content_key
 from qprep.model.runtime import run_model
 
 
@@ -29,7 +29,7 @@ class OutputCheck:
             self._float_outputs = run_model(self.model, self.samples, self.threads, optimize=True)
         figures = []
         for model in models:
-            key = _digest(model)
+            key = content_key(model)
             if key is None or key not in self._measured:
                 figure = output_sqnr(self._float_outputs, run_model(model, self.samples, self.threads, optimize=True))
                 if key is None:
@@ -38,14 +38,6 @@ class OutputCheck:
                 self._measured[key] = figure
             figures.append(self._measured[key])
         return figures
-
-
-def _digest(model: onnx.ModelProto) -> bytes | None:
-    """The model's content as a digest; None for a model protobuf cannot serialize (over 2 GB): measured again."""
-    try:
-        return hashlib.blake2b(model.SerializeToString(deterministic=True), digest_size=20).digest()
-    except ValueError:
-        return None
 
 
 def output_sqnr(expected: list[dict], actual: list[dict]) -> float | None:

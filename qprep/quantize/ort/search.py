@@ -18,7 +18,6 @@ started, bias correction stops between its waves, and the time of one build is k
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import replace
 from typing import Callable
@@ -28,6 +27,7 @@ import onnx
 from qprep.errors import ModelError
 from qprep.measure.layers import layer_errors
 from qprep.model.info import graph_inputs, multiply_adds
+from qprep.model.io import content_key
 from qprep.model.runtime import run_model
 from qprep.quantize import channel_spread, search
 from qprep.quantize.backend import QuantizeJob
@@ -105,8 +105,9 @@ class Measures:
         with self.budget.timed(build_kind(self.quantizer, settings, len(samples) == self.every)):
             model = self.quantizer.build(float_nodes, settings, simplify=not self.ranking(samples),
                                          budget=self.budget)
-            key = (hashlib.sha1(model.SerializeToString()).digest(), id(samples[0]) if samples else None, len(samples))
-            if key not in self.measured:
+            content = content_key(model)
+            key = (content, id(samples[0]) if samples else None, len(samples))
+            if content is None or key not in self.measured:
                 self.measured[key] = self.job.measure(samples, run_model(model, samples, self.job.threads,
                                                                          optimize=True))
             return self.measured[key]
