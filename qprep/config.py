@@ -62,10 +62,10 @@ def evaluation_section() -> Key:
         decision_threshold=Key("float", default=0.5,
                                doc="probability outputs: a decision is value >= this; decision_agreement counts "
                                    "the decisions reference and result share"),
-        min_integer_share=Key("float", default=0.5, minimum=0,
+        min_integer_share=Key("float", default=0.5, minimum=0, maximum=1,
                               doc="a met gate with less than this share of the multiply-adds (Conv, MatMul, Gemm) "
                                   "on integers reads 'met, but mostly float': the result may be no faster than "
-                                  "FP32; 0 turns the warning off"),
+                                  "FP32; a share in 0..1 (0.5, not 50); 0 turns the warning off"),
         padding=Key("str", default="auto",
                     doc="outputs laid out along an attention mask ([batch, sequence, ...]) are judged on the positions "
                         "it marks real: auto finds the mask input (0/1 values reaching the attention's Softmax), "

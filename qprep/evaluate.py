@@ -139,8 +139,11 @@ def measure(samples, expected: list[dict], actual: list[dict], kinds: dict[str, 
     if labels_path:
         labels = read_labels(Path(labels_path), cfg["label_names"], samples.files)
         for name, metrics in outputs.items():
-            if metrics["kind"] in ("classification", "binary"):  # a two-class output: its argmax is class 1 at 0.5
-                metrics.update(task_accuracy([e[name] for e in expected], [a[name] for a in actual], labels))
+            reference, result = [e[name] for e in expected], [a[name] for a in actual]
+            if metrics["kind"] == "classification":
+                metrics.update(task_accuracy(reference, result, labels))
+            elif metrics["kind"] == "binary" and all(np.size(r) == 2 for r in reference):  # one decision a sample
+                metrics.update(task_accuracy(reference, result, labels, cfg["decision_threshold"]))
     return outputs
 
 
@@ -232,15 +235,19 @@ def read_labels(path: Path, names: list[str] | None, files: list[str]) -> list[i
     return indices
 
 
-def task_accuracy(reference: list, result: list, labels: list[int]) -> dict:
-    """Top-1 accuracy of reference and result against ground truth (one label per sample, batch 1)."""
-    ref_hits, res_hits = _top1_hits(reference, labels), _top1_hits(result, labels)
+def task_accuracy(reference: list, result: list, labels: list[int], threshold: float | None = None) -> dict:
+    """Top-1 accuracy of reference and result against ground truth (one label per sample, batch 1). With a
+    `threshold`, a two-class output's class is 1 where its class-1 probability reaches it: the decision its
+    decision agreement counts, not the argmax (which is a threshold of 0.5)."""
+    ref_hits, res_hits = _top1_hits(reference, labels, threshold), _top1_hits(result, labels, threshold)
     return {"top1_accuracy": float(res_hits.mean()),
             "top1_accuracy_ci95": list(wilson_interval(int(res_hits.sum()), res_hits.size)),
             "reference_top1_accuracy": float(ref_hits.mean()), "labelled_samples": int(res_hits.size)}
 
 
-def _top1_hits(outputs: list, labels: list[int]) -> np.ndarray:
+def _top1_hits(outputs: list, labels: list[int], threshold: float | None = None) -> np.ndarray:
+    if threshold is not None:
+        return np.array([int(np.asarray(o).reshape(-1)[1] >= threshold) == y for o, y in zip(outputs, labels)])
     return np.array([int(np.asarray(o).reshape(-1, np.asarray(o).shape[-1])[0].argmax()) == y
                      for o, y in zip(outputs, labels)])
 

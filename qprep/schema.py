@@ -33,6 +33,7 @@ class Key:
     required: bool = False
     choices: tuple = ()
     minimum: float | None = None
+    maximum: float | None = None  # a share (0..1) written as a percent is refused, not read as 50x
     fields: dict[str, "Key"] = field(default_factory=dict)  # section: its keys
     item: "Key | None" = None  # list: each item; mapping: each value
     nullable: bool = False
@@ -121,6 +122,8 @@ def _scalar(value: Any, key: Key, where: str, base_dir: Path) -> Any:
         raise ConfigError(f"{where}: {value!r} is not allowed; {hint}choose one of: {', '.join(map(str, key.choices))}")
     if key.minimum is not None and value < key.minimum:
         raise ConfigError(f"{where}: {value} is below the minimum {key.minimum}")
+    if key.maximum is not None and value > key.maximum:
+        raise ConfigError(f"{where}: {value} is above the maximum {key.maximum}")
     if kind == "path":
         return os.path.realpath(base_dir / Path(value).expanduser())  # Path.resolve raises on a symlink loop
     return value

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import math
 import sys
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -105,7 +106,7 @@ def _import_name(module_name: str):
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
+        if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
             raise ConfigError(f"evaluation.metric: no module '{module_name}' beside the config nor on Python's "
                               f"path; put {module_name}.py beside the config file") from None
         raise ConfigError(f"evaluation.metric: importing {module_name} failed: {_error_line(exc)}") from exc
@@ -208,8 +209,12 @@ def _extras(path: Path, sample: dict) -> dict:
     """The arrays of a sample's .npz that are no model input (labels, boxes, texts' ids)."""
     if path.suffix.lower() != ".npz" or not path.is_file():
         return {}
-    with np.load(path, allow_pickle=False) as npz:
-        return {name: npz[name] for name in npz.files if name not in sample}
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files if name not in sample}
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:  # an object array (ragged boxes) needs pickle
+        raise MetricError(f"evaluation.metric: {path}: its arrays beside the inputs cannot be read without pickle "
+                          f"({_error_line(exc)}); save labels as plain numeric or string arrays") from None
 
 
 def _name(file: str, sample: dict) -> dict:

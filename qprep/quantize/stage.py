@@ -17,6 +17,7 @@ import onnx
 
 from qprep.contract import RunContext, StageResult
 from qprep.errors import QprepError
+from qprep.measure.user_metric import KEYS
 from qprep.model import info as model_info
 from qprep.quantize import float32_copy, nonfinite, search
 from qprep.quantize.backend import QuantizeJob
@@ -119,6 +120,9 @@ def quantize(model: onnx.ModelProto, ctx: RunContext, options: Settings) -> Stag
         result = _backend(backend).quantize(job)
     extremes = result.extremes if result.extremes is not None else job.extremes
     float_set = result.float_set if result.float_set is not None else job.float_set
+    searched = result.details.get("fallback")
+    if searched and set(searched.get("target", {})) & set(KEYS):  # how its report line reads `metric`
+        searched["metric_direction"] = ctx.config["evaluation"].get("metric_direction") or "higher"
     if extremes.tensors:
         result.details["nonfinite"] = {**extremes.record(), **result.details.get("nonfinite", {})}
     warnings = list(result.warnings)
@@ -224,7 +228,7 @@ def _fallback_inputs(fallback, ctx: RunContext) -> dict:
     shared ReferenceOutputs, computed here once (the final evaluation reuses them). The samples are split into
     those the search chooses on and those kept apart to accept its choice (search.split_samples)."""
     from qprep.measure.outputs import output_metrics
-    from qprep.measure.user_metric import KEYS, UserMetric, with_figures
+    from qprep.measure.user_metric import UserMetric, with_figures
 
     run = ctx.reference
     expected = run.expected

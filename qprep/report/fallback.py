@@ -6,8 +6,17 @@ One table model (header + rows of plain text) rendered by report.md and report.h
 from __future__ import annotations
 
 from qprep.measure.metrics import higher_is_better
+from qprep.measure.user_metric import KEYS
 
 _KEPT = {"float": "float", "int16": "at 16 bits", "float16": "float16"}  # what the spread phase did (spread_tensors.as)
+
+
+def _minimum(key: str, record: dict) -> bool:
+    """Whether a target key is a minimum: the user's `metric` when higher is better (its direction is recorded
+    with the search), `metric_drop` never, a report metric by its kind."""
+    if key in KEYS:
+        return key == "metric" and record.get("metric_direction", "higher") == "higher"
+    return higher_is_better(key)
 
 
 def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[list[str]]]]] | None:
@@ -15,7 +24,7 @@ def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[l
     record = stage.get("fallback")
     if not record:
         return None
-    target = ", ".join(f"{k} {'≥' if higher_is_better(k) else '≤'} {v}" for k, v in record["target"].items())
+    target = ", ".join(f"{k} {'≥' if _minimum(k, record) else '≤'} {v}" for k, v in record["target"].items())
     best, base = _numbers(record["best"]["metrics"]), _numbers(record["base"]["metrics"])
     verdict = (f"Target {target}: **{'met' if record['passed'] else 'missed'}** with {len(record['float_nodes'])} "
                f"float node(s) — {best} (all quantized: {base}); {record['stopped']}, {record.get('rounds', 1)} round(s), "

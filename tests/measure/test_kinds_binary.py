@@ -90,3 +90,15 @@ def test_naming_binary_for_an_output_that_is_not_two_class_scores_is_refused():
     with pytest.raises(ConfigError, match=r"evaluation.tasks.probs: binary needs two-class scores \[\.\.\., 2\].*"
                                           r"last axis holds 3"):
         kind_of(softmax_head(classes=3), probs="binary")
+
+
+def test_labelled_accuracy_of_a_two_class_output_is_its_decision_at_the_threshold():
+    """With labels, a two-class output's class is 1 where class 1's probability reaches decision_threshold, as
+    its decision agreement counts it (the argmax is a threshold of 0.5)."""
+    from qprep.evaluate import task_accuracy
+
+    reference = [np.array([[0.4, 0.6]], np.float32), np.array([[0.8, 0.2]], np.float32)]
+    result = [np.array([[0.3, 0.7]], np.float32), np.array([[0.75, 0.25]], np.float32)]
+    assert task_accuracy(reference, result, [1, 0])["top1_accuracy"] == 1.0  # argmax
+    at_065 = task_accuracy(reference, result, [1, 0], 0.65)
+    assert at_065["reference_top1_accuracy"] == 0.5 and at_065["top1_accuracy"] == 1.0

@@ -239,3 +239,39 @@ def test_an_overlays_metric_is_found_beside_the_overlay(labelled):
     del config["evaluation"]["metric"]
     loaded = load_config(write(folder, config), overlay=folder / "model_a" / "m.qprep.yaml")
     assert loaded["evaluation"]["metric"] == f"{folder / 'model_a' / 'errors.py'}:mae"
+
+
+def test_an_npz_whose_labels_need_pickle_is_the_users_error_in_one_line(labelled):
+    """Ragged labels saved as an object array cannot be read without pickle: one line naming the file, exit 2,
+    not an internal error."""
+    from qprep.data import load_samples
+    from qprep.model.info import graph_inputs
+
+    folder, _ = labelled
+    np.savez(folder / "eval" / "00.npz", x=np.zeros((1, 16), np.float32),
+             boxes=np.array([np.zeros(4), np.zeros(8)], dtype=object))
+    samples = load_samples({"source": str(folder / "eval"), "format": "auto", "max_samples": 64, "seed": 0,
+                            "preprocess": None}, graph_inputs(outlier_model()))
+    with pytest.raises(MetricError, match="00.npz: its arrays beside the inputs cannot be read without pickle") as raised:
+        UserMetric(f"{folder / 'errors.py'}:mae", "lower").samples_of(samples)
+    assert raised.value.exit_code == EXIT_USAGE and "\n" not in str(raised.value)
+
+
+def test_a_module_that_imports_a_missing_one_is_named_for_what_it_lacks(tmp_path):
+    """mymetrics.py exists but imports `mym`, which does not: the message is the import that failed, not "no
+    module 'mymetrics'"."""
+    (tmp_path / "mymetrics.py").write_text("import mym\n\ndef f(outputs, samples):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match="importing .*mymetrics.* failed: ModuleNotFoundError: No module named 'mym'"):
+        UserMetric(f"{tmp_path / 'mymetrics.py'}:f")
+
+
+@pytest.mark.parametrize("direction, sign", [("higher", "≥"), ("lower", "≤")])
+def test_the_fallback_line_reads_a_metric_target_in_its_direction(direction, sign):
+    from qprep.report.fallback import fallback_tables
+
+    figures = {"metric": 0.95}
+    record = {"target": {"metric": 0.9, "metric_drop": 0.01}, "metric_direction": direction, "passed": True,
+              "float_nodes": [], "stopped": "target met", "rank_trials": 0, "ranked": 0, "candidates": 0,
+              "seconds": 1.0, "best": {"metrics": figures}, "base": {"metrics": figures}, "trials": []}
+    line, _ = fallback_tables({"fallback": record})
+    assert line.startswith(f"Target metric {sign} 0.9, metric_drop ≤ 0.01:")

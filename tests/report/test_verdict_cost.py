@@ -9,6 +9,7 @@ from synthetic_report import report
 
 from conftest import CALIBRATION, demo_model
 from qprep.config import load_config
+from qprep.errors import ConfigError
 from qprep.measure.gate import check_gate
 from qprep.report.markdown import render_markdown
 from qprep.report.verdict import MET, MISSED, closing_line, verdict
@@ -89,6 +90,8 @@ def test_the_floor_is_one_evaluation_key_resolved_with_the_config():
     base = {"model": "m.onnx", "evaluation": {"source": "d"}}
     assert load_config(base)["evaluation"]["min_integer_share"] == 0.5
     assert load_config(base, {"evaluation.min_integer_share": 0.8})["evaluation"]["min_integer_share"] == 0.8
+    with pytest.raises(ConfigError, match="min_integer_share: 50.0 is above the maximum 1"):
+        load_config(base, {"evaluation.min_integer_share": 50})  # a percent: refused, not read as 50x
 
 
 @pytest.mark.slow
