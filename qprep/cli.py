@@ -433,7 +433,7 @@ def cmd_evaluate(args) -> int:
         args.guard.output_file(args.json_out, "--json")  # before minutes of evaluation, not after
     result = reevaluate(args.run_dir, args.samples, args.labels, dict(parse_set(s) for s in args.sets), args.quiet,
                         args.guard)
-    from qprep.report.compare import decided_by
+    from qprep.report.verdict import decided_by
 
     figure = decided_by(result, split=str(args.samples))  # the verdict's own figure, as compare and batch show it
     if figure:

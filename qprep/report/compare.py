@@ -5,7 +5,7 @@ Every column after the first shows its delta to the first; a delta in the worse 
 result against its FP32 reference. Above the figures: each run's status, verdict, the figure that decided it
 and the samples it was measured on, the backend and the model to deploy. The figures are those of the set the
 verdict judged (the held-out samples when given, `judged_outputs`), so no column shows another figure than the
-one that decided; `decided_by` is that figure for batch summaries and `qprep evaluate` too.
+one that decided (verdict.decided_by, also read by batch summaries and `qprep evaluate`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from qprep import jsonfile
 from qprep.disk.reading import read_json
 from qprep.errors import QprepError
 from qprep.measure.metrics import OUTPUT_METRICS, higher_is_better
-from qprep.report.verdict import check_text, deciding_check, judged_outputs, verdict
+from qprep.report.verdict import decided_by, judged_outputs, judged_set, verdict
 
 
 LATENCY_MS = ("original_ms", "optimized_ms", "result_ms")  # at ORT's default level (evaluate.timed_latency)
@@ -87,33 +87,6 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
     return flat
 
 
-def judged_split(evaluation: dict) -> tuple[str, dict]:
-    """('held-out' or 'evaluation', that set's samples record): the set `judged_outputs` reads, which the
-    gate judged (evaluate.py measures the held-out set and judges the gate on it together)."""
-    heldout = evaluation.get("heldout") or {}
-    if heldout.get("outputs") and judged_outputs(evaluation) is heldout["outputs"]:
-        return "held-out", heldout.get("samples") or {}
-    return "evaluation", evaluation.get("samples") or {}
-
-
-def decided_by(evaluation: dict | None, split: str | None = None) -> dict | None:
-    """The figure that decided the verdict (verdict.deciding_check over the gate's checks) and the samples it
-    was measured on, as compare, batch summaries and `qprep evaluate` show it: one derivation, so none of them
-    shows another figure than the verdict's. `split` names the set when the caller knows it better (`evaluate
-    --samples DIR`). None when nothing was judged (no evaluation, no gate, no check)."""
-    gate = (evaluation or {}).get("gate") or {}
-    if not gate.get("checks"):
-        return None
-    check = deciding_check(gate["checks"])
-    name, samples = judged_split(evaluation)
-    count = samples.get("count")
-    where = f"{split or name}, {count if count is not None else '?'} samples"
-    against = "floor" if gate.get("source") == "floor" else "gate"
-    return {"metric": check["metric"], "value": check["value"], "threshold": check["threshold"],
-            "passed": bool(gate["passed"]), "against": against, "split": split or name, "samples": count,
-            "source": samples.get("source"), "text": f"{against}: {check_text(check)} ({where})"}
-
-
 def facts_of(kind: str, data: dict) -> dict[str, str | None]:
     """The text rows above the figures: a report's status, verdict with the figure that decided it, the samples
     its figures are of, backend and deployed model; a summary's status and deciding figure per model."""
@@ -126,7 +99,7 @@ def facts_of(kind: str, data: dict) -> dict[str, str | None]:
         return facts
     evaluation = data.get("evaluation") or {}
     figure = decided_by(evaluation)
-    split, samples = judged_split(evaluation)
+    split, samples, _ = judged_set(evaluation)
     quantize = next((s for s in data.get("stages") or [] if s.get("name") == "quantize"), None)
     return {"status": _text(data.get("status")),
             "verdict": verdict(data).state if data.get("status") else None,

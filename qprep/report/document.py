@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from qprep.report.decisions import decision_lines, files_lines
 from qprep.report.fallback import fallback_tables
 from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, left_out_note, worst_first
-from qprep.report.verdict import INTERVAL_NOTE, agreement_text, distinct, num, task_lines, verdict
+from qprep.report.verdict import INTERVAL_NOTE, agreement_text, distinct, judged_set, num, task_lines, verdict
 
 NEAR_TIE = 0.9  # a changed top-1 whose FP32 top two are nearer than on 90% of the rows is a near tie
 
@@ -97,7 +97,7 @@ def _evaluation(evaluation: dict | None) -> list:
     gate = evaluation.get("gate")
     if gate:
         kind = "Accuracy floor (no gate configured; it catches a collapse)" if gate.get("source") == "floor" else "Gate"
-        judged = " (judged on the held-out samples)" if gate.get("judged_on") == "heldout" else ""
+        judged = " (judged on the held-out samples)" if judged_set(evaluation)[0] == "held-out" else ""
         blocks.append(Table(["metric", "value", "needs", "result"], [
             [c["metric"] + (f" (for {c['stands_for']})" if c.get("stands_for") else ""),
              "not measured" if c["value"] is None else distinct(c["value"], c["threshold"]),
@@ -114,8 +114,9 @@ def _evaluation(evaluation: dict | None) -> list:
                            f"result {sizes['result'] / 1e6:.2f} MB."))
     blocks += _layers(evaluation.get("layers"), evaluation.get("layers_left_out"))
     # the worst samples of the set the verdict is judged on: the held-out one when given
-    judged, which = (heldout, "held-out samples") if heldout else (evaluation, "samples")
-    for name, m in judged["outputs"].items():
+    split, _, judged = judged_set(evaluation)
+    which = "held-out samples" if split == "held-out" else "samples"
+    for name, m in judged.items():
         rows = m.get("worst_samples", [])
         if rows and "reference_text" in rows[0]:  # ctc: what each side reads
             blocks.append(Table(["sample", m.get("worst_by", "?"), "FP32 reads", "result reads"],

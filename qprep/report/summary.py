@@ -13,8 +13,7 @@ from pathlib import Path
 from qprep.disk.reading import read_json
 from qprep.jsonfile import number
 from qprep.measure.metrics import main_agreement
-from qprep.report.compare import decided_by, judged_split
-from qprep.report.verdict import judged_outputs
+from qprep.report.verdict import decided_by, judged_set
 
 COLUMNS = ["model", "status", "decided_by", "cosine_mean", "agreement", "judged_on", "speedup",
            "original_ms", "optimized_ms", "result_ms", "nodes_before", "nodes_after",
@@ -39,11 +38,11 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     if seconds is None:
         row["seconds"] = report.get("seconds")
     evaluation = report.get("evaluation") or {}
-    row["cosine_mean"], row["agreement"] = _headline(judged_outputs(evaluation))
+    split, samples, outputs = judged_set(evaluation)
+    row["cosine_mean"], row["agreement"] = _headline(outputs)
     figure = decided_by(evaluation)
     row["decided_by"] = figure["text"] if figure else None
     if evaluation:
-        split, samples = judged_split(evaluation)
         row["judged_on"] = f"{split}, {samples.get('count', '?')} samples"
     row.update(latency_figures(evaluation.get("latency") or {}))
     return row

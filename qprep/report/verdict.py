@@ -186,16 +186,43 @@ def _against(gate: dict) -> str:
     return "accuracy floor (no gate set)" if gate.get("source") == "floor" else "gate"
 
 
+def judged_set(evaluation: dict) -> tuple[str, dict, dict]:
+    """('held-out' or 'evaluation', that set's samples record, its outputs): the set the verdict speaks for,
+    held-out when measured (evaluate.py judges the gate on it then). Every view that shows a deciding figure —
+    the verdict, compare, batch summaries, `qprep evaluate`, the report's worst samples — reads the set here."""
+    heldout = evaluation.get("heldout") or {}
+    if heldout.get("outputs"):
+        return "held-out", heldout.get("samples") or {}, heldout["outputs"]
+    return "evaluation", evaluation.get("samples") or {}, evaluation.get("outputs") or {}
+
+
 def sample_set(evaluation: dict) -> str:
     """'128 held-out samples (`path`)': the set the gate judged."""
-    heldout = evaluation.get("gate", {}).get("judged_on") == "heldout" and evaluation.get("heldout")
-    samples = (evaluation["heldout"] if heldout else evaluation)["samples"]
-    return f"{samples['count']} {'held-out' if heldout else 'evaluation'} samples (`{samples.get('source', '?')}`)"
+    split, samples, _ = judged_set(evaluation)
+    return f"{samples.get('count', '?')} {split} samples (`{samples.get('source', '?')}`)"
 
 
 def judged_outputs(evaluation: dict) -> dict:
-    """The outputs of the set the verdict speaks for: held-out when measured, else evaluation."""
-    return ((evaluation.get("heldout") or {}).get("outputs") or evaluation.get("outputs") or {})
+    """The outputs of the set the verdict speaks for (judged_set)."""
+    return judged_set(evaluation)[2]
+
+
+def decided_by(evaluation: dict | None, split: str | None = None) -> dict | None:
+    """The figure that decided the verdict (deciding_check over the gate's checks) and the samples it was
+    measured on, as compare, batch summaries and `qprep evaluate` show it: one derivation, so none of them shows
+    another figure than the verdict's. `split` names the set when the caller knows it better (`evaluate
+    --samples DIR`). None when nothing was judged (no evaluation, no gate, no check)."""
+    gate = (evaluation or {}).get("gate") or {}
+    if not gate.get("checks"):
+        return None
+    check = deciding_check(gate["checks"])
+    name, samples, _ = judged_set(evaluation)
+    count = samples.get("count")
+    where = f"{split or name}, {count if count is not None else '?'} samples"
+    against = "floor" if gate.get("source") == "floor" else "gate"
+    return {"metric": check["metric"], "value": check["value"], "threshold": check["threshold"],
+            "passed": bool(gate["passed"]), "against": against, "split": split or name, "samples": count,
+            "source": samples.get("source"), "text": f"{against}: {check_text(check)} ({where})"}
 
 
 def task_lines(evaluation: dict | None) -> list[str]:

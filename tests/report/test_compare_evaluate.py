@@ -7,7 +7,7 @@ import json
 
 from test_compare_rows import judged
 
-from qprep.report.compare import decided_by
+from qprep.report.verdict import decided_by
 
 
 def test_evaluate_prints_and_records_the_deciding_figure(tmp_path, cli, monkeypatch):

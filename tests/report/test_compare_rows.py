@@ -9,9 +9,9 @@ import json
 from synthetic_report import report
 
 from qprep.measure.gate import check_gate
-from qprep.report.compare import compare, decided_by, metrics_of, render_html, render_markdown, render_text
+from qprep.report.compare import compare, metrics_of, render_html, render_markdown, render_text
 from qprep.report.summary import render_summary_html, render_summary_md, summary_row
-from qprep.report.verdict import check_text, deciding_check, sample_set, verdict
+from qprep.report.verdict import check_text, decided_by, deciding_check, sample_set, verdict
 
 
 def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
