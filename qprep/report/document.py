@@ -216,8 +216,8 @@ def _round_range(latency: dict, prefix: str = "") -> str:
 
 
 def _layers(layers: list[dict] | None, left_out: dict[str, int] | None = None) -> list:
-    if not layers:
-        return []
+    if not layers:  # every tensor left out: say so, the note is all the reader has
+        return [Heading(3, "Per-layer error"), Text(f"0 tensors compared{left_out_note(left_out)}.")] if left_out else []
     counts = band_counts(layers)
     worst = worst_first(layers)[:15]
     return [Heading(3, "Per-layer error"), LayerChart(layers),

@@ -52,3 +52,14 @@ def test_markdown_lists_the_worst_tensors_sorted_with_their_colour():
     table = markdown[markdown.index("Worst 4 tensors"):]
     order = [table.index(f"`layer{i}_out`") for i in (1, 3, 2, 0)]
     assert order == sorted(order) and "| red 0.07 |" in table
+
+
+def test_a_view_whose_every_tensor_was_left_out_says_so_instead_of_vanishing():
+    """No tensor provably matched: the section stays, with the count of what was left out and why."""
+    data = report(layer_cosines=[])
+    data["evaluation"]["layers_left_out"] = {"held only as integers in the result": 5, "no twin": 2}
+    text = render_markdown(data)
+    assert "Per-layer error" in text
+    assert "0 tensors compared; left out: 7 (5 held only as integers in the result, 2 no twin)." in text
+    data["evaluation"]["layers_left_out"] = {}
+    assert "Per-layer error" not in render_markdown(data)
