@@ -7,9 +7,9 @@ the accuracy floor (evaluation.floor, which only catches a collapse), on the set
 held-out samples when evaluation.heldout is set. The figure named is the one that decided: the worst miss,
 or when every check passed the one closest to its threshold.
 
-A met verdict also says what it cost: the share of multiply-adds on integers and the speed against FP32. A
-BERT met its gate with 77% of them left float at 1.03× FP32 and nothing said so; under
-`evaluation.min_integer_share` the verdict reads "met, but mostly float". A figure that was not measured (an
+A met verdict also says what it cost: the share of multiply-adds on integers and the speed against FP32, since
+a gate can be met by leaving most of a model float at no gain in speed; under `evaluation.min_integer_share` the
+verdict reads "met, but mostly float". A figure that was not measured (an
 fp16 result, a compiled .rknn, latency off) is said to be, never guessed.
 """
 
