@@ -198,9 +198,9 @@ class Propagation:
         elif (twin := self.structural_twin(node, inputs)) is not None:
             found = self.twin_outputs(node, twin, inputs)
         elif node.op_type == "Mul" and len(node.input) == 2 and inputs[0].factor and inputs[1].constant:
-            factor = constant_value(self.values, self.producer, node.input[1])  # the result undoing a smoothing: the float value
-            found[0] = Meaning(inputs[0].tensor) if factor is not None and factor[0].size == len(
-                _vector(inputs[0].factor)) and within_rounding(factor[0].reshape(-1), _vector(inputs[0].factor)) else NOTHING
+            factor, wanted = self.constant(node.input[1]), _vector(inputs[0].factor)  # a smoothing undone
+            found[0] = Meaning(inputs[0].tensor) if factor is not None and factor[0].size == wanted.size and \
+                within_rounding(factor[0].reshape(-1), wanted) else NOTHING
         elif node.op_type == "Reshape" and inputs[0].tensor is not None:
             found[0] = self.reshaped(node, inputs[0])
         if all(m.tensor is None for m in found):
@@ -297,11 +297,12 @@ class Propagation:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
             return next((m.factor for m in inputs if m.factor is not None), None)
         if node.op_type in WEIGHTED:  # a MatMul whose rows carry the factor: the float value itself
-            weight = constant_value(self.values, self.producer, node.input[1]) if node.op_type == "MatMul" and len(pairs) == 1 else None
+            weight = self.constant(node.input[1]) if node.op_type == "MatMul" and len(pairs) == 1 else None
             other = read_array(self.graph.values, twin.input[1], LARGE)
             return None if not factors or (weight is not None and other is not None and inputs[0].factor
                                            and weight[0].shape == other.shape and other.ndim == 2  # GPTQ: a step
-                                           and within_rounding(weight[0], factors[0][:, None] * other, weight[1])) else False
+                                           and within_rounding(weight[0], factors[0][:, None] * other, weight[1])) \
+                else False
         factor, close = factors[0] if factors else None, all(self.close_constant(o, t) for o, t in pairs)
         if factor is None and close:
             return None
@@ -309,13 +310,14 @@ class Propagation:
             return False
         if node.op_type == "Mul" and close:
             return _bytes(factor)
-        values = [((constant_value(self.values, self.producer, o) or (None,))[0], read_array(self.graph.values, t, LARGE)) for o, t in pairs]
+        values = [((self.constant(o) or (None,))[0], read_array(self.graph.values, t, LARGE)) for o, t in pairs]
         if any(v is None or w is None or v.size != w.size for v, w in values):
             return False
         (ours, theirs), *rest = [(v.reshape(-1).astype(np.float64), w.reshape(-1).astype(np.float64))
                                  for v, w in values]
         if node.op_type == "Add":  # x·f + theirs = (x + ours)·f
-            return _bytes(factor) if factor is not None and len(pairs) == 1 and within_rounding(factor * ours, theirs) else False
+            return _bytes(factor) if factor is not None and len(pairs) == 1 and within_rounding(factor * ours, theirs) \
+                else False
         if factor is not None and node.op_type == "LayerNormalization":
             return False
         ratio = np.where(ours == 0, 1.0, theirs / np.where(ours == 0, 1.0, ours))
@@ -405,7 +407,7 @@ class Propagation:
         padding added beyond the float model's cut off). A constant either side computes (a shape), or one too
         large to read, is taken as the same. Smoothing a LayerNorm into the next MatMul scales its gamma and
         beta: that LayerNorm's output is not the float model's."""
-        found, other = constant_value(self.values, self.producer, name), read_array(self.graph.values, theirs, LARGE)
+        found, other = self.constant(name), read_array(self.graph.values, theirs, LARGE)
         if found is None or other is None:
             return True
         ours, step = found[0], np.broadcast_to(found[1], found[0].shape)
@@ -417,6 +419,9 @@ class Propagation:
             return np.array_equal(ours.reshape(other.shape), other)
         return within_rounding(ours.astype(np.float64).reshape(other.shape), other.astype(np.float64),
                       step.reshape(other.shape) / 2)
+
+    def constant(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        return constant_value(self.values, self.producer, name)
 
     def same_constant(self, name: str, meaning: Meaning, theirs: str) -> bool:
         if name == theirs or (not name and not theirs):

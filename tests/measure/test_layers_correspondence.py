@@ -4,7 +4,7 @@ the forms ONNX Runtime's quantizer and qprep's exact Q/DQ rules leave: a Conv re
 MaxPool moved onto the integers, a BatchNorm folded, a DequantizeLinear sunk past a new node."""
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from graphs import make_model, rand
 from qprep.measure import correspondence
@@ -326,6 +326,5 @@ def test_a_layernorm_whose_scale_was_moved_into_the_next_matmul_is_compared_time
 def test_a_matmul_whose_rows_do_not_undo_the_smoothing_is_not_its_float_twin():
     float_model, result = smoothed(np.float32([1, 2, 4, 1, 1, 8, 1, 1]))
     weights = {t.name: t for t in result.graph.initializer}
-    from onnx import numpy_helper
     weights["w"].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weights["w"]) * 1.5, "w"))
     assert correspond(float_model, result).left_out == {"mm": correspondence.DIFFERENT}
