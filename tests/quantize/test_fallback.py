@@ -708,3 +708,19 @@ def test_ort_trials_remember_derived_and_built_outputs_in_one_memo():
     trials.use(calibrate_method="mse")  # another setting: measured again
     trials.evaluate({"a"}, samples)
     assert made == [("derived", frozenset({"a"})), ("built", frozenset({"b"})), ("built", frozenset({"a"}))]
+
+
+def test_a_target_the_sample_count_cannot_carry_is_named_as_such_not_as_a_budget_to_raise():
+    """On 36 samples a 97% agreement counts as met with one standard error to spare only at 36 of 36: a search
+    whose best float set disagrees on one sample says so, rather than advising a larger budget."""
+    def evaluate(float_nodes, samples):
+        shares = [0.0] + [1.0] * (len(samples) - 1)
+        return {"y": {"top1_agreement": float(np.mean(shares)), "top1_count": len(samples),
+                      "top1_agreement_se": float(np.std(shares, ddof=1) / np.sqrt(len(samples))),
+                      "cosine_mean": 0.999}}
+
+    outcome = run_search(evaluate, ["a", "b"], set(), [{"x": i} for i in range(36)],
+                         {**OPTIONS, "target": {"top1_agreement": 0.97}})
+    assert not outcome.passed
+    assert ("on the 36 samples it chooses on, top1_agreement 0.97 counts as met with one standard error to spare "
+            "only with at most 0 of 36 disagreeing: add evaluation samples, or lower the target") in outcome.record["why"]

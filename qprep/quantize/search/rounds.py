@@ -7,11 +7,12 @@ in another.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from qprep.quantize.budget import Budget
-from qprep.quantize.search.acceptance import MIN_GAIN, gate_metrics, judge, score_of
+from qprep.quantize.search.acceptance import MIN_GAIN, allowed_disagreement, gate_metrics, judge, score_of
 from qprep.quantize.search.backend import Candidates, SearchBackend
 from qprep.quantize.search.options import NodeSearch
 
@@ -320,7 +321,7 @@ class Search:
         if self.fast_from is not None:
             record["faster_from_trial"] = sum(t.phase != "rank" for t in trials[: self.fast_from])
         if not best.passed:
-            record["why"] = _why(best, ranking, stop)
+            record["why"] = _why(best, ranking, stop, self.target, len(self.samples))
         return record
 
 
@@ -336,12 +337,31 @@ def _metrics_text(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
-def _why(best: Trial, ranking: list[dict], stop: str) -> str:
+def _why(best: Trial, ranking: list[dict], stop: str, target: dict, samples: int) -> str:
     missed = ", ".join(f"{k} {v:.4f}" for k, v in best.metrics.items() if isinstance(v, float))
     helpful = sum(r["gain"] > 0 for r in ranking)
     reason = (f"target not met ({stop}); best: {missed} with {best.nodes} float nodes; "
               f"{helpful} of {len(ranking)} candidates ranked first helped when kept float")
+    limit = _sample_limit(best, target, samples)
+    if limit:
+        return f"{reason}; {limit}"
     if stop.startswith("no candidate"):
         return (reason + ": the remaining error is spread over many layers (see the per-layer table; try more "
                 "calibration data or another backend mode)")
     return reason + ": raise time_budget_s / max_float_nodes to search further"
+
+
+def _sample_limit(best: Trial, target: dict, samples: int) -> str:
+    """When the best float set met an agreement only by less than its standard error, what the sample count
+    allows: on 36 samples a 0.97 agreement needs all 36 (one flip is 2.8%), so no float set short of exact can
+    pass, and raising the budget or keeping more float is the wrong advice."""
+    for key in best.margin or {}:
+        metric = key.rpartition(".")[2]
+        threshold = target.get(key, target.get(metric))
+        if threshold is None or not metric.endswith("_agreement"):
+            continue
+        allowed = int(math.floor(allowed_disagreement(threshold, samples) * samples + 1e-9))
+        return (f"on the {samples} samples it chooses on, {metric} {threshold:g} counts as met with one standard "
+                f"error to spare only with at most {allowed} of {samples} disagreeing: add evaluation samples, "
+                f"or lower the target")
+    return ""
