@@ -114,6 +114,9 @@ def _scalar(value: Any, key: Key, where: str, base_dir: Path) -> Any:
             raise ConfigError(f"{where}: expected a finite number, got {value}; set a number (NaN and infinity "
                               "are not allowed)")
     elif kind in ("str", "path"):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected {_TYPE_NAMES[kind]}, got {str(value).lower()}; "
+                              f"{_quote_hint(value, key)}")
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where}: expected {_TYPE_NAMES[kind]}, got {_describe(value)}")
     if key.choices and value not in key.choices:
@@ -127,6 +130,21 @@ def _scalar(value: Any, key: Key, where: str, base_dir: Path) -> Any:
     if kind == "path":
         return os.path.realpath(base_dir / Path(value).expanduser())  # Path.resolve raises on a symlink loop
     return value
+
+
+# What YAML 1.1 (PyYAML) reads as a bool when unquoted: a string key given one of them gets a bool.
+_YAML_BOOLS = {True: ("on", "yes", "true"), False: ("off", "no", "false")}
+
+
+def _quote_hint(value: bool, key: Key) -> str:
+    """Why a string key got a bool (YAML reads an unquoted off/on/yes/no as one) and how to write the string:
+    the choice meant, when the key has one spelt so."""
+    spellings = _YAML_BOOLS[value]
+    meant = next((str(c) for c in key.choices if str(c).lower() in spellings), None)
+    if meant:
+        return f"write '{meant}' in quotes (\"'{meant}'\" in a --set): YAML reads {meant} as {str(value).lower()}"
+    return (f"write the word in quotes ('{spellings[1]}', or \"'{spellings[1]}'\" in a --set): YAML reads unquoted "
+            f"{', '.join(spellings[:-1])} and {spellings[-1]} as {str(value).lower()}")
 
 
 def _describe(value: Any) -> str:

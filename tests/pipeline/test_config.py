@@ -138,3 +138,23 @@ def test_every_threshold_is_finite(tmp_path, key, value):
     setting = f"{key}=[{value}]" if key.endswith(".std") else f"{key}={value}"
     with pytest.raises(ConfigError, match=r"^[^\n]*: expected a finite number, got [-]?(nan|inf)[^\n]*$"):
         load_config(path, dict([parse_set(setting)]))
+
+
+@pytest.mark.parametrize("given", ["file", "--set"])
+def test_a_yaml_bool_where_a_string_is_expected_says_to_quote_it(tmp_path, given):
+    """Issue #59: `--set pipeline.quantize.ort.spread_tensors=off` said "expected a string, got bool False": YAML
+    reads an unquoted off/on/yes/no as a bool. The line names the choice meant, or the spellings."""
+    spread = "{spread_tensors: off}" if given == "file" else "{}"
+    path = write(tmp_path, f"model: m.onnx\nevaluation: {{source: e}}\n"
+                           f"pipeline: [{{quantize: {{backend: ort, ort: {spread}}}}}]\n")
+    sets = dict([parse_set("pipeline.quantize.ort.spread_tensors=off")]) if given == "--set" else {}
+    with pytest.raises(ConfigError, match=r"^pipeline\[0\]\.quantize\.ort\.spread_tensors: expected a string, got "
+                                          r"false; write 'off' in quotes \(\"'off'\" in a --set\): YAML reads off "
+                                          r"as false$"):
+        load_config(path, sets)
+    quoted = load_config(path, dict([parse_set("pipeline.quantize.ort.spread_tensors='off'")]))
+    assert quoted.stages[0][1].ort.spread_tensors == "off"  # quoted, it is the string
+    with pytest.raises(ConfigError, match=r"^evaluation\.label_names\[1\]: expected a string, got true; write the "
+                                          r"word in quotes \('yes', .*YAML reads unquoted on, yes and true as true$"):
+        load_config(path, dict([parse_set("evaluation.label_names=[other, yes]"), parse_set(
+            "pipeline.quantize.ort.spread_tensors=float")]))
