@@ -175,9 +175,12 @@ class UserMetric:
 
     def value(self, outputs: list[dict], samples: list[dict], where: str) -> float:
         """One call of the user's function; whatever goes wrong in it is reported as theirs, in one line."""
-        frozen = [{name: _read_only(v) for name, v in o.items()} for o in outputs]  # the reference's are shared
+        frozen = [_Seen("outputs", {name: _read_only(v) for name, v in o.items()}) for o in outputs]  # shared
         try:
-            value = self.function(frozen, [{k: _read_only(v) for k, v in s.items()} for s in samples])
+            value = self.function(frozen, [_Seen("samples", {k: _read_only(v) for k, v in s.items()}) for s in samples])
+        except _Lacking as exc:  # a key the data lacks: the function may be right
+            raise MetricError(f"evaluation.metric {self.name} raised KeyError: {exc.args[0]!r} on {where}: "
+                              f"{exc.lacks()}") from exc
         except Exception as exc:  # noqa: BLE001 - the user's code, any error: theirs to fix
             raise MetricError(f"evaluation.metric {self.name} raised {_error_line(exc)} on {where}; fix the function "
                               "(--debug shows its traceback)") from exc
@@ -219,6 +222,34 @@ def _extras(path: Path, sample: dict) -> dict:
 
 def _name(file: str, sample: dict) -> dict:
     return {"file": file} if file and "file" not in sample else {}
+
+
+class _Lacking(KeyError):
+    """A key the function read from a sample or an output dict that lacks it (still a KeyError to the function)."""
+
+    def __init__(self, key, kind: str, seen: dict):
+        super().__init__(key)
+        self.kind, self.keys, self.file = kind, [str(k) for k in seen], str(seen.get("file") or "")
+
+    def lacks(self) -> str:
+        """What the data holds, and where the key would go."""
+        key = self.args[0]
+        if self.kind == "outputs":
+            return f"the outputs are {', '.join(self.keys)} (no {key!r}); fix the function"
+        where = "add it to each .npz" if self.file.lower().endswith(".npz") else "save the samples as .npz with it"
+        return f"the samples carry {', '.join(self.keys)} (no {key!r}): {where}, or fix the function"
+
+
+class _Seen(dict):
+    """A sample or one model's outputs as the function sees them: a key it lacks raises _Lacking, so the error
+    can say that the data lacks the key rather than blame the function (a `label` not stored in the .npz)."""
+
+    def __init__(self, kind: str, values: dict):
+        super().__init__(values)
+        self.kind = kind
+
+    def __missing__(self, key):
+        raise _Lacking(key, self.kind, self)
 
 
 def _read_only(value):

@@ -32,6 +32,14 @@ def broken(outputs, samples):
 
 def text(outputs, samples):
     return "0.9"
+
+
+def accuracy(outputs, samples):
+    return float(np.mean([o["y"].argmax() == s["label"] for o, s in zip(outputs, samples)]))
+
+
+def own_table(outputs, samples):
+    return {"a": 1.0}["b"]
 '''
 
 
@@ -150,7 +158,7 @@ def test_the_function_sees_the_npz_labels_and_the_file_and_errors_are_the_users(
         "function": "errors.py:mae", "spec": f"{folder / 'errors.py'}:mae", "direction": "lower", "samples": 32,
         "reference_metric": 0.0, "metric": pytest.approx(0.5), "metric_drop": pytest.approx(0.5)}
     for name, said in (("broken", "raised KeyError: 'no_such_output' on the FP32 reference's outputs on the "
-                                  "evaluation samples; fix the function"),
+                                  r"evaluation samples: the outputs are y \(no 'no_such_output'\); fix the function"),
                        ("text", "returned str on the FP32 reference's outputs on the evaluation samples; return "
                                 "one number")):
         with pytest.raises(MetricError, match=f"evaluation.metric errors.py:{name} {said}") as raised:
@@ -185,6 +193,28 @@ def test_a_function_that_raises_in_the_run_is_the_users_error_in_one_line(labell
     code, _, err = cli("run", write(folder, config), "--quiet")
     assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1
     assert "evaluation.metric errors.py:broken raised KeyError: 'no_such_output'" in err
+
+
+def test_a_key_the_samples_lack_is_said_to_be_the_datas_not_the_functions(labelled):
+    """Issue #59: `sample["label"]` on samples without `label` said "raised KeyError: 'label' … fix the function";
+    the function is fine, the .npz files lack the key. A KeyError of the function's own is still its own."""
+    from qprep.data import load_samples
+    from qprep.model.info import graph_inputs
+
+    folder, _ = labelled
+    samples = load_samples({"source": str(folder / "eval"), "format": "auto", "max_samples": 64, "seed": 0,
+                            "preprocess": None}, graph_inputs(outlier_model()))
+    for name, said in (("accuracy", "raised KeyError: 'label' on the FP32 reference's outputs on the evaluation "
+                                    "samples: the samples carry target, x, file (no 'label'): add it to each .npz, "
+                                    "or fix the function"),
+                       ("own_table", "raised KeyError: 'b' on the FP32 reference's outputs on the evaluation "
+                                     "samples; fix the function")):
+        metric = UserMetric(f"{folder / 'errors.py'}:{name}")
+        seen = metric.samples_of(samples)
+        outputs = [{"y": s["target"]} for s in seen]
+        with pytest.raises(MetricError) as raised:
+            metric.figures(outputs, outputs, seen, "the evaluation samples")
+        assert str(raised.value).startswith(f"evaluation.metric errors.py:{name} {said}")
 
 
 def readme_metric() -> str:
