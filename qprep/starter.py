@@ -42,7 +42,7 @@ def starter_config(model_path: str, config_path: str, backend: str = "ort", data
     splits = find_splits(Path(data)) if data else {}
     image = image_input(inputs)
     fixed = fixed_dims(inputs, image, splits.get("calibration"), backend)
-    stem = Path(model_path).stem
+    run_dir = f"runs/{Path(config_path).stem}"  # one per config: an rknn config's run --force never clears the ort run
     lines = [f"# qprep starter config for {Path(model_path).name}, written by `qprep init`.",
              "# Read every comment, adjust, then: qprep validate THIS_FILE && qprep run THIS_FILE",
              f"model: {_rel(model_path, base)}", ""]
@@ -50,7 +50,7 @@ def starter_config(model_path: str, config_path: str, backend: str = "ort", data
     lines += ["calibration:"] + _source_lines("calibration", splits.get("calibration"), base, image, model,
                                               "32-500 samples like the deployment inputs (images, .npy, .npz)")
     lines += _evaluation_block(splits, base, image, model, _gate(model))
-    lines += [f"output_dir: {json.dumps(f'runs/{stem}')}   # next to this file", ""]
+    lines += [f"output_dir: {json.dumps(run_dir)}   # next to this file, named after it", ""]
     lines += _pipeline_block(model, backend, _gate(model))
     return "\n".join(lines) + "\n"
 
@@ -122,12 +122,20 @@ def _inputs_block(inputs: list[TensorSpec], fixed: dict, backend: str) -> list[s
 
 def _source_lines(role: str, folder: Path | None, base: Path, image: dict | None, model: onnx.ModelProto,
                   what: str) -> list[str]:
-    """`source:` (the folder found, or a placeholder to fill in) and, for image inputs, `preprocess:`."""
+    """`source:` (the folder found, or a placeholder to fill in) and, for image inputs, `preprocess:` — unless
+    the folder found holds no images: preprocess applies to images only, and .npy/.npz samples would leave it
+    unread (a mean/std to check that changes nothing)."""
     if folder:
         lines = [f"  source: {_rel(folder, base)}   # {what}"]
     else:
         lines = [f"  source: {json.dumps(f'data/{role}')}   # {FILL_IN}: {what}"]
-    return lines + (_preprocess_lines(image, model, "  ") if image else [])
+    if not image or (folder is not None and not _holds_images(folder)):
+        return lines
+    return lines + _preprocess_lines(image, model, "  ")
+
+
+def _holds_images(folder: Path) -> bool:
+    return any(path.suffix.lower() in IMAGE_SUFFIXES for path in folder.iterdir() if path.is_file())
 
 
 def _preprocess_lines(image: dict, model: onnx.ModelProto, indent: str) -> list[str]:
@@ -137,6 +145,7 @@ def _preprocess_lines(image: dict, model: onnx.ModelProto, indent: str) -> list[
     return [f"{indent}# The model does not normalize its input: mean/std {GUESSED_PREPROCESS} (0..255 units):",
             f"{indent}#   ImageNet-trained: the values below; inputs in [-1, 1]: mean [127.5], std [127.5];",
             f"{indent}#   inputs in [0, 1]: mean [0], std [255]. channel_order bgr for OpenCV pipelines (PaddleOCR).",
+            f"{indent}#   (images only: .npy/.npz samples go in as stored)",
             f"{indent}preprocess: {{mean: {json.dumps(mean)}, std: {json.dumps(std)}, channel_order: rgb, "
             f"layout: {image['layout']}}}"]
 

@@ -64,7 +64,7 @@ def test_init_then_run_works_with_no_edits(tmp_path, cli):
     code, _, err = cli("run", str(tmp_path / "cls.yaml"), "--set", "evaluation.max_samples=16",
                        "--set", "calibration.max_samples=16", "--set", "evaluation.latency.runs=2")
     assert code in (0, 1), err  # ok, or a gate judged and missed; never an error
-    assert (tmp_path / "runs" / "ppocr_cls" / "report.json").exists()
+    assert (tmp_path / "runs" / "cls" / "report.json").exists()  # named after the config
 
 
 def test_init_asks_to_fill_in_only_the_lines_the_config_marks(tmp_path, cli):
@@ -83,6 +83,41 @@ def test_init_asks_to_fill_in_only_the_lines_the_config_marks(tmp_path, cli):
     code, out, err = cli("init", tmp_path / "two.onnx", "--out", tmp_path / "none.yaml")
     assert code == 0, err
     assert "fill in the 2 lines marked FILL IN" in out  # the calibration and the evaluation source
+
+
+def test_init_suggests_image_preprocessing_only_for_image_samples(tmp_path, cli):
+    """Issue #59: with .npz samples init wrote `preprocess: {mean: [123.675, …]}` and asked to check it, and the
+    run then ignored it (preprocess applies to images only). Image samples still get the suggestion."""
+    import onnx
+    from PIL import Image
+
+    onnx.save(tiny_conv_model(batch=1), tmp_path / "tiny.onnx")
+    write_npz_splits(tmp_path / "arrays", (1, 3, 8, 8))
+    code, out, err = cli("init", tmp_path / "tiny.onnx", "--data", tmp_path / "arrays", "--out", tmp_path / "a.yaml")
+    assert code == 0, err
+    config = yaml.safe_load((tmp_path / "a.yaml").read_text())
+    assert "preprocess" not in config["calibration"] and "preprocess" not in config["evaluation"]
+    assert "preprocess" not in out and "preprocess" not in (tmp_path / "a.yaml").read_text()
+    for split in ("calib", "eval"):
+        (tmp_path / "images" / split).mkdir(parents=True)
+        Image.new("RGB", (8, 8), (10, 20, 30)).save(tmp_path / "images" / split / "0.png")
+    code, out, err = cli("init", tmp_path / "tiny.onnx", "--data", tmp_path / "images", "--out", tmp_path / "i.yaml")
+    assert code == 0, err
+    config = yaml.safe_load((tmp_path / "i.yaml").read_text())
+    assert config["calibration"]["preprocess"]["mean"] and config["evaluation"]["preprocess"]["mean"]
+    assert "check the suggested preprocess mean/std" in out
+
+
+def test_each_config_init_writes_runs_in_its_own_folder(tmp_path, cli):
+    """Issue #59: an rknn config and the ort one both wrote `output_dir: runs/<model>`, so `qprep run rknn.yaml
+    --force` would have cleared the ort run. The run directory is named after the config."""
+    import onnx
+
+    onnx.save(tiny_conv_model(batch=1), tmp_path / "tiny.onnx")
+    for backend, out in (("ort", "tiny.yaml"), ("rknn", "tiny_rknn.yaml"), ("fp16", "sub/fp16.yaml")):
+        assert cli("init", tmp_path / "tiny.onnx", "--backend", backend, "--out", tmp_path / out)[0] == 0
+    assert [yaml.safe_load((tmp_path / out).read_text())["output_dir"]
+            for out in ("tiny.yaml", "tiny_rknn.yaml", "sub/fp16.yaml")] == ["runs/tiny", "runs/tiny_rknn", "runs/fp16"]
 
 
 def test_the_readme_section_the_starter_config_points_to_exists(tmp_path, cli):
