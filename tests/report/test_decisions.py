@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from synthetic_report import report
 
+from qprep.model.info import TensorSpec
+from qprep.quantize.rknn.contract import input_contract
 from qprep.report.decisions import decision_lines, files_lines
 from qprep.report.html import render_html
 from qprep.report.markdown import render_markdown
@@ -78,18 +82,20 @@ def test_a_clipped_attention_mask_says_its_bound_and_why():
 
 
 def test_the_rknn_float16_layer_count_is_the_toolkits_not_the_onnx_nodes():
-    layers = {"requested_nodes": 3, "mapped": {}, "unmapped": [], "ir_tensors": ["mm_tp_sw", "ln#1"]}
+    layers = {"requested_nodes": 4, "mapped": {"mm": {}, "tp": {}, "ln": {}}, "unmapped": ["sq"],
+              "ir_tensors": ["mm_tp_sw", "ln#1"]}
     lines = decision_lines({**report()["stages"][0], "float16_layers": layers})
-    assert "2 layer(s) of the RKNN model float16, the rest int8 (from 3 float-set node(s))" in lines
+    assert ("2 layer(s) of the RKNN model float16, the rest int8 (from the 3 float node(s) under Kept float; 1 more "
+            "float-set node(s) have no layer of their own in the toolkit's graph: `sq`)") in lines
 
 
 def test_files_explain_the_board_files_and_the_one_command():
     data = report()
-    image = {"name": "image", "shape": [1, 3, 8, 8], "dtype": "float32", "mean": [0, 0, 0], "std": [1, 1, 1],
-             "channel_order": "rgb", "feed": "uint8 pixels, NHWC, in this channel order"}
+    normalization = {"input": "image", "mean": [0, 0, 0], "std": [1, 1, 1], "channel_order": "rgb", "layout": "nchw"}
+    contract = input_contract([TensorSpec("image", "float32", [1, 3, 8, 8])], normalization,
+                              SimpleNamespace(target_platform="rk3588"))
     data["result"].update(artifacts=["input_contract.json", "model.rknn", "run_on_board.py"],
-                          deployable={"path": "model.rknn", "bytes": 1000, "note": "x"},
-                          input_contract={"target_platform": "rk3588", "inputs": [image]})
+                          deployable={"path": "model.rknn", "bytes": 1000, "note": "x"}, input_contract=contract)
     lines = files_lines(data)
     assert lines[0].startswith("`model.rknn`: the NPU model")
     assert any("`input_contract.json`" in line for line in lines)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from qprep.measure import ctc
 from qprep.model.info import graph_inputs
 from qprep.quantize import float16_range, outlier_positions, residual_channels, rewrites, smooth_layernorm
 from qprep.quantize.backend import Quantized, QuantizeJob
@@ -90,7 +89,7 @@ def quantize(job: QuantizeJob) -> Quantized:
     except BaseException:
         builder.close()
         raise
-    board = write_board_files(work, user_inputs, builder.normalization, options, ctc.dictionary(job.model),
+    board = write_board_files(work, user_inputs, builder.normalization, options, job.model,
                               ignored=static.get("unread_inputs_removed", ()))
     return Quantized(model=job.model, details=builder.details, runner=runner, deployable="model.rknn",
                      analyzer=(lambda samples: runner.analyze(samples[: options.analysis_samples]))

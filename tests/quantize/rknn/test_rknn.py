@@ -35,7 +35,9 @@ def test_classifier_converts_evaluates_on_the_simulator_and_hands_off(tmp_path):
     layers = report["evaluation"]["layers"]
     assert layers and all("single_cosine" in r for r in layers)
     contract = json.loads((tmp_path / "input_contract.json").read_text())
-    assert contract["inputs"][0]["channel_order"] == "bgr" and contract["inputs"][0]["mean"] == [127.5] * 3
+    feed = contract["inputs"][0]["feed"]
+    assert feed["channel_order"] == "bgr" and feed["mean"] == [127.5] * 3 and feed["dtype"] == "uint8"
+    assert [output.get("class_names") for output in contract["outputs"]] == [None]  # no character list: no names
     assert (tmp_path / "run_on_board.py").read_text().startswith('"""Run model.rknn')
     stage = report["stages"][1]
     assert stage["config"]["mean_values"] == [[127.5] * 3] and stage["calibration_samples"] == 16

