@@ -314,10 +314,11 @@ MAX_INPUTS_LISTED = 6  # a decoder with KV-cache inputs: the rest are in the con
 
 
 def _contract_line(contract: dict | None, image: dict | None) -> str:
-    if not contract or not contract.get("inputs"):  # a report written before the contract was in report.json
+    inputs = (contract or {}).get("inputs")
+    if not inputs or not all("onnx_input" in entry for entry in inputs):  # written before the contract had them
         return ("`input_contract.json`: what to feed each input — names, shapes, dtypes, and for an image input the "
                 "NPU normalizes, its channel order and mean/std")
-    return "`input_contract.json`: what to feed — " + _inputs_text(contract["inputs"], image, npu=True)
+    return "`input_contract.json`: what to feed — " + _inputs_text(inputs, image, npu=True)
 
 
 def _inputs_text(inputs: list[dict], image: dict | None, npu: bool) -> str:
@@ -328,21 +329,21 @@ def _inputs_text(inputs: list[dict], image: dict | None, npu: bool) -> str:
 
 
 def feed_text(entry: dict, image: dict | None, npu: bool) -> str:
-    """What one input takes: raw uint8 pixels where the NPU applies mean/std itself (the contract gives them);
-    an image input without that, the values the calibration read it as (layout, channel order, mean/std, in the
-    model's dtype); any other input, its dtype and shape as the ONNX model takes it. Only image inputs speak of
-    pixels."""
-    name, dtype, shape = entry.get("name", "?"), entry.get("dtype", "?"), _shape(entry.get("shape"))
+    """What one input takes: raw pixels where the NPU applies mean/std itself (the contract's `feed` gives them,
+    the fields run_on_board.py reads); an image input without that, the values the calibration read it as
+    (layout, channel order, mean/std, in the model's dtype); any other input, its dtype and shape as the ONNX model
+    takes it. Only image inputs speak of pixels. `entry`: a contract input, or an ONNX Runtime result's input
+    (name, dtype, shape: what a contract's `onnx_input` holds)."""
+    onnx_input = entry.get("onnx_input") or entry
+    name, dtype, shape = entry.get("name", "?"), onnx_input.get("dtype", "?"), _shape(onnx_input.get("shape"))
     if entry.get("ignored"):  # no node reads it: model.rknn has no such input (rknn/static_graph/hygiene.py)
         return f"`{name}`: not fed (no node of the model reads it; the board runner skips it)"
-    if entry.get("mean") is not None and entry.get("std") is not None:  # normalized on the NPU
-        feed = entry.get("feed", "")
-        layout = entry.get("feed_layout") or ("NCHW" if "NCHW" in feed else "NHWC")
-        size = _image_size(entry.get("shape"), (entry.get("layout") or "nchw").lower(), layout)
-        return (f"`{name}`: raw {entry.get('feed_dtype', 'uint8')} pixels, {layout}{size}, "
-                f"{str(entry.get('channel_order', 'rgb')).upper()} channel order, resized as the calibration images "
-                f"were ({entry.get('resize', 'stretch')}); the NPU applies (x − mean) / std itself (mean "
-                f"{_numbers(entry['mean'])}, std {_numbers(entry['std'])})")
+    feed = entry.get("feed") if isinstance(entry.get("feed"), dict) else {}
+    if npu_normalized(entry):
+        return (f"`{name}`: raw {feed.get('dtype', '?')} pixels, {feed.get('layout', '?')} "
+                f"{_shape(feed.get('shape'))}, {str(feed.get('channel_order', 'rgb')).upper()} channel order, "
+                f"resized as the calibration images were ({feed.get('resize', 'stretch')}); the NPU applies "
+                f"(x − mean) / std itself (mean {_numbers(feed.get('mean'))}, std {_numbers(feed.get('std'))})")
     if image and image.get("input") == name:
         mean, std = image.get("mean"), image.get("std")
         formula = {(True, True): "(x − mean) / std", (True, False): "x − mean", (False, True): "x / std"}
@@ -355,26 +356,24 @@ def feed_text(entry: dict, image: dict | None, npu: bool) -> str:
     return f"`{name}`: {dtype} {shape}, the values the ONNX model takes (as in the calibration samples)"
 
 
+def npu_normalized(entry: dict) -> bool:
+    """A contract input the NPU applies mean/std to: the board feeds it raw pixels (an image file to the runner)."""
+    feed = entry.get("feed")
+    return isinstance(feed, dict) and feed.get("mean_std_applied_by") == "npu" and not entry.get("ignored")
+
+
 def _board_line(contract: dict | None) -> str:
     """The runner's command for what it accepts: an image file for a single input the NPU normalizes, else an
     .npz with one array per input name (run_on_board.py)."""
     head = ("`run_on_board.py`: an example runner; on the board: `pip install rknn-toolkit-lite2`, copy the three "
             "files, then ")
     inputs = [entry for entry in (contract or {}).get("inputs") or [] if not entry.get("ignored")]
-    if len(inputs) == 1 and inputs[0].get("mean") is not None:
+    if len(inputs) == 1 and npu_normalized(inputs[0]):
         return head + "`python3 run_on_board.py image.png`"
     names = ", ".join(f"`{entry.get('name', '?')}`" for entry in inputs[:MAX_INPUTS_LISTED])
     return head + "`python3 run_on_board.py sample.npz`" + (
         f" (one array per input: {names}{', …' if len(inputs) > MAX_INPUTS_LISTED else ''}, as above)" if names else
-        " (one array per input name; an image file when input_contract.json gives the input a mean/std)")
-
-
-def _image_size(shape, model_layout: str, fed_layout: str) -> str:
-    """' [1, 224, 224, 3]': the fed array's shape from the model's shape, in the fed layout."""
-    if not shape or len(shape) != 4:
-        return ""
-    n, c, h, w = shape if model_layout == "nchw" else (shape[0], shape[3], shape[1], shape[2])
-    return " " + _shape([n, h, w, c] if fed_layout == "NHWC" else [n, c, h, w])
+        " (one array per input name, each as input_contract.json's `feed` says)")
 
 
 def _shape(shape) -> str:
