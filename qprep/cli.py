@@ -346,13 +346,14 @@ def _fmt(value) -> str:
 
 
 def cmd_validate(args) -> int:
-    """The checks `run` makes before it touches the run directory (qprep/preflight.py), and nothing else."""
+    """The checks `run` makes before it touches the run directory (qprep/preflight.py), and nothing else; their
+    warnings too (a setting the samples leave unread), as run shows them."""
     from qprep.config import load_config
     from qprep.pipeline.preflight import check
 
     config = load_config(args.config, _overrides(args), overlay=args.overlay)
     try:
-        check(config, every_problem=True)
+        checked = check(config, every_problem=True)
     except Problems as found:  # every problem, one line each; the dispatcher would show the first only
         for problem in found.all:
             print(f"qprep: error: {problem}", file=sys.stderr)
@@ -360,6 +361,8 @@ def cmd_validate(args) -> int:
     stages = ", ".join(name for name, _ in config.stages) or "no stages"
     if not args.quiet:
         print(f"qprep: {args.config} is valid ({stages})")
+        for warning in checked.warnings:
+            print(f"qprep: warning: {warning}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from qprep.config import Config
+from qprep.config import SCHEMA, Config
 from qprep.data import SampleSet, load_samples
 from qprep.data.bounds import check_values
 from qprep.data.pitfalls import data_warnings
@@ -122,9 +122,31 @@ def check(config: Config, progress: Progress | None = None, every_problem: bool 
                                                **{f"the reference model's external data {f.name}": str(f)
                                                   for f in reference_files}})
     found.raise_found()
-    warnings += data_warnings(model, calibration, evaluation, heldout)
+    warnings += data_warnings(model, calibration, evaluation, heldout) + ignored_preprocess(config, calibration,
+                                                                                            evaluation, heldout)
     return Checked(model=model, record=record, calibration=calibration, evaluation=evaluation, heldout=heldout,
                    reference=reference, warnings=warnings, noise=drawn)
+
+
+def ignored_preprocess(config: Config, calibration: SampleSet | None, evaluation: SampleSet | None,
+                       heldout: SampleSet | None) -> list[str]:
+    """A `preprocess:` set (any key off its default) on samples that are no images, said in one warning per
+    section. Why: it applies to images only, and .npy/.npz arrays go in as stored, so a mean/std or layout
+    written for them would otherwise pass validate and run silently, changing nothing (issue #59). A warning,
+    not a refusal: a shared config (a batch's) may set it for image models beside array ones."""
+    warnings = []
+    for role, sets in (("calibration", (calibration,)), ("evaluation", (evaluation, heldout))):
+        read = [samples for samples in sets if samples is not None]
+        if not config[role] or not read or any(samples.preprocess for samples in read):
+            continue  # absent, not loaded, or read as images: it applies
+        defaults = SCHEMA.fields[role].fields["preprocess"].fields
+        given = [key for key, value in config[role]["preprocess"].items() if value != defaults[key].default]
+        if given:
+            kind = {Path(f).suffix.lower() for f in read[0].files} or {read[0].format}
+            warnings.append(f"{role}.preprocess ({', '.join(given)}) is ignored: the samples are not images "
+                            f"({'/'.join(sorted(kind))} arrays go into the model as stored); remove it, or point "
+                            f"{role}.source at images")
+    return warnings
 
 
 def _fed(drawn: Noise, samples: SampleSet | None) -> SampleSet | None:
