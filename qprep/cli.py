@@ -425,6 +425,21 @@ def cmd_batch(args) -> int:
     return exit_code(summary)
 
 
+def _evaluated_state(passed: bool, evaluation: dict, run_dir: str) -> str:
+    """'met', 'missed', or as the run's report says it, 'met, but mostly float': its result's integer share under
+    evaluation.min_integer_share (verdict.mostly_float)."""
+    from qprep.disk.reading import read_json
+    from qprep.report.verdict import mostly_float
+
+    if not passed:
+        return "missed"
+    try:  # reevaluate read it already
+        result = read_json(Path(run_dir) / "report.json").get("result") or {}
+    except (OSError, ValueError):
+        return "met"
+    return "met, but mostly float" if mostly_float({"evaluation": evaluation, "result": result}) is not None else "met"
+
+
 def cmd_evaluate(args) -> int:
     from qprep import jsonfile
     from qprep.config import parse_set
@@ -450,7 +465,7 @@ def cmd_evaluate(args) -> int:
                                                                      "element_agreement") if key in metrics)
               + f" ({count} samples)")
     if figure:
-        print(f"qprep: {'met' if figure['passed'] else 'missed'}: {figure['text'].replace('`', '')}")
+        print(f"qprep: {_evaluated_state(figure['passed'], result, args.run_dir)}: {figure['text'].replace('`', '')}")
     if result.get("repeats"):
         print(f"qprep: note: {result['repeats']}")
     gate = result.get("gate")

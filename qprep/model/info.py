@@ -341,21 +341,27 @@ def multiply_adds(model: onnx.ModelProto) -> dict[str, int]:
     return counts
 
 
-def integer_share(float_model: onnx.ModelProto, result: onnx.ModelProto) -> float | None:
+def integer_share(float_model: onnx.ModelProto, result: onnx.ModelProto,
+                  macs: dict[str, int] | None = None) -> float | None:
     """The share of `float_model`'s multiply-adds (Conv/MatMul/Gemm) that `result` runs on integers: a node whose
     input and weight both come from DequantizeLinear (QDQ: ONNX Runtime fuses it into an integer kernel; a node
     kept float reads a dequantized input with its float weight) or replaced by an integer op
     (QOperator, MatMulInteger). What the float set, the fallback, spread tensors and op types left float cost,
-    in one number; None when the model has no multiply-adds of known shape."""
-    macs = multiply_adds(float_model)
+    in one number; None when the model has no multiply-adds of known shape. `macs`: multiply_adds(float_model)
+    when the caller has it (shape inference of a large model takes seconds)."""
+    macs = multiply_adds(float_model) if macs is None else macs
     total = sum(macs.values())
     if not total:
         return None
+    return (total - sum(macs[name] for name in float_multiply_adds(macs, result))) / total
+
+
+def float_multiply_adds(macs: dict[str, int], result: onnx.ModelProto) -> list[str]:
+    """The nodes of `macs` (multiply_adds of the float model) that `result` runs float: present with an input or
+    weight not from DequantizeLinear. One rule for integer_share and the report's list of float nodes."""
     dequantized = {o for n in result.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
     nodes = {n.name: n for n in result.graph.node}
-    integer = sum(count for name, count in macs.items()
-                  if name not in nodes or set(nodes[name].input[:2]) <= dequantized)
-    return integer / total
+    return sorted(name for name in macs if name in nodes and not set(nodes[name].input[:2]) <= dequantized)
 
 
 def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:

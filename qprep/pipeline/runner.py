@@ -202,8 +202,12 @@ def _save_result(run: Run, model: onnx.ModelProto, noise: Noise) -> None:
     if "input_contract.json" in products.artifacts:  # what to feed: the report's deployment text follows it
         report["result"]["input_contract"] = json.loads((directory / "input_contract.json").read_text())
     quantized = products.prepared_model is not None and model_info.model_kind(model) != model_info.FLOAT
+    if products.prepared_model is not None:  # what each float node costs (report/float_nodes.py)
+        report["result"]["multiply_adds"] = model_info.multiply_adds(products.prepared_model)
     if quantized and not products.deployable:  # (RKNN's model.onnx is the float model it was built from)
-        report["result"]["integer_share"] = model_info.integer_share(products.prepared_model, model)
+        macs = report["result"]["multiply_adds"]
+        report["result"]["integer_share"] = model_info.integer_share(products.prepared_model, model, macs)
+        report["result"]["float_multiply_adds"] = model_info.float_multiply_adds(macs, model)
         in_bodies = sum(model_info.layers_in_bodies(model).values())
         if in_bodies:  # not in the share: their shapes are the bodies' own, and no quantizer here entered them
             report["result"]["float_layers_in_bodies"] = in_bodies

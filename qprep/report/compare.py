@@ -19,6 +19,7 @@ from qprep import jsonfile
 from qprep.disk.reading import read_json
 from qprep.errors import QprepError
 from qprep.measure.metrics import OUTPUT_METRICS, higher_is_better
+from qprep.report.float_nodes import float_count
 from qprep.report.verdict import decided_by, judged_outputs, judged_set, verdict
 
 
@@ -83,7 +84,9 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
     flat["result.nodes"] = None if result.get("deployable") else _number(result.get("nodes"), "result.nodes")
     flat["result.int8_macs"] = _number(result.get("integer_share"), "result.integer_share")
     quantized = any(stage.get("name") == "quantize" for stage in data.get("stages") or [])
-    flat["result.kept_float"] = len(data.get("float_set") or []) if quantized and result else None  # RKNN: float16
+    count = float_count(data)  # the report's own count (RKNN: the float16 layers' nodes)
+    flat["result.kept_float"] = (len(data.get("float_set") or []) if count is None else count) \
+        if quantized and result else None
     return flat
 
 
@@ -102,12 +105,18 @@ def facts_of(kind: str, data: dict) -> dict[str, str | None]:
     split, samples, _ = judged_set(evaluation)
     quantize = next((s for s in data.get("stages") or [] if s.get("name") == "quantize"), None)
     return {"status": _text(data.get("status")),
-            "verdict": verdict(data).state if data.get("status") else None,
+            "verdict": verdict_state(data) if data.get("status") else None,
             "decided by": figure["text"] if figure else None,
             "judged on": f"{split}, {samples.get('count', '?')} samples (`{samples.get('source', '?')}`)"
                          if evaluation else None,
             "backend": (quantize or {}).get("backend") or ("float (no quantize stage)" if data.get("stages") else None),
             "deployed model": deployed_text(data)}
+
+
+def verdict_state(report: dict) -> str:
+    """'met', 'missed', 'not measured', or 'met, but mostly float' as the report's verdict reads."""
+    found = verdict(report)
+    return f"{found.state}, but mostly float" if found.mostly_float else found.state
 
 
 def deployed_text(report: dict) -> str | None:

@@ -11,14 +11,17 @@ Files: what each deployable file is for, and what to feed each input, written fr
 from __future__ import annotations
 
 from qprep.report.fallback import fallback_tables
+from qprep.report.float_nodes import REASONS, FloatNodes, float_nodes
 
 
-def decision_lines(stage: dict) -> list[str]:
-    """The decisions of one quantize stage record (empty for other stages)."""
+def decision_lines(stage: dict, report: dict | None = None) -> list[str]:
+    """The decisions of one quantize stage record (empty for other stages); `report` (the whole report.json)
+    gives the count of the result's float nodes (float_nodes.py), else the stage's own."""
     if stage.get("name") != "quantize" or stage.get("status") != "ok":
         return []
-    return [line for line in (_qat(stage), _float32_copy(stage), _activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage),
-                              _spread(stage), _float_nodes(stage), _fast_kernels(stage),
+    found = float_nodes(report) if report is not None else None
+    return [line for line in (_qat(stage), _float32_copy(stage), _activations(stage), _weights(stage), _ranges(stage), _rounding(stage), _bias(stage), _fallback(stage, found),
+                              _spread(stage), _float_nodes(stage, found), _fast_kernels(stage),
                               *_fitting(stage), *_rules_disabled(stage)) if line]
 
 
@@ -137,8 +140,8 @@ def _bias(stage: dict) -> str:
     return f"bias correction: {verdict}"
 
 
-def _fallback(stage: dict) -> str:
-    view = fallback_tables(stage)
+def _fallback(stage: dict, found: FloatNodes | None = None) -> str:
+    view = fallback_tables(stage, None if found is None else found.count)
     if view is None:
         return ""
     skipped = ((stage["fallback"].get("budget") or {}).get("skipped")) or []
@@ -161,11 +164,17 @@ def _spread(stage: dict) -> str:
             f"median channel: {worst}{', …' if len(tensors) > 3 else ''}")
 
 
-def _float_nodes(stage: dict) -> str:
-    """How many nodes stayed float and why: asked for (keep_float, nodes_to_exclude, the fallback), NaN/Inf or
-    huge ranges no int8/float16 grid holds, nodes ORT's quantizer fails on."""
-    count = len(stage["excluded_nodes"]) if "excluded_nodes" in stage else stage.get("float_set_size")
-    parts = [f"{count} node(s) kept float"] if count else []
+def _float_nodes(stage: dict, found: FloatNodes | None = None) -> str:
+    """How many nodes of the result run float and why (the count of float_nodes.py, which the "Kept float"
+    table names); NaN/Inf or huge ranges no int8/float16 grid holds, nodes ORT's quantizer fails on."""
+    if found is not None:
+        why = [f"{len(nodes)} {REASONS[reason][0]}" for reason, nodes in found.groups.items()]
+        why += [f"{count} {REASONS[reason][0]}" for reason, count in found.unnamed.items()]
+        parts = [f"{found.count} node(s) of the result run float ({'; '.join(why)}; named under Kept float)"] \
+            if found.count else []
+    else:
+        count = len(stage["excluded_nodes"]) if "excluded_nodes" in stage else stage.get("float_set_size")
+        parts = [f"{count} node(s) kept float"] if count else []
     nodes = ((stage.get("nonfinite") or {}).get("nodes")) or {}
     if nodes:
         first = next(iter(nodes.items()))
@@ -247,8 +256,12 @@ def _fitting(stage: dict) -> list[str]:
                      f"{worst['layernorm']}; exact in float32)")
     float16 = stage.get("float16_layers") or {}
     if float16.get("ir_tensors"):  # what a "≤ N non-int8 layers" budget counts: fused nodes are one layer
-        lines.append(f"{len(float16['ir_tensors'])} layer(s) of the RKNN model float16, the rest int8 (from "
-                     f"{float16.get('requested_nodes', '?')} float-set node(s))")
+        unmapped = float16.get("unmapped") or []
+        lines.append(f"{len(float16['ir_tensors'])} layer(s) of the RKNN model float16, the rest int8 (from the "
+                     f"{len(float16.get('mapped') or {})} float node(s) under Kept float"
+                     + (f"; {len(unmapped)} more float-set node(s) have no layer of their own in the toolkit's graph: "
+                        + ", ".join(f"`{n}`" for n in unmapped[:3]) + (", …" if len(unmapped) > 3 else "")
+                        if unmapped else "") + ")")
     int8_again = [n for n, why in (nonfinite.get("int8_not_float16") or {}).items() if why.startswith("int8:")]
     if int8_again:
         lines.append(f"{len(int8_again)} node(s) kept float for their values are int8 again once clipped")

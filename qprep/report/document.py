@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from qprep.report.decisions import decision_lines, files_lines
 from qprep.report.fallback import fallback_tables
+from qprep.report.float_nodes import float_nodes, mostly_float_text, table_rows
 from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, left_out_note, worst_first
 from qprep.report.verdict import INTERVAL_NOTE, agreement_text, distinct, judged_set, num, task_lines, verdict
 
@@ -50,7 +51,10 @@ class LayerChart:
 
 def build(report: dict) -> list:
     model = report.get("model", {})
-    blocks: list = [Heading(1, f"qprep report: {model.get('path', '?')}"), verdict(report)]
+    found = verdict(report)
+    blocks: list = [Heading(1, f"qprep report: {model.get('path', '?')}"), found]
+    if found.mostly_float and mostly_float_text(report):  # what made it so, and the setting that changes it
+        blocks.append(Text(mostly_float_text(report), note=True))
     tasks = task_lines(report.get("evaluation"))
     if tasks:
         blocks += [Bullets(tasks), Text(INTERVAL_NOTE)]
@@ -65,7 +69,7 @@ def build(report: dict) -> list:
         blocks.append(Text(f"Calibration data: {calibration['count']} samples ({calibration['format']}) from "
                            f"`{calibration['source']}`"))
     blocks += _evaluation(report.get("evaluation"))
-    decisions = [line for stage in report.get("stages", []) for line in decision_lines(stage)]
+    decisions = [line for stage in report.get("stages", []) for line in decision_lines(stage, report)]
     if decisions:
         blocks += [Heading(2, "Decisions"), Bullets(decisions)]
     files = files_lines(report)
@@ -73,10 +77,22 @@ def build(report: dict) -> list:
         blocks += [Heading(2, "Files"), Bullets(files)]
     blocks += _stages(report.get("stages", []))
     blocks += _result(report.get("result"), model)
-    if report.get("float_set"):
-        blocks += [Heading(2, f"Kept float ({len(report['float_set'])} nodes)"),
-                   Text(", ".join(f"`{n}`" for n in report["float_set"]))]
+    blocks += _kept_float(report)
     return blocks
+
+
+def _kept_float(report: dict) -> list:
+    """The result's float nodes by reason, with their share of the multiply-adds (float_nodes.py); before a
+    quantize stage finished, the float set the stages recorded."""
+    found = float_nodes(report)
+    if found is None:
+        names = report.get("float_set") or []
+        return [Heading(2, f"Kept float ({len(names)} nodes)"), Text(", ".join(f"`{n}`" for n in names))] \
+            if names else []
+    if not found.count:
+        return []
+    return [Heading(2, f"Kept float ({found.count} nodes)"),
+            Table(["why", "nodes", "multiply-adds", "which", "setting that changes it"], table_rows(found))]
 
 
 def _evaluation(evaluation: dict | None) -> list:

@@ -19,15 +19,19 @@ def _minimum(key: str, record: dict) -> bool:
     return higher_is_better(key)
 
 
-def fallback_tables(stage: dict) -> tuple[str, list[tuple[str, list[str], list[list[str]]]]] | None:
-    """(verdict line, [(title, header, rows)]) for a stage that ran the fallback, else None."""
+def fallback_tables(stage: dict, float_count: int | None = None) -> tuple[str, list[tuple[str, list[str],
+                                                                                        list[list[str]]]]] | None:
+    """(verdict line, [(title, header, rows)]) for a stage that ran the fallback, else None. `float_count`: the
+    result's float nodes (report/float_nodes.py), said beside the ones the search chose."""
     record = stage.get("fallback")
     if not record:
         return None
     target = ", ".join(f"{k} {'≥' if _minimum(k, record) else '≤'} {v}" for k, v in record["target"].items())
     best, base = _numbers(record["best"]["metrics"]), _numbers(record["base"]["metrics"])
-    verdict = (f"Target {target}: **{'met' if record['passed'] else 'missed'}** with {len(record['float_nodes'])} "
-               f"float node(s) — {best} (all quantized: {base}); {record['stopped']}, {record.get('rounds', 1)} round(s), "
+    chosen = len(record["float_nodes"])
+    nodes = (f"{chosen} float node(s)" if float_count is None else
+             f"{float_count} float node(s) in the result ({chosen} chosen by the search)")
+    verdict = (f"Target {target}: **{'met' if record['passed'] else 'missed'}** with {nodes} — {best} (all quantized: {base}); {record['stopped']}, {record.get('rounds', 1)} round(s), "
                f"{record['rank_trials']} ranking trials on {record['ranked']} of {record['candidates']} candidates, "
                f"{record['seconds']:.0f} s.")
     split = record.get("samples") or {}

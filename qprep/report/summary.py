@@ -13,6 +13,7 @@ from pathlib import Path
 from qprep.disk.reading import read_json
 from qprep.jsonfile import number
 from qprep.measure.metrics import main_agreement
+from qprep.report.float_nodes import float_count
 from qprep.report.verdict import decided_by, judged_set
 
 COLUMNS = ["model", "status", "decided_by", "cosine_mean", "agreement", "judged_on", "speedup",
@@ -34,7 +35,7 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     # a deployable other than model.onnx (RKNN's .rknn): model.onnx's nodes are the float model it was built from
     row.update(nodes_before=model.get("nodes"), nodes_after=None if result.get("deployable") else result.get("nodes"),
                layernorms_fused=_layernorms_fused(report.get("stages") or []),
-               float_nodes=len(report.get("float_set", [])), int8_macs=number(result.get("integer_share")))
+               float_nodes=_float_nodes(report), int8_macs=number(result.get("integer_share")))
     if seconds is None:
         row["seconds"] = report.get("seconds")
     evaluation = report.get("evaluation") or {}
@@ -46,6 +47,12 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
         row["judged_on"] = f"{split}, {samples.get('count', '?')} samples"
     row.update(latency_figures(evaluation.get("latency") or {}))
     return row
+
+
+def _float_nodes(report: dict) -> int:
+    """The result's float nodes as its report counts them (float_nodes.py); with nothing quantized, the float set."""
+    count = float_count(report)
+    return len(report.get("float_set") or []) if count is None else count
 
 
 def _layernorms_fused(stages: list[dict]) -> int | None:
