@@ -30,6 +30,7 @@ REASONS = {
     "fast_kernels": ("Conv reading the model's input: too few channels for ONNX Runtime's fast int8 kernels",
                      "`quantize.ort.fast_kernels: false`"),
     "unquantizable": ("ONNX Runtime's quantizer fails on them", ""),
+    "smoothing": ("the Mul restoring a smoothed LayerNorm's channels (an int8 scale would round its 1s)", ""),
     "excluded": ("named in `quantize.ort.nodes_to_exclude`", "`quantize.ort.nodes_to_exclude`"),
     "backend": ("not quantized by the backend (an op type or input it leaves float)", ""),
 }
@@ -78,6 +79,9 @@ def float_nodes(report: dict) -> FloatNodes | None:
         spread = stage.get("spread_tensors") or {}
         known["spread"] = set(spread.get("float_nodes") or [])
         built = set(stage.get("excluded_nodes") or []) | known["spread"] | known["unquantizable"]
+        known["smoothing"] = {entry["restoring_mul"] for entry in
+                              (stage.get("smoothed_layernorms") or {}).get("layernorms") or []
+                              if entry.get("restoring_mul")}
         known["excluded"] = set(stage.get("excluded_nodes") or [])
         known["backend"] = set(result.get("float_multiply_adds") or [])
         built |= known["backend"]

@@ -76,6 +76,14 @@ def test_a_conv_kept_float_for_the_fast_kernels_is_counted_though_no_float_set_n
     assert "fast int8 kernels" in _kept_float_one(build(data))
 
 
+def test_the_mul_restoring_a_smoothed_layernorm_is_not_said_to_be_asked_for_by_nodes_to_exclude():
+    data = judged({"cosine_mean": 0.5})
+    data["stages"][0].update(excluded_nodes=["restore"],
+                             smoothed_layernorms={"layernorms": [{"layernorm": "ln", "restoring_mul": "restore",
+                                                                  "spread_before": 90.0, "spread_after": 3.0}]})
+    assert _kept_float_one(build(data)).startswith("the Mul restoring a smoothed LayerNorm's channels")
+
+
 def _kept_float_one(blocks: list) -> str:
     heading = next(i for i, b in enumerate(blocks) if getattr(b, "text", "").startswith("Kept float"))
     assert blocks[heading].text == "Kept float (1 nodes)"
