@@ -44,6 +44,7 @@ class FloatNodes:
     groups: dict[str, list[str]] = field(default_factory=dict)
     unnamed: dict[str, int] = field(default_factory=dict)
     macs: dict[str, int] = field(default_factory=dict)  # the float model's multiply-adds per node
+    op_types: list[str] = field(default_factory=list)  # the op types the fallback left float (unnamed["op_types"])
 
     @property
     def count(self) -> int:
@@ -74,7 +75,7 @@ def float_nodes(report: dict) -> FloatNodes | None:
              "fallback": {entry["node"] for entry in fallback.get("float_nodes") or []},
              "fast_kernels": set(stage.get("float_for_speed") or []),
              "unquantizable": {entry["node"] for entry in stage.get("unquantizable") or []}}
-    backend, unnamed = stage.get("backend"), {}
+    backend, unnamed, op_types = stage.get("backend"), {}, []
     if backend == "ort":
         spread = stage.get("spread_tensors") or {}
         known["spread"] = set(spread.get("float_nodes") or [])
@@ -85,9 +86,9 @@ def float_nodes(report: dict) -> FloatNodes | None:
         known["excluded"] = set(stage.get("excluded_nodes") or [])
         known["backend"] = set(result.get("float_multiply_adds") or [])
         built |= known["backend"]
-        op_types = fallback.get("float_op_types") or {}
-        if op_types.get("chosen") and op_types.get("nodes"):
-            unnamed["op_types"] = op_types["nodes"]
+        chosen = fallback.get("float_op_types") or {}
+        if chosen.get("chosen") and chosen.get("nodes"):
+            unnamed["op_types"], op_types = chosen["nodes"], list(chosen["chosen"])
     elif backend == "rknn" and "float16_layers" in stage:
         built = set((stage["float16_layers"].get("mapped") or {}))
         if (fallback.get("spread_tensors") or {}).get("tensors"):
@@ -102,7 +103,7 @@ def float_nodes(report: dict) -> FloatNodes | None:
         reason = next(key for key in REASONS if node in known.get(key, ()))
         groups.setdefault(reason, []).append(node)
     ordered = {key: groups[key] for key in REASONS if key in groups}
-    return FloatNodes(ordered, unnamed, macs)
+    return FloatNodes(ordered, unnamed, macs, op_types)
 
 
 def float_count(report: dict) -> int | None:
@@ -123,8 +124,9 @@ def table_rows(found: FloatNodes) -> list[list[str]]:
         more = f", … and {len(nodes) - MAX_LISTED} more" if len(nodes) > MAX_LISTED else ""
         rows.append([REASONS[reason][0], str(len(nodes)), "–" if share is None else f"{share:.0%}", names + more,
                      REASONS[reason][1] or "–"])
-    for reason, count in found.unnamed.items():
-        rows.append([REASONS[reason][0], str(count), "0%", "(not named: no multiply-adds)", REASONS[reason][1]])
+    for reason, count in found.unnamed.items():  # the fallback's float op types (report.json names no node)
+        rows.append([REASONS[reason][0], str(count), "–", f"the {', '.join(found.op_types)} nodes",
+                     REASONS[reason][1]])
     return rows
 
 

@@ -76,6 +76,21 @@ def test_a_conv_kept_float_for_the_fast_kernels_is_counted_though_no_float_set_n
     assert "fast int8 kernels" in _kept_float_one(build(data))
 
 
+def test_the_op_types_the_fallback_left_float_are_counted_and_said():
+    """magika with spread_tensors off: the fallback left its Adds and Softmax float; no view counted them."""
+    data = judged({"cosine_mean": 0.5})
+    data["stages"][0].update(fallback={"target": {"cosine_mean": 0.99}, "passed": True, "stopped": "target met",
+                                       "seconds": 9, "float_nodes": [], "base": {"metrics": {}},
+                                       "best": {"metrics": {}}, "ranked": 0, "candidates": 0, "rank_trials": 0,
+                                       "trials": [], "float_op_types": {"chosen": ["Add", "Softmax"], "nodes": 3}})
+    assert metrics_of("report", data)["result.kept_float"] == 3
+    blocks = build(data)
+    heading = next(i for i, b in enumerate(blocks) if getattr(b, "text", "").startswith("Kept float"))
+    assert blocks[heading].text == "Kept float (3 nodes)"
+    assert blocks[heading + 1].rows == [["op types the fallback left float", "3", "–", "the Add, Softmax nodes",
+                                         "a lower `quantize.fallback.target`"]]
+
+
 def test_the_mul_restoring_a_smoothed_layernorm_is_not_said_to_be_asked_for_by_nodes_to_exclude():
     data = judged({"cosine_mean": 0.5})
     data["stages"][0].update(excluded_nodes=["restore"],
