@@ -59,6 +59,7 @@ INTEGERS = "held only as integers in the result"
 DIFFERENT = "the result computes it from other inputs"
 FUSED = "fused into the node after it, its own value not kept"
 UNCLAMPED = "its activation was absorbed, but the Q/DQ range does not clamp where it did"
+AFTER = "computed from a tensor left out"
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,15 @@ def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Corresp
                 out.factors[grid[0]] = _vector(grid[1][2])
         elif tensor in found:
             out.left_out[tensor] = INTEGERS
-        elif node.name and node.name in result_nodes:
-            renamed = tensor not in result_nodes[node.name].output and meanings.get(
-                result_nodes[node.name].output[0], NOTHING).tensor not in (None, tensor)
-            out.left_out[tensor] = FUSED if renamed else DIFFERENT
+        elif tensor in graph.unclamped:
+            out.left_out[tensor] = UNCLAMPED
+        elif node.name in result_nodes and tensor not in result_nodes[node.name].output and meanings.get(
+                result_nodes[node.name].output[0], NOTHING).tensor not in (None, tensor):
+            out.left_out[tensor] = FUSED
+        elif any(i in out.left_out for i in node.input):  # nothing provable follows from an unproven input
+            out.left_out[tensor] = AFTER
         else:
-            out.left_out[tensor] = UNCLAMPED if tensor in graph.unclamped else REMOVED
+            out.left_out[tensor] = DIFFERENT if node.name in result_nodes else REMOVED
     return out
 
 
