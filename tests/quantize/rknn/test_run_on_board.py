@@ -9,6 +9,8 @@ from importlib import resources
 from types import SimpleNamespace
 
 import numpy as np
+import onnxruntime as ort
+import pytest
 from PIL import Image
 
 from qprep.model.info import TensorSpec
@@ -124,3 +126,47 @@ def test_an_input_the_contract_marks_ignored_is_not_fed(tmp_path):
     Image.fromarray(np.full((8, 8, 3), 9, np.uint8)).save(tmp_path / "i.png")
     _, fed = _run(tmp_path, tmp_path / "i.png")
     assert fed == {"inputs": [[[1, 8, 8, 3], "uint8", 9.0]], "data_format": ["nhwc"]}
+
+
+ORT_LITE = '''
+import json, numpy as np, onnxruntime as ort
+class RKNNLite:  # the float model.onnx beside model.rknn, normalized as the NPU does, reading data_format as it does
+    def load_rknn(self, path): return 0
+    def init_runtime(self): return 0
+    def inference(self, inputs, data_format=None):
+        feed = json.load(open("input_contract.json"))["inputs"][0]["feed"]
+        x = inputs[0].astype(np.float32)
+        if (data_format or ["nhwc"])[0] == "nhwc":
+            x = x.transpose(0, 3, 1, 2)
+        x = (x - np.float32(feed["mean"]).reshape(1, -1, 1, 1)) / np.float32(feed["std"]).reshape(1, -1, 1, 1)
+        session = ort.InferenceSession("model.onnx")
+        return session.run(None, {session.get_inputs()[0].name: x})
+    def release(self): pass
+'''
+
+
+@pytest.mark.slow
+def test_the_shipped_contract_and_runner_feed_a_real_image_as_the_calibration_read_it(tmp_path):
+    """PP-OCR's direction classifier built for RKNN (BGR, mean/std 127.5, no resize): run_on_board.py on a PNG,
+    with the float model standing in for the NPU, gives the class scores of the image as qprep read it."""
+    pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh installs it)")
+    import qprep
+    from conftest import CALIBRATION, demo_model
+
+    ocr = {"channel_order": "bgr", "mean": [127.5], "std": [127.5], "resize": "none"}
+    config = {"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
+              "calibration": {"source": str(CALIBRATION / "ocr_cls" / "calib"), "max_samples": 8, "preprocess": ocr},
+              "pipeline": [{"quantize": {"backend": "rknn", "rknn": {"analysis_samples": 0}}}]}
+    out = tmp_path / "out"
+    qprep.run(config, output_dir=str(out), force=True)
+    (out / "rknnlite").mkdir()
+    (out / "rknnlite" / "__init__.py").write_text("")
+    (out / "rknnlite" / "api.py").write_text(ORT_LITE)
+    session = ort.InferenceSession(str(out / "model.onnx"))
+    for image in sorted((CALIBRATION / "ocr_cls" / "eval").glob("*.png"))[:3]:
+        pixels = np.asarray(Image.open(image).convert("RGB"), np.float32)[:, :, ::-1]  # BGR, as the config says
+        expected = session.run(None, {"x": ((pixels - 127.5) / 127.5).transpose(2, 0, 1)[None]})[0][0]
+        done = subprocess.run([sys.executable, "run_on_board.py", str(image)], cwd=out, capture_output=True,
+                              text=True, env={"PYTHONPATH": str(out)}, check=True)
+        best = int(np.argmax(expected))
+        assert done.stdout.startswith(f"output 0: top-2 {best} ({float(expected[best]):.4g})"), done.stdout
