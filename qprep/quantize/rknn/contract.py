@@ -66,8 +66,9 @@ def pixel_feed(shape, normalization: dict) -> dict:
 
 def output_entries(model: onnx.ModelProto) -> list[dict]:
     """Per output of the model, in model.rknn's order: name, shape, dtype, and the model's character list where
-    its shape says how it is read. The evaluation judges the same outputs (measure/kinds.py): an output it calls
-    `ctc` is per-step scores whose class count fits the dictionary, the one case that gets `ctc_characters`."""
+    its shape says how it is read. Written before the evaluation, so by the shape half of its rule
+    (measure/kinds.py judges an output `ctc` when it is per-step scores whose class count fits the dictionary):
+    a classifier's [N, C] scores never get a CTC dictionary."""
     symbols = ctc.dictionary(model)
     entries = []
     for spec in graph_outputs(model):

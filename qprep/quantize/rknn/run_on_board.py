@@ -88,7 +88,7 @@ def main(sample):
             sys.exit(f"{sample} lacks {', '.join(missing)}: give one array per input name")
         feeds = [array_input(spec["name"], spec["feed"], arrays if sample.endswith(".npy") else arrays[spec["name"]])
                  for spec in specs]
-    elif len(specs) == 1 and specs[0]["feed"].get("values") == "raw pixels":
+    elif len(specs) == 1 and specs[0]["feed"].get("mean_std_applied_by") == "npu":
         feeds = [image_input(specs[0]["feed"], sample)]
     else:
         sys.exit("this model's inputs are not one image the NPU normalizes: give a .npz sample (input_contract.json "

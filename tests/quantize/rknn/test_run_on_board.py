@@ -46,7 +46,7 @@ def _board(tmp_path, contract, outputs=(SCORES,)):
 
 def _run(tmp_path, sample, ok=True):
     done = subprocess.run([sys.executable, "run_on_board.py", str(sample)], cwd=tmp_path, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(tmp_path)})
+                          text=True, env={"PYTHONPATH": str(tmp_path)}, check=False)
     if not ok:
         return done
     assert done.returncode == 0, done.stderr
@@ -150,8 +150,9 @@ def test_the_shipped_contract_and_runner_feed_a_real_image_as_the_calibration_re
     """PP-OCR's direction classifier built for RKNN (BGR, mean/std 127.5, no resize): run_on_board.py on a PNG,
     with the float model standing in for the NPU, gives the class scores of the image as qprep read it."""
     pytest.importorskip("rknn.api", reason="rknn-toolkit2 is not installed (scripts/setup.sh installs it)")
-    import qprep
     from conftest import CALIBRATION, demo_model
+
+    import qprep
 
     ocr = {"channel_order": "bgr", "mean": [127.5], "std": [127.5], "resize": "none"}
     config = {"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
