@@ -326,12 +326,18 @@ def _noise_lines(result: dict) -> list[str]:
 MAX_INPUTS_LISTED = 6  # a decoder with KV-cache inputs: the rest are in the contract
 
 
-def _contract_line(contract: dict | None, image: dict | None) -> str:
+def _described(contract: dict | None) -> bool:
+    """Whether the contract states each input's ONNX input and feed (one written before them is described in
+    general words, never with fields read as what they no longer mean)."""
     inputs = (contract or {}).get("inputs")
-    if not inputs or not all("onnx_input" in entry for entry in inputs):  # written before the contract had them
+    return bool(inputs) and all("onnx_input" in entry for entry in inputs)
+
+
+def _contract_line(contract: dict | None, image: dict | None) -> str:
+    if not _described(contract):  # a report written before the contract was in report.json, or had `feed`
         return ("`input_contract.json`: what to feed each input — names, shapes, dtypes, and for an image input the "
                 "NPU normalizes, its channel order and mean/std")
-    return "`input_contract.json`: what to feed — " + _inputs_text(inputs, image, npu=True)
+    return "`input_contract.json`: what to feed — " + _inputs_text(contract["inputs"], image, npu=True)
 
 
 def _inputs_text(inputs: list[dict], image: dict | None, npu: bool) -> str:
@@ -380,6 +386,9 @@ def _board_line(contract: dict | None) -> str:
     .npz with one array per input name (run_on_board.py)."""
     head = ("`run_on_board.py`: an example runner; on the board: `pip install rknn-toolkit-lite2`, copy the three "
             "files, then ")
+    if contract and not _described(contract):
+        return head + ("`python3 run_on_board.py image.png` for a single input the NPU normalizes, else "
+                       "`python3 run_on_board.py sample.npz` (one array per input name)")
     inputs = [entry for entry in (contract or {}).get("inputs") or [] if not entry.get("ignored")]
     if len(inputs) == 1 and npu_normalized(inputs[0]):
         return head + "`python3 run_on_board.py image.png`"

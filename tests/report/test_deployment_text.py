@@ -81,3 +81,14 @@ def test_a_token_model_lists_each_input_and_the_onnx_runtime_result_follows_the_
     first = files_lines(ort)[0]
     assert first.startswith("`model.onnx`: the qdq model to deploy with ONNX Runtime")
     assert "feed `input_ids`: int64 [1, 128], the values the ONNX model takes" in first
+
+
+def test_a_contract_written_before_onnx_input_and_feed_is_described_in_general_words():
+    """An earlier run's report.json: its flat mean/std are not read as this contract's fields, and the runner's
+    command names both forms its runner takes."""
+    old = {"target_platform": "rk3588", "inputs": [{"name": "x", "shape": [1, 3, 8, 8], "dtype": "float32",
+                                                    "feed": "uint8 pixels, NHWC", "mean": [0, 0, 0], "std": [1, 1, 1]}]}
+    lines = text(rknn_report(old))
+    assert "`input_contract.json`: what to feed each input — names, shapes, dtypes" in lines
+    assert ("`python3 run_on_board.py image.png` for a single input the NPU normalizes, else "
+            "`python3 run_on_board.py sample.npz` (one array per input name)") in lines
