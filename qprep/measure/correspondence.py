@@ -388,6 +388,8 @@ class Propagation:
         if constant is None or constant.size != 1 or (scaling.op_type == "Div" and scaling.input[0] != source.tensor):
             return NOTHING
         factor = float(constant.reshape(-1)[0])
+        if factor == 0 or not np.isfinite(factor):  # a scaling by 0 (or inf) undoes no grid
+            return NOTHING
         factor = 1 / factor if scaling.op_type == "Div" else factor
         return Meaning(scaling.output[0]) if abs(ratio / factor - 1) < 1e-4 else NOTHING
 
@@ -407,7 +409,7 @@ class Propagation:
         return found[0] if len(found) == 1 else None
 
     def close_constant(self, name: str, theirs: str) -> bool:
-        """The result's constant is the float model's up to its rounding (1% of its largest value; channels a
+        """The result's constant is the float model's up to its rounding (half its grid step; channels a
         padding added beyond the float model's cut off). A constant either side computes (a shape), or one too
         large to read, is taken as the same. Smoothing a LayerNorm into the next MatMul scales its gamma and
         beta: that LayerNorm's output is not the float model's."""

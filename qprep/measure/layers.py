@@ -120,7 +120,9 @@ def _dequantized(values: np.ndarray | None, grid: tuple[np.ndarray, np.ndarray] 
     (q - zero point) · scale; a smoothed tensor times its factor per channel (last axis)."""
     if values is not None and grid is not None:
         values = (values.astype(np.float64) - grid[1]) * grid[0]
-    if values is not None and factor is not None and values.ndim and values.shape[-1] == factor.size:
+    if values is not None and factor is not None:
+        if not values.ndim or values.shape[-1] != factor.size:
+            return None  # at another scale per channel than the float tensor: not comparable, never compared
         values = values * factor
     return values
 
