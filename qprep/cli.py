@@ -316,6 +316,12 @@ def cmd_run(args) -> int:
         met = closing_line(report)  # what "met" cost: integer share, speed against FP32
         if met:
             print(f"qprep: {met}", file=sys.stderr if met.startswith("warning:") else sys.stdout)
+            if met.startswith("warning:"):  # mostly float: what made it so and the setting that changes it
+                from qprep.report.float_nodes import mostly_float_text
+
+                cause = mostly_float_text(report).replace("`", "")
+                if cause:
+                    print(f"qprep: {cause}", file=sys.stderr)
         warnings = report.get("warnings", [])
         for warning in warnings[:MAX_TERMINAL_WARNINGS]:
             print(f"qprep: warning: {warning}", file=sys.stderr)
