@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 import qprep
 import qprep.evaluate
 from conftest import CALIBRATION, ROOT, demo_model
+from qprep.errors import QprepError
 from qprep.measure.layers import Drift, LayerComparison
 from qprep.model.runtime import Intermediates
 from qprep.report.layer_chart import band_counts
@@ -63,10 +64,13 @@ def config(name: str) -> dict:
     return cfg
 
 
-def unrounded(model: onnx.ModelProto) -> onnx.ModelProto:
+def unrounded(model: onnx.ModelProto, float_model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with each QuantizeLinear of a computed tensor a Clip to its grid's range and each DequantizeLinear
-    reading one an Identity: the clamps stay (an absorbed Relu is one), the rounding goes."""
+    reading one an Identity: the clamps stay (an absorbed Relu is one), the rounding goes; and each weight or bias
+    that is the float model's rounded (its twin node by name reads a float constant within half a step of it) read
+    unrounded, so a pair of the same value meets at cosine ~1 however deep the network."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
+    _float_weights(model, float_model)
     values = {t.name: t for t in model.graph.initializer}
     constant = set(values) | {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
     for node in model.graph.node:  # constants' Q/DQ (weights) stay as they are
@@ -102,6 +106,45 @@ def unrounded(model: onnx.ModelProto) -> onnx.ModelProto:
     model.graph.node.extend(nodes)
     del model.graph.value_info[:]  # integer tensors are float now
     return model
+
+
+def _float_weights(model: onnx.ModelProto, float_model: onnx.ModelProto) -> None:
+    """Point each node input that is a DequantizeLinear of a constant at the float model's constant, where the
+    same-named node of the same op type reads one of the same shape that the integers round (channel padding, a
+    smoothing factor or a correction change it: those stay rounded)."""
+    values = {t.name: t for t in model.graph.initializer}
+    floats = {t.name: t for t in float_model.graph.initializer}
+    twins = {n.name: n for n in float_model.graph.node}
+    dequantized = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"
+                   and n.input[0] in values and all(i in values for i in n.input[1:] if i)}
+    for node in model.graph.node:
+        twin = twins.get(node.name)
+        if twin is None or twin.op_type != node.op_type:
+            continue
+        for index, name in enumerate(node.input):
+            dq = dequantized.get(name)
+            if dq is None or index >= len(twin.input) or twin.input[index] not in floats:
+                continue
+            weight = numpy_helper.to_array(floats[twin.input[index]]).astype(np.float64)
+            q = numpy_helper.to_array(values[dq.input[0]]).astype(np.float64)
+            if q.ndim != weight.ndim or any(a < b for a, b in zip(q.shape, weight.shape)):
+                continue
+            kept = tuple(slice(0, b) for b in weight.shape)  # channel padding adds channels past the float ones
+            axis = next((a.i for a in dq.attribute if a.name == "axis"), 1) % max(1, q.ndim)
+            shape = [1] * q.ndim
+            scale = numpy_helper.to_array(values[dq.input[1]]).astype(np.float64)
+            zero = (numpy_helper.to_array(values[dq.input[2]]).astype(np.float64) if len(dq.input) > 2 and dq.input[2]
+                    else np.zeros_like(scale))
+            if scale.size > 1:
+                shape[axis] = -1
+                scale, zero = scale.reshape(shape), zero.reshape(shape)
+            dequantized_weight = np.broadcast_to((q - zero) * scale, q.shape).copy()
+            step = np.broadcast_to(scale, q.shape)[kept]
+            if np.all(np.abs(dequantized_weight[kept] - weight) <= 0.5 * step + 1e-6 * np.abs(weight)):
+                dequantized_weight[kept] = weight  # the padded channels keep what they hold (zeros)
+                node.input[index] = twin.input[index] + "/unrounded"
+                model.graph.initializer.append(numpy_helper.from_array(dequantized_weight.astype(np.float32),
+                                                                       node.input[index]))
 
 
 def _dynamic_unrounded(node: onnx.NodeProto, model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -154,14 +197,17 @@ def test_every_compared_pair_computes_the_same_value(tmp_path, monkeypatch, name
 
     monkeypatch.setattr(qprep.evaluate, "LayerComparison", Recording)
     cfg = config(name)
-    report = qprep.run(cfg, force=True, output_dir=str(tmp_path / "out"))
+    try:
+        report = qprep.run(cfg, force=True, output_dir=str(tmp_path / "out"))
+    except QprepError as refused:  # a model the ORT backend refuses in one line has no view to check
+        pytest.skip(f"{name}: refused: {refused}")
     evaluation = report["evaluation"]
     if "models" not in seen:
         pytest.skip(f"{name}: no per-layer comparison ({report['status']})")
     float_model, quantized = seen["models"]
     comparison = LayerComparison(float_model, quantized)
     pairs, factors = comparison.pairs, comparison.factors  # a smoothed tensor: times its factor per channel
-    plain = unrounded(quantized)
+    plain = unrounded(quantized, float_model)
     samples = seen["samples"]
     reference = Intermediates(float_model, [p[0] for p in pairs])
     result = Intermediates(plain, [p[1] for p in pairs])
@@ -174,6 +220,6 @@ def test_every_compared_pair_computes_the_same_value(tmp_path, monkeypatch, name
     mismatched = {t: round(d.figures()["cosine_mean"], 3) for t, d in drifts.items()
                   if d.comparable and d.figures()["cosine_mean"] < SAME}
     assert not mismatched, f"{name}: pairs of different values: {mismatched}"
-    print(name, {k: round(v["cosine_mean"], 5) for k, v in evaluation["outputs"].items()},
+    print(name, {k: v.get("cosine_mean") for k, v in evaluation["outputs"].items()},
           band_counts(evaluation["layers"]), evaluation.get("layers_left_out"))
 
