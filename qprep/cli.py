@@ -434,13 +434,14 @@ def cmd_batch(args) -> int:
 def _evaluated_state(passed: bool, evaluation: dict, run_dir: str) -> str:
     """'met', 'missed', or as the run's report says it, 'met, but mostly float': its result's integer share under
     evaluation.min_integer_share (verdict.mostly_float)."""
+    from qprep import jsonfile
     from qprep.disk.reading import read_json
     from qprep.report.verdict import mostly_float
 
     if not passed:
         return "missed"
     try:  # reevaluate read it already
-        result = read_json(Path(run_dir) / "report.json").get("result") or {}
+        result = jsonfile.numbers(read_json(Path(run_dir) / "report.json")).get("result") or {}
     except (OSError, ValueError):
         return "met"
     return "met, but mostly float" if mostly_float({"evaluation": evaluation, "result": result}) is not None else "met"

@@ -3,7 +3,9 @@ read back from them.
 
 Why: Python's json writes `Infinity`/`NaN` for non-finite floats (an exact result's SQNR is infinite, an
 agreement over zero samples is NaN), which strict parsers (JavaScript, jq, Go) reject. qprep writes them as
-the strings "Infinity", "-Infinity" and "NaN" instead; readers turn those back into floats with `number`.
+the strings "Infinity", "-Infinity" and "NaN" instead; readers turn those back into floats with `number`, or a
+whole record read back (report.json, summary.json) with `numbers`: the views that read a record from disk (compare,
+batch summaries, evaluate) then compute on it as the run did on the record in memory.
 """
 
 from __future__ import annotations
@@ -44,3 +46,13 @@ def number(value):
     if isinstance(value, str) and value in NON_FINITE:
         return NON_FINITE[value]
     return value
+
+
+def numbers(data):
+    """A record as qprep wrote it, with every value "Infinity", "-Infinity" or "NaN" a float again (keys and
+    other strings as they are)."""
+    if isinstance(data, dict):
+        return {key: numbers(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [numbers(value) for value in data]
+    return number(data)

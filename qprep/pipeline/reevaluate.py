@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
+from qprep import jsonfile
 from qprep.config import Config, load_config
 from qprep.contract import Products, RunContext
 from qprep.disk.guard import Guard
@@ -103,7 +104,7 @@ def _check_unchanged(run_dir: Path, inputs: dict, results: dict | None, config: 
 
 def _read_run(run_dir: Path) -> tuple[dict, dict]:
     try:  # read_json: a FIFO or device there is refused, not read forever
-        report, manifest = read_json(run_dir / "report.json"), read_json(run_dir / "manifest.json")
+        report, manifest = jsonfile.numbers(read_json(run_dir / "report.json")), read_json(run_dir / "manifest.json")
     except (OSError, ValueError) as exc:
         what = (f"{exc.filename} is {exc.strerror}" if isinstance(exc, OSError) and exc.errno == errno.EINVAL
                 else "no readable report.json and manifest.json")

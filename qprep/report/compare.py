@@ -31,7 +31,7 @@ def load_record(path: str) -> tuple[str, dict]:
     for candidate in (target, target / "report.json", target / "summary.json"):
         if candidate.is_file():
             try:
-                data = read_json(candidate)
+                data = jsonfile.numbers(read_json(candidate))
             except (ValueError, OSError) as exc:  # not JSON, not UTF-8, not readable
                 raise QprepError(f"compare: cannot read {candidate} as JSON ({_reason(exc)})") from None
             if not isinstance(data, dict):

@@ -11,6 +11,7 @@ from html import escape
 from pathlib import Path
 
 from qprep.disk.reading import read_json
+from qprep import jsonfile
 from qprep.jsonfile import number
 from qprep.measure.metrics import main_agreement
 from qprep.report.float_nodes import float_count
@@ -26,7 +27,7 @@ def summary_row(name: str, run_dir: Path, seconds: float | None, error: str = ""
     row = {"model": name, "status": status or "ok", "run_dir": str(run_dir), "error": error, "note": note,
            "seconds": None if seconds is None else round(seconds, 1)}
     try:
-        report = read_json(run_dir / "report.json")
+        report = jsonfile.numbers(read_json(run_dir / "report.json"))
     except (OSError, ValueError):
         return row
     if status is None:

@@ -5,11 +5,15 @@ on held-out samples once showed its evaluation figures, and an RKNN run its floa
 from __future__ import annotations
 
 import json
+import math
+
+import pytest
 
 from synthetic_report import report
 
 from qprep.measure.gate import check_gate
-from qprep.report.compare import compare, metrics_of, render_html, render_markdown, render_text
+from qprep.report.compare import (compare, facts_of, load_record, metrics_of, render_html, render_markdown,
+                                  render_text)
 from qprep.report.summary import render_summary_html, render_summary_md, summary_row
 from qprep.report.verdict import check_text, decided_by, deciding_check, sample_set, verdict
 
@@ -118,3 +122,21 @@ def _summary(tmp_path, row: dict):
     (tmp_path / "batch").mkdir()
     (tmp_path / "batch" / "summary.json").write_text(json.dumps({"models": [row]}))
     return tmp_path / "batch"
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_record_read_back_from_disk_computes_as_the_run_did_on_non_finite_figures(tmp_path, value):
+    """report.json writes a non-finite figure as a string ("Infinity": an exact result's SQNR); every view that
+    reads the record from disk (compare, batch summaries) turns it back into the float before it computes, so an
+    exact result compares instead of failing as 'not a qprep report'."""
+    from qprep import jsonfile
+    data = report(gate={"passed": True, "checks": [
+        {"metric": "cosine_mean", "threshold": 0.99, "value": 1.0, "passed": True, "kind": "minimum"},
+        {"metric": "mean_sqnr_db", "threshold": 17.0, "value": value, "passed": value > 17, "kind": "minimum"}]})
+    data["evaluation"]["outputs"]["logits"]["sqnr_db"] = value
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text(jsonfile.dumps(data))
+    kind, loaded = load_record(str(run))
+    assert facts_of(kind, loaded)["decided by"]
+    assert summary_row("net", run, 1.0)["decided_by"]
