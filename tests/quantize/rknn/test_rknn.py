@@ -140,7 +140,9 @@ def test_fallback_ranks_by_accuracy_analysis_and_builds_float16_layers(tmp_path)
     config = {"model": str(demo_model("ppocr_cls.onnx")), "inputs": {"x": [1, 3, 48, 192]},
               "calibration": {"source": str(CALIBRATION / "ocr_cls" / "calib"), "max_samples": 8, "preprocess": OCR},
               "evaluation": {"source": str(CALIBRATION / "ocr_cls" / "eval"), "max_samples": 12, "preprocess": OCR,
-                             "latency": {"runs": 0}, "layers": False},
+                             "latency": {"runs": 0}, "layers": False,
+                             # judged by its cosine, which no build reaches (as a two-class decision it is met)
+                             "tasks": {"save_infer_model/scale_0.tmp_1": "classification"}},
               "pipeline": [{"optimize": {}}, {"quantize": {"backend": "rknn", "fallback": {
                   "target": {"cosine_mean": 0.9999999}, "max_float_nodes": 3, "time_budget_s": 90}}}]}
     report = qprep.run(config, output_dir=str(tmp_path), force=True)
