@@ -245,3 +245,17 @@ def power_samples(count: int, seed: int = 0, with_mask: bool = False) -> list[di
     return [{"x": (10.0 ** rng.uniform(2, 7, (1, 64))).astype(np.float32),
              **({"scores": rng.standard_normal((1, 4)).astype(np.float32)} if with_mask else {})}
             for _ in range(count)]
+
+
+def outlier_model() -> onnx.ModelProto:
+    """x[1,16] → MatMul → Mul(one channel × 1000) → MatMul → y: one per-tensor range for all channels, so the
+    all-int8 result is far from FP32 and the fallback has nodes to keep float (nodes first, outlier, second)."""
+    rng = np.random.default_rng(0)
+    scale = np.ones(16, np.float32)
+    scale[3] = 1000.0
+    inits = {"w1": rng.standard_normal((16, 16)).astype(np.float32), "s": scale,
+             "w2": (rng.standard_normal((16, 8)) / np.where(scale > 1, 1000, 1)[:, None]).astype(np.float32)}
+    return make_model([helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
+                       helper.make_node("Mul", ["h", "s"], ["m"], name="outlier"),
+                       helper.make_node("MatMul", ["m", "w2"], ["y"], name="second")],
+                      [("x", [1, 16])], [("y", [1, 8])], inits, name="outlier", infer_shapes=False)

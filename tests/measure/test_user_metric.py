@@ -8,10 +8,9 @@ import numpy as np
 import onnx
 import pytest
 import yaml
-from onnx import helper
 
 from conftest import CALIBRATION, demo_model
-from graphs import make_model
+from graphs import outlier_model
 from qprep.config import load_config
 from qprep.errors import EXIT_USAGE, ConfigError
 from qprep.measure.gate import check_gate
@@ -41,20 +40,6 @@ def accuracy(outputs, samples):
 def own_table(outputs, samples):
     return {"a": 1.0}["b"]
 '''
-
-
-def outlier_model() -> onnx.ModelProto:
-    """x[1,16] → MatMul → Mul(one channel × 1000) → MatMul → y: one per-tensor range for all channels, so the
-    all-int8 result is far from FP32 and the fallback has nodes to keep float."""
-    rng = np.random.default_rng(0)
-    scale = np.ones(16, np.float32)
-    scale[3] = 1000.0
-    inits = {"w1": rng.standard_normal((16, 16)).astype(np.float32), "s": scale,
-             "w2": (rng.standard_normal((16, 8)) / np.where(scale > 1, 1000, 1)[:, None]).astype(np.float32)}
-    return make_model([helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
-                       helper.make_node("Mul", ["h", "s"], ["m"], name="outlier"),
-                       helper.make_node("MatMul", ["m", "w2"], ["y"], name="second")],
-                      [("x", [1, 16])], [("y", [1, 8])], inits, name="outlier", infer_shapes=False)
 
 
 @pytest.fixture

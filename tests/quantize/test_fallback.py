@@ -13,7 +13,7 @@ from qprep.quantize.search import rounds
 from qprep.quantize.budget import Budget
 from qprep.errors import ConfigError
 from conftest import run_config, typed
-from graphs import make_model
+from graphs import make_model, outlier_model
 
 OPTIONS = {"target": {"cosine_mean": 0.99}, "max_float_nodes": 8, "time_budget_s": 60, "rank_samples": 2,
            "max_candidates": 10, "block": 1}
@@ -186,24 +186,11 @@ def test_a_search_that_starts_too_late_for_one_slow_trial_builds_the_faster_way_
     assert outcome.passed and outcome.record["faster_from_trial"] == 1 and len(outcome.float_nodes) == 3
 
 
-def _outlier_model():
-    """x[1,16] → MatMul → Mul(one channel × 1000) → MatMul → y: one per-tensor range for all channels."""
-    rng = np.random.default_rng(0)
-    scale = np.ones(16, np.float32)
-    scale[3] = 1000.0
-    inits = {"w1": rng.standard_normal((16, 16)).astype(np.float32), "s": scale,
-             "w2": (rng.standard_normal((16, 8)) / np.where(scale > 1, 1000, 1)[:, None]).astype(np.float32)}
-    return make_model([helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
-                       helper.make_node("Mul", ["h", "s"], ["m"], name="outlier"),
-                       helper.make_node("MatMul", ["m", "w2"], ["y"], name="second")],
-                      [("x", [1, 16])], [("y", [1, 8])], inits, name="outlier", infer_shapes=False)
-
-
 @pytest.fixture
 def outlier_config(tmp_path):
     import onnx
 
-    onnx.save(_outlier_model(), str(tmp_path / "m.onnx"))
+    onnx.save(outlier_model(), str(tmp_path / "m.onnx"))
     for split, count in (("calib", 16), ("eval", 32)):
         (tmp_path / split).mkdir()
         rng = np.random.default_rng(len(split))
@@ -435,7 +422,7 @@ def test_ort_calibrate_method_mse_runs_and_is_recorded(outlier_config):
 def test_edges_group_a_tensors_producer_and_consumers_in_ranked_order():
     from qprep.quantize.ort.search import edges
 
-    model = _outlier_model()  # x → first → h → outlier → m → second → y
+    model = outlier_model()  # x → first → h → outlier → m → second → y
     grouped = edges(model, ["second", "outlier", "first"])  # ranked: second lost most
     assert grouped == {"m": ("outlier", "second"), "y": ("second",), "h": ("first", "outlier"), "x": ("first",)}
     assert list(grouped)[:2] == ["m", "y"]  # both contain "second", m first in graph order
