@@ -7,6 +7,7 @@ import copy
 
 import numpy as np
 
+from qprep.measure.gate import check_gate
 from qprep.measure.metrics import compare_output
 
 _BASE = {
@@ -57,4 +58,13 @@ def report(gate: dict | None = None, heldout: bool = False, layer_cosines: list[
         evaluation["gate"] = {**gate, "judged_on": "heldout" if heldout else "evaluation"}
     evaluation["layers"] = layers(layer_cosines if layer_cosines is not None else [0.99999, 0.9995, 0.995, 0.93])
     data["evaluation"] = evaluation
+    return data
+
+
+def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
+    """A report whose gate is checked on the set it would be judged on, as evaluate() does."""
+    data = report(heldout=heldout)
+    evaluation = data["evaluation"]
+    outputs = (evaluation["heldout"] if heldout else evaluation)["outputs"]
+    evaluation["gate"] = {**check_gate(gate, outputs, floor=floor), "judged_on": "heldout" if heldout else "evaluation"}
     return data

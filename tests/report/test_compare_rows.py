@@ -9,22 +9,12 @@ import math
 
 import pytest
 
-from synthetic_report import report
+from synthetic_report import judged, report
 
-from qprep.measure.gate import check_gate
 from qprep.report.compare import (compare, facts_of, load_record, metrics_of, render_html, render_markdown,
                                   render_text)
 from qprep.report.summary import render_summary_html, render_summary_md, summary_row
 from qprep.report.verdict import check_text, decided_by, deciding_check, sample_set, verdict
-
-
-def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
-    """A report whose gate is checked on the set it would be judged on, as evaluate() does."""
-    data = report(heldout=heldout)
-    evaluation = data["evaluation"]
-    outputs = (evaluation["heldout"] if heldout else evaluation)["outputs"]
-    evaluation["gate"] = {**check_gate(gate, outputs, floor=floor), "judged_on": "heldout" if heldout else "evaluation"}
-    return data
 
 
 def rknn(data: dict) -> dict:

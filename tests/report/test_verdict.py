@@ -3,21 +3,12 @@ samples it was judged on, then the task figures per output, then the warnings.""
 
 from __future__ import annotations
 
-from synthetic_report import report
+from synthetic_report import judged, report
 
 from qprep.measure.gate import check_gate
 from qprep.report.html import render_html
 from qprep.report.markdown import render_markdown
 from qprep.report.verdict import MET, MISSED, NOT_MEASURED, check_text, deciding_check, verdict
-
-
-def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
-    """A report whose gate is checked on the set it would be judged on, as evaluate() does."""
-    data = report(heldout=heldout)
-    evaluation = data["evaluation"]
-    outputs = (evaluation["heldout"] if heldout else evaluation)["outputs"]
-    evaluation["gate"] = {**check_gate(gate, outputs, floor=floor), "judged_on": "heldout" if heldout else "evaluation"}
-    return data
 
 
 def test_met_names_the_tightest_check_and_the_samples():
