@@ -1,7 +1,9 @@
 """`qprep compare A B [C…]`: runs (run directories, report.json or batch summary.json) side by side.
 
 Every column after the first shows its delta to the first; a delta in the worse direction beyond a
-`--fail-on-regression METRIC=THRESHOLD` makes the command exit 1 (for CI). One run alone is shown as its
+`--fail-on-regression METRIC=THRESHOLD` makes the command exit 1 (for CI). A latency delta is worse only beyond
+both runs' timing spreads (`spreads_of`), and the original model's latency never is: timing noise is not a
+regression of the result. One run alone is shown as its
 result against its FP32 reference. Above the figures: each run's status, verdict, the figure that decided it
 and the samples it was measured on, the backend and the model to deploy. The figures are those of the set the
 verdict judged (the held-out samples when given, `judged_outputs`), so no column shows another figure than the
@@ -164,14 +166,16 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
             raise QprepError(f"--fail-on-regression {metric}: no run reports this metric "
                              f"(metrics: {', '.join(sorted(m for m in known if '.' not in m))})")
     facts = [read_metrics(path, kind, data, lambda d, k=kind: facts_of(k, d)) for path, kind, data in records]
+    spreads = [read_metrics(path, kind, data, lambda d, k=kind: spreads_of(k, d)) for path, kind, data in records]
     rows, regressions = _fact_rows(facts), []
     for metric in dict.fromkeys(m for v in values for m in v):
         base = values[0].get(metric)
         cells = []
-        for column, v in zip(columns[1:], values[1:]):
+        for column, v, spread in zip(columns[1:], values[1:], spreads[1:]):
             value = v.get(metric)
             delta = None if value is None or base is None else (0.0 if value == base else value - base)  # inf = inf
-            worse = delta is not None and (delta < 0 if _higher(metric) else delta > 0)
+            worse = (delta is not None and (delta < 0 if _higher(metric) else delta > 0) and not _unjudged(metric)
+                     and _beyond_noise(spreads[0].get(metric), spread.get(metric), _higher(metric)))
             cells.append({"value": value, "delta": delta, "worse": worse})
             threshold = _threshold(metric, fail_on)
             if worse and threshold is not None and abs(delta) > threshold:
@@ -179,6 +183,47 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
                                     "delta": delta, "threshold": threshold})
         rows.append({"metric": metric, "base": base, "others": cells})
     return {"columns": columns, "rows": rows, "regressions": regressions, "notes": _set_notes(facts)}
+
+
+def spreads_of(kind: str, data: dict) -> dict[str, tuple[float, float]]:
+    """Latency metric → (low, high) that one run's timing cannot tell apart from its median: its rounds' medians
+    and the median's 95% interval (latency.interval); for a speed ratio its rounds' ratios (paired: the models
+    timed in turn), both timings' intervals when it had one round. Why: two runs of the same model differ by
+    timing noise; only a difference beyond both runs' spreads is the result's. A summary records no spread: its
+    deltas stand as measured."""
+    latency = (data.get("evaluation") or {}).get("latency") or {} if kind == "report" else {}
+    spreads = {}
+    for metric, label in zip(LATENCY_MS, ("reference", "optimized", "result")):
+        timing = latency.get(label) or {}
+        if jsonfile.number(timing.get("median_ms")) is not None:
+            spreads[f"latency.{metric}"] = _timing_spread(timing)
+    if jsonfile.number(latency.get("speedup")) is not None and "result" in latency and "reference" in latency:
+        rounds = [jsonfile.number(r) for r in latency.get("speedup_rounds") or []]
+        if len(latency["result"].get("round_ms") or []) < 2:  # timed in one round: the intervals say its noise
+            (low_ref, high_ref), (low_res, high_res) = (_timing_spread(latency[s]) for s in ("reference", "result"))
+            rounds += [low_ref / high_res, high_ref / low_res if low_res > 0 else math.inf]
+        rounds = [r for r in rounds if r is not None] or [latency["speedup"]]
+        spreads["latency.speedup"] = (min(rounds), max(rounds))
+    return spreads
+
+
+def _timing_spread(timing: dict) -> tuple[float, float]:
+    median, share = timing["median_ms"], jsonfile.number(timing.get("interval")) or 0.0
+    rounds = [r for r in map(jsonfile.number, timing.get("round_ms") or []) if r is not None]
+    return min([*rounds, median * (1 - share)]), max([*rounds, median * (1 + share)])
+
+
+def _beyond_noise(base: tuple | None, other: tuple | None, higher: bool) -> bool:
+    """Is a difference outside both runs' spreads (their ranges apart)? Without a spread on either side (a
+    summary, a report from before spreads were read) the difference counts as measured."""
+    if base is None or other is None:
+        return True
+    return other[1] < base[0] if higher else other[0] > base[1]
+
+
+def _unjudged(metric: str) -> bool:
+    """The original model's latency: the same input model timed again, never a result's regression."""
+    return metric.rsplit(".", 1)[-1] == "original_ms"
 
 
 STATUS_RANK = {"ok": 0, "gate missed": 1, "refused": 2, "failed": 2, "interrupted": 2, "running": 2}

@@ -9,7 +9,8 @@ or when every check passed the one closest to its threshold.
 
 A met verdict also says what it cost: the share of multiply-adds on integers and the speed against FP32, since
 a gate can be met by leaving most of a model float at no gain in speed; under `evaluation.min_integer_share` the
-verdict reads "met, but mostly float". A figure that was not measured (an
+verdict reads "met, but mostly float". A speed whose timing rounds disagreed (latency's `unstable`) says so
+with its range: one ratio would read as steady. A figure that was not measured (an
 fp16 result, a compiled .rknn, latency off) is said to be, never guessed.
 """
 
@@ -97,7 +98,12 @@ def _speed_text(report: dict) -> str:
     latency = evaluation.get("latency")
     float_reference = (report.get("model") or {}).get("kind") == "float" or "reference_model" in report
     if latency and latency.get("speedup") is not None:
-        return f"{latency['speedup']:.2f}× " + ("FP32" if float_reference else "the input model's speed")
+        text = f"{latency['speedup']:.2f}× " + ("FP32" if float_reference else "the input model's speed")
+        rounds = latency.get("speedup_rounds")
+        if latency.get("unstable"):  # the report's note says why; the cost line must not read as a steady figure
+            text += (f", unsteady: {min(rounds):.2f}×–{max(rounds):.2f}× across timing rounds" if rounds
+                     else ", unsteady across timing rounds")
+        return text
     if latency is None:
         return "speed not measured (`evaluation.latency.runs: 0`)"
     if latency.get("status", "").startswith("not measured"):

@@ -101,3 +101,36 @@ def test_compare_lists_the_three_latencies_of_runs_and_summaries(tmp_path):
     assert single["latency.optimized_float_ms"]["base"] == 30.0
     assert single["latency.optimized_float_ms"]["others"][0]["value"] == 25.0
     assert single["latency.optimized_float_ms (ORT_ENABLE_BASIC)"]["others"][0]["value"] == 28.0
+
+
+def noisy(ms: float, rounds: list[float]) -> dict:
+    return {**timing(ms), "round_ms": rounds, "interval": 0.03}
+
+
+def test_compare_marks_a_latency_worse_only_beyond_both_runs_timing_spreads(tmp_path):
+    """Two runs of the same model: the original's latency moved by timing noise and compare called it a
+    regression. Within the runs' round spreads and intervals a delta is not worse; the original model's latency
+    never is a result's regression; a delta beyond both spreads still is."""
+    def run(name: str, original: float, result: float, spread: float) -> str:
+        latency = timed(optimized=None, basic=None, result=None)
+        latency.update(reference=noisy(original, [original * (1 - spread), original, original * (1 + spread)]),
+                       result=noisy(result, [result * (1 - spread), result, result * (1 + spread)]),
+                       speedup=original / result, speedup_rounds=[original / result * (1 - spread),
+                                                                  original / result * (1 + spread)])
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(with_latency(latency)))
+        return str(tmp_path / name)
+
+    a, same, slower = run("a", 30.0, 12.0, 0.05), run("same", 31.0, 12.5, 0.05), run("slower", 90.0, 40.0, 0.05)
+    fail_on = {"original_ms": 0.0, "result_ms": 0.0, "speedup": 0.0}
+    within = compare([a, same], fail_on)
+    rows = {r["metric"]: r["others"][0] for r in within["rows"]}
+    assert rows["latency.original_ms"]["delta"] == 1.0 and not rows["latency.original_ms"]["worse"]
+    assert rows["latency.result_ms"]["delta"] == 0.5 and not rows["latency.result_ms"]["worse"]
+    assert rows["latency.speedup"]["delta"] < 0 and not rows["latency.speedup"]["worse"]
+    assert within["regressions"] == []
+    beyond = compare([a, slower], fail_on)
+    rows = {r["metric"]: r["others"][0] for r in beyond["rows"]}
+    assert rows["latency.result_ms"]["worse"] and rows["latency.speedup"]["worse"]
+    assert not rows["latency.original_ms"]["worse"]  # the same input model, timed again: never the result's
+    assert {r["metric"] for r in beyond["regressions"]} == {"latency.result_ms", "latency.speedup"}

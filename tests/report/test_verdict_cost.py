@@ -86,6 +86,24 @@ def test_figures_that_were_not_measured_are_said_to_be():
                                  "model's speed")
 
 
+def test_a_speed_whose_rounds_disagreed_is_said_to_be_unsteady():
+    """latency's `unstable` (the rounds' ratios differ by over 15%) reaches the cost line with the rounds' range:
+    "1.03× FP32" alone read as a steady figure while the report's notes said it was not."""
+    from qprep.measure.latency import speedups
+
+    data = costed(speedup=1.03)
+    latency = data["evaluation"]["latency"]
+    latency.update(speedups({"median_ms": 1.03, "round_ms": [0.9, 1.03, 1.2]},
+                            {"median_ms": 1.0, "round_ms": [1.0] * 3}))
+    assert latency["unstable"]
+    assert verdict(data).cost == ("97% of the multiply-adds on integers, 1.03× FP32, unsteady: 0.90×–1.20× across "
+                                  "timing rounds")
+    steady = costed(speedup=1.03)
+    steady["evaluation"]["latency"].update(speedups({"median_ms": 1.03, "round_ms": [1.0, 1.03, 1.05]},
+                                                    {"median_ms": 1.0, "round_ms": [1.0] * 3}))
+    assert verdict(steady).cost.endswith("1.03× FP32")
+
+
 def test_the_floor_is_one_evaluation_key_resolved_with_the_config():
     base = {"model": "m.onnx", "evaluation": {"source": "d"}}
     assert load_config(base)["evaluation"]["min_integer_share"] == 0.5
