@@ -17,6 +17,7 @@ is better; `metric_drop` (how much worse than FP32) a maximum.
 An agreement is a rate over samples: on 48 samples one flip moves it 2.1%, so a 97% threshold inside the
 figure's 95% interval is marked `undecided` (the sample count cannot tell it from the threshold), and with
 `undecided_passes` (the fallback's few samples kept apart) such a figure passes: only one clearly below fails.
+The user's metric gets the same mark from its own interval (user_metric.spread).
 """
 
 from __future__ import annotations
@@ -121,17 +122,25 @@ def _check(key: str, threshold: float, values: list, names: list[str], floor: bo
 
 
 def _undecided(check: dict, outputs: dict, passes: bool) -> dict:
-    """An agreement check whose threshold lies inside the worst output's 95% interval: marked, and passed when
-    `passes` (see the module doc)."""
-    metric = check["metric"].rpartition(".")[2]
-    m = outputs.get(check.get("worst_output"), {})
-    interval = m.get(f"{metric}_ci95") if metric.endswith("_agreement") else None
+    """An agreement check whose threshold lies inside the worst output's 95% interval, or a check of the user's
+    metric inside its own (user_metric.intervals): marked, and passed when `passes` (see the module doc)."""
+    output, _, metric = check["metric"].rpartition(".")
+    if metric in KEYS and not output:
+        m = outputs.get(ENTRY) or {}
+        count = m.get("samples", "?")
+    elif metric.endswith("_agreement"):
+        m = outputs.get(check.get("worst_output"), {})
+        count = m.get(metric.replace("_agreement", "_count"), "?")
+    else:
+        return check
+    interval = m.get(f"{metric}_ci95")
     if not interval or None in interval or check["value"] is None:
         return check
     low, high = interval
-    if low < check["threshold"] <= high:
-        check = {**check, "undecided": f"{m.get(metric.replace('_agreement', '_count'), '?')} samples: 95% interval "
-                                        f"{100 * low:.1f}–{100 * high:.1f}% holds the threshold"}
+    inside = low <= check["threshold"] < high if check.get("kind") == "maximum" else low < check["threshold"] <= high
+    if inside:
+        shown = f"{low:.4g}–{high:.4g}" if m is outputs.get(ENTRY) else f"{100 * low:.1f}–{100 * high:.1f}%"
+        check = {**check, "undecided": f"{count} samples: 95% interval {shown} holds the threshold"}
         if passes and not check["passed"] and "reason" not in check:
             check["passed"] = True
     return check

@@ -141,7 +141,8 @@ def test_the_function_sees_the_npz_labels_and_the_file_and_errors_are_the_users(
     off = [{"y": s["target"] + 0.5} for s in seen]
     assert metric.figures(expected, off, seen, "the evaluation samples") == {
         "function": "errors.py:mae", "spec": f"{folder / 'errors.py'}:mae", "direction": "lower", "samples": 32,
-        "reference_metric": 0.0, "metric": pytest.approx(0.5), "metric_drop": pytest.approx(0.5)}
+        "reference_metric": 0.0, "metric": pytest.approx(0.5), "metric_drop": pytest.approx(0.5),
+        "metric_ci95": pytest.approx([0.5, 0.5]), "metric_drop_ci95": pytest.approx([0.5, 0.5])}
     for name, said in (("broken", "raised KeyError: 'no_such_output' on the FP32 reference's outputs on the "
                                   r"evaluation samples: the outputs are y \(no 'no_such_output'\); fix the function"),
                        ("text", "returned str on the FP32 reference's outputs on the evaluation samples; return "
@@ -290,3 +291,29 @@ def test_the_fallback_line_reads_a_metric_target_in_its_direction(direction, sig
               "seconds": 1.0, "best": {"metrics": figures}, "base": {"metrics": figures}, "trials": []}
     line, _ = fallback_tables({"fallback": record})
     assert line.startswith(f"Target metric {sign} 0.9, metric_drop ≤ 0.01:")
+
+
+def test_a_metric_gate_the_sample_count_cannot_decide_says_so_in_the_verdict(tmp_path):
+    """Accuracy against labels on 48 samples, 46 right (0.958) against a gate of 0.97: one sample is 2.1%, so the
+    miss is within the figure's noise and the verdict says the sample count cannot decide, as it does for an
+    agreement; 48 of 48 is decided."""
+    from qprep.report.verdict import check_text
+
+    (tmp_path / "acc.py").write_text(MAE)
+    metric = UserMetric(f"{tmp_path / 'acc.py'}:accuracy")
+    samples = [{"x": np.zeros(1, np.float32), "label": np.int64(i % 4)} for i in range(48)]
+    expected = [{"y": np.eye(4, dtype=np.float32)[i % 4]} for i in range(48)]
+    actual = [{"y": np.eye(4, dtype=np.float32)[(i + (i < 2)) % 4]} for i in range(48)]  # two samples wrong
+    figures = metric.figures(expected, actual, samples, "the evaluation samples")
+    assert figures["metric"] == pytest.approx(46 / 48) and figures["metric_drop"] == pytest.approx(2 / 48)
+    low, high = figures["metric_ci95"]
+    assert low < 0.97 < high
+    check, = check_gate({"metric": 0.97}, {ENTRY: figures})["checks"]
+    assert not check["passed"] and check["undecided"].startswith("48 samples: 95% interval ")
+    assert "(too few to decide: 48 samples: 95% interval" in check_text(check)
+    drop, = check_gate({"metric_drop": 0.01}, {ENTRY: figures})["checks"]
+    assert "undecided" in drop
+    assert check_gate({"metric": 0.97}, {ENTRY: figures}, undecided_passes=True)["passed"]  # as for agreements
+    exact = metric.figures(expected, expected, samples, "the evaluation samples")
+    check, = check_gate({"metric": 0.97}, {ENTRY: exact})["checks"]
+    assert check["passed"] and "undecided" not in check and exact["metric_drop_ci95"] == [0.0, 0.0]
