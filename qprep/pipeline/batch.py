@@ -41,6 +41,24 @@ def dir_name(name: str, used: set[str]) -> str:
     return unique_name(name.removesuffix(".onnx").replace(os.sep, "__"), used, separator="-")
 
 
+def _onnx_entries(folder: Path, recursive: bool, skipped: dict[str, str]) -> list[Path]:
+    """The entries named *.onnx, sorted; with `recursive`, in every subfolder too (not through symlinked folders,
+    as before). A subfolder that cannot be listed is put in `skipped` with why, never passed over in silence: its
+    models would be missing from the summary with nothing to say so."""
+    if not recursive:
+        return sorted(folder.glob("*.onnx"))
+    found = []
+
+    def unreadable(error: OSError) -> None:
+        where = Path(error.filename)
+        name = str(where.relative_to(folder)) if folder in where.parents else str(where)
+        skipped[name + os.sep] = f"a folder that cannot be listed ({error.strerror}); its models were not looked for"
+
+    for top, dirs, files in os.walk(folder, onerror=unreadable):
+        found += [Path(top) / name for name in files + dirs if name.endswith(".onnx")]
+    return sorted(found)
+
+
 def find_models(folder: Path, recursive: bool) -> tuple[list[Path], dict[str, str]]:
     """The models to run, and the entries named *.onnx skipped with why (a FIFO would block the batch on its
     first read, a device or socket is no model)."""
@@ -49,7 +67,7 @@ def find_models(folder: Path, recursive: bool) -> tuple[list[Path], dict[str, st
     if not os.access(folder, os.R_OK | os.X_OK):  # else it would read as a folder without models
         raise QprepError(f"batch: cannot list the model folder {folder} (permission denied); give this user access")
     models, skipped = [], {}
-    for entry in sorted(folder.rglob("*.onnx") if recursive else folder.glob("*.onnx")):
+    for entry in _onnx_entries(folder, recursive, skipped):
         if entry.name.startswith("."):
             continue
         try:

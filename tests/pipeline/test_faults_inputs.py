@@ -11,12 +11,13 @@ import os
 import subprocess
 import sys
 
+import onnx
 import pytest
 from PIL import Image
 
 from conftest import ROOT
-from graphs import make_model
-from faults import CAN_BE_DENIED, assert_one_line, digests, project, qprep
+from graphs import make_model, tiny_conv_model
+from faults import CAN_BE_DENIED, UNPRIVILEGED, assert_one_line, digests, project, qprep
 
 pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest -m "not slow"` skips them
 
@@ -285,3 +286,25 @@ def test_ids_beyond_the_embedding_table_are_refused_before_the_run_directory(tmp
     assert_one_line(qprep("validate", config), 2, *phrases)
     assert_one_line(qprep("run", config, "--quiet"), 2, *phrases)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not CAN_BE_DENIED, reason=ROOT_SKIP)
+def test_batch_recursive_names_a_subfolder_it_cannot_list(tmp_path):
+    """`--recursive` over a subfolder that cannot be listed: its models would be missing from the summary with
+    nothing to say so; the batch names the folder as skipped instead."""
+    models = tmp_path / "models"
+    (models / "locked").mkdir(parents=True)
+    for path in (models / "a.onnx", models / "locked" / "b.onnx"):
+        onnx.save(tiny_conv_model(batch=1), str(path))
+    (models / "locked").chmod(0)
+    try:
+        script = ("import json, sys; from pathlib import Path; from qprep.pipeline.batch import find_models; "
+                  "found, skipped = find_models(Path(sys.argv[1]), True); "
+                  "print(json.dumps([[p.name for p in found], skipped]))")
+        done = subprocess.run([*UNPRIVILEGED, sys.executable, "-c", script, str(models)], capture_output=True, text=True,
+                              cwd=ROOT, timeout=60)
+    finally:
+        (models / "locked").chmod(0o755)
+    found, skipped = json.loads(done.stdout)
+    assert found == ["a.onnx"]
+    assert list(skipped) == ["locked" + os.sep] and "cannot be listed" in skipped["locked" + os.sep]
