@@ -2,7 +2,8 @@
 
 Everything is validated before any work starts; errors name the key path and the closest valid key.
 Relative paths in the file resolve against the config file's folder; paths given on the command line
-(`--model`, `--out`, `--set` on a path key) resolve against the current directory.
+(`--model`, `--out`, `--set` on a path key or on evaluation.metric's module) resolve against the current
+directory (`located`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ def data_source(doc: str) -> Key:
 DEFAULT_FLOOR = {"cosine_mean": 0.9}  # a collapse, not a target: INT8 results that work are far above it
 
 
+# the one key whose value names a module, located like a path (`located`): a file beside where it is written
+METRIC = Key("str", doc="your own metric, `module:function` (a module beside the config, a file.py path relative "
+                       "to it, or an importable module): fn(outputs, samples) -> float over one model's outputs "
+                       "(samples hold the inputs, the .npz's other arrays such as `label`, and `file`); "
+                       "reported for FP32 and the result, judged by the gate keys `metric` and `metric_drop`")
+
+
 def evaluation_section() -> Key:
     key = data_source("evaluation after the last stage: the result against the FP32 reference")
     key.fields.update(
@@ -93,10 +101,7 @@ def evaluation_section() -> Key:
                                 "accuracy of reference and result on classification outputs"),
         label_names=Key("list", item=Key("str"), doc="class names in output order, when labels are names "
                                                      "(e.g. ['0', '180']); default: labels are class indices"),
-        metric=Key("str", doc="your own metric, `module:function` (a module beside the config, a file.py path relative "
-                              "to it, or an importable module): fn(outputs, samples) -> float over one model's outputs "
-                              "(samples hold the inputs, the .npz's other arrays such as `label`, and `file`); "
-                              "reported for FP32 and the result, judged by the gate keys `metric` and `metric_drop`"),
+        metric=METRIC,
         metric_direction=Key("str", default="higher", choices=("higher", "lower"),
                              doc="whether a higher or a lower value of evaluation.metric is better (lower: an error "
                                  "rate; `metric` is then a maximum and `metric_drop` the rise)"),
@@ -194,9 +199,6 @@ def merge_overlay(raw: dict, overlay_path: Path) -> None:
     stages = overlay.pop("pipeline", None) or []
     if not isinstance(stages, list):
         raise ConfigError(f"{overlay_path}: pipeline: expected a list of `- <stage>: {{options}}` to merge")
-    evaluation = overlay.get("evaluation")
-    if isinstance(evaluation, dict) and isinstance(evaluation.get("metric"), str):  # beside the overlay, as its paths
-        evaluation["metric"] = user_metric.resolve(evaluation["metric"], folder)
     _merge(raw, _absolute_paths(overlay, SCHEMA, folder))
     for item in stages:
         if not isinstance(item, dict) or len(item) != 1:
@@ -222,10 +224,21 @@ def _merge(target: dict, update: dict) -> None:
             target[key] = copy.deepcopy(value)
 
 
+def located(value: Any, key: Key, folder: Path) -> Any:
+    """A value that names a file (a `path` key, or METRIC's module) resolved against the folder where it was
+    written: the config's or an overlay's folder for a file's value, the current directory for `--set`. One rule
+    for every such key, so a file named on the command line is the one beside the user, not beside the config."""
+    if not isinstance(value, str):
+        return value
+    if key.kind == "path":
+        return str((folder / Path(value).expanduser()).resolve())
+    return user_metric.resolve(value, folder) if key is METRIC else value
+
+
 def _absolute_paths(value: Any, key: Key, folder: Path) -> Any:
     """`value` with every relative path its schema declares made absolute against `folder`."""
-    if key.kind == "path" and isinstance(value, str):
-        return str((folder / Path(value).expanduser()).resolve())
+    if key.kind == "path" or key is METRIC:
+        return located(value, key, folder)
     if key.kind == "section" and isinstance(value, dict):
         return {name: _absolute_paths(sub, key.fields[name], folder) if name in key.fields else sub
                 for name, sub in value.items()}
@@ -368,14 +381,14 @@ def run_overrides(sets, model=None, out=None) -> dict[str, Any]:
 def set_key(raw: dict, key_path: str, value: Any, cwd: Path) -> None:
     """Apply one override to the raw config; `pipeline.<stage>.x` means the (single) stage of that name.
 
-    Unknown keys are left for validation to report; a relative value for a path key resolves against `cwd`.
+    Unknown keys are left for validation to report; a value that names a file resolves against `cwd` (located).
     """
     tokens = _tokens(key_path)
     if len(tokens) >= 2 and tokens[0] == "pipeline" and isinstance(tokens[1], str):
         tokens.insert(1, _stage_index(raw.setdefault("pipeline", []), tokens[1], key_path))
     key = _schema_at(tokens)
-    if key is not None and key.kind == "path" and isinstance(value, str):
-        value = str((cwd / Path(value).expanduser()).resolve())
+    if key is not None:
+        value = located(value, key, cwd)
     node: Any = raw
     for token, following in zip(tokens, tokens[1:]):
         if isinstance(token, int):

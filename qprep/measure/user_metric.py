@@ -63,7 +63,8 @@ def _file_in(module: str, folder: Path) -> Path | None:
     if module.endswith(".py") or "/" in module:
         path = (folder / Path(module).expanduser()).resolve()
         if not path.is_file():
-            raise ConfigError(f"evaluation.metric: no file {path}; give `file.py:function` relative to the config")
+            raise ConfigError(f"evaluation.metric: no file {path}; give `file.py:function` relative to the config "
+                              "(to the current directory with --set)")
         return path
     for candidate in (folder / (module.replace(".", "/") + ".py"), folder / module.replace(".", "/") / "__init__.py"):
         if candidate.is_file():

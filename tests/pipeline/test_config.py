@@ -79,6 +79,24 @@ def test_set_overrides_select_stage_by_name_and_parse_yaml_values(tmp_path, fake
     assert config["verify"]["atol"] == 0.5
 
 
+def test_a_metric_given_with_set_is_found_where_the_user_typed_it(tmp_path):
+    """`--set evaluation.metric=mine.py:f` names a file beside the user, as `--set` does for every key that names
+    a file: it was looked for beside the config (and refused). In the YAML it stays beside the config."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "here").mkdir()
+    function = "def f(outputs, samples):\n    return 1.0\n"
+    (tmp_path / "here" / "mine.py").write_text(function)
+    (tmp_path / "cfg" / "theirs.py").write_text(function)
+    path = tmp_path / "cfg" / "c.yaml"
+    path.write_text("model: m.onnx\nevaluation: {source: data, metric: theirs:f}\n")
+    assert load_config(path)["evaluation"]["metric"] == f"{tmp_path / 'cfg' / 'theirs.py'}:f"
+    for spec in ("mine.py:f", "mine:f"):
+        config = load_config(path, {"evaluation.metric": spec}, cwd=tmp_path / "here")
+        assert config["evaluation"]["metric"] == f"{tmp_path / 'here' / 'mine.py'}:f"
+    assert load_config(path, {"evaluation.source": "d"}, cwd=tmp_path / "here")["evaluation"]["source"] == str(
+        tmp_path / "here" / "d")  # the same rule as every path key's
+
+
 def test_set_errors(tmp_path, fake_stage):
     path = write(tmp_path, "model: m.onnx\npipeline: [quantize, quantize]\n")
     with pytest.raises(ConfigError, match=r"2 'quantize' stages; use pipeline\[0\]\.quantize"):
