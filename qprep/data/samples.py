@@ -31,6 +31,7 @@ class SampleSet:
     preprocess: dict | None = None
     image_reader: ImagePreprocess | None = None  # for backends that normalize on chip (raw pixels)
     every_file: list[str] = field(default_factory=list)  # every file read (a list's lines: one per input)
+    extras: list[dict] = field(default_factory=list)  # per sample: its .npz's arrays beside the inputs (arrays.py)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -51,18 +52,18 @@ def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration")
     chosen, warnings = _choose(files, cfg["max_samples"], cfg["seed"], role)
     warnings = _not_files_warning(source, role) + warnings
     reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if fmt == "images" else None
-    samples = [_read(path, inputs, reader) for path in chosen]
+    samples, extras = zip(*(_read(path, inputs, reader) for path in chosen))
     for path, sample in zip(chosen, samples):
         check_sample(sample, inputs, f"{role} sample {path.name}")
-    return SampleSet(samples=samples, files=[str(p) for p in chosen], source=str(source), format=fmt,
+    return SampleSet(samples=list(samples), files=[str(p) for p in chosen], source=str(source), format=fmt,
                      sha256=_hash_files(chosen), warnings=warnings + _depth_warning(reader, role),
                      preprocess=reader.describe() if reader else None, image_reader=reader,
-                     every_file=[str(p) for p in chosen])
+                     every_file=[str(p) for p in chosen], extras=list(extras))
 
 
-def _read(path: Path, inputs: list[TensorSpec], reader: ImagePreprocess | None) -> dict[str, np.ndarray]:
+def _read(path: Path, inputs: list[TensorSpec], reader: ImagePreprocess | None) -> tuple[dict, dict]:
     if reader is not None:
-        return {reader.input.name: reader.read(path)}
+        return {reader.input.name: reader.read(path)}, {}
     return read_array_sample(path, inputs)
 
 
@@ -83,26 +84,30 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
     chosen, warnings = _choose(lines, cfg["max_samples"], cfg["seed"], role)
     images = all(Path(p).suffix.lower() in IMAGE_SUFFIXES for _, line in chosen for p in line)
     reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if images else None
-    samples, files, every_file = [], [], []
+    samples, files, every_file, extras = [], [], [], []
     for number, entries in chosen:
         if len(entries) != len(inputs):
             raise DataError(f"{path} line {number}: {len(entries)} files for {len(inputs)} model inputs "
                             f"({', '.join(s.name for s in inputs)}); list one file per input, in that order")
         paths = [require_regular_file(path.parent / e, f"{path} line {number}: file", DataError,
                                       "fix the path in the list").resolve() for e in entries]
+        sample, beside = {}, {}
         if reader is not None:
             sample = {reader.input.name: reader.read(paths[0])}
-        else:
-            sample = {spec.name: read_array_sample(p, [spec])[spec.name] for spec, p in zip(inputs, paths)}
+        for spec, p in zip(inputs, paths) if reader is None else ():
+            arrays, others = read_array_sample(p, [spec])
+            sample[spec.name] = arrays[spec.name]
+            beside.update(others)
         check_sample(sample, inputs, f"{role} sample {paths[0].name}")
         samples.append(sample)
+        extras.append({name: value for name, value in beside.items() if name not in sample})
         files.append(str(paths[0]))
         every_file += paths
     return SampleSet(samples=samples, files=files, source=str(path), format="list",
                      warnings=warnings + _depth_warning(reader, role),
                      sha256=_hash_files(every_file),  # every input's file: a changed mask changes the hash
                      preprocess=reader.describe() if reader else None, image_reader=reader,
-                     every_file=[str(p) for p in every_file])
+                     every_file=[str(p) for p in every_file], extras=extras)
 
 
 def _depth_warning(reader: ImagePreprocess | None, role: str) -> list[str]:

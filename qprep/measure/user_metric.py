@@ -23,12 +23,12 @@ import importlib
 import importlib.util
 import math
 import sys
-import zipfile
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from qprep.data.arrays import Unreadable
 from qprep.errors import ConfigError, QprepError
 from qprep.schema import closest
 
@@ -160,8 +160,9 @@ class UserMetric:
         key = id(sample_set)
         if key not in self._samples:
             files = sample_set.files or [""] * len(sample_set.samples)
-            self._samples[key] = [{**(_extras(Path(f), sample) if f else {}), **sample, **_name(f, sample)}
-                                  for f, sample in zip(files, sample_set.samples)]
+            extras = sample_set.extras or [{}] * len(sample_set.samples)  # read once, by the loader
+            self._samples[key] = [{**_readable(f, more), **sample, **_name(f, sample)}
+                                  for f, more, sample in zip(files, extras, sample_set.samples)]
         return self._samples[key]
 
     def figures(self, expected: list[dict], actual: list[dict], samples: list[dict], where: str) -> dict:
@@ -240,16 +241,14 @@ def with_figures(outputs: dict, figures: dict | None) -> dict:
     return {**outputs, ENTRY: figures} if figures is not None else outputs
 
 
-def _extras(path: Path, sample: dict) -> dict:
-    """The arrays of a sample's .npz that are no model input (labels, boxes, texts' ids)."""
-    if path.suffix.lower() != ".npz" or not path.is_file():
-        return {}
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files if name not in sample}
-    except (ValueError, OSError, zipfile.BadZipFile) as exc:  # an object array (ragged boxes) needs pickle
-        raise MetricError(f"evaluation.metric: {path}: its arrays beside the inputs cannot be read without pickle "
-                          f"({_error_line(exc)}); save labels as plain numeric or string arrays") from None
+def _readable(file: str, extras: dict) -> dict:
+    """A sample's extras as the loader kept them; one it could not read (data.arrays.Unreadable) is the user's to
+    fix, in one line naming the file."""
+    for value in extras.values():
+        if isinstance(value, Unreadable):
+            raise MetricError(f"evaluation.metric: {file}: its arrays beside the inputs cannot be read without pickle "
+                              f"({value.reason}); save labels as plain numeric or string arrays")
+    return extras
 
 
 def _name(file: str, sample: dict) -> dict:

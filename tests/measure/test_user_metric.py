@@ -317,3 +317,20 @@ def test_a_metric_gate_the_sample_count_cannot_decide_says_so_in_the_verdict(tmp
     exact = metric.figures(expected, expected, samples, "the evaluation samples")
     check, = check_gate({"metric": 0.97}, {ENTRY: exact})["checks"]
     assert check["passed"] and "undecided" not in check and exact["metric_drop_ci95"] == [0.0, 0.0]
+
+
+def test_the_labels_are_read_once_by_the_sample_loader(labelled):
+    """The loader keeps each .npz's arrays beside the inputs on the SampleSet and the metric reads them there: the
+    files are not read a second time (here they are gone once loaded, and the labels are still seen)."""
+    from qprep.data import load_samples
+    from qprep.model.info import graph_inputs
+
+    folder, _ = labelled
+    samples = load_samples({"source": str(folder / "eval"), "format": "auto", "max_samples": 64, "seed": 0,
+                            "preprocess": None}, graph_inputs(outlier_model()))
+    assert set(samples.extras[0]) == {"target"} and set(samples.samples[0]) == {"x"}  # the model is fed x only
+    kept = samples.extras[3]["target"].copy()
+    for path in (folder / "eval").iterdir():
+        path.unlink()
+    seen = UserMetric(f"{folder / 'errors.py'}:mae", "lower").samples_of(samples)
+    assert np.array_equal(seen[3]["target"], kept) and seen[3]["file"].endswith("03.npz")
