@@ -44,7 +44,7 @@ def _from_npy(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
         raise DataError(f"{path.name}: .npy samples need a single-input model, this one has {len(inputs)} "
                         f"({names}); store each sample as .npz keyed by input name")
     array = np.load(path, allow_pickle=False)
-    return {inputs[0].name: _with_batch(array, inputs[0])}
+    return {inputs[0].name: array}
 
 
 def _from_npz(path: Path, inputs: list[TensorSpec]) -> tuple[dict[str, np.ndarray], dict]:
@@ -56,7 +56,7 @@ def _from_npz(path: Path, inputs: list[TensorSpec]) -> tuple[dict[str, np.ndarra
                 guess = closest(spec.name, keys)
                 hint = f"; found '{guess}' — rename it" if guess else f" (keys: {', '.join(keys) or 'none'})"
                 raise DataError(f"{path.name}: no array named '{spec.name}' for the model's input{hint}")
-            sample[spec.name] = _with_batch(npz[spec.name], spec)
+            sample[spec.name] = npz[spec.name]  # as saved: a missing batch dim is refused (samples.check_sample)
         extras = {name: _extra(npz, name) for name in keys if name not in sample}
     return sample, extras
 
@@ -66,11 +66,3 @@ def _extra(npz, name: str):
         return npz[name]
     except (ValueError, OSError, zipfile.BadZipFile) as exc:  # an object array (ragged boxes) needs pickle
         return Unreadable(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-
-
-def _with_batch(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    """Accept a sample saved without its batch axis when the model's batch is 1 or dynamic."""
-    batch = spec.shape[0] if spec.shape else None
-    if spec.shape and array.ndim == len(spec.shape) - 1 and (batch == 1 or isinstance(batch, str)):
-        return array[np.newaxis]
-    return array

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +53,8 @@ def load_samples(cfg: dict, inputs: list[TensorSpec], role: str = "calibration")
     chosen, warnings = _choose(files, cfg["max_samples"], cfg["seed"], role)
     warnings = _not_files_warning(source, role) + warnings
     reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if fmt == "images" else None
-    samples, extras = zip(*(_read(path, inputs, reader) for path in chosen))
+    with split_named(role):
+        samples, extras = zip(*(_read(path, inputs, reader) for path in chosen))
     for path, sample in zip(chosen, samples):
         check_sample(sample, inputs, f"{role} sample {path.name}")
     return SampleSet(samples=list(samples), files=[str(p) for p in chosen], source=str(source), format=fmt,
@@ -85,29 +87,49 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
     images = all(Path(p).suffix.lower() in IMAGE_SUFFIXES for _, line in chosen for p in line)
     reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if images else None
     samples, files, every_file, extras = [], [], [], []
-    for number, entries in chosen:
-        if len(entries) != len(inputs):
-            raise DataError(f"{path} line {number}: {len(entries)} files for {len(inputs)} model inputs "
-                            f"({', '.join(s.name for s in inputs)}); list one file per input, in that order")
-        paths = [require_regular_file(path.parent / e, f"{path} line {number}: file", DataError,
-                                      "fix the path in the list").resolve() for e in entries]
-        sample, beside = {}, {}
-        if reader is not None:
-            sample = {reader.input.name: reader.read(paths[0])}
-        for spec, p in zip(inputs, paths) if reader is None else ():
-            arrays, others = read_array_sample(p, [spec])
-            sample[spec.name] = arrays[spec.name]
-            beside.update(others)
-        check_sample(sample, inputs, f"{role} sample {paths[0].name}")
-        samples.append(sample)
-        extras.append({name: value for name, value in beside.items() if name not in sample})
-        files.append(str(paths[0]))
-        every_file += paths
+    with split_named(role):
+        for number, entries in chosen:
+            _read_line(path, number, entries, inputs, reader, role, (samples, files, every_file, extras))
     return SampleSet(samples=samples, files=files, source=str(path), format="list",
                      warnings=warnings + _depth_warning(reader, role),
                      sha256=_hash_files(every_file),  # every input's file: a changed mask changes the hash
                      preprocess=reader.describe() if reader else None, image_reader=reader,
                      every_file=[str(p) for p in every_file], extras=extras)
+
+
+def _read_line(path: Path, number: int, entries: list[str], inputs: list[TensorSpec],
+               reader: ImagePreprocess | None, role: str, into: tuple[list, ...]) -> None:
+    """One line of a dataset.txt: its files read, checked and appended to (samples, files, every_file, extras)."""
+    samples, files, every_file, extras = into
+    if len(entries) != len(inputs):
+        raise DataError(f"{path} line {number}: {len(entries)} files for {len(inputs)} model inputs "
+                        f"({', '.join(s.name for s in inputs)}); list one file per input, in that order")
+    paths = [require_regular_file(path.parent / e, f"{path} line {number}: file", DataError,
+                                  "fix the path in the list").resolve() for e in entries]
+    sample, beside = {}, {}
+    if reader is not None:
+        sample = {reader.input.name: reader.read(paths[0])}
+    for spec, p in zip(inputs, paths) if reader is None else ():
+        arrays, others = read_array_sample(p, [spec])
+        sample[spec.name] = arrays[spec.name]
+        beside.update(others)
+    check_sample(sample, inputs, f"{role} sample {paths[0].name}")
+    samples.append(sample)
+    extras.append({name: value for name, value in beside.items() if name not in sample})
+    files.append(str(paths[0]))
+    every_file += paths
+
+
+@contextmanager
+def split_named(role: str):
+    """Every error about a sample names its split (calibration, evaluation, evaluation.heldout) beside the file:
+    the readers (arrays, images, a list's lines) name the file, this names the split, once for all of them."""
+    try:
+        yield
+    except DataError as exc:
+        if str(exc).startswith(role):
+            raise
+        raise DataError(f"{role}: {exc}") from None
 
 
 def _depth_warning(reader: ImagePreprocess | None, role: str) -> list[str]:
@@ -188,7 +210,7 @@ def check_sample(sample: dict[str, np.ndarray], inputs: list[TensorSpec], where:
         if spec.shape is not None:
             if array.ndim != len(spec.shape):
                 raise DataError(f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model expects "
-                                f"rank {len(spec.shape)} {spec.shape}")
+                                f"rank {len(spec.shape)} {spec.shape}; {_rank_fix(array, spec)}")
             for i, (have, want) in enumerate(zip(array.shape, spec.shape)):
                 if isinstance(want, int) and have != want:
                     raise DataError(f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model "
@@ -196,6 +218,17 @@ def check_sample(sample: dict[str, np.ndarray], inputs: list[TensorSpec], where:
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             bad = int(np.size(array) - np.isfinite(array).sum())
             raise DataError(f"{where}: input '{spec.name}' holds {bad} NaN/Inf values; clean the data")
+
+
+def _rank_fix(array: np.ndarray, spec: TensorSpec) -> str:
+    """How to save a sample of the wrong rank. One saved without its batch dim is refused, not given one: the
+    README asks for the batch dim, and a guessed axis could as well be a missing channel (a [224, 224] image for
+    [1, 1, 224, 224]) as the batch."""
+    rest = spec.shape[1:]
+    if array.ndim == len(spec.shape) - 1 and all(not isinstance(w, int) or h == w for h, w in zip(array.shape, rest)):
+        return (f"the sample lacks the batch dim: save it as x[None] (shape {[1, *array.shape]}), one sample per "
+                "file with the batch dim included")
+    return "save each sample with the model's rank, the batch dim included"
 
 
 def random_samples(inputs: list[TensorSpec], count: int, seed: int = 0) -> SampleSet:

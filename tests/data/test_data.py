@@ -74,9 +74,35 @@ def test_npy_needs_single_input_model(tmp_path):
         load_samples(source(tmp_path), TWO_INPUTS)
 
 
-def test_npy_without_batch_axis_gets_one(tmp_path):
+def test_a_sample_without_its_batch_dim_is_refused_naming_split_file_input_and_shapes(tmp_path):
+    """[3, 8, 8] for an input [N, 3, 8, 8] was given a batch axis silently (the README asks for the batch dim; an
+    axis guessed could as well be a missing channel): refused in one line with the fix, for .npy and .npz."""
     np.save(tmp_path / "a.npy", np.ones((3, 8, 8), np.float32))
-    assert load_samples(source(tmp_path), CONV_INPUTS).samples[0]["x"].shape == (1, 3, 8, 8)
+    with pytest.raises(DataError) as raised:
+        load_samples(source(tmp_path), CONV_INPUTS, role="evaluation")
+    assert str(raised.value) == (
+        "evaluation sample a.npy: input 'x' has shape [3, 8, 8], the model expects rank 4 ['N', 3, 8, 8]; the "
+        "sample lacks the batch dim: save it as x[None] (shape [1, 3, 8, 8]), one sample per file with the batch "
+        "dim included")
+    (tmp_path / "z").mkdir()
+    np.savez(tmp_path / "z" / "b.npz", ids=np.arange(5, dtype=np.int64), mask=np.ones((1, 5), np.float32))
+    with pytest.raises(DataError, match=r"^calibration sample b.npz: input 'ids' has shape \[5\], .* lacks the batch"):
+        load_samples(source(tmp_path / "z"), TWO_INPUTS)
+
+
+def test_every_sample_error_names_its_split_and_file(tmp_path):
+    """An error of the reader (an .npz without the input's array, an unreadable file, a list's line) names the
+    split it came from beside the file: the held-out folder's bad file read as the evaluation's otherwise."""
+    np.savez(tmp_path / "a.npz", idz=np.zeros((1, 5), np.int64), mask=np.ones((1, 5), np.float32))
+    with pytest.raises(DataError, match=r"^evaluation.heldout: a.npz: no array named 'ids' for the model's input"):
+        load_samples(source(tmp_path), TWO_INPUTS, role="evaluation.heldout")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "bad.npy").write_bytes(b"not an array")
+    with pytest.raises(DataError, match=r"^evaluation: .*bad.npy: cannot read it as .npy"):
+        load_samples(source(tmp_path / "b"), CONV_INPUTS, role="evaluation")
+    (tmp_path / "list.txt").write_text("b/bad.npy\n")
+    with pytest.raises(DataError, match=r"^calibration: .*bad.npy: cannot read it as .npy"):
+        load_samples(source(tmp_path / "list.txt"), CONV_INPUTS)
 
 
 def test_max_samples_is_a_seeded_sorted_subset(tmp_path):
