@@ -69,6 +69,12 @@ def _personal_places() -> list[tuple[str, Path]]:
     return places
 
 
+def _shown(path: str | os.PathLike) -> str:
+    """A path as a message can print it: bytes that are not UTF-8 (kept by Python as surrogates, which no
+    terminal encodes) shown as U+FFFD."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
 class Guard:
     """The inputs of one command (described → path), and the checks of what it may write."""
 
@@ -107,7 +113,7 @@ class Guard:
     def output_file(self, path: str | os.PathLike, option: str) -> Path:
         """A file the command writes whole: not an input, not inside an input folder, not a folder or a special
         file. A symlink is fine (it gets replaced) unless it points at an input."""
-        where = f"{option} {path}"
+        where = f"{option} {_shown(path)}"
         try:
             mode = os.lstat(path).st_mode
         except OSError:
@@ -126,7 +132,10 @@ class Guard:
     def output_folder(self, path: str | os.PathLike, option: str) -> Path:
         """A folder the command fills (a run or batch directory): none of the places a user keeps other things
         in, not an input, not inside an input, holding no input."""
-        where = f"{option} {path}"
+        where = f"{option} {_shown(path)}"
+        if _shown(path) != os.fspath(path):
+            raise OutputError(f"{where} is not a UTF-8 path, which ONNX Runtime cannot write into; choose a name of "
+                              "UTF-8 characters")
         try:
             mode = os.stat(path).st_mode
         except OSError:

@@ -252,6 +252,11 @@ def _maybe(folder: Path) -> Case:
     return Case(folder, codes=(0, 2), owned=(folder,))
 
 
+def _maybe_file(path: Path) -> Case:
+    """A file name qprep may write (exit 0) or refuse in one line (2); never exit 3 for printing it."""
+    return Case(path, codes=(0, 2), owned=(path,))
+
+
 def _symlinked_lock(w: World, command: str) -> Case:
     folder = w.tmp / "locked"
     folder.mkdir()
@@ -414,6 +419,7 @@ FOLDER_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Cas
     "inside_a_config_data_folder": (("batch",), lambda w, c: Case(w.project.calibration / "b")),
     "previous_run_holding_a_listed_sample": (("run",), _previous_run_holding_a_listed_sample),
     "symlink_loop": (BOTH, lambda w, c: Case(_symlink_loop(w))),
+    "not_utf8": (BOTH, lambda w, c: Case(w.tmp / os.fsdecode(b"r\xff"))),  # ONNX Runtime takes UTF-8 paths only
     "previous_run_with_user_names_like_temporary_ones": (("run",), lambda w, c: _run_with(
         w, _temporary_like, codes=(0, 2), kept=lambda out: (out / ".tmp-photos", out / ".notes.tmp"))),
     "inside_a_sidecar_data_folder": (("batch",), _inside_sidecar_data),
@@ -473,6 +479,7 @@ FILE_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Case]
     "samples_fifo": (("evaluate_json",), lambda w, c: Case(w.user / "eval.json", samples=w.fifo())),
     "input_external_data": (("evaluate_json", "init"), _input_external_data),
     "new": (FILE_COMMANDS, _new_file),
+    "not_utf8": (FILE_COMMANDS, lambda w, c: _maybe_file(w.tmp / os.fsdecode(b"t\xff.md"))),
 }
 
 
