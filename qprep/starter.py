@@ -10,12 +10,15 @@ normalize itself) is written as a suggestion with a comment that says so.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 import onnx
 
+from qprep.config import SCHEMA
 from qprep.data.images import IMAGE_SUFFIXES, guess_layout
+from qprep.data.samples import FORMAT_SUFFIXES, MIN_SAMPLES
 from qprep.data.pitfalls import normalizes_itself
 from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, DataError
@@ -49,9 +52,11 @@ def starter_config(model_path: str, config_path: str, backend: str = "ort", data
     lines += _inputs_block(inputs, fixed, backend)
     lines += ["calibration:"] + _source_lines("calibration", splits.get("calibration"), base, image, model,
                                               "32-500 samples like the deployment inputs (images, .npy, .npz)")
-    lines += _evaluation_block(splits, base, image, model, _gate(model))
+    samples = gate_samples(splits)
+    gate = _gate(model, samples[0])
+    lines += _evaluation_block(splits, base, image, model, gate, samples)
     lines += [f"output_dir: {json.dumps(run_dir)}   # next to this file, named after it", ""]
-    lines += _pipeline_block(model, backend, _gate(model))
+    lines += _pipeline_block(model, backend, gate)
     return "\n".join(lines) + "\n"
 
 
@@ -150,7 +155,8 @@ def _preprocess_lines(image: dict, model: onnx.ModelProto, indent: str) -> list[
             f"layout: {image['layout']}}}"]
 
 
-def _evaluation_block(splits: dict, base: Path, image: dict | None, model: onnx.ModelProto, gate: dict) -> list[str]:
+def _evaluation_block(splits: dict, base: Path, image: dict | None, model: onnx.ModelProto, gate: dict,
+                      samples: tuple[int, str]) -> list[str]:
     lines = ["", "evaluation:   # the result against the FP32 model, on samples apart from calibration"]
     lines += _source_lines("evaluation", splits.get("evaluation"), base, image, model,
                            "other samples than calibration (the fallback chooses on these)")
@@ -159,8 +165,14 @@ def _evaluation_block(splits: dict, base: Path, image: dict | None, model: onnx.
         lines.append(f"  heldout: {{source: {_rel(heldout, base)}}}   # never seen by a decision; judges the gate")
     else:
         lines.append("  # heldout: {source: data/heldout}   # recommended: samples no decision sees judge the gate")
-    lines += [f"  gate: {_flow(gate)}   # a miss exits 1; good values: README.md, '{METRICS_SECTION}'", ""]
-    return lines
+    lines += [f"  gate: {_flow(gate)}   # a miss exits 1; good values: README.md, '{METRICS_SECTION}'"]
+    if "top1_agreement" in gate:
+        count, source = samples
+        flips = agreement_target(count)[1]
+        lines.append(f"  # top1_agreement {gate['top1_agreement']:g}: on {count} samples ({source}) one sample is "
+                     f"{100 / count:.1f}%; a good INT8 result (about {GOOD_FLIPS:.0%} of top-1 flips) meets it with "
+                     f"{ODDS:.0%} odds ({flips} flips allowed). More samples: a higher target (0.97 from ~500)")
+    return lines + [""]
 
 
 def _pipeline_block(model: onnx.ModelProto, backend: str, gate: dict) -> list[str]:
@@ -182,18 +194,52 @@ def _pipeline_block(model: onnx.ModelProto, backend: str, gate: dict) -> list[st
     return lines
 
 
-def _gate(model: onnx.ModelProto) -> dict:
+def _gate(model: onnx.ModelProto, samples: int) -> dict:
     """cosine 0.99 (outputs judged otherwise — probabilities, states, ids — are held to their own metric at the
-    same level), and top-1 agreement 97% when the first output looks like single-label class scores ([N, C],
-    not a Sigmoid: multi-label outputs are judged as probabilities)."""
+    same level), and a top-1 agreement that a good INT8 result meets on `samples` (agreement_target) when the
+    first output looks like single-label class scores ([N, C], not a Sigmoid: multi-label outputs are judged as
+    probabilities)."""
     outputs = model_info.graph_outputs(model)
     gate = {"cosine_mean": 0.99}
     shape = outputs[0].shape if outputs else None
     classes = shape and len(shape) == 2 and isinstance(shape[-1], int) and shape[-1] >= 2
     producer = next((n.op_type for n in model.graph.node if outputs and outputs[0].name in n.output), None)
     if classes and outputs[0].dtype.startswith("float") and producer != "Sigmoid":
-        gate["top1_agreement"] = 0.97
+        gate["top1_agreement"] = agreement_target(samples)[0]
     return gate
+
+
+GOOD_FLIPS = 0.02  # a good INT8 classifier's top-1 flips against FP32 (BENCHMARKS.md: 97.7-99.2% held out)
+ODDS = 0.95  # the share of such results the default target lets pass
+
+
+def agreement_target(samples: int) -> tuple[float, int]:
+    """(target, flips it allows): the agreement a good INT8 result (GOOD_FLIPS of its samples flip) meets with
+    ODDS on `samples`, rounded down to a percent. Why: a fixed 0.97 needs 32 of 32 (one flip is 3.1%), a miss
+    that says nothing about the result; the target rises with the sample count (0.97 from about 500)."""
+    flips, odds = 0, (1 - GOOD_FLIPS) ** samples
+    while odds < ODDS or flips == 0:  # at least one flip: a single one never misses the default
+        flips += 1
+        odds += math.comb(samples, flips) * GOOD_FLIPS ** flips * (1 - GOOD_FLIPS) ** (samples - flips)
+    return math.floor(100 * (samples - flips) / samples) / 100, flips
+
+
+def gate_samples(splits: dict) -> tuple[int, str]:
+    """(how many samples the gate is judged on, where that count comes from): the held-out folder's when given
+    (it judges the gate), else the evaluation folder's, capped by evaluation.max_samples; the README's "a few
+    dozen" (MIN_SAMPLES) when no folder is known yet."""
+    cap = SCHEMA.fields["evaluation"].fields["max_samples"].default
+    counts = {role: _count(splits[role]) for role in ("heldout", "evaluation") if splits.get(role)}
+    counts = {role: min(count, cap) for role, count in counts.items() if count}
+    if counts:
+        role = "heldout" if "heldout" in counts else "evaluation"
+        return counts[role], f"the {role.replace('heldout', 'held-out')} samples found"
+    return MIN_SAMPLES, "a few dozen samples, as the README asks"
+
+
+def _count(folder: Path) -> int:
+    suffixes = set().union(*FORMAT_SUFFIXES.values())
+    return sum(1 for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
 
 
 def _sample_shapes(folder: Path) -> dict[str, tuple]:

@@ -134,3 +134,30 @@ def test_the_readme_section_the_starter_config_points_to_exists(tmp_path, cli):
                 if line.startswith("#")}
     assert pointers and set(pointers) <= headings
     assert "README" not in re.sub(r"README\.md, '[^']+'", "", (tmp_path / "tiny.yaml").read_text())
+
+
+def test_the_default_agreement_target_is_one_a_good_int8_result_meets_on_its_sample_count(tmp_path, cli):
+    """init wrote top1_agreement 0.97 whatever the sample count: on 32 samples that is 32 of 32 (one flip is
+    3.1%). The target now comes from the count of the set that judges the gate, with the reason in a comment."""
+    import onnx
+
+    from qprep.starter import agreement_target
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["logits"])]
+    onnx.save(make_model(nodes, [("x", ["N", 8])], [("logits", ["N", 10])],
+                         {"w": np.ones((8, 10), np.float32)}), tmp_path / "cls.onnx")
+    for split, count in (("calib", 8), ("eval", 48)):
+        (tmp_path / "data" / split).mkdir(parents=True)
+        for i in range(count):
+            np.savez(tmp_path / "data" / split / f"{i}.npz", x=np.ones((1, 8), np.float32))
+    assert cli("init", tmp_path / "cls.onnx", "--data", tmp_path / "data", "--out", tmp_path / "c.yaml")[0] == 0
+    text = (tmp_path / "c.yaml").read_text()
+    config = yaml.safe_load(text)
+    target, flips = agreement_target(48)
+    assert config["evaluation"]["gate"]["top1_agreement"] == target < 0.97
+    assert (48 - flips) / 48 >= target and flips >= 2  # one flip, or two, never misses it
+    assert "# top1_agreement 0.93: on 48 samples (the evaluation samples found) one sample is 2.1%" in text
+    assert yaml.safe_load(text)["pipeline"][-1]["quantize"]["fallback"]["target"]["top1_agreement"] == target
+    assert cli("init", tmp_path / "cls.onnx", "--out", tmp_path / "none.yaml")[0] == 0  # no data: a few dozen
+    assert "on 32 samples (a few dozen samples, as the README asks)" in (tmp_path / "none.yaml").read_text()
+    assert agreement_target(500)[0] == 0.97 and agreement_target(32)[0] < 31 / 32
