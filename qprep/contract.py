@@ -17,6 +17,7 @@ import onnx
 
 from qprep.config import Config
 from qprep.data import SampleSet
+from qprep.disk import owned
 from qprep.graph.verify import Verifier
 from qprep.measure.reference import ReferenceOutputs
 from qprep.progress import Progress
@@ -38,10 +39,8 @@ class RunContext:
     float_set: frozenset[str] = frozenset()  # node names that stay float (keep_float), for the quantize backends
 
     def work_dir(self, name: str) -> Path:
-        """A folder inside the run directory for a stage's or toolkit's working files."""
-        path = self.run_dir / "work" / name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        """A folder inside the run directory for a stage's or toolkit's working files (never through a link)."""
+        return owned.folder_inside(self.run_dir, "work", name)
 
 
 @dataclass

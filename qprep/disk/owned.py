@@ -181,6 +181,25 @@ def _prove(path: Path, kind: str, option: str, reserved: tuple[str, ...]) -> dic
     return manifest
 
 
+def folder_inside(root: Path, *parts: str) -> Path:
+    """root/parts..., each folder made here or already a real folder: never a symlink, so files a stage writes
+    in `work/` cannot land wherever a link planted in the run directory points."""
+    path = root
+    for part in parts:
+        path = path / part
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise RunDirError(f"cannot make {path} ({exc.strerror}); fix its permissions or choose another --out") \
+                from None
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise RunDirError(f"{path} in the run directory is not a folder qprep made (a symlink or a file put there "
+                              "while the run went on); remove it and run again")
+    return path
+
+
 def _remove_inside(root: Path, name: str) -> None:
     """Remove root/name without following a symlink anywhere on the way; prune the folders it leaves empty."""
     target = root / name

@@ -164,3 +164,18 @@ def test_a_run_from_before_folder_identities_is_proven_by_its_report(tmp_path, w
     else:
         with pytest.raises(RunDirError, match="no qprep run wrote in this folder"):
             owned.claim(folder, "run", "--out", RESERVED)
+
+
+def test_folder_inside_never_goes_through_a_link(tmp_path):
+    """A `work` symlink planted in a run directory: the stage's folder is refused, nothing is made where it points."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    assert owned.folder_inside(run, "work", "ort") == run / "work" / "ort"
+    assert (run / "work" / "ort").is_dir()
+    (run / "work" / "ort").rmdir()
+    (run / "work").rmdir()
+    (run / "work").symlink_to(elsewhere)
+    with pytest.raises(RunDirError, match="not a folder qprep made"):
+        owned.folder_inside(run, "work", "ort")
+    assert list(elsewhere.iterdir()) == []
