@@ -176,9 +176,9 @@ def _evaluation_block(splits: dict, base: Path, image: dict | None, model: onnx.
 
 
 def _pipeline_block(model: onnx.ModelProto, backend: str, gate: dict) -> list[str]:
-    from qprep.optimize.passes.layernorm import count_decomposed_layernorms
+    from qprep.inspection import count_layernorms
 
-    layernorms = model_info.op_counts(model).get("LayerNormalization", 0) + count_decomposed_layernorms(model)
+    layernorms = count_layernorms(model)  # as `qprep inspect` counts them: what optimize would fuse
     lines = ["pipeline:", "  - optimize: {}                # verified rewrites: folding, fusions, shape cleanup"]
     if layernorms:
         lines.append(f"  - keep_float: {{}}              # its {layernorms} LayerNorms stay float")

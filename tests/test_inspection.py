@@ -121,3 +121,37 @@ def test_integer_share_counts_the_multiply_adds_fed_by_dequantize_or_replaced_by
     replaced = make_model([helper.make_node("Conv", ["x", "w"], ["a"], name="small")], [("x", [1, 4, 8, 8])],
                           [("a", [1, 4, 8, 8])], weights, infer_shapes=False)
     assert integer_share(float_model, replaced) == big / (small + big)  # "big" became an integer op
+
+
+def test_inspect_init_and_optimize_count_the_same_layernorms(tmp_path, cli):
+    """A LayerNorm (ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add) whose epsilon is a Cast of a float64
+    constant: inspect ran the matcher on the graph as exported and refused it ("epsilon is not a positive scalar
+    constant"), init kept no LayerNorm float, and optimize, which folds constants first, fused it. Both now
+    count on the graph as optimize hands it to the fusion."""
+    import json
+
+    import yaml
+
+    nodes = [helper.make_node("Cast", ["eps64"], ["eps"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("ReduceMean", ["x"], ["m"], axes=[-1]),
+             helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Pow", ["d", "two"], ["p"]),
+             helper.make_node("ReduceMean", ["p"], ["v"], axes=[-1]),
+             helper.make_node("Add", ["v", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["s"]),
+             helper.make_node("Div", ["d", "s"], ["n"]),
+             helper.make_node("Mul", ["n", "g"], ["ng"]),
+             helper.make_node("Add", ["ng", "b"], ["y"])]
+    onnx.save(make_model(nodes, [("x", [1, 4, D])], [("y", [1, 4, D])],
+                         {"eps64": np.float64(1e-5), "two": np.float32(2), "g": np.ones(D, np.float32),
+                          "b": np.zeros(D, np.float32)}), tmp_path / "ln.onnx")
+    found = inspect_model(str(tmp_path / "ln.onnx"))["layernorms"]
+    assert found["decomposed"] == {"pytorch": 1} and "refused" not in found
+    assert cli("init", tmp_path / "ln.onnx", "--out", tmp_path / "ln.yaml")[0] == 0
+    assert {"keep_float": {}} in yaml.safe_load((tmp_path / "ln.yaml").read_text())["pipeline"]
+    config = {"model": str(tmp_path / "ln.onnx"), "output_dir": str(tmp_path / "out"), "pipeline": ["optimize"]}
+    (tmp_path / "o.yaml").write_text(yaml.safe_dump(config))
+    assert cli("run", tmp_path / "o.yaml")[0] == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    fused = [p["details"]["fused"] for p in report["stages"][0]["passes"] if p["pass"] == "fuse_layernorm"]
+    assert fused == [1]
