@@ -162,6 +162,9 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
     values = [read_metrics(path, kind, data) for path, kind, data in records]
     known = {m for v in values for m in v} | {m.rsplit(".", 1)[-1] for v in values for m in v}
     for metric in fail_on:
+        if _unjudged(metric):
+            raise QprepError(f"--fail-on-regression {metric}: the original model's latency is the input model timed "
+                             "again, never a result's regression; use result_ms or speedup")
         if metric not in known:
             raise QprepError(f"--fail-on-regression {metric}: no run reports this metric "
                              f"(metrics: {', '.join(sorted(m for m in known if '.' not in m))})")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from synthetic_report import report
+
+from qprep.errors import QprepError
 
 from qprep.report.compare import compare, metrics_of
 from qprep.report.document import Table, build
@@ -122,7 +125,10 @@ def test_compare_marks_a_latency_worse_only_beyond_both_runs_timing_spreads(tmp_
         return str(tmp_path / name)
 
     a, same, slower = run("a", 30.0, 12.0, 0.05), run("same", 31.0, 12.5, 0.05), run("slower", 90.0, 40.0, 0.05)
-    fail_on = {"original_ms": 0.0, "result_ms": 0.0, "speedup": 0.0}
+    with pytest.raises(QprepError, match="--fail-on-regression original_ms: the original model's latency is the "
+                                         "input model timed again, never a result's regression; use result_ms"):
+        compare([a, same], {"original_ms": 0.0})
+    fail_on = {"result_ms": 0.0, "speedup": 0.0}
     within = compare([a, same], fail_on)
     rows = {r["metric"]: r["others"][0] for r in within["rows"]}
     assert rows["latency.original_ms"]["delta"] == 1.0 and not rows["latency.original_ms"]["worse"]
