@@ -224,8 +224,10 @@ def _rank_fix(array: np.ndarray, spec: TensorSpec) -> str:
     """How to save a sample of the wrong rank. One saved without its batch dim is refused, not given one: the
     README asks for the batch dim, and a guessed axis could as well be a missing channel (a [224, 224] image for
     [1, 1, 224, 224]) as the batch."""
-    rest = spec.shape[1:]
+    batch, rest = spec.shape[0], spec.shape[1:]
     if array.ndim == len(spec.shape) - 1 and all(not isinstance(w, int) or h == w for h, w in zip(array.shape, rest)):
+        if isinstance(batch, int) and batch > 1:  # a fixed batch of several: x[None] would fail on dim 0 next
+            return f"the sample lacks the batch dim: the model takes {batch} at once, save them stacked"
         return (f"the sample lacks the batch dim: save it as x[None] (shape {[1, *array.shape]}), one sample per "
                 "file with the batch dim included")
     return "save each sample with the model's rank, the batch dim included"

@@ -4,7 +4,7 @@ from PIL import Image
 
 from qprep.data import load_samples
 from qprep.errors import DataError
-from qprep.model.info import graph_inputs
+from qprep.model.info import TensorSpec, graph_inputs
 from graphs import tiny_conv_model, two_input_model
 
 CONV_INPUTS = graph_inputs(tiny_conv_model())
@@ -88,6 +88,9 @@ def test_a_sample_without_its_batch_dim_is_refused_naming_split_file_input_and_s
     np.savez(tmp_path / "z" / "b.npz", ids=np.arange(5, dtype=np.int64), mask=np.ones((1, 5), np.float32))
     with pytest.raises(DataError, match=r"^calibration sample b.npz: input 'ids' has shape \[5\], .* lacks the batch"):
         load_samples(source(tmp_path / "z"), TWO_INPUTS)
+    four = [TensorSpec("x", "float32", [4, 3, 8, 8])]  # a fixed batch of 4: one sample with x[None] fails on dim 0
+    with pytest.raises(DataError, match=r"lacks the batch dim: the model takes 4 at once, save them stacked$"):
+        load_samples(source(tmp_path), four)
 
 
 def test_every_sample_error_names_its_split_and_file(tmp_path):
