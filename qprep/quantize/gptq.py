@@ -127,7 +127,7 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     layers = [layer for layer in layers if not too_wide(layer)]
     if not layers:
         return moments
-    gram = _gram_session(1)
+    gram = gram_session(1)
 
     def add(layer: Layer, value: np.ndarray) -> None:
         columns = input_columns(np.asarray(value, dtype=np.float32), layer, rows_per_sample(layer, len(samples)))
@@ -146,7 +146,7 @@ def input_moments(qdq_model: onnx.ModelProto, layers: list[Layer], samples: list
     return {node: h for node, h in moments.items() if determined(rows_seen[node], h.shape[-1])}
 
 
-def _gram_session(threads: int):
+def gram_session(threads: int):
     """An ORT session computing x xᵀ per group ([groups, d, rows] → [groups, d, d]). Why not numpy's batched
     matmul: its many small products (a depthwise layer's d is 9 or 25) run several times slower (BENCHMARKS.md:
     "GPTQ's moments by ONNX Runtime")."""

@@ -7,8 +7,8 @@ weights (per-tensor loses badly on depthwise convolutions); where this CPU's u8s
 int8`, faster there, less accurate).
 Nodes in the float set get no Q/DQ at all (nodes_to_exclude), so they and their edges compute in float32.
 Weights are then re-rounded by GPTQ (gptq.py) and biases corrected for the drift of channel means
-(bias_correction.py), each kept only where it lowers the output error (BENCHMARKS.md: "GPTQ weight rounding",
-"empirical bias correction").
+(bias_correction.py), each run only where its predicted cost is worth its expected gain (refinements.py) and
+kept only where it lowers the output error (BENCHMARKS.md: "GPTQ weight rounding", "empirical bias correction").
 
 The flow: `quantize` (below) → quantizer.py (OrtQuantizer: calibrate once, build per float set and settings)
 → with a fallback configured, search.py (the ORT trials around qprep.quantize.search) → the final build.
@@ -56,7 +56,8 @@ OPTIONS = section(
     extra_options=Key("mapping", default={}, doc="passed to ORT's quantizer (and calibrator) extra_options as is"),
     weight_rounding=Key("str", default="gptq", choices=("gptq", "nearest"),
                         doc="gptq: integer weights rounded to minimise each layer's output error on the calibration "
-                            "data (kept only if the model's output error goes down); nearest: ORT's rounding"),
+                            "data (run where its predicted cost is worth its expected gain: refinements.py; kept only "
+                            "if the model's output error goes down); nearest: ORT's rounding"),
     spread_tensors=Key("str", default="float", choices=("float", "int16", "off"),
                        doc="what the fallback may do with activations whose channels spread too far for one int8 "
                            "scale (BatchNorm folded into depthwise convolutions; channel_spread.py): float — their "
@@ -69,7 +70,8 @@ OPTIONS = section(
     smooth_layernorm=smooth_layernorm.OPTION,
     bias_correction=Key("bool", default=True,
                         doc="move each layer's integer bias by the drift of its output channels' means measured on "
-                            "the calibration data (static QDQ; kept only if the model's output error goes down)"),
+                            "the calibration data (static QDQ; run where its predicted cost is worth its expected "
+                            "gain: refinements.py; kept only if the model's output error goes down)"),
 )
 
 

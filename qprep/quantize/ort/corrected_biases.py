@@ -4,7 +4,8 @@ Why per build: the shifts compensate the drift of the layers upstream, which ano
 change, so each build measures its own (the fallback searches without them and tries them on few float sets:
 ort/search.py). Why judged: the shifts are an estimate from the calibration samples; they are kept only if the
 calibration output error goes down by bias_correction.MIN_GAIN_DB (output_check.py), and of their waves only the
-prefix that measures best.
+prefix that measures best. Measured at all only where its predicted cost is worth its expected gain
+(refinements.py); within the fallback, its own time budget decides instead (quantize/budget.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import onnx
 
 from qprep.quantize import bias_correction
 from qprep.quantize.budget import Budget
+from qprep.quantize.ort import refinements
 from qprep.quantize.ort.output_check import OutputCheck, better, db_text, rounded
 
 log = logging.getLogger("qprep")
@@ -26,8 +28,10 @@ class CorrectedBiases:
     """The corrections of one model's builds, each measured once per build key (float set, settings)."""
 
     def __init__(self, model: onnx.ModelProto, samples: list[dict], threads: int, check: OutputCheck,
-                 note: Callable[[str], None]):
+                 note: Callable[[str], None], calibration_seconds: Callable[[], float | None] = lambda: None):
+        """`calibration_seconds`: what the calibration took (None: not measured, the rule is not applied)."""
         self.model, self.samples, self.threads, self.check, self.note = model, samples, threads, check, note
+        self.calibration_seconds = calibration_seconds
         self._float_means = bias_correction.FloatMeans(model, samples, threads)
         self._measured: dict = {}  # (float set, settings) → {shifts, layers, …, kept}
 
@@ -50,6 +54,9 @@ class CorrectedBiases:
         before_db, = self.check.sqnr(quantized)
         if budget is not None:  # what the correction keeps for its own check (bias_correction.corrections)
             budget.record("bias check", time.perf_counter() - started)
+        decision = self._decision(quantized, layers) if budget is None and before_db is not None else None
+        if decision is not None and not decision["runs"]:
+            return {"shifts": {}, "kept": False, "budget": decision, "reason": refinements.skipped_reason(decision), "seconds": round(time.perf_counter() - started, 1)}
         if before_db is None:  # nothing to judge the correction by: not worth its time
             shifts, after_db, chosen, by_waves = {}, None, {}, {}
         else:
@@ -63,11 +70,22 @@ class CorrectedBiases:
                   **({"layers_kept": len(chosen)} if kept and shorter else {}),
                   "calibration_sqnr_db": {"before": rounded(before_db), "after": rounded(after_db)},
                   **({"sqnr_db_by_waves": by_waves} if len(by_waves) > 1 else {}),
-                  **({"reason": why} if not kept else {}),
+                  **({"reason": why} if not kept else {}), **({"budget": decision} if decision else {}),
                   "seconds": round(time.perf_counter() - started, 1)}
         self.note(f"bias correction: calibration SQNR {db_text(before_db)} → {db_text(after_db)} dB, "
                   f"{'kept' if kept else why} ({result['seconds']:.0f} s)")
         return result
+
+    def _decision(self, quantized: onnx.ModelProto, layers: list) -> dict | None:
+        """Is the correction worth its predicted time on this build (refinements.py)? None when the calibration
+        was not timed."""
+        calibration_s = self.calibration_seconds()
+        if calibration_s is None or not layers:
+            return None
+        predicted = refinements.bias_seconds(layers, self.check.float_seconds or 0.0,
+                                             self.check.check_seconds or 0.0)
+        gain = refinements.expected_gain_db(self.check.bias_share(quantized), refinements.BIAS_SHARE)
+        return refinements.decide("bias correction", predicted, gain, calibration_s)
 
     def _best_prefix(self, quantized: onnx.ModelProto, layers: list, shifts: dict, budget: Budget | None
                      ) -> tuple[dict, float | None, dict[int, float | None]]:

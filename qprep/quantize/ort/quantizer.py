@@ -68,8 +68,11 @@ class OrtQuantizer:
         self.calibration = Calibration(model, samples, self.options.extra_options, self.op_types, self.extremes,
                                        work_dir, threads)
         check = OutputCheck(model, samples, threads)  # GPTQ and bias correction share the float outputs
-        self.weight_rounding = WeightRounding(model, samples, threads, check, options.weight_rounding)
-        self.corrected_biases = CorrectedBiases(model, samples, threads, check, self._note)
+        # GPTQ and bias correction run where their predicted cost is worth their expected gain, weighed in
+        # calibrations (refinements.py)
+        timed = lambda: self.calibration.seconds  # noqa: E731
+        self.weight_rounding = WeightRounding(model, samples, threads, check, options.weight_rounding, timed)
+        self.corrected_biases = CorrectedBiases(model, samples, threads, check, self._note, timed)
         self.bias: dict = {"applied": False}  # what bias correction did on the last build
         raw = RawBuild(model, self.options, self.op_types, self.spread_nodes, self.weights, reuse=many_builds)
         self.failures = Unquantizable(model, samples, threads, raw, self.quantized_types)

@@ -1,0 +1,186 @@
+"""Whether an optional refinement of an ORT build (GPTQ weight rounding, bias correction) is worth its time:
+its cost predicted and its gain estimated before it runs, from what the build has measured already, and one
+rule.
+
+Why: a refinement is judged by a check after it ran, so one that gains nothing has cost its full time: a
+segmentation U-Net spent 13 s on a GPTQ rounding its check dropped and 10 s on a bias correction worth 0.11 dB,
+where the calibration (what ONNX Runtime's quantize_static itself spends) took 3 s (BENCHMARKS.md: "What a run
+costs against quantize_static alone").
+
+The rule: a refinement may cost one calibration (so a refinement that gains nothing keeps the stage near 2x
+quantize_static), plus PER_DB calibrations for each dB of calibration SQNR it is expected to gain. Both sides are
+in seconds measured on this run, so a slower machine moves both alike.
+
+Gains, from runs the refinements' own checks make anyway (output_check.py) plus one float run on a few samples:
+- GPTQ lowers the error the weights' rounding adds: the output SQNR of the float model with only its weights
+  rounded (`weights_only`) against the nearest build's says how much of the build's error that is; GPTQ removed
+  about GPTQ_SHARE of it where it helped most (EfficientNet-Lite0: 74% of the error, 17.2 → 22.3 dB).
+- Bias correction removes a drift of channel means: the share of the build's output error that is a constant
+  offset per channel (`output_check.bias_share`) bounds it (DETR-like: 54%, 26.3 → 37.6 dB; a super-resolution
+  net: 0.3%, +0.03 dB, which its check then refused).
+Costs: runs of the models over the calibration samples (as long as the checks' measured runs of the float
+model and of the build) and GPTQ's arithmetic (the input moments H = Σ x xᵀ and the solve) at the rate a probe
+of the moments' own kernel runs here. Both estimates are coarse (each record holds what was predicted and, when
+it ran, what it took): the rule separates the refinements worth many calibrations from those worth none, and a
+refinement predicted within one calibration runs without its gain being estimated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qprep.model.runtime import intermediate_values, run_model
+from qprep.quantize import bias_correction, gptq
+from qprep.quantize.ort.output_check import output_sqnr
+
+log = logging.getLogger("qprep")
+
+PER_DB = 10.0  # calibrations a refinement may cost per dB it is expected to gain (module doc)
+GPTQ_SHARE = 0.7  # of the error the weights' rounding adds, the share GPTQ is expected to remove
+BIAS_SHARE = 0.8  # of the output error's offset per channel, the share bias correction is expected to remove
+# a bias-correction wave costs about this share of a float run (its part's session and run; EfficientNet-Lite0's 50
+# waves took 8.5 s where its float run took 1 s)
+WAVE_RUNS = 0.15
+ESTIMATE_SAMPLES = 8  # samples the weights-only run estimates GPTQ's gain on
+FLOAT_MEANS_RUNS = 2.0  # the float model's run with its layers' outputs fetched, in plain float runs
+
+
+def allowed_seconds(calibration_s: float, gain_db: float) -> float:
+    """What a refinement expected to gain `gain_db` may cost (module doc: the rule)."""
+    return calibration_s * (1.0 + PER_DB * max(0.0, gain_db))
+
+
+def expected_gain_db(share: float, removed: float) -> float:
+    """The SQNR rise when `removed` of an error part that is `share` of the output error goes away."""
+    left = 1.0 - removed * min(1.0, max(0.0, share))
+    return max(0.0, -10.0 * math.log10(max(left, 1e-6)))
+
+
+def noise_share(total_db: float | None, part_db: float | None) -> float:
+    """The share of the error power at `total_db` SQNR that an error part alone at `part_db` SQNR makes up."""
+    if total_db is None or part_db is None:
+        return 0.0
+    if math.isinf(part_db):
+        return 0.0
+    return min(1.0, 10.0 ** ((total_db - part_db) / 10.0)) if not math.isinf(total_db) else 0.0
+
+
+def weights_only(quantized: onnx.ModelProto, float_model: onnx.ModelProto, layers: list[gptq.Layer]
+                 ) -> onnx.ModelProto:
+    """A copy of the float model whose weights GPTQ would re-round are the build's nearest-rounded ones,
+    dequantized: the error the weights' rounding alone adds."""
+    model = onnx.ModelProto()
+    model.CopyFrom(float_model)
+    inits = {t.name: t for t in model.graph.initializer}
+    integers = {t.name: t for t in quantized.graph.initializer}
+    nodes = {n.name: n for n in model.graph.node}
+    for layer in layers:
+        weight = nodes[layer.node].input[1]
+        if weight not in inits or layer.quantized not in integers:
+            continue
+        values = numpy_helper.to_array(integers[layer.quantized]).astype(np.float64)
+        shape = [1] * values.ndim
+        shape[layer.axis] = -1
+        scale = layer.scale.reshape(shape) if layer.scale.size > 1 else layer.scale
+        zero = layer.zero_point.reshape(shape) if layer.zero_point.size > 1 else layer.zero_point
+        dtype = numpy_helper.to_array(inits[weight]).dtype
+        inits[weight].CopyFrom(numpy_helper.from_array(((values - zero) * scale).astype(dtype), weight))
+    return model
+
+
+def weights_only_sqnr(quantized: onnx.ModelProto, float_model: onnx.ModelProto, layers: list[gptq.Layer],
+                      samples: list[dict], float_outputs: list[dict], threads: int) -> float | None:
+    """The output SQNR of `weights_only` on the first ESTIMATE_SAMPLES samples (a ratio: a few samples estimate
+    it, at a fraction of a check's run); `float_outputs`: the float model's outputs on `samples`."""
+    count = min(ESTIMATE_SAMPLES, len(samples))
+    rounded = run_model(weights_only(quantized, float_model, layers), samples[:count], threads, optimize=True)
+    return output_sqnr(float_outputs[:count], rounded)
+
+
+def moments_rate(threads: int) -> float:
+    """Multiply-adds per second of GPTQ's moment kernel here (x xᵀ on a [1, 128, 2048] block, best of 3: a few
+    milliseconds)."""
+    session = gptq.gram_session(threads)
+    x = np.random.default_rng(0).standard_normal((1, 128, 2048)).astype(np.float32)
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        session.run(None, {"x": x})
+        best = min(best, time.perf_counter() - start)
+    return 128 * 128 * 2048 / max(best, 1e-6)
+
+
+def layer_positions(quantized: onnx.ModelProto, layers: list[gptq.Layer], sample: dict, threads: int
+                    ) -> dict[str, int]:
+    """Layer → the rows one sample gives its H before any cut (output positions of a conv, rows of a matrix
+    product), from its input's shape on one sample."""
+    values = intermediate_values(quantized, sorted({layer.activation for layer in layers}), [sample], threads)
+    shapes = {name: np.shape(value) for values_of in values for name, value in values_of.items()}
+    positions = {}
+    for layer in layers:
+        shape = shapes.get(layer.activation)
+        if shape is None or len(shape) < 2:
+            continue
+        if layer.kind != "conv":
+            positions[layer.node] = int(np.prod(shape[:-1]))
+            continue
+        kernel = layer.float_weight.shape[2:]
+        strides = layer.conv.get("strides", [1] * len(kernel))
+        spatial = [max(1, size // stride) for size, stride in zip(shape[2:], strides)]
+        positions[layer.node] = int(shape[0] * np.prod(spatial))
+    return positions
+
+
+def gptq_work(layers: list[gptq.Layer], samples: int, positions: dict[str, int]) -> float:
+    """Multiply-adds of GPTQ's moments (the rows gptq.rows_per_sample keeps of each layer's `positions`, 1.5x
+    for gathering them) and of its solve (inverse and Cholesky of H, the column updates), for the layers it
+    would re-round."""
+    work = 0.0
+    for layer in layers:
+        if gptq.too_wide(layer):
+            continue
+        d = gptq.inputs_per_output(layer)
+        rows = min(positions.get(layer.node, gptq.MAX_ROWS_PER_SAMPLE), gptq.rows_per_sample(layer, samples))
+        outputs = layer.float_weight.shape[layer.axis] // layer.groups
+        work += 1.5 * layer.groups * d * d * rows * samples + layer.groups * (2 * d ** 3 + outputs * d * d)
+    return work
+
+
+def gptq_seconds(layers: list[gptq.Layer], samples: int, positions: dict[str, int], check_s: float, rate: float
+                 ) -> float:
+    """GPTQ's predicted time: the QDQ model run for its layer inputs and once more to check the rounded build
+    (each as long as the check of the build), and its arithmetic."""
+    return 2 * check_s + gptq_work(layers, samples, positions) / rate
+
+
+def bias_seconds(layers: list[bias_correction.BiasLayer], float_s: float, check_s: float) -> float:
+    """Bias correction's predicted time: the float model's channel means (FLOAT_MEANS_RUNS float runs), its
+    waves and one check per prefix of waves (bias_correction.prefixes)."""
+    count = len(bias_correction.waves(layers))
+    checks = len({min(1 << k, count) for k in range(count.bit_length() + 1)} - {0})
+    return (FLOAT_MEANS_RUNS + count * WAVE_RUNS) * float_s + checks * check_s
+
+
+def decide(what: str, predicted_s: float, gain_db: float, calibration_s: float) -> dict:
+    """The record of one decision (report.json's `budget` of the refinement): predicted seconds, the expected gain,
+    what the rule allows, and whether it runs."""
+    allowed = allowed_seconds(calibration_s, gain_db)
+    runs = predicted_s <= allowed
+    record = {"predicted_s": round(predicted_s, 2), "expected_gain_db": round(gain_db, 2),
+              "allowed_s": round(allowed, 2), "calibration_s": round(calibration_s, 2), "runs": runs}
+    if not runs:
+        log.info("ort: %s skipped: predicted %.1f s for an expected +%.2f dB, more than the %.1f s allowed",
+                 what, predicted_s, gain_db, allowed)
+    return record
+
+
+def skipped_reason(record: dict) -> str:
+    """The report's one line for a refinement the rule skipped."""
+    return (f"skipped: predicted {record['predicted_s']:.1f} s for an expected +{record['expected_gain_db']:.2f} dB, "
+            f"more than the {record['allowed_s']:.1f} s allowed (one calibration, {PER_DB:g} more per dB)")
