@@ -3,9 +3,11 @@
 The flow of `quantize`, one module per step:
     convert.py      OPTIONS and `quantize` itself: the model made compilable (limits.py, static_graph/), the
                     builder, the search when a fallback is configured, the export
-    builder.py      RknnBuilder: model.onnx (GPTQ weights on the toolkit's grid: weights.py), builds, hybrid
-                    step1/step2 with float16 layers (IR names: names.py), simulator sessions, range reuse
-                    (ranges.py)
+    builder.py      RknnBuilder: the builds, plain or hybrid step2 with float16 layers (IR names: names.py),
+                    composed of model_file.py (model.onnx and its weights: GPTQ on the toolkit's grid, weights.py,
+                    or mmse's weight ranges), step1.py (hybrid step1 once per setting, reused ranges: ranges.py),
+                    rules.py (a build again without a failing toolkit rule) and sessions.py (the kept simulator
+                    sessions)
     dataset.py      dataset.txt, and the normalization the NPU applies for image inputs
     toolkit.py      Toolkit: every rknn-toolkit2 call, made in the worker process (worker.py); a crash → ToolkitError
     runner.py       Runner: a build on the simulator, and accuracy_analysis as per-layer rows

@@ -11,8 +11,9 @@ from qprep.model.info import graph_inputs
 from qprep.quantize import float16_range, outlier_positions, residual_channels, rewrites, smooth_layernorm
 from qprep.quantize.backend import Quantized, QuantizeJob
 from qprep.quantize.rknn import limits, static_graph
-from qprep.quantize.rknn.builder import MMSE_WEIGHT_SAMPLES, RknnBuilder
+from qprep.quantize.rknn.builder import RknnBuilder
 from qprep.quantize.rknn.contract import write_board_files
+from qprep.quantize.rknn.model_file import MMSE_WEIGHT_SAMPLES
 from qprep.quantize.rknn.search import fallback
 from qprep.schema import Key, section
 

@@ -121,7 +121,7 @@ def mmse_weights(builder: RknnBuilder, trials: RknnTrials, job: QuantizeJob, bas
                  budget: Budget) -> dict:
     """`weight_rounding: mmse` against the weights as they are, with the ranges and the float16 set the phases
     before chose (`normal` or `kl_divergence`): mmse's gain can lie in its weight ranges
-    (builder.MMSE_WEIGHT_SAMPLES), which a build on a few samples gives, and every later build stays as fast as
+    (model_file.MMSE_WEIGHT_SAMPLES), which a build on a few samples gives, and every later build stays as fast as
     a normal one, where a full mmse build per trial may not fit the budget. After the spread set and kl, which
     are cheaper, since mmse's weight ranges can lose to GPTQ's (BENCHMARKS.md: "mmse's weight ranges without an
     mmse build per trial")."""

@@ -1,4 +1,4 @@
-"""One RKNN build's quantization ranges reused by later hybrid builds (or only its weight ranges: builder.py's
+"""One RKNN build's quantization ranges reused by later hybrid builds (or only its weight ranges: model_file.py's
 `weight_rounding: mmse`).
 
 Why: with `mmse` the toolkit searches every weight and activation range again inside each hybrid step2
@@ -50,7 +50,7 @@ def table_of(rknn) -> dict[str, dict]:
 def apply(stem: Path, cfg_text: str, table: dict[str, dict]) -> tuple[str, dict]:
     """Step1's outputs (`<stem>.data`, the cfg text) rewritten so step2 builds with `table`'s ranges and searches
     nothing: its entries and the `normal` algorithm into the data file, the activations' entries into the cfg.
-    A table of weights only (builder.py's mmse weight ranges) leaves step1's activation ranges as they are; the
+    A table of weights only (model_file.py's mmse weight ranges) leaves step1's activation ranges as they are; the
     toolkit derives each bias's scale again from its weight's and input's (measured).
     Only entries of the same kind are taken (a layer float16 in the table's build has no int8 grid). Returns
     the new cfg text (the caller adds its float16 layers) and counts for the record."""

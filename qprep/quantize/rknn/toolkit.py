@@ -87,6 +87,12 @@ class Toolkit:
         """Release one RKNN object in the worker (its simulator runtime with it)."""
         self._request("release", "release", rknn)
 
+    def discard(self, rknn: int) -> None:
+        """Release an RKNN object, unless the worker that held it has died (then it is gone already): for the
+        objects a failed step leaves behind, where a second error would hide the first."""
+        if self.running:
+            self.release(rknn)
+
     def _request(self, step: str, kind: str, rknn: int | None = None, name=None, args: tuple = (),
                  kwargs: dict | None = None, start: int | None = None):
         if self._worker is None:  # closed, or crashed before: its RKNN objects are gone

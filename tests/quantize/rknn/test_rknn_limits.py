@@ -402,57 +402,6 @@ def test_a_loop_whose_stop_depends_on_the_input_is_refused_before_any_work_namin
         refuse_unsupported(model)
 
 
-def test_a_toolkit_rule_that_fails_and_names_itself_is_disabled_and_the_build_made_again(tmp_path):
-    """basic-pitch's CQT: the toolkit's `remove_concat_slice` rule raised IndexError in build and logged
-    "You can add disable_rules=['remove_concat_slice'] in rknn.config()". The builder builds again with that rule
-    disabled (once per rule) and step1's kept outputs made again, says so in the report once the build passes,
-    and gives up on a crash, a failure naming no rule, or the same rule failing again — then with the rules it
-    disabled on again and nothing reported."""
-    from types import SimpleNamespace
-
-    from qprep.errors import ToolkitError
-    from qprep.quantize.rknn.builder import RknnBuilder
-    from qprep.quantize.rknn.toolkit import Toolkit
-    from qprep.report.decisions import decision_lines
-
-    toolkit = Toolkit(tmp_path)
-    toolkit.log_path.write_text("\x1b[1;33mW\x1b[0m \x1b[1;33mYou can add disable_rules=['remove_concat_slice'] in "
-                                "rknn.config() to temporarily disable the error rule!\n\x1b[0m")
-    assert toolkit.failed_rule(0) == "remove_concat_slice" and toolkit.failed_rule(toolkit.log_path.stat().st_size) is None
-
-    def attempts(*failures):
-        builder = SimpleNamespace(config={"target_platform": "rk3588"}, details={}, _step1=("kept",),
-                                  _step1_kept={("normal", "gptq"): "cfg"})
-        builder.details["config"] = builder.config
-        builder._set_rules = lambda rules: RknnBuilder._set_rules(builder, rules)
-        calls = []
-
-        def step():
-            calls.append(list(builder.config.get("disable_rules", [])))
-            if len(calls) <= len(failures):
-                raise failures[len(calls) - 1]
-            return "built"
-        try:
-            return RknnBuilder._without_failing_rules(builder, step), calls, builder
-        except ToolkitError:
-            return None, calls, builder
-
-    rule = ToolkitError("rknn-toolkit2 build failed: build: IndexError: list index out of range", rule="remove_concat_slice")
-    result, calls, builder = attempts(rule)
-    assert result == "built" and calls == [[], ["remove_concat_slice"]]
-    assert builder.details["config"]["disable_rules"] == ["remove_concat_slice"]
-    assert builder._step1 is None and builder._step1_kept == {}  # step1 made again without the rule
-    line = decision_lines({"name": "quantize", "status": "ok", "backend": "rknn", **builder.details})
-    assert any("graph rule `remove_concat_slice` **disabled**: it failed on this model (rknn-toolkit2 build failed: "
-               "build: IndexError" in text for text in line)
-    result, calls, builder = attempts(rule, rule)  # the same rule again: no third try, the rule on again
-    assert result is None and len(calls) == 2
-    assert "disable_rules" not in builder.config and "rules_disabled" not in builder.details
-    result, calls, builder = attempts(ToolkitError("build failed: no rule"))
-    assert result is None and calls == [[]] and "disable_rules" not in builder.config
-    assert attempts(ToolkitError("crashed (SIGSEGV)", crashed=True, rule="x"))[0] is None
-
-
 def test_a_uint8_input_is_refused_before_the_toolkit_aborts_on_it():
     """rknn-toolkit2 2.5.0 aborted the process (SIGABRT, "Not Support Dtype: 2") on a uint8 image input."""
     model = make_model([helper.make_node("Cast", ["pixels"], ["x"], to=onnx.TensorProto.FLOAT),

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from qprep.quantize.rknn import ranges as rknn_ranges
-from conftest import rknn_job, typed
+from conftest import rknn_job
 
 CFG = """custom_quantize_layers: {}
 quantize_parameters:
@@ -145,27 +145,6 @@ def test_mmse_build_rebuilt_from_its_ranges_without_searching(tmp_path):
             np.testing.assert_allclose(new[key], old[key], atol=1e-6)
 
 
-def test_switching_the_range_algorithm_keeps_the_pinned_build_and_releases_the_rest():
-    """A trial of another algorithm (mmse, kl_divergence) that is not kept must leave the search's best build
-    exportable: use_algorithm frees every other build, not the pinned one, and keeps it pinned."""
-    from types import SimpleNamespace
-
-    from qprep.quantize.rknn.builder import RknnBuilder
-
-    released = []
-    builder = RknnBuilder.__new__(RknnBuilder)
-    builder.toolkit = SimpleNamespace(release=released.append)
-    builder.config = {"quantized_algorithm": "normal"}
-    builder.details, builder._step1, builder._ranges = {}, "step1", None
-    builder._save_model = lambda: None
-    best, last = ("normal", frozenset({"a"})), ("normal", frozenset({"a", "b"}))
-    builder._sessions = {best: ("rknn best", "runner best", None), last: ("rknn last", "runner last", None)}
-    builder._pinned = best
-    builder.use_algorithm("kl_divergence")
-    assert released == ["rknn last"] and list(builder._sessions) == [best] and builder._pinned == best
-    assert builder.algorithm == "kl_divergence" and builder._step1 is None
-
-
 @pytest.mark.parametrize("algorithm, elapsed, reused", [("mmse", 230.0, True), ("mmse", 0.0, False),
                                                          ("normal", 230.0, False)])
 def test_after_a_slow_range_build_late_in_the_budget_the_phases_before_the_search_reuse_its_ranges(
@@ -211,7 +190,7 @@ def test_mmse_weight_ranges_are_given_to_normal_builds(tmp_path, first):
         assert builder.weights_in_use() == first
         normal = builder.session(last).quantization_table()
         builder.use_weight_rounding("mmse")
-        harvested = builder._weight_table
+        harvested = builder.files.weight_table(builder.algorithm)
         assert builder.details["weight_rounding"]["method"] == "mmse"
         assert builder.details["weight_rounding"]["calibration_samples"] == 8
         log_start = builder.toolkit.log_path.stat().st_size
@@ -243,73 +222,3 @@ def test_mmse_weight_ranges_are_given_to_normal_builds(tmp_path, first):
         for field in ("min", "max"):
             np.testing.assert_allclose(rknn_ranges.numbers(table[name][field]), rknn_ranges.numbers(normal[name][field]),
                                        rtol=1e-6)
-
-
-def _stub_builder(monkeypatch, algorithm: str, rounding: str):
-    """An RknnBuilder without a toolkit: models it writes land in the returned list."""
-    from types import SimpleNamespace
-
-    from qprep.quantize.rknn import builder as rknn_builder
-
-    saved = []
-    monkeypatch.setattr(rknn_builder, "save_model", lambda m, path: saved.append(m))
-    monkeypatch.setattr(rknn_builder.io_names, "renamed", lambda m, renames: m)
-    builder = rknn_builder.RknnBuilder.__new__(rknn_builder.RknnBuilder)
-    builder.config = {"quantized_algorithm": algorithm}
-    builder.options = typed("rknn", weight_rounding=rounding)
-    builder.job = SimpleNamespace(samples=[{}], model="as prepared")
-    builder.weight_rounding, builder._weight_table, builder._ranges = rounding, None, None
-    builder._on_grid, builder._grid_record, builder.details, builder.renames = "on grid", {"method": "gptq"}, {}, {}
-    builder.model_path, builder._weight_record, builder._written = None, {}, None
-    builder._sessions, builder._pinned, builder._step1, builder._step1_kept = {}, None, None, {}
-    return builder, saved
-
-
-@pytest.mark.parametrize("crashed", [False, True])
-def test_a_failed_mmse_weight_build_leaves_the_weights_as_they_were(monkeypatch, crashed):
-    """The fallback's mmse weight phase is optional: when its build fails the weights stay the way they were
-    rounded (here `nearest`, which a user sets to spare GPTQ's memory on a big model), the phase reports it
-    could not switch and choose_setting records no score for it. A crashed toolkit worker still stops the run."""
-    from qprep.errors import ToolkitError
-    from qprep.quantize import search
-
-    builder, saved = _stub_builder(monkeypatch, "normal", "nearest")
-
-    def fail():
-        raise ToolkitError("rknn-toolkit2 failed in build (mmse weight ranges)", crashed=crashed)
-
-    builder._mmse_weight_ranges = fail
-    if crashed:
-        with pytest.raises(ToolkitError):
-            builder.use_weight_rounding("mmse")
-        return
-    record = search.choose_setting("weight_rounding", "nearest", ["mmse"], builder.use_weight_rounding,
-                                   lambda float_set, samples: {"y": {"cosine_mean": 0.95}}, set(), [{}],
-                                   {"cosine_mean": 0.99})
-    assert builder.weight_rounding == "nearest" and saved == ["as prepared"]
-    assert record["chosen"] == "nearest" and list(record["scores"]) == ["nearest"]
-    assert builder.details["weight_rounding"] == {"method": "nearest"}
-
-
-@pytest.mark.parametrize("algorithm, rounding, fetched, model", [
-    ("normal", "mmse", True, "as prepared"), ("mmse", "mmse", False, "as prepared"),
-    ("kl_divergence", "mmse", True, "as prepared"), ("kl_divergence", "gptq", False, "as prepared"),
-    ("normal", "gptq", False, "on grid")])
-def test_mmse_weight_ranges_are_fetched_only_for_normal_and_kl_builds(monkeypatch, algorithm, rounding, fetched, model):
-    """`weight_rounding: mmse` means mmse's weight ranges under `normal` or `kl_divergence` activation ranges. The
-    `mmse` algorithm searches its own (an mmse trial of the fallback fetched them, 53 s on the zoo's PP-OCRv3 rec,
-    for nothing); GPTQ goes with normal ranges only (as measured), kl builds otherwise take the weights as they are."""
-    builder, saved = _stub_builder(monkeypatch, algorithm, rounding)
-    calls = []
-
-    def fetch():
-        calls.append(1)
-        builder._weight_record = {"method": "mmse", "calibration_samples": 8}
-        return {"w": {"qmethod": "channel", "dtype": "int8"}}
-
-    builder._mmse_weight_ranges = fetch
-    builder._save_model()
-    assert bool(calls) is fetched and saved == [model]
-    assert (builder._table() is not None) is fetched
-    method = {"mmse": "mmse search"}.get(algorithm, rounding if fetched or algorithm == "normal" else "nearest")
-    assert builder.details["weight_rounding"]["method"] == method
