@@ -46,7 +46,7 @@ class RknnBuilder:
         self.renames = io_names.toolkit_names(job.model)  # only in the file the toolkit loads (io_names.py)
         self.normalization = dataset.normalization(job)
         self.dataset = dataset.write_dataset(job, job.work_dir, self.normalization)
-        self.files = ModelFile(job, self.renames, job.work_dir / "model.onnx", self.dataset)
+        self.model_file = ModelFile(job, self.renames, job.work_dir / "model.onnx", self.dataset)
         options = self.options
         self.config = dict(target_platform=options.target_platform, quantized_dtype=options.quantized_dtype,
                            quantized_algorithm=options.quantized_algorithm,
@@ -74,7 +74,7 @@ class RknnBuilder:
     @property
     def weight_rounding(self) -> str:
         """The weight rounding asked for (gptq | nearest | mmse); use_weight_rounding changes it."""
-        return self.files.weight_rounding
+        return self.model_file.weight_rounding
 
     @property
     def setting(self) -> str:
@@ -84,22 +84,22 @@ class RknnBuilder:
 
     def weights_in_use(self) -> str:
         """How the weights get their integers under the current range algorithm (ModelFile.weights_in_use)."""
-        return self.files.weights_in_use(self.algorithm)
+        return self.model_file.weights_in_use(self.algorithm)
 
     def rounds_weights(self) -> bool:
         """Is this a build whose weight grid qprep knows (w8a8, per channel, calibrated)?"""
-        return self.files.rounds_weights()
+        return self.model_file.rounds_weights()
 
     def use_weight_rounding(self, method: str) -> bool:
         """Give the weights their integers another way from now on (gptq | nearest | mmse); the pinned build
         stays (as in use_algorithm). False if it cannot: mmse's build failed, the weights stay as they were."""
-        if method != self.files.weight_rounding:
-            before = self.files.weight_rounding
+        if method != self.model_file.weight_rounding:
+            before = self.model_file.weight_rounding
             self.sessions.release_unpinned()
-            self.files.weight_rounding = method
+            self.model_file.weight_rounding = method
             self.step1.forget()
             self._save_model(otherwise=before)
-        return self.files.weight_rounding == method
+        return self.model_file.weight_rounding == method
 
     def use_algorithm(self, algorithm: str) -> None:
         """Build with another range algorithm from now on (hybrid step1 records it, so step1 runs again). The
@@ -127,8 +127,8 @@ class RknnBuilder:
 
     def _save_model(self, otherwise: str = "gptq") -> None:
         """The file for the current setting (ModelFile.save), and what the record says of its weights."""
-        self.files.save(self.algorithm, self._mmse_table, otherwise)
-        self.details["weight_rounding"] = self.files.record
+        self.model_file.save(self.algorithm, self._mmse_table, otherwise)
+        self.details["weight_rounding"] = self.model_file.record
 
     def _mmse_table(self, samples: Path) -> dict[str, dict]:
         """The quantization table of an mmse build on the `samples` dataset file (mmse's weight ranges)."""
@@ -144,7 +144,7 @@ class RknnBuilder:
         return self.rules.retry(mmse_table)
 
     def _table(self) -> dict | None:
-        return self.step1.table(self.files.weight_table(self.algorithm))
+        return self.step1.table(self.model_file.weight_table(self.algorithm))
 
     def pin(self, float_set: set[str]) -> None:
         self.sessions.pin((self.setting, frozenset(float_set)))
@@ -152,14 +152,15 @@ class RknnBuilder:
     def _loaded(self, algorithm: str | None = None) -> int:
         rknn = self.toolkit.new()
         self.toolkit.call("config", rknn, "config", **{**self.config, "quantized_algorithm": algorithm or self.algorithm})
-        self.toolkit.call("load_onnx", rknn, "load_onnx", model=str(self.files.path),
+        self.toolkit.call("load_onnx", rknn, "load_onnx", model=str(self.model_file.path),
                           inputs=[self.renames.get(s.name, s.name) for s in self.inputs],
                           input_size_list=[s.shape for s in self.inputs])
         return rknn
 
     def ir_names(self) -> IRNames:
         """Hybrid step1 (once per setting): the IR, its tensor names and the quantization cfg step2 builds from."""
-        return self.step1.ir_names(self.algorithm, self.files.holds(), self.files.weight_table(self.algorithm))
+        algorithm = self.algorithm
+        return self.step1.ir_names(algorithm, self.model_file.holds(), self.model_file.weight_table(algorithm))
 
     def _call_or_release(self, rknn: int, method: str, **kwargs) -> None:
         """`rknn.method(**kwargs)` in the toolkit; the object is released when the call fails (a build the caller

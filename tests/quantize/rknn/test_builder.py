@@ -49,7 +49,7 @@ def assembled(monkeypatch, tmp_path, toolkit, algorithm: str, rounding: str) -> 
     builder = RknnBuilder.__new__(RknnBuilder)
     builder.job, builder.options, builder.toolkit, builder.inputs, builder.renames = job, options, toolkit, [], {}
     builder.config, builder.details = {"quantized_algorithm": algorithm}, {}
-    builder.files = ModelFile(job, {}, tmp_path / "model.onnx", dataset)
+    builder.model_file = ModelFile(job, {}, tmp_path / "model.onnx", dataset)
     builder.rules = FailingRules(builder.config, builder.details, on_disable=lambda: builder.step1.forget_outputs())
     builder.step1 = Step1(toolkit, dataset, {}, lambda algorithm: 0, builder.rules.retry, builder.details)
     builder.sessions = Sessions(toolkit)

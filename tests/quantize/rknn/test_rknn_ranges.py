@@ -190,7 +190,7 @@ def test_mmse_weight_ranges_are_given_to_normal_builds(tmp_path, first):
         assert builder.weights_in_use() == first
         normal = builder.session(last).quantization_table()
         builder.use_weight_rounding("mmse")
-        harvested = builder.files.weight_table(builder.algorithm)
+        harvested = builder.model_file.weight_table(builder.algorithm)
         assert builder.details["weight_rounding"]["method"] == "mmse"
         assert builder.details["weight_rounding"]["calibration_samples"] == 8
         log_start = builder.toolkit.log_path.stat().st_size
