@@ -30,6 +30,12 @@ def test_a_refinement_runs_when_its_expected_gain_pays_for_its_predicted_cost(pr
     assert record["predicted_s"] == predicted and record["expected_gain_db"] == gain
 
 
+def test_a_refinement_predicted_under_a_quarter_second_runs_whatever_it_gains():
+    """A tiny model's calibration takes milliseconds: a rule on them would follow the machine's hiccups."""
+    assert refinements.decide("a refinement", 0.2, 0.0, calibration_s=0.01)["runs"] is True
+    assert refinements.decide("a refinement", 0.3, 0.0, calibration_s=0.01)["runs"] is False
+
+
 def test_the_offset_share_of_an_error_is_one_for_an_offset_per_channel_and_zero_for_centred_noise():
     rng = np.random.default_rng(0)
     expected = [{"y": rng.standard_normal((1, 4, 6, 6)).astype(np.float32)} for _ in range(8)]

@@ -22,7 +22,7 @@ Costs: runs of the models over the calibration samples (as long as the checks' m
 model and of the build) and GPTQ's arithmetic (the input moments H = Σ x xᵀ and the solve) at the rate a probe
 of the moments' own kernel runs here. Both estimates are coarse (each record holds what was predicted and, when
 it ran, what it took): the rule separates the refinements worth many calibrations from those worth none, and a
-refinement predicted within one calibration runs without its gain being estimated.
+refinement predicted within one calibration (or FREE_S) runs without its gain being estimated.
 """
 
 from __future__ import annotations
@@ -47,13 +47,16 @@ BIAS_SHARE = 0.8  # of the output error's offset per channel, the share bias cor
 # a bias-correction wave costs about this share of a float run (its part's session and run; EfficientNet-Lite0's 50
 # waves took 8.5 s where its float run took 1 s)
 WAVE_RUNS = 0.15
+# a refinement predicted to take less runs whatever it gains: its estimate would cost about as much, and a rule on
+# milliseconds would follow the machine's hiccups
+FREE_S = 0.25
 ESTIMATE_SAMPLES = 8  # samples the weights-only run estimates GPTQ's gain on
 FLOAT_MEANS_RUNS = 2.0  # the float model's run with its layers' outputs fetched, in plain float runs
 
 
 def allowed_seconds(calibration_s: float, gain_db: float) -> float:
-    """What a refinement expected to gain `gain_db` may cost (module doc: the rule)."""
-    return calibration_s * (1.0 + PER_DB * max(0.0, gain_db))
+    """What a refinement expected to gain `gain_db` may cost (module doc: the rule), never less than FREE_S."""
+    return max(FREE_S, calibration_s * (1.0 + PER_DB * max(0.0, gain_db)))
 
 
 def expected_gain_db(share: float, removed: float) -> float:
