@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 
 from qprep.model import info as model_info
-from qprep.model.load import load_model
+from qprep.model.load import load_model, unreadable
 
 FUSED_GELU_OPS = ("Gelu", "FastGelu", "QuickGelu", "BiasGelu")
 
@@ -21,8 +21,11 @@ def inspect_model(path: str) -> dict:
     from qprep.graph.ir import MS_DOMAIN
     from qprep.optimize.passes.split_ort_fusions import SPLITS
 
-    model = load_model(path)
+    model = load_model(path, rewrites=False)
     summary = model_info.summary(model)
+    refused = unreadable(model)
+    if refused:  # what the graph library cannot read: described from the proto, the refusal named
+        return {"path": str(path), "bytes": Path(path).stat().st_size, **summary, "refused": refused}
     layernorms, gelus = fusable(model)
     layernorms = {"fused": summary["op_counts"].get("LayerNormalization", 0), **layernorms}
     gelus = {"fused": sum(summary["op_counts"].get(op, 0) for op in FUSED_GELU_OPS), **gelus}
@@ -87,8 +90,11 @@ def render_inspection(info: dict) -> str:
     lines += [f"    {s['name']}: {s['dtype']} {shape(s)}" for s in info["inputs"]]
     lines.append("  outputs:")
     lines += [f"    {s['name']}: {s['dtype']} {shape(s)}" for s in info["outputs"]]
-    lines += _found("LayerNorm", info["layernorms"]) + _found("GELU", info["gelus"])
-    if info["ort_fused_ops"]:
+    if info.get("refused"):
+        lines.append(f"  refused by init and by a run with stages: {info['refused']}")
+    else:
+        lines += _found("LayerNorm", info["layernorms"]) + _found("GELU", info["gelus"])
+    if info.get("ort_fused_ops"):
         ops = ", ".join(f"{op} {n}" for op, n in info["ort_fused_ops"].items())
         lines.append(f"  ONNX Runtime's fused ops: {sum(info['ort_fused_ops'].values())} ({ops}; `optimize` takes "
                      "them apart)")

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from qprep.disk.reading import require_regular_file
 from qprep.errors import ModelError
-from qprep.model.info import iter_nodes
+from qprep.model.info import iter_nodes, map_valued
 from qprep.model.io import is_heavy, is_large, weightless
 from qprep.model.ort_optimized import (
     ORT_ONLY_ONNX_DOMAIN_OPS,
@@ -30,12 +30,15 @@ from qprep.third_party import all_tensors
 log = logging.getLogger("qprep")
 
 
-def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """Load and check a model file (external data included), or raise a one-line ModelError."""
-    return load_model_and_data_files(path)[0]
+def load_model(path: str | os.PathLike, rewrites: bool = True) -> onnx.ModelProto:
+    """Load and check a model file (external data included), or raise a one-line ModelError. `rewrites`: the
+    caller's graph will be read by qprep's graph library (onnx-ir: the stages, init, inspect's fusion count), so
+    what that library cannot read is refused here (`refuse_unreadable`); False only for a caller that merely runs
+    the model (a run without stages, its re-evaluation)."""
+    return load_model_and_data_files(path, rewrites)[0]
 
 
-def load_model_and_data_files(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[Path]]:
+def load_model_and_data_files(path: str | os.PathLike, rewrites: bool = True) -> tuple[onnx.ModelProto, list[Path]]:
     """`load_model`, and the external data files it read (what must survive the run, as the model itself)."""
     path = require_regular_file(path, "model file", ModelError, "check `model:` in the config or pass --model")
     try:
@@ -53,7 +56,28 @@ def load_model_and_data_files(path: str | os.PathLike) -> tuple[onnx.ModelProto,
     refuse_session_layouts(model, path)
     model = split_simplified_layernorm(lift_layernorm_opset(model, path))
     _check(model, path)
+    if rewrites:
+        refuse_unreadable(model)
     return model, data_files
+
+
+def refuse_unreadable(model: onnx.ModelProto) -> None:
+    """Refuse in one line a model qprep's graph library cannot read: a value typed as a map or a sequence of maps
+    (sklearn's ZipMap; onnx-ir 1.1: "Map types are not supported yet"). Why at load: every command that goes on
+    to rewrite or analyse the graph (run, validate, init, inspect) refuses it alike, before it crashes there."""
+    message = unreadable(model)
+    if message:
+        raise ModelError(message)
+
+
+def unreadable(model: onnx.ModelProto) -> str | None:
+    """What `refuse_unreadable` says about `model`, or None: `qprep inspect` names it beside what it can show."""
+    maps = map_valued(model)
+    if not maps:
+        return None
+    return (f"model: '{maps[0]}' is a map or a sequence of maps (a ZipMap's output), which qprep's graph library "
+            "cannot read; export without it (skl2onnx: options={'zipmap': False}) or remove the ZipMap and keep "
+            "its input tensor as the output")
 
 
 def _load_external_data(model: onnx.ModelProto, path: Path) -> list[Path]:

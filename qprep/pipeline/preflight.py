@@ -252,13 +252,8 @@ def _load_model(config: Config) -> tuple[onnx.ModelProto, dict, list[str], list[
     """Read and check the model, name its nodes, take its random ops out as noise inputs, fix input dims, infer
     shapes; record what it is. Also the external data files it read and the noise it is fed."""
     path = config["model"]
-    model, data_files = load_model_and_data_files(path)
+    model, data_files = load_model_and_data_files(path, rewrites=bool(config.stages))  # none: it only runs
     record = {"model": {**digests(path, data_files), "bytes": Path(path).stat().st_size, **model_info.summary(model)}}
-    maps = model_info.map_valued(model)
-    if maps and config.stages:
-        raise ModelError(f"model: '{maps[0]}' is a map or a sequence of maps (a ZipMap's output), which qprep's "
-                         "graph library cannot read; export without it (skl2onnx: options={'zipmap': False}) or "
-                         "remove the ZipMap and keep its input tensor as the output")
     fed, random = drawn_ops(model)
     if random and config.stages:
         node, why = random[0]

@@ -57,7 +57,8 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
         guard.add_inputs(preflight.sample_files(checked.evaluation))
     ctx = RunContext(config=config, run_dir=run_dir, calibration=checked.calibration, verifier=None,
                      progress=progress, reference=ReferenceOutputs.of_run(config, checked, progress))
-    model, _ = taken_out(load_model(run_dir / "model.onnx"))  # its random ops fed the noise the samples hold
+    # its random ops fed the noise the samples hold; only run here, never rewritten
+    model, _ = taken_out(load_model(run_dir / "model.onnx", rewrites=False))
     result = evaluate(config, ctx, Products(), model, report["model"]["kind"])
     if repeated:  # said by the command too: figures equal to the report's are no news
         result["notes"], result["repeats"] = [repeated, *result.get("notes", [])], repeated
