@@ -78,11 +78,31 @@ def refuse_custom_domains(model: onnx.ModelProto, at_load: bool = False) -> None
             custom.setdefault(f"{node.domain} {node.op_type}", []).append(node.name or node.output[0])
     if custom:
         ops = ", ".join(f"{op} ({len(names)}× e.g. '{names[0]}')" for op, names in sorted(custom.items()))
-        way_out = ("run the optimize stage before quantize (its split_ort_fusions pass takes "
-                   f"{', '.join(sorted(splittable))} apart; its record says why one was left)" if splittable else
-                   "export it without ONNX Runtime's graph optimizations (the float export, not an ORT-optimized one)")
+        domains = {op.split(" ")[0] for op in custom}
         raise ModelError(f"quantize.rknn: rknn-toolkit2 runs only standard ONNX ops, and the model has {ops}; "
-                         f"{way_out}")
+                         f"{'; '.join(_way_out(domain, splittable) for domain in sorted(domains))}")
+
+
+ML_DOMAIN = "ai.onnx.ml"
+
+
+def _way_out(domain: str, splittable: set[str]) -> str:
+    """The fix follows where the ops came from: com.microsoft ones from ONNX Runtime's optimizer (an optimized
+    export, or fusions the optimize stage splits), ai.onnx.ml ones from a classic-ML converter (skl2onnx's Scaler,
+    ZipMap, ArrayFeatureExtractor), whose pre/post-processing only ONNX Runtime runs; any other domain is a
+    library's custom ops."""
+    from qprep.graph.ir import MS_DOMAIN
+
+    if domain == MS_DOMAIN and splittable:
+        return ("run the optimize stage before quantize (its split_ort_fusions pass takes "
+                f"{', '.join(sorted(splittable))} apart; its record says why one was left)")
+    if domain == MS_DOMAIN:
+        return "export it without ONNX Runtime's graph optimizations (the float export, not an ORT-optimized one)"
+    if domain == ML_DOMAIN:
+        return ("ai.onnx.ml ops come from a classic-ML converter (skl2onnx and the like) and rknn-toolkit2 takes "
+                "only ai.onnx ops: use backend ort (ONNX Runtime runs them), or export the model without its "
+                "classic-ML pre/post-processing")
+    return f"{domain} ops are another library's custom ops, for which rknn-toolkit2 has no kernel: export without them"
 
 
 EPILOGUES = ("Div", "Mul", "Add", "Sub", "BatchNormalization")

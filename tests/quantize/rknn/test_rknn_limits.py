@@ -79,6 +79,29 @@ def test_ops_outside_the_onnx_domain_are_refused_by_name():
         refuse_unsupported(model)
 
 
+def test_the_way_out_follows_the_ops_domain_classic_ml_ops_are_not_from_onnx_runtimes_optimizer():
+    """skl2onnx's Scaler (ai.onnx.ml) is no ORT-optimized export: the fix is backend ort or an export without the
+    classic-ML steps; a library's custom op is named as such; each domain gets its own fix."""
+    nodes = [helper.make_node("Scaler", ["x"], ["s"], name="Scaler", domain="ai.onnx.ml", offset=[0.0] * 4,
+                              scale=[1.0] * 4),
+             helper.make_node("Inverse", ["s"], ["y"], name="inv", domain="ai.onnx.contrib")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3),
+                                                    helper.make_opsetid("ai.onnx.contrib", 1)])
+    with pytest.raises(ModelError) as refused:
+        refuse_unsupported(model)
+    message = str(refused.value)
+    assert "ai.onnx.ml Scaler (1× e.g. 'Scaler')" in message and "graph optimizations" not in message
+    assert ("rknn-toolkit2 takes only ai.onnx ops: use backend ort (ONNX Runtime runs them), or export the model "
+            "without its classic-ML pre/post-processing") in message
+    assert "ai.onnx.contrib ops are another library's custom ops" in message
+    del model.graph.node[1]
+    model.graph.node[0].output[0] = "y"
+    with pytest.raises(ModelError, match=r"\(1× e.g. 'Scaler'\); ai.onnx.ml ops come from a classic-ML converter"):
+        refuse_unsupported(model)
+
+
 def test_fused_ops_the_optimize_stage_splits_pass_at_load_and_are_named_with_the_way_out_at_the_build():
     nodes = [helper.make_node("FusedConv", ["x", "w"], ["c"], name="conv", domain="com.microsoft", activation="Relu"),
              helper.make_node("Attention", ["c"], ["y"], name="attn", domain="com.microsoft")]
