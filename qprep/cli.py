@@ -333,12 +333,12 @@ def cmd_run(args) -> int:
         return EXIT_USAGE
     gate = (report.get("evaluation") or {}).get("gate")
     if gate and not gate["passed"]:
-        missed = [f"{c['metric']} {_fmt(c['value'])} (needs {'<=' if c.get('kind') == 'maximum' else '>='} "
-                  f"{c['threshold']:.4g})" for c in gate["checks"] if not c["passed"]]
+        from qprep.report.verdict import missed_text, next_step
+
         what = "accuracy floor" if gate.get("source") == "floor" else "gate"
         worst = f"; worst: {', '.join(gate['worst_tensors'][:4])}" if gate.get("worst_tensors") else ""
-        print(f"qprep: {what} missed: {'; '.join(missed)}{worst} (report in {report['run_dir']})", file=sys.stderr)
-        from qprep.report.verdict import next_step
+        print(f"qprep: {what} missed: {missed_text(report['evaluation'])}{worst} (report in {report['run_dir']})",
+              file=sys.stderr)
 
         step = next_step(report)
         if step:
@@ -477,9 +477,9 @@ def cmd_evaluate(args) -> int:
         print(f"qprep: note: {result['repeats']}")
     gate = result.get("gate")
     if gate and not gate["passed"]:
-        missed = [f"{c['metric']} {_fmt(c['value'])} (needs {'<=' if c.get('kind') == 'maximum' else '>='} "
-                  f"{c['threshold']})" for c in gate["checks"] if not c["passed"]]
-        print(f"qprep: gate missed on {args.samples}: {'; '.join(missed)}", file=sys.stderr)
+        from qprep.report.verdict import missed_text
+
+        print(f"qprep: gate missed on {args.samples}: {missed_text(result)}", file=sys.stderr)
         return EXIT_GATE_MISSED
     return EXIT_OK
 

@@ -4,7 +4,11 @@
 another kind (metrics.JUDGED_BY) is held to its own main metric instead, at the threshold that cosine stands
 for: a relative error of √(2 (1 − 0.99)) = 0.141 for state and one-element outputs and sorted TopK/NMS values
 (the error that gives that cosine at equal norms), 0.99 of decisions, elements, boxes or ids for
-probabilities, integers, matched boxes and id sets. `cosine_min` likewise (a state's worst sample:
+probabilities, integers, matched boxes and id sets. An agreement of decisions (a label, a probability's decision,
+ids: one observation per sample) is held instead to the gate's `top1_agreement` when one is set (the same
+question asked of the same samples), else to the agreement a good INT8 result meets on that many samples
+(`agreement_target`, never above the cosine threshold): at 0.99, 80 samples would allow no flip, and one near-tie
+flip that the probabilities' own top-1 shows too failed the label alone. `cosine_min` likewise (a state's worst sample:
 `rel_error_max`). On the outputs cosine judges, `cosine_mean` also holds `mean_sqnr_db` (the SQNR weighted
 per sample, as the cosine is) to what the threshold stands for less 3 dB (metrics.SQNR_SLACK_DB; 13.98 dB for
 0.99): cosine cannot see an error along the signal, a scale or the shift of an output far from zero. Any other
@@ -28,6 +32,9 @@ from qprep.measure.metrics import higher_is_better, rel_error_for_cosine, sqnr_f
 from qprep.measure.user_metric import ENTRY, KEYS
 
 COSINE = ("cosine_mean", "cosine_min")
+DECISIONS = ("decision_agreement", "element_agreement", "set_agreement")  # a cosine key may stand for them
+GOOD_FLIPS = 0.02  # a good INT8 classifier's top-1 flips against FP32 (BENCHMARKS.md: 97.7-99.2% held out)
+ODDS = 0.95  # the share of such results a sample-count-aware target lets pass
 
 
 def check_gate(gate: dict[str, float], outputs: dict[str, dict], floor: bool = False,
@@ -42,7 +49,7 @@ def check_gate(gate: dict[str, float], outputs: dict[str, dict], floor: bool = F
         direct, replaced = [], []
         for name in names:
             m = outputs.get(name)
-            held = None if m is None else held_to(metric, threshold, m)
+            held = None if m is None else held_to(metric, threshold, m, gate)
             if held is None:
                 continue
             (direct if held[0] == metric else replaced).append((name, *held))
@@ -58,19 +65,52 @@ def check_gate(gate: dict[str, float], outputs: dict[str, dict], floor: bool = F
                 checks.append(_along_signal(key, threshold, {name: outputs[name] for name, *_ in direct}, floor))
         for name, used, limit in replaced:
             check = _check(f"{name}.{used}", limit, [outputs[name][used]], [name], floor)
-            checks.append({**check, "stands_for": f"{metric} {threshold}"})
+            why = _decided_as(used, limit, threshold, gate, outputs[name].get(used.replace("_agreement", "_count")))
+            checks.append({**check, "stands_for": f"{metric} {threshold}{why}"})
     checks = [_undecided(c, outputs, undecided_passes) for c in checks if c is not None]
     return {"passed": all(c["passed"] for c in checks), "checks": checks, **({"source": "floor"} if floor else {})}
 
 
-def held_to(metric: str, threshold: float, output: dict) -> tuple[str, float] | None:
+def held_to(metric: str, threshold: float, output: dict, gate: dict | None = None) -> tuple[str, float] | None:
     """(metric, threshold) an output is held to for a gate key: a cosine key on an output not judged by cosine
     becomes its main metric (see the module doc); None when the key does not apply to the output."""
     judged = output.get("judged_by") or []
     if metric in COSINE and judged and "cosine_mean" not in judged:
         used = "rel_error_max" if metric == "cosine_min" and "rel_error_max" in judged else judged[0]
-        return used, (rel_error_for_cosine(threshold) if used.startswith("rel_error") else threshold)
+        if used.startswith("rel_error"):
+            return used, rel_error_for_cosine(threshold)
+        if metric == "cosine_mean" and used in DECISIONS:
+            return used, decisions_target(threshold, output.get(used.replace("_agreement", "_count")), gate or {})
+        return used, threshold
     return (metric, threshold) if metric in output else None
+
+
+def decisions_target(threshold: float, samples: int | None, gate: dict) -> float:
+    """The agreement a cosine threshold holds an output of decisions to (the module doc): the gate's own
+    `top1_agreement`, else agreement_target on the samples counted, at most the cosine threshold."""
+    if isinstance(gate.get("top1_agreement"), (int, float)):
+        return gate["top1_agreement"]
+    return min(threshold, agreement_target(samples)[0]) if samples else threshold
+
+
+def agreement_target(samples: int) -> tuple[float, int]:
+    """(target, flips it allows): the agreement a good INT8 result (GOOD_FLIPS of its samples flip) meets with
+    ODDS on `samples`, rounded down to a percent. Why: a fixed 0.97 needs 32 of 32 (one flip is 3.1%), a miss
+    that says nothing about the result; the target rises with the sample count (0.97 from about 500)."""
+    flips, odds = 0, (1 - GOOD_FLIPS) ** samples
+    while odds < ODDS or flips == 0:  # at least one flip: a single one never misses the default
+        flips += 1
+        odds += math.comb(samples, flips) * GOOD_FLIPS ** flips * (1 - GOOD_FLIPS) ** (samples - flips)
+    return math.floor(100 * (samples - flips) / samples) / 100, flips
+
+
+def _decided_as(used: str, limit: float, threshold: float, gate: dict, samples: int | None) -> str:
+    """Why a decisions' agreement is held to another figure than the cosine threshold (empty when it is not)."""
+    if used not in DECISIONS or limit == threshold:
+        return ""
+    if isinstance(gate.get("top1_agreement"), (int, float)) and limit == gate["top1_agreement"]:
+        return ", as decisions: the gate's top1_agreement"
+    return f", as decisions: the agreement a good INT8 result meets on {samples} samples"
 
 
 def _user_check(key: str, threshold: float, figures: dict | None, floor: bool) -> dict | None:

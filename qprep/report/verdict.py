@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MET, MISSED, NOT_MEASURED = "met", "missed", "not measured"
+NEAR_TIE = 0.9  # a changed top-1 whose FP32 top two are nearer than on 90% of the rows is a near tie
 INTERVAL_NOTE = ("95% intervals count samples, not steps or pixels: each sample's share of agreeing rows, steps "
                  "or elements is one observation (Wilson interval, n = samples).")
 
@@ -121,6 +122,37 @@ def closing_line(report: dict) -> str | None:
     if found.state != MET:
         return None
     return f"{'warning: met, ' if found.mostly_float else 'met: '}{found.text.replace('`', '')}"
+
+
+def missed_text(evaluation: dict) -> str:
+    """The terminal's account of a missed gate: each missed check with what its threshold needs and, as the
+    report says them, "too few to decide" and how many of the changed top-1s were FP32's near ties (a miss by
+    a near-tie flip or two says little about the quantization)."""
+    gate = evaluation.get("gate") or {}
+    missed = [c for c in gate.get("checks", []) if not c["passed"]]
+    parts = []
+    for c in missed:
+        value = "n/a" if c["value"] is None else f"{c['value']:.4g}"
+        undecided = f"; too few to decide: {c['undecided']}" if c.get("undecided") else ""
+        parts.append(f"{c['metric']} {value} (needs {'<=' if c.get('kind') == 'maximum' else '>='} "
+                     f"{c['threshold']:.4g}{undecided})")
+    if any(c["metric"].endswith("_agreement") for c in missed):
+        parts += tie_notes(evaluation)
+    return "; ".join(parts)
+
+
+def tie_notes(evaluation: dict) -> list[str]:
+    """'top-1 of probabilities changed on 1 of 80 held-out samples, 1 among FP32's 10% nearest ties', per output
+    of the judged set whose top-1 changed."""
+    split, _, outputs = judged_set(evaluation)
+    notes = []
+    for name, m in outputs.items():
+        changed = m.get("top1_changed") or []
+        if changed:
+            near = sum(c["closer_than"] >= NEAR_TIE for c in changed)
+            notes.append(f"top-1 of {name} changed on {len(changed)} of {m.get('samples', '?')} {split} samples, "
+                         f"{near} among FP32's {100 * (1 - NEAR_TIE):.0f}% nearest ties")
+    return notes
 
 
 def next_step(report: dict) -> str:

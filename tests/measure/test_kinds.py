@@ -12,7 +12,7 @@ from onnx import helper
 
 from graphs import make_model, rand
 from qprep.measure.outputs import output_metrics
-from qprep.measure.gate import check_gate
+from qprep.measure.gate import agreement_target, check_gate
 from qprep.measure.kinds import output_kinds, state_key
 from qprep.measure.metrics import compare_output, sqnr_db
 from qprep.model.runtime import run_model
@@ -68,7 +68,8 @@ def test_a_cosine_target_holds_each_output_to_its_own_metric_and_the_search_clim
     assert set(checks) == {"prob.decision_agreement", "stateN.rel_error"}
     assert checks["stateN.rel_error"]["threshold"] == pytest.approx(math.sqrt(2 * 0.01))  # what cosine 0.99 allows
     assert checks["stateN.rel_error"]["stands_for"] == "cosine_mean 0.99"
-    assert checks["prob.decision_agreement"]["threshold"] == 0.99
+    # decisions on 8 samples: the agreement a good INT8 result meets on 8 (one flip is 12.5%), not 0.99
+    assert checks["prob.decision_agreement"]["threshold"] == agreement_target(8)[0] == 0.87
     worst = min(outputs["prob"]["score"], 1 - outputs["stateN"]["rel_error"] ** 2 / 2)
     assert score_of(outputs, {"cosine_mean": 0.99}) == pytest.approx(worst)
     exact = output_metrics(expected, expected, output_kinds(model, expected, {}))
