@@ -51,7 +51,10 @@ WAVE_RUNS = 0.15
 # milliseconds would follow the machine's hiccups
 FREE_S = 0.25
 ESTIMATE_SAMPLES = 8  # samples the weights-only run estimates GPTQ's gain on
-FLOAT_MEANS_RUNS = 2.0  # the float model's run with its layers' outputs fetched, in plain float runs
+FETCH_RUNS = 2.0  # a model run as written with its layers' tensors fetched, in plain (optimized) float runs
+# multiply-adds of the moment kernel that copying one input element costs (the padded input GPTQ gathers its rows
+# from: a U-Net's 15 layers at 256x256 spent 5 s there, half its H's time)
+COPY_MACS = 40
 
 
 def allowed_seconds(calibration_s: float, gain_db: float) -> float:
@@ -107,67 +110,69 @@ def weights_only_sqnr(quantized: onnx.ModelProto, float_model: onnx.ModelProto, 
 
 
 def moments_rate(threads: int) -> float:
-    """Multiply-adds per second of GPTQ's moment kernel here (x xᵀ on a [1, 128, 2048] block, best of 3: a few
-    milliseconds)."""
+    """Multiply-adds per second of GPTQ's moment kernel here (x xᵀ on a [1, 256, 4096] block, best of 2: tens of
+    milliseconds; a smaller block measures the call's overhead more than the kernel)."""
     session = gptq.gram_session(threads)
-    x = np.random.default_rng(0).standard_normal((1, 128, 2048)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((1, 256, 4096)).astype(np.float32)
     best = math.inf
-    for _ in range(3):
+    for _ in range(2):
         start = time.perf_counter()
         session.run(None, {"x": x})
         best = min(best, time.perf_counter() - start)
-    return 128 * 128 * 2048 / max(best, 1e-6)
+    return 256 * 256 * 4096 / max(best, 1e-6)
 
 
 def layer_positions(quantized: onnx.ModelProto, layers: list[gptq.Layer], sample: dict, threads: int
-                    ) -> dict[str, int]:
-    """Layer → the rows one sample gives its H before any cut (output positions of a conv, rows of a matrix
-    product), from its input's shape on one sample."""
+                    ) -> dict[str, tuple[int, int]]:
+    """Layer → (the rows one sample gives its H before any cut: output positions of a conv, rows of a matrix
+    product; the elements of its input), from its input's shape on one sample."""
     values = intermediate_values(quantized, sorted({layer.activation for layer in layers}), [sample], threads)
     shapes = {name: np.shape(value) for values_of in values for name, value in values_of.items()}
-    positions = {}
+    sizes = {}
     for layer in layers:
         shape = shapes.get(layer.activation)
         if shape is None or len(shape) < 2:
             continue
+        elements = int(np.prod(shape))
         if layer.kind != "conv":
-            positions[layer.node] = int(np.prod(shape[:-1]))
+            sizes[layer.node] = (int(np.prod(shape[:-1])), elements)
             continue
-        kernel = layer.float_weight.shape[2:]
-        strides = layer.conv.get("strides", [1] * len(kernel))
+        strides = layer.conv.get("strides", [1] * (len(shape) - 2))
         spatial = [max(1, size // stride) for size, stride in zip(shape[2:], strides)]
-        positions[layer.node] = int(shape[0] * np.prod(spatial))
-    return positions
+        sizes[layer.node] = (int(shape[0] * np.prod(spatial)), elements)
+    return sizes
 
 
-def gptq_work(layers: list[gptq.Layer], samples: int, positions: dict[str, int]) -> float:
-    """Multiply-adds of GPTQ's moments (the rows gptq.rows_per_sample keeps of each layer's `positions`, 1.5x
-    for gathering them) and of its solve (inverse and Cholesky of H, the column updates), for the layers it
-    would re-round."""
+def gptq_work(layers: list[gptq.Layer], samples: int, sizes: dict[str, tuple[int, int]]) -> float:
+    """Multiply-adds of GPTQ's moments (the rows gptq.rows_per_sample keeps of each layer's positions, with
+    COPY_MACS per input element for the padded copy its rows are gathered from) and of its solve (inverse and
+    Cholesky of H, the column updates), for the layers it would re-round; `sizes`: layer_positions."""
     work = 0.0
     for layer in layers:
         if gptq.too_wide(layer):
             continue
         d = gptq.inputs_per_output(layer)
-        rows = min(positions.get(layer.node, gptq.MAX_ROWS_PER_SAMPLE), gptq.rows_per_sample(layer, samples))
+        positions, elements = sizes.get(layer.node, (gptq.MAX_ROWS_PER_SAMPLE, 0))
+        rows = min(positions, gptq.rows_per_sample(layer, samples))
         outputs = layer.float_weight.shape[layer.axis] // layer.groups
-        work += 1.5 * layer.groups * d * d * rows * samples + layer.groups * (2 * d ** 3 + outputs * d * d)
+        work += (layer.groups * d * d * rows + COPY_MACS * elements) * samples
+        work += layer.groups * (2 * d ** 3 + outputs * d * d)
     return work
 
 
-def gptq_seconds(layers: list[gptq.Layer], samples: int, positions: dict[str, int], check_s: float, rate: float
-                 ) -> float:
-    """GPTQ's predicted time: the QDQ model run for its layer inputs and once more to check the rounded build
-    (each as long as the check of the build), and its arithmetic."""
-    return 2 * check_s + gptq_work(layers, samples, positions) / rate
+def gptq_seconds(layers: list[gptq.Layer], samples: int, sizes: dict[str, tuple[int, int]], float_s: float,
+                 check_s: float, rate: float) -> float:
+    """GPTQ's predicted time: the QDQ model run as written for its layer inputs (FETCH_RUNS float runs), its
+    arithmetic at `rate`, and one check of the rounded build (as long as the build's check)."""
+    return FETCH_RUNS * float_s + gptq_work(layers, samples, sizes) / rate + check_s
 
 
 def bias_seconds(layers: list[bias_correction.BiasLayer], float_s: float, check_s: float) -> float:
-    """Bias correction's predicted time: the float model's channel means (FLOAT_MEANS_RUNS float runs), its
+    """Bias correction's predicted time: the float model's channel means (FETCH_RUNS float runs), its
     waves and one check per prefix of waves (bias_correction.prefixes)."""
     count = len(bias_correction.waves(layers))
     checks = len({min(1 << k, count) for k in range(count.bit_length() + 1)} - {0})
-    return (FLOAT_MEANS_RUNS + count * WAVE_RUNS) * float_s + checks * check_s
+    return (FETCH_RUNS + count * WAVE_RUNS) * float_s + checks * check_s
 
 
 def decide(what: str, predicted_s: float, gain_db: float, calibration_s: float) -> dict:

@@ -75,9 +75,9 @@ class WeightRounding:
         if calibration_s is None or not layers:
             return None
         nearest_db, = self.check.sqnr(quantized)  # the check GPTQ makes anyway (cached)
-        positions = refinements.layer_positions(quantized, layers, self.samples[0], self.threads)
-        predicted = refinements.gptq_seconds(layers, len(self.samples), positions, self.check.check_seconds or 0.0,
-                                             refinements.moments_rate(self.threads))
+        sizes = refinements.layer_positions(quantized, layers, self.samples[0], self.threads)
+        predicted = refinements.gptq_seconds(layers, len(self.samples), sizes, self.check.float_seconds or 0.0,
+                                             self.check.check_seconds or 0.0, refinements.moments_rate(self.threads))
         gain = 0.0
         if predicted > refinements.allowed_seconds(calibration_s, 0.0):
             weights_db = refinements.weights_only_sqnr(quantized, self.model, layers, self.samples,
