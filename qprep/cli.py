@@ -463,6 +463,11 @@ def cmd_evaluate(args) -> int:
     figure = decided_by(result, split=str(args.samples))  # the verdict's own figure, as compare and batch show it
     if figure:
         result["decided_by"] = figure
+    from qprep.evaluate import calibration_note
+
+    calibrated = calibration_note(result)
+    if calibrated:
+        result["notes"] = [calibrated, *result.get("notes", [])]
     if args.json_out:
         args.guard.write_text(args.json_out, jsonfile.dumps(result) + "\n", "--json")
     count = result["samples"]["count"]
@@ -471,10 +476,19 @@ def cmd_evaluate(args) -> int:
               + "".join(f", {key} {_fmt(metrics[key])}" for key in ("top1_agreement", "step_agreement",
                                                                      "element_agreement") if key in metrics)
               + f" ({count} samples)")
+        if "top1_accuracy" in metrics:  # --labels: the task's own figure, on the terminal as in --json
+            print(f"{name}: top-1 accuracy against labels: FP32 {_fmt(metrics.get('reference_top1_accuracy'))}, "
+                  f"result {_fmt(metrics['top1_accuracy'])} ({metrics.get('labelled_samples', '?')} labelled)")
+    metric = result.get("metric")
+    if metric:  # the user's evaluation.metric, whether or not the gate reads it
+        print(f"evaluation.metric {metric.get('function')}: FP32 {_fmt(metric.get('reference_metric'))}, result "
+              f"{_fmt(metric.get('metric'))}, drop {_fmt(metric.get('metric_drop'))} ({metric.get('samples')} samples)")
     if figure:
         print(f"qprep: {_evaluated_state(figure['passed'], result, args.run_dir)}: {figure['text'].replace('`', '')}")
     if result.get("repeats"):
         print(f"qprep: note: {result['repeats']}")
+    if calibrated:
+        print(f"qprep: note: {calibrated}")
     gate = result.get("gate")
     if gate and not gate["passed"]:
         from qprep.report.verdict import missed_text

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
+from qprep.data.pitfalls import shared_count
 from qprep.disk.reading import read_text
 from qprep.errors import DataError
 from qprep.measure import ctc
@@ -61,6 +62,8 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
     symbols = ctc.dictionary(run.model)
     ctc.spell_worst(outputs, symbols)
     result = {"reference_model": reference_path, "samples": samples.describe(), "outputs": outputs, "notes": notes}
+    if ctx.calibration is not None and (shared := shared_count(samples, ctx.calibration)):
+        result["samples"]["calibration_shared"] = shared  # a run's preflight warns; `qprep evaluate` notes it
     result["min_integer_share"] = cfg["min_integer_share"]  # the verdict's mostly-float floor, as resolved
     metric = UserMetric.of(cfg)  # the user's own figure, beside the agreement with FP32 (user_metric.py)
     if metric is not None:
@@ -118,6 +121,18 @@ def evaluate(config: Config, ctx: RunContext, products: Products, final_model: o
         notes.append("quantize.fallback chose its float nodes on these evaluation samples: give "
                      "evaluation.heldout (samples no decision sees) for an unbiased figure")
     return result
+
+
+def calibration_note(result: dict) -> str | None:
+    """`qprep evaluate --samples` on samples the run calibrated on: said, as for the run's own evaluation samples
+    (the quantizer set its ranges on them, so the figures flatter the result)."""
+    samples = result.get("samples") or {}
+    shared = samples.get("calibration_shared")
+    if not shared:
+        return None
+    which = "are" if shared == samples.get("count") else f"share {shared} of {samples.get('count', '?')} samples with"
+    return (f"these samples {which} the run's calibration samples, on which the quantizer set its ranges: the "
+            "figures flatter the result; give samples the run never saw")
 
 
 def measure(samples, expected: list[dict], actual: list[dict], kinds: dict[str, tuple[str, str]], cfg: dict,

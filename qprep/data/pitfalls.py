@@ -72,15 +72,19 @@ def normalizes_itself(model: onnx.ModelProto, input_name: str) -> bool:
 
 
 def shared_samples(a: SampleSet, role: str, b: SampleSet, other: str) -> str | None:
-    """Samples of `a` that are also in `b`: the same file (whatever the preprocessing) or a copy of one."""
-    files, digests = set(b.files), set(_digests(b))
-    shared = sum(1 for file, digest in zip(a.files or [None] * len(a), _digests(a))
-                 if file in files or digest in digests)
+    """Samples of `a` that are also in `b` (shared_count), worded for the report."""
+    shared = shared_count(a, b)
     if not shared:
         return None
     share = "are" if shared == len(a) else f"share {shared} of {len(a)} samples with"
     return (f"{role} samples {share} the {other} samples: its figures are optimistic; use samples the run "
             "does not calibrate on")
+
+
+def shared_count(a: SampleSet, b: SampleSet) -> int:
+    """How many samples of `a` are also in `b`: the same file (whatever the preprocessing) or a copy of one."""
+    files, digests = set(b.files), set(_digests(b))
+    return sum(1 for file, digest in zip(a.files or [None] * len(a), _digests(a)) if file in files or digest in digests)
 
 
 def _digests(samples: SampleSet) -> list[str]:

@@ -7,7 +7,10 @@ regression of the result. One run alone is shown as its
 result against its FP32 reference. Above the figures: each run's status, verdict, the figure that decided it
 and the samples it was measured on, the backend and the model to deploy. The figures are those of the set the
 verdict judged (the held-out samples when given, `judged_outputs`), so no column shows another figure than the
-one that decided (verdict.decided_by, also read by batch summaries and `qprep evaluate`).
+one that decided (verdict.decided_by, also read by batch summaries and `qprep evaluate`). The user's own
+`evaluation.metric` has its rows whether or not the gate reads it (`evaluation.metric`, `evaluation.metric_drop`
+and FP32's `evaluation.reference_metric`, in the function's own direction): a run whose task metric dropped
+otherwise read better on every row.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from qprep.report.verdict import decided_by, judged_outputs, judged_set, verdict
 
 
 LATENCY_MS = ("original_ms", "optimized_ms", "result_ms")  # at ORT's default level (evaluate.timed_latency)
+USER_METRIC = ("metric", "metric_drop", "reference_metric")  # evaluation.metric's figures (user_metric.py)
 
 
 def load_record(path: str) -> tuple[str, dict]:
@@ -75,6 +79,9 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
         for metric in OUTPUT_METRICS:
             if metric in values:
                 flat[f"{output}.{metric}"] = _number(values[metric], f"{output}.{metric}")
+    figures = user_metric(evaluation)
+    for metric in USER_METRIC if figures else ():
+        flat[f"evaluation.{metric}"] = _number(figures.get(metric), f"evaluation.metric.{metric}")
     latency = evaluation.get("latency") or {}
     if "speedup" in latency:
         flat["latency.speedup"] = _number(latency["speedup"], "latency.speedup")
@@ -90,6 +97,12 @@ def metrics_of(kind: str, data: dict) -> dict[str, float | None]:
     flat["result.kept_float"] = (len(data.get("float_set") or []) if count is None else count) \
         if quantized and result else None
     return flat
+
+
+def user_metric(evaluation: dict) -> dict | None:
+    """The user's metric figures of the set the verdict judged (the held-out one when measured), or None."""
+    split = judged_set(evaluation)[0]
+    return (evaluation.get("heldout") if split == "held-out" else evaluation or {}).get("metric")
 
 
 def facts_of(kind: str, data: dict) -> dict[str, str | None]:
@@ -160,11 +173,15 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
         return _single(records[0][0], records[0][2])
     columns = [path for path, _, _ in records]
     values = [read_metrics(path, kind, data) for path, kind, data in records]
+    lower = {"evaluation.metric" for _, kind, data in records if kind == "report"
+             and (user_metric(data.get("evaluation") or {}) or {}).get("direction") == "lower"}
     known = {m for v in values for m in v} | {m.rsplit(".", 1)[-1] for v in values for m in v}
     for metric in fail_on:
         if _unjudged(metric):
-            raise QprepError(f"--fail-on-regression {metric}: the original model's latency is the input model timed "
-                             "again, never a result's regression; use result_ms or speedup")
+            raise QprepError(f"--fail-on-regression {metric}: " + (
+                "FP32's own evaluation.metric is the reference's figure, never a result's regression; use metric "
+                "or metric_drop" if metric.endswith("reference_metric") else "the original model's latency is the "
+                "input model timed again, never a result's regression; use result_ms or speedup"))
         if metric not in known:
             raise QprepError(f"--fail-on-regression {metric}: no run reports this metric "
                              f"(metrics: {', '.join(sorted(m for m in known if '.' not in m))})")
@@ -177,15 +194,18 @@ def compare(paths: list[str], fail_on: dict[str, float]) -> dict:
         for column, v, spread in zip(columns[1:], values[1:], spreads[1:]):
             value = v.get(metric)
             delta = None if value is None or base is None else (0.0 if value == base else value - base)  # inf = inf
-            worse = (delta is not None and (delta < 0 if _higher(metric) else delta > 0) and not _unjudged(metric)
-                     and _beyond_noise(spreads[0].get(metric), spread.get(metric), _higher(metric)))
+            higher = _higher(metric) and metric not in lower
+            worse = (delta is not None and (delta < 0 if higher else delta > 0) and not _unjudged(metric)
+                     and _beyond_noise(spreads[0].get(metric), spread.get(metric), higher))
             cells.append({"value": value, "delta": delta, "worse": worse})
             threshold = _threshold(metric, fail_on)
             if worse and threshold is not None and abs(delta) > threshold:
                 regressions.append({"metric": metric, "run": column, "base": base, "value": value,
                                     "delta": delta, "threshold": threshold})
         rows.append({"metric": metric, "base": base, "others": cells})
-    return {"columns": columns, "rows": rows, "regressions": regressions, "notes": _set_notes(facts)}
+    return {"columns": columns, "rows": rows, "regressions": regressions,
+            "notes": _set_notes(facts) + _machine_notes(columns, values, spreads, [
+                _model_digest(kind, data) for _, kind, data in records])}
 
 
 def spreads_of(kind: str, data: dict) -> dict[str, tuple[float, float]]:
@@ -225,8 +245,9 @@ def _beyond_noise(base: tuple | None, other: tuple | None, higher: bool) -> bool
 
 
 def _unjudged(metric: str) -> bool:
-    """The original model's latency: the same input model timed again, never a result's regression."""
-    return metric.rsplit(".", 1)[-1] == "original_ms"
+    """The original model's latency (the same input model timed again) and FP32's own metric: never a result's
+    regression."""
+    return metric.rsplit(".", 1)[-1] in ("original_ms", "reference_metric")
 
 
 STATUS_RANK = {"ok": 0, "gate missed": 1, "refused": 2, "failed": 2, "interrupted": 2, "running": 2}
@@ -256,9 +277,31 @@ def _set_notes(facts: list[dict]) -> list[str]:
             "samples'; give the runs the same evaluation (and held-out) samples to compare their results"]
 
 
+def _model_digest(kind: str, data: dict) -> str | None:
+    return ((data.get("model") or {}).get("sha256") or None) if kind == "report" else None
+
+
+def _machine_notes(columns: list[str], values: list[dict], spreads: list[dict], models: list) -> list[str]:
+    """The same input model timed beyond both runs' spreads apart: the machine's speed changed between the runs
+    (load, clock, another machine), so their milliseconds do not compare; their speed-ups (each timed against
+    its own reference, in turn) still do."""
+    notes = []
+    for metric in dict.fromkeys(m for v in values for m in v if m.endswith("original_ms")):
+        base, spread = values[0].get(metric), spreads[0].get(metric)
+        for column, v, timed, model in zip(columns[1:], values[1:], spreads[1:], models[1:]):
+            other = timed.get(metric)
+            if None in (base, v.get(metric), spread, other, model) or model != models[0] or not (other[1] < spread[0] or other[0] > spread[1]):
+                continue
+            notes.append(f"the same original model timed {base:.3g} ms in {columns[0]} and {v[metric]:.3g} ms in "
+                         f"{column}, beyond both runs' timing spreads: the machine's speed changed between the runs, "
+                         "so their milliseconds do not compare; their speed-ups (each against its own reference) do")
+    return notes
+
+
 def _higher(metric: str) -> bool:
-    """higher_is_better, and the share of multiply-adds run in int8 (more is the point of quantizing)."""
-    return metric.endswith("int8_macs") or higher_is_better(metric)
+    """higher_is_better, the share of multiply-adds run in int8 (more is the point of quantizing) and the user's
+    metric (a lower-is-better one is told apart by its record's direction, in compare)."""
+    return metric.endswith(("int8_macs", "evaluation.metric")) or higher_is_better(metric)
 
 
 def _threshold(metric: str, fail_on: dict[str, float]) -> float | None:
@@ -288,6 +331,11 @@ def _single(path: str, report: dict) -> dict:
             base = reference_accuracy.get(name) if metric == "top1_accuracy" else reference_score(metric)
             delta = None if value is None or base is None or not math.isfinite(base) else value - base
             rows.append({"metric": name, "base": base, "others": [{"value": value, "delta": delta, "worse": False}]})
+    figures = user_metric(report["evaluation"])
+    if figures and figures.get("metric") is not None:  # the user's metric: FP32's figure against the result's
+        base = figures.get("reference_metric")
+        rows.append({"metric": f"evaluation.metric ({figures.get('function', '?')})", "base": base, "others": [
+            {"value": figures["metric"], "delta": None if base is None else figures["metric"] - base, "worse": False}]})
     for name, pair, scale in (*latency_ms, ("size.MB", size_bytes, 1e6)):
         if pair and None not in pair:
             reference, result = (v / scale for v in pair)

@@ -184,3 +184,17 @@ def test_an_rknn_run_is_refused_with_the_command_that_measures_it(tmp_path):
         reevaluate(run, "data/new")
     assert "evaluation.source" not in str(refused.value)
     assert "`qprep run configs/rknn_int8.yaml --set evaluation.heldout.source=data/new`" in str(refused.value)
+
+
+def test_the_runs_calibration_folder_is_said_to_flatter_the_result(tmp_path, cli):
+    """Issue #59: `evaluate RUN --samples <its calibration folder>` gave no note, while its evaluation folder did."""
+    run = recorded_run(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["calibration"] = {"source": str(samples(tmp_path / "calib", 3, 0))}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = cli("evaluate", run, "--samples", tmp_path / "calib", "--json", tmp_path / "ev.json")
+    note = "qprep: note: these samples are the run's calibration samples, on which the quantizer set its ranges"
+    assert code == 0 and note in out, err
+    assert "flatter the result" in json.loads((tmp_path / "ev.json").read_text())["notes"][0]
+    code, out, err = cli("evaluate", run, "--samples", samples(tmp_path / "new", 3, 5))
+    assert code == 0 and "calibration samples" not in out, err
