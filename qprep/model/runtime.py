@@ -4,6 +4,7 @@ models over 2 GB), runs samples through them and exposes intermediate tensors.""
 from __future__ import annotations
 
 import copy
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -84,8 +85,18 @@ def _advice(message: str) -> str:
     was given (e.g. "QLinearConv : zero point of per-channel filter must be same") does not."""
     if any(word in message.lower() for word in SHAPE_WORDS):
         return "fix the input dims with `inputs:` or give calibration data"
-    return ("an operator's kernel refused the model (see the node named above): keep that node float "
-            "(keep_float, or quantize.ort.nodes_to_exclude) or change the setting that produced it")
+    node = failing_node(message)
+    named = f"keep_float: {{nodes: [{node}]}}" if node else "keep_float: {nodes: [...]}"
+    # keep_float, not a backend's own setting: it holds for every backend (the fp16 conversion's faults are
+    # named by quantize/fp16.py with its settings before this runs)
+    return (f"an operator's kernel refused the model (see the node named above): keep that node float ({named}) "
+            "or change the setting that produced it")
+
+
+def failing_node(message: str) -> str | None:
+    """The node an ONNX Runtime error names ("… Name:'n' Status Message …", "… of node (n) …"), or None."""
+    found = re.search(r"Name:'([^']+)'", message) or re.search(r"(?:of|in) node \(([^)]+)\)", message)
+    return found.group(1) if found else None
 
 
 def intermediate_values(model: onnx.ModelProto, names, samples: list[dict], threads: int = 2):

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qprep.errors import ModelError
 from qprep.model import io
 from qprep.quantize.backend import Quantized, QuantizeJob
 from qprep.schema import Key, section
@@ -29,6 +30,8 @@ def quantize(job: QuantizeJob) -> Quantized:
 
     model, float_set, options = job.model, job.float_set, job.options
     blocked_ops = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(options.op_block_list))
+    casts = _casts_kept(model, blocked_ops)
+    blocked_nodes, blocked_ops = sorted(set(float_set) | casts), [op for op in blocked_ops if op != "Cast"]
     # onnxconverter-common converts in place what its shape inference returns: a copy, and over 2 GB an empty
     # model. A heavy model is converted as its weightless skeleton, its weights filled in after.
     skeleton, weights = io.weightless(model) if io.is_heavy(model) else (model, [])
@@ -36,13 +39,15 @@ def quantize(job: QuantizeJob) -> Quantized:
         warnings.filterwarnings("ignore", message="the float32 number .* will be truncated")
         converted = float16.convert_float_to_float16(
             io.inferred_shapes(skeleton), keep_io_types=options.keep_io_types, op_block_list=blocked_ops,
-            node_block_list=sorted(float_set), disable_shape_infer=True, min_positive_val=MIN_POSITIVE,
+            node_block_list=blocked_nodes, disable_shape_infer=True, min_positive_val=MIN_POSITIVE,
             max_finite_val=MAX_FINITE)
         _fill_weights(converted, weights)
     retyped = _cast_float32_identities(converted)
     clipped = _clipped(weights or model.graph.initializer, converted)
     restored = _restore_output_types(model, converted) if options.keep_io_types else []
+    _require_loadable(converted)
     details = {"kept_float32_ops": blocked_ops, "kept_float32_nodes": sorted(float_set),
+               "casts_left_as_they_are": sorted(casts),
                "outputs_cast_back": restored, "clipped_to_float16_range": clipped,
                **({"identities_cast": retyped} if retyped else {})}
     notes = []
@@ -53,6 +58,36 @@ def quantize(job: QuantizeJob) -> Quantized:
                      f"(|value| up to {largest:.3g}); if the accuracy suffers, keep the nodes that read them "
                      "float32 (keep_float)")
     return Quantized(model=converted, details=details, warnings=notes)
+
+
+def _casts_kept(model: onnx.ModelProto, blocked_ops: list[str]) -> set[str]:
+    """The model's own Cast nodes the conversion must leave as they are, by name: those that cast to float32,
+    and every Cast when the op block list holds "Cast". Why by name: onnxconverter-common retypes a float32
+    value to float16 but leaves a Cast's `to` as it was, so the model's Cast of an integer (a dynamo export's Cast
+    of the int64 attention_mask to float) disagreed with its declared output and ONNX Runtime refused the model; a
+    blocked node keeps its float32 output and the converter casts it to float16 after. And not by op type: the
+    converter puts a Cast to float32 before a blocked node's float16 input, and as a Cast that new node was
+    blocked in turn, casts inserted without end (minutes of silence, memory growing)."""
+    every = "Cast" in blocked_ops
+    return {node.name for node in model.graph.node if node.op_type == "Cast" and node.name
+            and (every or next((a.i for a in node.attribute if a.name == "to"), None) == onnx.TensorProto.FLOAT)}
+
+
+def _require_loadable(converted: onnx.ModelProto) -> None:
+    """Refuse in one line, naming the fp16 settings, a converted model ONNX Runtime cannot load: else the
+    evaluation that runs it next advised the ORT backend's settings for the converter's fault."""
+    from qprep.model.runtime import failing_node, ort_session, short_ort_message
+
+    try:
+        ort_session(converted, threads=1, log_severity=4)
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+        message = " ".join(str(exc).split())
+        node = failing_node(message)
+        op = next((n.op_type for n in converted.graph.node if node and n.name == node), None)
+        blocked = f"quantize.fp16.op_block_list: [{op}]" if op and op != "Cast" else "quantize.fp16.op_block_list"
+        fix = f"keep_float: {{nodes: [{node or '...'}]}} or {blocked}"
+        raise ModelError(f"quantize: the float16 conversion (onnxconverter-common) wrote a model ONNX Runtime "
+                         f"cannot load ({short_ort_message(message)}); keep that node float32 ({fix})") from None
 
 
 def _cast_float32_identities(converted: onnx.ModelProto) -> list[str]:

@@ -188,3 +188,14 @@ def test_stepwise_declines_a_part_boundary_it_cannot_hold():
     stepwise = Stepwise(model, [{"x": np.ones((2, 4), np.float32)}])
     assert stepwise.advance(["c"]) is not None
     assert stepwise.advance(["b"]) is None  # `b` ran for `c` and nothing unrun reads it any more
+
+
+def test_a_kernel_refusal_is_advised_with_keep_float_naming_the_node_whatever_the_backend():
+    """The advice named the ORT backend's nodes_to_exclude for every backend's model (an FP16 model included);
+    keep_float holds for every backend, with the node the message names."""
+    from qprep.model.runtime import model_error
+
+    typed = ("[ONNXRuntimeError] : 1 : FAIL : Type Error: Type (tensor(float16)) of output arg (_to_copy) of node "
+             "(node__to_copy) does not match expected type (tensor(float)).")
+    said = str(model_error(RuntimeError(typed)))
+    assert "keep_float: {nodes: [node__to_copy]}" in said and "quantize.ort" not in said
