@@ -198,3 +198,24 @@ def test_the_runs_calibration_folder_is_said_to_flatter_the_result(tmp_path, cli
     assert "flatter the result" in json.loads((tmp_path / "ev.json").read_text())["notes"][0]
     code, out, err = cli("evaluate", run, "--samples", samples(tmp_path / "new", 3, 5))
     assert code == 0 and "calibration samples" not in out, err
+
+
+def test_labels_print_top1_accuracy_on_the_terminal(tmp_path, cli):
+    """Issue #59: `evaluate --labels F` printed the same lines as without; the accuracy was in --json only."""
+    from onnx import helper
+
+    from graphs import make_model
+
+    run = recorded_run(tmp_path)
+    classifier = make_model([helper.make_node("ReduceMean", ["x"], ["y"], axes=[2, 3], keepdims=0)],
+                            [("x", [1, 3, 8, 8])], [("y", [1, 3])])
+    for path in (tmp_path / "m.onnx", run / "model.onnx"):
+        onnx.save(classifier, str(path))
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["inputs"]["model"]["sha256"] = sha256_file(tmp_path / "m.onnx")
+    manifest["results"]["model.onnx"] = sha256_file(run / "model.onnx")
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    folder = samples(tmp_path / "new", 3, 5)
+    (folder / "labels.txt").write_text("".join(f"{i:02d}.npy {i % 3}\n" for i in range(3)))
+    code, out, err = cli("evaluate", run, "--samples", folder, "--labels", folder / "labels.txt")
+    assert code == 0 and "y: top-1 accuracy against labels: FP32 " in out and "(3 labelled)" in out, err
