@@ -24,12 +24,15 @@ computes (its *meaning*), propagated from the inputs in graph order:
     data movement     Reshape, Transpose, MaxPool… on integers: the twin's output, as integers on the same grid
     merged reshape    a Reshape the result made of a chain of float Reshapes/Squeezes/Transposes that keep the
                       elements' order: the chain's tensor of its shape
+    block maximum     ReduceMax over axes 3 and 5 of x reshaped to [N, C, H/kh, kh, W/kw, kw] (qprep's float
+                      MaxPool, qdq/float_maxpool.py): the float MaxPool of x whose (kh, kw) windows tile it
     replacement       a tensor named as a float node's output, that node gone, computed by nodes without twins
                       from tensors meaning that node's inputs alone (ORT's dynamic MatMulInteger): that output
 
 A float tensor is compared with a float result tensor that means it (a DequantizeLinear output first: the
 rounding the quantizer added is part of the error), else with integers that mean it on a per-tensor grid, read
-as (q - zero point) · scale, or left out with the reason. No value is looked at.
+as (q - zero point) · scale, or left out with the reason. No value is looked at. Constants are equal where they
+hold the same infinities at the same places and their finite values agree (an attention mask's -inf).
 """
 
 from __future__ import annotations
@@ -125,8 +128,9 @@ def correspond(float_model: onnx.ModelProto, result: onnx.ModelProto) -> Corresp
         elif node.name in result_nodes and tensor not in result_nodes[node.name].output and meanings.get(
                 result_nodes[node.name].output[0], NOTHING).tensor not in (None, tensor):
             out.left_out[tensor] = FUSED
-        elif any(i in out.left_out for i in node.input):  # nothing provable follows from an unproven input
-            out.left_out[tensor] = AFTER
+        elif any(out.left_out.get(i) not in (None, INTEGERS) for i in node.input):
+            out.left_out[tensor] = AFTER  # nothing provable follows from a tensor the result does not compute
+            # (one held as integers is computed: a node after it not proven is so for its own reason)
         else:
             out.left_out[tensor] = DIFFERENT if node.name in result_nodes else REMOVED
     return out
@@ -207,6 +211,8 @@ class Propagation:
                 within_rounding(factor[0].reshape(-1), wanted) else NOTHING
         elif node.op_type == "Reshape" and inputs[0].tensor is not None:
             found[0] = self.reshaped(node, inputs[0])
+        elif node.op_type == "ReduceMax" and node.domain in ("", "ai.onnx"):
+            found[0] = self.block_max(node)
         if all(m.tensor is None for m in found):
             found = [self.replacing(name) for name in node.output]
         return found
@@ -226,6 +232,29 @@ class Propagation:
             if shapes.get(tensor) == [int(d) for d in shape]:
                 found = tensor
         return NOTHING if found is None else Meaning(found, source.integer, grid=source.grid)
+
+    def block_max(self, node: onnx.NodeProto) -> Meaning:
+        """qprep's float MaxPool (qdq/float_maxpool.py): ReduceMax(Reshape(x, [N, C, H/kh, kh, W/kw, kw]), axes
+        [3, 5], keepdims 0) is the float model's MaxPool of x with kernel = strides = (kh, kw), no padding or
+        dilation: the same maximum over the same windows."""
+        reshape = self.producer.get(node.input[0])
+        if reshape is None or reshape.op_type != "Reshape" or len(reshape.input) < 2:
+            return NOTHING
+        source, view = self.meaning(reshape.input[0]), read_array(self.values, reshape.input[1])
+        axes = read_array(self.values, node.input[1]) if len(node.input) > 1 and node.input[1] else \
+            attribute(node, "axes")
+        dims = self.graph.shapes().get(source.tensor) if source.tensor is not None else None
+        if (source.constant or source.factor is not None or view is None or view.shape != (6,) or axes is None
+                or attribute(node, "keepdims", 1) != 0 or sorted(int(a) % 6 for a in np.ravel(axes)) != [3, 5]
+                or not dims or len(dims) != 4 or None in dims):
+            return NOTHING
+        kernel = [int(view[3]), int(view[5])]
+        if min(kernel) < 1 or dims[2] % kernel[0] or dims[3] % kernel[1] or [int(v) for v in view] != [
+                dims[0], dims[1], dims[2] // kernel[0], kernel[0], dims[3] // kernel[1], kernel[1]]:
+            return NOTHING
+        pools = [c for c in self.graph.consumers.get(source.tensor, []) if c.op_type == "MaxPool" and c.domain in
+                 ("", "ai.onnx") and (c.name == node.name or c.name not in self.present) and _block_pool(c) == kernel]
+        return Meaning(pools[0].output[0], source.integer, grid=source.grid) if len(pools) == 1 else NOTHING
 
     def replacing(self, name: str) -> Meaning:
         """A result tensor named as a float node's output, that node gone from the result, and computed by
@@ -423,8 +452,12 @@ class Propagation:
             return False
         if other.dtype.kind != "f":
             return np.array_equal(ours.reshape(other.shape), other)
-        return within_rounding(ours.astype(np.float64).reshape(other.shape), other.astype(np.float64),
-                      step.reshape(other.shape) / 2)
+        ours, other, step = ours.astype(np.float64).reshape(-1), other.astype(np.float64).reshape(-1), step.reshape(-1)
+        finite = np.isfinite(other)  # a mask's -inf: the same at the same places, never a difference (inf - inf)
+        if not np.array_equal(finite, np.isfinite(ours)) or not np.array_equal(ours[~finite], other[~finite],
+                                                                                equal_nan=True):
+            return False
+        return within_rounding(ours[finite], other[finite], step[finite] / 2)
 
     def constant(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
         return constant_value(self.values, self.producer, name)
@@ -451,6 +484,18 @@ def _keeps_order(node: onnx.NodeProto, shapes: dict) -> bool:
     perm = attribute(node, "perm", list(range(len(dims)))[::-1])
     moved = [axis for axis in perm if dims[axis] != 1]
     return moved == sorted(moved)
+
+
+def _block_pool(node: onnx.NodeProto) -> list[int] | None:
+    """A 2-D MaxPool's kernel if its windows tile the input (kernel = strides, no padding, dilation, ceil mode
+    or Indices output), else None."""
+    kernel = [int(k) for k in attribute(node, "kernel_shape", [])]
+    if (len(kernel) != 2 or len([o for o in node.output if o]) != 1
+            or [int(s) for s in attribute(node, "strides", [1, 1])] != kernel
+            or any(attribute(node, "pads", [0] * 4)) or any(d != 1 for d in attribute(node, "dilations", [1, 1]))
+            or attribute(node, "ceil_mode", 0) or attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID")):
+        return None
+    return kernel
 
 
 def _same_input(meaning: Meaning, float_name: str, graph: FloatGraph) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from qprep.report.decisions import decision_lines, files_lines
 from qprep.report.fallback import fallback_tables
 from qprep.report.float_nodes import float_nodes, mostly_float_text, table_rows
-from qprep.report.layer_chart import THRESHOLDS_NOTE, band, band_counts, layer_error, left_out_note, worst_first
+from qprep.report.layer_chart import band, layer_error, layers_line, worst_first
 from qprep.report.verdict import INTERVAL_NOTE, agreement_text, distinct, judged_set, num, task_lines, verdict
 
 NEAR_TIE = 0.9  # a changed top-1 whose FP32 top two are nearer than on 90% of the rows is a near tie
@@ -48,6 +48,7 @@ class LayerChart:
     """Every tensor's error (layer_chart.py; HTML only, Markdown has the table of the worst beside it)."""
 
     layers: list[dict]
+    left_out: dict[str, int] | None = None  # float tensors not compared, by reason: the heading counts them
 
 def build(report: dict) -> list:
     model = report.get("model", {})
@@ -233,12 +234,9 @@ def _round_range(latency: dict, prefix: str = "") -> str:
 
 def _layers(layers: list[dict] | None, left_out: dict[str, int] | None = None) -> list:
     if not layers:  # every tensor left out: say so, the note is all the reader has
-        return [Heading(3, "Per-layer error"), Text(f"0 tensors compared{left_out_note(left_out)}.")] if left_out else []
-    counts = band_counts(layers)
+        return [Heading(3, "Per-layer error"), Text(layers_line([], left_out))] if left_out else []
     worst = worst_first(layers)[:15]
-    return [Heading(3, "Per-layer error"), LayerChart(layers),
-            Text(f"{len(layers)} tensors: **{counts['red']} red**, {counts['amber']} amber, {counts['green']} green "
-                 f"({THRESHOLDS_NOTE}){left_out_note(left_out)}."),
+    return [Heading(3, "Per-layer error"), LayerChart(layers, left_out), Text(layers_line(layers, left_out)),
             Table(["tensor", "op", "1 − cosine", "cosine (accumulated)", "cosine (this layer alone)", "SQNR dB"],
                   [[f"`{r['tensor']}`", r.get("op_type", "?"), f"{band(layer_error(r))} {layer_error(r):.2g}",
                     num(r.get("cosine_mean"), ".5f"), num(r.get("single_cosine"), ".5f"), num(r.get("sqnr_db"), ".1f")]

@@ -38,7 +38,7 @@ def render_html(report: dict) -> str:
             title = f"<h4>{_inline(block.title)}</h4>" if block.title else ""
             parts.append(f"{title}<table><tr>{head}</tr>{body}</table>")
         elif isinstance(block, LayerChart):
-            parts.append(f"<div class=chart>{layer_chart_svg(block.layers)}</div>")
+            parts.append(f"<div class=chart>{layer_chart_svg(block.layers, left_out=block.left_out)}</div>")
     parts.append("</body></html>")
     return "\n".join(parts)
 

@@ -32,6 +32,29 @@ def left_out_note(left_out: dict[str, int] | None) -> str:
     return f"; left out: {sum(left_out.values())} ({reasons})"
 
 
+def coverage(layers: list[dict], left_out: dict[str, int] | None) -> str:
+    """"26 of 88 tensors compared", "all 88 tensors compared" (none left out), or "88 tensors compared" where no
+    count of left-out tensors was recorded (a toolkit's own analysis): a red count says nothing of the tensors
+    that were not compared, so it never stands without how many were."""
+    missing = sum(left_out.values()) if left_out else 0
+    if missing:
+        return f"{len(layers)} of {len(layers) + missing} tensors compared"
+    everything = left_out is not None and layers
+    return f"all {len(layers)} tensors compared" if everything else f"{len(layers)} tensors compared"
+
+
+def layers_line(layers: list[dict], left_out: dict[str, int] | None) -> str:
+    """The sentence under the chart: how many tensors were compared, the bands they fall in, what was left out
+    and why; where fewer than half were compared, that the bands speak for those alone."""
+    if not layers:
+        return f"{coverage(layers, left_out)}{left_out_note(left_out)}."
+    counts, missing = band_counts(layers), sum(left_out.values()) if left_out else 0
+    few = " — most tensors were not compared: the bands speak for the compared ones alone" if missing > len(
+        layers) else ""
+    return (f"{coverage(layers, left_out)}: **{counts['red']} red**, {counts['amber']} amber, {counts['green']} "
+            f"green ({THRESHOLDS_NOTE}){left_out_note(left_out)}{few}.")
+
+
 def layer_error(row: dict) -> float:
     """1 − accumulated cosine, clipped to [FLOOR, 1]; a tensor without a cosine counts as fully wrong."""
     cosine = row.get("cosine_mean")
@@ -55,9 +78,10 @@ def band_counts(layers: list[dict]) -> dict[str, int]:
     return counts
 
 
-def layer_chart_svg(layers: list[dict], min_width: int = 1000) -> str:
+def layer_chart_svg(layers: list[dict], min_width: int = 1000, left_out: dict[str, int] | None = None) -> str:
     """The chart (see the module doc): one bar per tensor, a dot for the error the layer adds alone where the
-    backend measures it (RKNN), the worst LABELLED numbered above their bars and named in a list below."""
+    backend measures it (RKNN), the worst LABELLED numbered above their bars and named in a list below; its
+    heading says how many of the float model's tensors it holds (`coverage`)."""
     rows = sorted(layers, key=lambda r: r.get("order", 0))
     left, top, plot_h, right = 58, 50, 220, 12
     bar_w = max(2.0, (min_width - left - right) / max(len(rows), 1))
@@ -72,7 +96,7 @@ def layer_chart_svg(layers: list[dict], min_width: int = 1000) -> str:
     parts = [f'<svg id="layer-chart" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
              f'font-family="system-ui,sans-serif" role="img" aria-label="per-layer error, 1 − cosine, log scale">',
              f'<text x="0" y="14" font-size="13" font-weight="bold">Per-layer error: 1 − cosine per tensor, '
-             f'{len(rows)} tensors in graph order (log scale)</text>']
+             f'{escape(coverage(rows, left_out))}, in graph order (log scale)</text>']
     parts += _legend(left, 32, any(r.get("single_cosine") is not None for r in rows))
     for exponent in range(0, DECADES + 1):
         level = 10.0 ** -exponent

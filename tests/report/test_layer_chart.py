@@ -48,7 +48,7 @@ def test_the_worst_tensors_are_named_worst_first():
 
 def test_markdown_lists_the_worst_tensors_sorted_with_their_colour():
     markdown = render_markdown(report(layer_cosines=[0.99999, 0.93, 0.9995, 0.995]))
-    assert "4 tensors: **1 red**, 1 amber, 2 green" in markdown
+    assert "4 tensors compared: **1 red**, 1 amber, 2 green" in markdown
     table = markdown[markdown.index("Worst 4 tensors"):]
     order = [table.index(f"`layer{i}_out`") for i in (1, 3, 2, 0)]
     assert order == sorted(order) and "| red 0.07 |" in table
@@ -60,6 +60,6 @@ def test_a_view_whose_every_tensor_was_left_out_says_so_instead_of_vanishing():
     data["evaluation"]["layers_left_out"] = {"held only as integers in the result": 5, "no twin": 2}
     text = render_markdown(data)
     assert "Per-layer error" in text
-    assert "0 tensors compared; left out: 7 (5 held only as integers in the result, 2 no twin)." in text
+    assert "0 of 7 tensors compared; left out: 7 (5 held only as integers in the result, 2 no twin)." in text
     data["evaluation"]["layers_left_out"] = {}
     assert "Per-layer error" not in render_markdown(data)
