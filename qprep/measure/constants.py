@@ -85,9 +85,11 @@ def activation_bounds(activation: onnx.NodeProto, values: dict) -> tuple[float |
 
 
 def within_rounding(ours: np.ndarray, theirs: np.ndarray, tolerance: np.ndarray | float = 0.0) -> bool:
-    """Equal within `tolerance` (the rounding a grid allows) and float error."""
-    return bool(np.all(np.abs(ours - theirs) <= np.asarray(tolerance) * 1.001
-                       + 1e-5 * np.max(np.abs(theirs), initial=0.0) + 1e-12))
+    """Equal within `tolerance` (the rounding a grid allows) and float error. An infinity on both sides (a mask's
+    -inf) gives NaN, which compares unequal as before; numpy's warning about it is no news to a user."""
+    with np.errstate(invalid="ignore"):
+        return bool(np.all(np.abs(ours - theirs) <= np.asarray(tolerance) * 1.001
+                           + 1e-5 * np.max(np.abs(theirs), initial=0.0) + 1e-12))
 
 
 def read_array(values: dict, name: str, limit: int = SMALL) -> np.ndarray | None:
