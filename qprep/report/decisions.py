@@ -10,6 +10,7 @@ Files: what each deployable file is for, and what to feed each input, written fr
 
 from __future__ import annotations
 
+from qprep.quantize.rknn.contract import GRAY, channel_order, image_channels
 from qprep.report.fallback import fallback_tables
 from qprep.report.float_nodes import REASONS, FloatNodes, float_nodes
 
@@ -359,9 +360,9 @@ def feed_text(entry: dict, image: dict | None, npu: bool) -> str:
         return f"`{name}`: not fed (no node of the model reads it; the board runner skips it)"
     feed = entry.get("feed") if isinstance(entry.get("feed"), dict) else {}
     if npu_normalized(entry):
+        order = channel_order(feed.get("channel_order", "rgb"), image_channels(feed.get("shape"), "nhwc"))
         return (f"`{name}`: raw {feed.get('dtype', '?')} pixels, {feed.get('layout', '?')} "
-                f"{_shape(feed.get('shape'))}, {str(feed.get('channel_order', 'rgb')).upper()} channel order, "
-                f"resized as the calibration images were ({feed.get('resize', 'stretch')}); the NPU applies "
+                f"{_shape(feed.get('shape'))}, {_order_text(order)}, resized as the calibration images were ({feed.get('resize', 'stretch')}); the NPU applies "
                 f"(x − mean) / std itself (mean {_numbers(feed.get('mean'))}, std {_numbers(feed.get('std'))})")
     if image and image.get("input") == name:
         mean, std = image.get("mean"), image.get("std")
@@ -369,10 +370,17 @@ def feed_text(entry: dict, image: dict | None, npu: bool) -> str:
         given = [f"{key} {_numbers(v)}" for key, v in (("mean", mean), ("std", std)) if v is not None]
         values = (f"{formula[mean is not None, std is not None]} of the 0–255 pixel values x with {', '.join(given)}"
                   if given else "the 0–255 pixel values")
+        order = channel_order(image.get("channel_order", "rgb"),
+                              image_channels(onnx_input.get("shape"), image.get("layout", "?")))
         return (f"`{name}`: {dtype} {shape}, {str(image.get('layout', '?')).upper()}: the image as calibration read "
-                f"it — {str(image.get('channel_order', 'rgb')).upper()} channel order, resized "
+                f"it — {_order_text(order)}, resized "
                 f"({image.get('resize', 'stretch')}), {values}" + ("; the NPU applies no mean/std" if npu else ""))
     return f"`{name}`: {dtype} {shape}, the values the ONNX model takes (as in the calibration samples)"
+
+
+def _order_text(order: str) -> str:
+    """A 1-channel image is read as grayscale: it has no RGB or BGR order to name (contract.channel_order)."""
+    return "grayscale (1 channel)" if order == GRAY else f"{str(order).upper()} channel order"
 
 
 def npu_normalized(entry: dict) -> bool:

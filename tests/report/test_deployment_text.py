@@ -56,6 +56,31 @@ def test_a_channels_last_classifier_the_toolkit_got_no_mean_std_for_takes_its_no
     assert "`python3 run_on_board.py sample.npz` (one array per input: `image`, as above)" in lines
 
 
+def test_a_1_channel_image_is_grayscale_in_every_deployment_text_nchw_or_nhwc_npu_or_not():
+    """A grayscale digits model (the config's rgb default means nothing for one channel): the NPU-normalized feed,
+    a channels-last model the toolkit got no mean/std for, and an ONNX Runtime result never name an RGB order."""
+    normalization = {"input": "image", "mean": [127.5], "std": [127.5], "channel_order": "rgb", "layout": "nchw",
+                     "resize": "stretch"}
+    contract = input_contract([TensorSpec("image", "float32", [1, 1, 32, 32])], normalization, OPTIONS)
+    lines = text(rknn_report(contract, image_preprocess("nchw", [127.5], [127.5])))
+    assert ("`image`: raw uint8 pixels, NHWC [1, 32, 32, 1], grayscale (1 channel), resized as the calibration "
+            "images were (stretch)") in lines
+    assert "RGB" not in lines and "`python3 run_on_board.py image.png`" in lines
+    contract["inputs"][0]["feed"]["channel_order"] = "rgb"  # a contract written before `gray`: its shape tells
+    assert "RGB" not in text(rknn_report(contract, image_preprocess("nchw", [127.5], [127.5])))
+    nhwc = input_contract([TensorSpec("image", "float32", [1, 32, 32, 1])], None, OPTIONS)
+    lines = text(rknn_report(nhwc, image_preprocess("nhwc", [127.5], [127.5])))
+    assert "`image`: float32 [1, 32, 32, 1], NHWC: the image as calibration read it — grayscale (1 channel)" in lines
+    assert "RGB" not in lines
+    ort = report()
+    ort["result"]["inputs"] = [TensorSpec("image", "float32", [1, 1, 32, 32]).as_dict()]
+    ort["calibration"] = {**ort["calibration"], "format": "images",
+                          "preprocess": image_preprocess("nchw", [127.5], [127.5], "bgr")}
+    first = files_lines(ort)[0]
+    assert "feed `image`: float32 [1, 1, 32, 32], NCHW: the image as calibration read it — grayscale (1 channel)" \
+        in first and "BGR" not in first
+
+
 def test_an_nchw_float_input_without_mean_std_is_fed_as_the_model_takes_it():
     contract = input_contract([TensorSpec("x", "float32", [1, 3, 224, 224])], None, OPTIONS)
     lines = text(rknn_report(contract))

@@ -3,11 +3,12 @@ output) and run_on_board.py (an example runner for rknn-toolkit-lite2).
 
 Each input states two facts apart, so they never read as one contradicting description: `onnx_input` is what the
 ONNX model takes (shape, dtype, layout when known), `feed` is what model.rknn is fed on the board (shape, dtype,
-layout, the data_format rknn-toolkit-lite2 is told, and for an image the NPU normalizes: raw pixels, channel order,
-resize, and the mean/std the NPU applies). run_on_board.py and the report's deployment text
-(report/decisions.py) read the same fields. Each output carries its shape, and the model's `character` metadata
-only where it applies: a CTC dictionary on per-step scores over its symbols and the blank (measure/ctc.py's rule),
-class names on [N, C] scores with one class per symbol (a text-orientation classifier's angles).
+layout, the data_format rknn-toolkit-lite2 is told, and for an image the NPU normalizes: raw pixels, channel
+order (rgb, bgr, or gray for a 1-channel image), resize, and the mean/std the NPU applies). run_on_board.py and
+the report's deployment text (report/decisions.py) read the same fields. Each output carries its shape, and the
+model's `character` metadata only where it applies: a CTC dictionary on per-step scores over its symbols and the
+blank (measure/ctc.py's rule), class names on [N, C] scores with one class per symbol (a text-orientation
+classifier's angles).
 
 run_on_board.py is a file of this package, shipped as package data (pyproject.toml), copied as it is: it
 runs on the board, never in qprep, and reads the contract written here.
@@ -59,9 +60,28 @@ def pixel_feed(shape, normalization: dict) -> dict:
     nhwc = list(shape)
     if _rank(shape) == 4 and normalization["layout"] == "nchw":
         nhwc = [shape[0], shape[2], shape[3], shape[1]]
+    order = channel_order(normalization["channel_order"], image_channels(shape, normalization["layout"]))
     return {"shape": nhwc, "dtype": "uint8", "layout": "NHWC", "data_format": "nhwc", "values": "raw pixels",
-            "channel_order": normalization["channel_order"], "resize": normalization.get("resize", "stretch"),
+            "channel_order": order, "resize": normalization.get("resize", "stretch"),
             "mean": normalization["mean"], "std": normalization["std"], "mean_std_applied_by": "npu"}
+
+
+GRAY = "gray"
+
+
+def channel_order(order: str, channels) -> str:
+    """The channel order an image input is fed in: `gray` for one channel (the calibration read the image as
+    grayscale, data/images.py), whatever the config's `channel_order` (its rgb default means nothing there),
+    else the config's rgb or bgr. The contract states it, and the board runner and the report's deployment text
+    read it from there; a 1-channel model was fed an RGB image."""
+    return GRAY if channels == 1 else order
+
+
+def image_channels(shape, layout: str):
+    """The channel count of a 4-D image input in `layout` (nchw or nhwc), or None when its shape says nothing."""
+    if _rank(shape) != 4:
+        return None
+    return shape[1] if str(layout).lower() == "nchw" else shape[3]
 
 
 def output_entries(model: onnx.ModelProto) -> list[dict]:

@@ -5,12 +5,13 @@
                                              # (inputs the contract marks ignored are skipped: model.rknn lacks them)
 
 Each input is fed as input_contract.json's `feed` says: its shape and dtype, and the data_format rknn-toolkit-lite2
-is told (a 4-D array: NHWC pixels, or NCHW for an array in the ONNX model's own dims). An image is resized the way
-the calibration images were (stretch, center_crop, or none: the image must already have the model's size). Each
-output is printed for what the contract says it is: per-step scores read as text by greedy CTC decoding when the
-output carries `ctc_characters` (blank 0, repeats collapsed); the top classes of [1, classes] scores (at most 5,
-with their names when the output carries `class_names`); the arg-max per step of a [1, steps, classes] sequence;
-otherwise shape and value range.
+is told (a 4-D array: NHWC pixels, or NCHW for an array in the ONNX model's own dims). An image is read in the
+contract's channel_order (rgb, bgr, or gray: one channel) and resized the way the calibration images were
+(stretch, center_crop, or none: the image must already have the model's size). Each output is printed for what
+the contract says it is: per-step scores read as text by greedy CTC decoding when the output carries
+`ctc_characters` (blank 0, repeats collapsed); the top classes of [1, classes] scores (at most 5, with their
+names when the output carries `class_names`); the arg-max per step of a [1, steps, classes] sequence; otherwise
+shape and value range.
 """
 import json
 import sys
@@ -23,7 +24,8 @@ def image_input(feed, path):
     from PIL import Image
 
     h, w = feed["shape"][1:3]
-    image = Image.open(path).convert("RGB")
+    gray = feed.get("channel_order") == "gray"  # a 1-channel model: the calibration read its images as grayscale
+    image = Image.open(path).convert("L" if gray else "RGB")
     if feed.get("resize") == "none":
         if (image.height, image.width) != (h, w):
             sys.exit(f"{path} is {image.width}x{image.height}; the model takes {w}x{h}: resize it first")
@@ -36,8 +38,13 @@ def image_input(feed, path):
     elif (image.height, image.width) != (h, w):
         image = image.resize((w, h), Image.BILINEAR)
     pixels = np.asarray(image, dtype=np.uint8)
-    if feed.get("channel_order") == "bgr":
+    if gray:
+        pixels = pixels[:, :, None]
+    elif feed.get("channel_order") == "bgr":
         pixels = pixels[:, :, ::-1]
+    if list(pixels[None].shape) != list(feed["shape"]):  # the contract's shape is what model.rknn takes
+        sys.exit(f"{path} reads as {list(pixels[None].shape)}; input_contract.json feeds {feed['shape']}: "
+                 "give a .npz with that array")
     return np.ascontiguousarray(pixels[None])  # NHWC uint8; the NPU applies mean/std
 
 

@@ -68,6 +68,43 @@ def test_an_image_is_center_cropped_like_the_calibration_and_fed_as_nhwc_uint8(t
     assert lines[2].startswith("output 2: shape [1, 2, 5, 5], min 0")
 
 
+@pytest.mark.parametrize("order", ["rgb", "bgr"])
+def test_a_1_channel_model_is_fed_a_grayscale_image_and_a_3_channel_one_in_its_order(tmp_path, order):
+    """The calibration reads a 1-channel model's images as grayscale (PIL's "L"): the contract says gray whatever
+    the config's channel order, and the runner feeds [1, H, W, 1] of those values; a 3-channel model takes the
+    image in the contract's order (a colour pixel tells RGB from BGR)."""
+    colour = tmp_path / "colour.png"
+    Image.fromarray(np.full((8, 8, 3), (200, 100, 50), np.uint8)).save(colour)
+    gray = float(np.asarray(Image.open(colour).convert("L"))[0, 0])
+    one, three = tmp_path / "one", tmp_path / "three"
+    one.mkdir(), three.mkdir()
+    contract = input_contract([TensorSpec("x", "float32", [1, 1, 8, 8])],
+                              {**NORMALIZED, "mean": [127.5], "std": [127.5], "channel_order": order}, OPTIONS)
+    assert contract["inputs"][0]["feed"]["shape"] == [1, 8, 8, 1]
+    assert contract["inputs"][0]["feed"]["channel_order"] == "gray"
+    _board(one, contract)
+    assert _run(one, colour)[1] == {"inputs": [[[1, 8, 8, 1], "uint8", gray]], "data_format": ["nhwc"]}
+    contract = input_contract([TensorSpec("x", "float32", [1, 3, 8, 8])], {**NORMALIZED, "channel_order": order},
+                              OPTIONS)
+    assert contract["inputs"][0]["feed"]["channel_order"] == order
+    _board(three, contract)
+    assert _run(three, colour)[1] == {"inputs": [[[1, 8, 8, 3], "uint8", 200.0 if order == "rgb" else 50.0]],
+                                      "data_format": ["nhwc"]}
+
+
+def test_an_image_that_does_not_read_as_the_contracts_shape_is_refused_not_fed(tmp_path):
+    """A contract written with rgb for a 1-channel feed (before `gray`): the image would read as 3 channels."""
+    contract = input_contract([TensorSpec("x", "float32", [1, 1, 8, 8])], {**NORMALIZED, "mean": [0], "std": [1]},
+                              OPTIONS)
+    contract["inputs"][0]["feed"]["channel_order"] = "rgb"
+    _board(tmp_path, contract)
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "i.png")
+    done = _run(tmp_path, tmp_path / "i.png", ok=False)
+    assert done.returncode == 1 and not (tmp_path / "fed.json").exists()
+    assert done.stderr.strip().endswith("reads as [1, 8, 8, 3]; input_contract.json feeds [1, 8, 8, 1]: give a .npz "
+                                        "with that array")
+
+
 def test_4d_arrays_in_the_onnx_models_own_dims_are_fed_as_nchw_nchw_or_nhwc_model(tmp_path):
     """rknn-toolkit-lite2 reads a 4-D input as NHWC unless told: an .npz array as the ONNX model takes it, NCHW
     tensor or channels-last image alike, goes with data_format nchw (the simulator's evaluation feeds the same)."""
