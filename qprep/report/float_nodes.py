@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 # reason → (what the report says, the setting that changes it)
 REASONS = {
     "extreme": ("NaN/Inf or out-of-range values no int8 grid holds", ""),
-    "keep_float": ("asked for by keep_float", "the keep_float stage's options"),
+    "keep_float": ("asked for by keep_float", "the keep_float stage's `op_types`, `nodes`, `patterns` or `layernorm`"),
     "fallback": ("chosen by the accuracy-driven fallback", "`quantize.fallback.max_float_nodes` or a lower target"),
     "spread": ("the spread-tensors phase (their tensors' channels spread too far for one int8 scale)",
                "`quantize.ort.spread_tensors: off` (or `int16`)"),
@@ -143,6 +143,6 @@ def mostly_float_text(report: dict) -> str:
     heavy = [node for node in found.groups[reason] if found.macs.get(node)]  # costly first (float_nodes)
     named = ", ".join(f"`{node}`" for node in heavy[:4]) + (", …" if len(heavy) > 4 else "")
     setting = REASONS[reason][1]
-    change = f"; {setting} changes it" if setting else "; no setting changes it"
+    change = f"; to change it: {setting}" if setting else "; no setting changes it"
     return (f"Mostly float: {len(found.groups[reason])} node(s) holding {share:.0%} of the multiply-adds ({named}) "
-            f"run float, kept by {REASONS[reason][0]}{change}.")
+            f"run float ({REASONS[reason][0]}){change}.")

@@ -129,9 +129,9 @@ def test_rknn_counts_the_nodes_the_toolkit_took_as_float16_layers(tmp_path):
 def test_a_mostly_float_verdict_says_what_made_it_so_and_the_setting_that_changes_it():
     blocks = build(_magika_like())
     line = blocks[2].text
-    assert line.startswith("Mostly float: 3 node(s) holding 91% of the multiply-adds (`conv`, `gemm`) run float, "
-                           "kept by the spread-tensors phase")
-    assert line.endswith("`quantize.ort.spread_tensors: off` (or `int16`) changes it.")
+    assert line.startswith("Mostly float: 3 node(s) holding 91% of the multiply-adds (`conv`, `gemm`) run float "
+                           "(the spread-tensors phase")
+    assert line.endswith("; to change it: `quantize.ort.spread_tensors: off` (or `int16`).")
     assert not any(getattr(b, "text", "").startswith("Mostly float") for b in build(_magika_like(share=0.97)))
 
 
@@ -180,3 +180,15 @@ def test_a_run_records_which_multiply_adds_run_float_and_the_report_names_them(t
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "## Kept float (2 nodes)" in markdown
     assert "| 2 | 33% | `second`, `spread` |" in markdown
+
+
+def test_a_result_mostly_float_by_keep_float_reads_as_a_sentence():
+    """Issue #59: "kept by asked for by keep_float; the keep_float stage's options changes it." """
+    from qprep.report.float_nodes import mostly_float_text
+
+    data = _magika_like()
+    data["stages"][0].update(excluded_nodes=[CONV, GEMM], spread_tensors={})
+    data["float_set"] = [CONV, GEMM]
+    assert mostly_float_text(data) == (
+        "Mostly float: 2 node(s) holding 91% of the multiply-adds (`conv`, `gemm`) run float (asked for by "
+        "keep_float); to change it: the keep_float stage's `op_types`, `nodes`, `patterns` or `layernorm`.")
