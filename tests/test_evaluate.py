@@ -674,3 +674,21 @@ def test_an_optimized_float_model_slower_in_every_round_is_a_note():
     assert len(notes) == 1 and "0.90× the original's speed at ORT_ENABLE_ALL" in notes[0]
     mixed = {**slower, "optimized_speedup_rounds": [0.9, 1.02]}
     assert latency_notes(mixed) == []
+
+
+def test_the_result_is_called_slower_only_beyond_the_timing_noise():
+    """Issue #59: a tiny model's "1.00× … (slower)" on rounds that went either way."""
+    from qprep.evaluate import latency_notes
+
+    settings = {"graph_optimization": "ORT_ENABLE_ALL"}
+
+    def latency(speedup, rounds, round_count=3, interval=0.02):
+        timing = {"median_ms": 1.0, "round_ms": [1.0] * round_count, "interval": interval}
+        return {"settings": settings, "speedup": speedup, "speedup_rounds": rounds, "reference": timing,
+                "result": {**timing, "median_ms": 1.0 / speedup}}
+
+    assert latency_notes(latency(0.996, [0.97, 1.03])) == []  # 1.00× as printed, rounds either way
+    assert latency_notes(latency(0.97, [0.95, 1.01])) == []  # one round faster: noise
+    assert "0.78× the reference's speed on this CPU (slower)" in latency_notes(latency(0.78, [0.76, 0.80]))[0]
+    assert latency_notes(latency(0.99, [0.99, 0.99], round_count=1, interval=0.03)) == []  # within its intervals
+    assert latency_notes(latency(0.8, [0.8, 0.8], round_count=1, interval=0.03))
