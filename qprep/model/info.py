@@ -6,13 +6,21 @@ Shared by `qprep inspect`, the stage records and the report, so every place coun
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from qprep.model.io import inferred_shapes, subgraphs, weights_bytes
+from qprep.model.specs import (  # noqa: F401 - named here too: every caller reads them from the model's facts
+    TensorSpec,
+    cast_to,
+    cast_to_inputs,
+    graph_inputs,
+    graph_outputs,
+    input_types,
+    tensor_spec,
+)
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 INTEGER_OPS = {
@@ -26,72 +34,6 @@ CONTROL_FLOW_OPS = {"If", "Loop", "Scan", "SequenceMap"}
 FLOAT = "float"
 QDQ = "qdq"
 INTEGER = "integer"
-
-
-@dataclass
-class TensorSpec:
-    """A graph input or output: name, element type and dims (int, or str for a symbolic/unknown dim)."""
-
-    name: str
-    dtype: str  # numpy dtype name, e.g. "float32", "int64"
-    shape: list  # ints, symbolic names, or "?" for unknown dims; None when the rank is unknown
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": self.shape}
-
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        return np.dtype(self.dtype)
-
-
-def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
-    ttype = value.type.tensor_type
-    try:
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(ttype.elem_type)).name
-    except (KeyError, TypeError):
-        dtype = onnx.TensorProto.DataType.Name(ttype.elem_type).lower()
-    if not ttype.HasField("shape"):
-        return TensorSpec(value.name, dtype, None)
-    dims = []
-    for d in ttype.shape.dim:
-        if d.HasField("dim_value") and d.dim_value >= 0:  # some exporters write -1 for "dynamic"
-            dims.append(int(d.dim_value))
-        else:
-            dims.append(d.dim_param or "?")
-    return TensorSpec(value.name, dtype, dims)
-
-
-def cast_to_inputs(samples: list[dict], model: onnx.ModelProto) -> list[dict]:
-    """Samples cast to the model's input element types (an FP16 model with keep_io_types: false takes
-    float16): the same values another model saw, in the form this one accepts."""
-    types = input_types(model)
-    return [cast_to(sample, types) for sample in samples]
-
-
-def input_types(model: onnx.ModelProto) -> dict[str, np.dtype]:
-    """Input name → numpy dtype (inputs of an element type numpy has no name for, bfloat16 …, left out)."""
-    types = {}
-    for spec in graph_inputs(model):
-        try:
-            types[spec.name] = spec.numpy_dtype
-        except TypeError:  # left as the sample has it
-            pass
-    return types
-
-
-def cast_to(sample: dict, types: dict) -> dict:
-    return {name: value.astype(types[name]) if name in types and value.dtype != types[name] else value
-            for name, value in sample.items()}
-
-
-def graph_inputs(model: onnx.ModelProto) -> list[TensorSpec]:
-    """Real inputs: graph inputs that are not initializers (old exporters list weights as inputs too)."""
-    initializers = {t.name for t in model.graph.initializer}
-    return [tensor_spec(v) for v in model.graph.input if v.name not in initializers]
-
-
-def graph_outputs(model: onnx.ModelProto) -> list[TensorSpec]:
-    return [tensor_spec(v) for v in model.graph.output]
 
 
 def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
@@ -321,10 +263,13 @@ def summary(model: onnx.ModelProto) -> dict:
     }
 
 
+MULTIPLY_ADD_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+
 def multiply_adds(model: onnx.ModelProto) -> dict[str, int]:
-    """Multiply-adds per Conv/ConvTranspose/MatMul/Gemm node at batch 1 (symbolic dims count as 1), from ONNX
-    shape inference; nodes whose shapes are unknown count 0. What keeping a node float costs, roughly."""
-    shapes = {name: [1 if d is None else d for d in dims] for name, (_, dims) in tensor_shapes(model).items()}
+    """Multiply-adds per Conv/ConvTranspose/MatMul/Gemm node at batch 1 (symbolic dims count as 1), from
+    `layer_shapes`; nodes whose shapes stay unknown count 0. What keeping a node float costs, roughly."""
+    shapes = {name: [1 if d is None else d for d in dims] for name, dims in layer_shapes(model).items()}
     counts = {}
     for node in model.graph.node:
         out, inputs = shapes.get(node.output[0]), [shapes.get(i) for i in node.input]
@@ -362,6 +307,45 @@ def float_multiply_adds(macs: dict[str, int], result: onnx.ModelProto) -> list[s
     dequantized = {o for n in result.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
     nodes = {n.name: n for n in result.graph.node}
     return sorted(name for name in macs if name in nodes and not set(nodes[name].input[:2]) <= dequantized)
+
+
+def layer_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """{tensor: dims} as `tensor_shapes` knows them, and for the inputs and outputs of the multiply-add layers it
+    leaves unknown, the shapes observed when ONNX Runtime runs the model once (`observed_shapes`). Why: ONNX
+    shape inference stops at an op it has no rule for (sklearn's ai.onnx.ml Scaler, a contrib op), and every
+    layer after it counted 0: an all-MatMul model read "integer share not measured" and its activations were
+    decided as if it had no MatMul. The one source of shapes for every reader of multiply-adds."""
+    shapes = {name: dims for name, (_, dims) in tensor_shapes(model).items()}
+    unknown = [name for node in model.graph.node if node.op_type in MULTIPLY_ADD_OPS
+               for name in [*node.input[:2], node.output[0]] if name and not _known(shapes.get(name))]
+    if unknown:
+        shapes.update(observed_shapes(model, unknown))
+    return shapes
+
+
+def _known(dims) -> bool:
+    return dims is not None and None not in dims
+
+
+def observed_shapes(model: onnx.ModelProto, names: list[str]) -> dict[str, list[int]]:
+    """{tensor: dims} of `names` as ONNX Runtime computes them on one sample of zeros, when every graph input
+    has fixed dims (as the run fixes them before its stages); {} when one is symbolic or the model does not run
+    on zeros (never fatal: the shapes are for estimates)."""
+    from qprep.model.runtime import intermediate_values
+
+    sample = {}
+    for spec in graph_inputs(model):
+        if spec.shape is None or not all(isinstance(d, int) for d in spec.shape):
+            return {}
+        try:
+            sample[spec.name] = np.zeros(spec.shape, spec.numpy_dtype)
+        except TypeError:  # an element type numpy has no name for
+            return {}
+    try:
+        values = next(intermediate_values(model, names, [sample], threads=1))
+    except Exception:  # noqa: BLE001 - ORT's own errors: the shapes stay unknown
+        return {}
+    return {name: list(value.shape) for name, value in values.items() if isinstance(value, np.ndarray)}
 
 
 def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:

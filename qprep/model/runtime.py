@@ -115,7 +115,7 @@ class Intermediates:
     sessions)."""
 
     def __init__(self, model: onnx.ModelProto, names, threads: int = 2):
-        from qprep.model.info import graph_inputs, input_types
+        from qprep.model.specs import graph_inputs, input_types
 
         self.wanted = list(dict.fromkeys(names))
         self.inputs = {spec.name for spec in graph_inputs(model)}  # initializers listed as inputs: not in samples
@@ -137,7 +137,7 @@ class Intermediates:
 
     def values(self, sample: dict) -> dict:
         """One sample's tensors (each call returns fresh arrays: hold only what you need)."""
-        from qprep.model.info import cast_to
+        from qprep.model.specs import cast_to
 
         session, feeds, available = self._built()
         sample = cast_to(sample, self.types)
@@ -154,7 +154,7 @@ class Stepwise:
     per sample"), where each node now runs once per sample. Only tensors that a node not yet run reads are held."""
 
     def __init__(self, model: onnx.ModelProto, samples: list[dict], threads: int = 2):
-        from qprep.model.info import cast_to_inputs
+        from qprep.model.specs import cast_to_inputs
 
         self.model = model
         self.samples = cast_to_inputs(samples, model)

@@ -148,6 +148,27 @@ def test_multiply_adds_of_conv_and_matmul():
     assert counts == {"conv": 8 * 6 * 6 * 4 * 3 * 3, "fc": 5 * 8}
 
 
+def test_multiply_adds_after_an_op_shape_inference_has_no_rule_for_are_counted_from_a_run():
+    """sklearn's exports start with an ai.onnx.ml Scaler, whose output ONNX shape inference leaves unknown: every
+    MatMul after it counted 0 ("integer share not measured" on an all-MatMul model). With the input dims fixed,
+    the shapes come from one run of the model; with a symbolic one, nothing is run and they stay unknown."""
+    from onnx import helper as h
+
+    def scaled_mlp(batch):
+        nodes = [h.make_node("Scaler", ["x"], ["s"], name="scale", domain="ai.onnx.ml", offset=[0.5] * 4,
+                             scale=[2.0] * 4),
+                 h.make_node("MatMul", ["s", "w1"], ["h"], name="fc1"),
+                 h.make_node("Relu", ["h"], ["r"]),
+                 h.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")]
+        graph = make_graph(nodes, [("x", [batch, 4])], [("y", [batch, 3])],
+                           {"w1": np.ones((4, 8), np.float32), "w2": np.ones((8, 3), np.float32)})
+        return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13),
+                                                            onnx.helper.make_opsetid("ai.onnx.ml", 1)])
+
+    assert model_info.multiply_adds(scaled_mlp(1)) == {"fc1": 4 * 8, "fc2": 8 * 3}
+    assert model_info.multiply_adds(scaled_mlp("batch")) == {}
+
+
 def test_intermediate_values_leave_out_names_the_graph_does_not_compute():
     model = tiny_conv_model()
     name = next(o for node in model.graph.node for o in node.output)
