@@ -56,7 +56,8 @@ class CorrectedBiases:
             budget.record("bias check", time.perf_counter() - started)
         decision = self._decision(quantized, layers) if budget is None and before_db is not None else None
         if decision is not None and not decision["runs"]:
-            return {"shifts": {}, "kept": False, "budget": decision, "reason": refinements.skipped_reason(decision), "seconds": round(time.perf_counter() - started, 1)}
+            return {"shifts": {}, "kept": False, "budget": decision, "reason": refinements.skipped_reason(decision),
+                    "seconds": round(time.perf_counter() - started, 1)}
         if before_db is None:  # nothing to judge the correction by: not worth its time
             shifts, after_db, chosen, by_waves = {}, None, {}, {}
         else:
