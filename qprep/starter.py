@@ -146,10 +146,16 @@ def _holds_images(folder: Path) -> bool:
 def _preprocess_lines(image: dict, model: onnx.ModelProto, indent: str) -> list[str]:
     if normalizes_itself(model, image["name"]):
         return [f"{indent}preprocess: {{mean: [0], std: [1]}}   # the model normalizes its input itself: raw 0..255"]
-    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if image["channels"] == 3 else ([127.5], [127.5])
+    # the comment says what the written values are: ImageNet's mean/std exist for 3 channels only
+    if image["channels"] == 3:
+        mean, std = IMAGENET_MEAN, IMAGENET_STD
+        choices = ["ImageNet-trained: the values below; inputs in [-1, 1]: mean [127.5], std [127.5];",
+                   "inputs in [0, 1]: mean [0], std [255]. channel_order bgr for OpenCV pipelines (PaddleOCR)."]
+    else:
+        mean, std = [127.5], [127.5]
+        choices = ["inputs in [-1, 1]: the values below; inputs in [0, 1]: mean [0], std [255]."]
     return [f"{indent}# The model does not normalize its input: mean/std {GUESSED_PREPROCESS} (0..255 units):",
-            f"{indent}#   ImageNet-trained: the values below; inputs in [-1, 1]: mean [127.5], std [127.5];",
-            f"{indent}#   inputs in [0, 1]: mean [0], std [255]. channel_order bgr for OpenCV pipelines (PaddleOCR).",
+            *(f"{indent}#   {line}" for line in choices),
             f"{indent}#   (images only: .npy/.npz samples go in as stored)",
             f"{indent}preprocess: {{mean: {json.dumps(mean)}, std: {json.dumps(std)}, channel_order: rgb, "
             f"layout: {image['layout']}}}"]

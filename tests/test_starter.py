@@ -161,3 +161,22 @@ def test_the_default_agreement_target_is_one_a_good_int8_result_meets_on_its_sam
     assert cli("init", tmp_path / "cls.onnx", "--out", tmp_path / "none.yaml")[0] == 0  # no data: a few dozen
     assert "on 32 samples (a few dozen samples, as the README asks)" in (tmp_path / "none.yaml").read_text()
     assert agreement_target(500)[0] == 0.97 and agreement_target(32)[0] < 31 / 32
+
+
+def test_init_says_what_the_mean_std_it_writes_for_a_grayscale_model_are(tmp_path, cli):
+    """A 1-channel model got mean [127.5] std [127.5] under a comment that said "ImageNet-trained: the values
+    below"; the comment names what the written values assume (inputs in [-1, 1])."""
+    import onnx
+    from PIL import Image
+
+    model = make_model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], [("x", [1, 1, 8, 8])],
+                       [("y", [1, 4, 8, 8])], {"w": np.ones((4, 1, 3, 3), np.float32)})
+    onnx.save(model, tmp_path / "gray.onnx")
+    for split in ("calib", "eval"):
+        (tmp_path / "images" / split).mkdir(parents=True)
+        Image.new("L", (8, 8), 10).save(tmp_path / "images" / split / "0.png")
+    code, _, err = cli("init", tmp_path / "gray.onnx", "--data", tmp_path / "images", "--out", tmp_path / "g.yaml")
+    assert code == 0, err
+    text = (tmp_path / "g.yaml").read_text()
+    assert yaml.safe_load(text)["calibration"]["preprocess"]["mean"] == [127.5]
+    assert "ImageNet" not in text and "inputs in [-1, 1]: the values below" in text
