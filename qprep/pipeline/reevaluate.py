@@ -38,10 +38,15 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     deployable = report["result"].get("deployable")
     if deployable:
         config_path = ((manifest.get("inputs") or {}).get("config") or {}).get("path") or "CONFIG"
+        calibration = (manifest["config"].get("calibration") or {}).get("source")
+        calibrated = bool(calibration) and Path(calibration).resolve() == Path(samples).resolve()
+        held = (f"{samples} holds the run's calibration samples, whose figures flatter the result: run the config "
+                "again with samples it never saw held out" if calibrated
+                else "run the config again with these samples held out")
         raise ConfigError(f"evaluate {run_dir}: the result is {deployable.get('path')}, which the toolkit's "
                           "simulator runs only inside the process that built it, so it cannot be measured again "
-                          f"here; run the config again with these samples held out: `qprep run {config_path} "
-                          f"--set evaluation.heldout.source={samples}`")
+                          f"here; {held}: `qprep run {config_path} --set evaluation.heldout.source="
+                          f"{'DIR' if calibrated else samples}`")
     source = str(Path(samples).resolve())
     repeated, own_labels = _own_split(manifest["config"].get("evaluation") or {}, source)
     overrides = {"output_dir": None, "evaluation.source": source, "evaluation.heldout": None,

@@ -219,3 +219,20 @@ def test_labels_print_top1_accuracy_on_the_terminal(tmp_path, cli):
     (folder / "labels.txt").write_text("".join(f"{i:02d}.npy {i % 3}\n" for i in range(3)))
     code, out, err = cli("evaluate", run, "--samples", folder, "--labels", folder / "labels.txt")
     assert code == 0 and "y: top-1 accuracy against labels: FP32 " in out and "(3 labelled)" in out, err
+
+
+def test_an_rknn_refusal_never_offers_the_calibration_folder_as_held_out(tmp_path):
+    """Issue #59: the refusal suggested `--set evaluation.heldout.source=data/calib`, which the run then warned
+    about (the calibration samples)."""
+    run = recorded_run(tmp_path)
+    report = json.loads((run / "report.json").read_text())
+    report["result"]["deployable"] = {"path": "model.rknn"}
+    (run / "report.json").write_text(json.dumps(report))
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["calibration"] = {"source": str(tmp_path / "calib")}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError) as refused:
+        reevaluate(run, tmp_path / "calib")
+    assert f"heldout.source={tmp_path / 'calib'}" not in str(refused.value)
+    assert "holds the run's calibration samples" in str(refused.value)
+    assert "--set evaluation.heldout.source=DIR`" in str(refused.value)
