@@ -140,7 +140,9 @@ SCHEMA = section(
                              "0: atol/rtol/min_cosine only"),
         max_samples=Key("int", default=8, minimum=1, doc="samples used to verify each rewrite"),
     ),
-    threads=Key("int", default=2, minimum=1, doc="ONNX Runtime intra-op threads for every session"),
+    # at most 256: each session starts its own pool, and 100000 asked for thousands of threads that stalled the
+    # machine for minutes (more threads than cores only slows ONNX Runtime)
+    threads=Key("int", default=2, minimum=1, maximum=256, doc="ONNX Runtime intra-op threads for every session"),
     save_stage_models=Key("bool", default=False, doc="also write the model after each stage"),
     pipeline=Key("any", default=[], doc="ordered stages, each `- <stage>: {options}` (see the stage keys below)"),
 )

@@ -176,3 +176,12 @@ def test_a_yaml_bool_where_a_string_is_expected_says_to_quote_it(tmp_path, given
                                           r"word in quotes \('yes', .*YAML reads unquoted on, yes and true as true$"):
         load_config(path, dict([parse_set("evaluation.label_names=[other, yes]"), parse_set(
             "pipeline.quantize.ort.spread_tensors=float")]))
+
+
+def test_threads_are_bounded(tmp_path):
+    """`--set threads=100000` started thousands of threads per ONNX Runtime session and stalled the machine for
+    minutes; it is refused before anything runs."""
+    path = write(tmp_path, "model: m.onnx\ncalibration: {source: d}\npipeline: []\n")
+    with pytest.raises(ConfigError, match=r"^threads: 100000 is above the maximum 256$"):
+        load_config(path, dict([parse_set("threads=100000")]))
+    assert load_config(path, dict([parse_set("threads=8")]))["threads"] == 8
