@@ -46,12 +46,13 @@ def coverage(layers: list[dict], left_out: dict[str, int] | None) -> str:
 def layers_line(layers: list[dict], left_out: dict[str, int] | None) -> str:
     """The sentence under the chart: how many tensors were compared, the bands they fall in, what was left out
     and why; where fewer than half were compared, that the bands speak for those alone."""
+    compared = coverage(layers, left_out).capitalize()
     if not layers:
-        return f"{coverage(layers, left_out)}{left_out_note(left_out)}."
+        return f"{compared}{left_out_note(left_out)}."
     counts, missing = band_counts(layers), sum(left_out.values()) if left_out else 0
     few = " — most tensors were not compared: the bands speak for the compared ones alone" if missing > len(
         layers) else ""
-    return (f"{coverage(layers, left_out)}: **{counts['red']} red**, {counts['amber']} amber, {counts['green']} "
+    return (f"{compared}: **{counts['red']} red**, {counts['amber']} amber, {counts['green']} "
             f"green ({THRESHOLDS_NOTE}){left_out_note(left_out)}{few}.")
 
 

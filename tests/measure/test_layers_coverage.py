@@ -120,7 +120,7 @@ def test_the_line_under_the_chart_says_how_many_tensors_were_compared():
     line = layers_line(rows, left)
     assert line.startswith("26 of 88 tensors compared: **0 red**, 0 amber, 26 green (")
     assert "left out: 62 (59 computed from a tensor left out" in line and "bands speak for the compared" in line
-    assert layers_line(rows, {}).startswith("all 26 tensors compared: **0 red**")
+    assert layers_line(rows, {}).startswith("All 26 tensors compared: **0 red**")
     assert coverage(rows, None) == "26 tensors compared"  # a toolkit's own analysis: no count of the rest
     assert layers_line([], {correspondence.AFTER: 7}) == \
         f"0 of 7 tensors compared; left out: 7 (7 {correspondence.AFTER})."
