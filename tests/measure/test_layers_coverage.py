@@ -3,6 +3,8 @@ itself (the float MaxPool as Reshape + ReduceMax) and a -inf attention mask left
 two unseen models' views, which then read "0 red"; and the line under the chart says how many were compared."""
 
 import numpy as np
+import onnx
+import pytest
 from onnx import helper
 
 from graphs import make_model, masked_attention_model, masked_attention_samples, rand
@@ -110,6 +112,43 @@ def test_a_tensor_held_as_integers_does_not_make_the_next_one_computed_from_a_te
                          "one_scale": np.float32(SCALE)})
     found = correspond(float_model, result)
     assert found.left_out == {"t": correspondence.INTEGERS, "u": correspondence.DIFFERENT}
+
+
+def run_ort(tmp_path, model, samples: list[dict], first: list | None = None) -> dict:
+    """qprep's ORT backend end to end on a tiny model: the report's evaluation."""
+    import qprep
+
+    onnx.save(model, tmp_path / "m.onnx")
+    (tmp_path / "samples").mkdir()
+    for i, sample in enumerate(samples):
+        np.savez(tmp_path / "samples" / f"{i:02d}.npz", **sample)
+    pipeline = [*(first or []), {"quantize": {"backend": "ort", "ort": {"weight_rounding": "nearest"}}}]
+    report = qprep.run({"model": str(tmp_path / "m.onnx"), "calibration": {"source": str(tmp_path / "samples")},
+                        "evaluation": {"source": str(tmp_path / "samples"), "latency": {"runs": 0}},
+                        "pipeline": pipeline}, output_dir=str(tmp_path / "out"))
+    return report["evaluation"]
+
+
+@pytest.mark.slow
+def test_qprep_ort_run_whose_maxpool_became_a_reduce_max_compares_every_tensor(tmp_path):
+    """Probe A's form: the first Conv kept float, so its MaxPool reads floats and qprep rewrites it after the
+    build; the view had stopped there (c2 and p left out)."""
+    evaluation = run_ort(tmp_path, conv_pool_conv(), [{"x": rand(1, 3, 8, 8, seed=30 + i)} for i in range(8)],
+                         [{"keep_float": {"nodes": ["c1"]}}])
+    assert "ReduceMax" in {n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx").graph.node}
+    assert {r["tensor"] for r in evaluation["layers"]} == {"c1", "r", "p", "c2"}
+    assert evaluation["layers_left_out"] == {}
+
+
+@pytest.mark.slow
+def test_qprep_ort_run_of_a_minus_inf_masked_attention_compares_the_layers_after_the_mask(tmp_path):
+    """Probe B's form (torch's masked_fill with -inf): 5 of 21 tensors compared, every one after the mask left
+    out. The mask's two bool tensors are not float: left out as such."""
+    evaluation = run_ort(tmp_path, masked_attention_model(-np.inf, "where", layers=2), masked_attention_samples(8))
+    compared = {r["tensor"] for r in evaluation["layers"]}
+    assert {"masked", "attention", "context", "y", "masked_2", "attention_2", "context_2"} <= compared
+    assert evaluation["layers_left_out"] == {"not one float tensor of one shape in every sample": 2}
+    assert min(r["cosine_mean"] for r in evaluation["layers"]) > 0.999
 
 
 def test_the_line_under_the_chart_says_how_many_tensors_were_compared():
