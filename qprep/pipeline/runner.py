@@ -30,7 +30,7 @@ from qprep.memory import return_freed_memory
 from qprep.model import info as model_info
 from qprep.model.io import save_model, sha256_file
 from qprep.model.noise import Noise, restore
-from qprep.pipeline import preflight, run_dir
+from qprep.pipeline import preflight, result_size, run_dir
 from qprep.progress import Progress
 from qprep.report import write_report, write_report_json
 from qprep.schema import Settings
@@ -238,6 +238,7 @@ def _evaluate(run: Run, model: onnx.ModelProto) -> None:
     report["evaluation"] = evaluate(run.config, run.ctx, run.products, model, report["model"]["kind"])
     written = report["result"].get("deployable") or report["result"]
     report["evaluation"]["size_bytes"]["result"] = written["bytes"]
+    result_size.record(report, model)  # the reference with its data files; a result larger than it: a warning
     run.timings["evaluation"] = time.perf_counter() - t0
 
 
