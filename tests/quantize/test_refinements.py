@@ -8,7 +8,6 @@ from onnx import helper, numpy_helper
 from conftest import typed
 from graphs import make_model
 from qprep.model.prepare import name_nodes
-from qprep.model.runtime import run_model
 from qprep.quantize import gptq
 from qprep.quantize.ort import refinements
 from qprep.quantize.ort.output_check import bias_share
@@ -92,7 +91,7 @@ def test_the_weights_only_model_holds_the_builds_nearest_weights_dequantized(tmp
 def test_gptq_runs_or_is_skipped_as_the_rule_decides_on_its_predicted_cost(tmp_path, monkeypatch, affordable):
     model, samples = _conv_model(), _samples()
     # the cost injected in calibrations: 0.5 fits the one calibration any refinement may cost, 1e6 fits no gain
-    monkeypatch.setattr(refinements, "gptq_seconds", lambda layers, count, sizes, float_s, check_s, rate:
+    monkeypatch.setattr(refinements, "gptq_seconds", lambda layers, count, per_sample, float_s, check_s, rate:
                         (0.5 if affordable else 1e6) * quantizer.calibration.seconds)
     quantizer = OrtQuantizer(model, samples, typed("ort", bias_correction=False), tmp_path)
     quantized = quantizer.build(set())
@@ -130,11 +129,3 @@ def test_bias_correction_runs_or_is_skipped_as_the_rule_decides_on_its_predicted
 
 def _stage_record(quantizer) -> dict:
     return {"status": "ok", "backend": "ort", "weight_rounding": quantizer.rounding, "bias_correction": quantizer.bias}
-
-
-def test_the_builds_run_of_one_sample_gives_each_layer_its_positions(tmp_path):
-    model = _conv_model()
-    quantized = OrtQuantizer(model, _samples(), typed("ort", weight_rounding="nearest"), tmp_path).build(set())
-    layers = gptq.find_layers(quantized, model)
-    assert refinements.layer_positions(quantized, layers, _samples()[0], 1) == {layers[0].node: (100, 400)}
-    assert run_model(quantized, _samples(1))[0]["y"].shape == (1, 8, 10, 10)

@@ -19,8 +19,8 @@ Gains, from runs the refinements' own checks make anyway (output_check.py) plus 
   offset per channel (`output_check.bias_share`) bounds it (DETR-like: 54%, 26.3 → 37.6 dB; a super-resolution
   net: 0.3%, +0.03 dB, which its check then refused).
 Costs: runs of the models over the calibration samples (as long as the checks' measured runs of the float
-model and of the build) and GPTQ's arithmetic (the input moments H = Σ x xᵀ and the solve) at the rate a probe
-of the moments' own kernel runs here. Both estimates are coarse (each record holds what was predicted and, when
+model and of the build), GPTQ's input moments H = Σ x xᵀ as long as they took on the first sample, times the
+samples, and its solve at the rate a probe of the moments' own kernel runs here. Both estimates are coarse (each record holds what was predicted and, when
 it ran, what it took): the rule separates the refinements worth many calibrations from those worth none, and a
 refinement predicted within one calibration (or FREE_S) runs without its gain being estimated.
 """
@@ -52,9 +52,6 @@ WAVE_RUNS = 0.15
 FREE_S = 0.25
 ESTIMATE_SAMPLES = 8  # samples the weights-only run estimates GPTQ's gain on
 FETCH_RUNS = 2.0  # a model run as written with its layers' tensors fetched, in plain (optimized) float runs
-# multiply-adds of the moment kernel that copying one input element costs (the padded input GPTQ gathers its rows
-# from: a U-Net's 15 layers at 256x256 spent 5 s there, half its H's time)
-COPY_MACS = 40
 
 
 def allowed_seconds(calibration_s: float, gain_db: float) -> float:
@@ -122,49 +119,42 @@ def moments_rate(threads: int) -> float:
     return 256 * 256 * 4096 / max(best, 1e-6)
 
 
-def layer_positions(quantized: onnx.ModelProto, layers: list[gptq.Layer], sample: dict, threads: int
-                    ) -> dict[str, tuple[int, int]]:
-    """Layer → (the rows one sample gives its H before any cut: output positions of a conv, rows of a matrix
-    product; the elements of its input), from its input's shape on one sample."""
-    values = intermediate_values(quantized, sorted({layer.activation for layer in layers}), [sample], threads)
-    shapes = {name: np.shape(value) for values_of in values for name, value in values_of.items()}
-    sizes = {}
-    for layer in layers:
-        shape = shapes.get(layer.activation)
-        if shape is None or len(shape) < 2:
-            continue
-        elements = int(np.prod(shape))
-        if layer.kind != "conv":
-            sizes[layer.node] = (int(np.prod(shape[:-1])), elements)
-            continue
-        strides = layer.conv.get("strides", [1] * (len(shape) - 2))
-        spatial = [max(1, size // stride) for size, stride in zip(shape[2:], strides)]
-        sizes[layer.node] = (int(shape[0] * np.prod(spatial)), elements)
-    return sizes
+def moments_seconds(quantized: onnx.ModelProto, layers: list[gptq.Layer], samples: list[dict], threads: int
+                    ) -> float:
+    """Seconds GPTQ's input moments take per sample here: the rows gathered and x xᵀ of every layer it would
+    re-round, timed on the first sample's layer inputs (each sample is the same work), shared by `threads` as
+    gptq.input_moments shares its layers."""
+    kept = [layer for layer in layers if not gptq.too_wide(layer)]
+    if not kept or not samples:
+        return 0.0
+    first = next(iter(intermediate_values(quantized, sorted({layer.activation for layer in kept}), samples[:1],
+                                          threads)), {})
+    gram = gptq.gram_session(1)
+    started = time.perf_counter()
+    for layer in kept:
+        if layer.activation in first:
+            value = np.asarray(first[layer.activation], dtype=np.float32)
+            gram.run(None, {"x": gptq.input_columns(value, layer, gptq.rows_per_sample(layer, len(samples)))})
+    return (time.perf_counter() - started) / max(1, threads)
 
 
-def gptq_work(layers: list[gptq.Layer], samples: int, sizes: dict[str, tuple[int, int]]) -> float:
-    """Multiply-adds of GPTQ's moments (the rows gptq.rows_per_sample keeps of each layer's positions, with
-    COPY_MACS per input element for the padded copy its rows are gathered from) and of its solve (inverse and
-    Cholesky of H, the column updates), for the layers it would re-round; `sizes`: layer_positions."""
+def solve_work(layers: list[gptq.Layer]) -> float:
+    """Multiply-adds of GPTQ's solve (inverse and Cholesky of H, the column updates) over the layers it would
+    re-round."""
     work = 0.0
     for layer in layers:
-        if gptq.too_wide(layer):
-            continue
-        d = gptq.inputs_per_output(layer)
-        positions, elements = sizes.get(layer.node, (gptq.MAX_ROWS_PER_SAMPLE, 0))
-        rows = min(positions, gptq.rows_per_sample(layer, samples))
-        outputs = layer.float_weight.shape[layer.axis] // layer.groups
-        work += (layer.groups * d * d * rows + COPY_MACS * elements) * samples
-        work += layer.groups * (2 * d ** 3 + outputs * d * d)
+        if not gptq.too_wide(layer):
+            d = gptq.inputs_per_output(layer)
+            work += layer.groups * (2 * d ** 3 + layer.float_weight.shape[layer.axis] // layer.groups * d * d)
     return work
 
 
-def gptq_seconds(layers: list[gptq.Layer], samples: int, sizes: dict[str, tuple[int, int]], float_s: float,
-                 check_s: float, rate: float) -> float:
-    """GPTQ's predicted time: the QDQ model run as written for its layer inputs (FETCH_RUNS float runs), its
-    arithmetic at `rate`, and one check of the rounded build (as long as the build's check)."""
-    return FETCH_RUNS * float_s + gptq_work(layers, samples, sizes) / rate + check_s
+def gptq_seconds(layers: list[gptq.Layer], samples: int, per_sample_s: float, float_s: float, check_s: float,
+                 rate: float) -> float:
+    """GPTQ's predicted time: the QDQ model run as written for its layer inputs (FETCH_RUNS float runs), the
+    moments (`per_sample_s`: moments_seconds) over the samples, the solve at `rate`, and one check of the rounded
+    build (as long as the build's check)."""
+    return FETCH_RUNS * float_s + samples * per_sample_s + solve_work(layers) / rate + check_s
 
 
 def bias_seconds(layers: list[bias_correction.BiasLayer], float_s: float, check_s: float) -> float:

@@ -75,8 +75,8 @@ class WeightRounding:
         if calibration_s is None or not layers:
             return None
         nearest_db, = self.check.sqnr(quantized)  # the check GPTQ makes anyway (cached)
-        sizes = refinements.layer_positions(quantized, layers, self.samples[0], self.threads)
-        predicted = refinements.gptq_seconds(layers, len(self.samples), sizes, self.check.float_seconds or 0.0,
+        per_sample = refinements.moments_seconds(quantized, layers, self.samples, self.threads)
+        predicted = refinements.gptq_seconds(layers, len(self.samples), per_sample, self.check.float_seconds or 0.0,
                                              self.check.check_seconds or 0.0, refinements.moments_rate(self.threads))
         gain = 0.0
         if predicted > refinements.allowed_seconds(calibration_s, 0.0):
