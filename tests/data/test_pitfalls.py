@@ -52,3 +52,34 @@ def test_the_same_files_read_with_another_preprocess_are_still_shared_samples():
     calibration, evaluation = images(0, mean=[0.0], std=[1.0]), images(1, mean=[0.0], std=[1.0])
     calibration.files = evaluation.files = [f"/data/{i}.png" for i in range(4)]
     assert any("samples are the calibration samples" in w for w in data_warnings(conv, calibration, evaluation))
+
+
+def conv_batchnorm(constants: bool = False):
+    """x[1,3,8,8] → Conv 1x1 (identity) → BatchNormalization trained on values of mean 0.5 and std 0.3 (a model
+    trained on [0, 1] inputs); its weights as initializers or, as a Paddle export holds them, Constant nodes."""
+    values = {"w": np.eye(3, dtype=np.float32).reshape(3, 3, 1, 1), "b": np.zeros(3, np.float32),
+              "scale": np.ones(3, np.float32), "bias": np.zeros(3, np.float32),
+              "mean": np.full(3, 0.5, np.float32), "var": np.full(3, 0.09, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"]),
+             helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["y"], name="bn0")]
+    if constants:
+        from onnx import numpy_helper
+
+        nodes = [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name))
+                 for name, array in values.items()] + nodes
+        values = {}
+    return make_model(nodes, [("x", [1, 3, 8, 8])], [("y", [1, 3, 8, 8])], values)
+
+
+def test_samples_far_off_the_first_batchnorms_training_statistics_are_flagged():
+    """Issue #59: mean/std written wrong (raw 0..255 pixels for a model trained on [0, 1] or [-1, 1]) passed
+    without a word; the BatchNormalization after the input's Conv records what the training fed it."""
+    for constants in (False, True):
+        model = conv_batchnorm(constants)
+        right = images(0, mean=[0.0], std=[255.0])  # the samples' [0, 1] values, as trained
+        assert data_warnings(model, right, None) == []
+        raw = SampleSet(samples=[{"x": 255 * s["x"]} for s in right.samples], format="images",
+                        preprocess={**IMAGES, "mean": [0.0], "std": [1.0]})  # stated, but not as trained
+        warning, = data_warnings(model, raw, None)
+        assert warning.startswith("calibration: at the model's first BatchNormalization ('bn0', after the Conv "
+                                  "reading 'x') the samples have ") and "× the spread of the training data" in warning
