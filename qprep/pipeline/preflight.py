@@ -303,6 +303,9 @@ def input_paths(config: Config, data_files=()) -> dict[str, Path]:
     for key, value in (evaluation.get("heldout") or {}).items():
         if value:
             paths[f"evaluation.heldout.{key}"] = Path(value)
+    module = str(evaluation.get("metric") or "").rpartition(":")[0]  # resolved: a file's path is absolute
+    if module.endswith(".py"):
+        paths["evaluation.metric's module"] = Path(module)
     return paths
 
 

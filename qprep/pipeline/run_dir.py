@@ -94,4 +94,6 @@ def recorded_inputs(path: Path) -> dict[str, str]:
         found[f"the run's model's external data {location}"] = str(Path(model).parent / location)
     for role in ("calibration", "evaluation"):
         found[f"the run's {role} data"] = (config.get(role) or {}).get("source")
+    read = manifest.get("read")
+    found.update({f"the run's {what}": where for what, where in (read.items() if isinstance(read, dict) else ())})
     return {what: where for what, where in found.items() if isinstance(where, str) and where}

@@ -263,8 +263,13 @@ def _write_record(run: Run) -> None:
     run_dir.write_manifest(run.claimed, {
         "status": report["status"],
         "qprep_version": __version__,
+        # every file and folder the run read, absolute: a command reading the run later (evaluate) must not write
+        # over any of them, from whatever directory it is started
+        "read": {what: os.path.abspath(path) for what, path in preflight.input_paths(
+            config, [Path(config["model"]).parent / name for name in report.get("model", {}).get("data_files") or ()]
+        ).items()},
         "inputs": {
-            "config": {"path": str(config.path) if config.path else None,
+            "config": {"path": os.path.abspath(config.path) if config.path else None,
                        "sha256": sha256_file(config.path) if config.path else None},
             **({"overlay": {"path": str(config.overlay), "sha256": sha256_file(config.overlay)}}
                if config.overlay else {}),

@@ -308,3 +308,23 @@ def test_batch_recursive_names_a_subfolder_it_cannot_list(tmp_path):
     found, skipped = json.loads(done.stdout)
     assert found == ["a.onnx"]
     assert list(skipped) == ["locked" + os.sep] and "cannot be listed" in skipped["locked" + os.sep]
+
+
+@pytest.mark.parametrize("target", ["config", "metric"])
+def test_evaluate_never_writes_over_what_the_run_read_from_any_directory(tmp_path, target):
+    """A run started with a relative config path, then `evaluate --json` aimed at that config (or at the user's
+    metric module, which evaluate imports) from another directory: the manifest's relative path resolved there
+    and the config was overwritten with JSON. The manifest records every input absolute."""
+    p = project(tmp_path / "project", pipeline=("quantize",))
+    (p.root / "mymetric.py").write_text("import numpy as np\n\ndef agree(outputs, samples):\n"
+                                        "    return float(np.mean([float(np.max(list(o.values())[0])) for o in outputs]))\n")
+    p.config.write_text(p.config.read_text().replace("  latency:\n    runs: 0\n",
+                                                     "  latency:\n    runs: 0\n  metric: mymetric:agree\n"))
+    assert qprep("run", "config.yaml", "--quiet", cwd=p.root).code == 0
+    victim = p.config if target == "config" else p.root / "mymetric.py"
+    before = victim.read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    outcome = qprep("evaluate", p.out, "--samples", p.evaluation, "--json", victim, "--quiet", cwd=elsewhere)
+    assert_one_line(outcome, 2, "which the command reads")
+    assert victim.read_bytes() == before
