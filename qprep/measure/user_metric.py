@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import math
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -75,7 +76,8 @@ def _file_in(module: str, folder: Path) -> Path | None:
 def load(spec: str) -> Callable:
     """The function a normalized spec names (resolve), imported once per process. Raises ConfigError."""
     module_name, function = _split(spec)
-    module = _import_file(Path(module_name)) if module_name.endswith(".py") else _import_name(module_name)
+    with _no_bytecode():
+        module = _import_file(Path(module_name)) if module_name.endswith(".py") else _import_name(module_name)
     found = getattr(module, function, None)
     if not callable(found):
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
@@ -83,6 +85,18 @@ def load(spec: str) -> Callable:
         hint = f"did you mean '{guess}'?" if guess else f"its functions: {', '.join(names) or 'none'}"
         raise ConfigError(f"evaluation.metric: {module_name} has no function '{function}'; {hint}")
     return found
+
+
+@contextmanager
+def _no_bytecode():
+    """No `__pycache__` written while the user's module (and what it imports) loads: qprep writes nothing
+    outside the run directory, and the config's folder is the user's."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
 
 
 def _import_file(path: Path):

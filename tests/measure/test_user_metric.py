@@ -2,6 +2,7 @@
 the result (held-out too), read by the gate and the fallback's target as `metric` / `metric_drop`, and the
 user's errors reported as theirs in one line."""
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -334,3 +335,24 @@ def test_the_labels_are_read_once_by_the_sample_loader(labelled):
         path.unlink()
     seen = UserMetric(f"{folder / 'errors.py'}:mae", "lower").samples_of(samples)
     assert np.array_equal(seen[3]["target"], kept) and seen[3]["file"].endswith("03.npz")
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_importing_the_users_metric_writes_no_bytecode_beside_it(tmp_path, monkeypatch, by_name):
+    """The config's folder is the user's: importing their module (and the helper it imports) leaves no
+    __pycache__ there, by file or by name on Python's path, and Python's own setting is restored after."""
+    from qprep.measure import user_metric
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    module = f"agree_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"helper_{module}.py").write_text("SCALE = 1.0\n")
+    (tmp_path / f"{module}.py").write_text(f"from helper_{module} import SCALE\n\n"
+                                           "def agree(outputs, samples):\n    return SCALE\n")
+    if by_name:
+        monkeypatch.syspath_prepend(str(tmp_path))
+        spec = user_metric.resolve(f"{module}:agree", tmp_path / "elsewhere")
+    else:
+        spec = user_metric.resolve(f"{module}:agree", tmp_path)
+    assert user_metric.load(spec)([], []) == 1.0
+    assert not list(tmp_path.rglob("__pycache__"))
+    assert sys.dont_write_bytecode is False
