@@ -17,6 +17,7 @@ from qprep.errors import DataError
 from qprep.model.info import TensorSpec
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
+ORIENTATION_TAG = 0x0112  # EXIF Orientation: 1 as stored, 2-8 mirrored and/or rotated
 
 
 @dataclass
@@ -95,6 +96,7 @@ class ImagePreprocess:
         try:
             with Image.open(path) as img:
                 full_scale = _full_scale(img, path)
+                img = _upright(img)
                 if full_scale is None:
                     img = img.convert("L" if self.channels == 1 else "RGB")
                     pixels = np.asarray(self._resize(img, path), dtype=np.uint8)
@@ -154,6 +156,16 @@ def _full_scale(img, path: Path) -> float | None:
         "holds values of no known pixel scale"
     raise DataError(f"{path}: the image (Pillow mode {img.mode}) {why}; save it as an 8-bit image or a 16-bit "
                     "grayscale PNG, or as .npy/.npz arrays already normalized")
+
+
+def _upright(img):
+    """The image as viewers show it: a camera's JPEG stored sideways with an EXIF Orientation (6: rotate 90°) is
+    turned, as cv2.imread and Pillow's ImageOps.exif_transpose do; read as stored, it would be calibrated on
+    sideways (or refused as the wrong size, 48x192 for 192x48)."""
+    from PIL import ImageOps
+
+    orientation = img.getexif().get(ORIENTATION_TAG, 1)
+    return ImageOps.exif_transpose(img) if orientation in range(2, 9) else img
 
 
 def guess_layout(shape: list, role: str) -> str:

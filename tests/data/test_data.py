@@ -228,3 +228,21 @@ def test_16_bit_color_images_pillow_reads_at_8_bits_are_refused(tmp_path, channe
     with pytest.raises(DataError, match=r"^[^\n]*a.png: [^\n]*16 bits per channel[^\n]*Pillow reads only "
                                         r"at 8 bits[^\n]*$"):
         load_samples(source(tmp_path), CONV_INPUTS)
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".png"])
+def test_an_image_is_read_upright_as_its_exif_orientation_says(tmp_path, suffix):
+    """A camera stores a 12 wide x 4 high frame sideways (4x12) with Orientation 6 (turn 90° clockwise to
+    view): read as stored it was the wrong size for the model's [1, 3, 4, 12] input (or calibrated on sideways)."""
+    rows, cols = np.mgrid[0:4, 0:12]
+    upright = np.stack([rows * 60, cols * 20, np.full_like(rows, 128)], axis=-1).astype(np.uint8)
+    stored = Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90)  # 4 wide, 12 high
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    lossless = {"quality": 100, "subsampling": 0} if suffix == ".jpg" else {}  # JPEG: as near as it gets
+    stored.save(tmp_path / f"a{suffix}", exif=exif, **lossless)
+    inputs = [TensorSpec("x", "float32", [1, 3, 4, 12])]
+    pre = {"mean": None, "std": None, "channel_order": "rgb", "layout": "auto", "resize": "none"}
+    x = load_samples(source(tmp_path, preprocess=pre), inputs).samples[0]["x"]
+    assert x.shape == (1, 3, 4, 12)
+    assert np.abs(x[0].transpose(1, 2, 0) - upright).max() <= (0 if suffix == ".png" else 12)
