@@ -215,9 +215,21 @@ def check_sample(sample: dict[str, np.ndarray], inputs: list[TensorSpec], where:
                 if isinstance(want, int) and have != want:
                     raise DataError(f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model "
                                     f"expects {spec.shape} (dim {i} must be {want})")
+        _check_not_empty(array, spec, where)
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             bad = int(np.size(array) - np.isfinite(array).sum())
             raise DataError(f"{where}: input '{spec.name}' holds {bad} NaN/Inf values; clean the data")
+
+
+def _check_not_empty(array: np.ndarray, spec: TensorSpec, where: str) -> None:
+    """A sample with no elements is refused: the model's outputs on it are empty, so an agreement measured on
+    them is "met" over nothing and a calibration range over them divides by zero. A dim the model fixes at 0
+    is the model's own (an empty optional input) and kept."""
+    fixed = spec.shape if spec.shape is not None and len(spec.shape) == array.ndim else [None] * array.ndim
+    empty = [i for i, (have, want) in enumerate(zip(array.shape, fixed)) if have == 0 and want != 0]
+    if empty:
+        raise DataError(f"{where}: input '{spec.name}' has shape {list(array.shape)}, no elements (dim {empty[0]} "
+                        f"is 0; the model expects {spec.shape}); save samples with at least one row")
 
 
 def _rank_fix(array: np.ndarray, spec: TensorSpec) -> str:

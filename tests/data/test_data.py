@@ -246,3 +246,21 @@ def test_an_image_is_read_upright_as_its_exif_orientation_says(tmp_path, suffix)
     x = load_samples(source(tmp_path, preprocess=pre), inputs).samples[0]["x"]
     assert x.shape == (1, 3, 4, 12)
     assert np.abs(x[0].transpose(1, 2, 0) - upright).max() <= (0 if suffix == ".png" else 12)
+
+
+@pytest.mark.parametrize("role", ["calibration", "evaluation", "evaluation.heldout"])
+def test_a_sample_with_no_elements_is_refused_in_every_split(tmp_path, role):
+    """Rows [0, 4] for an input [N, 4]: its outputs are empty, so the agreement was "met" over nothing and the
+    calibration divided by zero. Refused in one line naming split, file, input and shape; a folder, a list."""
+    inputs = [TensorSpec("x", "float32", ["N", 4])]
+    np.save(tmp_path / "a.npy", np.ones((1, 4), np.float32))
+    np.save(tmp_path / "b.npy", np.zeros((0, 4), np.float32))
+    message = rf"^{role}(: | sample )b.npy: input 'x' has shape \[0, 4\], no elements \(dim 0 is 0[^\n]*$"
+    with pytest.raises(DataError, match=message):
+        load_samples(source(tmp_path), inputs, role=role)
+    (tmp_path / "list.txt").write_text("a.npy\nb.npy\n")
+    with pytest.raises(DataError, match=message):
+        load_samples(source(tmp_path / "list.txt"), inputs, role=role)
+    np.savez(tmp_path / "c.npz", x=np.ones((1, 4), np.float32), y=np.zeros((1, 0), np.float32))
+    two = [TensorSpec("x", "float32", ["N", 4]), TensorSpec("y", "float32", ["N", 0])]  # the model's own empty dim
+    assert len(load_samples(source(tmp_path, format="npz"), two, role=role)) == 1
