@@ -362,7 +362,8 @@ def feed_text(entry: dict, image: dict | None, npu: bool) -> str:
     if npu_normalized(entry):
         order = channel_order(feed.get("channel_order", "rgb"), image_channels(feed.get("shape"), "nhwc"))
         return (f"`{name}`: raw {feed.get('dtype', '?')} pixels, {feed.get('layout', '?')} "
-                f"{_shape(feed.get('shape'))}, {_order_text(order)}, resized as the calibration images were ({feed.get('resize', 'stretch')}); the NPU applies "
+                f"{_shape(feed.get('shape'))}, {_order_text(order)}, resized as the calibration images were "
+                f"({feed.get('resize', 'stretch')}); the NPU applies "
                 f"(x − mean) / std itself (mean {_numbers(feed.get('mean'))}, std {_numbers(feed.get('std'))})")
     if image and image.get("input") == name:
         mean, std = image.get("mean"), image.get("std")
