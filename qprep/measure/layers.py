@@ -18,6 +18,7 @@ from qprep.measure.metrics import sqnr_of
 from qprep.model.runtime import Intermediates
 
 NOT_COMPARABLE = "not one float tensor of one shape in every sample"
+NOT_FLOAT = "bool or integer tensors, not rounded"  # a mask, ids, indices: no float value to compare
 
 
 def matched_tensors(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -> list[tuple[str, str, str, str]]:
@@ -71,19 +72,20 @@ class LayerComparison:
                 rows.append({"tensor": tensor, "node": node, "op_type": op_type, "order": order,
                              **drifts[tensor].figures(), "quantized": twin != tensor})
             else:
-                self.left_out[tensor] = NOT_COMPARABLE
+                self.left_out[tensor] = NOT_FLOAT if drifts[tensor].not_float else NOT_COMPARABLE
         return sorted(rows, key=lambda r: (-float("inf") if r["sqnr_db"] is None else r["sqnr_db"], r["order"]))
 
 
 class Drift:
     """One tensor's error over the samples, one sample at a time: per-sample cosine, and the sums SQNR is made
     of (as compare_output's "tensor" kind: non-finite entries that match compare as equal, a new NaN/Inf is a
-    total miss). A tensor missing, not float, or changing shape in any sample is not comparable."""
+    total miss). A tensor missing, not float, or changing shape in any sample is not comparable; one the float
+    model holds as bool or integers is not a layer's float value at all, and is told apart (`not_float`)."""
 
     def __init__(self):
         self.cosines: list[float] = []
         self.signal = self.noise = 0.0
-        self.size, self.broken, self.refused = 0, False, False
+        self.size, self.broken, self.refused, self.not_float = 0, False, False, False
 
     @property
     def comparable(self) -> bool:
@@ -94,6 +96,7 @@ class Drift:
             b = b[:, :a.shape[1]]  # quantize/ort/channel_padding.py: zero channels after the real ones
         if a is None or b is None or a.dtype.kind != "f" or a.shape != b.shape:
             self.refused = True
+            self.not_float |= a is not None and a.dtype.kind in "biu"
         if self.refused:
             return
         a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()

@@ -10,7 +10,7 @@ from onnx import helper
 from graphs import make_model, masked_attention_model, masked_attention_samples, rand
 from qprep.measure import correspondence
 from qprep.measure.correspondence import correspond
-from qprep.measure.layers import LayerComparison
+from qprep.measure.layers import NOT_FLOAT, LayerComparison
 from qprep.qdq import float_maxpool
 from qprep.report.layer_chart import coverage, layer_chart_svg, layers_line
 
@@ -143,18 +143,19 @@ def test_qprep_ort_run_whose_maxpool_became_a_reduce_max_compares_every_tensor(t
 @pytest.mark.slow
 def test_qprep_ort_run_of_a_minus_inf_masked_attention_compares_the_layers_after_the_mask(tmp_path):
     """Probe B's form (torch's masked_fill with -inf): 5 of 21 tensors compared, every one after the mask left
-    out. The mask's two bool tensors are not float: left out as such."""
+    out. The mask's two bool tensors are no layer's float value: left out as such (they read "not one float
+    tensor of one shape in every sample", as a tensor that changes shape does)."""
     evaluation = run_ort(tmp_path, masked_attention_model(-np.inf, "where", layers=2), masked_attention_samples(8))
     compared = {r["tensor"] for r in evaluation["layers"]}
     assert {"masked", "attention", "context", "y", "masked_2", "attention_2", "context_2"} <= compared
-    assert evaluation["layers_left_out"] == {"not one float tensor of one shape in every sample": 2}
+    assert evaluation["layers_left_out"] == {NOT_FLOAT: 2}
     assert min(r["cosine_mean"] for r in evaluation["layers"]) > 0.999
 
 
 def test_the_line_under_the_chart_says_how_many_tensors_were_compared():
     """Probe B read "26 tensors: 0 red … left out: 62": 0 red of the 26 compared, nothing of the 62."""
     rows = [{"tensor": f"t{i}", "cosine_mean": 0.99999, "order": i} for i in range(26)]
-    left = {correspondence.AFTER: 59, "not one float tensor of one shape in every sample": 2,
+    left = {correspondence.AFTER: 59, NOT_FLOAT: 2,
             correspondence.DIFFERENT: 1}
     line = layers_line(rows, left)
     assert line.startswith("26 of 88 tensors compared: **0 red**, 0 amber, 26 green (")
