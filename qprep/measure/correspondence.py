@@ -56,6 +56,10 @@ SHAPES = ("Shape", "Size")  # their outputs count as constants: a shape computat
 # ops whose constants a quantizer may change while the output stays the same value: weights rounded, GPTQ,
 # corrected biases, padded channels, a smoothed LayerNorm's scale moved in
 WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "MatMulInteger", "ConvInteger"})
+# the rewrites qprep's ORT backend makes (quantize/rewrites.py) whose results the rules above follow: smoothed
+# LayerNorms (a factor per channel), the float MaxPool (block maximum), padded channels (measure/layers.py cuts
+# them off). A rewrite added there without a rule here would break the view at every tensor it touches.
+FOLLOWED_REWRITES = frozenset({"smoothed_layernorms", "maxpool_float", "channel_padding"})
 
 REMOVED = "removed by the quantizer, nothing in the result computes it"
 INTEGERS = "held only as integers in the result"

@@ -12,6 +12,7 @@ from qprep.measure import correspondence
 from qprep.measure.correspondence import correspond
 from qprep.measure.layers import NOT_FLOAT, LayerComparison
 from qprep.qdq import float_maxpool
+from qprep.quantize import rewrites
 from qprep.report.layer_chart import coverage, layer_chart_svg, layers_line
 
 W1, B1, W2, B2 = rand(4, 3, 3, 3, seed=1), rand(4, seed=2), rand(4, 4, 3, 3, seed=3), rand(4, seed=4)
@@ -112,6 +113,12 @@ def test_a_tensor_held_as_integers_does_not_make_the_next_one_computed_from_a_te
                          "one_scale": np.float32(SCALE)})
     found = correspond(float_model, result)
     assert found.left_out == {"t": correspondence.INTEGERS, "u": correspondence.DIFFERENT}
+
+
+def test_every_rewrite_qprep_makes_for_ort_is_followed_by_the_per_layer_view():
+    """The float MaxPool was a rewrite of qprep's own that the view did not follow; a new one in the table must
+    come with its rule (correspondence.py) and its name in FOLLOWED_REWRITES."""
+    assert {r.name for r in rewrites.of("ort")} <= correspondence.FOLLOWED_REWRITES
 
 
 def run_ort(tmp_path, model, samples: list[dict], first: list | None = None) -> dict:
