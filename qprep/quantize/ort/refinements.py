@@ -50,6 +50,9 @@ WAVE_RUNS = 0.15
 # a refinement predicted to take less runs whatever it gains: its estimate would cost about as much, and a rule on
 # milliseconds would follow the machine's hiccups
 FREE_S = 0.25
+# GPTQ's solve (numpy's float64 inverse and Cholesky, a loop over columns) against the probe's float32 kernel, per
+# multiply-add: a layer of 1024 inputs and 256 outputs solved in 4.4x the time the probe's rate gives
+SOLVE_SLOWER = 4.0
 ESTIMATE_SAMPLES = 8  # samples the weights-only run estimates GPTQ's gain on
 FETCH_RUNS = 2.0  # a model run as written with its layers' tensors fetched, in plain (optimized) float runs
 
@@ -152,9 +155,9 @@ def solve_work(layers: list[gptq.Layer]) -> float:
 def gptq_seconds(layers: list[gptq.Layer], samples: int, per_sample_s: float, float_s: float, check_s: float,
                  rate: float) -> float:
     """GPTQ's predicted time: the QDQ model run as written for its layer inputs (FETCH_RUNS float runs), the
-    moments (`per_sample_s`: moments_seconds) over the samples, the solve at `rate`, and one check of the rounded
-    build (as long as the build's check)."""
-    return FETCH_RUNS * float_s + samples * per_sample_s + solve_work(layers) / rate + check_s
+    moments (`per_sample_s`: moments_seconds) over the samples, the solve at SOLVE_SLOWER times the probed `rate`'s
+    time, and one check of the rounded build (as long as the build's check)."""
+    return FETCH_RUNS * float_s + samples * per_sample_s + SOLVE_SLOWER * solve_work(layers) / rate + check_s
 
 
 def bias_seconds(layers: list[bias_correction.BiasLayer], float_s: float, check_s: float) -> float:
