@@ -23,6 +23,7 @@ from qprep.measure import user_metric
 from qprep.measure.metrics import KINDS, OUTPUT_METRICS
 from qprep.schema import Key, closest, section, settings, validate
 from qprep.stage_registry import registry
+from qprep.yaml_reader import DuplicateKey, YamlLimit, load_yaml
 
 
 def data_source(doc: str) -> Key:
@@ -282,30 +283,13 @@ def check_metric_names(thresholds: dict, where: str, evaluation: dict | None = N
         user_metric.check_keys(thresholds, where, evaluation)
 
 
-class UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader (no Python tags), but a key given twice in one mapping is an error: plain PyYAML
-    keeps the later value silently, so a forgotten earlier line would quietly stop applying."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # `<<:` merges may be overridden by design; complex keys are refused elsewhere
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key '{key}' (first on line {seen[key].line + 1}); keep one of them",
-                        key_node.start_mark)
-                seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
-
-
 def _read_yaml(path: Path, what: str = "config file") -> Any:
     require_regular_file(path, what, ConfigError, f"check the {what}'s path")
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.load(f, Loader=UniqueKeyLoader) or {}
+            return load_yaml(f) or {}
+    except YamlLimit as exc:
+        raise ConfigError(f"{path}: not read{exc.where()}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -364,8 +348,12 @@ def parse_set(assignment: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {assignment}: expected key.path=value")
     key, text = assignment.split("=", 1)
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+        value = load_yaml(text) if text.strip() else ""
+    except YamlLimit as exc:
+        raise ConfigError(f"--set {key.strip()}: the value is not read: {exc.problem}") from None
+    except DuplicateKey as exc:
+        raise ConfigError(f"--set {key.strip()}: {exc.problem}") from None
+    except yaml.YAMLError:  # not YAML: the text as given (a path with a colon, a name)
         value = text
     return key.strip(), value
 

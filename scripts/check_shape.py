@@ -28,7 +28,8 @@ MAX_FUNCTION_LINES = 90
 # graph it is handed (quantize re-applies qdq's pair removal to what ONNX Runtime writes), never a later one's.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("qprep.version", "qprep.errors", "qprep.progress", "qprep.jsonfile", "qprep.memory",
-              "qprep.third_party", "qprep.schema", "qprep.disk", "qprep.stage_registry", "qprep.run_log")),
+              "qprep.third_party", "qprep.schema", "qprep.yaml_reader", "qprep.disk", "qprep.stage_registry",
+              "qprep.run_log")),
     ("graph library", ("qprep.graph", "qprep.model")),
     ("samples and measures", ("qprep.data", "qprep.measure")),
     ("config", ("qprep.config",)),
