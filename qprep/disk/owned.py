@@ -65,7 +65,7 @@ class Owned:
         names = [*listed_files(self.previous), MANIFEST, LEGACY_LOCK]
         names += [p.name for p in self.path.iterdir() if TEMPORARY.match(p.name)]
         for name in dict.fromkeys(names):
-            _remove_inside(root, name)
+            _remove_inside(root, name.rstrip("/"), only_if_empty=name.endswith("/"))
 
     def release(self) -> None:
         if self.fd is not None:
@@ -77,8 +77,8 @@ def listed_files(manifest: dict | None) -> list[str]:
     """The manifest's `files` that name something inside the folder (relative, no `..`, not the folder itself),
     normalized (`./a//b` → `a/b`)."""
     names = [n for n in (manifest or {}).get("files") or [] if isinstance(n, str) and n and not os.path.isabs(n)]
-    normal = [os.path.normpath(n) for n in names]
-    return [n for n in normal if n != "." and ".." not in Path(n).parts]
+    normal = [os.path.normpath(n) + ("/" if n.endswith("/") else "") for n in names]  # "dir/": only if empty
+    return [n for n in normal if n.rstrip("/") != "." and ".." not in Path(n).parts]
 
 
 def folder_identity(path: Path) -> list[int]:
@@ -200,14 +200,19 @@ def folder_inside(root: Path, *parts: str) -> Path:
     return path
 
 
-def _remove_inside(root: Path, name: str) -> None:
-    """Remove root/name without following a symlink anywhere on the way; prune the folders it leaves empty."""
+def _remove_inside(root: Path, name: str, only_if_empty: bool = False) -> None:
+    """Remove root/name without following a symlink anywhere on the way; prune the folders it leaves empty.
+    `only_if_empty`: a folder the run left empty, removed only if nothing was put in it since."""
     target = root / name
     if Path(os.path.realpath(target.parent)) != target.parent:  # a listed path through a symlinked folder
         return
     try:
         mode = os.lstat(target).st_mode
     except OSError:
+        return
+    if only_if_empty:
+        if stat.S_ISDIR(mode):
+            _rmdir_quietly(target)
         return
     try:
         if stat.S_ISDIR(mode):

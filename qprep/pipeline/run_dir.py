@@ -76,6 +76,25 @@ def write_manifest(run: owned.Owned, manifest: dict) -> None:
     run.write_manifest({"command": sys.argv, **manifest, "versions": versions()})
 
 
+def files_inside(directory: Path, names: list[str]) -> list[str]:
+    """`names` with each real folder among them (work/, stages/) replaced by the files and links inside it, and
+    its empty folders as `dir/` (removed only while still empty): the final manifest lists what the run wrote
+    there, so `--force` leaves a file the user added to work/ (folders are pruned as their last file goes)."""
+    listed = []
+    for name in names:
+        top = directory / name
+        if not top.is_dir() or top.is_symlink():
+            listed.append(name)
+            continue
+        for folder, subfolders, files in os.walk(top):
+            base = Path(folder).relative_to(directory)
+            listed += [str(base / entry) for entry in files]
+            listed += [str(base / entry) for entry in subfolders if (Path(folder) / entry).is_symlink()]
+            if not files and not subfolders:
+                listed.append(f"{base}/")
+    return listed
+
+
 def recorded_inputs(path: Path) -> dict[str, str]:
     """What a finished run read, from its manifest (described → path): what a command reading the run (evaluate)
     must not write over either. Read as it is, proven or not (a copied run protects its inputs too); empty for a

@@ -284,5 +284,5 @@ def _write_record(run: Run) -> None:
         # what `qprep evaluate` reads back: a result edited or replaced since is refused, not judged
         "results": {name: sha256_file(run.directory / name) for name in ("model.onnx", "model.onnx.data")
                     if (run.directory / name).is_file()},
-        "files": sorted({*run.written, *present, run_log.LOG}),
+        "files": sorted({*run.written, *run_dir.files_inside(run.directory, present), run_log.LOG}),
     })

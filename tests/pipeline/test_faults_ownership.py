@@ -288,6 +288,12 @@ def _user_file(out: Path) -> None:
     (out / "notes.txt").write_text("mine, added after the run\n")
 
 
+def _user_file_in_work(out: Path) -> None:
+    """A file of the user's inside work/: the manifest listed the folder whole, and --force removed it."""
+    assert (out / "work").is_dir()
+    (out / "work" / "notes.txt").write_text("mine, added after the run\n")
+
+
 def _finished_batch(w: World) -> Path:
     out = w.tmp / "batch_out"
     done = w.qprep("batch", w.batch_config, w.models, "--out", out, "--quiet", timeout=TIMEOUT["batch"])
@@ -413,6 +419,8 @@ FOLDER_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Cas
     "previous_run_work_symlink": (("run",), lambda w, c: _run_with(w, _work_symlink, codes=(0, 2))),
     "previous_run_user_file": (("run",), lambda w, c: _run_with(
         w, _user_file, codes=(0, 2), kept=lambda out: (out / "notes.txt",))),
+    "previous_run_user_file_in_work": (("run",), lambda w, c: _run_with(
+        w, _user_file_in_work, codes=(0, 2), kept=lambda out: (out / "work" / "notes.txt",))),
     "user_folder_with_a_copied_manifest": (("run",), lambda w, c: Case(_copied_manifest(w))),
     "previous_run_listing_itself": (("run",), lambda w, c: _run_with(w, _manifest_lists(lambda out: "."),
                                                                      codes=(0, 2))),
