@@ -44,6 +44,7 @@ def float_set(model: ir.Model, options: Settings, proto: onnx.ModelProto) -> dic
     """node name → why it is in the float set. Raises ConfigError for names/op types/patterns that are wrong."""
     nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
     by_name = {n.name: n for n in nodes if n.name}
+    patterns = check_names(options, set(by_name), {n.op_type for n in nodes})
     members: dict[str, str] = {}
     if options.layernorm:
         for node in nodes:
@@ -52,34 +53,51 @@ def float_set(model: ir.Model, options: Settings, proto: onnx.ModelProto) -> dic
         for group in decomposed_layernorm_nodes(proto):
             for name in group:
                 members.setdefault(name, "decomposed LayerNorm")
-    present = {n.op_type for n in nodes}
+    for op_type in options.op_types:
+        for node in nodes:
+            if node.op_type == op_type:
+                members.setdefault(node.name, f"op_types: {op_type}")
+    for name in options.nodes:
+        members.setdefault(name, "nodes")
+    for text, pattern in patterns:
+        for name in by_name:
+            if pattern.search(name):
+                members.setdefault(name, f"patterns: {text}")
+    return members
+
+
+def check_names(options: Settings, names: set[str], present: set[str]) -> list[tuple[str, re.Pattern]]:
+    """Refuse (ConfigError) an op type that is neither an ONNX operator nor in the model, a node name the model
+    lacks and a pattern that is no regular expression → the compiled patterns. Run by the stage and, on the
+    model as loaded, before the run (check_model): a typo found only at the stage had already cost the user the
+    previous run that `--force` cleared."""
     for i, op_type in enumerate(options.op_types):
         if op_type not in present and not onnx.defs.has(op_type) and op_type not in LAYERNORM_OPS:
             guess = closest(op_type, present | {s.name for s in onnx.defs.get_all_schemas()})
             hint = f"; did you mean '{guess}'?" if guess else ""
             raise ConfigError(f"keep_float.op_types[{i}]: '{op_type}' is not an ONNX operator and no node in the "
                               f"model has that type{hint}")
-        for node in nodes:
-            if node.op_type == op_type:
-                members.setdefault(node.name, f"op_types: {op_type}")
     for i, name in enumerate(options.nodes):
-        if name not in by_name:
-            guess = closest(name, by_name)
+        if name not in names:
+            guess = closest(name, names)
             stem = re.sub(r"[\W\d_]+$", "", name).lower()
-            examples = [n for n in by_name if stem and stem in n.lower()][:3] or list(by_name)[:3]
+            examples = [n for n in sorted(names) if stem and stem in n.lower()][:3] or sorted(names)[:3]
             hint = f"did you mean '{guess}'?" if guess else \
                 "names look like " + ", ".join(f"'{n}'" for n in examples) + " (as loaded; see report.json)"
             raise ConfigError(f"keep_float.nodes[{i}]: no node named '{name}' in the model; {hint}")
-        members.setdefault(name, "nodes")
+    compiled = []
     for i, text in enumerate(options.patterns):
         try:
-            pattern = re.compile(text)
+            compiled.append((text, re.compile(text)))
         except re.error as exc:
             raise ConfigError(f"keep_float.patterns[{i}]: '{text}' is not a regular expression ({exc})") from None
-        for name in by_name:
-            if pattern.search(name):
-                members.setdefault(name, f"patterns: {text}")
-    return members
+    return compiled
+
+
+def check_model(options: Settings, model: onnx.ModelProto) -> None:
+    """The names, op types and patterns the options give, checked on the model as loaded (see check_names)."""
+    nodes = list(model_info.iter_nodes(model.graph))
+    check_names(options, {n.name for n in nodes if n.name}, {n.op_type for n in nodes})
 
 
 def unquantize(model: ir.Model, names: set[str]) -> dict:
@@ -140,6 +158,7 @@ def unquantize(model: ir.Model, names: set[str]) -> dict:
 
 
 @stage("keep_float",
+       check_model=check_model,
        summary="compute the float set (LayerNorms + configured ops/nodes/patterns); on a QDQ model remove its Q/DQ",
        layernorm=Key("bool", default=True, doc="LayerNormalization nodes (fused, or still decomposed) stay float"),
        op_types=Key("list", item=Key("str"), default=[], doc="op types that stay float, e.g. [Softmax, Gelu]"),

@@ -16,14 +16,14 @@ import time
 import onnx
 
 from qprep.contract import RunContext, StageResult
-from qprep.errors import QprepError
+from qprep.errors import ConfigError, QprepError
 from qprep.measure.user_metric import KEYS
 from qprep.model import info as model_info
 from qprep.quantize import float32_copy, nonfinite, search
 from qprep.quantize.backend import QuantizeJob
 from qprep.quantize.search import OPTIONS as FALLBACK_OPTIONS
 from qprep.run_log import toolkit_logging_to_run_log
-from qprep.schema import Key, Settings
+from qprep.schema import Key, Settings, closest
 from qprep.stage_registry import stage
 
 log = logging.getLogger("qprep")
@@ -61,7 +61,17 @@ def check(options: Settings, config) -> None:
 
 def check_model(options: Settings, model: onnx.ModelProto) -> None:
     """What the backend's toolkit is known to fail on, refused before any work (rknn: random ops, an opset
-    above 19 that cannot be converted down)."""
+    above 19 that cannot be converted down), and node names the options give that the model lacks (a typo found
+    only at the stage had already cost the user the previous run that `--force` cleared)."""
+    excluded = (options.ort.nodes_to_exclude or []) if options.backend == "ort" and options.ort else []
+    if excluded:
+        names = {node.name for node in model_info.iter_nodes(model.graph)}
+        unknown = [name for name in excluded if name not in names]
+        if unknown:
+            guess = closest(unknown[0], names)
+            raise ConfigError(f"quantize.ort.nodes_to_exclude: no node named '{unknown[0]}' in the model"
+                              f"{f'; did you mean {guess!r}?' if guess else ''} (names as loaded: `qprep inspect "
+                              "--json` lists them)")
     if options.backend == "rknn":
         from qprep.quantize.rknn.limits import refuse_unsupported
 

@@ -1,6 +1,7 @@
 """What `qprep validate` and `qprep run` check and say before any stage runs (qprep/pipeline/preflight.py)."""
 
 import numpy as np
+import pytest
 import onnx
 import yaml
 from PIL import Image
@@ -35,3 +36,36 @@ def test_image_preprocess_on_array_samples_is_said_to_be_ignored_by_validate_and
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     code, _, err = cli("validate", tmp_path / "c.yaml")
     assert code == 0 and "is ignored" not in err
+
+
+OPTIONS_NAMING_THE_GRAPH = {
+    "keep_float.nodes": ({"keep_float": {"nodes": ["no_such_node"]}}, "keep_float.nodes[0]: no node named"),
+    "keep_float.patterns": ({"keep_float": {"patterns": ["("]}}, "keep_float.patterns[0]: '(' is not a regular"),
+    "keep_float.op_types": ({"keep_float": {"op_types": ["Bogus"]}}, "keep_float.op_types[0]: 'Bogus' is not"),
+    "quantize.ort.nodes_to_exclude": ({"quantize": {"backend": "ort", "ort": {"nodes_to_exclude": ["Conv_99"]}}},
+                                      "quantize.ort.nodes_to_exclude: no node named 'Conv_99'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPTIONS_NAMING_THE_GRAPH))
+def test_an_option_naming_what_the_model_lacks_is_refused_before_the_run(tmp_path, cli, case):
+    """Issue #57: validate passed these, then `run --force` cleared the previous good result and failed at the
+    stage. Each stage's check_model refuses them on the model as loaded: validate exits 2, and a run leaves the
+    previous run as it was."""
+    stage, message = OPTIONS_NAMING_THE_GRAPH[case]
+    onnx.save(tiny_conv_model(batch=1), tmp_path / "m.onnx")
+    (tmp_path / "calib").mkdir()
+    for i in range(2):
+        np.save(tmp_path / "calib" / f"{i}.npy", np.ones((1, 3, 8, 8), np.float32))
+    config = {"model": "m.onnx", "output_dir": "run", "calibration": {"source": "calib"},
+              "pipeline": [{"quantize": {"backend": "ort"}}]}
+    (tmp_path / "good.yaml").write_text(yaml.safe_dump(config))
+    assert cli("run", tmp_path / "good.yaml")[0] == 0
+    previous = (tmp_path / "run" / "model.onnx").read_bytes()
+    pipeline = [stage] if "quantize" in stage else [stage, {"quantize": {"backend": "ort"}}]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**config, "pipeline": pipeline}))
+    code, _, err = cli("validate", tmp_path / "bad.yaml")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli("run", tmp_path / "bad.yaml", "--force")
+    assert code == 2 and message in err
+    assert (tmp_path / "run" / "model.onnx").read_bytes() == previous
