@@ -26,6 +26,7 @@ from qprep.model.info import unique_name
 from qprep.model.io import sha256_file
 from qprep.pipeline.batch_worker import RunSpec, Task, sidecar
 from qprep.pipeline.preflight import input_paths
+from qprep.pipeline.run_dir import changed_inputs
 from qprep.report.summary import render_summary_csv, render_summary_html, render_summary_md, summary_row
 
 SUMMARY_FILES = ("summary.json", "summary.csv", "summary.md", "summary.html")
@@ -297,7 +298,8 @@ def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, o
     ran = dict(manifest.get("config") or {})
     ran["output_dir"] = wanted.get("output_dir")  # a Ray node without shared storage ran it in a folder of its own
     return (report.get("status") in ("ok", "gate missed") and ran == wanted
-            and report.get("model", {}).get("sha256") == digest)
+            and report.get("model", {}).get("sha256") == digest
+            and not changed_inputs(manifest))  # data edited in place since: the result would not be this data's
 
 
 def _write_summary(out: Path, rows: dict, twins: dict, executor: tuple[str, str], skipped: dict) -> dict:

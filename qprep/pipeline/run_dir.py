@@ -8,6 +8,7 @@ proves the ownership and holds the lock: one run at a time per run directory).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import platform
 import signal
@@ -74,6 +75,31 @@ def versions() -> dict[str, str | None]:
 def write_manifest(run: owned.Owned, manifest: dict) -> None:
     """The run's final manifest: what went in, what came out (`files`: what `--force` may remove)."""
     run.write_manifest({"command": sys.argv, **manifest, "versions": versions()})
+
+
+def fingerprint(path: str | os.PathLike) -> str | None:
+    """A cheap mark of a file's or folder's state (each file's name, size and modification time): what
+    `batch --resume` compares before reusing a result, so data edited in place since the run is run again.
+    None: nothing readable there."""
+    entries = []
+    try:
+        if not os.path.isdir(path):
+            info = os.stat(path)
+            return f"{info.st_size}:{info.st_mtime_ns}"
+        for folder, _, files in os.walk(path):
+            for name in files:
+                info = os.stat(os.path.join(folder, name))
+                entries.append(f"{os.path.relpath(os.path.join(folder, name), path)}\0{info.st_size}:{info.st_mtime_ns}")
+    except OSError:
+        return None
+    return hashlib.sha256("\n".join(sorted(entries)).encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def changed_inputs(manifest: dict) -> list[str]:
+    """The inputs a run recorded (`read_state`) whose state differs now."""
+    recorded = manifest.get("read_state")
+    return [path for path, mark in (recorded.items() if isinstance(recorded, dict) else ())
+            if fingerprint(path) != mark]
 
 
 def files_inside(directory: Path, names: list[str]) -> list[str]:

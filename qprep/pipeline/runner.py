@@ -260,14 +260,16 @@ def _write_record(run: Run) -> None:
     run.written += write_report(run.directory, report)
     # Every OWN_FILES name present now is this run's: claim() proved each absent (or the previous run's, removed).
     present = [name for name in run_dir.OWN_FILES if os.path.lexists(run.directory / name)]
+    read = {what: os.path.abspath(path) for what, path in preflight.input_paths(
+        config, [Path(config["model"]).parent / name for name in report.get("model", {}).get("data_files") or ()]
+    ).items()}
     run_dir.write_manifest(run.claimed, {
         "status": report["status"],
         "qprep_version": __version__,
         # every file and folder the run read, absolute: a command reading the run later (evaluate) must not write
-        # over any of them, from whatever directory it is started
-        "read": {what: os.path.abspath(path) for what, path in preflight.input_paths(
-            config, [Path(config["model"]).parent / name for name in report.get("model", {}).get("data_files") or ()]
-        ).items()},
+        # over any of them, from whatever directory it is started; and their state, for batch --resume
+        "read": read,
+        "read_state": {path: run_dir.fingerprint(path) for path in read.values()},
         "inputs": {
             "config": {"path": os.path.abspath(config.path) if config.path else None,
                        "sha256": sha256_file(config.path) if config.path else None},

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import onnx
 import pytest
 from PIL import Image
@@ -328,3 +330,24 @@ def test_evaluate_never_writes_over_what_the_run_read_from_any_directory(tmp_pat
     outcome = qprep("evaluate", p.out, "--samples", p.evaluation, "--json", victim, "--quiet", cwd=elsewhere)
     assert_one_line(outcome, 2, "which the command reads")
     assert victim.read_bytes() == before
+
+
+def test_batch_resume_runs_a_model_again_when_its_data_changed_in_place(tmp_path):
+    """`batch --resume` reused a result after every calibration image was edited in place (the manifest held
+    the old data's digest): the run records the state of everything it read, and resume compares it."""
+    p = project(tmp_path / "project", pipeline=("quantize",))
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(p.model, models / "m.onnx")
+    out = tmp_path / "out"
+    assert qprep("batch", p.config, models, "--out", out, "--quiet").code == 0
+
+    def note() -> str | None:
+        return json.loads((out / "summary.json").read_text())["models"][0].get("note")
+
+    assert qprep("batch", p.config, models, "--out", out, "--resume", "--quiet").code == 0
+    assert note() == "resumed: result reused"
+    sample = next(p.calibration.iterdir())
+    np.save(sample, -np.load(sample))  # same name, same size: other values
+    assert qprep("batch", p.config, models, "--out", out, "--resume", "--quiet").code == 0
+    assert note() != "resumed: result reused"
