@@ -50,11 +50,12 @@ class Owned:
     previous: dict | None  # the manifest of the run or batch that used the folder before, if any
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: bool = False  # the folder did not exist: this claim made it
+    batch: str | None = None  # a batch worker's run: the batch --out it belongs to (its identity)
 
     def identity(self) -> dict:
         """The fields every manifest this claim writes ends with: what proves the folder is qprep's."""
         return {"kind": self.kind, "run_id": self.run_id, "qprep_version": __version__,
-                "folder": folder_identity(self.path)}
+                "folder": folder_identity(self.path), **({"batch": self.batch} if self.batch else {})}
 
     def write_manifest(self, manifest: dict) -> None:
         atomic_write_text(self.path / MANIFEST, jsonfile.dumps({**manifest, **self.identity()}) + "\n")

@@ -121,8 +121,9 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     state = _Batch(claimed.path, skipped, executor)
     try:
         _plan(state, claimed, config_path, folder_path, models, sets, resume, quiet)
+        batch = ":".join(map(str, owned.folder_identity(claimed.path)))
         return _run(state, RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd(),
-                                   base["threads"]), len(models), jobs, base, address, quiet)
+                                   base["threads"], batch), len(models), jobs, base, address, quiet)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM, wherever it came: stop what runs, keep what finished
         with _signals_deferred():  # a second Ctrl-C must not cost the summary: it is written first, then kept
             state.cancelled()

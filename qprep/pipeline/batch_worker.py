@@ -25,6 +25,8 @@ SIDECAR_SUFFIX = ".qprep.yaml"  # NAME.qprep.yaml beside NAME.onnx: merged over 
 _PR_SET_PDEATHSIG = 1
 BLAS_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 PARENT_ENV = "QPREP_BATCH_PARENT"  # set for a batch worker: the pid whose death must end it
+# set for a batch worker: the --out it runs for; its --force replaces only a run a batch on that --out made
+BATCH_ENV = "QPREP_BATCH_OUT"
 
 _live: set[subprocess.Popen] = set()  # workers running now, so an interrupted batch can stop them
 _live_lock = threading.Lock()
@@ -38,6 +40,7 @@ class RunSpec:
     timeout: float | None = None
     cwd: str | None = None  # the batch's working directory: `--set key=relative/path` resolves against it
     threads: int | None = None  # the config's `threads`: also the worker's BLAS/OpenMP threads (see run_one)
+    batch: str | None = None  # the --out's identity (device:inode): what the worker's runs record (BATCH_ENV)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ def run_one(spec: RunSpec, model: Path, run_dir: Path) -> tuple[str, float, str]
         command += ["--set", assignment]
     start = time.perf_counter()
     cwd = spec.cwd if spec.cwd and Path(spec.cwd).is_dir() else None
-    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    env = {**os.environ, PARENT_ENV: str(os.getpid()), **({BATCH_ENV: spec.batch} if spec.batch else {})}
     if spec.threads:  # numpy's BLAS would otherwise start one thread per core in every worker (what Ray does too)
         for name in BLAS_THREADS:
             env.setdefault(name, str(spec.threads))

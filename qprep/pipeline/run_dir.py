@@ -19,6 +19,7 @@ from pathlib import Path
 from qprep.disk import owned
 from qprep.disk.owned import MANIFEST
 from qprep.disk.reading import read_json
+from qprep.pipeline.batch_worker import BATCH_ENV
 from qprep.errors import RunDirError, signal_handlers
 from qprep.run_log import LOG
 
@@ -38,10 +39,14 @@ def claim(path: Path, force: bool, artifacts: tuple[str, ...] = ()) -> owned.Own
     folder as it was. `artifacts`: what the stages add beside OWN_FILES (model.rknn)."""
     names = (*OWN_FILES, *artifacts)
     run = owned.claim(path, "run", "--out", reserved=names)
+    run.batch = os.environ.get(BATCH_ENV)  # a batch worker (always --force): it replaces only its batches' runs
     try:
         if run.previous is not None and not force:
             raise RunDirError(f"output directory {path} holds a previous qprep run; pass --force to replace it "
                               "or choose another --out")
+        if run.previous is not None and run.batch and run.previous.get("batch") != run.batch:
+            raise RunDirError(f"{path} holds a qprep run this batch's --out did not make (run there by hand?); the "
+                              "batch leaves it: move it out, or give the batch another --out")
         if run.previous is not None:
             run.clear_previous()
         run.write_manifest({"status": "running", "pid": os.getpid(), "files": list(names)})

@@ -351,3 +351,22 @@ def test_batch_resume_runs_a_model_again_when_its_data_changed_in_place(tmp_path
     np.save(sample, -np.load(sample))  # same name, same size: other values
     assert qprep("batch", p.config, models, "--out", out, "--resume", "--quiet").code == 0
     assert note() != "resumed: result reused"
+
+
+def test_a_batch_never_replaces_a_run_made_by_hand_in_its_out(tmp_path):
+    """A run the user made in --out/b (while the batch ran, or between two batches) was replaced by the batch's
+    worker, which always passes --force: a worker replaces only runs a batch on that --out made."""
+    p = project(tmp_path / "project", pipeline=("quantize",))
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(p.model, models / "b.onnx")
+    out = tmp_path / "out"
+    assert qprep("batch", p.config, models, "--out", out, "--quiet").code == 0
+    mine = qprep("run", p.config, "--model", models / "b.onnx", "--out", out / "b", "--force", "--quiet",
+                 "--set", "evaluation.gate.cosine_mean=0.5")
+    assert mine.code == 0
+    before = (out / "b" / "manifest.json").read_bytes()
+    again = qprep("batch", p.config, models, "--out", out, "--resume", "--quiet")
+    row = json.loads((out / "summary.json").read_text())["models"][0]
+    assert again.code == 2 and row["status"] == "refused" and "did not make" in row["error"]
+    assert (out / "b" / "manifest.json").read_bytes() == before
