@@ -75,3 +75,12 @@ def test_each_kind_of_drift_is_found(tmp_path, kind):
 def test_a_private_name_within_its_own_package_is_fine(tmp_path):
     files = {"qprep/model/io.py": "def _hidden():\n    pass\n", "qprep/model/info.py": "from qprep.model.io import _hidden\n"}
     assert check_shape.check(write(tmp_path, {**CLEAN, **files})) == []
+
+
+def test_test_files_have_unique_names():
+    """tests/ has no __init__.py: pytest imports each test file by its basename, so two files of one name stop
+    the whole suite at collection ("import file mismatch")."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
+        seen[path.name] = path
