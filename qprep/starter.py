@@ -10,7 +10,6 @@ normalize itself) is written as a suggestion with a comment that says so.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from qprep.data.samples import FORMAT_SUFFIXES, MIN_SAMPLES
 from qprep.data.pitfalls import normalizes_itself
 from qprep.disk.guard import Guard
 from qprep.errors import ConfigError, DataError
+from qprep.measure.gate import GOOD_FLIPS, ODDS, agreement_target
 from qprep.model import info as model_info
 from qprep.model.info import TensorSpec
 from qprep.model.load import load_model, load_model_and_data_files
@@ -213,21 +213,6 @@ def _gate(model: onnx.ModelProto, samples: int) -> dict:
     if classes and outputs[0].dtype.startswith("float") and producer != "Sigmoid":
         gate["top1_agreement"] = agreement_target(samples)[0]
     return gate
-
-
-GOOD_FLIPS = 0.02  # a good INT8 classifier's top-1 flips against FP32 (BENCHMARKS.md: 97.7-99.2% held out)
-ODDS = 0.95  # the share of such results the default target lets pass
-
-
-def agreement_target(samples: int) -> tuple[float, int]:
-    """(target, flips it allows): the agreement a good INT8 result (GOOD_FLIPS of its samples flip) meets with
-    ODDS on `samples`, rounded down to a percent. Why: a fixed 0.97 needs 32 of 32 (one flip is 3.1%), a miss
-    that says nothing about the result; the target rises with the sample count (0.97 from about 500)."""
-    flips, odds = 0, (1 - GOOD_FLIPS) ** samples
-    while odds < ODDS or flips == 0:  # at least one flip: a single one never misses the default
-        flips += 1
-        odds += math.comb(samples, flips) * GOOD_FLIPS ** flips * (1 - GOOD_FLIPS) ** (samples - flips)
-    return math.floor(100 * (samples - flips) / samples) / 100, flips
 
 
 def gate_samples(splits: dict) -> tuple[int, str]:

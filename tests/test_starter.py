@@ -141,7 +141,7 @@ def test_the_default_agreement_target_is_one_a_good_int8_result_meets_on_its_sam
     3.1%). The target now comes from the count of the set that judges the gate, with the reason in a comment."""
     import onnx
 
-    from qprep.starter import agreement_target
+    from qprep.measure.gate import agreement_target
 
     nodes = [helper.make_node("MatMul", ["x", "w"], ["logits"])]
     onnx.save(make_model(nodes, [("x", ["N", 8])], [("logits", ["N", 10])],
