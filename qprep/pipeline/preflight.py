@@ -29,6 +29,7 @@ from qprep.model.noise import Noise, drawn_ops, taken_out
 from qprep.model.load import load_model_and_data_files
 from qprep.model.prepare import fix_input_dims_ort_accepts, infer_shapes, left_symbolic_warning, name_nodes
 from qprep.progress import Progress
+from qprep.schema import closest
 from qprep.stage_registry import registry
 
 
@@ -229,6 +230,13 @@ def _evaluation_data(cfg: dict, model: onnx.ModelProto, found: _Collector, drawn
         if reference is None:
             return None, None, None, []  # the samples are checked against the reference's inputs
     inputs = [spec for spec in model_info.graph_inputs(reference or model) if spec.name not in drawn.inputs()]
+    outputs = [value.name for value in model.graph.output]
+    for name in cfg["tasks"]:  # a misspelt output name would leave the output judged by its shape, silently
+        if name not in outputs:
+            with found.attempt():
+                guess = closest(name, outputs)
+                raise ConfigError(f"evaluation.tasks: the model has no output '{name}'; "
+                                  + (f"did you mean '{guess}'?" if guess else f"its outputs: {', '.join(outputs)}"))
     with found.attempt():
         evaluation = _fed(drawn, load_samples(cfg, inputs, role="evaluation"))
     if evaluation is not None and cfg["labels"]:

@@ -69,3 +69,21 @@ def test_an_option_naming_what_the_model_lacks_is_refused_before_the_run(tmp_pat
     code, _, err = cli("run", tmp_path / "bad.yaml", "--force")
     assert code == 2 and message in err
     assert (tmp_path / "run" / "model.onnx").read_bytes() == previous
+
+
+def test_evaluation_tasks_naming_an_output_the_model_lacks_is_refused(tmp_path, cli):
+    """Issue #57: `evaluation.tasks: {scale_0.tmp1: tensor}` (a typo of the output's name) was taken, and the
+    output judged by its shape without a word."""
+    onnx.save(tiny_conv_model(batch=1), tmp_path / "m.onnx")
+    (tmp_path / "calib").mkdir()
+    for i in range(2):
+        np.save(tmp_path / "calib" / f"{i}.npy", np.ones((1, 3, 8, 8), np.float32))
+    output = onnx.load(tmp_path / "m.onnx").graph.output[0].name
+    config = {"model": "m.onnx", "output_dir": "run", "calibration": {"source": "calib"}, "pipeline": [],
+              "evaluation": {"source": "calib", "latency": {"runs": 0}, "tasks": {output + "x": "tensor"}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    code, _, err = cli("validate", tmp_path / "c.yaml")
+    assert code == 2 and f"evaluation.tasks: the model has no output '{output}x'; did you mean '{output}'?" in err
+    config["evaluation"]["tasks"] = {output: "tensor"}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    assert cli("validate", tmp_path / "c.yaml")[0] == 0
