@@ -54,6 +54,7 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
                  "evaluation.gate": recorded_gate(report, manifest["config"])}
     if labels or own_labels:
         overrides["evaluation.labels"] = str(Path(labels).resolve()) if labels else own_labels
+    _refuse_sets_of_its_own(sets or {})
     config = load_config(manifest["config"], {**overrides, **(sets or {})})
     _check_unchanged(run_dir, manifest.get("inputs") or {}, manifest.get("results"), config)
     progress = Progress(enabled=False if quiet else None)
@@ -69,6 +70,19 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
         result["notes"], result["repeats"] = [repeated, *result.get("notes", [])], repeated
     gate = result.get("gate")
     return {"run_dir": str(run_dir), "status": "gate missed" if gate and not gate["passed"] else "ok", **result}
+
+
+# keys evaluate sets itself from its options: a --set of one would measure other samples than the figures name
+OWN_KEYS = {"evaluation.source": "--samples", "evaluation.heldout": "--samples",
+            "evaluation.labels": "--labels", "output_dir": "--json (evaluate writes nothing into a run directory)"}
+
+
+def _refuse_sets_of_its_own(sets: dict) -> None:
+    for key in sets:
+        for own, option in OWN_KEYS.items():
+            if key == own or key.startswith(own + ".") or own.startswith(key + "."):
+                raise ConfigError(f"evaluate: --set {key} is what evaluate's {option} decides; give it there (the "
+                                  "figures are labelled with what --samples names)")
 
 
 def _own_split(evaluation: dict, source: str) -> tuple[str, str | None]:

@@ -236,3 +236,14 @@ def test_an_rknn_refusal_never_offers_the_calibration_folder_as_held_out(tmp_pat
     assert f"heldout.source={tmp_path / 'calib'}" not in str(refused.value)
     assert "holds the run's calibration samples" in str(refused.value)
     assert "--set evaluation.heldout.source=DIR`" in str(refused.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["evaluation.source", "evaluation.heldout.source", "evaluation.labels", "output_dir",
+                                 "evaluation"])
+def test_a_set_of_what_evaluates_own_options_decide_is_refused(finished_run, key):
+    """Issue #57: `evaluate RUN --samples data/eval --set evaluation.source=data/calib` measured the calibration
+    samples and labelled the figures with data/eval."""
+    root, run_dir = finished_run
+    with pytest.raises(ConfigError, match=f"--set {key} is what evaluate's"):
+        reevaluate(run_dir, root / "eval", sets={key: str(root / "calib")})
