@@ -150,9 +150,10 @@ def _lock(owned: Owned, option: str) -> None:
     try:
         fcntl.flock(owned.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = (read_manifest(owned.path) or {}).get("pid")
+        manifest = read_manifest(owned.path) or {}
+        holder, kind = manifest.get("pid"), manifest.get("kind", owned.kind)  # the holder's kind, not the asker's
         by = f"pid {holder}" if isinstance(holder, int) else "another process"
-        raise RunDirError(f"{option} {owned.path} is in use by {by} (another qprep {owned.kind}); wait for it to "
+        raise RunDirError(f"{option} {owned.path} is in use by {by} (a qprep {kind} running there); wait for it to "
                           f"finish or choose another {option}") from None
 
 

@@ -119,11 +119,14 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
             print(f"qprep batch: skipped {name}: {why}", file=sys.stderr, flush=True)
     claimed = owned.claim(out_path, "batch", "batch --out", reserved=BATCH_FILES)
     state = _Batch(claimed.path, skipped, executor)
+    ended = "interrupted"
     try:
         _plan(state, claimed, config_path, folder_path, models, sets, resume, quiet)
         batch = ":".join(map(str, owned.folder_identity(claimed.path)))
-        return _run(state, RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd(),
-                                   base["threads"], batch), len(models), jobs, base, address, quiet)
+        summary = _run(state, RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd(),
+                                      base["threads"], batch), len(models), jobs, base, address, quiet)
+        ended = "finished"
+        return summary
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM, wherever it came: stop what runs, keep what finished
         with _signals_deferred():  # a second Ctrl-C must not cost the summary: it is written first, then kept
             state.cancelled()
@@ -138,6 +141,8 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
         with _signals_deferred():
             if state.pool:
                 state.pool.close()
+            if state.manifest:  # the batch's own record says how it ended, not "running" for ever
+                claimed.write_manifest({**state.manifest, "status": ended, "pid": None})
             claimed.release()
 
 
@@ -152,6 +157,7 @@ class _Batch:
     twins: dict[str, Path] = field(default_factory=dict)
     tasks: list[Task] = field(default_factory=list)
     pool: object = None
+    manifest: dict = field(default_factory=dict)  # the batch's manifest as written when it started
 
     def finished(self, task: Task, outcome) -> None:
         self.rows[task.name] = summary_row(task.name, task.run_dir, seconds=outcome.seconds, error=outcome.error,
@@ -197,8 +203,9 @@ def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Pa
             state.rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
             continue
         state.tasks.append(Task(name, model, run_dir))
-    claimed.write_manifest({"status": "running", "pid": os.getpid(), "files": sorted(
-        {*owned.listed_files(claimed.previous), *BATCH_FILES, *(task.run_dir.name for task in state.tasks)})})
+    state.manifest = {"status": "running", "pid": os.getpid(), "files": sorted(
+        {*owned.listed_files(claimed.previous), *BATCH_FILES, *(task.run_dir.name for task in state.tasks)})}
+    claimed.write_manifest(state.manifest)
 
 
 def _run(state: _Batch, spec: RunSpec, total: int, jobs: int | None, base, address: str | None,

@@ -130,6 +130,9 @@ def test_a_claimed_folder_is_in_use_for_another_claim(tmp_path):
     try:
         with pytest.raises(RunDirError, match="in use by pid 4242"):
             owned.claim(folder, "run", "--out", RESERVED)
+        first.write_manifest({**first.previous, "pid": 4243})
+        with pytest.raises(RunDirError, match=r"in use by pid 4243 \(a qprep run running there\)"):
+            owned.claim(folder, "batch", "batch --out", RESERVED)  # the holder's kind, not the asker's
     finally:
         first.release()
     owned.claim(folder, "run", "--out", RESERVED).release()  # free again once released

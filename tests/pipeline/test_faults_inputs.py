@@ -341,6 +341,7 @@ def test_batch_resume_runs_a_model_again_when_its_data_changed_in_place(tmp_path
     shutil.copy(p.model, models / "m.onnx")
     out = tmp_path / "out"
     assert qprep("batch", p.config, models, "--out", out, "--quiet").code == 0
+    assert json.loads((out / "manifest.json").read_text())["status"] == "finished"  # not "running" for ever
 
     def note() -> str | None:
         return json.loads((out / "summary.json").read_text())["models"][0].get("note")
