@@ -222,11 +222,11 @@ def check_sample(sample: dict[str, np.ndarray], inputs: list[TensorSpec], where:
 
 
 def _check_not_empty(array: np.ndarray, spec: TensorSpec, where: str) -> None:
-    """A sample with no elements is refused: the model's outputs on it are empty, so an agreement measured on
-    them is "met" over nothing and a calibration range over them divides by zero. A dim the model fixes at 0
-    is the model's own (an empty optional input) and kept."""
+    """A sample of no rows (dim 0 is 0) is refused: the model's outputs on it are empty, so an agreement measured
+    on them is "met" over nothing and a calibration range over them divides by zero. Another dim of 0 is kept: a
+    decoder's first step feeds a key/value cache of past length 0. A dim the model fixes at 0 is its own."""
     fixed = spec.shape if spec.shape is not None and len(spec.shape) == array.ndim else [None] * array.ndim
-    empty = [i for i, (have, want) in enumerate(zip(array.shape, fixed)) if have == 0 and want != 0]
+    empty = [i for i, (have, want) in enumerate(zip(array.shape, fixed)) if have == 0 and want != 0 and i == 0]
     if empty:
         raise DataError(f"{where}: input '{spec.name}' has shape {list(array.shape)}, no elements (dim {empty[0]} "
                         f"is 0; the model expects {spec.shape}); save samples with at least one row")

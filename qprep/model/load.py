@@ -19,6 +19,7 @@ from qprep.disk.reading import require_regular_file
 from qprep.errors import ModelError
 from qprep.model.info import iter_nodes, map_valued
 from qprep.model.io import is_heavy, is_large, weightless
+from qprep.model.stored_tensors import check_stored_sizes
 from qprep.model.ort_optimized import (
     ORT_ONLY_ONNX_DOMAIN_OPS,
     lift_layernorm_opset,
@@ -52,6 +53,7 @@ def load_model_and_data_files(path: str | os.PathLike, rewrites: bool = True) ->
         ) from None
     if not model.graph.node and not model.graph.output:
         raise ModelError(f"{path} holds no ONNX graph (empty or not an ONNX file); re-export or re-download it")
+    check_stored_sizes(model, path)  # bytes that do not fill a tensor's shape: one line, not a reshape error later
     data_files = _load_external_data(model, path)
     refuse_session_layouts(model, path)
     model = split_simplified_layernorm(lift_layernorm_opset(model, path))

@@ -264,3 +264,14 @@ def test_a_sample_with_no_elements_is_refused_in_every_split(tmp_path, role):
     np.savez(tmp_path / "c.npz", x=np.ones((1, 4), np.float32), y=np.zeros((1, 0), np.float32))
     two = [TensorSpec("x", "float32", ["N", 4]), TensorSpec("y", "float32", ["N", 0])]  # the model's own empty dim
     assert len(load_samples(source(tmp_path, format="npz"), two, role=role)) == 1
+
+
+def test_an_empty_key_value_cache_is_a_sample():
+    """A decoder's first step feeds a past of length 0 ([1, heads, 0, dim]): its outputs are not empty, and the
+    sample is the one a deployment feeds first; only no rows (dim 0) is refused."""
+    from qprep.data.samples import check_sample
+
+    inputs = [TensorSpec("past", "float32", [1, 2, "past", 4]), TensorSpec("x", "float32", ["N", 4])]
+    check_sample({"past": np.zeros((1, 2, 0, 4), np.float32), "x": np.ones((1, 4), np.float32)}, inputs, "s")
+    with pytest.raises(DataError, match="no elements"):
+        check_sample({"past": np.zeros((1, 2, 0, 4), np.float32), "x": np.ones((0, 4), np.float32)}, inputs, "s")

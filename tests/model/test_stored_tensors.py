@@ -123,3 +123,14 @@ def test_a_missing_data_file_is_left_to_the_loaders_own_refusal(tmp_path):
     model = external(tmp_path, matmul())
     (tmp_path / "w.bin").unlink()
     check_stored_sizes(model, tmp_path / "m.onnx")
+
+
+def test_the_loader_refuses_a_model_whose_external_data_is_short(tmp_path):
+    """Wired where every command loads a model: the probe's model had run to exit 3 ("cannot reshape")."""
+    from qprep.model.load import load_model_and_data_files
+
+    model = external(tmp_path, matmul())
+    set_external(model, "W", "length", "16")
+    onnx.save(model, tmp_path / "m.onnx")
+    with pytest.raises(ModelError, match="is stored as 16 bytes in 'w.bin'"):
+        load_model_and_data_files(tmp_path / "m.onnx")
