@@ -37,9 +37,14 @@ class RunContext:
     progress: Progress
     reference: ReferenceOutputs | None = None  # with `evaluation:`; quantize's fallback and the evaluation share it
     float_set: frozenset[str] = frozenset()  # node names that stay float (keep_float), for the quantize backends
+    # tells the run a folder a stage is about to make in the run directory: the running manifest lists it first,
+    # so `--force` after a run killed outright removes that folder and nothing else of work/
+    announce: Callable[[str], None] | None = None
 
     def work_dir(self, name: str) -> Path:
         """A folder inside the run directory for a stage's or toolkit's working files (never through a link)."""
+        if self.announce:
+            self.announce(f"work/{name}/**")
         return owned.folder_inside(self.run_dir, "work", name)
 
 

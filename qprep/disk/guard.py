@@ -127,6 +127,15 @@ class Guard:
         self._not_an_input(resolved(path, follow_last=False), where)
         if mode is not None and stat.S_ISLNK(mode):
             self._not_an_input(resolved(path), where)
+            try:  # /dev/stdout -> a pipe: replacing that link would break the system's, not write to it
+                kind = special_kind(os.stat(path).st_mode)
+            except OSError:
+                kind = None
+            if kind:
+                raise OutputError(f"{where} is a link to {kind}, not a regular file; choose a file path")
+        system = Path(os.path.realpath(Path(path).parent))
+        if system.parts[:2] in (("/", "dev"), ("/", "proc"), ("/", "sys")):
+            raise OutputError(f"{where} lies in {system}, the system's; choose a file path of your own")
         return Path(path)
 
     def output_folder(self, path: str | os.PathLike, option: str) -> Path:

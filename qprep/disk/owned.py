@@ -65,8 +65,16 @@ class Owned:
         root = Path(os.path.realpath(self.path))
         names = [*listed_files(self.previous), MANIFEST, LEGACY_LOCK]
         names += [p.name for p in self.path.iterdir() if TEMPORARY.match(p.name)]
+        for name in names:  # checked before anything is removed: a refusal leaves the folder as it was
+            if not name.endswith("/") and name not in LEGACY_FOLDERS and (root / name).is_dir() \
+                    and not (root / name).is_symlink():
+                raise RunDirError(f"{self.path / name} is a folder the previous qprep run did not write (it wrote a "
+                                  "file there); move it out of the run directory, then run again")
         for name in dict.fromkeys(names):
-            _remove_inside(root, name.rstrip("/"), only_if_empty=name.endswith("/"))
+            if name.endswith("/**"):  # a folder qprep made whose contents are all its own (a stage's work folder)
+                _remove_inside(root, name[:-3])
+            else:
+                _remove_inside(root, name.rstrip("/"), only_if_empty=name.endswith("/"))
 
     def release(self) -> None:
         if self.fd is not None:
@@ -202,9 +210,15 @@ def folder_inside(root: Path, *parts: str) -> Path:
     return path
 
 
+# A manifest's entries: "name" a file qprep wrote, "name/" a folder it left empty (removed only while empty),
+# "name/**" a folder it made whose contents are all its own (removed whole). LEGACY_FOLDERS: the folders manifests
+# of older versions listed plainly, removed whole as those versions did.
+LEGACY_FOLDERS = ("work", "stages")
+
+
 def _remove_inside(root: Path, name: str, only_if_empty: bool = False) -> None:
-    """Remove root/name without following a symlink anywhere on the way; prune the folders it leaves empty.
-    `only_if_empty`: a folder the run left empty, removed only if nothing was put in it since."""
+    """Remove root/name without following a symlink anywhere on the way; prune the folders it leaves empty
+    (clear_previous refused a folder found where the manifest lists a file: the user's, made there since)."""
     target = root / name
     if Path(os.path.realpath(target.parent)) != target.parent:  # a listed path through a symlinked folder
         return

@@ -26,6 +26,7 @@ from qprep.model.io import sha256_file
 from qprep.model.load import load_model
 from qprep.model.noise import taken_out
 from qprep.pipeline import preflight
+from qprep.pipeline.run_dir import fingerprint
 from qprep.progress import Progress
 
 
@@ -57,6 +58,7 @@ def reevaluate(run_dir: str | Path, samples: str | Path, labels: str | None = No
     _refuse_sets_of_its_own(sets or {})
     config = load_config(manifest["config"], {**overrides, **(sets or {})})
     _check_unchanged(run_dir, manifest.get("inputs") or {}, manifest.get("results"), config)
+    _check_metric_unchanged(run_dir, manifest)
     progress = Progress(enabled=False if quiet else None)
     checked = preflight.check(config, progress)
     if guard is not None:  # what --json must not overwrite: every sample file read (a list's may lie anywhere)
@@ -120,6 +122,16 @@ def _check_unchanged(run_dir: Path, inputs: dict, results: dict | None, config: 
         if now != digest:
             raise ModelError(f"evaluate {run_dir}: the {what} {path} changed since the run (sha256 {now[:12]}…, the "
                              f"run read {digest[:12]}…); {fix}")
+
+
+def _check_metric_unchanged(run_dir: Path, manifest: dict) -> None:
+    """The user's metric module, when evaluate imports the one the run did: edited since, its figures would belong
+    to neither the run nor its report (a changed module is refused like a changed model)."""
+    read, state = manifest.get("read") or {}, manifest.get("read_state") or {}
+    module = read.get("evaluation.metric's module") if isinstance(read, dict) else None
+    if isinstance(module, str) and isinstance(state, dict) and module in state and fingerprint(module) != state[module]:
+        raise ModelError(f"evaluate {run_dir}: the metric module {module} changed since the run; restore the one "
+                         "the run used, or run qprep again to judge with the new one")
 
 
 def _read_run(run_dir: Path) -> tuple[dict, dict]:

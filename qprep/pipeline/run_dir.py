@@ -29,8 +29,10 @@ VERSIONED_PACKAGES = ("qprep", "onnx", "onnxruntime", "numpy", "protobuf", "onnx
 
 # Every name a run may write at the top of its run directory (artifacts are added as they come, run.will_write):
 # listed in the manifest before the run writes any, so even a run killed outright is one `--force` can replace.
-OWN_FILES = ("model.onnx", "model.onnx.data", "report.json", "report.md", "report.html", MANIFEST, LOG, "work",
-             "stages")
+OWN_FILES = ("model.onnx", "model.onnx.data", "report.json", "report.md", "report.html", MANIFEST, LOG)
+# Folders a run makes at the top of its run directory: reserved (a user's folder of that name is not taken over),
+# listed by what the run puts in them (a stage's work/<name>/ as it is made, each saved stage model), never whole.
+OWN_FOLDERS = ("work", "stages")
 
 
 def claim(path: Path, force: bool, artifacts: tuple[str, ...] = ()) -> owned.Owned:
@@ -38,7 +40,7 @@ def claim(path: Path, force: bool, artifacts: tuple[str, ...] = ()) -> owned.Own
     `force` replaces by removing exactly what that manifest lists. Anything else is refused, leaving the
     folder as it was. `artifacts`: what the stages add beside OWN_FILES (model.rknn)."""
     names = (*OWN_FILES, *artifacts)
-    run = owned.claim(path, "run", "--out", reserved=names)
+    run = owned.claim(path, "run", "--out", reserved=(*names, *OWN_FOLDERS))
     run.batch = os.environ.get(BATCH_ENV)  # a batch worker (always --force): it replaces only its batches' runs
     try:
         if run.previous is not None and not force:

@@ -54,6 +54,7 @@ class Run:
     products: Products = field(default_factory=Products)
     ctx: RunContext | None = None  # set once the run directory is claimed
     claimed: run_dir.owned.Owned | None = None  # the run directory's lock and identity (qprep/disk/owned.py)
+    announced: list[str] = field(default_factory=list)  # folders stages made (work/NAME/**), in the manifest first
 
 
 def execute(config: Config, force: bool = False, quiet: bool = False, progress: Progress | None = None) -> dict:
@@ -78,7 +79,8 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     report = run.report
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
-        run.ctx = _context(config, checked, directory, progress, report)
+        run.ctx = replace(_context(config, checked, directory, progress, report),
+                          announce=lambda name: _announce(run, name))
         model, noise, checked = checked.model, checked.noise, None  # the input: the reference's to release
         model = _run_stages(run, model)
         _save_result(run, model, noise)
@@ -169,6 +171,7 @@ def _run_stage(run: Run, index: int, name: str, options: Settings, model: onnx.M
     log.info("stage %d %s: %s in %.2f s", index, name, result.status, record["seconds"])
     if run.config["save_stage_models"]:
         relative = f"stages/{index:02d}_{name}.onnx"
+        _will_write(run, [relative])
         save_model(result.model, run.directory / relative)
         run.written.append(relative)
     return result.model
@@ -226,7 +229,14 @@ def _will_write(run: Run, names: list[str]) -> None:
             raise QprepError(f"{run.directory / name} exists and was not written by this run; move it out of the "
                              "run directory and rerun")
     run_dir.write_manifest(run.claimed, {"status": "running", "pid": os.getpid(),
-                                         "files": sorted({*run_dir.OWN_FILES, *run.written, *names})})
+                                         "files": sorted({*run_dir.OWN_FILES, *run.written, *run.announced, *names})})
+
+
+def _announce(run: Run, name: str) -> None:
+    """A stage's work folder, listed in the running manifest before it is made (once)."""
+    if name not in run.announced:
+        run.announced.append(name)
+        _will_write(run, [])
 
 
 def _evaluate(run: Run, model: onnx.ModelProto) -> None:
@@ -259,7 +269,7 @@ def _write_record(run: Run) -> None:
     report["seconds"] = round(run.timings["total"], 3)
     run.written += write_report(run.directory, report)
     # Every OWN_FILES name present now is this run's: claim() proved each absent (or the previous run's, removed).
-    present = [name for name in run_dir.OWN_FILES if os.path.lexists(run.directory / name)]
+    present = [name for name in (*run_dir.OWN_FILES, *run_dir.OWN_FOLDERS) if os.path.lexists(run.directory / name)]
     read = {what: os.path.abspath(path) for what, path in preflight.input_paths(
         config, [Path(config["model"]).parent / name for name in report.get("model", {}).get("data_files") or ()]
     ).items()}

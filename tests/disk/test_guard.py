@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,25 @@ def snapshot(root):
             else:
                 found[path] = "entry"
     return found
+
+
+@pytest.mark.parametrize("make", ["link_to_a_device", "in_dev"])
+def test_an_output_never_replaces_a_systems_link_nor_lands_in_dev(tmp_path, make):
+    """`compare --markdown /dev/stdout` replaced the system's /dev/stdout link with a regular file: the guard
+    replaced a link whose target was no input. A link to a special file, and any path in /dev, /proc or /sys,
+    are refused; nothing is created."""
+    from qprep.disk.guard import Guard, OutputError
+
+    if make == "link_to_a_device":
+        path = tmp_path / "out.md"
+        path.symlink_to("/dev/null")
+    else:
+        path = Path("/dev") / f"qprep-test-{os.getpid()}.md"
+    try:
+        with pytest.raises(OutputError, match="a link to a character device|the system's"):
+            Guard().write_text(path, "table", "--markdown")
+        assert (path.is_symlink() and os.readlink(path) == "/dev/null") if make == "link_to_a_device" \
+            else not path.exists()
+    finally:
+        if make == "in_dev" and path.exists():  # the code before the guard wrote it there
+            path.unlink()

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.slow  # real models or the CLI in subprocesses: `pytest
 
 TIMEOUT = {"run": 120, "batch": 120}  # seconds before a command counts as hung; the others: QUICK
 QUICK = 60
-REPLACE = {"run": "--force", "init": "--force", "batch": "--resume"}  # the flag a second attempt adds
+REPLACE = {"run": "--force", "init": "--force", "batch": "--resume"}
+RUN_FILES = ["model.onnx", "model.onnx.data", "report.json", "report.md", "report.html", "manifest.json", "qprep.log"]  # the flag a second attempt adds
 STATUSES = ("ok", "gate missed", "refused", "failed", "duplicate")
 
 
@@ -288,6 +289,24 @@ def _user_file(out: Path) -> None:
     (out / "notes.txt").write_text("mine, added after the run\n")
 
 
+def _killed_with_user_files(out: Path) -> None:
+    """What a run killed outright (SIGKILL) leaves: its running manifest (the stage folders it announced), then
+    files of the user's put into work/ and stages/. Older manifests listed those folders whole."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.update(status="running", files=[*RUN_FILES, "work/ort/**"])
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / "work" / "mine.txt").write_text("mine\n")
+    (out / "stages").mkdir(exist_ok=True)
+    (out / "stages" / "notes.txt").write_text("mine\n")
+
+
+def _user_folder_at_report_md(out: Path) -> None:
+    """A folder of the user's where the previous run wrote report.md (listed as a file)."""
+    (out / "report.md").unlink()
+    (out / "report.md").mkdir()
+    (out / "report.md" / "notes.txt").write_text("mine\n")
+
+
 def _user_file_in_work(out: Path) -> None:
     """A file of the user's inside work/: the manifest listed the folder whole, and --force removed it."""
     assert (out / "work").is_dir()
@@ -421,6 +440,11 @@ FOLDER_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Cas
         w, _user_file, codes=(0, 2), kept=lambda out: (out / "notes.txt",))),
     "previous_run_user_file_in_work": (("run",), lambda w, c: _run_with(
         w, _user_file_in_work, codes=(0, 2), kept=lambda out: (out / "work" / "notes.txt",))),
+    "killed_run_user_files_in_work_and_stages": (("run",), lambda w, c: _run_with(
+        w, _killed_with_user_files, codes=(0, 2),
+        kept=lambda out: (out / "work" / "mine.txt", out / "stages" / "notes.txt"))),
+    "previous_run_user_folder_at_a_listed_file": (("run",), lambda w, c: _run_with(
+        w, _user_folder_at_report_md, codes=(0, 2), kept=lambda out: (out / "report.md" / "notes.txt",))),
     "user_folder_with_a_copied_manifest": (("run",), lambda w, c: Case(_copied_manifest(w))),
     "previous_run_listing_itself": (("run",), lambda w, c: _run_with(w, _manifest_lists(lambda out: "."),
                                                                      codes=(0, 2))),
