@@ -371,3 +371,17 @@ def test_a_batch_never_replaces_a_run_made_by_hand_in_its_out(tmp_path):
     row = json.loads((out / "summary.json").read_text())["models"][0]
     assert again.code == 2 and row["status"] == "refused" and "did not make" in row["error"]
     assert (out / "b" / "manifest.json").read_bytes() == before
+
+
+def test_evaluate_refuses_a_metric_module_edited_since_the_run(tmp_path):
+    """evaluate imported the edited module and printed figures that belonged to neither the run nor its report."""
+    p = project(tmp_path / "project", pipeline=("quantize",))
+    module = p.root / "mymetric.py"
+    module.write_text("def fn(outputs, samples):\n    return 0.5\n")
+    p.config.write_text(p.config.read_text().replace("  latency:\n    runs: 0\n",
+                                                     "  latency:\n    runs: 0\n  metric: mymetric:fn\n"))
+    assert qprep("run", p.config, "--quiet").code == 0
+    assert qprep("evaluate", p.out, "--samples", p.evaluation, "--quiet").code == 0
+    module.write_text("def fn(outputs, samples):\n    return 1000.0\n")
+    assert_one_line(qprep("evaluate", p.out, "--samples", p.evaluation, "--quiet"), 2, "metric module",
+                    "changed since the run")
