@@ -40,7 +40,8 @@ def data_source(doc: str) -> Key:
         preprocess=section(
             "image preprocessing (images format only); the model's input size is taken from the model",
             mean=Key("list", item=Key("float"), doc="per-channel mean in 0..255 pixel units: (x - mean) / std"),
-            std=Key("list", item=Key("float"), doc="per-channel std in 0..255 pixel units"),
+            # a std of 0 divides every pixel by zero: the samples would be refused as NaN/Inf, blaming the data
+            std=Key("list", item=Key("float", minimum=1e-6), doc="per-channel std in 0..255 pixel units (> 0)"),
             channel_order=Key("str", default="rgb", choices=("rgb", "bgr"), doc="channel order the model expects"),
             layout=Key("str", default="auto", choices=("auto", "nchw", "nhwc"),
                        doc="input layout; auto reads it from the model's input shape"),

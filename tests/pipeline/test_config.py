@@ -185,3 +185,12 @@ def test_threads_are_bounded(tmp_path):
     with pytest.raises(ConfigError, match=r"^threads: 100000 is above the maximum 256$"):
         load_config(path, dict([parse_set("threads=100000")]))
     assert load_config(path, dict([parse_set("threads=8")]))["threads"] == 8
+
+
+@pytest.mark.parametrize("section", ["calibration", "evaluation"])
+def test_a_std_of_zero_is_refused_as_the_setting_it_is(tmp_path, section):
+    """`preprocess.std: [0, 0, 0]` divided every pixel by zero: a RuntimeWarning, then the samples refused as
+    NaN/Inf with advice to clean data that was fine. The setting is refused, named."""
+    path = write(tmp_path, "model: m.onnx\ncalibration: {source: d}\nevaluation: {source: e}\npipeline: []\n")
+    with pytest.raises(ConfigError, match=rf"^{section}\.preprocess\.std\[1\]: 0\.0 is below the minimum"):
+        load_config(path, dict([parse_set(f"{section}.preprocess.std=[1, 0, 1]")]))
