@@ -271,6 +271,13 @@ def _floor(value: Any, evaluation: dict) -> dict[str, float]:
     return floor
 
 
+# metrics that are cosines or shares: a threshold outside their range is a typo (cosine_mean: 2), never met
+SHARE_RANGES = {"cosine_mean": (-1, 1), "cosine_min": (-1, 1),
+                **{name: (0, 1) for name in ("top1_agreement", "top5_agreement", "step_agreement", "element_agreement",
+                                             "text_agreement", "decision_agreement", "set_agreement", "match_rate",
+                                             "detections_found", "mean_iou", "top1_accuracy")}}
+
+
 def check_metric_names(thresholds: dict, where: str, evaluation: dict | None = None) -> None:
     """Gate keys are `<metric>` or `<output>.<metric>`; a misspelt metric would otherwise only fail at the end.
     With the evaluation section: `metric`/`metric_drop` need its `metric` (user_metric.check_keys)."""
@@ -280,6 +287,11 @@ def check_metric_names(thresholds: dict, where: str, evaluation: dict | None = N
             guess = closest(metric, GATE_METRICS + user_metric.KEYS)
             hint = f"did you mean '{guess}'?" if guess else f"metrics: {', '.join(GATE_METRICS + user_metric.KEYS)}"
             raise ConfigError(f"{where}.{key}: unknown metric '{metric}'; {hint}")
+        low, high = SHARE_RANGES.get(metric, (None, None))
+        value = thresholds[key]
+        if low is not None and isinstance(value, (int, float)) and not low <= value <= high:
+            raise ConfigError(f"{where}.{key}: {value} can never be met, a {metric} lies in [{low:g}, {high:g}]; "
+                              f"e.g. {metric}: 0.99")
     if evaluation is not None:
         user_metric.check_keys(thresholds, where, evaluation)
 

@@ -80,7 +80,7 @@ def test_gate_miss_is_recorded_and_exits_1(ort_run, cli, tmp_path):
     code, _, err = cli("run", ROOT / "configs" / "ort_int8.yaml", "--out", tmp_path / "g", "--quiet",
                        "--set", "calibration.max_samples=4", "--set", "evaluation.max_samples=4",
                        "--set", "evaluation.latency.runs=0", "--set", "evaluation.layers=false",
-                       "--set", "evaluation.gate={cosine_mean: 1.01}")
+                       "--set", "evaluation.gate={cosine_mean: 1.0}")
     assert code == 1 and "gate missed: cosine_mean" in err
     assert json.loads((tmp_path / "g" / "report.json").read_text())["status"] == "gate missed"
 

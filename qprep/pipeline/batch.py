@@ -69,7 +69,8 @@ def find_models(folder: Path, recursive: bool) -> tuple[list[Path], dict[str, st
         raise QprepError(f"batch: cannot list the model folder {folder} (permission denied); give this user access")
     models, skipped = [], {}
     for entry in _onnx_entries(folder, recursive, skipped):
-        if entry.name.startswith("."):
+        if entry.name.startswith("."):  # an editor's or OS's file, as a rule: named, not run
+            skipped[str(entry.relative_to(folder))] = "a hidden file (its name starts with '.'); rename it to run it"
             continue
         try:
             kind = special_kind(os.stat(entry).st_mode)  # through a symlink: what would be read
@@ -80,7 +81,8 @@ def find_models(folder: Path, recursive: bool) -> tuple[list[Path], dict[str, st
         else:
             models.append(entry)
     if not models:
-        raise QprepError(f"batch: no .onnx files in {folder}{'' if recursive else ' (try --recursive)'}")
+        hidden = f" (skipped: {', '.join(sorted(skipped))})" if skipped else ""
+        raise QprepError(f"batch: no .onnx files to run in {folder}{hidden}{'' if recursive else ' (try --recursive)'}")
     return models, skipped
 
 

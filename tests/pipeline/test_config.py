@@ -194,3 +194,13 @@ def test_a_std_of_zero_is_refused_as_the_setting_it_is(tmp_path, section):
     path = write(tmp_path, "model: m.onnx\ncalibration: {source: d}\nevaluation: {source: e}\npipeline: []\n")
     with pytest.raises(ConfigError, match=rf"^{section}\.preprocess\.std\[1\]: 0\.0 is below the minimum"):
         load_config(path, dict([parse_set(f"{section}.preprocess.std=[1, 0, 1]")]))
+
+
+@pytest.mark.parametrize("setting", ["evaluation.gate.cosine_mean=2", "evaluation.gate.top1_agreement=97",
+                                     "pipeline.quantize.fallback.target.step_agreement=1.5"])
+def test_a_threshold_no_result_can_meet_is_refused(tmp_path, setting):
+    """`--set evaluation.gate.cosine_mean=2` passed validate: a gate that can never be met (97 for 0.97 alike)."""
+    path = write(tmp_path, "model: m.onnx\ncalibration: {source: d}\nevaluation: {source: e}\n"
+                           "pipeline: [{quantize: {backend: ort, fallback: {target: {cosine_mean: 0.99}}}}]\n")
+    with pytest.raises(ConfigError, match=r"can never be met, a \w+ lies in \[(-1|0), 1\]"):
+        load_config(path, dict([parse_set(setting)]))

@@ -385,3 +385,19 @@ def test_evaluate_refuses_a_metric_module_edited_since_the_run(tmp_path):
     module.write_text("def fn(outputs, samples):\n    return 1000.0\n")
     assert_one_line(qprep("evaluate", p.out, "--samples", p.evaluation, "--quiet"), 2, "metric module",
                     "changed since the run")
+
+
+def test_batch_names_the_hidden_models_it_does_not_run(tmp_path):
+    """`.onnx`, `..onnx` or `.draft.onnx` were left out without a word; with nothing else, the batch said there
+    were no .onnx files at all."""
+    from qprep.errors import QprepError
+    from qprep.pipeline.batch import find_models
+
+    for name in (".draft.onnx", "..onnx"):
+        onnx.save(tiny_conv_model(batch=1), str(tmp_path / name))
+    with pytest.raises(QprepError, match=r"no \.onnx files to run in .* \(skipped: \.\.onnx, \.draft\.onnx\)"):
+        find_models(tmp_path, recursive=False)
+    onnx.save(tiny_conv_model(batch=1), str(tmp_path / "a.onnx"))
+    found, skipped = find_models(tmp_path, recursive=True)
+    assert [p.name for p in found] == ["a.onnx"] and sorted(skipped) == ["..onnx", ".draft.onnx"]
+    assert all("hidden" in why for why in skipped.values())
