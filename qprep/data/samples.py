@@ -84,7 +84,12 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
     if not lines:
         raise DataError(f"{role}.source: {path} lists no samples; one sample per line, one file per input")
     chosen, warnings = _choose(lines, cfg["max_samples"], cfg["seed"], role)
-    images = all(Path(p).suffix.lower() in IMAGE_SUFFIXES for _, line in chosen for p in line)
+    kinds = {(Path(p).suffix.lower() in IMAGE_SUFFIXES) for _, line in chosen for p in line}
+    if len(kinds) > 1:  # else every image would be read as an array and blamed for it
+        number, entry = next((n, p) for n, line in chosen for p in line if Path(p).suffix.lower() not in IMAGE_SUFFIXES)
+        raise DataError(f"{role}.source: {path} line {number}: {entry} is not an image ({', '.join(sorted(IMAGE_SUFFIXES))}) "
+                        "while other lines are; a list holds images or arrays, not both")
+    images = kinds == {True}
     reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if images else None
     samples, files, every_file, extras = [], [], [], []
     with split_named(role):

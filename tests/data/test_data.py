@@ -275,3 +275,14 @@ def test_an_empty_key_value_cache_is_a_sample():
     check_sample({"past": np.zeros((1, 2, 0, 4), np.float32), "x": np.ones((1, 4), np.float32)}, inputs, "s")
     with pytest.raises(DataError, match="no elements"):
         check_sample({"past": np.zeros((1, 2, 0, 4), np.float32), "x": np.ones((0, 4), np.float32)}, inputs, "s")
+
+
+def test_a_list_mixing_images_and_other_files_names_the_line_that_differs(tmp_path):
+    """A list of one PNG and one FIFO `.onnx` was read as arrays, and the PNG was blamed ("pickled data")."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    np.save(tmp_path / "b.npy", np.ones((1, 3, 8, 8), np.float32))
+    (tmp_path / "list.txt").write_text("a.png\nb.npy\n")
+    with pytest.raises(DataError, match=r"list\.txt line 2: b\.npy is not an image .* not both$"):
+        load_samples(source(tmp_path / "list.txt"), [TensorSpec("x", "float32", [1, 3, 8, 8])])
