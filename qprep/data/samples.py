@@ -87,8 +87,9 @@ def _load_list(path: Path, cfg: dict, inputs: list[TensorSpec], role: str) -> Sa
     kinds = {(Path(p).suffix.lower() in IMAGE_SUFFIXES) for _, line in chosen for p in line}
     if len(kinds) > 1:  # else every image would be read as an array and blamed for it
         number, entry = next((n, p) for n, line in chosen for p in line if Path(p).suffix.lower() not in IMAGE_SUFFIXES)
-        raise DataError(f"{role}.source: {path} line {number}: {entry} is not an image ({', '.join(sorted(IMAGE_SUFFIXES))}) "
-                        "while other lines are; a list holds images or arrays, not both")
+        suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
+        raise DataError(f"{role}.source: {path} line {number}: {entry} is not an image ({suffixes}) while other "
+                        "lines are; a list holds images or arrays, not both")
     images = kinds == {True}
     reader = ImagePreprocess.for_model(cfg["preprocess"], inputs, role) if images else None
     samples, files, every_file, extras = [], [], [], []
