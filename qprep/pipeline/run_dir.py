@@ -95,8 +95,9 @@ def fingerprint(path: str | os.PathLike) -> str | None:
             return f"{info.st_size}:{info.st_mtime_ns}"
         for folder, _, files in os.walk(path):
             for name in files:
-                info = os.stat(os.path.join(folder, name))
-                entries.append(f"{os.path.relpath(os.path.join(folder, name), path)}\0{info.st_size}:{info.st_mtime_ns}")
+                where = os.path.join(folder, name)
+                info = os.stat(where)
+                entries.append(f"{os.path.relpath(where, path)}\0{info.st_size}:{info.st_mtime_ns}")
     except OSError:
         return None
     return hashlib.sha256("\n".join(sorted(entries)).encode("utf-8", "surrogateescape")).hexdigest()
