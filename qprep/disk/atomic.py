@@ -22,7 +22,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # the name cut so that a 255-byte file name still leaves room for the temp name's 14 more
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:120]}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".qprep-{path.name[:120]}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; reports are shared like any written file
         with os.fdopen(fd, "wb") as f:

@@ -35,9 +35,10 @@ from qprep.version import __version__
 
 MANIFEST = "manifest.json"
 LEGACY_LOCK = ".qprep.lock"  # the lock file qprep once kept inside a run directory
-# What an interrupted atomic write (disk/atomic.py: `.NAME.XXXXXXXX.tmp`) or model save (model/io.py:
-# `.tmp-XXXXXXXX/`) leaves: exactly the names Python's tempfile makes there, nothing a user would name so.
-TEMPORARY = re.compile(r"^(\.tmp-[a-z0-9_]{8}|\..+\.[a-z0-9_]{8}\.tmp)$")
+# What an interrupted atomic write (disk/atomic.py: `.qprep-NAME.XXXXXXXX.tmp`) or model save (model/io.py:
+# `.qprep-tmp-XXXXXXXX/`) leaves: exactly the names qprep's tempfile calls make there, marked `.qprep-` so that no
+# name a user would choose matches (`.notes.20261207.tmp` did, and --force removed it).
+TEMPORARY = re.compile(r"^\.qprep-(tmp-[a-z0-9_]{8}|.+\.[a-z0-9_]{8}\.tmp)$")
 
 
 @dataclass
@@ -70,6 +71,13 @@ class Owned:
                     and not (root / name).is_symlink():
                 raise RunDirError(f"{self.path / name} is a folder the previous qprep run did not write (it wrote a "
                                   "file there); move it out of the run directory, then run again")
+        for name in names:  # a link where the run had a folder (work/, stages/, work/ort/): replaced, target kept
+            parts = Path(name.removesuffix("/**").rstrip("/")).parts
+            folders = len(parts) if name.endswith("/") or name.endswith("/**") else len(parts) - 1
+            for depth in range(1, folders + 1):
+                if root.joinpath(*parts[:depth]).is_symlink():
+                    root.joinpath(*parts[:depth]).unlink()
+                    break
         for name in dict.fromkeys(names):
             if name.endswith("/**"):  # a folder qprep made whose contents are all its own (a stage's work folder)
                 _remove_inside(root, name[:-3])

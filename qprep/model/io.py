@@ -228,7 +228,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> int:
     model's size on disk: ByteSize() would serialize the whole proto once more)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tmp-") as tmp:
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".qprep-tmp-") as tmp:
         tmp_model = Path(tmp) / path.name
         if is_large(model):
             data_name = path.name + ".data"

@@ -123,8 +123,8 @@ def run_batch(config_path: str, folder: str, out: str, jobs: int | None = None, 
     state = _Batch(claimed.path, skipped, executor)
     ended = "interrupted"
     try:
-        _plan(state, claimed, config_path, folder_path, models, sets, resume, quiet)
         batch = ":".join(map(str, owned.folder_identity(claimed.path)))
+        _plan(state, claimed, config_path, folder_path, models, sets, batch if resume else None, quiet)
         summary = _run(state, RunSpec(str(Path(config_path).resolve()), tuple(sets), timeout, os.getcwd(),
                                       base["threads"], batch), len(models), jobs, base, address, quiet)
         ended = "finished"
@@ -176,7 +176,7 @@ class _Batch:
 
 
 def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Path, models: list[Path], sets,
-          resume: bool, quiet: bool) -> None:
+          resume: str | None, quiet: bool) -> None:
     """Each model's row (unreadable, duplicate, resumed) or task; then the batch's manifest lists every run
     directory it may write before any is."""
     used_dirs: set[str] = set(BATCH_FILES)
@@ -201,7 +201,7 @@ def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Pa
             state.rows[name] = _refused_row(name, f"{run_dir} is a symlink, not a run directory this batch made; "
                                                   "remove it or choose another --out")
             continue
-        if resume and _complete(run_dir, digest, config_path, sets, model, sidecar(model)):
+        if resume and _complete(run_dir, digest, config_path, sets, model, sidecar(model), resume):
             state.rows[name] = summary_row(name, run_dir, seconds=None, note="resumed: result reused")
             continue
         state.tasks.append(Task(name, model, run_dir))
@@ -297,8 +297,10 @@ def _refused_row(name: str, error: str) -> dict:
     return {"model": name, "status": "refused", "run_dir": "", "note": "", "seconds": None, "error": error}
 
 
-def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, overlay: Path | None) -> bool:
-    """A finished run of the same model bytes with the same resolved config."""
+def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, overlay: Path | None,
+              batch: str) -> bool:
+    """A finished run of the same model bytes with the same resolved config, made by a batch on this --out (a run
+    made there by hand is not the batch's to reuse, as it is not its to replace)."""
     try:
         manifest, report = read_json(run_dir / "manifest.json"), read_json(run_dir / "report.json")
     except (OSError, ValueError):
@@ -307,7 +309,7 @@ def _complete(run_dir: Path, digest: str, config_path: str, sets, model: Path, o
                                                    overlay=overlay).resolved()))
     ran = dict(manifest.get("config") or {})
     ran["output_dir"] = wanted.get("output_dir")  # a Ray node without shared storage ran it in a folder of its own
-    return (report.get("status") in ("ok", "gate missed") and ran == wanted
+    return (report.get("status") in ("ok", "gate missed") and ran == wanted and manifest.get("batch") == batch
             and report.get("model", {}).get("sha256") == digest
             and not changed_inputs(manifest))  # data edited in place since: the result would not be this data's
 

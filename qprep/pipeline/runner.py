@@ -55,6 +55,7 @@ class Run:
     ctx: RunContext | None = None  # set once the run directory is claimed
     claimed: run_dir.owned.Owned | None = None  # the run directory's lock and identity (qprep/disk/owned.py)
     announced: list[str] = field(default_factory=list)  # folders stages made (work/NAME/**), in the manifest first
+    users: set[str] = field(default_factory=set)  # what was in work/ and stages/ before the run: the user's
 
 
 def execute(config: Config, force: bool = False, quiet: bool = False, progress: Progress | None = None) -> dict:
@@ -75,7 +76,8 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     claimed = run_dir.claim(Path(out), force, artifacts)
     directory = claimed.path
     handler = run_log.attach_log(directory)
-    run = Run(config, directory, _new_report(directory, checked), timings={"load": load_seconds}, claimed=claimed)
+    run = Run(config, directory, _new_report(directory, checked), timings={"load": load_seconds}, claimed=claimed,
+              users=set(run_dir.files_inside(directory, [n for n in run_dir.OWN_FOLDERS if (directory / n).is_dir()])))
     report = run.report
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
@@ -296,5 +298,6 @@ def _write_record(run: Run) -> None:
         # what `qprep evaluate` reads back: a result edited or replaced since is refused, not judged
         "results": {name: sha256_file(run.directory / name) for name in ("model.onnx", "model.onnx.data")
                     if (run.directory / name).is_file()},
-        "files": sorted({*run.written, *run_dir.files_inside(run.directory, present), run_log.LOG}),
+        "files": sorted({*run.written, *(set(run_dir.files_inside(run.directory, present)) - run.users),
+                         run_log.LOG}),  # what the user had put in work/ or stages/ is never the run's
     })

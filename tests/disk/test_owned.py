@@ -97,12 +97,15 @@ def test_a_folder_not_proven_a_previous_run_is_refused_and_left_as_it_was(tmp_pa
 def test_force_removes_exactly_what_the_manifest_lists(tmp_path):
     folder = previous_run(tmp_path / "run")
     (folder / "notes.txt").write_text("mine")  # added by the user after the run
-    (folder / ".report.json.ab12cd34.tmp").write_text("x")  # an interrupted atomic write
+    (folder / ".qprep-report.json.ab12cd34.tmp").write_text("x")  # an interrupted atomic write
     (folder / ".notes.tmp").write_text("mine")  # a name of the user's, not one qprep makes
+    (folder / ".notes.20261207.tmp").write_text("mine")  # the pattern of Python's tempfile, not qprep's mark
+    (folder / ".tmp-backup01").write_text("mine")
     claim = owned.claim(folder, "run", "--out", RESERVED)
     claim.clear_previous()
     claim.release()
-    assert sorted(p.name for p in folder.iterdir()) == [".notes.tmp", "notes.txt"]
+    assert sorted(p.name for p in folder.iterdir()) == [".notes.20261207.tmp", ".notes.tmp", ".tmp-backup01",
+                                                         "notes.txt"]
 
 
 @pytest.mark.parametrize("entry", ["../outside.txt", "ABSOLUTE", "link.txt", "linked_dir", "linked_dir/inner.txt", ".",

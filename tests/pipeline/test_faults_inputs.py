@@ -371,6 +371,13 @@ def test_a_batch_never_replaces_a_run_made_by_hand_in_its_out(tmp_path):
     row = json.loads((out / "summary.json").read_text())["models"][0]
     assert again.code == 2 and row["status"] == "refused" and "did not make" in row["error"]
     assert (out / "b" / "manifest.json").read_bytes() == before
+    # the same config as the batch's: --resume took the hand-made run for its own result
+    assert qprep("run", p.config, "--model", models / "b.onnx", "--out", out / "b", "--force", "--quiet").code == 0
+    before = (out / "b" / "manifest.json").read_bytes()
+    again = qprep("batch", p.config, models, "--out", out, "--resume", "--quiet")
+    row = json.loads((out / "summary.json").read_text())["models"][0]
+    assert again.code == 2 and row["status"] == "refused" and row.get("note") != "resumed: result reused"
+    assert (out / "b" / "manifest.json").read_bytes() == before
 
 
 def test_evaluate_refuses_a_metric_module_edited_since_the_run(tmp_path):

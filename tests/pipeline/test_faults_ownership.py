@@ -22,7 +22,7 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -289,6 +289,21 @@ def _user_file(out: Path) -> None:
     (out / "notes.txt").write_text("mine, added after the run\n")
 
 
+def _twice(case: Case) -> Case:
+    """The same --force again: a run must not adopt the user's files into its manifest (the second removed them)."""
+    return replace(case, flags=(("--force",), ("--force",)))
+
+
+def _stage_folder_symlinked(out: Path) -> None:
+    """work/ort replaced by a link to a folder of the user's: the run failed at its stage after clearing the
+    previous result; the link is replaced, its target untouched."""
+    target = out.parent / "users_scratch"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine\n")
+    shutil.rmtree(out / "work" / "ort")
+    (out / "work" / "ort").symlink_to(target)
+
+
 def _killed_with_user_files(out: Path) -> None:
     """What a run killed outright (SIGKILL) leaves: its running manifest (the stage folders it announced), then
     files of the user's put into work/ and stages/. Older manifests listed those folders whole."""
@@ -440,6 +455,9 @@ FOLDER_DESTINATIONS: dict[str, tuple[tuple[str, ...], Callable[[World, str], Cas
         w, _user_file, codes=(0, 2), kept=lambda out: (out / "notes.txt",))),
     "previous_run_user_file_in_work": (("run",), lambda w, c: _run_with(
         w, _user_file_in_work, codes=(0, 2), kept=lambda out: (out / "work" / "notes.txt",))),
+    "previous_run_user_file_in_work_forced_twice": (("run",), lambda w, c: _twice(_run_with(
+        w, _user_file_in_work, codes=(0, 2), kept=lambda out: (out / "work" / "notes.txt",)))),
+    "previous_run_stage_folder_symlinked": (("run",), lambda w, c: _run_with(w, _stage_folder_symlinked)),
     "killed_run_user_files_in_work_and_stages": (("run",), lambda w, c: _run_with(
         w, _killed_with_user_files, codes=(0, 2),
         kept=lambda out: (out / "work" / "mine.txt", out / "stages" / "notes.txt"))),
