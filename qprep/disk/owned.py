@@ -237,6 +237,7 @@ def _remove_inside(root: Path, name: str, only_if_empty: bool = False) -> None:
     if only_if_empty:
         if stat.S_ISDIR(mode):
             _rmdir_quietly(target)
+            _prune_empty_parents(root, target.parent)
         return
     try:
         if stat.S_ISDIR(mode):
@@ -246,9 +247,13 @@ def _remove_inside(root: Path, name: str, only_if_empty: bool = False) -> None:
     except OSError as exc:  # said here, not later as a failure of whatever writes there next
         raise RunDirError(f"cannot remove {exc.filename or target} of the previous run ({exc.strerror}); fix its "
                           "permissions or choose another --out") from None
-    parent = target.parent
-    while parent != root and parent.is_dir() and not any(parent.iterdir()):
-        parent.rmdir()  # a folder the previous run made and that is now empty (stages/)
+    _prune_empty_parents(root, target.parent)
+
+
+def _prune_empty_parents(root: Path, parent: Path) -> None:
+    """The folders the previous run made that are empty now (stages/, work/ once its last file went)."""
+    while parent != root and parent.is_dir() and not parent.is_symlink() and not any(parent.iterdir()):
+        parent.rmdir()
         parent = parent.parent
 
 

@@ -191,11 +191,13 @@ def _plan(state: _Batch, claimed: owned.Owned, config_path: str, folder_path: Pa
             if not quiet:
                 print(f"qprep batch: {name}: refused — {state.rows[name]['error']}", file=sys.stderr, flush=True)
             continue
-        if digest in state.twins:
-            state.rows[name] = {"model": name, "status": "duplicate", "note": f"identical to {state.twins[digest]}",
-                                "twin": str(state.twins[digest])}
+        overlay = sidecar(model)  # the same bytes with other settings of their own are another run, not a twin
+        twin_key = digest + (":" + sha256_file(overlay) if overlay and overlay.is_file() else "")
+        if twin_key in state.twins:
+            twin = state.twins[twin_key]
+            state.rows[name] = {"model": name, "status": "duplicate", "note": f"identical to {twin}", "twin": str(twin)}
             continue
-        state.twins[digest] = Path(name)
+        state.twins[twin_key] = Path(name)
         run_dir = state.out / dir_name(name, used_dirs)
         if os.path.islink(run_dir):  # not a folder the batch made: writing through it writes where no one pointed
             state.rows[name] = _refused_row(name, f"{run_dir} is a symlink, not a run directory this batch made; "

@@ -51,7 +51,8 @@ def claim(path: Path, force: bool, artifacts: tuple[str, ...] = ()) -> owned.Own
                               "batch leaves it: move it out, or give the batch another --out")
         if run.previous is not None:
             run.clear_previous()
-        run.write_manifest({"status": "running", "pid": os.getpid(), "files": list(names)})
+        run.write_manifest({"status": "running", "pid": os.getpid(),
+                            "files": [*names, *(f"{name}/" for name in OWN_FOLDERS)]})
     except OSError as exc:
         run.release()
         raise RunDirError(f"cannot use output directory {path}: {exc.strerror}; choose another --out") from None
@@ -122,10 +123,9 @@ def files_inside(directory: Path, names: list[str]) -> list[str]:
             continue
         for folder, subfolders, files in os.walk(top):
             base = Path(folder).relative_to(directory)
+            listed.append(f"{base}/")  # each folder it holds: removed once empty, so no empty one is left over
             listed += [str(base / entry) for entry in files]
             listed += [str(base / entry) for entry in subfolders if (Path(folder) / entry).is_symlink()]
-            if not files and not subfolders:
-                listed.append(f"{base}/")
     return listed
 
 

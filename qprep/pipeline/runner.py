@@ -77,7 +77,9 @@ def execute(config: Config, force: bool = False, quiet: bool = False, progress: 
     directory = claimed.path
     handler = run_log.attach_log(directory)
     run = Run(config, directory, _new_report(directory, checked), timings={"load": load_seconds}, claimed=claimed,
-              users=set(run_dir.files_inside(directory, [n for n in run_dir.OWN_FOLDERS if (directory / n).is_dir()])))
+              users={name for name in run_dir.files_inside(directory, [n for n in run_dir.OWN_FOLDERS
+                                                                        if (directory / n).is_dir()])
+                     if not name.endswith("/")})  # files only: the folders' markers are the run's to list
     report = run.report
     try:
         log.info("run started (pid %d): config %s, model %s", os.getpid(), config.path, config["model"])
@@ -231,7 +233,8 @@ def _will_write(run: Run, names: list[str]) -> None:
             raise QprepError(f"{run.directory / name} exists and was not written by this run; move it out of the "
                              "run directory and rerun")
     run_dir.write_manifest(run.claimed, {"status": "running", "pid": os.getpid(),
-                                         "files": sorted({*run_dir.OWN_FILES, *run.written, *run.announced, *names})})
+                                         "files": sorted({*run_dir.OWN_FILES, *run.written, *run.announced, *names,
+                                                          *(f"{name}/" for name in run_dir.OWN_FOLDERS)})})
 
 
 def _announce(run: Run, name: str) -> None:

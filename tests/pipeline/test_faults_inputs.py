@@ -408,3 +408,19 @@ def test_batch_names_the_hidden_models_it_does_not_run(tmp_path):
     found, skipped = find_models(tmp_path, recursive=True)
     assert [p.name for p in found] == ["a.onnx"] and sorted(skipped) == ["..onnx", ".draft.onnx"]
     assert all("hidden" in why for why in skipped.values())
+
+
+def test_a_model_with_a_sidecar_of_its_own_is_no_twin_of_the_same_bytes(tmp_path):
+    """Two copies of one model, one with a sidecar (other preprocessing, stage models): the second was reported
+    "identical to a.onnx" with a's figures, and its sidecar never applied."""
+    p = project(tmp_path / "project", pipeline=("quantize",))
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("a.onnx", "b.onnx", "c.onnx"):
+        shutil.copy(p.model, models / name)
+    (models / "b.qprep.yaml").write_text("save_stage_models: true\n")
+    out = tmp_path / "out"
+    assert qprep("batch", p.config, models, "--out", out, "--quiet").code == 0
+    rows = {row["model"]: row for row in json.loads((out / "summary.json").read_text())["models"]}
+    assert rows["b.onnx"].get("note") != "identical to a.onnx" and (out / "b" / "stages").is_dir()
+    assert rows["c.onnx"]["note"] == "identical to a.onnx"  # the same bytes and settings: still one run

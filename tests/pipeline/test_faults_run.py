@@ -287,3 +287,16 @@ def test_force_never_deletes_external_data_that_lies_in_the_run_directory(tmp_pa
     outcome = qprep("run", p.config, "--force")
     assert_one_line(outcome, 2, "holds the input model's external data weights.bin")
     assert p.inputs() == before and (p.out / "weights.bin").is_file()
+
+
+def test_force_replaces_a_run_interrupted_right_after_its_claim(tmp_path):
+    """A run interrupted before its first stage had cleared the previous run's work/ort/ but left work/ empty and
+    unlisted: every later --force was refused ("holds work, which its previous qprep run did not write"). Empty
+    folders are pruned as the previous run is cleared, and a run's manifest lists its folders from the start."""
+    from qprep.pipeline import run_dir
+
+    p = project(tmp_path)
+    assert qprep("run", p.config, "--quiet").code == 0
+    run_dir.claim(p.out, force=True).release()  # what a Ctrl-C right after the claim leaves
+    outcome = qprep("run", p.config, "--quiet", "--force")
+    assert outcome.code == 0, outcome.err
