@@ -155,12 +155,13 @@ def test_a_node_without_shared_storage_returns_the_run_directory(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("model: unused.onnx\npipeline: [optimize]\n")
     out = tmp_path / "out"
-    result = run_on_node(RunSpec(str(config)), str(models / "tiny.onnx"), str(out / "tiny"),
+    batch = owned.claim(out, "batch", "--out")  # as the driver does before any task runs
+    identity = ":".join(map(str, owned.folder_identity(out)))  # the --out the task's run belongs to
+    result = run_on_node(RunSpec(str(config), batch=identity), str(models / "tiny.onnx"), str(out / "tiny"),
                          probe=str(tmp_path / "elsewhere" / "token"), token="abc")
     assert result.status == "ok" and result.files and not (out / "tiny").exists()  # nothing written here
     assert {"report.json", "manifest.json", "model.onnx"} <= set(result.files)
     assert not any(name.split("/")[0] in NOT_RETURNED for name in result.files)
-    batch = owned.claim(out, "batch", "--out")  # as the driver does before any task runs
     batch.write_manifest({"files": ["tiny"]})
     write_returned(out / "tiny", result.files)
     batch.release()
