@@ -4,6 +4,8 @@ by hand so the report's renderings can be tested without a run; the tests change
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -68,3 +70,15 @@ def judged(gate: dict, heldout: bool = False, floor: bool = False) -> dict:
     outputs = (evaluation["heldout"] if heldout else evaluation)["outputs"]
     evaluation["gate"] = {**check_gate(gate, outputs, floor=floor), "judged_on": "heldout" if heldout else "evaluation"}
     return data
+
+
+def write_run(tmp_path: Path, name: str, data: dict) -> str:
+    """`data` as the report.json of a run directory `name` under tmp_path → its path (compare reads it)."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "report.json").write_text(json.dumps(data))
+    return str(tmp_path / name)
+
+
+def rows_of(result: dict) -> dict:
+    """compare's rows by metric."""
+    return {r["metric"]: r for r in result["rows"]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from test_compare_rows import judged
+from synthetic_report import judged
 
 from qprep.report.verdict import decided_by
 

@@ -3,11 +3,10 @@ direction, and says when the same input model timed differently in two runs (the
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from synthetic_report import judged
+from synthetic_report import judged, rows_of, write_run
 
 from qprep.errors import QprepError
 from qprep.report.compare import compare, render_text
@@ -23,18 +22,8 @@ def with_metric(result: float, reference: float = 0.5, direction: str = "higher"
     return data
 
 
-def write(tmp_path, name: str, data: dict) -> str:
-    (tmp_path / name).mkdir()
-    (tmp_path / name / "report.json").write_text(json.dumps(data))
-    return str(tmp_path / name)
-
-
-def rows_of(result: dict) -> dict:
-    return {r["metric"]: r for r in result["rows"]}
-
-
 def test_a_dropped_metric_outside_the_gate_is_a_worse_row_and_a_regression(tmp_path):
-    runs = [write(tmp_path, "ort", with_metric(0.5)), write(tmp_path, "rknn", with_metric(0.484375))]
+    runs = [write_run(tmp_path, "ort", with_metric(0.5)), write_run(tmp_path, "rknn", with_metric(0.484375))]
     result = compare(runs, {"metric": 0.01})
     rows = rows_of(result)
     cell = rows["evaluation.metric"]["others"][0]
@@ -48,12 +37,12 @@ def test_a_dropped_metric_outside_the_gate_is_a_worse_row_and_a_regression(tmp_p
 
 
 def test_a_lower_is_better_metric_is_worse_when_it_rises(tmp_path):
-    runs = [write(tmp_path, "a", with_metric(0.10, 0.10, "lower")), write(tmp_path, "b", with_metric(0.12, 0.10, "lower"))]
+    runs = [write_run(tmp_path, "a", with_metric(0.10, 0.10, "lower")), write_run(tmp_path, "b", with_metric(0.12, 0.10, "lower"))]
     assert rows_of(compare(runs, {}))["evaluation.metric"]["others"][0]["worse"]
 
 
 def test_one_run_shows_its_metric_against_fp32s(tmp_path):
-    row = rows_of(compare([write(tmp_path, "a", with_metric(0.484375))], {}))["evaluation.metric (readrate.py:read_rate)"]
+    row = rows_of(compare([write_run(tmp_path, "a", with_metric(0.484375))], {}))["evaluation.metric (readrate.py:read_rate)"]
     assert row["base"] == 0.5 and row["others"][0]["value"] == 0.484375 and row["others"][0]["delta"] == -0.015625
 
 
@@ -67,8 +56,8 @@ def timed(original_ms: float, digest: str = "abc") -> dict:
 
 
 def test_the_same_input_model_timed_apart_says_the_machine_changed(tmp_path):
-    result = compare([write(tmp_path, "a", timed(62.0)), write(tmp_path, "b", timed(24.0))], {})
+    result = compare([write_run(tmp_path, "a", timed(62.0)), write_run(tmp_path, "b", timed(24.0))], {})
     assert any("the machine's speed changed" in note for note in result["notes"])
-    steady = compare([write(tmp_path, "c", timed(62.0)), write(tmp_path, "d", timed(62.5))], {})
-    other = compare([write(tmp_path, "e", timed(62.0)), write(tmp_path, "f", timed(24.0, "def"))], {})
+    steady = compare([write_run(tmp_path, "c", timed(62.0)), write_run(tmp_path, "d", timed(62.5))], {})
+    other = compare([write_run(tmp_path, "e", timed(62.0)), write_run(tmp_path, "f", timed(24.0, "def"))], {})
     assert not steady["notes"] and not other["notes"]  # within the spreads; another input model

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from synthetic_report import judged, report
+from synthetic_report import judged, report, rows_of, write_run
 
 from qprep.report.compare import (compare, facts_of, load_record, metrics_of, render_html, render_markdown,
                                   render_text)
@@ -25,16 +25,6 @@ def rknn(data: dict) -> dict:
                           input_contract={"target_platform": "rk3588", "inputs": []})
     data["float_set"] = ["ln0", "ln1"]
     return data
-
-
-def write(tmp_path, name: str, data: dict) -> str:
-    (tmp_path / name).mkdir()
-    (tmp_path / name / "report.json").write_text(json.dumps(data))
-    return str(tmp_path / name)
-
-
-def rows_of(result: dict) -> dict:
-    return {r["metric"]: r for r in result["rows"]}
 
 
 def test_decided_by_is_the_verdicts_figure_on_the_verdicts_samples():
@@ -55,7 +45,7 @@ def test_compare_shows_the_held_out_figures_that_decided_not_the_evaluation_ones
     held = data["evaluation"]["heldout"]["outputs"]["logits"]
     assert held["cosine_mean"] != data["evaluation"]["outputs"]["logits"]["cosine_mean"]
     assert metrics_of("report", data)["logits.cosine_mean"] == held["cosine_mean"]
-    single = rows_of(compare([write(tmp_path, "a", data)], {}))
+    single = rows_of(compare([write_run(tmp_path, "a", data)], {}))
     assert single["logits.top1_agreement"]["others"][0]["value"] == held["top1_agreement"]
     assert single["decided by"]["others"][0]["value"] == decided_by(data["evaluation"])["text"]
     assert single["judged on"]["others"][0]["value"] == "held-out, 16 samples (`data/heldout`)"
@@ -65,7 +55,7 @@ def test_compare_has_status_verdict_backend_and_deployed_model_rows(tmp_path):
     met = judged({"cosine_mean": 0.5})
     missed = rknn(judged({"cosine_mean": 0.99999}))
     missed["status"] = "gate missed"
-    result = compare([write(tmp_path, "a", met), write(tmp_path, "b", missed)], {})
+    result = compare([write_run(tmp_path, "a", met), write_run(tmp_path, "b", missed)], {})
     rows = rows_of(result)
     assert (rows["status"]["base"], rows["status"]["others"][0]["value"]) == ("ok", "gate missed")
     assert rows["status"]["others"][0]["worse"]
@@ -85,8 +75,8 @@ def test_compare_has_status_verdict_backend_and_deployed_model_rows(tmp_path):
 
 
 def test_compare_says_when_runs_were_judged_on_different_samples(tmp_path):
-    result = compare([write(tmp_path, "a", judged({"cosine_mean": 0.5})),
-                      write(tmp_path, "b", judged({"cosine_mean": 0.5}, heldout=True))], {})
+    result = compare([write_run(tmp_path, "a", judged({"cosine_mean": 0.5})),
+                      write_run(tmp_path, "b", judged({"cosine_mean": 0.5}, heldout=True))], {})
     assert "judged on different samples" in result["notes"][0]
     assert "judged on different samples" in render_text(result)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from onnx import helper
-from test_compare_rows import judged, write
+from synthetic_report import judged, write_run
 
 from conftest import run_config
 from graphs import make_model
@@ -62,7 +62,7 @@ def test_every_view_gives_the_same_count(tmp_path):
     assert "**met** with 5 float node(s) in the result (0 chosen by the search)" in markdown
     assert "float nodes: 5 node(s) of the result run float" in markdown
     assert metrics_of("report", data)["result.kept_float"] == 5
-    assert summary_row("m", Path(write(tmp_path, "run", data)), 1.0)["float_nodes"] == 5
+    assert summary_row("m", Path(write_run(tmp_path, "run", data)), 1.0)["float_nodes"] == 5
 
 
 def test_a_conv_kept_float_for_the_fast_kernels_is_counted_though_no_float_set_names_it(tmp_path):
@@ -72,7 +72,7 @@ def test_a_conv_kept_float_for_the_fast_kernels_is_counted_though_no_float_set_n
     data["stages"][0].update(excluded_nodes=["conv1"], float_for_speed=["conv1"])
     data["float_set"] = []
     assert metrics_of("report", data)["result.kept_float"] == 1
-    assert summary_row("m", Path(write(tmp_path, "run", data)), 1.0)["float_nodes"] == 1
+    assert summary_row("m", Path(write_run(tmp_path, "run", data)), 1.0)["float_nodes"] == 1
     assert "fast int8 kernels" in _kept_float_one(build(data))
 
 
@@ -120,7 +120,7 @@ def test_rknn_counts_the_nodes_the_toolkit_took_as_float16_layers(tmp_path):
     data["float_set"] = [LN0, LN1]
     data["result"].update(multiply_adds={CONV: 100, GEMM: 100})
     assert metrics_of("report", data)["result.kept_float"] == 3
-    assert summary_row("m", Path(write(tmp_path, "run", data)), 1.0)["float_nodes"] == 3
+    assert summary_row("m", Path(write_run(tmp_path, "run", data)), 1.0)["float_nodes"] == 3
     markdown = render_markdown(data)
     assert "**missed** with 3 float node(s) in the result" in markdown
     assert "| the spread-tensors phase, as float16" in markdown and "| 1 | 50% | `conv` |" in markdown
@@ -143,7 +143,7 @@ def test_compare_and_evaluate_say_but_mostly_float_as_the_report_does(tmp_path, 
     monkeypatch.setattr("qprep.pipeline.run_dir.recorded_inputs", lambda run_dir: {})
     monkeypatch.setattr("qprep.pipeline.reevaluate.reevaluate", lambda *args, **kwargs: json.loads(json.dumps(result)))
     (tmp_path / "new").mkdir()
-    write(tmp_path, "run", data)
+    write_run(tmp_path, "run", data)
     code, out, err = cli("evaluate", tmp_path / "run", "--samples", tmp_path / "new")
     assert code == 0, err
     assert any(line.startswith("qprep: met, but mostly float: gate:") for line in out.splitlines()), out
