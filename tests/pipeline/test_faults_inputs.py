@@ -332,14 +332,20 @@ def test_evaluate_never_writes_over_what_the_run_read_from_any_directory(tmp_pat
     assert victim.read_bytes() == before
 
 
-def test_batch_resume_runs_a_model_again_when_its_data_changed_in_place(tmp_path):
-    """`batch --resume` reused a result after every calibration image was edited in place (the manifest held
-    the old data's digest): the run records the state of everything it read, and resume compares it."""
+def batch_project(tmp_path, *names: str):
+    """(the tiny project, a models folder holding its model under each name, the batch's --out to be)."""
     p = project(tmp_path / "project", pipeline=("quantize",))
     models = tmp_path / "models"
     models.mkdir()
-    shutil.copy(p.model, models / "m.onnx")
-    out = tmp_path / "out"
+    for name in names:
+        shutil.copy(p.model, models / name)
+    return p, models, tmp_path / "out"
+
+
+def test_batch_resume_runs_a_model_again_when_its_data_changed_in_place(tmp_path):
+    """`batch --resume` reused a result after every calibration image was edited in place (the manifest held
+    the old data's digest): the run records the state of everything it read, and resume compares it."""
+    p, models, out = batch_project(tmp_path, "m.onnx")
     assert qprep("batch", p.config, models, "--out", out, "--quiet").code == 0
     assert json.loads((out / "manifest.json").read_text())["status"] == "finished"  # not "running" for ever
 
@@ -357,11 +363,7 @@ def test_batch_resume_runs_a_model_again_when_its_data_changed_in_place(tmp_path
 def test_a_batch_never_replaces_a_run_made_by_hand_in_its_out(tmp_path):
     """A run the user made in --out/b (while the batch ran, or between two batches) was replaced by the batch's
     worker, which always passes --force: a worker replaces only runs a batch on that --out made."""
-    p = project(tmp_path / "project", pipeline=("quantize",))
-    models = tmp_path / "models"
-    models.mkdir()
-    shutil.copy(p.model, models / "b.onnx")
-    out = tmp_path / "out"
+    p, models, out = batch_project(tmp_path, "b.onnx")
     assert qprep("batch", p.config, models, "--out", out, "--quiet").code == 0
     mine = qprep("run", p.config, "--model", models / "b.onnx", "--out", out / "b", "--force", "--quiet",
                  "--set", "evaluation.gate.cosine_mean=0.5")
@@ -413,13 +415,8 @@ def test_batch_names_the_hidden_models_it_does_not_run(tmp_path):
 def test_a_model_with_a_sidecar_of_its_own_is_no_twin_of_the_same_bytes(tmp_path):
     """Two copies of one model, one with a sidecar (other preprocessing, stage models): the second was reported
     "identical to a.onnx" with a's figures, and its sidecar never applied."""
-    p = project(tmp_path / "project", pipeline=("quantize",))
-    models = tmp_path / "models"
-    models.mkdir()
-    for name in ("a.onnx", "b.onnx", "c.onnx"):
-        shutil.copy(p.model, models / name)
+    p, models, out = batch_project(tmp_path, "a.onnx", "b.onnx", "c.onnx")
     (models / "b.qprep.yaml").write_text("save_stage_models: true\n")
-    out = tmp_path / "out"
     assert qprep("batch", p.config, models, "--out", out, "--quiet").code == 0
     rows = {row["model"]: row for row in json.loads((out / "summary.json").read_text())["models"]}
     assert rows["b.onnx"].get("note") != "identical to a.onnx" and (out / "b" / "stages").is_dir()
